@@ -1,0 +1,2 @@
+"""Corpora to training batches: readers, dedup, tokenization, packing with document masks,
+mixtures, and SFT rendering with loss masks."""

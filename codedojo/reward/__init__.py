@@ -1,0 +1,1 @@
+"""Rewards: outcome from tests, the concave length penalty, auxiliary signals, composition."""

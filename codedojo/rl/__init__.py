@@ -1,0 +1,1 @@
+"""Agentic RL: advantages, loss, trainer step, the four services, weight sync, launchers."""

@@ -1,0 +1,127 @@
+"""The sandbox contract: what every sandbox kind (local namespaces, the service's client) offers.
+
+Paths given to a sandbox are paths inside it; a relative path is relative to `/workspace`.
+The sandbox alone decides what a path may touch: a path that escapes its root raises
+`SandboxError`, never reaches the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+WORKSPACE = "/workspace"
+
+
+class SandboxError(Exception):
+    """A request the sandbox refuses (bad path, missing layer, limit exceeded, unknown id)."""
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    truncated: bool = False  # output was cut at Limits.max_output_bytes
+    duration_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    path: str  # inside the sandbox, absolute
+    kind: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class Limits:
+    memory_mb: int = 2048
+    pids: int = 512
+    cpus: float = 1.0
+    disk_mb: int = 2048  # size cap of the writable layer
+    exec_timeout_s: float = 120.0  # default wall-clock limit of one command
+    max_output_bytes: int = 1 << 20  # per stream
+
+
+@dataclass(frozen=True)
+class Change:
+    """One path under /workspace that differs from the image (what the agent did)."""
+
+    path: str
+    kind: Literal["added", "modified", "deleted"]
+
+
+@dataclass
+class SandboxSpec:
+    image: str  # image id (content address) or name
+    limits: Limits = field(default_factory=Limits)
+    env: Mapping[str, str] = field(default_factory=dict)
+    egress: object | None = None  # an egress attachment (codedojo.egress); None = no network
+
+
+@runtime_checkable
+class Shell(Protocol):
+    """A persistent shell: cwd and exported variables survive between calls."""
+
+    def run(self, command: str, timeout: float | None = None) -> ExecResult: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    id: str
+
+    def exec(
+        self,
+        command: str | Sequence[str],
+        *,
+        stdin: bytes | str | None = None,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> ExecResult:
+        """Run one command (a string goes through `sh -c`) and wait for it."""
+        ...
+
+    def shell(self) -> Shell: ...
+
+    def read_file(self, path: str) -> bytes: ...
+
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None: ...
+
+    def remove(self, path: str) -> None: ...
+
+    def list_dir(self, path: str = WORKSPACE) -> list[FileInfo]: ...
+
+    def stat(self, path: str) -> FileInfo: ...
+
+    def changes(self) -> list[Change]:
+        """Paths under /workspace that differ from the image the sandbox started from."""
+        ...
+
+    def snapshot(self) -> str:
+        """Freeze the writable layer into a new read-only layer; returns the snapshot id."""
+        ...
+
+    def fork(self, n: int = 1, snapshot: str | None = None) -> list[Sandbox]:
+        """N new sandboxes starting from `snapshot` (a fresh snapshot when None)."""
+        ...
+
+    def restore(self, snapshot: str) -> None:
+        """Roll the filesystem back to `snapshot`; running processes are killed."""
+        ...
+
+    def destroy(self) -> None: ...
+
+
+class SandboxProvider(Protocol):
+    """Creates sandboxes: the local kind and the service client share this shape."""
+
+    def create(self, spec: SandboxSpec) -> Sandbox: ...
+
+    def get(self, sandbox_id: str) -> Sandbox: ...
