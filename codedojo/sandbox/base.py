@@ -55,12 +55,35 @@ class Change:
     kind: Literal["added", "modified", "deleted"]
 
 
+@dataclass(frozen=True)
+class EgressBinding:
+    """What an egress attachment gives a sandbox: variables for every command (proxy, CA bundle)
+    and files to place inside it (the proxy's CA certificate)."""
+
+    env: Mapping[str, str] = field(default_factory=dict)
+    files: Mapping[str, bytes] = field(default_factory=dict)
+
+
+@runtime_checkable
+class EgressAttachment(Protocol):
+    """The hook through which the egress proxy becomes a sandbox's only way out.
+
+    The sandbox calls `attach` once its (empty) network namespace exists and before any user
+    command runs; `netns_pid` is a process inside that namespace (`/proc/<pid>/ns/net`). It calls
+    `detach` when the sandbox is destroyed. Without an attachment a sandbox has no network at all.
+    """
+
+    def attach(self, sandbox_id: str, netns_pid: int) -> EgressBinding: ...
+
+    def detach(self, sandbox_id: str) -> None: ...
+
+
 @dataclass
 class SandboxSpec:
     image: str  # image id (content address) or name
     limits: Limits = field(default_factory=Limits)
     env: Mapping[str, str] = field(default_factory=dict)
-    egress: object | None = None  # an egress attachment (codedojo.egress); None = no network
+    egress: EgressAttachment | None = None  # None = no network at all
 
 
 @runtime_checkable
