@@ -1,0 +1,63 @@
+"""Typed values that cross the engine boundary: what a request asks for, what comes back.
+
+The engine works on token ids only; the server turns text into ids and ids back into text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request.
+
+    ``logprobs`` reports, for each sampled token, the log-softmax of the distribution it was
+    actually drawn from: logits / temperature, then the top-k and top-p filters, renormalised.
+    Greedy (``temperature == 0``) reports the log-softmax of the raw logits (temperature 1), so
+    the number stays finite and comparable across greedy and sampled runs.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: bool = True  # per-token logprob of the sampled token (RL needs it)
+    top_logprobs: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k!r}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs!r}")
+
+
+@dataclass
+class TokenEvent:
+    """One generated token, as streamed."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+    finish_reason: str | None  # None while running, then "stop" | "length" | "cancelled"
+
+
+@dataclass
+class Completion:
+    """A finished request. ``weight_version`` is the engine's version when it was produced."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
