@@ -1,0 +1,102 @@
+"""A corpus recipe end to end: read sources -> filter -> dedup -> held-out split -> token shards.
+
+The held-out split is by a hash of the document's source id, so the same file lands on the same
+side on every run and on every machine, and eval loss is measured on code never trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from codedojo.data.dedup import DedupConfig, DedupStats, dedup
+from codedojo.data.filters import FilterConfig, apply_filters
+from codedojo.data.readers import Document, SourceConfig, read_source
+from codedojo.data.shards import TextEncoder, tokenize_to_shards
+
+
+class CorpusConfig(BaseModel):
+    sources: list[SourceConfig] = Field(description="Where the documents come from.")
+    filters: FilterConfig = Field(default_factory=FilterConfig)
+    dedup: DedupConfig = Field(default_factory=DedupConfig)
+    holdout_frac: float = Field(0.05, ge=0.0, lt=1.0, description="Share of documents held out "
+                                "for eval loss (by hash of their source id).")
+    max_docs: int | None = Field(None, description="Cap on documents after filtering and dedup.")
+    max_train_tokens: int | None = Field(None, description="Cap on training tokens written.")
+
+
+def is_heldout(source: str, frac: float) -> bool:
+    h = int.from_bytes(hashlib.sha1(source.encode()).digest()[:8], "big")
+    return h / 2**64 < frac
+
+
+@dataclass
+class CorpusStats:
+    read: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    dedup: DedupStats = field(default_factory=DedupStats)
+    train_docs: int = 0
+    eval_docs: int = 0
+
+
+def clean_documents(cfg: CorpusConfig, stats: CorpusStats | None = None) -> list[Document]:
+    stats = stats if stats is not None else CorpusStats()
+
+    def counted() -> Iterator[Document]:
+        for src in cfg.sources:
+            for d in read_source(src):
+                stats.read += 1
+                yield d
+
+    docs = dedup(apply_filters(counted(), cfg.filters, stats.rejected), cfg.dedup, stats.dedup)
+    return list(itertools.islice(docs, cfg.max_docs))
+
+
+def split_documents(docs: Iterable[Document], frac: float) -> tuple[list[Document], list[Document]]:
+    train, held = [], []
+    for d in docs:
+        (held if is_heldout(d.source, frac) else train).append(d)
+    return train, held
+
+
+def concat_by_dir(docs: Iterable[Document], min_chars: int, max_chars: int) -> Iterator[Document]:
+    """Long documents for the long-context stage: files of one directory joined (each prefixed by
+    its path), the way repository-level context looks to a coding model."""
+    groups: dict[str, list[Document]] = {}
+    for d in docs:
+        groups.setdefault(str(Path(str(d.meta.get("path", d.source))).parent), []).append(d)
+    for key in sorted(groups):
+        parts: list[str] = []
+        size = 0
+        for d in groups[key]:
+            chunk = f"# file: {d.meta.get('path', d.source)}\n{d.text}\n"
+            if size + len(chunk) > max_chars and size >= min_chars:
+                yield Document("".join(parts), f"{key}#{len(parts)}", {"path": key})
+                parts, size = [], 0
+            parts.append(chunk)
+            size += len(chunk)
+        if size >= min_chars:
+            yield Document("".join(parts)[:max_chars], f"{key}#end", {"path": key})
+
+
+def build_corpus(cfg: CorpusConfig, tokenizer: TextEncoder, out_dir: str | Path, vocab_size: int,
+                 eos_id: int | None) -> tuple[Path, Path, CorpusStats, list[Document]]:
+    """Writes `out_dir/train` and `out_dir/eval` shard directories; returns the training
+    documents too, for derived sets (long-document concatenations, SFT examples)."""
+    stats = CorpusStats()
+    train, held = split_documents(clean_documents(cfg, stats), cfg.holdout_frac)
+    if not train or not held:
+        raise ValueError(f"corpus: {len(train)} training / {len(held)} held-out documents; "
+                         "add sources or change holdout_frac")
+    stats.train_docs, stats.eval_docs = len(train), len(held)
+    out = Path(out_dir)
+    tr = tokenize_to_shards(train, tokenizer, out / "train", vocab_size, eos_id,
+                            max_tokens=cfg.max_train_tokens)
+    ev = tokenize_to_shards(held, tokenizer, out / "eval", vocab_size, eos_id)
+    return tr, ev, stats, train

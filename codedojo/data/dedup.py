@@ -1,0 +1,137 @@
+"""Exact and near-duplicate removal.
+
+Exact: a hash of the whitespace-normalised text. Near: MinHash signatures over word n-gram shingles,
+banded LSH to find candidate pairs, then the signature agreement (an unbiased estimate of Jaccard
+similarity) decides. The first document of each duplicate cluster is kept, so the result depends
+only on input order. Hashes are crc32-based, not Python's `hash`, so they are stable across runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import zlib
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from codedojo.data.readers import Document
+
+_MERSENNE = (1 << 31) - 1
+_WORD = re.compile(r"\w+|[^\w\s]")
+
+
+class DedupConfig(BaseModel):
+    exact: bool = Field(True, description="Drop documents whose normalised text was already seen.")
+    near: bool = Field(True, description="Drop MinHash near-duplicates.")
+    threshold: float = Field(0.8, ge=0.0, le=1.0, description="Jaccard similarity above which "
+                             "two documents are near-duplicates.")
+    num_perm: int = Field(128, ge=8, description="MinHash permutations (= bands * rows).")
+    bands: int = Field(16, ge=1, description="LSH bands; more bands find lower similarities.")
+    shingle: int = Field(5, ge=1, description="Word n-gram size of a shingle.")
+
+
+def normalized_hash(text: str) -> str:
+    return hashlib.sha1(" ".join(text.split()).encode()).hexdigest()
+
+
+def shingles(text: str, n: int) -> np.ndarray:
+    """Distinct crc32 hashes of word n-grams (uint64 to leave room for the permutation math)."""
+    words = _WORD.findall(text)
+    if len(words) < n:
+        grams = [" ".join(words)]
+    else:
+        grams = [" ".join(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return np.unique(np.fromiter((zlib.crc32(g.encode()) for g in grams), dtype=np.uint64))
+
+
+class MinHasher:
+    """h_i(x) = (a_i * x + b_i) mod p with p = 2^31 - 1; x < 2^32 and a_i < 2^31 keep the product
+    inside uint64."""
+
+    def __init__(self, num_perm: int = 128, seed: int = 1):
+        rng = np.random.default_rng(seed)
+        self.a = rng.integers(1, _MERSENNE, size=num_perm, dtype=np.uint64)
+        self.b = rng.integers(0, _MERSENNE, size=num_perm, dtype=np.uint64)
+
+    def signature(self, sh: np.ndarray) -> np.ndarray:
+        # (S, 1) * (P,) -> (S, P); min over shingles
+        h = (sh[:, None] * self.a[None, :] + self.b[None, :]) % _MERSENNE
+        return h.min(axis=0).astype(np.uint32)
+
+
+def jaccard(a: str, b: str, n: int = 5) -> float:
+    """Exact Jaccard similarity of two texts' shingle sets (the slow reference for MinHash)."""
+    sa, sb = set(shingles(a, n).tolist()), set(shingles(b, n).tolist())
+    return len(sa & sb) / max(1, len(sa | sb))
+
+
+@dataclass
+class DedupStats:
+    seen: int = 0
+    exact_dupes: int = 0
+    near_dupes: int = 0
+
+
+def near_duplicate_groups(texts: list[str], cfg: DedupConfig) -> list[int]:
+    """For each text, the index of the first text in its near-duplicate cluster (itself if none)."""
+    if cfg.num_perm % cfg.bands:
+        raise ValueError("dedup.num_perm must be a multiple of dedup.bands")
+    rows = cfg.num_perm // cfg.bands
+    hasher = MinHasher(cfg.num_perm)
+    sigs = np.stack([hasher.signature(shingles(t, cfg.shingle)) for t in texts]) if texts else \
+        np.zeros((0, cfg.num_perm), np.uint32)
+    parent = list(range(len(texts)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for band in range(cfg.bands):
+        buckets: dict[bytes, list[int]] = defaultdict(list)
+        for i in range(len(texts)):
+            buckets[sigs[i, band * rows:(band + 1) * rows].tobytes()].append(i)
+        for members in buckets.values():
+            for idx in range(1, len(members)):
+                j = members[idx]
+                for i in members[:idx]:
+                    ri, rj = find(i), find(j)
+                    if ri == rj:
+                        break
+                    # LSH only proposes; the signature agreement decides.
+                    if float((sigs[i] == sigs[j]).mean()) >= cfg.threshold:
+                        parent[max(ri, rj)] = min(ri, rj)
+                        break
+    return [find(i) for i in range(len(texts))]
+
+
+def dedup(docs: Iterable[Document], cfg: DedupConfig | None = None,
+          stats: DedupStats | None = None) -> Iterator[Document]:
+    """Exact dedup streams; near dedup needs all signatures, so it materialises the documents."""
+    cfg = cfg or DedupConfig()
+    stats = stats if stats is not None else DedupStats()
+    seen: set[str] = set()
+    kept: list[Document] = []
+    for d in docs:
+        stats.seen += 1
+        if cfg.exact:
+            h = normalized_hash(d.text)
+            if h in seen:
+                stats.exact_dupes += 1
+                continue
+            seen.add(h)
+        kept.append(d)
+    if not cfg.near:
+        yield from kept
+        return
+    roots = near_duplicate_groups([d.text for d in kept], cfg)
+    for i, d in enumerate(kept):
+        if roots[i] == i:
+            yield d
+        else:
+            stats.near_dupes += 1

@@ -1,0 +1,166 @@
+"""Packing documents into fixed-length rows, with document boundaries kept.
+
+A row holds `seq_len + 1` tokens (inputs are row[:-1], targets row[1:]) and, per token, a segment
+id: which document of the row it belongs to. From the segment ids a batch gets
+
+* `doc_ids`   (B, T) so the model's attention is block-diagonal: no token sees another document;
+* `positions` (B, T) restarting at 0 at each document start, as if the document were alone;
+* `loss_mask` (B, T) true only where the target is the next token *of the same document* (and, for
+  SFT, a token the chat renderer marked as trained).
+
+Together these make a document's loss identical packed or alone (tested). A document longer than
+a row is split; each piece restarts its positions. Padding (only in the last row) has segment -1
+and is never trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from codedojo.data.mixture import MixedDoc
+
+
+@dataclass
+class Packed:
+    tokens: np.ndarray  # (N, L+1) int32
+    segments: np.ndarray  # (N, L+1) int32, -1 = padding
+    mask: np.ndarray  # (N, L+1) uint8 per-token trainability from the source (SFT masks)
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.tokens.shape[1] - 1)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        np.save(path / "tokens.npy", self.tokens)
+        np.save(path / "segments.npy", self.segments)
+        np.save(path / "mask.npy", self.mask)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Packed:
+        path = Path(path)
+        return cls(np.load(path / "tokens.npy", mmap_mode="r"),
+                   np.load(path / "segments.npy", mmap_mode="r"),
+                   np.load(path / "mask.npy", mmap_mode="r"))
+
+
+def pack(docs: Iterable[MixedDoc | np.ndarray], seq_len: int, pad_id: int = 0,
+         max_rows: int | None = None) -> Packed:
+    """Greedy in-order packing: documents are concatenated and cut into rows of seq_len + 1."""
+    if seq_len < 1:
+        raise ValueError("seq_len must be >= 1")
+    width = seq_len + 1
+    rows_t: list[np.ndarray] = []
+    rows_s: list[np.ndarray] = []
+    rows_m: list[np.ndarray] = []
+    cur_t = np.full(width, pad_id, np.int32)
+    cur_s = np.full(width, -1, np.int32)
+    cur_m = np.zeros(width, np.uint8)
+    fill, seg = 0, 0
+
+    def flush() -> None:
+        nonlocal cur_t, cur_s, cur_m, fill, seg
+        rows_t.append(cur_t)
+        rows_s.append(cur_s)
+        rows_m.append(cur_m)
+        cur_t = np.full(width, pad_id, np.int32)
+        cur_s = np.full(width, -1, np.int32)
+        cur_m = np.zeros(width, np.uint8)
+        fill, seg = 0, 0
+
+    for d in docs:
+        toks = d.tokens if isinstance(d, MixedDoc) else np.asarray(d)
+        m = d.mask if isinstance(d, MixedDoc) and d.mask is not None else np.ones(len(toks), np.uint8)
+        start = 0
+        while start < len(toks):
+            take = min(width - fill, len(toks) - start)
+            cur_t[fill:fill + take] = toks[start:start + take]
+            cur_s[fill:fill + take] = seg
+            cur_m[fill:fill + take] = m[start:start + take]
+            fill += take
+            start += take
+            seg += 1
+            if fill == width:
+                flush()
+                if max_rows is not None and len(rows_t) >= max_rows:
+                    break
+        if max_rows is not None and len(rows_t) >= max_rows:
+            break
+    if fill > 0 and (max_rows is None or len(rows_t) < max_rows):
+        flush()
+    if not rows_t:
+        raise ValueError("pack: no documents")
+    return Packed(np.stack(rows_t), np.stack(rows_s), np.stack(rows_m))
+
+
+def positions_from_segments(seg: torch.Tensor) -> torch.Tensor:
+    """(B, T) segment ids -> (B, T) positions restarting at 0 where the segment changes."""
+    B, T = seg.shape
+    idx = torch.arange(T, device=seg.device).expand(B, T)
+    start = torch.ones_like(seg, dtype=torch.bool)
+    start[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    # index of the most recent segment start at or before each position
+    last_start = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - last_start
+
+
+def make_batch(tokens: np.ndarray, segments: np.ndarray, mask: np.ndarray) -> dict[str, torch.Tensor]:
+    """Rows (B, L+1) -> model inputs and targets (each (B, L))."""
+    t = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
+    s = torch.as_tensor(np.asarray(segments), dtype=torch.long)
+    m = torch.as_tensor(np.asarray(mask), dtype=torch.bool)
+    inp_s = s[:, :-1]
+    loss_mask = (s[:, 1:] == inp_s) & (inp_s >= 0) & m[:, 1:]
+    return {
+        "tokens": t[:, :-1],
+        "targets": t[:, 1:],
+        "positions": positions_from_segments(inp_s),
+        "doc_ids": inp_s,
+        "loss_mask": loss_mask,
+    }
+
+
+class PackedLoader:
+    """Batches of packed rows in a seeded order per epoch. Its whole state is (epoch, position),
+    so a resumed run sees exactly the batches it would have seen."""
+
+    def __init__(self, packed: Packed, batch_size: int, seed: int = 0, shuffle: bool = True):
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if len(packed) < batch_size:
+            raise ValueError(f"only {len(packed)} packed rows for batch_size {batch_size}")
+        self.packed, self.batch_size, self.seed, self.shuffle = packed, batch_size, seed, shuffle
+        self.epoch, self.pos = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> np.ndarray:
+        n = len(self.packed)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, self.epoch]).permutation(n)
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        if self.pos + self.batch_size > len(self._order):
+            self.epoch += 1
+            self.pos = 0
+            self._order = self._make_order()
+        rows = np.sort(self._order[self.pos:self.pos + self.batch_size])
+        self.pos += self.batch_size
+        p = self.packed
+        return make_batch(p.tokens[rows], p.segments[rows], p.mask[rows])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        self._order = self._make_order()

@@ -1,0 +1,119 @@
+"""SFT rendering of chat and tool trajectories, with loss on assistant tokens only.
+
+The chat renderer (`codedojo.model.chat.render_with_mask`) alone decides which tokens are trained;
+this module only feeds it conversations and stores its (ids, mask) pairs as masked token shards,
+which the packer turns into `loss_mask`. Conversations are OpenAI chat messages, optionally with
+tool calls and tool results, plus the tool schemas offered.
+
+`code_sft_examples` builds a small instruction set from real code on the machine: "implement this
+function" chats and read_file tool trajectories, so the SFT stage has code-grounded data without
+any download.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from codedojo.data.readers import Document
+from codedojo.data.shards import ShardWriter
+
+Message = dict[str, Any]
+
+
+class ChatRenderer(Protocol):
+    def __call__(self, messages: list[Message], tools: list[dict[str, Any]] | None = None
+                 ) -> tuple[list[int], list[int]]: ...
+
+
+READ_FILE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "read_file",
+        "description": "Read a file of the repository.",
+        "parameters": {"type": "object", "properties": {"target_file": {"type": "string"}},
+                       "required": ["target_file"]},
+    },
+}
+
+
+def read_sft_jsonl(path: str | Path) -> Iterator[tuple[list[Message], list[dict[str, Any]] | None]]:
+    """Lines of {"messages": [...], "tools": [...]?}; errors name the line and field."""
+    path = Path(path)
+    with path.open(encoding="utf-8") as fh:
+        for i, line in enumerate(fh):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            msgs = row.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise ValueError(f"{path}:{i + 1}: field 'messages' must be a non-empty list")
+            if not any(m.get("role") == "assistant" for m in msgs):
+                raise ValueError(f"{path}:{i + 1}: field 'messages' has no assistant turn to train")
+            yield msgs, row.get("tools")
+
+
+def render_to_shards(convs: Iterable[tuple[list[Message], list[dict[str, Any]] | None]],
+                     render: ChatRenderer, out_dir: str | Path, vocab_size: int,
+                     eos_id: int | None, max_tokens: int | None = None) -> Path:
+    w = ShardWriter(out_dir, vocab_size, eos_id)
+    total = 0
+    for msgs, tools in convs:
+        ids, mask = render(msgs, tools)
+        if len(ids) != len(mask):
+            raise ValueError("renderer returned ids and mask of different lengths")
+        if not any(mask):
+            continue  # nothing to learn from
+        w.add(ids, mask)
+        total += len(ids)
+        if max_tokens is not None and total >= max_tokens:
+            break
+    return w.close()
+
+
+def _functions_with_docstrings(doc: Document, max_lines: int) -> Iterator[tuple[str, str, str]]:
+    try:
+        tree = ast.parse(doc.text)
+    except (SyntaxError, ValueError):
+        return
+    lines = doc.text.splitlines()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef) or node.end_lineno is None:
+            continue
+        ds = ast.get_docstring(node)
+        n = node.end_lineno - node.lineno + 1
+        if not ds or n > max_lines or n < 3 or node.col_offset != 0:
+            continue
+        src = "\n".join(lines[node.lineno - 1:node.end_lineno])
+        yield node.name, ds.strip().split("\n\n")[0], src
+
+
+def code_sft_examples(docs: Iterable[Document], max_examples: int = 200, max_lines: int = 40
+                      ) -> Iterator[tuple[list[Message], list[dict[str, Any]] | None]]:
+    """Alternates two shapes: a plain implement-this-function chat, and a tool trajectory where
+    the assistant reads the file first (its tool call is trained, the tool output is not)."""
+    n = 0
+    for doc in docs:
+        path = str(doc.meta.get("path", doc.source))
+        for name, summary, src in _functions_with_docstrings(doc, max_lines):
+            if n >= max_examples:
+                return
+            ask = f"Write the Python function `{name}` from `{path}`: {summary}"
+            if n % 2 == 0:
+                msgs: list[Message] = [{"role": "user", "content": ask},
+                                       {"role": "assistant", "content": f"```python\n{src}\n```"}]
+                yield msgs, None
+            else:
+                call = {"id": f"call_{n}", "type": "function",
+                        "function": {"name": "read_file",
+                                     "arguments": json.dumps({"target_file": path})}}
+                excerpt = doc.text[:1500]
+                msgs = [{"role": "user", "content": ask},
+                        {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": f"call_{n}", "content": excerpt},
+                        {"role": "assistant", "content": f"```python\n{src}\n```"}]
+                yield msgs, [READ_FILE_TOOL]
+            n += 1

@@ -1,0 +1,164 @@
+"""Tokenization into sharded token files.
+
+Layout of a shard directory::
+
+    index.json            {"dtype": "uint16", "eos_id": 0, "shards": [{"file", "docs", "tokens"}]}
+    shard_00000.bin       raw token ids, documents back to back (numpy memmap)
+    shard_00000.idx.npy   int64 offsets, docs + 1 entries: document i is bin[off[i]:off[i+1]]
+    shard_00000.mask.npy  optional uint8 per-token loss mask (SFT), same length as the .bin
+
+Document boundaries are kept exactly, so packing can restart positions and block attention at
+them. The tokenizer is anything with `encode(text) -> list[int]`; the data package does not care
+which one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from codedojo.data.readers import Document
+
+
+class TextEncoder(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+def _dtype_for(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+class ShardWriter:
+    """Appends documents (token arrays, optionally with loss masks) and rolls to a new shard file
+    every `shard_tokens` tokens. `close()` writes index.json last, so a half-written directory is
+    never mistaken for a finished one."""
+
+    def __init__(self, out_dir: str | Path, vocab_size: int, eos_id: int | None,
+                 shard_tokens: int = 1 << 24):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dtype = _dtype_for(vocab_size)
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+        self.shard_tokens = shard_tokens
+        self.shards: list[dict[str, object]] = []
+        self._buf: list[np.ndarray] = []
+        self._mask: list[np.ndarray] = []
+        self._has_mask = False
+        self._n = 0
+
+    def add(self, ids: np.ndarray | list[int], mask: np.ndarray | list[int] | None = None) -> None:
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.size == 0:
+            return
+        if arr.min() < 0 or arr.max() >= self.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.vocab_size})")
+        if mask is not None:
+            m = np.asarray(mask, dtype=np.uint8)
+            if m.shape != arr.shape:
+                raise ValueError("mask must have one entry per token")
+            self._has_mask = True
+        else:
+            m = np.ones_like(arr, dtype=np.uint8)
+        self._buf.append(arr.astype(self.dtype))
+        self._mask.append(m)
+        self._n += arr.size
+        if self._n >= self.shard_tokens:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._buf:
+            return
+        name = f"shard_{len(self.shards):05d}"
+        data = np.concatenate(self._buf)
+        data.tofile(self.dir / f"{name}.bin")
+        offsets = np.zeros(len(self._buf) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([b.size for b in self._buf])
+        np.save(self.dir / f"{name}.idx.npy", offsets)
+        if self._has_mask:
+            np.save(self.dir / f"{name}.mask.npy", np.concatenate(self._mask))
+        self.shards.append({"file": f"{name}.bin", "docs": len(self._buf), "tokens": int(data.size),
+                            "mask": self._has_mask})
+        self._buf, self._mask, self._n = [], [], 0
+
+    def close(self) -> Path:
+        self._flush()
+        index = {"dtype": self.dtype.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
+                 "shards": self.shards}
+        (self.dir / "index.json").write_text(json.dumps(index, indent=1))
+        return self.dir
+
+
+def tokenize_to_shards(docs: Iterable[Document], tokenizer: TextEncoder, out_dir: str | Path,
+                       vocab_size: int, eos_id: int | None, shard_tokens: int = 1 << 24,
+                       max_tokens: int | None = None) -> Path:
+    """Encode each document, append EOS (so the model learns where files end), write shards."""
+    w = ShardWriter(out_dir, vocab_size, eos_id, shard_tokens)
+    total = 0
+    for d in docs:
+        ids = list(tokenizer.encode(d.text))
+        if eos_id is not None:
+            ids.append(eos_id)
+        w.add(ids)
+        total += len(ids)
+        if max_tokens is not None and total >= max_tokens:
+            break
+    return w.close()
+
+
+class TokenShards:
+    """Read side: random access to documents across shards, memory-mapped."""
+
+    def __init__(self, path: str | Path):
+        self.dir = Path(path)
+        index_file = self.dir / "index.json"
+        if not index_file.exists():
+            raise FileNotFoundError(f"{self.dir}: no index.json (not a finished shard directory)")
+        self.index = json.loads(index_file.read_text())
+        self.eos_id: int | None = self.index.get("eos_id")
+        dtype = np.dtype(self.index["dtype"])
+        self._data: list[np.ndarray] = []
+        self._offsets: list[np.ndarray] = []
+        self._masks: list[np.ndarray | None] = []
+        for s in self.index["shards"]:
+            stem = str(s["file"])[: -len(".bin")]
+            self._data.append(np.memmap(self.dir / s["file"], dtype=dtype, mode="r"))
+            self._offsets.append(np.load(self.dir / f"{stem}.idx.npy"))
+            mask_file = self.dir / f"{stem}.mask.npy"
+            self._masks.append(np.load(mask_file, mmap_mode="r") if mask_file.exists() else None)
+        counts = [len(o) - 1 for o in self._offsets]
+        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(int(o[-1]) for o in self._offsets))
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        s = int(np.searchsorted(self._starts, i, side="right") - 1)
+        return s, i - int(self._starts[s])
+
+    def doc(self, i: int) -> np.ndarray:
+        s, j = self._locate(i)
+        off = self._offsets[s]
+        return np.asarray(self._data[s][off[j]:off[j + 1]], dtype=np.int64)
+
+    def mask(self, i: int) -> np.ndarray | None:
+        s, j = self._locate(i)
+        m = self._masks[s]
+        if m is None:
+            return None
+        off = self._offsets[s]
+        return np.asarray(m[off[j]:off[j + 1]], dtype=np.uint8)
+
+    def doc_lengths(self) -> np.ndarray:
+        return np.concatenate([np.diff(o) for o in self._offsets]) if self._offsets else \
+            np.zeros(0, np.int64)

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from codedojo.data.readers import (
+    SourceConfig,
+    read_dir,
+    read_git,
+    read_jsonl,
+    read_parquet,
+    read_source,
+)
+
+
+def test_read_dir_filters_extensions_and_binary(tmp_path):
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.txt").write_text("notes")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.py").write_text("y = 2\n")
+    (tmp_path / "sub" / "bin.py").write_bytes(b"\x00\x01binary")
+    docs = list(read_dir(tmp_path, [".py"]))
+    assert [d.meta["path"] for d in docs] == ["a.py", "sub/c.py"]
+    assert docs[1].text == "y = 2\n"
+
+
+def test_read_git_only_tracked_files_at_head(tmp_path):
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"}
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True, env=env)
+    (tmp_path / "t.py").write_text("tracked = True\n")
+    (tmp_path / "u.py").write_text("untracked = True\n")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "t.py"], check=True, env=env)
+    subprocess.run(["git", "-C", str(tmp_path), "commit", "-qm", "x"], check=True, env=env)
+    (tmp_path / "t.py").write_text("changed after commit\n")
+    docs = list(read_git(tmp_path))
+    assert [(d.meta["path"], d.text) for d in docs] == [("t.py", "tracked = True\n")]
+    with pytest.raises(ValueError, match="source.path"):
+        list(read_git(tmp_path / "nope"))
+
+
+def test_read_jsonl_and_parquet(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"content": "def f(): pass", "lang": "py"}) + "\n\n"
+                 + json.dumps({"content": "int main(){}", "lang": "c"}) + "\n")
+    docs = list(read_jsonl(f, "content"))
+    assert [d.text for d in docs] == ["def f(): pass", "int main(){}"]
+    assert docs[1].meta == {"lang": "c"}
+    with pytest.raises(ValueError, match="text_field 'text'"):
+        list(read_jsonl(f))
+    (tmp_path / "ds").mkdir()
+    pq.write_table(pa.table({"text": ["a = 1", None, "b = 2"], "repo": ["r1", "r2", "r3"]}),
+                   tmp_path / "ds" / "train-00000.parquet")
+    docs = list(read_source(SourceConfig(kind="parquet", path=str(tmp_path / "ds"))))
+    assert [(d.text, d.meta["repo"]) for d in docs] == [("a = 1", "r1"), ("b = 2", "r3")]
+    with pytest.raises(ValueError, match="missing text_field"):
+        list(read_parquet(tmp_path / "ds", "code"))
+
+
+def test_stdlib_alias_reads_real_code():
+    docs = list(read_source(SourceConfig(kind="dir", path="stdlib", max_files=3)))
+    assert len(docs) == 3 and all(d.source.endswith(".py") for d in docs)
