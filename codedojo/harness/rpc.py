@@ -1,0 +1,289 @@
+"""Tool RPC: the tool library as a JSON-RPC 2.0 service beside a sandbox, and its client.
+
+One `ToolServer` serves the episodes of the sandboxes it can reach (its own sandbox, or any
+sandbox its `SandboxProvider` knows). Heavy tools run here, outside the sandbox: the
+`codebase_search` index lives in this process. Methods:
+
+    episode.open   {env, sandbox_id?}        -> {episode_id, generation, versions, schemas}
+    tool.call      {episode_id, name, arguments} -> ToolResult
+    episode.state  {episode_id}              -> the episode's tool state (todos, originals)
+    episode.close  {episode_id}              -> {}
+    tools.register {module, attr}            -> {generation}   (live update)
+    env.configure  {env, config}             -> {}
+    tools.versions {name}                    -> [versions]
+
+Transport is HTTP over TCP (127.0.0.1) or a unix socket. Errors in tool calls are results,
+not RPC errors; RPC errors are for bad requests (unknown method, unknown episode).
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from codedojo.harness.tools.base import ToolContext, ToolResult
+from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
+from codedojo.sandbox.base import Sandbox, SandboxProvider
+
+INVALID_PARAMS = -32602
+METHOD_NOT_FOUND = -32601
+SERVER_ERROR = -32000
+
+
+class RPCError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ToolServer:
+    """The service state: registry, environment configs, open episodes."""
+
+    def __init__(
+        self,
+        *,
+        sandbox: Sandbox | None = None,
+        provider: SandboxProvider | None = None,
+        registry: ToolRegistry | None = None,
+        envs: dict[str, EnvToolConfig] | None = None,
+        search: Any = None,
+    ) -> None:
+        if sandbox is None and provider is None:
+            raise ValueError("ToolServer needs a sandbox or a sandbox provider")
+        self.sandbox = sandbox
+        self.provider = provider
+        self.registry = registry or ToolRegistry()
+        self.envs: dict[str, EnvToolConfig] = dict(envs or {"default": EnvToolConfig()})
+        self.search = search
+        self.episodes: dict[str, ToolSession] = {}
+        self._lock = threading.Lock()
+
+    # -- methods ---------------------------------------------------------------------------
+
+    def open_episode(self, env: str = "default", sandbox_id: str | None = None) -> ToolSession:
+        if env not in self.envs:
+            raise RPCError(INVALID_PARAMS, f"env: unknown environment {env!r}; known: {sorted(self.envs)}")
+        if sandbox_id is not None:
+            if self.provider is None:
+                if self.sandbox is None or self.sandbox.id != sandbox_id:
+                    raise RPCError(INVALID_PARAMS, f"sandbox_id: unknown sandbox {sandbox_id!r}")
+                sandbox = self.sandbox
+            else:
+                sandbox = self.provider.get(sandbox_id)
+        elif self.sandbox is not None:
+            sandbox = self.sandbox
+        else:
+            raise RPCError(INVALID_PARAMS, "sandbox_id: required (this server has no default sandbox)")
+        try:
+            toolset = self.registry.resolve(self.envs[env])
+        except ValueError as e:
+            raise RPCError(INVALID_PARAMS, str(e)) from e
+        session = ToolSession(toolset, ToolContext(sandbox=sandbox, search=self.search))
+        with self._lock:
+            self.episodes[session.episode_id] = session
+        return session
+
+    def session(self, episode_id: str) -> ToolSession:
+        with self._lock:
+            s = self.episodes.get(episode_id)
+        if s is None:
+            raise RPCError(INVALID_PARAMS, f"episode_id: unknown episode {episode_id!r}")
+        return s
+
+    def close_episode(self, episode_id: str) -> None:
+        with self._lock:
+            s = self.episodes.pop(episode_id, None)
+        if s is not None:
+            s.close()
+
+    def register_import(self, module: str, attr: str) -> int:
+        try:
+            tool = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise RPCError(INVALID_PARAMS, f"module/attr: cannot import {module}:{attr}: {e}") from e
+        try:
+            return self.registry.register(tool)
+        except ValueError as e:
+            raise RPCError(INVALID_PARAMS, str(e)) from e
+
+    def dispatch(self, method: str, p: dict[str, Any]) -> Any:
+        if method == "tool.call":
+            if "name" not in p:
+                raise RPCError(INVALID_PARAMS, "name: required")
+            return self.session(_req(p, "episode_id")).call(p["name"], p.get("arguments")).to_dict()
+        if method == "episode.open":
+            s = self.open_episode(p.get("env", "default"), p.get("sandbox_id"))
+            return {
+                "episode_id": s.episode_id,
+                "generation": s.toolset.generation,
+                "versions": s.versions,
+                "schemas": s.schemas,
+            }
+        if method == "episode.state":
+            return self.session(_req(p, "episode_id")).state()
+        if method == "episode.close":
+            self.close_episode(_req(p, "episode_id"))
+            return {}
+        if method == "tools.register":
+            return {"generation": self.register_import(_req(p, "module"), _req(p, "attr"))}
+        if method == "env.configure":
+            try:
+                self.envs[_req(p, "env")] = EnvToolConfig.model_validate(p.get("config", {}))
+            except ValueError as e:
+                raise RPCError(INVALID_PARAMS, f"config: {e}") from e
+            return {}
+        if method == "tools.versions":
+            return self.registry.versions(_req(p, "name"))
+        raise RPCError(METHOD_NOT_FOUND, f"method: unknown method {method!r}")
+
+    def close(self) -> None:
+        for eid in list(self.episodes):
+            self.close_episode(eid)
+
+
+def _req(p: dict[str, Any], key: str) -> Any:
+    if key not in p:
+        raise RPCError(INVALID_PARAMS, f"{key}: required")
+    return p[key]
+
+
+def create_app(server: ToolServer) -> FastAPI:
+    app = FastAPI(title="codedojo tools")
+
+    @app.post("/rpc")
+    def rpc(body: dict[str, Any]) -> JSONResponse:
+        rid = body.get("id")
+        method = body.get("method")
+        params = body.get("params") or {}
+        try:
+            if not isinstance(method, str):
+                raise RPCError(INVALID_PARAMS, "method: must be a string")
+            if not isinstance(params, dict):
+                raise RPCError(INVALID_PARAMS, "params: must be an object")
+            result = server.dispatch(method, params)
+        except RPCError as e:
+            return JSONResponse({"jsonrpc": "2.0", "id": rid, "error": {"code": e.code, "message": str(e)}})
+        except Exception as e:  # the service must keep serving other episodes
+            return JSONResponse(
+                {"jsonrpc": "2.0", "id": rid, "error": {"code": SERVER_ERROR, "message": f"{type(e).__name__}: {e}"}}
+            )
+        return JSONResponse({"jsonrpc": "2.0", "id": rid, "result": result})
+
+    @app.get("/health")
+    def health(_: Request) -> dict[str, Any]:
+        return {"ok": True, "episodes": len(server.episodes), "generation": server.registry.generation}
+
+    return app
+
+
+# ---- running the service --------------------------------------------------------------------
+
+
+@dataclass
+class RunningServer:
+    url: str
+    uds: str | None
+    _server: Any
+    _thread: threading.Thread
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+def serve_in_thread(server: ToolServer, host: str = "127.0.0.1", port: int = 0, uds: str | None = None) -> RunningServer:
+    """Start the service on a background thread (port 0 = any free port); returns when it accepts."""
+    import uvicorn
+
+    app = create_app(server)
+    if uds:
+        config = uvicorn.Config(app, uds=uds, log_level="warning", access_log=False)
+        sock = None
+        url = "http://tools"
+    else:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        config = uvicorn.Config(app, log_level="warning", access_log=False)
+        url = f"http://{host}:{sock.getsockname()[1]}"
+    userver = uvicorn.Server(config)
+    thread = threading.Thread(
+        target=userver.run, kwargs={"sockets": [sock] if sock else None}, daemon=True, name="tool-rpc"
+    )
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not userver.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("tool RPC server did not start")
+        time.sleep(0.005)
+    return RunningServer(url=url, uds=uds, _server=userver, _thread=thread)
+
+
+# ---- client ---------------------------------------------------------------------------------
+
+
+class ToolClient:
+    """JSON-RPC client of a `ToolServer` (keeps one connection alive)."""
+
+    def __init__(self, url: str, uds: str | None = None, timeout: float = 300.0) -> None:
+        transport = httpx.HTTPTransport(uds=uds) if uds else None
+        self._http = httpx.Client(base_url=url, transport=transport, timeout=timeout)
+        self._ids = iter(range(1, 1 << 62))
+
+    def request(self, method: str, **params: Any) -> Any:
+        r = self._http.post("/rpc", json={"jsonrpc": "2.0", "id": next(self._ids), "method": method, "params": params})
+        r.raise_for_status()
+        body = r.json()
+        if "error" in body:
+            raise RPCError(body["error"]["code"], body["error"]["message"])
+        return body["result"]
+
+    def open_episode(self, env: str = "default", sandbox_id: str | None = None) -> RemoteEpisode:
+        params: dict[str, Any] = {"env": env}
+        if sandbox_id is not None:
+            params["sandbox_id"] = sandbox_id
+        return RemoteEpisode(self, self.request("episode.open", **params))
+
+    def register(self, module: str, attr: str) -> int:
+        return int(self.request("tools.register", module=module, attr=attr)["generation"])
+
+    def configure_env(self, env: str, config: EnvToolConfig) -> None:
+        self.request("env.configure", env=env, config=config.model_dump())
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class RemoteEpisode:
+    """The client side of one episode: same shape as `ToolSession` (schemas, versions, call)."""
+
+    def __init__(self, client: ToolClient, opened: dict[str, Any]) -> None:
+        self.client = client
+        self.episode_id: str = opened["episode_id"]
+        self.generation: int = opened["generation"]
+        self.versions: dict[str, str] = opened["versions"]
+        self.schemas: list[dict[str, Any]] = opened["schemas"]
+
+    def call(self, name: str, arguments: Any) -> ToolResult:
+        """Tool failures come back as error results; a failing service (unreachable, unknown
+        episode) raises, and the agent loop ends the episode."""
+        return ToolResult.from_dict(
+            self.client.request("tool.call", episode_id=self.episode_id, name=name, arguments=arguments)
+        )
+
+    def state(self) -> dict[str, Any]:
+        return self.client.request("episode.state", episode_id=self.episode_id)
+
+    def close(self) -> None:
+        try:
+            self.client.request("episode.close", episode_id=self.episode_id)
+        except (RPCError, httpx.HTTPError):
+            pass

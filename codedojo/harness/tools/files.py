@@ -1,0 +1,291 @@
+"""File tools: read_file, list_dir, glob_file_search, search_replace, write, delete_file.
+
+Every path goes through the sandbox's own file API (or a command run inside it), never the
+host filesystem, so the sandbox's path rules apply. Edits remember the first content they
+saw, so the rewards can diff what the agent changed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import posixpath
+from typing import Any
+
+from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
+from codedojo.sandbox.base import WORKSPACE, SandboxError
+
+MAX_LIST_ENTRIES = 500
+MAX_GLOB_RESULTS = 200
+
+
+def _read_text(ctx: ToolContext, path: str) -> str | None:
+    """The file's text, or None when it does not exist."""
+    try:
+        data = ctx.sandbox.read_file(path)
+    except (FileNotFoundError, SandboxError) as e:
+        if _exists(ctx, path):
+            raise ToolError(f"cannot read {path}: {e}") from e
+        return None
+    if b"\x00" in data[:8192]:
+        raise ToolError(f"{path} is a binary file ({len(data)} bytes)")
+    return data.decode("utf-8", errors="replace")
+
+
+def _exists(ctx: ToolContext, path: str) -> bool:
+    try:
+        ctx.sandbox.stat(path)
+        return True
+    except (FileNotFoundError, SandboxError):
+        return False
+
+
+def _write_text(ctx: ToolContext, path: str, text: str) -> None:
+    parent = posixpath.dirname(path)
+    if parent and not _exists(ctx, parent):
+        r = ctx.sandbox.exec(["mkdir", "-p", parent], timeout=ctx.timeout_s)
+        if r.exit_code != 0:
+            raise ToolError(f"cannot create directory {parent}: {r.stderr.strip()}")
+    ctx.sandbox.write_file(path, text.encode("utf-8"))
+
+
+# ---- read_file ------------------------------------------------------------------------------
+
+
+def _read_file(ctx: ToolContext, args: dict[str, Any]) -> str:
+    path = resolve(args["target_file"])
+    text = _read_text(ctx, path)
+    if text is None:
+        raise ToolError(f"file not found: {args['target_file']}")
+    if text == "":
+        return "File is empty."
+    lines = text.splitlines()
+    offset = args.get("offset")
+    limit = args.get("limit")
+    start = 1 if offset is None else (offset if offset > 0 else max(1, len(lines) + offset + 1))
+    if start > len(lines):
+        raise ToolError(f"offset {offset} is past the end of the file ({len(lines)} lines)")
+    end = len(lines) if limit is None else min(len(lines), start - 1 + limit)
+    body = "\n".join(f"{n:6d}|{lines[n - 1]}" for n in range(start, end + 1))
+    if start > 1 or end < len(lines):
+        body += f"\n[lines {start}-{end} of {len(lines)}]"
+    return body
+
+
+READ_FILE = FunctionTool(
+    name="read_file",
+    description=(
+        "Read a text file from the workspace. Lines are numbered (LINE|content). Use offset (1-based "
+        "line; negative counts from the end) and limit to read part of a long file."
+    ),
+    parameters=obj(
+        {
+            "target_file": {"type": "string", "description": "Path, relative to the workspace or absolute."},
+            "offset": {"type": "integer", "description": "First line to read (1-based)."},
+            "limit": {"type": "integer", "minimum": 1, "description": "Number of lines to read."},
+        },
+        ["target_file"],
+    ),
+    fn=_read_file,
+)
+
+
+# ---- list_dir -------------------------------------------------------------------------------
+
+
+def _list_dir(ctx: ToolContext, args: dict[str, Any]) -> str:
+    path = resolve(args.get("target_directory") or WORKSPACE)
+    ignore = list(args.get("ignore_globs") or [])
+    try:
+        entries = ctx.sandbox.list_dir(path)
+    except FileNotFoundError as e:
+        raise ToolError(f"directory not found: {path}") from e
+    entries = [
+        e
+        for e in entries
+        if not any(fnmatch.fnmatch(posixpath.basename(e.path), g) or fnmatch.fnmatch(e.path, g) for g in ignore)
+    ]
+    entries.sort(key=lambda e: (e.kind != "dir", posixpath.basename(e.path)))
+    lines = [f"{path}/"]
+    for e in entries[:MAX_LIST_ENTRIES]:
+        name = posixpath.basename(e.path)
+        if e.kind == "dir":
+            lines.append(f"  - {name}/")
+        elif e.kind == "symlink":
+            lines.append(f"  - {name} -> (symlink)")
+        else:
+            lines.append(f"  - {name} ({e.size} bytes)")
+    if len(entries) > MAX_LIST_ENTRIES:
+        lines.append(f"  ... [{len(entries) - MAX_LIST_ENTRIES} more entries not shown]")
+    if not entries:
+        lines.append("  (empty)")
+    return "\n".join(lines)
+
+
+LIST_DIR = FunctionTool(
+    name="list_dir",
+    description="List the entries of a directory (one level). Directories end with '/'.",
+    parameters=obj(
+        {
+            "target_directory": {"type": "string", "description": "Directory, relative to the workspace or absolute."},
+            "ignore_globs": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "Glob patterns of names to leave out.",
+            },
+        },
+        ["target_directory"],
+    ),
+    fn=_list_dir,
+)
+
+
+# ---- glob_file_search -----------------------------------------------------------------------
+
+
+def _glob_file_search(ctx: ToolContext, args: dict[str, Any]) -> str:
+    pattern = args["glob_pattern"].strip()
+    if not pattern:
+        raise ToolError("glob_pattern is empty")
+    # A bare pattern matches at any depth, as in an IDE's file search.
+    if not pattern.startswith(("**/", "/")):
+        pattern = "**/" + pattern
+    root = resolve(args.get("target_directory") or WORKSPACE)
+    r = ctx.sandbox.exec(
+        ["rg", "--files", "--hidden", "--glob", "!.git", "--glob", pattern, "--sort", "path", root],
+        timeout=ctx.timeout_s,
+    )
+    if r.exit_code not in (0, 1):
+        raise ToolError(r.stderr.strip() or f"rg failed with exit code {r.exit_code}")
+    files = [f for f in r.stdout.splitlines() if f]
+    if not files:
+        return f"No files matching {args['glob_pattern']!r} under {root}."
+    out = files[:MAX_GLOB_RESULTS]
+    text = "\n".join(out)
+    if len(files) > len(out):
+        text += f"\n... [{len(files) - len(out)} more files not shown]"
+    return text
+
+
+GLOB_FILE_SEARCH = FunctionTool(
+    name="glob_file_search",
+    description=(
+        "Find files by glob pattern (e.g. '*.py', 'src/**/test_*.py'). A pattern without a leading "
+        "'**/' matches at any depth. Respects .gitignore."
+    ),
+    parameters=obj(
+        {
+            "glob_pattern": {"type": "string", "description": "The glob pattern."},
+            "target_directory": {"type": "string", "description": "Directory to search (default: the workspace)."},
+        },
+        ["glob_pattern"],
+    ),
+    fn=_glob_file_search,
+)
+
+
+# ---- search_replace -------------------------------------------------------------------------
+
+
+def _search_replace(ctx: ToolContext, args: dict[str, Any]) -> str:
+    path = resolve(args["file_path"])
+    old, new = args["old_string"], args["new_string"]
+    text = _read_text(ctx, path)
+    if text is None:
+        if old == "":
+            ctx.remember_original(path, None)
+            _write_text(ctx, path, new)
+            return f"Created {path}."
+        raise ToolError(f"file not found: {args['file_path']}")
+    if old == new:
+        raise ToolError("old_string and new_string are identical; nothing to change")
+    if old == "":
+        raise ToolError("old_string is empty; give the exact text to replace")
+    count = text.count(old)
+    if count == 0:
+        raise ToolError(f"old_string not found in {path}")
+    if count > 1 and not args.get("replace_all", False):
+        raise ToolError(
+            f"old_string occurs {count} times in {path}; add context to make it unique or set replace_all"
+        )
+    ctx.remember_original(path, text)
+    updated = text.replace(old, new) if args.get("replace_all", False) else text.replace(old, new, 1)
+    _write_text(ctx, path, updated)
+    n = count if args.get("replace_all", False) else 1
+    return f"Replaced {n} occurrence{'s' if n > 1 else ''} in {path}."
+
+
+SEARCH_REPLACE = FunctionTool(
+    name="search_replace",
+    description=(
+        "Replace exact text in a file. old_string must occur exactly once unless replace_all is true. "
+        "An empty old_string on a missing file creates it with new_string."
+    ),
+    parameters=obj(
+        {
+            "file_path": {"type": "string", "description": "File to edit."},
+            "old_string": {"type": "string", "description": "Exact text to replace."},
+            "new_string": {"type": "string", "description": "Replacement text."},
+            "replace_all": {"type": "boolean", "description": "Replace every occurrence (default false)."},
+        },
+        ["file_path", "old_string", "new_string"],
+    ),
+    fn=_search_replace,
+)
+
+
+# ---- write ----------------------------------------------------------------------------------
+
+
+def _write(ctx: ToolContext, args: dict[str, Any]) -> str:
+    path = resolve(args["file_path"])
+    ctx.remember_original(path, _read_text_or_none(ctx, path))
+    _write_text(ctx, path, args["contents"])
+    return f"Wrote {len(args['contents'].encode('utf-8'))} bytes to {path}."
+
+
+def _read_text_or_none(ctx: ToolContext, path: str) -> str | None:
+    try:
+        return _read_text(ctx, path)
+    except ToolError:
+        return None
+
+
+WRITE = FunctionTool(
+    name="write",
+    description="Write a file, replacing it if it exists. Parent directories are created.",
+    parameters=obj(
+        {
+            "file_path": {"type": "string", "description": "File to write."},
+            "contents": {"type": "string", "description": "The full new contents."},
+        },
+        ["file_path", "contents"],
+    ),
+    fn=_write,
+)
+
+
+# ---- delete_file ----------------------------------------------------------------------------
+
+
+def _delete_file(ctx: ToolContext, args: dict[str, Any]) -> str:
+    path = resolve(args["target_file"])
+    try:
+        info = ctx.sandbox.stat(path)
+    except (FileNotFoundError, SandboxError) as e:
+        raise ToolError(f"file not found: {args['target_file']}") from e
+    if info.kind == "dir":
+        raise ToolError(f"{path} is a directory; delete_file removes files only")
+    ctx.remember_original(path, _read_text_or_none(ctx, path))
+    ctx.sandbox.remove(path)
+    return f"Deleted {path}."
+
+
+DELETE_FILE = FunctionTool(
+    name="delete_file",
+    description="Delete a file.",
+    parameters=obj(
+        {"target_file": {"type": "string", "description": "File to delete."}},
+        ["target_file"],
+    ),
+    fn=_delete_file,
+)

@@ -1,0 +1,83 @@
+"""grep: ripgrep run inside the sandbox, so it sees exactly the agent's files and nothing else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
+from codedojo.sandbox.base import WORKSPACE
+
+DEFAULT_HEAD_LIMIT = 500
+
+
+def rg_argv(args: dict[str, Any], root: str) -> list[str]:
+    """The ripgrep command line for a grep call (exposed for tests)."""
+    mode = args.get("output_mode", "content")
+    argv = ["rg", "--color", "never", "--no-heading", "--hidden", "--glob", "!.git"]
+    if mode == "files_with_matches":
+        argv.append("--files-with-matches")
+    elif mode == "count":
+        argv.append("--count-matches")
+    else:
+        argv.append("--line-number")
+        for flag in ("-A", "-B", "-C"):
+            if args.get(flag) is not None:
+                argv += [flag, str(args[flag])]
+    if args.get("-i"):
+        argv.append("--ignore-case")
+    if args.get("multiline"):
+        argv += ["--multiline", "--multiline-dotall"]
+    if args.get("glob"):
+        argv += ["--glob", args["glob"]]
+    if args.get("type"):
+        argv += ["--type", args["type"]]
+    # -e keeps a pattern that starts with '-' from being read as a flag.
+    argv += ["-e", args["pattern"], root]
+    return argv
+
+
+def _grep(ctx: ToolContext, args: dict[str, Any]) -> str:
+    root = resolve(args.get("path") or WORKSPACE)
+    r = ctx.sandbox.exec(rg_argv(args, root), timeout=ctx.timeout_s)
+    if r.timed_out:
+        raise ToolError(f"grep timed out after {ctx.timeout_s:.0f}s; narrow the path or glob")
+    if r.exit_code == 1:
+        return "No matches found."
+    if r.exit_code != 0:
+        raise ToolError(r.stderr.strip() or f"rg failed with exit code {r.exit_code}")
+    lines = r.stdout.splitlines()
+    head = args.get("head_limit") or DEFAULT_HEAD_LIMIT
+    text = "\n".join(lines[:head])
+    if len(lines) > head:
+        text += f"\n... [{len(lines) - head} more lines not shown; raise head_limit or narrow the search]"
+    return text
+
+
+GREP = FunctionTool(
+    name="grep",
+    description=(
+        "Search file contents with ripgrep (regular expressions). output_mode: 'content' (matching "
+        "lines with line numbers, default), 'files_with_matches' or 'count'."
+    ),
+    parameters=obj(
+        {
+            "pattern": {"type": "string", "description": "Regular expression (ripgrep syntax)."},
+            "path": {"type": "string", "description": "File or directory to search (default: the workspace)."},
+            "glob": {"type": "string", "description": "Only files matching this glob, e.g. '*.py'."},
+            "type": {"type": "string", "description": "Only files of this ripgrep type, e.g. 'py'."},
+            "output_mode": {
+                "type": "string",
+                "enum": ["content", "files_with_matches", "count"],
+                "description": "What to show.",
+            },
+            "-A": {"type": "integer", "minimum": 0, "description": "Lines of context after each match."},
+            "-B": {"type": "integer", "minimum": 0, "description": "Lines of context before each match."},
+            "-C": {"type": "integer", "minimum": 0, "description": "Lines of context around each match."},
+            "-i": {"type": "boolean", "description": "Case-insensitive."},
+            "head_limit": {"type": "integer", "minimum": 1, "description": "Show at most this many lines."},
+            "multiline": {"type": "boolean", "description": "Let patterns span lines ('.' matches newlines)."},
+        },
+        ["pattern"],
+    ),
+    fn=_grep,
+)

@@ -1,0 +1,76 @@
+"""read_lints: ruff diagnostics for files in the sandbox (see `codedojo.harness.lint` for why
+ruff runs on the host over copies of the files)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from codedojo.harness.lint import CONFIG_FILES, ruff_check
+from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
+from codedojo.sandbox.base import WORKSPACE, SandboxError
+
+MAX_FILES = 200
+
+
+def _python_files(ctx: ToolContext, root: str) -> list[str]:
+    r = ctx.sandbox.exec(
+        ["rg", "--files", "--glob", "*.py", "--glob", "*.pyi", root], timeout=ctx.timeout_s
+    )
+    if r.exit_code not in (0, 1):
+        raise ToolError(r.stderr.strip() or f"cannot list files under {root}")
+    return [f for f in r.stdout.splitlines() if f]
+
+
+def workspace_configs(sandbox: Any) -> dict[str, str]:
+    configs: dict[str, str] = {}
+    for name in CONFIG_FILES:
+        try:
+            configs[name] = sandbox.read_file(f"{WORKSPACE}/{name}").decode("utf-8", "replace")
+        except (FileNotFoundError, SandboxError, OSError):
+            continue
+    return configs
+
+
+def _read_lints(ctx: ToolContext, args: dict[str, Any]) -> str:
+    paths = [resolve(p) for p in (args.get("paths") or [])]
+    if not paths:
+        # By default: what the agent edited, else the whole workspace.
+        paths = [p for p, _ in ctx.state.get("originals", {}).items() if p.endswith((".py", ".pyi"))]
+        paths = paths or [WORKSPACE]
+    files: dict[str, str] = {}
+    for p in paths:
+        try:
+            info = ctx.sandbox.stat(p)
+        except (FileNotFoundError, SandboxError):
+            if args.get("paths"):
+                raise ToolError(f"path not found: {p}") from None
+            continue
+        targets = _python_files(ctx, p) if info.kind == "dir" else [p]
+        for t in targets[: MAX_FILES - len(files)]:
+            files[t] = ctx.sandbox.read_file(t).decode("utf-8", "replace")
+    if not files:
+        return "No Python files to lint."
+    diags = ruff_check(files, workspace_configs(ctx.sandbox), timeout=ctx.timeout_s)
+    if not diags:
+        return f"No lint errors in {len(files)} file{'s' if len(files) > 1 else ''}."
+    return "\n".join(d.render() for d in diags) + f"\n{len(diags)} lint error(s)."
+
+
+READ_LINTS = FunctionTool(
+    name="read_lints",
+    description=(
+        "Lint Python files with ruff. paths: files or directories (default: the files you edited, "
+        "else the whole workspace)."
+    ),
+    parameters=obj(
+        {
+            "paths": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "Files or directories to lint.",
+            }
+        },
+        [],
+    ),
+    fn=_read_lints,
+)

@@ -1,0 +1,51 @@
+"""codebase_search: semantic search over the workspace, answered by the host-side index
+(`codedojo.harness.embeddings.CodebaseIndex`); only file reads touch the sandbox."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
+
+SNIPPET_LINES = 12
+
+
+def _codebase_search(ctx: ToolContext, args: dict[str, Any]) -> str:
+    if ctx.search is None:
+        raise ToolError("codebase_search is not available in this environment")
+    query = args["query"].strip()
+    if not query:
+        raise ToolError("query is empty")
+    roots = [resolve(d) for d in (args.get("target_directories") or [])]
+    hits = ctx.search.search(ctx.sandbox, query, roots or None)
+    if not hits:
+        return "No results."
+    blocks = []
+    for h in hits:
+        lines = h.text.splitlines()
+        snippet = "\n".join(lines[:SNIPPET_LINES])
+        if len(lines) > SNIPPET_LINES:
+            snippet += f"\n... ({len(lines) - SNIPPET_LINES} more lines)"
+        blocks.append(f"{h.path}:{h.start_line}-{h.end_line} (score {h.score:.3f})\n{snippet}")
+    return "\n\n".join(blocks)
+
+
+CODEBASE_SEARCH = FunctionTool(
+    name="codebase_search",
+    description=(
+        "Semantic search: find code by meaning, e.g. 'where are user sessions validated'. Returns "
+        "the best matching snippets with their line ranges."
+    ),
+    parameters=obj(
+        {
+            "query": {"type": "string", "description": "What you are looking for, in words."},
+            "target_directories": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "Limit the search to these directories.",
+            },
+        },
+        ["query"],
+    ),
+    fn=_codebase_search,
+)

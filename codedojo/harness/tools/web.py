@@ -1,0 +1,86 @@
+"""web_fetch: fetch a URL from inside the sandbox.
+
+The request is made by `curl` inside the sandbox, whose only way out is the egress proxy its
+`EgressAttachment` set up (proxy variables and CA bundle come with the sandbox's environment).
+A sandbox without egress has no network at all, so the tool cannot reach anything the proxy's
+policy does not allow: there is no host-side path around it.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from html.parser import HTMLParser
+from typing import Any
+from urllib.parse import urlparse
+
+from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj
+
+_MARK = "__DOJO_FETCH_STATUS__"
+MAX_BYTES = 2_000_000
+
+
+class _TextExtractor(HTMLParser):
+    SKIP = {"script", "style", "noscript", "svg", "head"}
+    BLOCK = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "section", "article"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self._skip = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in self.SKIP:
+            self._skip += 1
+        elif tag in self.BLOCK:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in self.SKIP and self._skip:
+            self._skip -= 1
+        elif tag in self.BLOCK:
+            self.parts.append("\n")
+
+    def handle_data(self, data: str) -> None:
+        if not self._skip:
+            self.parts.append(data)
+
+
+def html_to_text(doc: str) -> str:
+    p = _TextExtractor()
+    p.feed(doc)
+    text = html.unescape("".join(p.parts))
+    text = re.sub(r"[ \t\r\f\v]+", " ", text)
+    return re.sub(r"\n\s*\n+", "\n\n", text).strip()
+
+
+def _web_fetch(ctx: ToolContext, args: dict[str, Any]) -> str:
+    url = args["url"].strip()
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ToolError(f"url must be an absolute http(s) URL, got {url!r}")
+    timeout = min(ctx.timeout_s, 30.0)
+    r = ctx.sandbox.exec(
+        [
+            "curl", "-sS", "-L", "--max-redirs", "5", "--max-time", str(int(timeout)),
+            "--max-filesize", str(MAX_BYTES), "-w", f"\n{_MARK} %{{http_code}} %{{content_type}}", url,
+        ],
+        timeout=timeout + 5,
+    )
+    if r.exit_code != 0 or _MARK not in r.stdout:
+        detail = r.stderr.strip() or f"curl exit code {r.exit_code}"
+        raise ToolError(f"fetch failed (the sandbox reaches the web only through its egress proxy): {detail}")
+    body, _, status_line = r.stdout.rpartition(f"\n{_MARK} ")
+    code, _, ctype = status_line.strip().partition(" ")
+    if not code.startswith("2"):
+        raise ToolError(f"HTTP {code} from {url}\n{body[:2000]}")
+    text = html_to_text(body) if "html" in ctype.lower() else body
+    return f"URL: {url}\nContent-Type: {ctype or 'unknown'}\n\n{text}"
+
+
+WEB_FETCH = FunctionTool(
+    name="web_fetch",
+    description="Fetch a web page or file over HTTP(S) and return its text (HTML is converted to text).",
+    parameters=obj({"url": {"type": "string", "description": "Absolute http(s) URL."}}, ["url"]),
+    fn=_web_fetch,
+)
