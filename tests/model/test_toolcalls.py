@@ -1,0 +1,216 @@
+"""Tool-call parsing: well-formed, malformed and adversarial model output."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import pytest
+
+from codedojo.model.toolcalls import (
+    ToolCall,
+    ToolCallError,
+    UnknownToolCallFormat,
+    from_openai,
+    get_format,
+    parse_tool_calls,
+)
+
+
+def ids():
+    counter = itertools.count()
+    return lambda: f"call_{next(counter)}"
+
+
+# -- hermes / smollm2 JSON ----------------------------------------------------------------------
+
+
+def test_hermes_single_call_and_content():
+    text = 'Let me look.\n<tool_call>\n{"name": "read_file", "arguments": {"target_file": "a.py"}}\n</tool_call>'
+    out = parse_tool_calls(text, "hermes", id_factory=ids())
+    assert out.content == "Let me look."
+    assert out.calls == [ToolCall("call_0", "read_file", {"target_file": "a.py"})]
+
+
+def test_hermes_several_calls_in_one_turn():
+    text = ('<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n'
+            '<tool_call>{"name": "b", "arguments": {"y": [1, {"z": 2}]}}</tool_call> done')
+    out = parse_tool_calls(text, "hermes", id_factory=ids())
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("a", {"x": 1}), ("b", {"y": [1, {"z": 2}]})]
+    assert out.content == "done"
+
+
+def test_smollm2_list_block_and_empty_list():
+    text = '<tool_call>[\n{"name": "f", "arguments": {"a": "1"}},\n{"name": "g", "arguments": {}}\n]</tool_call>'
+    out = parse_tool_calls(text, "smollm2")
+    assert [c.name for c in out.tool_calls] == ["f", "g"]
+    assert parse_tool_calls("<tool_call>[]</tool_call>", "smollm2").calls == []
+
+
+def test_json_string_containing_close_tag_and_braces():
+    args = {"code": 'print("</tool_call>") if x else {"a": {"b": "}}"}}', "note": "<tool_call>"}
+    text = f"<tool_call>{json.dumps({'name': 'write', 'arguments': args})}</tool_call>after"
+    out = parse_tool_calls(text, "hermes")
+    assert len(out.tool_calls) == 1 and out.tool_calls[0].arguments == args
+    assert out.content == "after"
+
+
+def test_arguments_given_as_json_string():
+    text = '<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}</tool_call>'
+    assert parse_tool_calls(text).tool_calls[0].arguments == {"a": 2}
+
+
+def test_unclosed_tag_after_complete_json_is_accepted():
+    out = parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}\n', "hermes")
+    assert [c.name for c in out.tool_calls] == ["f"] and not out.errors
+
+
+def test_unclosed_tag_cut_inside_json_is_an_error():
+    out = parse_tool_calls('ok <tool_call>{"name": "f", "arguments": {"a": "tru', "hermes")
+    assert out.content == "ok"
+    (err,) = out.calls
+    assert isinstance(err, ToolCallError) and "unclosed" in err.message and "invalid JSON" in err.message
+
+
+@pytest.mark.parametrize("body, needle", [
+    ('{"name": "f", "arguments": {"a": 1,}}', "invalid JSON"),
+    ('{"arguments": {}}', "name"),
+    ('{"name": "f", "arguments": [1, 2]}', "JSON object"),
+    ('"just a string"', "JSON object"),
+    ('{"name": "f", "arguments": {}} trailing junk', "unexpected text"),
+    ('{"name": "f", "arguments": "{not json"}', "not JSON"),
+])
+def test_malformed_calls_become_error_values(body, needle):
+    text = f"before <tool_call>{body}</tool_call> after"
+    out = parse_tool_calls(text, "hermes")
+    (err,) = out.calls
+    assert isinstance(err, ToolCallError) and needle in err.message
+    assert err.to_tool_message()["role"] == "tool" and err.to_tool_message()["tool_call_id"] == err.id
+    # Text after the bad block is still content; the parser resynchronised on </tool_call>.
+    assert out.content.endswith("after")
+
+
+def test_malformed_call_does_not_swallow_the_next_good_one():
+    text = '<tool_call>{"name": oops}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    out = parse_tool_calls(text, "hermes")
+    assert isinstance(out.calls[0], ToolCallError) and out.calls[1].name == "g"
+
+
+def test_deep_nesting_is_an_error_not_a_crash():
+    text = "<tool_call>" + "[" * 200_000 + "</tool_call>"
+    (err,) = parse_tool_calls(text, "hermes").calls
+    assert isinstance(err, ToolCallError)
+
+
+def test_one_megabyte_arguments_parse_fast():
+    big = "x = {'a': [1, 2, 3]}\n" * 50_000  # ~1 MB of code with braces and quotes
+    text = "<tool_call>" + json.dumps({"name": "write", "arguments": {"contents": big}}) + "</tool_call>"
+    assert len(text) > 1_000_000
+    t0 = time.perf_counter()
+    out = parse_tool_calls(text, "hermes")
+    elapsed = time.perf_counter() - t0
+    assert out.tool_calls[0].arguments["contents"] == big
+    # Not a benchmark: a generous bound that only a quadratic/backtracking parser would break.
+    assert elapsed < 1.0
+
+
+def test_one_megabyte_unclosed_garbage_is_linear():
+    text = "<tool_call>{" + '"a":' * 250_000
+    t0 = time.perf_counter()
+    out = parse_tool_calls(text, "hermes")
+    assert isinstance(out.calls[0], ToolCallError) and time.perf_counter() - t0 < 1.0
+
+
+def test_text_without_calls_is_all_content():
+    out = parse_tool_calls("no tools here, {\"name\": 1}", "hermes")
+    assert out.calls == [] and out.content == 'no tools here, {"name": 1}'
+
+
+def test_render_then_parse_round_trips():
+    calls = [ToolCall("call_0", "a", {"x": "</tool_call>"}), ToolCall("call_1", "b", {"n": 2, "l": [1]})]
+    for fmt in ("hermes", "smollm2", "qwen3_coder"):
+        f = get_format(fmt)
+        tools = [{"type": "function", "function": {"name": "b", "parameters": {
+            "type": "object", "properties": {"n": {"type": "integer"}, "l": {"type": "array"}}}}}]
+        parsed = f.parse(f.render(calls), tools=tools, id_factory=ids())
+        # For XML, `</tool_call>` inside a value is fine too: blocks are read parameter by
+        # parameter, and the schema turns "2" back into an integer.
+        assert [(c.name, c.arguments) for c in parsed.calls] == [(c.name, c.arguments) for c in calls]
+
+
+# -- qwen3-coder XML ----------------------------------------------------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "grep", "parameters": {"type": "object", "properties": {
+    "pattern": {"type": "string"}, "-A": {"type": "integer"}, "-i": {"type": "boolean"},
+    "globs": {"type": "array"}, "ratio": {"type": "number"}}}}}]
+
+
+def test_xml_call_with_typed_parameters():
+    text = ("I'll search.\n<tool_call>\n<function=grep>\n<parameter=pattern>\ndef foo(\n</parameter>\n"
+            "<parameter=-A>\n3\n</parameter>\n<parameter=-i>\ntrue\n</parameter>\n"
+            "<parameter=globs>\n[\"*.py\"]\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n"
+            "</function>\n</tool_call>")
+    out = parse_tool_calls(text, "qwen3_coder", tools=TOOLS)
+    assert out.content == "I'll search."
+    (call,) = out.tool_calls
+    assert call.name == "grep"
+    assert call.arguments == {"pattern": "def foo(", "-A": 3, "-i": True, "globs": ["*.py"], "ratio": 0.5}
+
+
+def test_xml_multiline_value_keeps_inner_newlines_and_no_schema_means_strings():
+    text = "<tool_call><function=write><parameter=contents>\na\n\nb\n</parameter><parameter=n>5</parameter></function></tool_call>"
+    (call,) = parse_tool_calls(text, "qwen3_coder").tool_calls
+    assert call.arguments == {"contents": "a\n\nb", "n": "5"}
+
+
+def test_xml_several_calls():
+    one = "<tool_call><function=f><parameter=a>1</parameter></function></tool_call>"
+    out = parse_tool_calls(one + "\n" + one.replace("=f>", "=g>"), "qwen3_coder")
+    assert [c.name for c in out.tool_calls] == ["f", "g"]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("<tool_call><parameter=a>1</parameter></tool_call>", "expected <function=NAME>"),
+    ("<tool_call><function=f><parameter=a>1</function></tool_call>", "no </parameter>"),
+    ("<tool_call><function=f><parameter=a>1</parameter>", "cut off"),
+    ("<tool_call><function=f>junk</function></tool_call>", "unexpected text"),
+    ("<tool_call><function=grep><parameter=-A>three</parameter></function></tool_call>", "not an integer"),
+    ("<tool_call><function=grep\n", "unclosed <function"),
+])
+def test_xml_malformed(text, needle):
+    (err,) = parse_tool_calls(text, "qwen3_coder", tools=TOOLS).calls
+    assert isinstance(err, ToolCallError) and needle in err.message
+
+
+def test_xml_one_megabyte_value_parses_fast():
+    big = "<div>{x}</div>\n" * 70_000
+    text = f"<tool_call><function=write><parameter=contents>\n{big}\n</parameter></function></tool_call>"
+    t0 = time.perf_counter()
+    (call,) = parse_tool_calls(text, "qwen3_coder").tool_calls
+    assert call.arguments["contents"] == big and time.perf_counter() - t0 < 1.0
+
+
+# -- OpenAI API tool_calls and the registry -----------------------------------------------------
+
+
+def test_from_openai():
+    calls = from_openai([
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{bad"}},
+        {"id": "c3", "type": "function", "function": {"name": "h", "arguments": "[1]"}},
+        {"id": "c4", "type": "function", "function": {"arguments": "{}"}},
+    ])
+    assert calls[0] == ToolCall("c1", "f", {"a": 1})
+    assert all(isinstance(c, ToolCallError) for c in calls[1:])
+    assert calls[1].id == "c2" and calls[1].name == "g"
+
+
+def test_to_openai_shape():
+    d = ToolCall("c", "f", {"a": "é"}).to_openai()
+    assert d == {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": "é"}'}}
+
+
+def test_unknown_format_is_named():
+    with pytest.raises(UnknownToolCallFormat, match="nope"):
+        parse_tool_calls("x", "nope")
