@@ -1,0 +1,253 @@
+"""Mixture-of-experts feed-forward layer in the DeepSeek-V3 / Kimi K2 style.
+
+Architectural choices (DeepSeek-V3 report, sec. 2.1.2):
+
+* fine-grained routed experts (small SwiGLU FFNs) plus always-on shared expert(s);
+* sigmoid affinities s_i = sigmoid(u . e_i), top-k selection, gates = normalised affinities of the
+  selected experts times `route_scale`;
+* auxiliary-loss-free balancing: a per-expert bias b_i is added to the affinities *for selection
+  only* (gates use the raw affinities); after each optimizer step, b_i moves by +gamma when expert i
+  was under-loaded and -gamma when over-loaded (`update_bias`);
+* an optional small sequence-wise balance loss  alpha * sum_i f_i P_i  (`aux_loss` after forward);
+* router replay: when `replay_indices` is set, those expert indices (chosen at inference time) are
+  used instead of the top-k, while the gates are still computed from the router so gradients flow
+  to it; the indices actually used are always left in `last_indices` so rollouts can return them.
+
+Two implementations of the same math: `forward_reference` loops over tokens and experts (slow,
+obviously right), `forward` sorts tokens by expert and runs all experts in one padded batched
+matmul. Tests check one against the other. The layer does not know about parallelism.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _moe_cfg(cfg: Any) -> Any:
+    moe = getattr(cfg, "moe", None)
+    if moe is None:
+        raise ValueError("config.moe is not set: MoE needs a MoEConfig")
+    return moe
+
+
+def _dim(cfg: Any) -> int:
+    for name in ("dim", "hidden_size", "d_model"):
+        if hasattr(cfg, name):
+            return int(getattr(cfg, name))
+    raise ValueError("config has no hidden size field (dim / hidden_size)")
+
+
+def _moe_field(moe: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        if hasattr(moe, n):
+            return getattr(moe, n)
+    if default is None:
+        raise ValueError(f"config.moe: missing field {names[0]!r}")
+    return default
+
+
+class MoE(nn.Module):
+    """x (B, T, D) -> (B, T, D). Reads `cfg.moe` for its sizes."""
+
+    def __init__(self, cfg: Any):
+        super().__init__()
+        m = _moe_cfg(cfg)
+        self.dim = _dim(cfg)
+        self.n_experts = int(_moe_field(m, "n_routed_experts", "num_experts"))
+        self.top_k = int(_moe_field(m, "top_k", "num_experts_per_tok"))
+        self.hidden = int(_moe_field(m, "expert_hidden", "moe_intermediate_size"))
+        self.n_shared = int(_moe_field(m, "n_shared_experts", default=1))
+        self.route_scale = float(_moe_field(m, "route_scale", "routed_scaling_factor", default=1.0))
+        self.aux_coef = float(_moe_field(m, "seq_aux_loss_coef", "aux_loss_alpha", default=0.0))
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"config.moe.top_k must be in [1, {self.n_experts}]")
+        E, D, H = self.n_experts, self.dim, self.hidden
+        self.router = nn.Linear(D, E, bias=False)
+        # Stacked expert weights: one tensor each so the fast path is a single batched matmul.
+        self.w1 = nn.Parameter(torch.empty(E, D, H))  # gate proj
+        self.w3 = nn.Parameter(torch.empty(E, D, H))  # up proj
+        self.w2 = nn.Parameter(torch.empty(E, H, D))  # down proj
+        if self.n_shared > 0:
+            hs = H * self.n_shared
+            self.shared_w1 = nn.Linear(D, hs, bias=False)
+            self.shared_w3 = nn.Linear(D, hs, bias=False)
+            self.shared_w2 = nn.Linear(hs, D, bias=False)
+        # Balancing state: not parameters (no gradient), but saved with the checkpoint.
+        self.register_buffer("expert_bias", torch.zeros(E), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
+        self.replay_indices: torch.Tensor | None = None  # (B, T, k) set by router_replay
+        self.last_indices: torch.Tensor | None = None  # (B, T, k)
+        self.aux_loss: torch.Tensor | None = None
+        self.init_weights()
+
+    def init_weights(self, std: float = 0.02) -> None:
+        nn.init.normal_(self.router.weight, std=std)
+        for w in (self.w1, self.w3, self.w2):
+            nn.init.normal_(w, std=std)
+        if self.n_shared > 0:
+            for lin in (self.shared_w1, self.shared_w3, self.shared_w2):
+                nn.init.normal_(lin.weight, std=std)
+
+    # ---- routing -------------------------------------------------------------------------
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, D) -> indices (N, k), gates (N, k), scores (N, E); fp32 router math."""
+        scores = torch.sigmoid(self.router(x).float())  # (N, E)
+        if self.replay_indices is not None:
+            idx = self.replay_indices.reshape(-1, self.top_k).to(x.device, torch.long)
+            if idx.shape[0] != x.shape[0]:
+                raise ValueError(f"replay_indices has {idx.shape[0]} tokens, input has {x.shape[0]}")
+        else:
+            # The bias steers selection only; it never enters the gate values.
+            idx = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+        sel = scores.gather(-1, idx)
+        gates = sel / (sel.sum(-1, keepdim=True) + 1e-20) * self.route_scale
+        return idx, gates, scores
+
+    def _bookkeeping(self, idx: torch.Tensor, scores: torch.Tensor, B: int, T: int) -> None:
+        self.last_indices = idx.detach().reshape(B, T, self.top_k)
+        if self.training:
+            self.tokens_per_expert += torch.bincount(idx.reshape(-1), minlength=self.n_experts
+                                                     ).to(self.tokens_per_expert)
+        if self.aux_coef > 0 and self.training:
+            # Sequence-wise balance loss (DeepSeek-V3 eq. 17-20), averaged over sequences.
+            E, k = self.n_experts, self.top_k
+            onehot = torch.zeros(B, T, E, device=scores.device)
+            onehot.scatter_(-1, idx.reshape(B, T, k), 1.0)
+            f = onehot.sum(1) * E / (k * T)  # (B, E)
+            p = (scores / scores.sum(-1, keepdim=True)).reshape(B, T, E).mean(1)  # (B, E)
+            self.aux_loss = self.aux_coef * (f * p).sum(-1).mean()
+        else:
+            self.aux_loss = None
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        if self.n_shared == 0:
+            return torch.zeros_like(x)
+        return self.shared_w2(F.silu(self.shared_w1(x)) * self.shared_w3(x))
+
+    # ---- forward, fast (grouped) and reference -------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        flat = x.reshape(-1, D)  # (N, D)
+        idx, gates, scores = self.route(flat)
+        self._bookkeeping(idx, scores, B, T)
+        N, k, E = flat.shape[0], self.top_k, self.n_experts
+        # Sort (token, slot) pairs by expert; lay each expert's tokens out in its own row of a
+        # (E, C, D) buffer, C = the largest expert load, and run every expert in one bmm.
+        expert_of = idx.reshape(-1)  # (N*k,)
+        order = torch.argsort(expert_of, stable=True)
+        token_of = order // k
+        counts = torch.bincount(expert_of, minlength=E)  # (E,)
+        C = int(counts.max())
+        starts = torch.cumsum(counts, 0) - counts
+        sorted_e = expert_of[order]
+        slot = torch.arange(N * k, device=x.device) - starts[sorted_e]
+        buf = flat.new_zeros(E, C, D)
+        buf[sorted_e, slot] = flat[token_of]
+        h = F.silu(torch.bmm(buf, self.w1)) * torch.bmm(buf, self.w3)  # (E, C, H)
+        out_e = torch.bmm(h, self.w2)  # (E, C, D)
+        contrib = out_e[sorted_e, slot] * gates.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
+        routed = flat.new_zeros(N, D).index_add_(0, token_of, contrib)
+        return (routed + self._shared(flat)).reshape(B, T, D)
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token, per-expert loop: the definition the fast path must match."""
+        B, T, D = x.shape
+        flat = x.reshape(-1, D)
+        idx, gates, scores = self.route(flat)
+        self._bookkeeping(idx, scores, B, T)
+        rows = []
+        for n in range(flat.shape[0]):
+            acc = torch.zeros(D, dtype=x.dtype, device=x.device)
+            for j in range(self.top_k):
+                e = int(idx[n, j])
+                h = F.silu(flat[n] @ self.w1[e]) * (flat[n] @ self.w3[e])
+                acc = acc + gates[n, j].to(x.dtype) * (h @ self.w2[e])
+            rows.append(acc)
+        return (torch.stack(rows) + self._shared(flat)).reshape(B, T, D)
+
+    # ---- balancing -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_bias(self, gamma: float) -> None:
+        """Aux-loss-free balancing step: nudge each bias by gamma toward the mean load, then
+        forget the counts. Call after the optimizer step."""
+        load = self.tokens_per_expert
+        if load.sum() == 0:
+            return
+        self.expert_bias += gamma * torch.sign(load.mean() - load)
+        self.tokens_per_expert.zero_()
+
+
+# ---- model-level helpers (the MoE layers are found by type, the model needs no hooks) ------
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def update_moe_biases(model: nn.Module, gamma: float) -> None:
+    for m in moe_layers(model):
+        m.update_bias(gamma)
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    losses = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+def recorded_routing(model: nn.Module) -> list[torch.Tensor]:
+    """Expert indices used by the last forward, one (B, T, k) tensor per MoE layer in order."""
+    out = []
+    for m in moe_layers(model):
+        if m.last_indices is None:
+            raise RuntimeError("no forward has run since the model was built")
+        out.append(m.last_indices)
+    return out
+
+
+@contextmanager
+def router_replay(model: nn.Module, indices: list[torch.Tensor]):
+    """Within the block, every MoE layer uses the given expert indices (from `recorded_routing`
+    at inference) instead of choosing its own."""
+    layers = moe_layers(model)
+    if len(indices) != len(layers):
+        raise ValueError(f"router_replay: {len(indices)} index tensors for {len(layers)} MoE layers")
+    try:
+        for m, i in zip(layers, indices, strict=True):
+            m.replay_indices = i
+        yield
+    finally:
+        for m in layers:
+            m.replay_indices = None
+
+
+@torch.no_grad()
+def upcycle_mlp(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, moe: MoE) -> MoE:
+    """Dense SwiGLU (weights as nn.Linear stores them: gate/up (F, D), down (D, F)) -> MoE.
+
+    Function-preserving: the shared expert becomes the dense FFN (so the MoE starts as the dense
+    model exactly) when its width matches; routed experts start from disjoint neuron slices of the
+    dense FFN (diverse, so the router has something to tell apart) with zeroed down projections,
+    which then learn.
+    """
+    Fdim, D = w_gate.shape
+    if moe.n_shared == 0 or moe.shared_w1.weight.shape[0] != Fdim:
+        raise ValueError(f"upcycle: shared expert width must equal the dense FFN width {Fdim} "
+                         "(set moe.n_shared_experts * moe.expert_hidden accordingly)")
+    moe.shared_w1.weight.copy_(w_gate)
+    moe.shared_w3.weight.copy_(w_up)
+    moe.shared_w2.weight.copy_(w_down)
+    H = moe.hidden
+    for e in range(moe.n_experts):
+        sl = torch.arange(e * H, (e + 1) * H) % Fdim
+        moe.w1[e].copy_(w_gate[sl].T)
+        moe.w3[e].copy_(w_up[sl].T)
+    moe.w2.zero_()
+    return moe

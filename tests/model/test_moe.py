@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from codedojo.model.moe import (
+    MoE,
+    moe_aux_loss,
+    recorded_routing,
+    router_replay,
+    upcycle_mlp,
+    update_moe_biases,
+)
+
+
+def _cfg(**kw) -> SimpleNamespace:
+    moe = dict(n_routed_experts=8, top_k=2, expert_hidden=16, n_shared_experts=1,
+               route_scale=1.0, seq_aux_loss_coef=0.0)
+    moe.update(kw)
+    return SimpleNamespace(dim=24, moe=SimpleNamespace(**moe))
+
+
+def test_fast_matches_reference_forward_and_grads():
+    torch.manual_seed(0)
+    m = MoE(_cfg())
+    x = torch.randn(2, 7, 24, requires_grad=True)
+    fast = m(x)
+    gf = torch.autograd.grad(fast.square().sum(), [x, m.w1, m.w2, m.router.weight])
+    ref = m.forward_reference(x)
+    gr = torch.autograd.grad(ref.square().sum(), [x, m.w1, m.w2, m.router.weight])
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(gf, gr, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_bias_changes_selection_not_gates():
+    torch.manual_seed(1)
+    m = MoE(_cfg(n_shared_experts=0))
+    x = torch.randn(1, 5, 24)
+    idx0, gates0, scores = m.route(x.reshape(-1, 24))
+    m.expert_bias[3] = 100.0  # expert 3 now always selected
+    idx1, gates1, _ = m.route(x.reshape(-1, 24))
+    assert (idx1 == 3).any(-1).all()
+    sel = scores.gather(-1, idx1)
+    torch.testing.assert_close(gates1, sel / sel.sum(-1, keepdim=True))  # raw affinities only
+
+
+def test_bias_update_moves_toward_balance():
+    m = MoE(_cfg())
+    m.train()
+    m.tokens_per_expert.copy_(torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6]))
+    update_moe_biases(m, gamma=0.01)
+    assert m.expert_bias[0] < 0 and m.expert_bias[1] > 0 and m.expert_bias[7] < 0
+    assert m.tokens_per_expert.sum() == 0
+
+
+def test_router_replay_uses_given_indices_and_router_gets_grads():
+    torch.manual_seed(2)
+    m = MoE(_cfg())
+    x = torch.randn(2, 4, 24)
+    m(x)
+    chosen = recorded_routing(m)
+    forced = [(chosen[0] + 1) % 8]
+    with router_replay(m, forced):
+        y = m(x)
+        assert torch.equal(recorded_routing(m)[0], forced[0])
+    y.sum().backward()
+    assert m.router.weight.grad is not None and m.router.weight.grad.abs().sum() > 0
+    assert m.replay_indices is None
+    with pytest.raises(ValueError, match="2 index tensors for 1"):
+        with router_replay(m, forced * 2):
+            pass
+
+
+def test_sequence_aux_loss_prefers_balance():
+    torch.manual_seed(3)
+    m = MoE(_cfg(seq_aux_loss_coef=0.01))
+    m.train()
+    m(torch.randn(2, 16, 24))
+    balanced = float(moe_aux_loss(m).detach())
+    with torch.no_grad():
+        m.router.weight.zero_()
+        m.router.weight[0] += 1.0  # one expert dominates the affinities
+    m(torch.randn(2, 16, 24).abs())
+    assert float(moe_aux_loss(m)) > balanced
+
+
+def test_upcycled_moe_equals_dense_then_trains():
+    torch.manual_seed(4)
+    D, Fd = 24, 32
+    wg, wu, wd = torch.randn(Fd, D) * 0.1, torch.randn(Fd, D) * 0.1, torch.randn(D, Fd) * 0.1
+    m = upcycle_mlp(wg, wu, wd, MoE(_cfg(expert_hidden=16, n_shared_experts=2)))
+    x = torch.randn(3, 5, D)
+    dense = (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)) @ wd.T
+    torch.testing.assert_close(m(x), dense, rtol=1e-5, atol=1e-6)
+
+
+def test_tiny_moe_trains_and_balances():
+    torch.manual_seed(5)
+    m = MoE(_cfg(seq_aux_loss_coef=1e-3))
+    m.train()
+    x, y = torch.randn(4, 8, 24), torch.randn(4, 8, 24)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(60):
+        loss = (m(x) - y).square().mean() + moe_aux_loss(m)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        update_moe_biases(m, 1e-3)
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+    assert m.expert_bias.abs().sum() > 0
