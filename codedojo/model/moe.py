@@ -60,7 +60,7 @@ class MoE(nn.Module):
         self.dim = _dim(cfg)
         self.n_experts = int(_moe_field(m, "n_routed_experts", "num_experts"))
         self.top_k = int(_moe_field(m, "top_k", "num_experts_per_tok"))
-        self.hidden = int(_moe_field(m, "expert_hidden", "moe_intermediate_size"))
+        self.hidden = int(_moe_field(m, "expert_ffn_dim", "expert_hidden", "moe_intermediate_size"))
         self.n_shared = int(_moe_field(m, "n_shared_experts", default=1))
         self.route_scale = float(_moe_field(m, "route_scale", "routed_scaling_factor", default=1.0))
         self.aux_coef = float(_moe_field(m, "seq_aux_loss_coef", "aux_loss_alpha", default=0.0))

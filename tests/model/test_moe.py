@@ -1,10 +1,9 @@
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from codedojo.model.config import ModelConfig, MoEConfig
 from codedojo.model.moe import (
     MoE,
     moe_aux_loss,
@@ -15,11 +14,11 @@ from codedojo.model.moe import (
 )
 
 
-def _cfg(**kw) -> SimpleNamespace:
-    moe = dict(n_routed_experts=8, top_k=2, expert_hidden=16, n_shared_experts=1,
+def _cfg(**kw) -> ModelConfig:
+    moe = dict(n_routed_experts=8, top_k=2, expert_ffn_dim=16, n_shared_experts=1,
                route_scale=1.0, seq_aux_loss_coef=0.0)
     moe.update(kw)
-    return SimpleNamespace(dim=24, moe=SimpleNamespace(**moe))
+    return ModelConfig.tiny(dim=24, moe=MoEConfig(**moe))
 
 
 def test_fast_matches_reference_forward_and_grads():
@@ -91,7 +90,7 @@ def test_upcycled_moe_equals_dense_then_trains():
     torch.manual_seed(4)
     D, Fd = 24, 32
     wg, wu, wd = torch.randn(Fd, D) * 0.1, torch.randn(Fd, D) * 0.1, torch.randn(D, Fd) * 0.1
-    m = upcycle_mlp(wg, wu, wd, MoE(_cfg(expert_hidden=16, n_shared_experts=2)))
+    m = upcycle_mlp(wg, wu, wd, MoE(_cfg(expert_ffn_dim=16, n_shared_experts=2)))
     x = torch.randn(3, 5, D)
     dense = (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)) @ wd.T
     torch.testing.assert_close(m(x), dense, rtol=1e-5, atol=1e-6)
