@@ -1,0 +1,220 @@
+"""The agent loop: ask the model, run its tool calls, repeat; one trajectory per episode.
+
+    while turns remain:
+        if the context is nearly full: the model writes a summary; a new context starts from it
+        the model answers; no tool call = it is done
+        each call runs through the tool service; its output (or its error) goes back as a tool message
+        the trajectory is saved
+
+Recoverable errors (a bad tool call, a failing command, a malformed call) are tool results the
+model reads. Terminal ones (the model endpoint or the tool service failing) end the episode
+with status "error"; the trajectory saved so far stays valid. The self-summary chain is one
+trajectory: its `segments` say where each context starts.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from codedojo.harness.policy import Policy, PolicyOutput
+from codedojo.harness.tools.base import ToolResult
+from codedojo.harness.trajectory import ToolCallRecord, Trajectory, TrajectoryWriter, Turn
+
+DEFAULT_SYSTEM = (
+    "You are a coding agent working in a repository at /workspace. Use the tools to inspect and "
+    "change files and to run commands. Make the smallest correct change, check it (for example "
+    "by running the tests), and when you are done reply with a short summary and no tool call."
+)
+SUMMARY_PROMPT = (
+    "Your context is almost full. Write a summary that lets you continue without it: the task, "
+    "what you found, what you changed (files and why), what is left to do, and the next step. "
+    "Reply with the summary only; do not call tools."
+)
+SUMMARY_PREFIX = "Summary of your work so far (your earlier context was cleared):"
+
+
+class ToolRunner(Protocol):
+    """An episode's tools: a `ToolSession` in process or a `RemoteEpisode` over RPC."""
+
+    schemas: list[dict[str, Any]]
+    versions: dict[str, str]
+
+    def call(self, name: str, arguments: Any) -> ToolResult: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+
+class LoopConfig(BaseModel):
+    """Limits and prompts of one episode."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_turns: int = Field(30, ge=1, description="Model calls that may act (summaries excluded).")
+    max_tokens: int = Field(32_768, ge=1, description="Completion tokens over the whole episode.")
+    max_tokens_per_turn: int = Field(2_048, ge=1, description="Completion tokens of one call.")
+    context_window: int = Field(8_192, ge=256, description="The model's context, in tokens.")
+    summary_threshold: float = Field(
+        0.8, gt=0, le=1, description="Summarise when the next prompt would pass this share of the window."
+    )
+    max_summaries: int = Field(4, ge=0, description="Self-summaries per episode (0 = off).")
+    system_prompt: str = DEFAULT_SYSTEM
+    summary_prompt: str = SUMMARY_PROMPT
+
+
+def _estimate(text: str) -> int:
+    return (len(text) + 3) // 4
+
+
+def _mask(out: PolicyOutput) -> list[int]:
+    # Sampled tokens are trained on; the prompt, which carries every tool output, never is.
+    if not out.completion_ids:
+        return []
+    return [0] * len(out.prompt_ids) + [1] * len(out.completion_ids)
+
+
+class Agent:
+    """Runs episodes of one policy with one loop config."""
+
+    def __init__(self, policy: Policy, config: LoopConfig | None = None) -> None:
+        self.policy = policy
+        self.config = config or LoopConfig()
+
+    def run(
+        self,
+        task: str,
+        tools: ToolRunner,
+        *,
+        out: str | Path | None = None,
+        env: str = "default",
+        metadata: dict[str, Any] | None = None,
+    ) -> Trajectory:
+        cfg = self.config
+        traj = Trajectory(
+            task=task,
+            env=env,
+            model=getattr(self.policy, "name", ""),
+            tool_schemas=list(tools.schemas),
+            tool_versions=dict(tools.versions),
+            toolset_generation=int(getattr(tools, "generation", getattr(getattr(tools, "toolset", None), "generation", 0))),
+            metadata=dict(metadata or {}),
+        )
+        writer = TrajectoryWriter(out) if out else None
+        context = self._fresh_context(task)
+        traj.messages.extend(context)
+        if writer:
+            writer.start(traj)
+            writer.step(traj)
+        used_tokens = 0
+        acting_turns = 0
+        next_prompt_estimate = sum(_estimate(str(m.get("content") or "")) for m in context)
+        try:
+            while True:
+                if acting_turns >= cfg.max_turns:
+                    traj.status = "max_turns"
+                    break
+                if used_tokens >= cfg.max_tokens:
+                    traj.status = "max_tokens"
+                    break
+                budget = min(cfg.max_tokens_per_turn, cfg.max_tokens - used_tokens)
+                if (
+                    next_prompt_estimate + budget > cfg.summary_threshold * cfg.context_window
+                    and len(traj.segments) - 1 < cfg.max_summaries
+                    and acting_turns > 0
+                ):
+                    context, used = self._summarise(traj, context, budget)
+                    used_tokens += used
+                    next_prompt_estimate = sum(_estimate(str(m.get("content") or "")) for m in context)
+                    if writer:
+                        writer.step(traj)
+                    continue
+
+                t0 = time.time()
+                g0 = time.perf_counter()
+                out_ = self.policy.generate(context, tools.schemas, budget)
+                gen_s = time.perf_counter() - g0
+                used_tokens += out_.completion_tokens or len(out_.completion_ids)
+                acting_turns += 1
+                msg = out_.message()
+                context.append(msg)
+                traj.messages.append(msg)
+                turn = Turn(
+                    index=len(traj.turns), segment=len(traj.segments) - 1, kind="action", message=msg,
+                    prompt_ids=out_.prompt_ids, completion_ids=out_.completion_ids, logprobs=out_.logprobs,
+                    loss_mask=_mask(out_), finish_reason=out_.finish_reason, weight_version=out_.weight_version,
+                    prompt_tokens=out_.prompt_tokens, completion_tokens=out_.completion_tokens,
+                    reasoning_tokens=out_.reasoning_tokens, generate_s=gen_s, started_at=t0,
+                )
+                traj.turns.append(turn)
+                if not out_.calls and not out_.errors:
+                    traj.final_message = out_.content
+                    traj.status = "finished"
+                    break
+
+                t1 = time.perf_counter()
+                added = 0
+                for err in out_.errors:
+                    tm = err.to_tool_message()
+                    context.append(tm)
+                    traj.messages.append(tm)
+                    turn.tool_calls.append(ToolCallRecord(err.id, err.name or "invalid_tool_call", "", True, False, 0.0, len(tm["content"])))
+                    added += _estimate(tm["content"])
+                for call in out_.calls:
+                    res = tools.call(call.name, call.arguments)  # raises only if the service fails
+                    tm = {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": res.content}
+                    context.append(tm)
+                    traj.messages.append(tm)
+                    turn.tool_calls.append(
+                        ToolCallRecord(call.id, call.name, res.version, res.is_error, res.truncated, res.duration_s, len(res.content))
+                    )
+                    added += _estimate(res.content)
+                turn.tools_s = time.perf_counter() - t1
+                turn.tool_output_tokens = added
+                next_prompt_estimate = (out_.prompt_tokens or next_prompt_estimate) + (out_.completion_tokens or 0) + added
+                if writer:
+                    writer.step(traj)
+        except Exception as e:  # terminal: the model endpoint or the tool service failed
+            traj.status = "error"
+            traj.error = f"{type(e).__name__}: {e}"
+        traj.ended_at = time.time()
+        try:
+            traj.tool_state = tools.state()
+        except Exception as e:
+            traj.tool_state = {"error": f"{type(e).__name__}: {e}"}
+        if writer:
+            writer.finish(traj)
+        return traj
+
+    def _fresh_context(self, task: str) -> list[dict[str, Any]]:
+        return [
+            {"role": "system", "content": self.config.system_prompt},
+            {"role": "user", "content": task},
+        ]
+
+    def _summarise(self, traj: Trajectory, context: list[dict[str, Any]], budget: int) -> tuple[list[dict[str, Any]], int]:
+        """The model summarises its context; a new context (system, task, summary) follows."""
+        ask = {"role": "user", "content": self.config.summary_prompt}
+        context.append(ask)
+        traj.messages.append(ask)
+        t0 = time.time()
+        g0 = time.perf_counter()
+        out = self.policy.generate(context, [], budget)  # no tools offered: a summary is text
+        msg = {"role": "assistant", "content": out.content or ""}
+        traj.messages.append(msg)
+        traj.turns.append(
+            Turn(
+                index=len(traj.turns), segment=len(traj.segments) - 1, kind="summary", message=msg,
+                prompt_ids=out.prompt_ids, completion_ids=out.completion_ids, logprobs=out.logprobs,
+                loss_mask=_mask(out), finish_reason=out.finish_reason, weight_version=out.weight_version,
+                prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                generate_s=time.perf_counter() - g0, started_at=t0,
+            )
+        )
+        fresh = self._fresh_context(traj.task)
+        fresh.append({"role": "user", "content": f"{SUMMARY_PREFIX}\n\n{out.content or ''}\n\nContinue the task."})
+        traj.segments.append(len(traj.messages))
+        traj.messages.extend(fresh)
+        return fresh, out.completion_tokens or len(out.completion_ids)

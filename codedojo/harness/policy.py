@@ -1,0 +1,195 @@
+"""Model clients for the agent loop: one call = one assistant message plus its tokens.
+
+Three kinds with the same shape (`Policy`):
+- `OpenAIPolicy`: any OpenAI-compatible endpoint (`dojo serve`, vLLM) through the official
+  `openai` package; token ids come from the `return_token_ids` extension and logprobs from the
+  standard field.
+- `EnginePolicy`: the in-process engine on token ids, with our tokenizer and chat template.
+- `ScriptedPolicy`: replays fixed assistant messages (tests, demos, the harness benchmark).
+
+Malformed tool calls are not errors here: they come back in `PolicyOutput.errors`, and the loop
+answers each with a tool error message.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from codedojo.model.toolcalls import (
+    ParsedOutput,
+    ToolCall,
+    ToolCallError,
+    from_openai,
+    new_call_id,
+    parse_tool_calls,
+)
+
+
+@dataclass
+class PolicyOutput:
+    content: str
+    calls: list[ToolCall] = field(default_factory=list)
+    errors: list[ToolCallError] = field(default_factory=list)
+    reasoning: str | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "stop"
+    weight_version: int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message in OpenAI form. A malformed call keeps its place as a call whose
+        arguments are the raw text, so the error message that answers it has a call to answer."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        calls = [c.to_openai() for c in self.calls]
+        calls += [
+            {"id": e.id, "type": "function", "function": {"name": e.name or "invalid_tool_call", "arguments": e.raw}}
+            for e in self.errors
+        ]
+        if calls:
+            msg["tool_calls"] = calls
+        return msg
+
+
+class Policy(Protocol):
+    name: str
+
+    def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int) -> PolicyOutput: ...
+
+
+def _estimate_tokens(text: str) -> int:
+    return max(1, len(text) // 4) if text else 0
+
+
+# ---- scripted -------------------------------------------------------------------------------
+
+
+class ScriptedPolicy:
+    """Replays a script: each step is a list of (tool name, arguments) pairs, or a string for a
+    final answer. A callable step gets the messages so far (to react to tool output)."""
+
+    name = "scripted"
+
+    def __init__(self, steps: Iterable[str | Sequence[tuple[str, dict[str, Any]]] | Callable[[list[dict[str, Any]]], Any]]) -> None:
+        self.steps = list(steps)
+        self.calls = 0
+
+    def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int) -> PolicyOutput:
+        if self.calls >= len(self.steps):
+            return PolicyOutput(content="(script finished)")
+        step = self.steps[self.calls]
+        self.calls += 1
+        if callable(step):
+            step = step(messages)
+        if isinstance(step, str):
+            return PolicyOutput(content=step, completion_tokens=_estimate_tokens(step))
+        calls = [ToolCall(new_call_id(), n, dict(a)) for n, a in step]
+        text = json.dumps([{"name": c.name, "arguments": c.arguments} for c in calls])
+        return PolicyOutput(content="", calls=calls, completion_tokens=_estimate_tokens(text),
+                            prompt_tokens=sum(_estimate_tokens(str(m.get("content") or "")) for m in messages))
+
+
+# ---- OpenAI-compatible endpoint -------------------------------------------------------------
+
+
+def _extra(obj: Any, key: str) -> Any:
+    """A field the OpenAI SDK does not model (server extensions such as token ids)."""
+    value = getattr(obj, key, None)
+    if value is None:
+        extra = getattr(obj, "model_extra", None) or {}
+        value = extra.get(key)
+    return value
+
+
+class OpenAIPolicy:
+    """Chat completions from any OpenAI-compatible server.
+
+    Tool calls come from `message.tool_calls`; when a server leaves them in the text, they are
+    parsed with `text_format` (a `codedojo.model.toolcalls` format name).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        base_url: str,
+        api_key: str = "EMPTY",
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        text_format: str = "hermes",
+        timeout: float = 600.0,
+        extra_body: dict[str, Any] | None = None,
+    ) -> None:
+        import openai
+
+        self.name = model
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=1)
+        self.temperature, self.top_p, self.seed = temperature, top_p, seed
+        self.text_format = text_format
+        self.extra_body = {"return_token_ids": True, **(extra_body or {})}
+
+    def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int) -> PolicyOutput:
+        kwargs: dict[str, Any] = {}
+        if tools:
+            kwargs["tools"] = tools
+        if self.seed is not None:
+            kwargs["seed"] = self.seed
+        resp = self.client.chat.completions.create(
+            model=self.name,
+            messages=_for_api(messages),  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            logprobs=True,
+            extra_body=self.extra_body,
+            **kwargs,
+        )
+        choice = resp.choices[0]
+        msg = choice.message
+        content = msg.content or ""
+        parsed: list[ToolCall | ToolCallError] = from_openai(msg.tool_calls)
+        if not parsed and content:
+            out: ParsedOutput = parse_tool_calls(content, self.text_format, tools)
+            if out.calls:
+                content, parsed = out.content, out.calls
+        logprobs = [float(t.logprob) for t in (choice.logprobs.content or [])] if choice.logprobs else []
+        prompt_ids = _extra(resp, "prompt_token_ids") or _extra(choice, "prompt_token_ids") or []
+        completion_ids = _extra(choice, "token_ids") or _extra(choice, "completion_token_ids") or []
+        usage = resp.usage
+        details = getattr(usage, "completion_tokens_details", None) if usage else None
+        return PolicyOutput(
+            content=content,
+            calls=[c for c in parsed if isinstance(c, ToolCall)],
+            errors=[c for c in parsed if isinstance(c, ToolCallError)],
+            reasoning=_extra(msg, "reasoning_content"),
+            prompt_ids=list(prompt_ids),
+            completion_ids=list(completion_ids),
+            logprobs=logprobs,
+            finish_reason=choice.finish_reason or "stop",
+            weight_version=_extra(resp, "weight_version"),
+            prompt_tokens=usage.prompt_tokens if usage else len(prompt_ids),
+            completion_tokens=usage.completion_tokens if usage else len(completion_ids),
+            reasoning_tokens=(getattr(details, "reasoning_tokens", 0) or 0) if details else 0,
+        )
+
+
+def _for_api(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the API accepts them (our extra keys dropped)."""
+    keep = {"role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content"}
+    return [{k: v for k, v in m.items() if k in keep} for m in messages]
+
+
+def timed(fn: Callable[[], PolicyOutput]) -> tuple[PolicyOutput, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0

@@ -1,0 +1,349 @@
+"""The trajectory record: what an episode did, in a form both people and the trainer read.
+
+A trajectory is the OpenAI chat messages of the whole episode (every self-summary segment, in
+order), the tool schemas and pinned tool versions, and one `Turn` per model call with the
+token ids, logprobs and loss mask the trainer needs. The loss mask covers `prompt_ids +
+completion_ids` and is 1 only on tokens the policy sampled: tool output always arrives inside a
+later prompt, so it is never trained on.
+
+Storage: JSONL, appended after every step (a header line, one line per turn, an end line), so
+a crash loses at most the step in flight; and parquet (one row per trajectory) for datasets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ToolCallRecord:
+    call_id: str
+    name: str
+    version: str
+    is_error: bool
+    truncated: bool
+    duration_s: float
+    output_chars: int
+
+
+@dataclass
+class Turn:
+    index: int
+    segment: int  # which context of the self-summary chain this call saw
+    kind: str  # "action" | "summary"
+    message: dict[str, Any]  # the assistant message (OpenAI form)
+    prompt_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)  # over prompt_ids + completion_ids
+    finish_reason: str = ""
+    weight_version: int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, the thinking part (when known)
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    tool_output_tokens: int = 0
+    generate_s: float = 0.0
+    tools_s: float = 0.0
+    started_at: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Turn:
+        known = {f.name for f in fields(cls)}
+        t = cls(**{k: v for k, v in d.items() if k in known})
+        t.tool_calls = [ToolCallRecord(**c) for c in d.get("tool_calls", [])]
+        return t
+
+    def validate(self) -> None:
+        n = len(self.prompt_ids) + len(self.completion_ids)
+        if self.loss_mask and len(self.loss_mask) != n:
+            raise ValueError(f"turn {self.index}: loss_mask has {len(self.loss_mask)} entries for {n} tokens")
+        if self.logprobs and len(self.logprobs) != len(self.completion_ids):
+            raise ValueError(
+                f"turn {self.index}: {len(self.logprobs)} logprobs for {len(self.completion_ids)} completion tokens"
+            )
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError(f"turn {self.index}: loss_mask must hold 0/1 only")
+
+
+@dataclass
+class Trajectory:
+    task: str
+    env: str = "default"
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    model: str = ""
+    tool_schemas: list[dict[str, Any]] = field(default_factory=list)
+    tool_versions: dict[str, str] = field(default_factory=dict)
+    toolset_generation: int = 0
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    segments: list[int] = field(default_factory=lambda: [0])  # index in messages where each context starts
+    turns: list[Turn] = field(default_factory=list)
+    status: str = "running"  # running | finished | max_turns | max_tokens | error
+    error: str | None = None
+    final_message: str | None = None
+    tool_state: dict[str, Any] = field(default_factory=dict)  # todos etc., at the end
+    metadata: dict[str, Any] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+    ended_at: float | None = None
+
+    # -- views -----------------------------------------------------------------------------
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "type": "header",
+            "format": FORMAT_VERSION,
+            "id": self.id,
+            "task": self.task,
+            "env": self.env,
+            "model": self.model,
+            "tool_schemas": self.tool_schemas,
+            "tool_versions": self.tool_versions,
+            "toolset_generation": self.toolset_generation,
+            "metadata": self.metadata,
+            "started_at": self.started_at,
+        }
+
+    def end(self) -> dict[str, Any]:
+        return {
+            "type": "end",
+            "status": self.status,
+            "error": self.error,
+            "final_message": self.final_message,
+            "tool_state": self.tool_state,
+            "ended_at": self.ended_at,
+            "messages": len(self.messages),
+        }
+
+    def context(self, segment: int = -1) -> list[dict[str, Any]]:
+        """The messages one segment's model calls saw (its own context, after a summary)."""
+        seg = range(len(self.segments))[segment]
+        start = self.segments[seg]
+        stop = self.segments[seg + 1] if seg + 1 < len(self.segments) else len(self.messages)
+        return self.messages[start:stop]
+
+    def tool_call_names(self) -> list[str]:
+        return [c["function"]["name"] for m in self.messages if m.get("role") == "assistant" for c in m.get("tool_calls") or []]
+
+    def validate(self) -> None:
+        """Raise ValueError naming what is inconsistent."""
+        if not self.messages:
+            raise ValueError("messages: empty")
+        for i, m in enumerate(self.messages):
+            if m.get("role") not in ("system", "user", "assistant", "tool"):
+                raise ValueError(f"messages[{i}].role: {m.get('role')!r} is not an OpenAI chat role")
+        if self.segments[0] != 0 or sorted(self.segments) != self.segments:
+            raise ValueError(f"segments: must start at 0 and increase, got {self.segments}")
+        ids = {c["id"] for m in self.messages if m.get("role") == "assistant" for c in m.get("tool_calls") or []}
+        for i, m in enumerate(self.messages):
+            if m.get("role") == "tool" and m.get("tool_call_id") not in ids:
+                raise ValueError(f"messages[{i}].tool_call_id: {m.get('tool_call_id')!r} answers no call")
+        for t in self.turns:
+            t.validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.header()
+        d.update(self.end())
+        d.update(
+            type="trajectory",
+            messages=self.messages,
+            segments=self.segments,
+            turns=[asdict(t) for t in self.turns],
+        )
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        known = {f.name for f in fields(cls)} - {"turns"}
+        t = cls(**{k: v for k, v in d.items() if k in known})
+        t.turns = [Turn.from_dict(x) for x in d.get("turns", [])]
+        return t
+
+
+class TrajectoryWriter:
+    """Appends a trajectory to a JSONL file step by step (header, turns, end)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._messages_written = 0
+        self._turns_written = 0
+        self._fh = self.path.open("w", encoding="utf-8")
+
+    def _line(self, obj: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def start(self, traj: Trajectory) -> None:
+        self._line(traj.header())
+
+    def step(self, traj: Trajectory) -> None:
+        """Write the turns and messages added since the last call."""
+        new_msgs = traj.messages[self._messages_written :]
+        for t in traj.turns[self._turns_written :]:
+            self._line({"type": "turn", "turn": asdict(t)})
+        if new_msgs:
+            self._line({"type": "messages", "start": self._messages_written, "messages": new_msgs, "segments": traj.segments})
+        self._messages_written = len(traj.messages)
+        self._turns_written = len(traj.turns)
+
+    def finish(self, traj: Trajectory) -> None:
+        self.step(traj)
+        self._line(traj.end())
+        self._fh.close()
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+
+def read_jsonl(path: str | Path) -> Trajectory:
+    """Rebuild a trajectory from its step log (a run that crashed reads back as 'running')."""
+    traj: Trajectory | None = None
+    with Path(path).open(encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                # Only the last line can be partial (a crash mid-write); anything else is corrupt.
+                if fh.readline():
+                    raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from e
+                break
+            kind = rec.get("type")
+            if kind == "header":
+                traj = Trajectory.from_dict({k: v for k, v in rec.items() if k not in ("type", "format")})
+            elif traj is None:
+                raise ValueError(f"{path}:{n}: the first record must be the header")
+            elif kind == "turn":
+                traj.turns.append(Turn.from_dict(rec["turn"]))
+            elif kind == "messages":
+                traj.messages[rec["start"] :] = rec["messages"]
+                traj.segments = list(rec["segments"])
+            elif kind == "end":
+                traj.status = rec["status"]
+                traj.error = rec.get("error")
+                traj.final_message = rec.get("final_message")
+                traj.tool_state = rec.get("tool_state") or {}
+                traj.ended_at = rec.get("ended_at")
+            elif kind == "trajectory":
+                traj = Trajectory.from_dict({k: v for k, v in rec.items() if k not in ("type", "format")})
+    if traj is None:
+        raise ValueError(f"{path}: no trajectory header")
+    return traj
+
+
+# ---- parquet --------------------------------------------------------------------------------
+
+
+def _turn_type() -> Any:
+    import pyarrow as pa
+
+    return pa.struct(
+        [
+            ("index", pa.int32()),
+            ("segment", pa.int32()),
+            ("kind", pa.string()),
+            ("message", pa.string()),  # JSON
+            ("prompt_ids", pa.list_(pa.int32())),
+            ("completion_ids", pa.list_(pa.int32())),
+            ("logprobs", pa.list_(pa.float32())),
+            ("loss_mask", pa.list_(pa.int8())),
+            ("finish_reason", pa.string()),
+            ("weight_version", pa.int64()),
+            ("prompt_tokens", pa.int32()),
+            ("completion_tokens", pa.int32()),
+            ("reasoning_tokens", pa.int32()),
+            ("tool_calls", pa.string()),  # JSON
+            ("tool_output_tokens", pa.int32()),
+            ("generate_s", pa.float64()),
+            ("tools_s", pa.float64()),
+            ("started_at", pa.float64()),
+        ]
+    )
+
+
+def write_parquet(trajs: Iterable[Trajectory], path: str | Path) -> None:
+    """One row per trajectory; token lists stay typed arrays, free-form parts are JSON."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows: dict[str, list[Any]] = {k: [] for k in (
+        "id", "task", "env", "model", "status", "error", "final_message", "tool_schemas",
+        "tool_versions", "toolset_generation", "messages", "segments", "tool_state", "metadata",
+        "started_at", "ended_at", "turns",
+    )}
+    for t in trajs:
+        rows["id"].append(t.id)
+        rows["task"].append(t.task)
+        rows["env"].append(t.env)
+        rows["model"].append(t.model)
+        rows["status"].append(t.status)
+        rows["error"].append(t.error)
+        rows["final_message"].append(t.final_message)
+        rows["tool_schemas"].append(json.dumps(t.tool_schemas))
+        rows["tool_versions"].append(json.dumps(t.tool_versions))
+        rows["toolset_generation"].append(t.toolset_generation)
+        rows["messages"].append(json.dumps(t.messages, ensure_ascii=False))
+        rows["segments"].append(t.segments)
+        rows["tool_state"].append(json.dumps(t.tool_state))
+        rows["metadata"].append(json.dumps(t.metadata))
+        rows["started_at"].append(t.started_at)
+        rows["ended_at"].append(t.ended_at)
+        turns = []
+        for u in t.turns:
+            d = asdict(u)
+            d["message"] = json.dumps(d["message"], ensure_ascii=False)
+            d["tool_calls"] = json.dumps(d["tool_calls"])
+            turns.append(d)
+        rows["turns"].append(turns)
+    schema = pa.schema(
+        [
+            ("id", pa.string()), ("task", pa.string()), ("env", pa.string()), ("model", pa.string()),
+            ("status", pa.string()), ("error", pa.string()), ("final_message", pa.string()),
+            ("tool_schemas", pa.string()), ("tool_versions", pa.string()),
+            ("toolset_generation", pa.int64()), ("messages", pa.string()),
+            ("segments", pa.list_(pa.int32())), ("tool_state", pa.string()), ("metadata", pa.string()),
+            ("started_at", pa.float64()), ("ended_at", pa.float64()), ("turns", pa.list_(_turn_type())),
+        ],
+        metadata={b"codedojo.trajectory.format": str(FORMAT_VERSION).encode()},
+    )
+    table = pa.table(rows, schema=schema)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, str(path))
+
+
+def read_parquet(path: str | Path) -> list[Trajectory]:
+    import pyarrow.parquet as pq
+
+    out = []
+    for row in pq.read_table(str(path)).to_pylist():
+        for key in ("tool_schemas", "tool_versions", "messages", "tool_state", "metadata"):
+            row[key] = json.loads(row[key])
+        turns = []
+        for d in row.pop("turns"):
+            d["message"] = json.loads(d["message"])
+            d["tool_calls"] = json.loads(d["tool_calls"])
+            turns.append(d)
+        t = Trajectory.from_dict(row)
+        t.turns = [Turn.from_dict(d) for d in turns]
+        out.append(t)
+    return out
+
+
+def load(path: str | Path) -> list[Trajectory]:
+    """A .jsonl step log or a .parquet dataset."""
+    p = Path(path)
+    if p.suffix == ".parquet":
+        return read_parquet(p)
+    return [read_jsonl(p)]

@@ -1,0 +1,137 @@
+"""Auxiliary signals about habits, each a registered reward returning a cost (>= 0, or a signed
+delta); composition gives them negative weights.
+
+- unfinished_todos:  share of the agent's own todo items not completed or cancelled at the end
+- comment_reasoning: long reasoning left in code comments, from the added lines of the diff
+- tool_collapse:     how far one tool's share of the calls exceeds a threshold
+- lint_delta:        ruff diagnostics after minus before, on the changed Python files
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections import Counter
+from typing import Any
+
+from codedojo.harness.lint import ruff_check
+from codedojo.harness.tools.todo import merge_todos
+from codedojo.harness.trajectory import Trajectory
+from codedojo.reward.base import FileChange, RewardContext, reward
+
+DONE = ("completed", "cancelled")
+
+
+def final_todos(traj: Trajectory) -> list[dict[str, str]]:
+    """The todo list at the end: from the tool state when recorded, else replayed from the
+    todo_write calls in the messages (a call that failed validation changes nothing)."""
+    if isinstance(traj.tool_state.get("todos"), list):
+        return traj.tool_state["todos"]
+    todos: list[dict[str, str]] = []
+    for m in traj.messages:
+        if m.get("role") != "assistant":
+            continue
+        for c in m.get("tool_calls") or []:
+            if c["function"]["name"] != "todo_write":
+                continue
+            try:
+                args = json.loads(c["function"]["arguments"] or "{}")
+                todos = merge_todos(todos, list(args.get("todos") or []), bool(args.get("merge")))
+            except Exception:
+                continue
+    return todos
+
+
+@reward("unfinished_todos")
+def unfinished_todos(ctx: RewardContext) -> float:
+    todos = final_todos(ctx.trajectory)
+    if not todos:
+        return 0.0
+    return sum(t.get("status") not in DONE for t in todos) / len(todos)
+
+
+_COMMENT_PREFIX = {".py": "#", ".sh": "#", ".toml": "#", ".yaml": "#", ".yml": "#", ".rb": "#",
+                   ".js": "//", ".ts": "//", ".tsx": "//", ".go": "//", ".rs": "//", ".c": "//",
+                   ".h": "//", ".cc": "//", ".cpp": "//", ".java": "//"}
+
+
+def added_lines(change: FileChange) -> list[list[str]]:
+    """Runs of consecutive added lines (a file created whole is one run)."""
+    before = (change.before or "").splitlines()
+    after = (change.after or "").splitlines()
+    runs: list[list[str]] = []
+    sm = difflib.SequenceMatcher(a=before, b=after, autojunk=False)
+    for op, _, _, j1, j2 in sm.get_opcodes():
+        if op in ("insert", "replace"):
+            runs.append(after[j1:j2])
+    return runs
+
+
+def comment_blocks(change: FileChange) -> list[list[str]]:
+    """Added comment blocks: consecutive added lines that are comments."""
+    prefix = next((p for ext, p in _COMMENT_PREFIX.items() if change.path.endswith(ext)), None)
+    if prefix is None or change.after is None:
+        return []
+    blocks: list[list[str]] = []
+    for run in added_lines(change):
+        cur: list[str] = []
+        for line in run + [""]:
+            s = line.strip()
+            if s.startswith(prefix) and not s.startswith("#!"):
+                cur.append(s[len(prefix):].strip())
+            else:
+                if cur:
+                    blocks.append(cur)
+                cur = []
+    return blocks
+
+
+@reward("comment_reasoning")
+def comment_reasoning(ctx: RewardContext, *, max_lines: int = 4, max_chars: int = 300) -> float:
+    """Number of added comment blocks longer than `max_lines` lines or `max_chars` characters:
+    deliberation ("wait, actually the bug is...") belongs in reasoning, not in the code."""
+    n = 0
+    for change in ctx.changes:
+        for block in comment_blocks(change):
+            if len(block) > max_lines or sum(len(x) for x in block) > max_chars:
+                n += 1
+    return float(n)
+
+
+@reward("tool_collapse")
+def tool_collapse(ctx: RewardContext, *, threshold: float = 0.7, min_calls: int = 6) -> float:
+    """0 when no tool takes more than `threshold` of the calls, rising linearly to 1 when one
+    tool takes all of them (e.g. everything done through run_terminal_cmd)."""
+    names = ctx.trajectory.tool_call_names()
+    if len(names) < min_calls:
+        return 0.0
+    share = Counter(names).most_common(1)[0][1] / len(names)
+    if share <= threshold:
+        return 0.0
+    return (share - threshold) / (1.0 - threshold)
+
+
+def _lint_count(files: dict[str, str], configs: dict[str, str] | None = None) -> int:
+    return len(ruff_check(files, configs)) if files else 0
+
+
+@reward("lint_delta")
+def lint_delta(ctx: RewardContext, *, normalize: bool = False) -> float:
+    """Ruff diagnostics on the changed Python files after the episode minus before it
+    (positive = the agent added lint). normalize: divide by the number of files."""
+    py = [c for c in ctx.changes if c.path.endswith((".py", ".pyi"))]
+    if not py:
+        return 0.0
+    before = {c.path: c.before for c in py if c.before is not None}
+    after = {c.path: c.after for c in py if c.after is not None}
+    delta = float(_lint_count(after) - _lint_count(before))  # type: ignore[arg-type]
+    return delta / len(py) if normalize else delta
+
+
+def aux_params_doc() -> dict[str, Any]:
+    return {
+        "unfinished_todos": {},
+        "comment_reasoning": {"max_lines": 4, "max_chars": 300},
+        "tool_collapse": {"threshold": 0.7, "min_calls": 6},
+        "lint_delta": {"normalize": False},
+    }

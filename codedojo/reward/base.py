@@ -1,0 +1,78 @@
+"""The reward contract: a reward is a small function of an episode, registered by name.
+
+    @reward("my_signal")
+    def my_signal(ctx: RewardContext, *, threshold: float = 0.5) -> float: ...
+
+`RewardContext` carries what a finished episode left behind: the trajectory, the test report
+and the files it changed (before and after). Composition (`compose.py`) looks rewards up by
+name, passes their parameters from config, weights them and logs each one on its own.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from codedojo.harness.trajectory import Trajectory
+
+
+@dataclass(frozen=True)
+class FileChange:
+    """One file the episode changed; None = the file did not exist on that side."""
+
+    path: str
+    before: str | None
+    after: str | None
+
+
+@dataclass(frozen=True)
+class TestReport:
+    """Per-test outcome (pytest node id -> passed) of the task's two test sets."""
+
+    __test__ = False  # not a pytest class, despite the name
+
+    fail_to_pass: dict[str, bool] = field(default_factory=dict)
+    pass_to_pass: dict[str, bool] = field(default_factory=dict)
+
+
+@dataclass
+class RewardContext:
+    trajectory: Trajectory
+    tests: TestReport | None = None
+    changes: list[FileChange] = field(default_factory=list)
+
+
+class RewardFn(Protocol):
+    def __call__(self, ctx: RewardContext, /, **params: Any) -> float: ...
+
+
+REWARDS: dict[str, RewardFn] = {}
+
+
+def reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Register a reward under `name` (a later registration replaces an earlier one)."""
+
+    def deco(fn: RewardFn) -> RewardFn:
+        REWARDS[name] = fn
+        return fn
+
+    return deco
+
+
+def get_reward(name: str) -> RewardFn:
+    if name not in REWARDS:
+        raise KeyError(f"unknown reward {name!r}; registered: {sorted(REWARDS)}")
+    return REWARDS[name]
+
+
+def check_params(name: str, fn: RewardFn, params: dict[str, Any]) -> None:
+    """Raise ValueError naming a parameter the reward does not take."""
+    sig = inspect.signature(fn)
+    accepted = {p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    for key in params:
+        if key not in accepted:
+            raise ValueError(f"rewards.{name}.params.{key}: unknown parameter; accepted: {sorted(accepted)}")

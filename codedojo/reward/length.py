@@ -1,0 +1,85 @@
+"""The concave length penalty C_{k,q}(x) and the episode cost x it is applied to.
+
+    C_{k,q}(x) = ((1 + k·x)^{1−q} − 1) / (k·(1 − q)),    C_{k,1}(x) = log(1 + k·x) / k
+
+Written as expm1((1−q)·log1p(k·x)) / (k·(1−q)), which is exact to rounding for every q and
+tends to the log form smoothly as q → 1 (no cancellation in the numerator). For q > 0 it is
+increasing and concave: the first tokens of an episode cost the most, so easy tasks are pushed
+to be short while hard tasks may still spend what they need.
+
+x = Σ weight_f · f over features of the trajectory:
+    thinking_tokens    reasoning tokens (and self-summary turns, which are deliberation too)
+    tool_call_tokens   completion tokens of turns that call tools (minus their reasoning)
+    tool_output_tokens tokens of tool output the model had to read
+    final_tokens       completion tokens of the final answer
+    tool_calls         number of tool calls
+    turns              number of model calls
+"""
+
+from __future__ import annotations
+
+import math
+
+from codedojo.harness.trajectory import Trajectory
+from codedojo.reward.base import RewardContext, reward
+
+FEATURES = ("thinking_tokens", "tool_call_tokens", "tool_output_tokens", "final_tokens", "tool_calls", "turns")
+
+
+def concave_penalty(x: float, k: float, q: float) -> float:
+    if k <= 0:
+        raise ValueError(f"k must be > 0, got {k}")
+    if q < 0:
+        raise ValueError(f"q must be >= 0, got {q}")
+    if x < 0:
+        raise ValueError(f"x must be >= 0, got {x}")
+    log_term = math.log1p(k * x)
+    a = 1.0 - q
+    if a == 0.0:
+        return log_term / k
+    return math.expm1(a * log_term) / (k * a)
+
+
+def length_features(traj: Trajectory) -> dict[str, float]:
+    f = dict.fromkeys(FEATURES, 0.0)
+    for t in traj.turns:
+        completion = t.completion_tokens or len(t.completion_ids)
+        f["turns"] += 1
+        if t.kind == "summary":
+            f["thinking_tokens"] += completion
+            continue
+        f["thinking_tokens"] += t.reasoning_tokens
+        visible = max(0, completion - t.reasoning_tokens)
+        if t.tool_calls:
+            f["tool_call_tokens"] += visible
+            f["tool_calls"] += len(t.tool_calls)
+            f["tool_output_tokens"] += t.tool_output_tokens
+        else:
+            f["final_tokens"] += visible
+    return f
+
+
+def episode_cost(traj: Trajectory, weights: dict[str, float]) -> float:
+    for name in weights:
+        if name not in FEATURES:
+            raise ValueError(f"rewards.length_penalty.params.weights.{name}: unknown feature; known: {list(FEATURES)}")
+    f = length_features(traj)
+    return sum(weights.get(name, 0.0) * f[name] for name in FEATURES)
+
+
+DEFAULT_WEIGHTS = {
+    "thinking_tokens": 1.0,
+    "tool_call_tokens": 1.0,
+    "tool_output_tokens": 0.25,
+    "final_tokens": 1.0,
+    "tool_calls": 20.0,
+    "turns": 20.0,
+}
+
+
+@reward("length_penalty")
+def length_penalty(
+    ctx: RewardContext, *, k: float = 1e-3, q: float = 1.0, weights: dict[str, float] | None = None
+) -> float:
+    """C_{k,q}(x) of the episode (positive; composition gives it a negative weight)."""
+    return concave_penalty(episode_cost(ctx.trajectory, weights or DEFAULT_WEIGHTS), k, q)

@@ -1,0 +1,73 @@
+"""Outcome reward from the task's tests: fail-to-pass must now pass, pass-to-pass must still pass.
+
+`run_tests` runs pytest inside the sandbox (the agent's environment, after the episode) and
+reads per-test results from pytest's `-rA` summary, which every pytest version prints the same
+way; a test that pytest never reports (not collected, crashed run) counts as failed.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+
+from codedojo.reward.base import RewardContext, TestReport, reward
+from codedojo.sandbox.base import Sandbox
+
+_RESULT = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL|SKIPPED)\s+(\S+)")
+
+
+def parse_pytest_summary(output: str) -> dict[str, bool]:
+    """node id -> passed, from `pytest -rA` output (XFAIL counts as passing, as SWE-bench does)."""
+    results: dict[str, bool] = {}
+    for line in output.splitlines():
+        m = _RESULT.match(line.strip())
+        if not m:
+            continue
+        status, node = m.groups()
+        results[node] = status in ("PASSED", "XFAIL", "XPASS")
+    return results
+
+
+def run_tests(
+    sandbox: Sandbox,
+    tests: Sequence[str],
+    *,
+    command: str = "python -m pytest",
+    cwd: str = "/workspace",
+    timeout: float = 300.0,
+) -> dict[str, bool]:
+    """Run the given pytest node ids in the sandbox; every requested id gets a result."""
+    if not tests:
+        return {}
+    line = f"{command} -rA -q -p no:cacheprovider " + " ".join(shlex.quote(t) for t in tests)
+    r = sandbox.exec(line, cwd=cwd, timeout=timeout)
+    found = parse_pytest_summary(r.stdout + "\n" + r.stderr)
+    return {t: found.get(t, False) for t in tests}
+
+
+def grade(sandbox: Sandbox, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], **kw: object) -> TestReport:
+    results = run_tests(sandbox, [*fail_to_pass, *pass_to_pass], **kw)  # type: ignore[arg-type]
+    return TestReport(
+        fail_to_pass={t: results[t] for t in fail_to_pass},
+        pass_to_pass={t: results[t] for t in pass_to_pass},
+    )
+
+
+@reward("outcome")
+def outcome(ctx: RewardContext, *, mode: str = "binary") -> float:
+    """binary: 1 when every fail-to-pass and pass-to-pass test passes, else 0.
+    fraction: the share of fail-to-pass tests passing, 0 if any pass-to-pass test broke."""
+    rep = ctx.tests
+    if rep is None or not (rep.fail_to_pass or rep.pass_to_pass):
+        return 0.0
+    if mode not in ("binary", "fraction"):
+        raise ValueError(f"rewards.outcome.params.mode: must be 'binary' or 'fraction', got {mode!r}")
+    p2p_ok = all(rep.pass_to_pass.values())
+    if mode == "binary":
+        return float(p2p_ok and all(rep.fail_to_pass.values()))
+    if not p2p_ok:
+        return 0.0
+    if not rep.fail_to_pass:
+        return 1.0
+    return sum(rep.fail_to_pass.values()) / len(rep.fail_to_pass)

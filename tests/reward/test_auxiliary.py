@@ -1,0 +1,86 @@
+import json
+
+import pytest
+
+from codedojo.harness.trajectory import Trajectory
+from codedojo.reward.auxiliary import (
+    comment_reasoning,
+    final_todos,
+    lint_delta,
+    tool_collapse,
+    unfinished_todos,
+)
+from codedojo.reward.base import FileChange, RewardContext
+
+
+def _call(i: int, name: str, args: dict) -> dict:
+    return {"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+def _traj(calls: list[tuple[str, dict]], tool_state: dict | None = None) -> Trajectory:
+    msgs: list[dict] = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    for i, (name, args) in enumerate(calls):
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [_call(i, name, args)]})
+        msgs.append({"role": "tool", "tool_call_id": f"c{i}", "content": "ok"})
+    return Trajectory(task="t", messages=msgs, tool_state=tool_state or {})
+
+
+def test_unfinished_todos_replayed_from_calls():
+    t = _traj([
+        ("todo_write", {"merge": False, "todos": [{"id": "1", "content": "a"}, {"id": "2", "content": "b"},
+                                                   {"id": "3", "content": "c"}, {"id": "4", "content": "d"}]}),
+        ("todo_write", {"merge": True, "todos": [{"id": "1", "status": "completed"}, {"id": "2", "status": "cancelled"}]}),
+        ("todo_write", {"merge": True, "todos": [{"id": "3", "status": "bogus"}]}),  # invalid: ignored
+    ])
+    assert [x["status"] for x in final_todos(t)] == ["completed", "cancelled", "pending", "pending"]
+    assert unfinished_todos(RewardContext(t)) == 0.5
+
+
+def test_unfinished_todos_prefers_recorded_state_and_zero_without_todos():
+    t = _traj([], tool_state={"todos": [{"id": "1", "content": "a", "status": "completed"}]})
+    assert unfinished_todos(RewardContext(t)) == 0.0
+    assert unfinished_todos(RewardContext(_traj([("grep", {"pattern": "x"})]))) == 0.0
+
+
+def test_comment_reasoning_counts_long_added_comment_blocks():
+    before = "def f(x):\n    return x + 1\n"
+    after = (
+        "def f(x):\n"
+        "    # Wait, the caller passes a string here sometimes. Let me think: if x is a str we\n"
+        "    # should convert it, but actually the tests only pass ints, so maybe not. Hmm, on\n"
+        "    # reflection the original author meant to add one, which is what we do, but the\n"
+        "    # off-by-one in the loop above means we actually need to add two. Let me re-check.\n"
+        "    # Yes.\n"
+        "    return x + 2  # fix off-by-one\n"
+    )
+    ctx = RewardContext(_traj([]), changes=[FileChange("/workspace/a.py", before, after)])
+    assert comment_reasoning(ctx) == 1.0
+    short = before.replace("return x + 1", "# guard\n    return x + 2")
+    assert comment_reasoning(RewardContext(_traj([]), changes=[FileChange("/workspace/a.py", before, short)])) == 0.0
+    # Comments that were already there are not the agent's.
+    assert comment_reasoning(RewardContext(_traj([]), changes=[FileChange("/workspace/a.py", after, after + "\n")])) == 0.0
+    assert comment_reasoning(ctx, max_lines=10, max_chars=10_000) == 0.0
+
+
+def test_tool_collapse():
+    varied = _traj([(n, {}) for n in ["grep", "read_file", "search_replace", "run_terminal_cmd"] * 2])
+    assert tool_collapse(RewardContext(varied)) == 0.0
+    collapsed = _traj([("run_terminal_cmd", {})] * 9 + [("read_file", {})])
+    v = tool_collapse(RewardContext(collapsed))
+    assert v == pytest.approx((0.9 - 0.7) / 0.3)
+    only = _traj([("run_terminal_cmd", {})] * 8)
+    assert tool_collapse(RewardContext(only)) == pytest.approx(1.0)
+    few = _traj([("run_terminal_cmd", {})] * 3)
+    assert tool_collapse(RewardContext(few)) == 0.0
+
+
+def test_lint_delta_on_changed_files():
+    clean = "import os\n\nprint(os.sep)\n"
+    dirty = "import os\nimport sys\n\nprint(os.sep)\n"  # F401 unused import
+    worse = RewardContext(_traj([]), changes=[FileChange("/workspace/m.py", clean, dirty)])
+    assert lint_delta(worse) == 1.0
+    better = RewardContext(_traj([]), changes=[FileChange("/workspace/m.py", dirty, clean)])
+    assert lint_delta(better) == -1.0
+    new_file = RewardContext(_traj([]), changes=[FileChange("/workspace/n.py", None, dirty),
+                                                  FileChange("/workspace/README.md", None, "x")])
+    assert lint_delta(new_file) == 1.0

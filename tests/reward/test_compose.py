@@ -1,0 +1,79 @@
+import pytest
+
+from codedojo.harness.trajectory import Trajectory, Turn
+from codedojo.reward import REWARDS, RewardConfig, RewardContext, TestReport, compute_reward, reward
+from codedojo.reward.outcome import outcome, parse_pytest_summary
+
+
+def _ctx(f2p: dict, p2p: dict) -> RewardContext:
+    t = Trajectory(task="t", messages=[{"role": "user", "content": "u"}])
+    t.turns = [Turn(index=0, segment=0, kind="action", message={}, completion_tokens=200)]
+    return RewardContext(t, tests=TestReport(f2p, p2p))
+
+
+def test_outcome_modes():
+    assert outcome(_ctx({"a": True, "b": True}, {"c": True})) == 1.0
+    assert outcome(_ctx({"a": True, "b": False}, {"c": True})) == 0.0
+    assert outcome(_ctx({"a": True, "b": True}, {"c": False})) == 0.0
+    assert outcome(_ctx({"a": True, "b": False}, {"c": True}), mode="fraction") == 0.5
+    assert outcome(_ctx({"a": True}, {"c": False}), mode="fraction") == 0.0
+    assert outcome(RewardContext(Trajectory(task="t"))) == 0.0
+
+
+def test_parse_pytest_summary():
+    out = (
+        "....F\n=========== short test summary info ===========\n"
+        "PASSED tests/test_a.py::test_one\n"
+        "PASSED tests/test_a.py::test_p[1-2]\n"
+        "FAILED tests/test_a.py::test_two - AssertionError: boom\n"
+        "ERROR tests/test_b.py::test_three\n"
+        "XFAIL tests/test_b.py::test_x\n"
+    )
+    assert parse_pytest_summary(out) == {
+        "tests/test_a.py::test_one": True,
+        "tests/test_a.py::test_p[1-2]": True,
+        "tests/test_a.py::test_two": False,
+        "tests/test_b.py::test_three": False,
+        "tests/test_b.py::test_x": True,
+    }
+
+
+def test_composition_logs_each_component(tmp_path):
+    cfg_path = tmp_path / "reward.toml"
+    cfg_path.write_text(
+        "[rewards.outcome]\nweight = 1.0\n\n"
+        "[rewards.length_penalty]\nweight = -0.01\nparams = { k = 0.01, q = 1.0, weights = { final_tokens = 1.0 } }\n\n"
+        "[rewards.tool_collapse]\nweight = -0.5\n"
+    )
+    cfg = RewardConfig.from_toml(cfg_path)
+    b = compute_reward(_ctx({"a": True}, {}), cfg)
+    assert set(b.components) == {"outcome", "length_penalty", "tool_collapse"}
+    assert b.components["outcome"] == 1.0
+    assert b.components["length_penalty"] == pytest.approx(__import__("math").log1p(2.0) / 0.01)
+    assert b.total == pytest.approx(1.0 - 0.01 * b.components["length_penalty"])
+    assert b.log_dict()["reward/outcome"] == 1.0
+
+
+def test_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match="rewards.nope"):
+        RewardConfig.model_validate({"rewards": {"nope": {"weight": 1.0}}})
+    with pytest.raises(ValueError, match=r"rewards.tool_collapse.params.bogus"):
+        RewardConfig.model_validate({"rewards": {"tool_collapse": {"weight": 1.0, "params": {"bogus": 1}}}})
+
+
+def test_a_new_reward_is_a_registered_function():
+    @reward("test_constant")
+    def constant(ctx: RewardContext, *, value: float = 1.0) -> float:
+        return value
+
+    try:
+        cfg = RewardConfig.model_validate({"rewards": {"test_constant": {"weight": 2.0, "params": {"value": 3.0}}}})
+        assert compute_reward(_ctx({}, {}), cfg).total == 6.0
+    finally:
+        REWARDS.pop("test_constant")
+
+
+def test_default_config_runs():
+    b = compute_reward(_ctx({"a": True}, {"b": True}))
+    assert b.components["outcome"] == 1.0
+    assert b.total < 1.0  # the length penalty costs something

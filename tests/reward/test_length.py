@@ -1,0 +1,73 @@
+import math
+
+import pytest
+
+from codedojo.harness.trajectory import ToolCallRecord, Trajectory, Turn
+from codedojo.reward.base import RewardContext
+from codedojo.reward.length import concave_penalty, episode_cost, length_features, length_penalty
+
+
+@pytest.mark.parametrize("q", [0.0, 0.5, 1.0, 1.5, 3.0])
+def test_zero_at_zero(q):
+    assert concave_penalty(0.0, k=0.01, q=q) == 0.0
+
+
+@pytest.mark.parametrize("q", [0.3, 1.0, 2.0])
+def test_increasing_and_concave(q):
+    xs = [i * 50.0 for i in range(60)]
+    ys = [concave_penalty(x, k=0.01, q=q) for x in xs]
+    diffs = [b - a for a, b in zip(ys, ys[1:], strict=False)]
+    assert all(d > 0 for d in diffs)
+    # Concave: equal steps in x give shrinking increments.
+    assert all(d2 < d1 for d1, d2 in zip(diffs, diffs[1:], strict=False))
+
+
+def test_q_zero_is_linear_and_matches_formula():
+    assert concave_penalty(123.0, k=0.01, q=0.0) == pytest.approx(123.0)
+    k, q, x = 0.02, 0.4, 77.0
+    assert concave_penalty(x, k, q) == pytest.approx(((1 + k * x) ** (1 - q) - 1) / (k * (1 - q)))
+
+
+def test_q_to_one_limit_is_log():
+    k, x = 0.005, 4000.0
+    log_form = math.log1p(k * x) / k
+    assert concave_penalty(x, k, 1.0) == pytest.approx(log_form, rel=1e-12)
+    for eps in (1e-3, 1e-6, 1e-9, 1e-12):
+        for q in (1 - eps, 1 + eps):
+            assert concave_penalty(x, k, q) == pytest.approx(log_form, rel=10 * eps + 1e-12)
+
+
+def test_bad_parameters_name_the_field():
+    with pytest.raises(ValueError, match="k must be"):
+        concave_penalty(1.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="q must be"):
+        concave_penalty(1.0, 0.1, -1.0)
+
+
+def _traj() -> Trajectory:
+    t = Trajectory(task="t", messages=[{"role": "user", "content": "x"}])
+    t.turns = [
+        Turn(index=0, segment=0, kind="action", message={}, completion_tokens=100, reasoning_tokens=60,
+             tool_calls=[ToolCallRecord("a", "grep", "1", False, False, 0.0, 10)] * 2, tool_output_tokens=500),
+        Turn(index=1, segment=0, kind="summary", message={}, completion_tokens=30),
+        Turn(index=2, segment=1, kind="action", message={}, completion_tokens=20, reasoning_tokens=5),
+    ]
+    return t
+
+
+def test_features_and_weighted_cost():
+    f = length_features(_traj())
+    assert f == {"thinking_tokens": 95, "tool_call_tokens": 40, "tool_output_tokens": 500,
+                 "final_tokens": 15, "tool_calls": 2, "turns": 3}
+    assert episode_cost(_traj(), {"tool_calls": 10.0, "final_tokens": 2.0}) == 50.0
+    with pytest.raises(ValueError, match="weights.bogus"):
+        episode_cost(_traj(), {"bogus": 1.0})
+
+
+def test_length_penalty_reward_grows_with_the_episode():
+    short = _traj()
+    long = _traj()
+    long.turns.append(Turn(index=3, segment=1, kind="action", message={}, completion_tokens=2000))
+    a = length_penalty(RewardContext(short))
+    b = length_penalty(RewardContext(long))
+    assert 0 < a < b
