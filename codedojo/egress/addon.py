@@ -1,0 +1,427 @@
+"""The mitmproxy addon that applies a sandbox's egress policy to every request.
+
+The contract: a connection is served only if its source address belongs to a registered sandbox
+(each sandbox has its own veth address, see `network.py`); that sandbox's policy decides. For a
+request the addon
+
+1. names the destination: the absolute URL or CONNECT target (explicit mode), or the Host
+   header / TLS SNI (transparent mode, where the address the client dialled is our own DNS
+   answer and means nothing);
+2. checks method, host glob, port, rate and declared size, answering 403/413/429 with a body
+   that says why;
+3. resolves the name itself, refuses it if *any* answer is not public, and rewrites the
+   request's target to the checked IP so the connection goes exactly there (the Host header and
+   TLS SNI keep the name);
+4. strips sensitive headers and redacts registered secrets in headers, URL and body;
+5. writes one audit record when the flow ends.
+
+`server_connect` re-checks every address mitmproxy is about to dial, so a path that skipped the
+request hooks (raw TCP after CONNECT, a new mitmproxy feature) still cannot reach a private
+address; non-HTTP streams are refused outright.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from mitmproxy import connection, http, tcp, tls
+from mitmproxy.net.http import url
+from mitmproxy.proxy.mode_specs import TransparentMode
+from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+
+from codedojo.egress.audit import AuditLog, AuditRecord
+from codedojo.egress.policy import EgressPolicy, IPAddress, address_denied
+from codedojo.egress.strip import SecretSet, StripReport, strip_headers
+
+RESOLVE_TIMEOUT_S = 5.0
+
+
+class Blocked(Exception):
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class TokenBucket:
+    """`rate` requests per second on average, up to `burst` at once."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, float(burst)
+        self.tokens, self.t = float(burst), time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
+        self.t = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+@dataclass
+class SandboxClient:
+    """One registered sandbox, as the proxy sees it."""
+
+    sandbox_id: str
+    address: str  # its source IP on its veth
+    policy: EgressPolicy
+    secrets: SecretSet
+    audit: AuditLog
+    mode: str
+    gateway: str = ""  # the host end of its veth: our DNS answer, and where the proxy listens
+    bucket: TokenBucket = field(init=False)
+    # (ip, port) -> name, so a connection dialled to a checked IP presents the right TLS SNI.
+    sni: dict[tuple[str, int], str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.bucket = TokenBucket(self.policy.rate_limit_rps, self.policy.rate_limit_burst)
+
+
+class Registry:
+    """Source address -> sandbox. Written from the caller's thread, read on the proxy loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_addr: dict[str, SandboxClient] = {}
+
+    def add(self, client: SandboxClient) -> None:
+        with self._lock:
+            if client.address in self._by_addr:
+                raise ValueError(f"address {client.address} is already registered")
+            self._by_addr[client.address] = client
+
+    def remove(self, address: str) -> SandboxClient | None:
+        with self._lock:
+            return self._by_addr.pop(address, None)
+
+    def lookup(self, peer: tuple | None) -> SandboxClient | None:
+        if not peer:
+            return None
+        host = str(peer[0])
+        if host.startswith("::ffff:"):
+            host = host[7:]
+        return self._by_addr.get(host)
+
+    def __len__(self) -> int:
+        return len(self._by_addr)
+
+
+def _blocked_response(status: int, reason: str) -> http.Response:
+    body = f"codedojo egress proxy: request blocked: {reason}\n"
+    return http.Response.make(
+        status,
+        body,
+        {"Content-Type": "text/plain; charset=utf-8", "X-Egress-Blocked": _header_safe(reason)},
+    )
+
+
+def _header_safe(text: str) -> str:
+    return "".join(c if 32 <= ord(c) < 127 else "?" for c in text)[:200]
+
+
+class _DiscardThen:
+    """Response stream that swallows the upstream body and emits `body` at the end; used to
+    answer with an error after the upstream has announced a body that is too large."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    def __call__(self, data: bytes) -> bytes:
+        return self.body if data == b"" else b""
+
+
+class EgressAddon:
+    def __init__(self, registry: Registry, own_addresses: Iterable[IPAddress] = ()) -> None:
+        self.registry = registry
+        self.own = frozenset(own_addresses)
+
+    # ---- connections ------------------------------------------------------------------------
+
+    def client_connected(self, client: connection.Client) -> None:
+        if self.registry.lookup(client.peername) is None:
+            # Not a sandbox we serve: the listener is on the veth gateways, nothing else may use it.
+            client.error = "egress: unknown client address"
+
+    async def server_connect(self, data: ServerConnectionHookData) -> None:
+        sc = self.registry.lookup(data.client.peername)
+        if sc is None or data.server.address is None:
+            data.server.error = "egress: no sandbox for this connection"
+            return
+        host, port = data.server.address
+        try:
+            ip, _ = await self._check_destination(sc, str(host), int(port))
+        except Blocked as b:
+            data.server.error = f"egress: {b.reason}"
+            return
+        name = sc.sni.get((str(ip), int(port)))
+        if str(ip) != host:
+            data.server.address = (str(ip), port)
+            name = name or str(host)
+        if name and data.server.sni in (None, str(ip)):
+            data.server.sni = name
+
+    def tcp_start(self, flow: tcp.TCPFlow) -> None:
+        sc = self.registry.lookup(flow.client_conn.peername)
+        if sc is not None and flow.server_conn.address:
+            host, port = flow.server_conn.address
+            sc.audit.write(
+                AuditRecord(
+                    sandbox=sc.sandbox_id, mode=sc.mode, method="TCP", host=str(host),
+                    port=int(port), path="", blocked="only HTTP and HTTPS may leave the sandbox",
+                )
+            )  # fmt: skip
+        flow.kill()
+
+    def tls_failed_client(self, data: tls.TlsData) -> None:
+        sc = self.registry.lookup(data.context.client.peername)
+        if sc is None:
+            return
+        sc.audit.write(
+            AuditRecord(
+                sandbox=sc.sandbox_id, mode=sc.mode, method="TLS",
+                host=data.context.client.sni or "", port=0, path="",
+                error=f"TLS handshake with the sandbox failed ({data.conn.error}); "
+                "does the client trust the egress CA?",
+            )
+        )  # fmt: skip
+
+    # ---- HTTP -------------------------------------------------------------------------------
+
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        sc = self._client(flow)
+        if sc is None:
+            return
+        host, port = flow.request.host, flow.request.port
+        flow.metadata["egress"] = {"name": host, "port": port}
+        try:
+            self._check_host_port(sc, host, port)
+            await self._check_destination(sc, host, port)
+        except Blocked as b:
+            flow.response = _blocked_response(b.status, b.reason)
+            self._audit(sc, flow, blocked=b.reason)
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        sc = self._client(flow)
+        if sc is None or flow.response is not None:
+            return
+        req = flow.request
+        meta: dict = {"name": req.host, "port": req.port, "override": False}
+        flow.metadata["egress"] = meta
+        try:
+            name, port = self._destination(flow)
+            meta.update(name=name, port=port)
+            if req.method.upper() not in sc.policy.allow_methods:
+                raise Blocked(403, f"method {req.method} is not allowed (allowed: "
+                              f"{', '.join(sc.policy.allow_methods)})")  # fmt: skip
+            self._check_host_port(sc, name, port)
+            declared = req.headers.get("content-length")
+            if declared and declared.isdigit() and int(declared) > sc.policy.max_request_bytes:
+                raise Blocked(413, f"request body of {declared} bytes exceeds "
+                              f"max_request_bytes={sc.policy.max_request_bytes}")  # fmt: skip
+            if not sc.bucket.take():
+                raise Blocked(429, f"rate limit of {sc.policy.rate_limit_rps:g} requests/s "
+                              "exceeded")  # fmt: skip
+            ip, override = await self._check_destination(sc, name, port)
+        except Blocked as b:
+            meta["blocked"] = b.reason
+            flow.response = _blocked_response(b.status, b.reason)
+            return
+        meta.update(ip=str(ip), override=override)
+        sc.sni[(str(ip), port)] = name
+        # Connect to exactly the address we checked; Host header and SNI keep the name.
+        req.data.host = str(ip)
+        req.data.port = port
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        sc = self._client(flow)
+        if sc is None or flow.response is not None:
+            return
+        req = flow.request
+        meta = flow.metadata.setdefault("egress", {"name": req.host, "port": req.port})
+        if len(req.raw_content or b"") > sc.policy.max_request_bytes:
+            reason = (f"request body of {len(req.raw_content or b'')} bytes exceeds "
+                      f"max_request_bytes={sc.policy.max_request_bytes}")  # fmt: skip
+            meta["blocked"] = reason
+            flow.response = _blocked_response(413, reason)
+            return
+        report = StripReport()
+        req.headers.fields = tuple(
+            strip_headers(list(req.headers.fields), sc.policy, sc.secrets, report)
+        )
+        if sc.secrets:
+            path, found = sc.secrets.redact_str(req.path)
+            report.found(found, "url")
+            req.path = path
+            if req.raw_content:
+                try:
+                    body = req.get_content(strict=True) or b""
+                except ValueError:
+                    reason = (f"cannot decode request body (content-encoding "
+                              f"{req.headers.get('content-encoding')!r}) to check it for secrets")  # fmt: skip
+                    meta["blocked"] = reason
+                    flow.response = _blocked_response(400, reason)
+                    return
+                new, found = sc.secrets.redact(body)
+                if found:
+                    report.found(found, "body")
+                    req.set_content(new)
+        meta["report"] = report
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        sc = self._client(flow)
+        if sc is None or flow.response is None:
+            return
+        resp = flow.response
+        # Cookies are credentials too; the sandbox never gets to hold one.
+        resp.headers.pop("set-cookie", None)
+        declared = resp.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > sc.policy.max_response_bytes:
+            reason = (f"response body of {declared} bytes exceeds "
+                      f"max_response_bytes={sc.policy.max_response_bytes}")  # fmt: skip
+            flow.metadata.setdefault("egress", {})["blocked"] = reason
+            blocked = _blocked_response(502, reason)
+            body = blocked.raw_content or b""
+            flow.response = blocked
+            flow.response.stream = _DiscardThen(body)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        sc = self._client(flow)
+        if sc is None or flow.response is None:
+            return
+        meta = flow.metadata.setdefault("egress", {})
+        if (
+            not meta.get("blocked")
+            and len(flow.response.raw_content or b"") > sc.policy.max_response_bytes
+        ):
+            reason = (f"response body of {len(flow.response.raw_content or b'')} bytes exceeds "
+                      f"max_response_bytes={sc.policy.max_response_bytes}")  # fmt: skip
+            meta["blocked"] = reason
+            flow.response = _blocked_response(502, reason)
+        self._audit(sc, flow, blocked=meta.get("blocked"))
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        sc = self._client(flow)
+        if sc is None:
+            return
+        meta = flow.metadata.get("egress", {})
+        self._audit(sc, flow, blocked=meta.get("blocked"),
+                    error=flow.error.msg if flow.error else "unknown error")  # fmt: skip
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _client(self, flow: http.HTTPFlow) -> SandboxClient | None:
+        sc = self.registry.lookup(flow.client_conn.peername)
+        if sc is None:
+            flow.kill()
+        return sc
+
+    def _destination(self, flow: http.HTTPFlow) -> tuple[str, int]:
+        """The name the client wants and the port. In transparent mode the dialled address is
+        meaningless (our DNS answered it), so the Host header or the TLS SNI names the host."""
+        req = flow.request
+        header = req.host_header
+        hhost: str | None = None
+        if header:
+            try:
+                hhost, _ = url.parse_authority(header, check=True)
+            except ValueError:
+                raise Blocked(400, f"malformed Host header {header!r}") from None
+        if isinstance(flow.client_conn.proxy_mode, TransparentMode):
+            name = hhost or flow.client_conn.sni
+            if not name:
+                raise Blocked(400, "request names no host (no Host header, no TLS SNI)")
+            return name.lower().rstrip("."), req.port
+        name = req.host.lower().rstrip(".")
+        # Inside a CONNECT tunnel or with an absolute URL the proxy connects to `name`; a
+        # different Host header would let a request ride an allowed connection to another host.
+        if hhost and hhost.lower().rstrip(".") != name:
+            raise Blocked(403, f"Host header {hhost!r} does not match the destination {name!r}")
+        return name, req.port
+
+    def _check_host_port(self, sc: SandboxClient, host: str, port: int) -> None:
+        if not sc.policy.host_allowed(host):
+            raise Blocked(403, f"host {host!r} is not in the allow-list")
+        if port not in sc.policy.allow_ports:
+            raise Blocked(403, f"port {port} is not allowed (allowed: "
+                          f"{', '.join(map(str, sc.policy.allow_ports))})")  # fmt: skip
+
+    async def _check_destination(
+        self, sc: SandboxClient, host: str, port: int
+    ) -> tuple[IPAddress, bool]:
+        """Resolve `host`, refuse it unless every answer may be reached; return the address to
+        connect to and whether the test-only override was needed."""
+        ips = await self._resolve(sc.policy, host, port)
+        chosen: tuple[IPAddress, bool] | None = None
+        for ip in ips:
+            reason = address_denied(ip, self.own)
+            override = reason is not None and sc.policy.address_override(ip, port)
+            if reason is not None and not override:
+                what = str(ip) if host == str(ip) else f"{host!r} resolves to {ip}, and {ip}"
+                raise Blocked(403, f"destination not allowed: {what} {reason.split(' ', 1)[1]}")
+            if chosen is None or (chosen[0].version == 6 and ip.version == 4):
+                chosen = (ip, override)
+        assert chosen is not None
+        return chosen
+
+    async def _resolve(self, policy: EgressPolicy, host: str, port: int) -> list[IPAddress]:
+        try:
+            return [ipaddress.ip_address(host.strip("[]"))]
+        except ValueError:
+            pass
+        static = policy.hosts.get(host.lower().rstrip("."))
+        if static is not None:
+            return [ipaddress.ip_address(static)]
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await asyncio.wait_for(
+                loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), RESOLVE_TIMEOUT_S
+            )
+        except (OSError, TimeoutError, UnicodeError) as e:
+            raise Blocked(502, f"cannot resolve {host!r}: {e}") from None
+        ips: list[IPAddress] = []
+        for *_, sockaddr in infos:
+            ip = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
+            if ip not in ips:
+                ips.append(ip)
+        if not ips:
+            raise Blocked(502, f"{host!r} has no address")
+        return ips
+
+    def _audit(
+        self, sc: SandboxClient, flow: http.HTTPFlow, blocked: str | None = None,
+        error: str | None = None,
+    ) -> None:  # fmt: skip
+        meta = flow.metadata.get("egress", {})
+        report: StripReport = meta.get("report") or StripReport()
+        req, resp = flow.request, flow.response
+        path = req.path if req.method != "CONNECT" else ""
+        if sc.secrets:
+            path, _ = sc.secrets.redact_str(path)  # never log a secret, even a blocked one
+        sc.audit.write(
+            AuditRecord(
+                sandbox=sc.sandbox_id,
+                mode=sc.mode,
+                method=req.method,
+                host=str(meta.get("name", req.host)),
+                port=int(meta.get("port", req.port)),
+                path=path,
+                scheme=req.scheme,
+                ip=meta.get("ip"),
+                status=resp.status_code if resp is not None else None,
+                bytes_out=len(req.raw_content or b"") if not blocked else 0,
+                bytes_in=len(resp.raw_content or b"") if resp is not None else 0,
+                stripped_headers=report.headers,
+                redacted_secrets=report.secrets,
+                blocked=blocked,
+                error=error,
+                override=bool(meta.get("override")),
+            )
+        )

@@ -1,0 +1,236 @@
+"""Egress policy: what one sandbox (or one environment's sandboxes) may send, and where.
+
+A policy is a pydantic model loaded from TOML (`EgressPolicy.from_toml`). It decides on three
+things, in this order, for every request:
+
+1. the request itself: method allow-list, host allow-list (globs), port allow-list, sizes, rate;
+2. the destination *after* DNS resolution: every address a name resolves to must be public
+   (no loopback, private, shared, link-local such as 169.254.169.254, multicast, reserved, nor
+   one of the host's own addresses), and the proxy then connects to that checked address, so a
+   name that changes its answer between check and connect (DNS rebinding) gains nothing;
+3. what leaves: sensitive headers and registered secret values are removed (see `strip.py`).
+
+`allow_addresses` is the one way to reach a non-public address, meant for tests that run their
+upstream on loopback. It is deliberately narrow and hard to set by accident: exact `ip:port`
+pairs only (no ranges, no wildcard port), and never from a TOML file, only in code.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import ipaddress
+import tomllib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+# Headers that carry credentials; never forwarded, whatever the policy says.
+ALWAYS_STRIPPED = (
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "set-cookie",
+    "x-api-key",
+    "x-amz-security-token",
+)
+
+ALL_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be loaded; the message names the field."""
+
+
+class EgressPolicy(BaseModel):
+    """What a sandbox may reach through the egress proxy."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    allow_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host name globs that may be reached (`pypi.org`, `*.pythonhosted.org`). "
+        "Empty = nothing. Matched case-insensitively against the name the client asked for.",
+    )
+    allow_methods: list[str] = Field(
+        default_factory=lambda: ["GET", "HEAD"],
+        description="HTTP methods that may leave; anything else gets 403.",
+    )
+    allow_ports: list[int] = Field(
+        default_factory=lambda: [80, 443],
+        description="Destination ports that may be reached.",
+    )
+    strip_header_patterns: list[str] = Field(
+        default_factory=lambda: ["*token*", "*secret*", "*password*", "x-*-key"],
+        description="Extra header-name globs (case-insensitive) removed from requests, on top "
+        "of Authorization, Proxy-Authorization, Cookie, Set-Cookie, X-Api-Key, "
+        "X-Amz-Security-Token, which are always removed.",
+    )
+    max_request_bytes: int = Field(
+        default=1 << 20, gt=0, description="Largest request body allowed out (413 above)."
+    )
+    max_response_bytes: int = Field(
+        default=32 << 20, gt=0, description="Largest response body let back in (502 above)."
+    )
+    rate_limit_rps: float = Field(
+        default=20.0, gt=0, description="Sustained requests per second per sandbox (429 above)."
+    )
+    rate_limit_burst: int = Field(
+        default=40, gt=0, description="Requests a sandbox may make at once before the rate applies."
+    )
+    hosts: dict[str, str] = Field(
+        default_factory=dict,
+        description="Static name -> IP answers used instead of DNS (like /etc/hosts). The "
+        "answers are checked like any other resolution, so this cannot open a private address.",
+    )
+    allow_addresses: list[str] = Field(
+        default_factory=list,
+        description="TEST ONLY: exact `ip:port` destinations allowed even though they are not "
+        "public (a test's loopback upstream). Cannot be set from a TOML file.",
+    )
+
+    @field_validator("allow_hosts")
+    @classmethod
+    def _hosts(cls, v: list[str]) -> list[str]:
+        out = []
+        for h in v:
+            h = h.strip().lower().rstrip(".")
+            if not h or any(c in h for c in " /:@"):
+                raise ValueError(f"allow_hosts: {h!r} is not a host name glob")
+            out.append(h)
+        return out
+
+    @field_validator("allow_methods")
+    @classmethod
+    def _methods(cls, v: list[str]) -> list[str]:
+        out = [m.strip().upper() for m in v]
+        for m in out:
+            if not m.isalpha():
+                raise ValueError(f"allow_methods: {m!r} is not an HTTP method")
+            if m == "CONNECT":
+                # CONNECT is how explicit-mode HTTPS starts; it is always checked by host instead.
+                raise ValueError("allow_methods: CONNECT is implied for allowed hosts")
+        return out
+
+    @field_validator("allow_ports")
+    @classmethod
+    def _ports(cls, v: list[int]) -> list[int]:
+        for p in v:
+            if not 0 < p < 65536:
+                raise ValueError(f"allow_ports: {p} is not a TCP port")
+        return v
+
+    @field_validator("strip_header_patterns")
+    @classmethod
+    def _patterns(cls, v: list[str]) -> list[str]:
+        return [p.strip().lower() for p in v if p.strip()]
+
+    @field_validator("hosts")
+    @classmethod
+    def _static_hosts(cls, v: dict[str, str]) -> dict[str, str]:
+        out = {}
+        for name, ip in v.items():
+            try:
+                ipaddress.ip_address(ip)
+            except ValueError:
+                raise ValueError(f"hosts[{name!r}]: {ip!r} is not an IP address") from None
+            out[name.lower().rstrip(".")] = ip
+        return out
+
+    @field_validator("allow_addresses")
+    @classmethod
+    def _overrides(cls, v: list[str]) -> list[str]:
+        out = []
+        for entry in v:
+            out.append(_format_hostport(*parse_ip_port(entry)))
+        return out
+
+    # ---- loading ----------------------------------------------------------------------------
+
+    @classmethod
+    def from_toml(cls, path: str | Path, table: str | None = None) -> EgressPolicy:
+        """Load a policy from a TOML file (optionally from one `[table]` in it)."""
+        try:
+            data: Any = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise PolicyError(f"{path}: {e}") from None
+        if table is not None:
+            if table not in data or not isinstance(data[table], dict):
+                raise PolicyError(f"{path}: no [{table}] table")
+            data = data[table]
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "policy") -> EgressPolicy:
+        """Build a policy from config data; the test-only override is refused here."""
+        if "allow_addresses" in data:
+            raise PolicyError(
+                f"{source}: allow_addresses is a test-only override and cannot come from a "
+                "config file; pass it in code (EgressPolicy(allow_addresses=[...]))"
+            )
+        try:
+            return cls.model_validate(data)
+        except ValueError as e:
+            raise PolicyError(f"{source}: {e}") from None
+
+    # ---- decisions --------------------------------------------------------------------------
+
+    def host_allowed(self, host: str) -> bool:
+        host = host.lower().rstrip(".")
+        return any(fnmatch.fnmatchcase(host, g) for g in self.allow_hosts)
+
+    def header_stripped(self, name: str) -> bool:
+        name = name.lower()
+        return name in ALWAYS_STRIPPED or any(
+            fnmatch.fnmatchcase(name, p) for p in self.strip_header_patterns
+        )
+
+    def address_override(self, ip: IPAddress, port: int) -> bool:
+        return _format_hostport(ip, port) in self.allow_addresses
+
+
+def parse_ip_port(entry: str) -> tuple[IPAddress, int]:
+    """`1.2.3.4:80` or `[::1]:80` -> (ip, port); anything looser is refused."""
+    entry = entry.strip()
+    host, sep, port_s = entry.rpartition(":")
+    if not sep or not port_s.isdigit():
+        raise ValueError(f"allow_addresses: {entry!r} must be an exact ip:port")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"allow_addresses: {entry!r} must name one IP, not a range") from None
+    port = int(port_s)
+    if not 0 < port < 65536:
+        raise ValueError(f"allow_addresses: {entry!r} has no valid port")
+    return ip, port
+
+
+def _format_hostport(ip: IPAddress, port: int) -> str:
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def address_denied(ip: IPAddress, own: Iterable[IPAddress] = ()) -> str | None:
+    """Why `ip` may not be reached, or None when it is a public address.
+
+    Anything that is not globally routable is denied: loopback, RFC 1918, shared (CGNAT),
+    link-local (the 169.254.169.254 metadata service), multicast, reserved, unspecified,
+    documentation and benchmarking ranges, and the host's own addresses."""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
+    if ip.is_loopback:
+        return f"{ip} is a loopback address"
+    if ip.is_link_local:
+        return f"{ip} is a link-local address (cloud metadata lives here)"
+    if ip.is_private:
+        return f"{ip} is a private address"
+    if ip.is_multicast or ip.is_reserved or ip.is_unspecified:
+        return f"{ip} is not a unicast address"
+    if ip in set(own):
+        return f"{ip} is one of the proxy host's own addresses"
+    if not ip.is_global:
+        return f"{ip} is not a public address"
+    return None
