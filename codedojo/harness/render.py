@@ -1,0 +1,80 @@
+"""Terminal rendering of a trajectory (rich): what `dojo traj show` prints."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from codedojo.harness.trajectory import Trajectory
+
+ROLE_STYLE = {"system": "dim", "user": "bold cyan", "assistant": "bold green", "tool": "yellow"}
+
+
+def _short(text: str, max_chars: int | None) -> str:
+    if max_chars is None or len(text) <= max_chars:
+        return text
+    return text[:max_chars] + f"\n… [{len(text) - max_chars} more characters; --full shows all]"
+
+
+def _call_text(call: dict[str, Any], max_chars: int | None) -> str:
+    fn = call.get("function", {})
+    args = fn.get("arguments", "")
+    try:
+        args = json.dumps(json.loads(args), ensure_ascii=False, indent=1) if isinstance(args, str) else json.dumps(args)
+    except json.JSONDecodeError:
+        pass
+    return f"→ {fn.get('name')}({_short(str(args), max_chars)})  [{call.get('id')}]"
+
+
+def print_trajectory(traj: Trajectory, max_chars: int | None = 1500, console: Console | None = None) -> None:
+    console = console or Console()
+    head = Table.grid(padding=(0, 2))
+    head.add_row("id", traj.id)
+    head.add_row("status", f"{traj.status}" + (f" — {traj.error}" if traj.error else ""))
+    head.add_row("model", traj.model or "-")
+    head.add_row("env", f"{traj.env} (tool set generation {traj.toolset_generation})")
+    head.add_row("tools", ", ".join(f"{n}@{v}" for n, v in traj.tool_versions.items()) or "-")
+    head.add_row("turns", f"{len(traj.turns)} model calls, {len(traj.segments)} context segment(s)")
+    console.print(Panel(head, title="trajectory", expand=False))
+
+    starts = set(traj.segments)
+    for i, m in enumerate(traj.messages):
+        if i in starts and i > 0:
+            console.rule("[magenta]new context after self-summary[/magenta]")
+        role = m.get("role", "?")
+        parts: list[Any] = []
+        if m.get("reasoning_content"):
+            parts.append(Text(_short(m["reasoning_content"], max_chars), style="italic dim"))
+        content = m.get("content")
+        if content:
+            parts.append(Text(_short(str(content), max_chars)))
+        for c in m.get("tool_calls") or []:
+            parts.append(Text(_call_text(c, max_chars), style="green"))
+        title = role + (f" ← {m.get('name', '')} [{m.get('tool_call_id')}]" if role == "tool" else "")
+        style = ROLE_STYLE.get(role, "")
+        if role == "tool" and str(content or "").startswith("Error:"):
+            style = "red"
+        console.print(Panel(Group(*parts) if parts else Text("(empty)", style="dim"), title=title,
+                            title_align="left", border_style=style))
+
+    if traj.turns:
+        t = Table(title="turns", show_lines=False)
+        for col in ("#", "kind", "seg", "prompt", "completion", "trained", "mean logprob", "tools", "gen s", "tools s", "finish"):
+            t.add_column(col, justify="right" if col not in ("kind", "tools", "finish") else "left")
+        for u in traj.turns:
+            mean_lp = f"{sum(u.logprobs) / len(u.logprobs):.3f}" if u.logprobs else "-"
+            tools = ", ".join(f"{c.name}{'!' if c.is_error else ''}" for c in u.tool_calls) or "-"
+            t.add_row(str(u.index), u.kind, str(u.segment), str(u.prompt_tokens or len(u.prompt_ids)),
+                      str(u.completion_tokens or len(u.completion_ids)), str(sum(u.loss_mask)), mean_lp, tools,
+                      f"{u.generate_s:.2f}", f"{u.tools_s:.2f}", u.finish_reason)
+        console.print(t)
+    if traj.final_message:
+        console.print(Panel(_short(traj.final_message, max_chars), title="final message", border_style="green"))
+    todos = traj.tool_state.get("todos") if isinstance(traj.tool_state, dict) else None
+    if todos:
+        console.print("todos: " + "; ".join(f"[{x['status']}] {x['content']}" for x in todos))

@@ -1,0 +1,84 @@
+import pytest
+
+from codedojo.harness.tools import DEFAULT_TOOLS, ToolError, tool_schema, truncate, validate_args
+from codedojo.harness.tools.grep import GREP
+from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, parse_arguments
+
+
+def test_every_schema_is_a_valid_openai_function():
+    names = set()
+    for tool in DEFAULT_TOOLS:
+        s = tool_schema(tool)
+        assert s["type"] == "function"
+        fn = s["function"]
+        assert fn["name"] == tool.name and fn["description"]
+        params = fn["parameters"]
+        assert params["type"] == "object"
+        assert set(params["required"]) <= set(params["properties"])
+        for prop in params["properties"].values():
+            assert prop.get("type") in ("string", "integer", "number", "boolean", "array", "object")
+        names.add(tool.name)
+    assert names == {
+        "read_file", "list_dir", "glob_file_search", "grep", "codebase_search", "search_replace",
+        "write", "delete_file", "run_terminal_cmd", "read_lints", "todo_write", "web_fetch",
+    }
+
+
+def test_strict_and_lenient_validation():
+    schema = GREP.parameters
+    with pytest.raises(ToolError, match="missing required argument 'pattern'"):
+        validate_args({}, schema)
+    with pytest.raises(ToolError, match="unknown argument 'bogus'"):
+        validate_args({"pattern": "x", "bogus": 1}, schema)
+    with pytest.raises(ToolError, match="argument '-A' must be of type integer"):
+        validate_args({"pattern": "x", "-A": "2"}, schema)
+    with pytest.raises(ToolError, match="output_mode"):
+        validate_args({"pattern": "x", "output_mode": "lines"}, schema)
+    with pytest.raises(ToolError, match="'-i' must be of type boolean"):
+        validate_args({"pattern": "x", "-i": 1}, schema)
+    ok = validate_args({"pattern": "x", "-A": "2", "-i": "true", "bogus": 1}, schema, lenient=True)
+    assert ok == {"pattern": "x", "-A": 2, "-i": True}
+
+
+def test_nested_items_are_checked():
+    from codedojo.harness.tools.todo import TODO_WRITE
+
+    with pytest.raises(ToolError, match=r"todos\[0\].status"):
+        validate_args({"merge": False, "todos": [{"id": "1", "status": "later"}]}, TODO_WRITE.parameters)
+
+
+def test_truncation_keeps_head_and_tail_with_marker():
+    text = "".join(f"line {i}\n" for i in range(10_000))
+    out, cut = truncate(text, 1000)
+    assert cut and len(out) < 1100
+    assert out.startswith("line 0\n") and out.rstrip().endswith("line 9999")
+    assert "[output truncated:" in out
+    assert truncate("short", 1000) == ("short", False)
+
+
+def test_parse_arguments():
+    assert parse_arguments('{"a": 1}') == ({"a": 1}, None)
+    assert parse_arguments("") == ({}, None)
+    args, err = parse_arguments('{"a": ')
+    assert args is None and "not valid JSON" in err
+    args, err = parse_arguments("[1]")
+    assert args is None and "JSON object" in err
+
+
+def test_registry_config_errors_name_the_field():
+    reg = ToolRegistry()
+    with pytest.raises(ValueError, match="tools: unknown tool 'nope'"):
+        reg.resolve(EnvToolConfig(tools=["nope"]))
+    with pytest.raises(ValueError, match="versions.grep: unknown version '9'"):
+        reg.resolve(EnvToolConfig(tools=["grep"], versions={"grep": "9"}))
+    with pytest.raises(ValueError, match="strictness"):
+        EnvToolConfig(strictness="loose")
+
+
+def test_env_config_from_toml(tmp_path):
+    p = tmp_path / "env.toml"
+    p.write_text('tools = ["read_file", "grep"]\nstrictness = "lenient"\n[timeouts]\ngrep = 5.0\n')
+    cfg = EnvToolConfig.from_toml(p)
+    ts = ToolRegistry().resolve(cfg)
+    assert list(ts.tools) == ["read_file", "grep"] and cfg.timeouts["grep"] == 5.0
+    assert [s["function"]["name"] for s in ts.schemas()] == ["read_file", "grep"]
