@@ -1,0 +1,387 @@
+/* codedojo sandbox init: the process that sits inside a sandbox's namespaces and starts commands.
+ *
+ * Why a C helper: spawning bubblewrap (or a Python interpreter) per command costs several
+ * milliseconds; this helper enters the namespaces once, at create, and then forks each command
+ * on request, so an exec round trip is two fork()s and an execve.
+ *
+ * Invoked by codedojo/sandbox/local.py (never by users):
+ *   codedojo-sandbox-init --root DIR --sock-fd N --uid U --gid G --hostname H
+ *                         (--netns-new FILE | --netns-join FILE) [--cgroup PROCSFILE]...
+ *                         [--bind SRC:DST]... [--shm-mb N]
+ *
+ * The first process (the "waiter", in the host pid namespace) joins the cgroups, creates or
+ * joins the network namespace, unshares mount/pid/ipc/uts and forks pid 1 of the new pid
+ * namespace. The waiter prints "P <host pid of init>" on stdout and waits for init; init builds
+ * the root (read-only binds of the host's system directories, /proc, a minimal /dev), pivots
+ * into DIR, prints "R" (or "E <message>" and exits) and serves requests on the inherited
+ * listening unix socket. Killing init (SIGKILL from the host) kills the whole pid namespace.
+ *
+ * Protocol, one connection per command:
+ *   host -> init : u32 length, then NUL-terminated strings: cwd, argc, argv..., envc, env...
+ *   init -> host : "F <pid>" with three fds (stdin write end, stdout and stderr read ends)
+ *                  attached (SCM_RIGHTS), or "E <message>" on a bad request
+ *   host -> init : any byte = kill the command's process group; EOF = the same
+ *   init -> host : "X <wait status>" when the command exits
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <net/if.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MAX_BINDS 32
+#define MAX_CGROUPS 8
+#define MAX_REQUEST (4 << 20)
+
+static const char *root_dir, *hostname = "sandbox", *netns_file;
+static int netns_new, sock_fd = -1, shm_mb = 64;
+static uid_t run_uid = 1000;
+static gid_t run_gid = 1000;
+static const char *binds[MAX_BINDS];
+static int n_binds;
+static const char *cgroups[MAX_CGROUPS];
+static int n_cgroups;
+
+static void die(const char *fmt, ...) {
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  dprintf(1, "E %s: %s\n", msg, strerror(errno));
+  _exit(1);
+}
+
+static void write_file(const char *path, const char *text) {
+  int fd = open(path, O_WRONLY | O_CLOEXEC);
+  if (fd < 0 || write(fd, text, strlen(text)) < 0) die("write %s", path);
+  close(fd);
+}
+
+static void lo_up(void) {
+  int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  struct ifreq ifr;
+  if (s < 0) die("socket");
+  memset(&ifr, 0, sizeof ifr);
+  strcpy(ifr.ifr_name, "lo");
+  if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0) die("SIOCGIFFLAGS lo");
+  ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+  if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0) die("SIOCSIFFLAGS lo");
+  close(s);
+}
+
+static void path_in_root(char *out, size_t n, const char *rel) {
+  snprintf(out, n, "%s%s", root_dir, rel);
+}
+
+static void bind_ro(const char *src, const char *dst) {
+  char target[4096];
+  path_in_root(target, sizeof target, dst);
+  if (mount(src, target, NULL, MS_BIND | MS_REC, NULL) < 0) die("bind %s", src);
+  if (mount(NULL, target, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL) < 0)
+    die("remount ro %s", dst);
+}
+
+static void make_dev(void) {
+  static const char *nodes[] = {"null", "zero", "full", "random", "urandom", "tty"};
+  char path[4096], src[64];
+  path_in_root(path, sizeof path, "/dev");
+  if (mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=64k") < 0)
+    die("mount /dev");
+  for (size_t i = 0; i < sizeof nodes / sizeof *nodes; i++) {
+    snprintf(path, sizeof path, "%s/dev/%s", root_dir, nodes[i]);
+    snprintf(src, sizeof src, "/dev/%s", nodes[i]);
+    int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0666);
+    if (fd < 0) die("create %s", path);
+    close(fd);
+    if (mount(src, path, NULL, MS_BIND, NULL) < 0) die("bind %s", src);
+  }
+  static const char *links[][2] = {{"/proc/self/fd", "fd"},     {"/proc/self/fd/0", "stdin"},
+                                   {"/proc/self/fd/1", "stdout"}, {"/proc/self/fd/2", "stderr"},
+                                   {"pts/ptmx", "ptmx"}};
+  for (size_t i = 0; i < sizeof links / sizeof *links; i++) {
+    snprintf(path, sizeof path, "%s/dev/%s", root_dir, links[i][1]);
+    if (symlink(links[i][0], path) < 0) die("symlink %s", path);
+  }
+  snprintf(path, sizeof path, "%s/dev/pts", root_dir);
+  mkdir(path, 0755);
+  /* A private devpts instance so the sandbox sees only its own terminals; optional. */
+  mount("devpts", path, "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620");
+  snprintf(path, sizeof path, "%s/dev/shm", root_dir);
+  mkdir(path, 01777);
+  char opts[64];
+  snprintf(opts, sizeof opts, "mode=1777,size=%dm", shm_mb);
+  if (mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, opts) < 0) die("mount /dev/shm");
+}
+
+static void setup_root(void) {
+  char path[4096];
+  if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) die("make / private");
+  for (int i = 0; i < n_binds; i++) {
+    char spec[4096];
+    snprintf(spec, sizeof spec, "%s", binds[i]);
+    char *colon = strchr(spec, ':');
+    if (!colon) {
+      errno = EINVAL;
+      die("bad --bind %s", binds[i]);
+    }
+    *colon = 0;
+    bind_ro(spec, colon + 1);
+  }
+  path_in_root(path, sizeof path, "/proc");
+  if (mount("proc", path, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0) die("mount /proc");
+  make_dev();
+  if (sethostname(hostname, strlen(hostname)) < 0) die("sethostname");
+  if (chdir(root_dir) < 0) die("chdir %s", root_dir);
+  /* pivot_root(".", ".") stacks the old root on top of the new one; detaching it leaves the
+   * sandbox with no path back to the host's tree. */
+  if (syscall(SYS_pivot_root, ".", ".") < 0) die("pivot_root");
+  if (umount2(".", MNT_DETACH) < 0) die("detach old root");
+  if (chdir("/") < 0) die("chdir /");
+}
+
+/* ---- per-command handler (a child of init) ---- */
+
+static int read_full(int fd, void *buf, size_t n) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = read(fd, (char *)buf + got, n - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return -1;
+    got += r;
+  }
+  return 0;
+}
+
+static void reply(int conn, const char *fmt, ...) {
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  if (n > (int)sizeof msg - 1) n = sizeof msg - 1;
+  send(conn, msg, n, MSG_NOSIGNAL);
+}
+
+static void handle(int conn) {
+  uint32_t len;
+  if (read_full(conn, &len, 4) < 0 || len == 0 || len > MAX_REQUEST) _exit(2);
+  char *buf = malloc(len + 1);
+  if (!buf || read_full(conn, buf, len) < 0) _exit(2);
+  buf[len] = 0;
+  /* Split into NUL-terminated fields. */
+  char **f = calloc(len + 2, sizeof *f);
+  int nf = 0;
+  for (char *p = buf; p < buf + len; p += strlen(p) + 1) f[nf++] = p;
+  int i = 0;
+  if (nf < 3) {
+    reply(conn, "E malformed request");
+    _exit(2);
+  }
+  const char *cwd = f[i++];
+  int argc = atoi(f[i++]);
+  if (argc < 1 || i + argc > nf) {
+    reply(conn, "E malformed request: argc");
+    _exit(2);
+  }
+  char **argv = calloc(argc + 1, sizeof *argv);
+  for (int a = 0; a < argc; a++) argv[a] = f[i++];
+  int envc = i < nf ? atoi(f[i++]) : 0;
+  if (envc < 0 || i + envc > nf) {
+    reply(conn, "E malformed request: envc");
+    _exit(2);
+  }
+  char **envp = calloc(envc + 1, sizeof *envp);
+  for (int e = 0; e < envc; e++) envp[e] = f[i++];
+
+  int in[2], out[2], err[2];
+  if (pipe2(in, O_CLOEXEC) < 0 || pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0) {
+    reply(conn, "E pipe: %s", strerror(errno));
+    _exit(2);
+  }
+  pid_t pid = fork();
+  if (pid < 0) {
+    reply(conn, "E fork: %s", strerror(errno));
+    _exit(2);
+  }
+  if (pid == 0) {
+    signal(SIGCHLD, SIG_DFL);
+    signal(SIGPIPE, SIG_DFL);
+    setsid();
+    dup2(in[0], 0);
+    dup2(out[1], 1);
+    dup2(err[1], 2);
+    if (setgroups(0, NULL) < 0 || setgid(run_gid) < 0 || setuid(run_uid) < 0) {
+      dprintf(2, "sandbox: cannot drop privileges: %s\n", strerror(errno));
+      _exit(126);
+    }
+    prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+    umask(022);
+    if (chdir(cwd) < 0) {
+      dprintf(2, "sandbox: cwd %s: %s\n", cwd, strerror(errno));
+      _exit(126);
+    }
+    environ = envp;
+    execvp(argv[0], argv);
+    dprintf(2, "sandbox: %s: %s\n", argv[0], strerror(errno));
+    _exit(errno == ENOENT ? 127 : 126);
+  }
+  close(in[0]);
+  close(out[1]);
+  close(err[1]);
+  char msg[64];
+  int n = snprintf(msg, sizeof msg, "F %d", (int)pid);
+  int fds[3] = {in[1], out[0], err[0]};
+  char cbuf[CMSG_SPACE(sizeof fds)];
+  memset(cbuf, 0, sizeof cbuf);
+  struct iovec iov = {msg, (size_t)n};
+  struct msghdr mh = {0};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = cbuf;
+  mh.msg_controllen = sizeof cbuf;
+  struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof fds);
+  memcpy(CMSG_DATA(c), fds, sizeof fds);
+  if (sendmsg(conn, &mh, MSG_NOSIGNAL) < 0) {
+    kill(-pid, SIGKILL);
+    kill(pid, SIGKILL);
+  }
+  close(in[1]);
+  close(out[0]);
+  close(err[0]);
+
+  int pfd = (int)syscall(SYS_pidfd_open, pid, 0);
+  struct pollfd pf[2] = {{conn, POLLIN, 0}, {pfd, POLLIN, 0}};
+  int killed = 0;
+  for (;;) {
+    int r = poll(pf, pfd >= 0 ? 2 : 1, pfd >= 0 ? -1 : 50);
+    if (r < 0 && errno != EINTR) break;
+    if (!killed && (pf[0].revents & (POLLIN | POLLHUP | POLLERR))) {
+      char b;
+      recv(conn, &b, 1, MSG_DONTWAIT);
+      kill(-pid, SIGKILL);
+      kill(pid, SIGKILL);
+      killed = 1;
+      pf[0].fd = -1; /* stop polling the connection; wait for the exit */
+    }
+    int st;
+    pid_t w = waitpid(pid, &st, WNOHANG);
+    if (w == pid) {
+      reply(conn, "X %d", st);
+      _exit(0);
+    }
+  }
+  _exit(3);
+}
+
+/* ---- init (pid 1 of the sandbox) ---- */
+
+static void on_sigchld(int sig) { (void)sig; }
+
+static void init_main(void) {
+  setup_root();
+  dprintf(1, "R\n");
+  int devnull = open("/dev/null", O_RDWR);
+  dup2(devnull, 0);
+  dup2(devnull, 1);
+  dup2(devnull, 2);
+  if (devnull > 2) close(devnull);
+  struct sigaction sa = {0};
+  sa.sa_handler = on_sigchld;
+  sa.sa_flags = SA_NOCLDSTOP; /* no SA_RESTART: poll() returns EINTR so zombies are reaped */
+  sigaction(SIGCHLD, &sa, NULL);
+  signal(SIGPIPE, SIG_IGN);
+  for (;;) {
+    struct pollfd pf = {sock_fd, POLLIN, 0};
+    int r = poll(&pf, 1, 1000);
+    while (waitpid(-1, NULL, WNOHANG) > 0) {
+    }
+    if (r <= 0) continue;
+    int conn = accept4(sock_fd, NULL, NULL, SOCK_CLOEXEC);
+    if (conn < 0) continue;
+    pid_t h = fork();
+    if (h == 0) {
+      close(sock_fd);
+      handle(conn);
+    }
+    close(conn);
+  }
+}
+
+int main(int argc, char **argv) {
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!v) {
+      errno = EINVAL;
+      die("missing value for %s", a);
+    }
+    i++;
+    if (!strcmp(a, "--root")) root_dir = v;
+    else if (!strcmp(a, "--sock-fd")) sock_fd = atoi(v);
+    else if (!strcmp(a, "--uid")) run_uid = (uid_t)atoi(v);
+    else if (!strcmp(a, "--gid")) run_gid = (gid_t)atoi(v);
+    else if (!strcmp(a, "--hostname")) hostname = v;
+    else if (!strcmp(a, "--shm-mb")) shm_mb = atoi(v);
+    else if (!strcmp(a, "--netns-new")) netns_file = v, netns_new = 1;
+    else if (!strcmp(a, "--netns-join")) netns_file = v, netns_new = 0;
+    else if (!strcmp(a, "--bind") && n_binds < MAX_BINDS) binds[n_binds++] = v;
+    else if (!strcmp(a, "--cgroup") && n_cgroups < MAX_CGROUPS) cgroups[n_cgroups++] = v;
+    else {
+      errno = EINVAL;
+      die("unknown option %s", a);
+    }
+  }
+  if (!root_dir || sock_fd < 0 || !netns_file) {
+    errno = EINVAL;
+    die("--root, --sock-fd and --netns-new/--netns-join are required");
+  }
+  char pid[32];
+  snprintf(pid, sizeof pid, "%d", (int)getpid());
+  for (int i = 0; i < n_cgroups; i++) write_file(cgroups[i], pid);
+  if (netns_new) {
+    if (unshare(CLONE_NEWNET) < 0) die("unshare net");
+    lo_up();
+    /* Bind the namespace to a file so it outlives this process (restore reuses it). */
+    if (mount("/proc/self/ns/net", netns_file, NULL, MS_BIND, NULL) < 0) die("bind netns");
+  } else {
+    int fd = open(netns_file, O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || setns(fd, CLONE_NEWNET) < 0) die("join netns %s", netns_file);
+    close(fd);
+  }
+  if (unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS) < 0) die("unshare");
+  pid_t child = fork();
+  if (child < 0) die("fork");
+  if (child == 0) {
+    init_main();
+    _exit(0);
+  }
+  close(sock_fd);
+  dprintf(1, "P %d\n", (int)child);
+  close(1);
+  int st;
+  while (waitpid(child, &st, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}

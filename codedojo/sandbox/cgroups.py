@@ -1,0 +1,202 @@
+"""Per-sandbox cgroups: memory, pids and cpu limits, and a kill that nothing escapes.
+
+Both cgroup layouts are detected at runtime. v2 (a single hierarchy with `cgroup.controllers`)
+uses memory.max / pids.max / cpu.max and `cgroup.kill`. v1 (one hierarchy per controller, as on
+this project's CI) uses memory.limit_in_bytes (+ memsw when present), pids.max, cpu.cfs_quota_us
+and the freezer to stop every task before killing it, so a fork loop cannot outrun the kill.
+
+A sandbox's cgroup goes under `<cgroup of this process>/codedojo/<id>` when that is writable,
+else under `/codedojo/<id>` at the hierarchy's root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+CGROUP_FS = "/sys/fs/cgroup"
+V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _own_cgroups() -> dict[str, str]:
+    """controller (or "" for v2) -> this process's cgroup path."""
+    out: dict[str, str] = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, ctrls, path = line.rstrip("\n").split(":", 2)
+            for c in ctrls.split(",") if ctrls else [""]:
+                out[c] = path
+    return out
+
+
+def is_v2() -> bool:
+    return os.path.exists(os.path.join(CGROUP_FS, "cgroup.controllers"))
+
+
+def _base_dir(hierarchy: str, own: str) -> str:
+    """The `codedojo` parent directory inside `hierarchy`: below our own cgroup if writable."""
+    for parent in (os.path.join(hierarchy, own.lstrip("/")), hierarchy):
+        base = os.path.join(parent, "codedojo")
+        try:
+            os.makedirs(base, exist_ok=True)
+            return base
+        except OSError:
+            continue
+    raise OSError(errno.EACCES, f"no writable cgroup directory in {hierarchy}")
+
+
+@dataclass
+class Cgroup:
+    """The cgroup directories of one sandbox (one per v1 controller, or one on v2)."""
+
+    dirs: dict[str, str]  # controller ("v2" for the unified hierarchy) -> directory
+    v2: bool
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [os.path.join(d, "cgroup.procs") for d in self.dirs.values()]
+
+    def pids(self) -> set[int]:
+        found: set[int] = set()
+        for f in self.procs_files:
+            with contextlib.suppress(OSError), open(f) as fh:
+                found.update(int(x) for x in fh.read().split())
+        return found
+
+    def memory_events(self) -> dict[str, int]:
+        """Counters that tell an OOM kill happened (v1: failcnt/oom_kill, v2: memory.events)."""
+        out: dict[str, int] = {}
+        if self.v2:
+            with contextlib.suppress(OSError), open(os.path.join(self.dirs["v2"], "memory.events")) as f:
+                for line in f:
+                    k, v = line.split()
+                    out[k] = int(v)
+        elif "memory" in self.dirs:
+            with contextlib.suppress(OSError), open(
+                os.path.join(self.dirs["memory"], "memory.oom_control")
+            ) as f:
+                for line in f:
+                    k, v = line.split()
+                    out[k] = int(v)
+        return out
+
+    def kill(self, timeout: float = 5.0) -> None:
+        """Kill every task in the cgroup and wait until it is empty."""
+        deadline = time.monotonic() + timeout
+        if self.v2:
+            with contextlib.suppress(OSError):
+                _write(os.path.join(self.dirs["v2"], "cgroup.kill"), "1")
+        freezer = self.dirs.get("freezer")
+        while True:
+            pids = self.pids()
+            if not pids:
+                return
+            if freezer:
+                with contextlib.suppress(OSError):
+                    _write(os.path.join(freezer, "freezer.state"), "FROZEN")
+            for pid in self.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if freezer:
+                with contextlib.suppress(OSError):
+                    _write(os.path.join(freezer, "freezer.state"), "THAWED")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cgroup still has tasks {sorted(pids)}")
+            time.sleep(0.002)
+
+    def remove(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        for d in self.dirs.values():
+            while os.path.isdir(d):
+                try:
+                    os.rmdir(d)
+                except OSError as e:
+                    # EBUSY: exiting tasks still being accounted; the kill already happened.
+                    if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.002)
+
+    def freeze(self, frozen: bool) -> None:
+        """Pause every task (used to take a consistent snapshot)."""
+        if self.v2:
+            _write(os.path.join(self.dirs["v2"], "cgroup.freeze"), "1" if frozen else "0")
+        elif "freezer" in self.dirs:
+            _write(os.path.join(self.dirs["freezer"], "freezer.state"), "FROZEN" if frozen else "THAWED")
+
+
+class CgroupManager:
+    """Creates sandbox cgroups with limits; finds the ones a crashed process left behind."""
+
+    def __init__(self) -> None:
+        self.v2 = is_v2()
+        own = _own_cgroups()
+        self.bases: dict[str, str] = {}
+        if self.v2:
+            base = _base_dir(CGROUP_FS, own.get("", "/"))
+            parent = os.path.dirname(base)
+            # Controllers must be enabled on every ancestor's subtree_control to apply below.
+            for d in (parent, base):
+                with contextlib.suppress(OSError):
+                    _write(os.path.join(d, "cgroup.subtree_control"), "+memory +pids +cpu")
+            self.bases["v2"] = base
+        else:
+            for c in V1_CONTROLLERS:
+                hierarchy = os.path.join(CGROUP_FS, c)
+                if os.path.isdir(hierarchy):
+                    self.bases[c] = _base_dir(hierarchy, own.get(c, "/"))
+
+    def create(self, name: str, memory_mb: int, pids: int, cpus: float) -> Cgroup:
+        dirs: dict[str, str] = {}
+        try:
+            for c, base in self.bases.items():
+                d = os.path.join(base, name)
+                os.mkdir(d)
+                dirs[c] = d
+            cg = Cgroup(dirs, self.v2)
+            mem = str(memory_mb << 20)
+            period = 100_000
+            quota = str(max(1000, int(cpus * period)))
+            if self.v2:
+                d = dirs["v2"]
+                _write(os.path.join(d, "memory.max"), mem)
+                with contextlib.suppress(OSError):
+                    _write(os.path.join(d, "memory.swap.max"), "0")
+                _write(os.path.join(d, "pids.max"), str(pids))
+                _write(os.path.join(d, "cpu.max"), f"{quota} {period}")
+            else:
+                if "memory" in dirs:
+                    _write(os.path.join(dirs["memory"], "memory.limit_in_bytes"), mem)
+                    memsw = os.path.join(dirs["memory"], "memory.memsw.limit_in_bytes")
+                    if os.path.exists(memsw):
+                        _write(memsw, mem)  # no swapping around the limit
+                if "pids" in dirs:
+                    _write(os.path.join(dirs["pids"], "pids.max"), str(pids))
+                if "cpu" in dirs:
+                    _write(os.path.join(dirs["cpu"], "cpu.cfs_period_us"), str(period))
+                    _write(os.path.join(dirs["cpu"], "cpu.cfs_quota_us"), quota)
+            return cg
+        except OSError:
+            for d in dirs.values():
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
+            raise
+
+    def existing(self) -> dict[str, Cgroup]:
+        """Sandbox cgroups present under our bases (name -> cgroup), for garbage collection."""
+        names: dict[str, dict[str, str]] = {}
+        for c, base in self.bases.items():
+            with contextlib.suppress(OSError):
+                for name in os.listdir(base):
+                    d = os.path.join(base, name)
+                    if os.path.isdir(d):
+                        names.setdefault(name, {})[c] = d
+        return {n: Cgroup(d, self.v2) for n, d in names.items()}

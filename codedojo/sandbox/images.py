@@ -1,0 +1,559 @@
+"""Images: stacks of read-only, content-addressed directory layers, and the builders that make them.
+
+Store layout (under the provider's root):
+
+    layers/<id>/        one layer: a tree laid out as seen from `/` inside the sandbox
+    images/<id>.json    {"id", "layers": [top, ..., bottom], "base": "host" | "rootfs", ...}
+    names/<name>        the image id a name points to
+    tmp/                layers under construction (renamed into place when complete)
+
+A layer id is the sha256 of its tree (paths, types, modes, owners, contents, link targets and
+overlay whiteouts), so building the same thing twice stores it once, and an image id is the
+sha256 of its layer list. Layers are overlayfs lower directories: a deletion is a character
+device 0/0 (a whiteout) and a replaced directory carries `trusted.overlay.opaque=y`, exactly as
+overlayfs writes them in the upper layer, which is why freezing a sandbox's writable layer is a
+plain copy of it.
+
+Two kinds of base:
+  * "host" (the fast default): the bottom layer is a skeleton whose /usr (and /bin, /lib*, when
+    the host does not link them into /usr) are bound read-only from the host at start, plus a
+    copy of the host's /etc keeping only world-readable files (no shadow, no private keys) and a
+    passwd entry for the sandbox user. /root, /home, /work and every other host path are simply
+    not in the tree.
+  * "rootfs": a Debian root made with debootstrap, nothing bound from the host (full isolation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from codedojo.sandbox.base import WORKSPACE, SandboxError
+
+if TYPE_CHECKING:
+    from codedojo.sandbox.local import LocalProvider
+
+SANDBOX_UID = 1000
+SANDBOX_GID = 1000
+SANDBOX_HOME = "/home/user"
+# Host directories that may be bound into a "host" base, read-only. Anything else stays out.
+SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+OPAQUE_XATTR = "trusted.overlay.opaque"
+ID_LEN = 32  # hex chars of sha256 kept; short ids keep overlay's option string small
+
+
+@dataclass(frozen=True)
+class Image:
+    id: str
+    layers: tuple[str, ...]  # top first
+    base: Literal["host", "rootfs"] = "host"
+    names: tuple[str, ...] = field(default=())
+
+    @property
+    def binds(self) -> tuple[str, ...]:
+        """Host system directories bound read-only at start (none for a rootfs base)."""
+        if self.base != "host":
+            return ()
+        return tuple(d for d in SYSTEM_DIRS if os.path.isdir(f"/{d}") and not os.path.islink(f"/{d}"))
+
+
+def is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def _is_opaque(path: str) -> bool:
+    try:
+        return os.getxattr(path, OPAQUE_XATTR, follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def tree_digest(root: str) -> str:
+    """Content address of a layer tree."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        rel_dir = os.path.relpath(dirpath, root)
+        for name in [".", *sorted(filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))])]:
+            p = os.path.join(dirpath, name) if name != "." else dirpath
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            st = os.lstat(p)
+            h.update(f"{rel}\0{st.st_mode:o}\0{st.st_uid}\0{st.st_gid}\0".encode())
+            if stat.S_ISREG(st.st_mode):
+                with open(p, "rb") as f:
+                    h.update(hashlib.file_digest(f, "sha256").digest())
+            elif stat.S_ISLNK(st.st_mode):
+                h.update(os.readlink(p).encode())
+            elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+                h.update(str(st.st_rdev).encode())
+            elif stat.S_ISDIR(st.st_mode) and _is_opaque(p):
+                h.update(b"opaque")
+            h.update(b"\n")
+    return h.hexdigest()[:ID_LEN]
+
+
+def copy_layer_tree(src: str, dst: str, *, xattrs: bool = True) -> int:
+    """Copy an overlay upper (or any) tree, keeping owners, modes, times, whiteouts and the
+    opaque marker; returns bytes copied. Cost is proportional to the size of `src`."""
+    total = 0
+
+    def meta(s: str, d: str, st: os.stat_result) -> None:
+        os.lchown(d, st.st_uid, st.st_gid)
+        if not stat.S_ISLNK(st.st_mode):
+            os.chmod(d, stat.S_IMODE(st.st_mode))
+            os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns))
+        if xattrs and stat.S_ISDIR(st.st_mode) and _is_opaque(s):
+            os.setxattr(d, OPAQUE_XATTR, b"y")
+
+    os.makedirs(dst, exist_ok=True)
+    dirs_meta: list[tuple[str, str, os.stat_result]] = [(src, dst, os.lstat(src))]
+    for dirpath, dirnames, filenames in os.walk(src):
+        out_dir = os.path.join(dst, os.path.relpath(dirpath, src))
+        for name in dirnames + filenames:
+            s = os.path.join(dirpath, name)
+            d = os.path.join(out_dir, name)
+            st = os.lstat(s)
+            if stat.S_ISDIR(st.st_mode):
+                os.mkdir(d, 0o700)
+                dirs_meta.append((s, d, st))
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(s), d)
+            elif stat.S_ISREG(st.st_mode):
+                shutil.copyfile(s, d, follow_symlinks=False)
+                total += st.st_size
+            elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+                os.mknod(d, st.st_mode, st.st_rdev)
+            else:
+                continue  # sockets are not content
+            meta(s, d, st)
+    # Directory times last: filling a directory changes its mtime.
+    for s, d, st in reversed(dirs_meta):
+        meta(s, d, st)
+    return total
+
+
+class LayerStack:
+    """Resolve paths through a stack of layer directories the way overlayfs does."""
+
+    def __init__(self, dirs: Sequence[str]):
+        self.dirs = list(dirs)  # top first
+
+    def lookup(self, rel: str) -> str | None:
+        """Real path of the topmost entry for `rel` (relative, normalised), None if absent."""
+        parts = [p for p in rel.split("/") if p and p != "."]
+        for top in self.dirs:
+            p = os.path.join(top, *parts)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                # A whiteout or opaque directory higher up on the path hides lower layers.
+                if self._hidden_below(top, parts):
+                    return None
+                continue
+            if is_whiteout(st):
+                return None
+            return p
+        return None
+
+    @staticmethod
+    def _hidden_below(top: str, parts: list[str]) -> bool:
+        cur = top
+        for part in parts[:-1]:
+            cur = os.path.join(cur, part)
+            try:
+                st = os.lstat(cur)
+            except OSError:
+                return False
+            if is_whiteout(st) or not stat.S_ISDIR(st.st_mode):
+                return True
+            if _is_opaque(cur):
+                return True
+        return False
+
+    def listdir(self, rel: str) -> set[str]:
+        names: set[str] = set()
+        hidden: set[str] = set()
+        parts = [p for p in rel.split("/") if p and p != "."]
+        for top in self.dirs:
+            d = os.path.join(top, *parts)
+            if self._hidden_below(top, [*parts, "x"]) and d != top:
+                break
+            try:
+                entries = list(os.scandir(d))
+            except OSError:
+                continue
+            for e in entries:
+                if e.name in hidden or e.name in names:
+                    continue
+                st = e.stat(follow_symlinks=False)
+                (hidden if is_whiteout(st) else names).add(e.name)
+            if _is_opaque(d):
+                break
+        return names
+
+
+class ImageStore:
+    """Content-addressed layers and named images under `root`."""
+
+    def __init__(self, root: str, provider: LocalProvider | None = None):
+        self.root = root
+        self.provider = provider
+        self._base: Image | None = None
+        for d in ("layers", "images", "names", "tmp"):
+            os.makedirs(os.path.join(root, d), exist_ok=True)
+
+    # ---- store ----
+
+    def layer_path(self, layer_id: str) -> str:
+        return os.path.join(self.root, "layers", layer_id)
+
+    def _tmpdir(self) -> str:
+        d = os.path.join(self.root, "tmp", uuid.uuid4().hex)
+        os.mkdir(d, 0o755)
+        return d
+
+    def commit_layer(self, tmp: str) -> str:
+        """Move a finished tree into the store under its content address."""
+        layer_id = tree_digest(tmp)
+        dst = self.layer_path(layer_id)
+        try:
+            os.rename(tmp, dst)
+        except OSError:
+            if not os.path.isdir(dst):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # the same content is already stored
+        return layer_id
+
+    def put_image(self, layers: Sequence[str], base: str = "host", name: str | None = None,
+                  meta: dict | None = None) -> Image:
+        for layer in layers:
+            if not os.path.isdir(self.layer_path(layer)):
+                raise SandboxError(f"image.layers: layer {layer!r} is missing from the store")
+        image_id = hashlib.sha256(json.dumps([base, list(layers)]).encode()).hexdigest()[:ID_LEN]
+        path = os.path.join(self.root, "images", f"{image_id}.json")
+        if not os.path.exists(path):
+            doc = {"id": image_id, "layers": list(layers), "base": base, "created": time.time(),
+                   **(meta or {})}
+            tmp = f"{path}.{uuid.uuid4().hex}"
+            with open(tmp, "w") as f:
+                json.dump(doc, f)
+            os.rename(tmp, path)
+        if name:
+            self.tag(image_id, name)
+        return Image(image_id, tuple(layers), base)  # type: ignore[arg-type]
+
+    def tag(self, image_id: str, name: str) -> None:
+        if not name or "/" in name or name.startswith(".") or "\0" in name:
+            raise SandboxError(f"name: {name!r} is not a valid image name")
+        path = os.path.join(self.root, "names", name)
+        tmp = f"{path}.{uuid.uuid4().hex}"
+        with open(tmp, "w") as f:
+            f.write(image_id)
+        os.rename(tmp, path)
+
+    def resolve(self, ref: str) -> Image:
+        """An image by id or name; a missing image or layer is a clear error."""
+        if not isinstance(ref, str) or not ref:
+            raise SandboxError(f"image: expected an image id or name, got {ref!r}")
+        image_id = ref
+        name_path = os.path.join(self.root, "names", ref)
+        if "/" not in ref and os.path.isfile(name_path):
+            with open(name_path) as f:
+                image_id = f.read().strip()
+        path = os.path.join(self.root, "images", f"{image_id}.json")
+        if "/" in image_id or not os.path.isfile(path):
+            raise SandboxError(f"image: no image or name {ref!r} in {self.root}")
+        with open(path) as f:
+            doc = json.load(f)
+        for layer in doc["layers"]:
+            if not os.path.isdir(self.layer_path(layer)):
+                raise SandboxError(f"image {ref!r}: layer {layer} is missing from the store")
+        return Image(doc["id"], tuple(doc["layers"]), doc.get("base", "host"))
+
+    def names(self) -> dict[str, str]:
+        out = {}
+        d = os.path.join(self.root, "names")
+        for n in sorted(os.listdir(d)):
+            if "." in n and len(n.rsplit(".", 1)[1]) == 32:
+                continue  # a tag being written
+            with open(os.path.join(d, n)) as f:
+                out[n] = f.read().strip()
+        return out
+
+    def list(self) -> list[dict]:
+        out = []
+        d = os.path.join(self.root, "images")
+        for f in sorted(os.listdir(d)):
+            if f.endswith(".json"):
+                with open(os.path.join(d, f)) as fh:
+                    out.append(json.load(fh))
+        return out
+
+    # ---- builders ----
+
+    def base(self) -> Image:
+        """The "host" base image (named "base"): a skeleton plus a filtered copy of /etc.
+        Built once per store object (the host's /etc may change between processes)."""
+        if self._base is not None:
+            return self._base
+        tmp = self._tmpdir()
+        try:
+            _build_host_skeleton(tmp)
+            layer = self.commit_layer(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._base = self.put_image([layer], "host", name="base", meta={"kind": "base"})
+        return self._base
+
+    def _parent(self, parent: str | None) -> Image:
+        return self.resolve(parent) if parent else self.base()
+
+    def _stage_dest(self, tmp: str, parent: Image, dest: str) -> str:
+        """Create `dest`'s parent directories in a new layer with the attributes they have in
+        `parent` (overlayfs takes a directory's owner and mode from the topmost layer)."""
+        rel = _clean_dest(dest)
+        stack = LayerStack([self.layer_path(x) for x in parent.layers])
+        cur = tmp
+        parts = rel.split("/")
+        for i, part in enumerate(parts[:-1]):
+            cur = os.path.join(cur, part)
+            os.mkdir(cur)
+            src = stack.lookup("/".join(parts[: i + 1]))
+            st = os.stat(src) if src else None
+            os.chown(cur, st.st_uid if st else 0, st.st_gid if st else 0)
+            os.chmod(cur, stat.S_IMODE(st.st_mode) if st else 0o755)
+        return os.path.join(tmp, rel)
+
+    def from_directory(self, path: str, *, dest: str = WORKSPACE, parent: str | None = None,
+                       name: str | None = None, owner: tuple[int, int] = (SANDBOX_UID, SANDBOX_GID),
+                       exclude: Iterable[str] = ()) -> Image:
+        """A new image: `parent` (default: the host base) plus the contents of `path` at `dest`,
+        owned by `owner` (the sandbox user by default, so the agent can edit it)."""
+        if not os.path.isdir(path):
+            raise SandboxError(f"path: {path!r} is not a directory")
+        base = self._parent(parent)
+        tmp = self._tmpdir()
+        try:
+            target = self._stage_dest(tmp, base, dest)
+            ignore = shutil.ignore_patterns(*exclude) if exclude else None
+            shutil.copytree(path, target, symlinks=True, ignore=ignore)
+            _chown_tree(target, *owner)
+            layer = self.commit_layer(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return self.put_image([layer, *base.layers], base.base, name=name,
+                              meta={"kind": "directory", "source": os.path.abspath(path)})
+
+    def from_git(self, repo: str, *, rev: str | None = None, dest: str = WORKSPACE,
+                 parent: str | None = None, name: str | None = None) -> Image:
+        """A checkout of `repo` (a URL or local path) at `rev`, `.git` included."""
+        work = self._tmpdir()
+        try:
+            checkout = os.path.join(work, "checkout")
+            run = subprocess.run(["git", "clone", "--quiet", repo, checkout],
+                                 capture_output=True, text=True)
+            if run.returncode != 0:
+                raise SandboxError(f"repo: git clone {repo!r} failed: {run.stderr.strip()}")
+            if rev:
+                run = subprocess.run(["git", "-C", checkout, "checkout", "--quiet", rev],
+                                     capture_output=True, text=True)
+                if run.returncode != 0:
+                    raise SandboxError(f"rev: git checkout {rev!r} failed: {run.stderr.strip()}")
+            return self.from_directory(checkout, dest=dest, parent=parent, name=name)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def from_python_env(self, packages: Sequence[str] = (), *, dest: str = "/opt/venv",
+                        parent: str | None = None, name: str | None = None,
+                        python: str = "/usr/bin/python3", pip_args: Sequence[str] = ()) -> Image:
+        """A virtual environment at `dest` whose packages pip installs on the host (from the
+        registry, or whatever `pip_args` point at), then frozen into a layer.
+
+        `python` must be visible inside the sandbox (under /usr for a host base). The venv is
+        built at a temporary path and its scripts' paths are rewritten to `dest`."""
+        base = self._parent(parent)
+        if base.base == "host" and not python.startswith("/usr/"):
+            raise SandboxError(f"python: {python!r} is not inside the sandbox's bound /usr")
+        tmp = self._tmpdir()
+        try:
+            target = self._stage_dest(tmp, base, dest)
+            run = subprocess.run([python, "-m", "venv", target], capture_output=True, text=True)
+            if run.returncode != 0:
+                raise SandboxError(f"python: venv creation failed: {run.stderr.strip()}")
+            if packages:
+                run = subprocess.run(
+                    [os.path.join(target, "bin", "python"), "-m", "pip", "install", "--quiet",
+                     "--disable-pip-version-check", *pip_args, *packages],
+                    capture_output=True, text=True)
+                if run.returncode != 0:
+                    raise SandboxError(f"packages: pip install failed: {run.stderr.strip()[-2000:]}")
+            _rewrite_prefix(target, dest)
+            _chown_tree(target, SANDBOX_UID, SANDBOX_GID)
+            layer = self.commit_layer(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return self.put_image([layer, *base.layers], base.base, name=name,
+                              meta={"kind": "python-env", "packages": list(packages)})
+
+    def from_command(self, command: str | Sequence[str], *, parent: str | None = None,
+                     name: str | None = None, timeout: float = 600.0) -> Image:
+        """Run `command` in a sandbox of `parent`; its writable layer becomes a new layer."""
+        if self.provider is None:
+            raise SandboxError("from_command needs a provider to run the sandbox")
+        from codedojo.sandbox.base import Limits, SandboxSpec
+
+        base = self._parent(parent)
+        sb = self.provider.create(SandboxSpec(image=base.id, limits=Limits(exec_timeout_s=timeout)))
+        try:
+            res = sb.exec(command, timeout=timeout)
+            if res.exit_code != 0:
+                raise SandboxError(
+                    f"command: exited {res.exit_code}: {(res.stderr or res.stdout)[-2000:]}")
+            snap = sb.snapshot()
+        finally:
+            sb.destroy()
+        image = self.resolve(snap)
+        if name:
+            self.tag(image.id, name)
+        return image
+
+    def debootstrap(self, *, suite: str = "bookworm", mirror: str = "http://deb.debian.org/debian",
+                    name: str | None = None, packages: Sequence[str] = ()) -> Image:
+        """A "rootfs" base: a minimal Debian made by debootstrap (needs the debootstrap package
+        and the Debian mirror). Nothing from the host is bound into sandboxes of this image."""
+        if shutil.which("debootstrap") is None:
+            raise SandboxError("debootstrap: not installed (apt-get install debootstrap)")
+        tmp = self._tmpdir()
+        try:
+            cmd = ["debootstrap", "--variant=minbase"]
+            if packages:
+                cmd.append("--include=" + ",".join(packages))
+            run = subprocess.run([*cmd, suite, tmp, mirror], capture_output=True, text=True)
+            if run.returncode != 0:
+                raise SandboxError(f"debootstrap failed: {run.stderr.strip()[-2000:]}")
+            for d, mode, uid in ((WORKSPACE, 0o755, SANDBOX_UID), (SANDBOX_HOME, 0o755, SANDBOX_UID)):
+                p = os.path.join(tmp, d.lstrip("/"))
+                os.makedirs(p, exist_ok=True)
+                os.chown(p, uid, uid)
+                os.chmod(p, mode)
+            _add_sandbox_user(os.path.join(tmp, "etc"))
+            layer = self.commit_layer(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return self.put_image([layer], "rootfs", name=name, meta={"kind": "debootstrap"})
+
+
+def _clean_dest(dest: str) -> str:
+    norm = os.path.normpath("/" + dest).lstrip("/")
+    if not dest.startswith("/") or norm in ("", ".") or ".." in dest.split("/"):
+        raise SandboxError(f"dest: {dest!r} must be an absolute path below / without '..'")
+    if norm.split("/")[0] in SYSTEM_DIRS + ("proc", "dev"):
+        raise SandboxError(f"dest: {dest!r} is a bound system directory")
+    return norm
+
+
+def _chown_tree(path: str, uid: int, gid: int) -> None:
+    os.lchown(path, uid, gid)
+    for dirpath, dirnames, filenames in os.walk(path):
+        for n in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, n), uid, gid)
+
+
+def _rewrite_prefix(venv: str, dest: str) -> None:
+    """Point a venv built at `venv` to `dest`: scripts' shebangs, activate scripts, pyvenv.cfg."""
+    old, new = venv.encode(), dest.encode()
+    for d in (os.path.join(venv, "bin"), venv):
+        for n in os.listdir(d):
+            p = os.path.join(d, n)
+            if os.path.islink(p) or not os.path.isfile(p) or os.path.getsize(p) > 1 << 20:
+                continue
+            with open(p, "rb") as f:
+                data = f.read()
+            if old in data and b"\0" not in data[:4096]:
+                with open(p, "wb") as f:
+                    f.write(data.replace(old, new))
+
+
+_PASSWD_LINE = f"user:x:{SANDBOX_UID}:{SANDBOX_GID}:sandbox:{SANDBOX_HOME}:/bin/bash\n"
+_GROUP_LINE = f"user:x:{SANDBOX_GID}:\n"
+
+
+def _add_sandbox_user(etc: str) -> None:
+    for fname, line, col in (("passwd", _PASSWD_LINE, 2), ("group", _GROUP_LINE, 2)):
+        p = os.path.join(etc, fname)
+        lines = []
+        with contextlib.suppress(OSError), open(p) as f:
+            lines = f.readlines()
+        want = line.split(":")[col]
+        kept = [x for x in lines if x.split(":")[0] != "user"
+                and (len(x.split(":")) <= col or x.split(":")[col] != want)]
+        with open(p, "w") as f:
+            f.writelines([*kept, line])
+        os.chmod(p, 0o644)
+
+
+def _build_host_skeleton(root: str) -> None:
+    os.chmod(root, 0o755)
+    for d in SYSTEM_DIRS:
+        host = f"/{d}"
+        if os.path.islink(host):
+            os.symlink(os.readlink(host), os.path.join(root, d))
+        elif os.path.isdir(host):
+            os.mkdir(os.path.join(root, d), 0o755)  # mount point for the read-only bind
+    for d, mode, uid in (("proc", 0o555, 0), ("dev", 0o755, 0), ("run", 0o755, 0),
+                         ("opt", 0o755, 0), ("mnt", 0o755, 0), ("var", 0o755, 0),
+                         ("root", 0o700, 0), ("tmp", 0o1777, 0), ("var/tmp", 0o1777, 0),
+                         ("home", 0o755, 0), ("home/user", 0o755, SANDBOX_UID),
+                         ("workspace", 0o755, SANDBOX_UID), ("etc", 0o755, 0)):
+        p = os.path.join(root, d)
+        os.mkdir(p)
+        os.chown(p, uid, uid)
+        os.chmod(p, mode)
+    _copy_public_etc("/etc", os.path.join(root, "etc"))
+    _add_sandbox_user(os.path.join(root, "etc"))
+    with open(os.path.join(root, "etc", "hostname"), "w") as f:
+        f.write("sandbox\n")
+    with open(os.path.join(root, "etc", "hosts"), "w") as f:
+        f.write("127.0.0.1 localhost sandbox\n::1 localhost\n")
+    os.chmod(os.path.join(root, "etc", "hosts"), 0o644)
+
+
+def _copy_public_etc(src: str, dst: str) -> None:
+    """Copy only what any local user could read: files without o+r (shadow, private keys,
+    sudoers) are the host's secrets and stay out."""
+    for dirpath, dirnames, filenames in os.walk(src):
+        out = os.path.join(dst, os.path.relpath(dirpath, src))
+        keep = []
+        for d in dirnames:
+            p = os.path.join(dirpath, d)
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                filenames.append(d)
+            elif st.st_mode & 0o005 == 0o005 and d not in ("ssh", "private"):
+                os.mkdir(os.path.join(out, d))
+                os.chmod(os.path.join(out, d), stat.S_IMODE(st.st_mode))
+                keep.append(d)
+        dirnames[:] = keep
+        for n in filenames:
+            p = os.path.join(dirpath, n)
+            st = os.lstat(p)
+            q = os.path.join(out, n)
+            if stat.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(p), q)
+            elif stat.S_ISREG(st.st_mode) and st.st_mode & 0o004:
+                shutil.copy2(p, q)

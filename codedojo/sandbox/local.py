@@ -1,0 +1,946 @@
+"""The local sandbox kind: overlayfs over image layers, Linux namespaces, cgroups, a C init.
+
+Anatomy of one sandbox (`<root>/sandboxes/<id>/`):
+
+    rw/      a tmpfs of `Limits.disk_mb` holding overlay's upper/ and work/ (the disk cap:
+             a full tmpfs is ENOSPC inside, and nothing else fills up)
+    root/    the overlay mount: lowerdir = image layers (top first), upperdir = rw/upper
+    netns    the network namespace, bind-mounted so it outlives a restore
+    state.json  what `gc` needs to clean up after a crash (pids, cgroups, owner)
+
+The init helper (agent.c) joins the sandbox's cgroups, creates the netns (only `lo`), unshares
+mount/pid/ipc/uts, binds the host's /usr read-only, mounts /proc and a minimal /dev, pivots into
+root/ and forks commands on request over a unix socket, as uid 1000 with no capabilities. That
+makes create one overlay mount plus one small process, and exec one connect plus two forks.
+
+Files are read and written by the host, not by commands: paths are opened with openat2
+(RESOLVE_IN_ROOT) relative to `/proc/<init>/root`, so they are resolved exactly as the sandbox
+sees them and a symlink or `..` can never leave it. The host acts as the sandbox user would:
+files it creates belong to uid 1000 and it refuses to write where uid 1000 could not.
+
+Snapshots copy the upper layer (only what changed since the sandbox started) into a new
+content-addressed layer while the cgroup is frozen; fork and restore mount a fresh upper over
+[snapshot layer, *image layers]. Only the filesystem is snapshotted: `criu check` fails on this
+project's kernel, so running processes are not (restore kills them); see `CRIU_AVAILABLE`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+
+from codedojo.sandbox.agent import agent_binary
+from codedojo.sandbox.base import (
+    WORKSPACE,
+    Change,
+    EgressBinding,
+    ExecResult,
+    FileInfo,
+    Limits,
+    SandboxError,
+    SandboxSpec,
+)
+from codedojo.sandbox.cgroups import Cgroup, CgroupManager
+from codedojo.sandbox.images import (
+    SANDBOX_GID,
+    SANDBOX_HOME,
+    SANDBOX_UID,
+    Image,
+    ImageStore,
+    LayerStack,
+    copy_layer_tree,
+)
+from codedojo.sandbox.syscalls import MNT_DETACH, MS_NODEV, MS_NOSUID, mount, open_in_root, umount
+
+DEFAULT_ROOT = "/var/lib/codedojo/sandbox"
+BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# After a command exits, how long to keep reading output that a background child still holds.
+EXIT_GRACE_S = 0.05
+
+
+def criu_available() -> bool:
+    """True when `criu check` passes, i.e. process trees could be checkpointed here."""
+    exe = shutil.which("criu")
+    if exe is None:
+        return False
+    try:
+        return subprocess.run([exe, "check"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _proc_start(pid: int) -> int | None:
+    """Start time (clock ticks since boot) of `pid`, to tell a live process from a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _mounts_under(prefix: str) -> list[str]:
+    out = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            target = line.split()[1].replace("\\040", " ")
+            if target == prefix or target.startswith(prefix.rstrip("/") + "/"):
+                out.append(target)
+    return out
+
+
+def validate_limits(limits: Limits) -> None:
+    for name, low in (("memory_mb", 32), ("pids", 8), ("disk_mb", 1), ("max_output_bytes", 1)):
+        v = getattr(limits, name)
+        if not isinstance(v, int) or v < low:
+            raise SandboxError(f"limits.{name}: must be an integer >= {low}, got {v!r}")
+    if not (isinstance(limits.cpus, int | float) and limits.cpus > 0):
+        raise SandboxError(f"limits.cpus: must be > 0, got {limits.cpus!r}")
+    if not (isinstance(limits.exec_timeout_s, int | float) and limits.exec_timeout_s > 0):
+        raise SandboxError(f"limits.exec_timeout_s: must be > 0, got {limits.exec_timeout_s!r}")
+
+
+def sandbox_path(path: str, field: str = "path") -> str:
+    """Normalise a path inside the sandbox: relative paths are below /workspace and may not
+    climb out of it; absolute paths may not climb above /. Raises SandboxError otherwise."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise SandboxError(f"{field}: expected a non-empty path without NUL bytes, got {path!r}")
+    parts: list[str] = [] if path.startswith("/") else WORKSPACE.strip("/").split("/")
+    floor = len(parts)
+    for part in path.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if len(parts) <= floor:
+                raise SandboxError(f"{field}: {path!r} escapes the sandbox")
+            parts.pop()
+        else:
+            parts.append(part)
+    return "/" + "/".join(parts)
+
+
+def _exit_code(status: int) -> int:
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+class _Process:
+    """One command started by the sandbox's init: its pipes and its control connection."""
+
+    def __init__(self, address: bytes, argv: Sequence[str], env: Mapping[str, str], cwd: str):
+        fields = [cwd, str(len(argv)), *argv, str(len(env)), *(f"{k}={v}" for k, v in env.items())]
+        payload = b"\0".join(f.encode() for f in fields) + b"\0"
+        self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            self.conn.connect(address)
+            self.conn.sendall(struct.pack("=I", len(payload)) + payload)
+            msg, fds, _, _ = socket.recv_fds(self.conn, 256, 3)
+        except OSError as e:
+            self.conn.close()
+            raise SandboxError(f"sandbox is not running ({e.strerror or e})") from None
+        if not msg.startswith(b"F ") or len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            self.conn.close()
+            raise SandboxError(f"command: {msg[2:].decode(errors='replace') or 'rejected'}")
+        self.pid = int(msg[2:])
+        self.stdin, self.stdout, self.stderr = fds
+        for fd in fds:
+            os.set_blocking(fd, False)
+        self.status: int | None = None
+        self._ctl = b""
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(b"K")
+
+    def read_status(self) -> bool:
+        """Consume control bytes; True once the exit status has arrived (or the link died)."""
+        try:
+            data = self.conn.recv(64)
+        except BlockingIOError:
+            return False
+        except OSError:
+            data = b""
+        if not data:
+            if self.status is None:
+                self.status = signal.SIGKILL  # the link died with init: report a kill
+            return True
+        self._ctl += data
+        if self._ctl.startswith(b"X ") and self._ctl[2:].strip().lstrip(b"-").isdigit():
+            self.status = int(self._ctl[2:])
+            return True
+        return False
+
+    def close(self) -> None:
+        for fd in (self.stdin, self.stdout, self.stderr):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.conn.close()
+
+
+def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
+             stop: tuple[bytes, bytes] | None = None) -> tuple[bytes, bytes, bool, bool]:
+    """Pump stdin/stdout/stderr/control until the process exits (or `stop` markers appear on
+    both streams, for the shell). Returns (stdout, stderr, timed_out, truncated)."""
+    sel = selectors.DefaultSelector()
+    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    truncated = False
+    timed_out = False
+    pending = memoryview(stdin) if stdin else None
+    if pending is not None:
+        sel.register(proc.stdin, selectors.EVENT_WRITE)
+    elif stop is None:
+        os.close(proc.stdin)
+        proc.stdin = -1
+    open_streams = {proc.stdout, proc.stderr}
+    for fd in open_streams:
+        sel.register(fd, selectors.EVENT_READ)
+    proc.conn.setblocking(False)
+    sel.register(proc.conn, selectors.EVENT_READ)
+    exited_at: float | None = None
+    try:
+        while True:
+            if stop is not None and all(m in bufs[fd] for m, fd in zip(stop, (proc.stdout, proc.stderr), strict=True)):
+                break
+            if exited_at is not None and (not open_streams or time.monotonic() - exited_at > EXIT_GRACE_S):
+                break
+            now = time.monotonic()
+            if now >= deadline and not timed_out:
+                timed_out = True
+                proc.kill()
+                deadline = now + 5.0  # the kill is synchronous in init; this is a safety net
+            wait = max(0.0, deadline - now)
+            if exited_at is not None:
+                wait = min(wait, EXIT_GRACE_S)
+            for key, _ in sel.select(wait):
+                fd = key.fileobj
+                if fd is proc.conn:
+                    if proc.read_status():
+                        sel.unregister(proc.conn)
+                        exited_at = time.monotonic()
+                elif fd == proc.stdin:
+                    try:
+                        n = os.write(proc.stdin, pending[:65536])  # type: ignore[index]
+                        pending = pending[n:]  # type: ignore[index]
+                    except (BrokenPipeError, OSError):
+                        pending = None
+                    if not pending:
+                        sel.unregister(proc.stdin)
+                        if stop is None:
+                            os.close(proc.stdin)
+                            proc.stdin = -1
+                else:
+                    try:
+                        data = os.read(fd, 65536)  # type: ignore[arg-type]
+                    except BlockingIOError:
+                        continue
+                    if not data:
+                        sel.unregister(fd)
+                        open_streams.discard(fd)  # type: ignore[arg-type]
+                        if stop is not None and not open_streams:
+                            return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), timed_out, truncated
+                        continue
+                    buf = bufs[fd]  # type: ignore[index]
+                    room = cap - len(buf)
+                    if stop is not None:
+                        buf += data  # the shell trims after the marker is found
+                    elif room > 0:
+                        buf += data[:room]
+                        truncated |= len(data) > room
+                    else:
+                        truncated = True
+    finally:
+        sel.close()
+    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), timed_out, truncated
+
+
+class LocalShell:
+    """A bash process whose cwd and exported variables persist between `run` calls.
+
+    Each command is passed base64-encoded to `eval` (so quoting and syntax errors cannot
+    desynchronise the stream; a syntax error is exit status 2) with stdin from /dev/null, then a
+    random marker and the status are printed on stdout and the marker on stderr. A timeout
+    kills the shell (its state is lost) and the next call starts a fresh one in /workspace."""
+
+    def __init__(self, sandbox: LocalSandbox):
+        self.sandbox = sandbox
+        self._proc: _Process | None = None
+        self._lock = threading.Lock()
+        self._marker = f"\x1e__codedojo_{uuid.uuid4().hex}__".encode()
+
+    def _start(self) -> _Process:
+        if self._proc is None:
+            env = self.sandbox._env(None)
+            self._proc = _Process(self.sandbox._address, ["/bin/bash", "--noprofile", "--norc"], env, WORKSPACE)
+        return self._proc
+
+    def run(self, command: str, timeout: float | None = None) -> ExecResult:
+        if not isinstance(command, str) or "\0" in command:
+            raise SandboxError("command: the shell takes one string without NUL bytes")
+        t0 = time.monotonic()
+        limits = self.sandbox.spec.limits
+        timeout = limits.exec_timeout_s if timeout is None else timeout
+        with self._lock:
+            proc = self._start()
+            b64 = base64.b64encode(command.encode()).decode()
+            m = self._marker.decode()
+            script = (f"eval \"$(printf %s {b64} | base64 -d)\" </dev/null; __cdj=$?; "
+                      f"printf '%s%d\\n' '{m}' \"$__cdj\"; printf '%s' '{m}' >&2\n")
+            try:
+                os.set_blocking(proc.stdin, True)
+                os.write(proc.stdin, script.encode())
+                os.set_blocking(proc.stdin, False)
+            except OSError:
+                self._drop()
+                return self.run(command, timeout) if time.monotonic() - t0 < 1 else ExecResult(
+                    137, "", "shell died", duration_s=time.monotonic() - t0)
+            out, err, timed_out, _ = _collect(proc, None, t0 + timeout, limits.max_output_bytes,
+                                              stop=(self._marker, self._marker))
+            code: int
+            if self._marker in out and self._marker in err:
+                out, _, tail = out.partition(self._marker)
+                err = err.partition(self._marker)[0]
+                code = int(tail.split(b"\n", 1)[0] or b"0")
+            else:  # the shell exited (`exit`, a kill or a timeout): its state is gone
+                proc.read_status()
+                code = _exit_code(proc.status) if proc.status is not None else 137
+                self._drop()
+            cap = limits.max_output_bytes
+            truncated = len(out) > cap or len(err) > cap
+            return ExecResult(code, out[:cap].decode(errors="replace"), err[:cap].decode(errors="replace"),
+                              timed_out=timed_out, truncated=truncated, duration_s=time.monotonic() - t0)
+
+    def _drop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.close()
+            self._proc = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+
+class LocalSandbox:
+    """One sandbox (see the module docstring). Implements `codedojo.sandbox.base.Sandbox`."""
+
+    def __init__(self, provider: LocalProvider, sandbox_id: str, spec: SandboxSpec, image: Image):
+        self.provider = provider
+        self.id = sandbox_id
+        self.spec = spec
+        self.image = image  # what the sandbox was created from (changes() compares to it)
+        self.lowers: tuple[str, ...] = image.layers  # the current lower stack (restore moves it)
+        self.dir = os.path.join(provider.root, "sandboxes", sandbox_id)
+        self.binding = EgressBinding()
+        self._address = b"\0codedojo-" + uuid.uuid4().hex.encode()
+        self._listener: socket.socket | None = None
+        self._waiter: subprocess.Popen | None = None
+        self.init_pid = 0
+        self._root_fd = -1
+        self.cgroup: Cgroup | None = None
+        self._shells: list[LocalShell] = []
+        self._lock = threading.RLock()
+        self.destroyed = False
+
+    # ---- lifecycle ----
+
+    @property
+    def _rw(self) -> str:
+        return os.path.join(self.dir, "rw")
+
+    @property
+    def _mnt(self) -> str:
+        return os.path.join(self.dir, "root")
+
+    def _mount_fs(self) -> None:
+        limits = self.spec.limits
+        mount("tmpfs", self._rw, "tmpfs", MS_NOSUID | MS_NODEV, f"size={limits.disk_mb}m,mode=755")
+        os.mkdir(os.path.join(self._rw, "upper"), 0o755)
+        os.mkdir(os.path.join(self._rw, "work"), 0o755)
+        lower = ":".join(self.provider.images.layer_path(x) for x in self.lowers)
+        # redirect_dir/metacopy off: a renamed or chmod-ed lower entry is copied up whole, so
+        # the upper layer alone describes the change and can be frozen into a layer by copying.
+        opts = (f"lowerdir={lower},upperdir={self._rw}/upper,workdir={self._rw}/work,"
+                "redirect_dir=off,metacopy=off,index=off")
+        if len(opts) > 4000:
+            raise SandboxError(f"image: {len(self.lowers)} layers exceed the overlay mount limit")
+        mount("overlay", self._mnt, "overlay", 0, opts)
+
+    def _start_init(self, new_netns: bool) -> None:
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self._address)
+        self._listener.listen(64)
+        fd = self._listener.fileno()
+        args = [self.provider.agent, "--root", self._mnt, "--sock-fd", str(fd),
+                "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID), "--hostname", "sandbox",
+                "--netns-new" if new_netns else "--netns-join", os.path.join(self.dir, "netns")]
+        assert self.cgroup is not None
+        for f in self.cgroup.procs_files:
+            args += ["--cgroup", f]
+        for d in self.image.binds:
+            args += ["--bind", f"/{d}:/{d}"]
+        self._waiter = subprocess.Popen(args, pass_fds=(fd,), stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert self._waiter.stdout is not None
+        ready = False
+        error = ""
+        for raw in self._waiter.stdout:
+            line = raw.decode(errors="replace").strip()
+            if line.startswith("P "):
+                self.init_pid = int(line[2:])
+            elif line == "R":
+                ready = True
+            elif line.startswith("E "):
+                error = line[2:]
+            if ready and self.init_pid:
+                break
+        self._waiter.stdout.close()
+        self._listener.close()  # init holds its own copy; ours would keep the address alive
+        self._listener = None
+        if not ready or not self.init_pid:
+            self._waiter.wait()
+            raise SandboxError(f"sandbox {self.id} failed to start: {error or 'init exited'}")
+        self._root_fd = os.open(f"/proc/{self.init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def _write_state(self) -> None:
+        assert self.cgroup is not None
+        state = {"id": self.id, "owner_pid": os.getpid(), "owner_start": _proc_start(os.getpid()),
+                 "init_pid": self.init_pid, "init_start": _proc_start(self.init_pid) if self.init_pid else None,
+                 "cgroups": self.cgroup.dirs, "cgroup_v2": self.cgroup.v2, "image": self.image.id,
+                 "lowers": list(self.lowers)}
+        tmp = os.path.join(self.dir, "state.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.rename(tmp, os.path.join(self.dir, "state.json"))
+
+    def _start(self) -> None:
+        """Create directories, mounts, cgroups and the init (create)."""
+        limits = self.spec.limits
+        os.makedirs(self._rw)
+        os.mkdir(self._mnt)
+        open(os.path.join(self.dir, "netns"), "w").close()
+        try:
+            self.cgroup = self.provider.cgroups.create(self.provider.cgroup_name(self.id),
+                                                        limits.memory_mb, limits.pids, limits.cpus)
+            self._write_state()
+            self._mount_fs()
+            self._start_init(new_netns=True)
+            self._write_state()
+            if self.spec.egress is not None:
+                self.binding = self.spec.egress.attach(self.id, self.init_pid)
+                self._place_binding_files()
+        except BaseException:
+            self._teardown(keep_dir=False)
+            raise
+
+    def _place_binding_files(self) -> None:
+        for path, data in self.binding.files.items():
+            self._write_as_root(sandbox_path(path), data)
+
+    def _stop_processes(self) -> None:
+        for sh in self._shells:
+            sh.close()
+        if self._root_fd >= 0:
+            os.close(self._root_fd)  # it pins the sandbox's mount tree
+            self._root_fd = -1
+        if self.init_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.init_pid, signal.SIGKILL)  # pid 1: the kernel kills the whole pid ns
+        if self.cgroup is not None:
+            self.cgroup.kill()  # anything that got out of the pid ns the cgroup still holds
+        if self._waiter is not None:
+            self._waiter.wait()
+            self._waiter = None
+        self.init_pid = 0
+
+    def _unmount_fs(self) -> None:
+        for target in (self._mnt, self._rw):
+            with contextlib.suppress(OSError):
+                umount(target, MNT_DETACH)
+
+    def _teardown(self, keep_dir: bool) -> None:
+        self._stop_processes()
+        self._unmount_fs()
+        with contextlib.suppress(OSError):
+            umount(os.path.join(self.dir, "netns"), MNT_DETACH)
+        if self.cgroup is not None:
+            self.cgroup.remove()
+        if not keep_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def destroy(self) -> None:
+        """Kill every process, unmount, remove cgroups and directories; idempotent."""
+        with self._lock:
+            if self.destroyed:
+                return
+            self.destroyed = True
+            try:
+                self._teardown(keep_dir=False)
+            finally:
+                if self.spec.egress is not None:
+                    with contextlib.suppress(Exception):
+                        self.spec.egress.detach(self.id)
+                self.provider._forget(self.id)
+
+    def _check_alive(self) -> None:
+        if self.destroyed:
+            raise SandboxError(f"sandbox {self.id} was destroyed")
+
+    # ---- exec ----
+
+    def _env(self, extra: Mapping[str, str] | None) -> dict[str, str]:
+        env = {"PATH": BASE_PATH, "HOME": SANDBOX_HOME, "USER": "user", "LOGNAME": "user",
+               "LANG": "C.UTF-8", "SHELL": "/bin/bash", "TMPDIR": "/tmp"}
+        for source, name in ((self.spec.env, "spec.env"), (self.binding.env, "egress env"), (extra or {}, "env")):
+            for k, v in source.items():
+                if not isinstance(k, str) or not k or "=" in k or "\0" in k or not isinstance(v, str) or "\0" in v:
+                    raise SandboxError(f"{name}: invalid variable {k!r}")
+                env[k] = v
+        return env
+
+    def exec(self, command: str | Sequence[str], *, stdin: bytes | str | None = None,
+             timeout: float | None = None, env: Mapping[str, str] | None = None,
+             cwd: str | None = None) -> ExecResult:
+        self._check_alive()
+        if isinstance(command, str):
+            if not command.strip():
+                raise SandboxError("command: empty")
+            argv = ["/bin/sh", "-c", command]
+        elif isinstance(command, Sequence) and command and all(isinstance(a, str) for a in command):
+            argv = list(command)
+        else:
+            raise SandboxError(f"command: expected a string or a non-empty list of strings, got {command!r}")
+        if any("\0" in a for a in argv):
+            raise SandboxError("command: NUL byte in an argument")
+        limits = self.spec.limits
+        timeout = limits.exec_timeout_s if timeout is None else timeout
+        if not isinstance(timeout, int | float) or timeout <= 0:
+            raise SandboxError(f"timeout: must be > 0, got {timeout!r}")
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        t0 = time.monotonic()
+        proc = _Process(self._address, argv, self._env(env), sandbox_path(cwd or WORKSPACE, "cwd"))
+        try:
+            out, err, timed_out, truncated = _collect(proc, data, t0 + timeout, limits.max_output_bytes)
+            if proc.status is None:
+                proc.conn.setblocking(True)
+                proc.conn.settimeout(5)
+                with contextlib.suppress(OSError):
+                    proc.read_status()
+        finally:
+            proc.close()
+        code = _exit_code(proc.status) if proc.status is not None else 137
+        return ExecResult(code, out.decode(errors="replace"), err.decode(errors="replace"),
+                          timed_out=timed_out, truncated=truncated, duration_s=time.monotonic() - t0)
+
+    def shell(self) -> LocalShell:
+        self._check_alive()
+        sh = LocalShell(self)
+        self._shells.append(sh)
+        return sh
+
+    # ---- files (host side, resolved inside the sandbox root) ----
+
+    def _open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        self._check_alive()
+        try:
+            return open_in_root(self._root_fd, path, flags, mode)
+        except OSError as e:
+            raise SandboxError(f"path: {path}: {e.strerror}") from None
+
+    def _parent(self, path: str, create: bool) -> tuple[int, str]:
+        """An O_PATH fd of `path`'s parent directory (created as the sandbox user when asked)."""
+        parent, name = os.path.split(path)
+        if not name:
+            raise SandboxError(f"path: {path!r} names the root")
+        try:
+            return open_in_root(self._root_fd, parent, os.O_PATH | os.O_DIRECTORY), name
+        except OSError as e:
+            if e.errno != errno.ENOENT or not create:
+                raise SandboxError(f"path: {parent}: {e.strerror}") from None
+        gfd, gname = self._parent(parent, create=True)
+        try:
+            self._check_writable(gfd, parent)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(gname, 0o755, dir_fd=gfd)
+                os.chown(gname, SANDBOX_UID, SANDBOX_GID, dir_fd=gfd, follow_symlinks=False)
+        except OSError as e:
+            raise SandboxError(f"path: {parent}: {e.strerror}") from None
+        finally:
+            os.close(gfd)
+        return self._parent(path, create=False)
+
+    @staticmethod
+    def _check_writable(dir_fd: int, path: str, name: str | None = None) -> None:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False) if name else os.fstat(dir_fd)
+        if st.st_uid == SANDBOX_UID or st.st_mode & 0o002 or (st.st_gid == SANDBOX_GID and st.st_mode & 0o020):
+            return
+        raise SandboxError(f"path: {path}: permission denied (not writable by the sandbox user)")
+
+    def read_file(self, path: str) -> bytes:
+        p = sandbox_path(path)
+        fd = self._open(p, os.O_RDONLY)
+        try:
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise SandboxError(f"path: {p} is a directory")
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        p = sandbox_path(path)
+        if isinstance(data, str):
+            data = data.encode()
+        if not isinstance(data, bytes | bytearray):
+            raise SandboxError(f"data: expected bytes or str, got {type(data).__name__}")
+        if not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+            raise SandboxError(f"mode: invalid file mode {mode!r}")
+        mode &= 0o777  # never setuid/setgid: the host writes as root
+        pfd, name = self._parent(p, create=True)
+        try:
+            try:
+                existing = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+            except FileNotFoundError:
+                existing = None
+            if existing is not None and stat.S_ISDIR(existing.st_mode):
+                raise SandboxError(f"path: {p} is a directory")
+            if existing is None or stat.S_ISLNK(existing.st_mode):
+                self._check_writable(pfd, p)
+            else:
+                self._check_writable(pfd, p, name)
+            fd = self._open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            try:
+                st = os.fstat(fd)
+                if existing is None:
+                    os.fchown(fd, SANDBOX_UID, SANDBOX_GID)
+                if st.st_uid in (SANDBOX_UID, 0) and existing is None or st.st_uid == SANDBOX_UID:
+                    os.fchmod(fd, mode)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise SandboxError(f"path: {p}: the sandbox's disk limit "
+                                       f"({self.spec.limits.disk_mb} MB) is exceeded") from None
+                raise SandboxError(f"path: {p}: {e.strerror}") from None
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise SandboxError(f"path: {p}: {e.strerror}") from None
+        finally:
+            os.close(pfd)
+
+    def _write_as_root(self, path: str, data: bytes) -> None:
+        """Place a file (the egress CA) owned by root, readable by all; parents are created."""
+        pfd, _ = self._parent(path, create=True)
+        os.close(pfd)
+        fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.fchown(fd, 0, 0)
+            os.fchmod(fd, 0o644)
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+    def remove(self, path: str) -> None:
+        p = sandbox_path(path)
+        pfd, name = self._parent(p, create=False)
+        try:
+            try:
+                st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise SandboxError(f"path: {p}: no such file or directory") from None
+            self._check_writable(pfd, p)
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(name, dir_fd=pfd)
+            else:
+                os.unlink(name, dir_fd=pfd)
+        except OSError as e:
+            raise SandboxError(f"path: {p}: {e.strerror}") from None
+        finally:
+            os.close(pfd)
+
+    @staticmethod
+    def _info(path: str, st: os.stat_result) -> FileInfo:
+        m = st.st_mode
+        kind = ("dir" if stat.S_ISDIR(m) else "file" if stat.S_ISREG(m)
+                else "symlink" if stat.S_ISLNK(m) else "other")
+        return FileInfo(path, kind, st.st_size, stat.S_IMODE(m), st.st_mtime)  # type: ignore[arg-type]
+
+    def stat(self, path: str) -> FileInfo:
+        p = sandbox_path(path)
+        if p == "/":
+            return self._info(p, os.fstat(self._root_fd))
+        pfd, name = self._parent(p, create=False)
+        try:
+            return self._info(p, os.stat(name, dir_fd=pfd, follow_symlinks=False))
+        except OSError as e:
+            raise SandboxError(f"path: {p}: {e.strerror}") from None
+        finally:
+            os.close(pfd)
+
+    def list_dir(self, path: str = WORKSPACE) -> list[FileInfo]:
+        p = sandbox_path(path)
+        fd = self._open(p, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            out = []
+            for name in sorted(os.listdir(fd)):
+                with contextlib.suppress(FileNotFoundError):
+                    out.append(self._info(os.path.join(p, name), os.stat(name, dir_fd=fd, follow_symlinks=False)))
+            return out
+        finally:
+            os.close(fd)
+
+    # ---- snapshot / fork / restore ----
+
+    def _snapshot_layers(self) -> list[str]:
+        return list(self.lowers[: len(self.lowers) - len(self.image.layers)])
+
+    def changes(self) -> list[Change]:
+        """Paths under /workspace that differ from the image the sandbox was created from:
+        compares the current stack (upper + snapshot layers) with the image's stack."""
+        self._check_alive()
+        store = self.provider.images
+        upper = os.path.join(self._rw, "upper")
+        now = LayerStack([upper, *(store.layer_path(x) for x in self.lowers)])
+        then = LayerStack([store.layer_path(x) for x in self.image.layers])
+        changed_layers = [upper, *(store.layer_path(x) for x in self._snapshot_layers())]
+        ws = WORKSPACE.strip("/")
+        candidates: set[str] = set()
+        for top in changed_layers:
+            base = os.path.join(top, ws)
+            for dirpath, dirnames, filenames in os.walk(base):
+                rel_dir = os.path.relpath(dirpath, top)
+                for n in filenames + dirnames:
+                    candidates.add(os.path.join(rel_dir, n))
+                if os.path.isdir(dirpath) and dirpath != base:
+                    # an opaque directory hides everything the image had below it
+                    for n in then.listdir(rel_dir):
+                        candidates.add(os.path.join(rel_dir, n))
+        out: list[Change] = []
+        for rel in sorted(candidates):
+            a, b = then.lookup(rel), now.lookup(rel)
+            sa = os.lstat(a) if a else None
+            sb = os.lstat(b) if b else None
+            if sa is not None and stat.S_ISDIR(sa.st_mode) and sb is not None and stat.S_ISDIR(sb.st_mode):
+                continue
+            if sa is None and sb is not None and stat.S_ISDIR(sb.st_mode):
+                if not now.listdir(rel):
+                    out.append(Change("/" + rel, "added"))  # an empty new directory
+                continue
+            if sa is None and sb is None:
+                continue
+            if sb is None:
+                out.append(Change("/" + rel, "deleted"))
+            elif sa is None:
+                out.append(Change("/" + rel, "added"))
+            elif not _same_entry(a, sa, b, sb):  # type: ignore[arg-type]
+                out.append(Change("/" + rel, "modified"))
+        return out
+
+    def snapshot(self) -> str:
+        """Freeze the writable layer (cgroup frozen while it is copied) into a new layer; the
+        snapshot is an image [that layer, *current lowers]. Returns its id."""
+        with self._lock:
+            self._check_alive()
+            store = self.provider.images
+            upper = os.path.join(self._rw, "upper")
+            if not os.listdir(upper):
+                return store.put_image(self.lowers, self.image.base, meta={"kind": "snapshot", "of": self.id}).id
+            tmp = store._tmpdir()
+            assert self.cgroup is not None
+            self.cgroup.freeze(True)
+            try:
+                copy_layer_tree(upper, tmp)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            finally:
+                self.cgroup.freeze(False)
+            layer = store.commit_layer(tmp)
+            return store.put_image([layer, *self.lowers], self.image.base,
+                                   meta={"kind": "snapshot", "of": self.id}).id
+
+    def fork(self, n: int = 1, snapshot: str | None = None) -> list[LocalSandbox]:
+        if not isinstance(n, int) or n < 1:
+            raise SandboxError(f"n: must be a positive integer, got {n!r}")
+        snap = snapshot or self.snapshot()
+        image = self.provider.images.resolve(snap)
+        spec = dataclasses.replace(self.spec, image=image.id)
+        out: list[LocalSandbox] = []
+        try:
+            for _ in range(n):
+                out.append(self.provider._create(spec, image, origin=self.image))
+        except BaseException:
+            for sb in out:
+                sb.destroy()
+            raise
+        return out
+
+    def restore(self, snapshot: str) -> None:
+        """Kill every process, then mount a fresh writable layer over the snapshot's layers
+        (same id, same network namespace, so an egress attachment stays valid)."""
+        with self._lock:
+            self._check_alive()
+            image = self.provider.images.resolve(snapshot)
+            if image.base != self.image.base:
+                raise SandboxError(f"snapshot: {snapshot!r} has a different base kind")
+            self._stop_processes()
+            self._unmount_fs()
+            self._shells.clear()
+            self.lowers = image.layers
+            try:
+                self._mount_fs()
+                self._start_init(new_netns=False)
+                self._write_state()
+                self._place_binding_files()
+            except BaseException:
+                self.destroy()
+                raise
+
+
+def _same_entry(a: str, sa: os.stat_result, b: str, sb: os.stat_result) -> bool:
+    if stat.S_IFMT(sa.st_mode) != stat.S_IFMT(sb.st_mode) or stat.S_IMODE(sa.st_mode) != stat.S_IMODE(sb.st_mode):
+        return False
+    if stat.S_ISLNK(sa.st_mode):
+        return os.readlink(a) == os.readlink(b)
+    if stat.S_ISREG(sa.st_mode):
+        if sa.st_size != sb.st_size:
+            return False
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            while True:
+                x, y = fa.read(1 << 20), fb.read(1 << 20)
+                if x != y:
+                    return False
+                if not x:
+                    return True
+    return True
+
+
+class LocalProvider:
+    """Creates and tracks local sandboxes; `images` builds what they run.
+
+    >>> provider = LocalProvider(root="/tmp/store")
+    >>> image = provider.images.from_directory("myrepo", name="myrepo")
+    >>> sb = provider.create(SandboxSpec(image="myrepo"))
+    """
+
+    def __init__(self, root: str | None = None):
+        self.root = os.path.abspath(root or os.environ.get("CODEDOJO_SANDBOX_ROOT") or DEFAULT_ROOT)
+        os.makedirs(os.path.join(self.root, "sandboxes"), exist_ok=True)
+        self.images = ImageStore(self.root, self)
+        self.cgroups = CgroupManager()
+        self.agent = agent_binary(self.root)
+        self._tag = hashlib.sha256(self.root.encode()).hexdigest()[:8]
+        self._sandboxes: dict[str, LocalSandbox] = {}
+        self._lock = threading.Lock()
+
+    def cgroup_name(self, sandbox_id: str) -> str:
+        return f"{self._tag}-{sandbox_id}"
+
+    def create(self, spec: SandboxSpec) -> LocalSandbox:
+        if not isinstance(spec, SandboxSpec):
+            raise SandboxError("spec: expected a SandboxSpec")
+        image = self.images.resolve(spec.image)
+        return self._create(spec, image, origin=image)
+
+    def _create(self, spec: SandboxSpec, image: Image, origin: Image) -> LocalSandbox:
+        validate_limits(spec.limits)
+        sandbox_id = "sb-" + uuid.uuid4().hex[:12]
+        sb = LocalSandbox(self, sandbox_id, spec, origin)
+        sb.lowers = image.layers
+        with self._lock:
+            self._sandboxes[sandbox_id] = sb
+        try:
+            sb._start()
+        except BaseException:
+            self._forget(sandbox_id)
+            raise
+        return sb
+
+    def get(self, sandbox_id: str) -> LocalSandbox:
+        with self._lock:
+            sb = self._sandboxes.get(sandbox_id)
+        if sb is None:
+            raise SandboxError(f"sandbox_id: no live sandbox {sandbox_id!r}")
+        return sb
+
+    def list(self) -> list[LocalSandbox]:
+        with self._lock:
+            return list(self._sandboxes.values())
+
+    def _forget(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._sandboxes.pop(sandbox_id, None)
+
+    def close(self) -> None:
+        """Destroy every sandbox this provider created."""
+        for sb in self.list():
+            sb.destroy()
+
+    def gc(self, *, all_owners: bool = False) -> list[str]:
+        """Clean up sandboxes whose owning process is gone (a crash): processes, cgroups,
+        mounts, directories. With all_owners, also those of live processes other than this one.
+        Returns the ids cleaned."""
+        cleaned: list[str] = []
+        sdir = os.path.join(self.root, "sandboxes")
+        live = set(self._sandboxes)
+        for sid in sorted(os.listdir(sdir)):
+            if sid in live:
+                continue
+            d = os.path.join(sdir, sid)
+            state: dict = {}
+            with contextlib.suppress(OSError, ValueError), open(os.path.join(d, "state.json")) as f:
+                state = json.load(f)
+            owner = state.get("owner_pid")
+            owner_alive = bool(owner) and _proc_start(owner) == state.get("owner_start")
+            if owner_alive and (owner == os.getpid() or not all_owners):
+                continue
+            init = state.get("init_pid")
+            if init and _proc_start(init) == state.get("init_start"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(init, signal.SIGKILL)
+            cg = Cgroup(state.get("cgroups") or {}, bool(state.get("cgroup_v2")))
+            with contextlib.suppress(OSError, TimeoutError):
+                cg.kill()
+            for target in sorted(_mounts_under(d), key=len, reverse=True):
+                with contextlib.suppress(OSError):
+                    umount(target, MNT_DETACH)
+            with contextlib.suppress(OSError, TimeoutError):
+                cg.remove()
+            shutil.rmtree(d, ignore_errors=True)
+            cleaned.append(sid)
+        # Cgroups of this store that no sandbox directory accounts for.
+        for name, cg in self.cgroups.existing().items():
+            tag, _, sid = name.partition("-")
+            if tag == self._tag and sid not in live and not os.path.isdir(os.path.join(sdir, sid)):
+                with contextlib.suppress(OSError, TimeoutError):
+                    cg.kill()
+                    cg.remove()
+                cleaned.append(sid)
+        # Leftover layer builds.
+        tmp = os.path.join(self.root, "tmp")
+        for n in os.listdir(tmp):
+            p = os.path.join(tmp, n)
+            if time.time() - os.lstat(p).st_mtime > 3600:
+                shutil.rmtree(p, ignore_errors=True)
+        return cleaned

@@ -1,0 +1,66 @@
+"""Thin ctypes wrappers for the Linux calls Python 3.11 lacks: mount, umount2 and openat2.
+
+openat2 with RESOLVE_IN_ROOT is how the host touches a sandbox's files safely: every path is
+resolved as if the sandbox's root were `/`, so `..` and symlinks (absolute or relative) written by
+the sandbox can never lead outside it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+_libc.syscall.restype = ctypes.c_long
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MNT_DETACH = 2
+
+SYS_openat2 = 437
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_IN_ROOT = 0x10
+
+
+def _check(rc: int, what: str) -> None:
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def mount(source: str, target: str, fstype: str | None, flags: int = 0, data: str = "") -> None:
+    rc = _libc.mount(
+        source.encode(),
+        target.encode(),
+        fstype.encode() if fstype else None,
+        flags,
+        data.encode() if data else None,
+    )
+    _check(rc, f"mount {fstype or source} on {target}")
+
+
+def umount(target: str, flags: int = MNT_DETACH) -> None:
+    _check(_libc.umount2(target.encode(), flags), f"umount {target}")
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def open_in_root(root_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
+    """Open `path` (relative or absolute) with the sandbox root `root_fd` as `/`."""
+    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0,
+                   RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    rel = path.lstrip("/") or "."
+    fd = _libc.syscall(SYS_openat2, root_fd, rel.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return fd
