@@ -1,0 +1,413 @@
+"""The task builder: real PyPI sdists in, validated tasks out.
+
+For each package of a recipe: fetch and unpack the pinned sdist, run its suite three times and
+keep it only if every run passes the same tests; then try mutation sites (libcst) in a seeded
+order, run the suite on each mutant, and keep a task only when it has >= 1 fail-to-pass and
+>= 1 pass-to-pass test, the gold patch (the original source) passes them 3 runs out of 3 and the
+mutant fails the fail-to-pass tests again on a second run (flaky mutants are dropped).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import tomllib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from codedojo.bench.mutate import Site, apply_site, find_sites
+from codedojo.bench.patching import make_diff
+from codedojo.bench.source import Sdist, cache_root, fetch_sdist, is_test_path, test_paths, unpack
+from codedojo.bench.statement import bugfix_statement, feature_statement, log_statement
+from codedojo.bench.suite import Suite, save_suite
+from codedojo.bench.task import ImageRecipe, Task, Timeouts
+from codedojo.bench.testrun import LocalExecutor, PytestCommand, TestReport, run_pytest
+
+Log = Callable[[str], None]
+
+
+class PackageRecipe(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    requirement: str
+    """Pinned sdist, `name==version`."""
+    python_path: list[str] = Field(default_factory=lambda: ["."])
+    """Folders of the sdist put on PYTHONPATH (`src` for a src layout)."""
+    pytest_args: list[str] = Field(default_factory=list)
+    bugfix: int = 4
+    """How many plain bugfix tasks to keep."""
+    feature: int = 1
+    """Feature tasks (a documented function's body removed)."""
+    log_investigation: int = 1
+    """Tasks whose statement is the JSON log of a scenario run."""
+    max_candidates: int = 60
+    """Mutants tried at most, over all categories (bounds the build time)."""
+    environment: list[str] = Field(default_factory=list)
+    """Extra pinned requirements the suite needs besides pytest."""
+
+
+class BuildRecipe(BaseModel):
+    """A suite's recipe; `recipe.toml` beside a shipped suite."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    version: str
+    seed: int = 0
+    test_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    """Share of each package's tasks in the held-out test split (the rest is train)."""
+    max_f2p: int = 25
+    """A bug that breaks more tests than this is too loud to be interesting (features excepted)."""
+    max_p2p: int = 40
+    runs: int = 3
+    """Runs of the baseline suite and of the gold patch that must all pass."""
+    packages: list[PackageRecipe]
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
+
+
+def load_recipe(path: str | os.PathLike[str]) -> BuildRecipe:
+    with open(path, "rb") as f:
+        return BuildRecipe.model_validate(tomllib.load(f))
+
+
+def pytest_pin() -> str:
+    import pytest
+
+    return f"pytest=={pytest.__version__}"
+
+
+@dataclass
+class Baseline:
+    passed: list[str]
+    duration_s: float
+
+
+@dataclass
+class PackageWork:
+    """One package being built from: its sdist, a scratch copy and its baseline."""
+
+    recipe: PackageRecipe
+    sdist: Sdist
+    tree: Path  # cached, read-only
+    work: Path  # scratch copy that mutants are written into
+    hidden: list[str]
+    modules: list[str]
+    baseline: Baseline = field(default_factory=lambda: Baseline([], 0.0))
+
+    def command(self) -> PytestCommand:
+        return PytestCommand(root=str(self.work), python_path=tuple(self.recipe.python_path),
+                             extra_args=tuple(self.recipe.pytest_args))
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def _source_modules(tree: Path, python_path: list[str]) -> list[str]:
+    out: list[str] = []
+    for base in python_path:
+        root = tree / base
+        for p in sorted(root.rglob("*.py")):
+            rel = p.relative_to(tree).as_posix()
+            if is_test_path(rel) or p.name in ("setup.py", "conftest.py", "noxfile.py") or "/docs/" in f"/{rel}":
+                continue
+            parents = p.relative_to(root).parents
+            if any(not (root / d / "__init__.py").is_file() for d in list(parents)[:-1]):
+                continue  # not importable as part of a package (scripts, examples, docs)
+            if not p.stem.isidentifier():
+                continue
+            out.append(rel)
+    return out
+
+
+def prepare_package(recipe: PackageRecipe, runs: int, log: Log) -> PackageWork:
+    sdist = fetch_sdist(recipe.requirement)
+    tree = unpack(sdist)
+    hidden = test_paths(tree)
+    if not hidden:
+        raise BuildError(f"{recipe.requirement}: the sdist ships no tests")
+    work = Path(tempfile.mkdtemp(prefix=f"dojobench-{sdist.name}-"))
+    shutil.copytree(tree, work, dirs_exist_ok=True)
+    pw = PackageWork(recipe, sdist, tree, work, hidden, _source_modules(tree, recipe.python_path))
+    pw.baseline = _baseline(pw, runs, log)
+    return pw
+
+
+def _baseline(pw: PackageWork, runs: int, log: Log) -> Baseline:
+    """The tests that pass in every one of `runs` runs (cached per sdist, recipe and Python)."""
+    key = hashlib.sha256(json.dumps([pw.sdist.sha256, pw.recipe.python_path, pw.recipe.pytest_args,
+                                     sys.version, runs]).encode()).hexdigest()[:16]
+    cached = cache_root() / "baselines" / f"{pw.sdist.name}-{key}.json"
+    if cached.is_file():
+        data = json.loads(cached.read_text())
+        return Baseline(data["passed"], data["duration_s"])
+    sets: list[set[str]] = []
+    durations: list[float] = []
+    for i in range(runs):
+        rep = run_pytest(LocalExecutor(), pw.command(), timeout=600)
+        if rep.infra_error:
+            raise BuildError(f"{pw.sdist.requirement}: baseline run {i + 1} failed: {rep.infra_error}")
+        sets.append(rep.passed())
+        durations.append(rep.duration_s)
+        log(f"  baseline run {i + 1}/{runs}: {len(rep.passed())} passed, {len(rep.failed())} failed in {rep.duration_s:.1f}s")
+    stable = set.intersection(*sets)
+    if any(s != stable for s in sets):
+        log(f"  {len(set.union(*sets) - stable)} flaky test(s) excluded")
+    if not stable:
+        raise BuildError(f"{pw.sdist.requirement}: no test passes reliably")
+    base = Baseline(sorted(stable), max(durations))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps({"passed": base.passed, "duration_s": base.duration_s}))
+    return base
+
+
+def _test_file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def _function_info(source: str, qualname: str) -> tuple[str, str]:
+    """(signature text, docstring) of a function named by its dotted qualified name."""
+    tree = ast.parse(source)
+    node: ast.AST = tree
+    for part in qualname.split("."):
+        found = None
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and child.name == part:
+                found = child
+                break
+        if found is None:
+            return "(...)", ""
+        node = found
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    sig = "(" + ast.unparse(node.args) + ")"
+    if node.returns is not None:
+        sig += " -> " + ast.unparse(node.returns)
+    return sig, ast.get_docstring(node) or ""
+
+
+def _module_name(rel: str, python_path: list[str]) -> str:
+    for base in sorted(python_path, key=len, reverse=True):
+        prefix = "" if base in (".", "") else base.rstrip("/") + "/"
+        if rel.startswith(prefix):
+            mod = rel[len(prefix):].removesuffix(".py").replace("/", ".")
+            return mod.removesuffix(".__init__")
+    return rel.removesuffix(".py").replace("/", ".")
+
+
+def _difficulty(category: str, n_f2p: int) -> str:
+    level = 0 if n_f2p >= 5 else 1 if n_f2p >= 2 else 2
+    if category in ("log-investigation", "feature"):
+        level = min(level + 1, 2)
+    return ("easy", "medium", "hard")[level]
+
+
+@dataclass
+class Candidate:
+    rel: str
+    site: Site
+    category: str
+
+
+def _plan(pw: PackageWork, rng: random.Random) -> list[Candidate]:
+    """Mutation candidates interleaved by kind, so a package yields a mix of bug kinds."""
+    by_kind: dict[str, list[tuple[str, Site]]] = {}
+    for rel in pw.modules:
+        try:
+            sites = find_sites((pw.tree / rel).read_text(encoding="utf-8"))
+        except Exception:  # a module libcst cannot parse (py2 leftovers) is simply not a source
+            continue
+        for s in sites:
+            by_kind.setdefault(s.kind, []).append((rel, s))
+    for lst in by_kind.values():
+        rng.shuffle(lst)
+    bug_kinds = sorted(k for k in by_kind if k != "remove_body")
+    rng.shuffle(bug_kinds)
+    bugs: list[tuple[str, Site]] = []
+    while any(by_kind.get(k) for k in bug_kinds):
+        for k in bug_kinds:
+            if by_kind.get(k):
+                bugs.append(by_kind[k].pop())
+    features = by_kind.get("remove_body", [])
+    r = pw.recipe
+    plan: list[Candidate] = []
+    # Features first (few sites), then bug candidates shared by bugfix and log tasks.
+    plan += [Candidate(rel, s, "feature") for rel, s in features[: r.feature * 4]]
+    plan += [Candidate(rel, s, "bug") for rel, s in bugs]
+    return plan
+
+
+def build_package(
+    pw: PackageWork, recipe: BuildRecipe, rng: random.Random, log: Log, created_at: datetime
+) -> list[Task]:
+    r = pw.recipe
+    want = {"bugfix": r.bugfix, "feature": r.feature, "log-investigation": r.log_investigation}
+    got = dict.fromkeys(want, 0)
+    tasks: list[Task] = []
+    seen_f2p: set[frozenset[str]] = set()
+    baseline = set(pw.baseline.passed)
+    cmd = pw.command()
+    ex = LocalExecutor()
+    timeout = max(30.0, 5 * pw.baseline.duration_s)
+    tried = 0
+    for cand in _plan(pw, rng):
+        if all(got[k] >= want[k] for k in want) or tried >= r.max_candidates:
+            break
+        if cand.category == "feature":
+            if got["feature"] >= want["feature"]:
+                continue
+            category = "feature"
+        else:
+            if got["bugfix"] >= want["bugfix"] and got["log-investigation"] >= want["log-investigation"]:
+                continue
+            # Alternate so that both categories fill up with a mix of kinds.
+            category = "log-investigation" if got["log-investigation"] < want["log-investigation"] and (
+                got["bugfix"] >= want["bugfix"] or got["log-investigation"] * max(want["bugfix"], 1) <= got["bugfix"] * max(want["log-investigation"], 1)
+            ) else "bugfix"
+        tried += 1
+        path = pw.work / cand.rel
+        original = (pw.tree / cand.rel).read_text(encoding="utf-8")
+        try:
+            mutant, site = apply_site(original, cand.site.kind, cand.site.index)
+        except Exception as e:
+            log(f"  skip {cand.rel} {cand.site.kind}#{cand.site.index}: {e}")
+            continue
+        try:
+            path.write_text(mutant, encoding="utf-8")
+            rep = run_pytest(ex, cmd, timeout=timeout)
+            task = _judge(pw, recipe, cand, category, site, original, mutant, rep, baseline, seen_f2p, rng, created_at, log)
+        finally:
+            path.write_text(original, encoding="utf-8")
+        if task is None:
+            continue
+        if not _gold_passes(pw, task, recipe.runs, timeout):
+            log(f"  drop {task.instance_id}: gold patch not 3/3")
+            continue
+        tasks.append(task)
+        got[category] += 1
+        seen_f2p.add(frozenset(task.FAIL_TO_PASS))
+        log(f"  keep {task.instance_id} [{category}/{site.kind}] f2p={len(task.FAIL_TO_PASS)} p2p={len(task.PASS_TO_PASS)}")
+    short = {k: want[k] - got[k] for k in want if got[k] < want[k]}
+    if short:
+        log(f"  {pw.sdist.requirement}: short of {short} after {tried} candidates")
+    return tasks
+
+
+def _judge(
+    pw: PackageWork, recipe: BuildRecipe, cand: Candidate, category: str, site: Site, original: str,
+    mutant: str, rep: TestReport, baseline: set[str], seen: set[frozenset[str]], rng: random.Random,
+    created_at: datetime, log: Log,
+) -> Task | None:
+    label = f"{cand.rel} {site.kind}#{site.index}"
+    if rep.infra_error:
+        log(f"  skip {label}: {rep.infra_error.splitlines()[0][:120]}")
+        return None
+    failed = sorted(baseline & rep.failed())
+    if not failed:
+        return None  # the suite does not notice this mutant
+    if category != "feature" and len(failed) > recipe.max_f2p:
+        return None
+    if frozenset(failed[: recipe.max_f2p * 2]) in seen or frozenset(failed) in seen:
+        return None
+    f2p = failed if len(failed) <= recipe.max_f2p * 2 else sorted(rng.sample(failed, recipe.max_f2p * 2))
+    files = {_test_file(t) for t in f2p}
+    still = sorted(baseline & rep.passed())
+    near = [t for t in still if _test_file(t) in files] or still
+    p2p = near if len(near) <= recipe.max_p2p else sorted(rng.sample(near, recipe.max_p2p))
+    if not p2p:
+        return None
+    # Stability: the bug must fail the same way again.
+    again = run_pytest(LocalExecutor(), pw.command(), tests=f2p + p2p, timeout=max(30.0, 5 * pw.baseline.duration_s))
+    if again.infra_error or not set(f2p) <= again.failed() or not set(p2p) <= again.passed():
+        log(f"  drop {label}: flaky under the bug")
+        return None
+    name, version = pw.sdist.name, pw.sdist.version
+    short = {"bugfix": "bug", "feature": "feat", "log-investigation": "log"}[category]
+    digest = hashlib.sha256(f"{cand.rel}:{site.kind}:{site.index}".encode()).hexdigest()[:6]
+    iid = f"{name.lower()}-{version}__{short}-{site.kind.replace('_', '')}-{digest}"
+    if category == "feature":
+        sig, doc = _function_info(original, site.function)
+        statement = feature_statement(_module_name(cand.rel, pw.recipe.python_path), site.function, sig, doc)
+    elif category == "log-investigation":
+        outcomes = {t: rep.outcomes[t] for t in baseline if t in rep.outcomes}
+        statement = log_statement(name, outcomes, {t: rep.messages.get(t, "") for t in failed}, rng)
+    else:
+        statement = bugfix_statement(name, {t: rep.messages.get(t, "") for t in failed}, rng)
+    statement = statement.replace(str(pw.work), "")
+    return Task(
+        instance_id=iid, repo=f"pypi/{name.lower()}", version=version, base=pw.sdist.requirement,
+        patch=make_diff({cand.rel: mutant}, {cand.rel: original}),
+        FAIL_TO_PASS=f2p, PASS_TO_PASS=p2p, problem_statement=statement, created_at=created_at,
+        base_sha256=pw.sdist.sha256, bug_patch=make_diff({cand.rel: original}, {cand.rel: mutant}),
+        hidden_paths=pw.hidden,
+        image=ImageRecipe(python_path=pw.recipe.python_path, pytest_args=pw.recipe.pytest_args),
+        environment=[pytest_pin(), *pw.recipe.environment],
+        timeouts=Timeouts(test_s=max(60.0, round(10 * pw.baseline.duration_s))),
+        difficulty=_difficulty(category, len(f2p)),  # type: ignore[arg-type]
+        category=category,  # type: ignore[arg-type]
+        bug_kinds=[site.kind],
+    )
+
+
+def _gold_passes(pw: PackageWork, task: Task, runs: int, timeout: float) -> bool:
+    """The gold patch is the original source, which the scratch tree holds again now."""
+    tests = task.FAIL_TO_PASS + task.PASS_TO_PASS
+    for _ in range(runs):
+        rep = run_pytest(LocalExecutor(), pw.command(), tests=tests, timeout=timeout)
+        if rep.infra_error or not set(tests) <= rep.passed():
+            return False
+    return True
+
+
+def split_tasks(tasks: list[Task], test_fraction: float, rng: random.Random) -> dict[str, list[str]]:
+    """Per package and category, a seeded share of tasks goes to test, the rest to train."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for t in tasks:
+        groups.setdefault((t.package, t.category), []).append(t.instance_id)
+    train: list[str] = []
+    test: list[str] = []
+    for key in sorted(groups):
+        ids = sorted(groups[key])
+        rng.shuffle(ids)
+        k = round(len(ids) * test_fraction)
+        test += ids[:k]
+        train += ids[k:]
+    return {"train": sorted(train), "test": sorted(test)}
+
+
+def build_suite(recipe: BuildRecipe, out: str | os.PathLike[str], log: Log = print, jobs: int = 1) -> Suite:
+    """Build every package of the recipe (`jobs` at a time) and save the suite at `out`."""
+    rng = random.Random(recipe.seed)
+    created_at = datetime.now(UTC).replace(microsecond=0)
+
+    def one(pr: PackageRecipe) -> list[Task]:
+        def plog(msg: str) -> None:
+            log(f"[{pr.requirement}] {msg.strip()}")
+
+        try:
+            pw = prepare_package(pr, recipe.runs, plog)
+        except BuildError as e:
+            plog(f"package dropped: {e}")
+            return []
+        try:
+            return build_package(pw, recipe, random.Random(f"{recipe.seed}:{pr.requirement}"), plog, created_at)
+        finally:
+            shutil.rmtree(pw.work, ignore_errors=True)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        results = list(pool.map(one, recipe.packages))
+    tasks = [t for r in results for t in r]
+    if not tasks:
+        raise BuildError(f"recipe {recipe.name!r} produced no task")
+    splits = split_tasks(tasks, recipe.test_fraction, rng)
+    return save_suite(out, recipe.name, recipe.version, tasks, splits, recipe_hash=recipe.digest())

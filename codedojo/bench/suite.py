@@ -1,0 +1,154 @@
+"""Versioned suites: a manifest (version, task ids, content hashes, splits) beside `tasks.jsonl`.
+
+A suite directory holds `manifest.json` and `tasks.jsonl` (one task record per line). Loading
+validates every record and checks it against the manifest's hash, so an edited or truncated
+suite fails loudly with the task and the field named, never runs silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import UTC, datetime
+from importlib import resources
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from codedojo.bench.task import CANARY, Task, TaskFormatError, parse_task
+
+SUITES_DIR = Path(str(resources.files("codedojo.bench") / "suites"))
+
+
+class ManifestEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    sha256: str
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    version: str
+    created_at: datetime
+    canary: str = CANARY
+    tasks: list[ManifestEntry]
+    splits: dict[str, list[str]] = Field(default_factory=dict)
+    """Split name (train, test) -> task ids; every id belongs to exactly one split."""
+    recipe_hash: str = ""
+    """Hash of the build recipe that produced the suite (lets a cache know it is current)."""
+
+
+class Suite:
+    def __init__(self, manifest: Manifest, tasks: list[Task], path: Path | None = None):
+        self.manifest = manifest
+        self.tasks = tasks
+        self.path = path
+        self._by_id = {t.instance_id: t for t in tasks}
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __getitem__(self, instance_id: str) -> Task:
+        try:
+            return self._by_id[instance_id]
+        except KeyError:
+            raise KeyError(f"suite {self.name!r} has no task {instance_id!r}") from None
+
+    def split(self, name: str) -> list[Task]:
+        if name not in self.manifest.splits:
+            raise KeyError(f"suite {self.name!r} has no split {name!r}; has {sorted(self.manifest.splits)}")
+        return [self._by_id[i] for i in self.manifest.splits[name]]
+
+
+def resolve_suite_path(name_or_path: str | os.PathLike[str]) -> Path:
+    """A shipped suite name (`v0`, `micro`) or a directory holding a manifest."""
+    p = Path(name_or_path)
+    if (p / "manifest.json").is_file():
+        return p
+    shipped = SUITES_DIR / str(name_or_path)
+    if (shipped / "manifest.json").is_file():
+        return shipped
+    raise FileNotFoundError(f"no suite {str(name_or_path)!r}: neither a directory with manifest.json nor a shipped suite")
+
+
+def load_suite(name_or_path: str | os.PathLike[str]) -> Suite:
+    path = resolve_suite_path(name_or_path)
+    try:
+        manifest = Manifest.model_validate_json((path / "manifest.json").read_text())
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        raise TaskFormatError(f"{path}/manifest.json: field {field!r}: {err['msg']}") from None
+    tasks: list[Task] = []
+    with open(path / "tasks.jsonl", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskFormatError(f"task at tasks.jsonl:{lineno}: not JSON ({e.msg})") from None
+            tasks.append(parse_task(record, where=f"tasks.jsonl:{lineno}"))
+    _check_against_manifest(manifest, tasks)
+    return Suite(manifest, tasks, path)
+
+
+def _check_against_manifest(manifest: Manifest, tasks: list[Task]) -> None:
+    by_id = {t.instance_id: t for t in tasks}
+    if len(by_id) != len(tasks):
+        seen: set[str] = set()
+        dup = next(t.instance_id for t in tasks if t.instance_id in seen or seen.add(t.instance_id))  # type: ignore[func-returns-value]
+        raise TaskFormatError(f"task {dup!r}: field 'instance_id': duplicated in tasks.jsonl")
+    listed = {e.id: e.sha256 for e in manifest.tasks}
+    for tid in by_id.keys() - listed.keys():
+        raise TaskFormatError(f"task {tid!r}: not listed in manifest {manifest.name!r}")
+    for tid in listed.keys() - by_id.keys():
+        raise TaskFormatError(f"task {tid!r}: listed in the manifest but missing from tasks.jsonl")
+    for tid, sha in listed.items():
+        actual = by_id[tid].content_hash()
+        if actual != sha:
+            raise TaskFormatError(f"task {tid!r}: content hash {actual[:12]} differs from the manifest's {sha[:12]} (edited record?)")
+    in_split: dict[str, str] = {}
+    for split, ids in manifest.splits.items():
+        for tid in ids:
+            if tid not in by_id:
+                raise TaskFormatError(f"task {tid!r}: in split {split!r} but not in the suite")
+            if tid in in_split:
+                raise TaskFormatError(f"task {tid!r}: in both splits {in_split[tid]!r} and {split!r}")
+            in_split[tid] = split
+
+
+def save_suite(
+    path: str | os.PathLike[str],
+    name: str,
+    version: str,
+    tasks: list[Task],
+    splits: dict[str, list[str]],
+    recipe_hash: str = "",
+) -> Suite:
+    """Write `tasks.jsonl` then `manifest.json` atomically (a reader never sees a half suite)."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest(
+        name=name,
+        version=version,
+        created_at=datetime.now(UTC).replace(microsecond=0),
+        tasks=[{"id": t.instance_id, "sha256": t.content_hash()} for t in tasks],  # type: ignore[misc]
+        splits=splits,
+        recipe_hash=recipe_hash,
+    )
+    _check_against_manifest(manifest, tasks)
+    _atomic_write(out / "tasks.jsonl", "".join(t.model_dump_json() + "\n" for t in tasks))
+    _atomic_write(out / "manifest.json", manifest.model_dump_json(indent=1) + "\n")
+    return Suite(manifest, tasks, out)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

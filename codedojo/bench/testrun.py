@@ -1,0 +1,188 @@
+"""Running a package's pytest suite somewhere and reading per-test outcomes back.
+
+Where the tests run is behind `Executor`: anything with the `Sandbox.exec` shape (a sandbox is
+one), or `LocalExecutor` for a folder on the host (the builder's validation runs there). The
+outcome comes from pytest's `-rA` short summary, which names every test by node id.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from codedojo.sandbox.base import ExecResult
+
+_SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S.*?)(?: - (.*))?$")
+_SECTION = re.compile(r"^_{3,} (?:ERROR at \w+ of )?(.+?) _{3,}$")
+
+
+class Executor(Protocol):
+    """Runs one command somewhere (a sandbox, a host folder) and waits for it."""
+
+    def exec(
+        self,
+        command: str | Sequence[str],
+        *,
+        stdin: bytes | str | None = None,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> ExecResult: ...
+
+
+class LocalExecutor:
+    """Commands as host processes in their own process group (killed whole on timeout)."""
+
+    def exec(
+        self,
+        command: str | Sequence[str],
+        *,
+        stdin: bytes | str | None = None,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> ExecResult:
+        t0 = time.monotonic()
+        full_env = {**os.environ, **(env or {})}
+        proc = subprocess.Popen(
+            command, shell=isinstance(command, str), cwd=cwd, env=full_env,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        )
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        try:
+            out, err = proc.communicate(data, timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            timed_out = True
+        return ExecResult(
+            exit_code=proc.returncode if not timed_out else 124,
+            stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"),
+            timed_out=timed_out, duration_s=time.monotonic() - t0,
+        )
+
+
+@dataclass
+class TestReport:
+    outcomes: dict[str, str] = field(default_factory=dict)
+    """node id -> passed | failed | error | skipped | xfail | xpass"""
+    messages: dict[str, str] = field(default_factory=dict)
+    """node id -> the failure's `E` lines (or the summary message), for failed/error tests"""
+    exit_code: int = 0
+    timed_out: bool = False
+    duration_s: float = 0.0
+    output_tail: str = ""
+
+    def passed(self) -> set[str]:
+        return {t for t, o in self.outcomes.items() if o in ("passed", "xfail")}
+
+    def failed(self) -> set[str]:
+        return {t for t, o in self.outcomes.items() if o in ("failed", "error", "xpass")}
+
+    @property
+    def infra_error(self) -> str | None:
+        """Why this run says nothing about the tests (timeout, collection or usage error)."""
+        if self.timed_out:
+            return "test run timed out"
+        if self.exit_code in (2, 3, 4) and not self.outcomes:
+            return f"pytest exit {self.exit_code}: {self.output_tail[-400:]}"
+        if self.exit_code not in (0, 1, 5) and not self.outcomes:
+            return f"test command exit {self.exit_code}: {self.output_tail[-400:]}"
+        return None
+
+
+@dataclass(frozen=True)
+class PytestCommand:
+    """How to call pytest on a tree at `root` (a path as the executor sees it)."""
+
+    root: str
+    python: str = sys.executable
+    python_path: Sequence[str] = (".",)
+    extra_args: Sequence[str] = ()
+
+    def argv(self, tests: Sequence[str] | None = None) -> list[str]:
+        return [
+            self.python, "-m", "pytest", "-rA", "-q", "--tb=short", "-p", "no:cacheprovider",
+            "-o", "addopts=", "-o", "console_output_style=classic", "--color=no",
+            f"--rootdir={self.root}", *self.extra_args, *(tests or ()),
+        ]
+
+    def env(self) -> dict[str, str]:
+        paths = [self.root if p in (".", "") else f"{self.root}/{p}" for p in self.python_path]
+        return {
+            "PYTHONPATH": os.pathsep.join(paths),
+            "PYTHONDONTWRITEBYTECODE": "1",  # keeps the tree (and Sandbox.changes()) clean
+            "PYTHONHASHSEED": "0",
+            "NO_COLOR": "1",
+        }
+
+
+def run_pytest(
+    ex: Executor, cmd: PytestCommand, tests: Sequence[str] | None = None, timeout: float = 120.0
+) -> TestReport:
+    res = ex.exec(cmd.argv(tests), cwd=cmd.root, env=cmd.env(), timeout=timeout)
+    report = parse_pytest_output(res.stdout + "\n" + res.stderr)
+    report.exit_code = res.exit_code
+    report.timed_out = res.timed_out
+    report.duration_s = res.duration_s
+    report.output_tail = (res.stdout + res.stderr)[-4000:]
+    if tests:
+        # A requested test that pytest never reported (renamed, deleted, not collected) failed.
+        for t in tests:
+            if t not in report.outcomes:
+                report.outcomes[t] = "error"
+                report.messages.setdefault(t, "test was not collected")
+    return report
+
+
+def parse_pytest_output(text: str) -> TestReport:
+    report = TestReport()
+    e_lines: dict[str, list[str]] = {}
+    current: str | None = None
+    in_summary = False
+    for raw in text.splitlines():
+        line = raw.rstrip()
+        if "short test summary info" in line:
+            in_summary = True
+            current = None
+            continue
+        if in_summary:
+            m = _SUMMARY.match(line)
+            if m:
+                kind, nodeid, msg = m.group(1), m.group(2), m.group(3)
+                outcome = kind.lower()
+                if outcome == "skipped" and nodeid.startswith("["):
+                    continue  # "SKIPPED [1] file.py:3: reason" names no test id
+                report.outcomes[nodeid] = outcome
+                if outcome in ("failed", "error") and msg:
+                    report.messages[nodeid] = msg
+            continue
+        m = _SECTION.match(line)
+        if m:
+            current = m.group(1)
+            e_lines.setdefault(current, [])
+            continue
+        if current is not None and line.startswith("E "):
+            e_lines[current].append(line[1:].strip())
+    for nodeid, outcome in report.outcomes.items():
+        if outcome not in ("failed", "error"):
+            continue
+        lines = e_lines.get(_headline(nodeid))
+        if lines:
+            report.messages[nodeid] = "\n".join(lines[:12])
+    return report
+
+
+def _headline(nodeid: str) -> str:
+    """pytest's section title for a node id: `Class.test[param]` without the file."""
+    parts = nodeid.split("::")
+    return ".".join(parts[1:]) if len(parts) > 1 else parts[0]
