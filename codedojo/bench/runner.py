@@ -1,0 +1,256 @@
+"""The runner: agents on tasks in parallel sandboxes, graded on fresh copies.
+
+For every (task, sample): create the agent's sandbox (no hidden tests, no gold patch, no
+history), let the agent work in it, collect what changed under /workspace, destroy it; then
+apply those changes to a fresh grading sandbox and run the hidden tests there. An exception
+from the sandbox, the harness or the model endpoint is an infra failure, counted apart from an
+unresolved task. pass@k uses the unbiased estimator over the samples of each task.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from codedojo.bench.patching import apply_patch
+from codedojo.bench.task import Task
+from codedojo.bench.workspace import WORKSPACE, TaskImages, collect_changes, grade_changes
+from codedojo.sandbox.base import Sandbox, SandboxError
+
+Status = Literal["resolved", "unresolved", "infra_failure"]
+
+
+@dataclass
+class AgentResult:
+    """What an agent reports about one episode (the runner measures time itself)."""
+
+    turns: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    status: str = "finished"
+    trajectory: str | None = None  # path of the saved trajectory, when there is one
+
+
+class BenchAgent(Protocol):
+    name: str
+
+    def solve(self, task: Task, sandbox: Sandbox, out_dir: Path) -> AgentResult: ...
+
+
+class OracleAgent:
+    """Applies the gold patch through the sandbox's file API: must resolve every valid task."""
+
+    name = "oracle"
+
+    def solve(self, task: Task, sandbox: Sandbox, out_dir: Path) -> AgentResult:
+        def read(rel: str) -> str | None:
+            try:
+                return sandbox.read_file(f"{WORKSPACE}/{rel}").decode("utf-8")
+            except SandboxError:
+                return None
+
+        for rel, content in apply_patch(task.patch, read).items():
+            if content is None:
+                sandbox.remove(f"{WORKSPACE}/{rel}")
+            else:
+                sandbox.write_file(f"{WORKSPACE}/{rel}", content)
+        return AgentResult(turns=1)
+
+
+class NullAgent:
+    """Changes nothing: the baseline every task must fail (a sanity check of the suite)."""
+
+    name = "null"
+
+    def solve(self, task: Task, sandbox: Sandbox, out_dir: Path) -> AgentResult:
+        return AgentResult(turns=0)
+
+
+def task_prompt(task: Task) -> str:
+    return (
+        f"{task.problem_statement}\n\n"
+        f"The project's source is in {WORKSPACE}. Make your change there; hidden tests will check it."
+    )
+
+
+class HarnessAgent:
+    """A policy through the harness's agent loop, with the harness's tools on the sandbox."""
+
+    def __init__(self, policy: Any, loop_config: Any = None, tool_config: Any = None, name: str | None = None):
+        self.policy = policy
+        self.loop_config = loop_config
+        self.tool_config = tool_config
+        self.name = name or getattr(policy, "name", "model")
+
+    def solve(self, task: Task, sandbox: Sandbox, out_dir: Path) -> AgentResult:
+        from codedojo.harness.loop import Agent
+        from codedojo.harness.tools.base import ToolContext
+        from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
+
+        cfg = self.tool_config or EnvToolConfig(
+            tools=[t for t in EnvToolConfig().tools if t not in ("codebase_search", "web_fetch")]
+        )
+        session = ToolSession(ToolRegistry().resolve(cfg), ToolContext(sandbox=sandbox))
+        try:
+            traj_path = out_dir / f"{task.instance_id}.traj.json"
+            traj = Agent(self.policy, self.loop_config).run(
+                task_prompt(task), session, out=traj_path, env=f"dojobench/{task.instance_id}",
+                metadata={"instance_id": task.instance_id, "category": task.category},
+            )
+        finally:
+            session.close()
+        actions = [t for t in traj.turns if t.kind == "action"]
+        if traj.status == "error":
+            raise RuntimeError(f"agent episode failed: {traj.error}")
+        return AgentResult(
+            turns=len(actions),
+            prompt_tokens=sum(t.prompt_tokens or 0 for t in traj.turns),
+            completion_tokens=sum(t.completion_tokens or 0 for t in traj.turns),
+            status=traj.status,
+            trajectory=str(traj_path),
+        )
+
+
+@dataclass
+class TaskResult:
+    instance_id: str
+    category: str
+    sample: int
+    status: Status
+    f2p_passed: int = 0
+    f2p_total: int = 0
+    p2p_passed: int = 0
+    p2p_total: int = 0
+    turns: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    agent_status: str = ""
+    setup_s: float = 0.0
+    agent_s: float = 0.0
+    grade_s: float = 0.0
+    error: str = ""
+    changed_files: list[str] = field(default_factory=list)
+
+    @property
+    def total_s(self) -> float:
+        return self.setup_s + self.agent_s + self.grade_s
+
+
+def run_one(images: TaskImages, agent: BenchAgent, task: Task, sample: int, out_dir: Path) -> TaskResult:
+    res = TaskResult(task.instance_id, task.category, sample, "infra_failure",
+                     f2p_total=len(task.FAIL_TO_PASS), p2p_total=len(task.PASS_TO_PASS))
+    sb: Sandbox | None = None
+    try:
+        t0 = time.perf_counter()
+        sb = images.agent_sandbox(task)
+        res.setup_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ar = agent.solve(task, sb, out_dir)
+        res.agent_s = time.perf_counter() - t0
+        res.turns, res.agent_status = ar.turns, ar.status
+        res.prompt_tokens, res.completion_tokens = ar.prompt_tokens, ar.completion_tokens
+        changes = collect_changes(sb)
+        res.changed_files = sorted(changes)
+        sb.destroy()
+        sb = None
+        t0 = time.perf_counter()
+        ok, report = grade_changes(images, task, changes)
+        res.grade_s = time.perf_counter() - t0
+        if report.timed_out and not changes:
+            raise RuntimeError("hidden tests timed out on an unchanged tree")
+        passed = report.passed()
+        res.f2p_passed = sum(t in passed for t in task.FAIL_TO_PASS)
+        res.p2p_passed = sum(t in passed for t in task.PASS_TO_PASS)
+        res.status = "resolved" if ok else "unresolved"
+    except Exception as e:
+        res.status = "infra_failure"
+        res.error = f"{type(e).__name__}: {e}"[:2000]
+        (out_dir / f"{task.instance_id}.s{sample}.error.txt").write_text(traceback.format_exc())
+    finally:
+        if sb is not None:
+            try:
+                sb.destroy()
+            except Exception:
+                pass
+    return res
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
+    if k > n:
+        raise ValueError(f"k={k} exceeds the {n} samples")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclass
+class RunResult:
+    name: str
+    agent: str
+    suite: str
+    samples: int
+    parallel: int
+    wall_s: float
+    results: list[TaskResult]
+
+    def counts(self) -> dict[str, int]:
+        out = {"resolved": 0, "unresolved": 0, "infra_failure": 0}
+        for r in self.results:
+            out[r.status] += 1
+        return out
+
+    def pass_at(self, k: int) -> float:
+        """Mean pass@k over tasks; infra failures count as samples that did not pass."""
+        by_task: dict[str, list[TaskResult]] = {}
+        for r in self.results:
+            by_task.setdefault(r.instance_id, []).append(r)
+        if not by_task:
+            return 0.0
+        return sum(pass_at_k(len(rs), sum(r.status == "resolved" for r in rs), k) for rs in by_task.values()) / len(by_task)
+
+    def to_json(self) -> dict[str, Any]:
+        ks = [k for k in (1, 2, 5, 10) if k <= self.samples]
+        return {
+            "name": self.name, "agent": self.agent, "suite": self.suite, "samples": self.samples,
+            "parallel": self.parallel, "wall_s": round(self.wall_s, 3), "counts": self.counts(),
+            "pass_at_k": {str(k): round(self.pass_at(k), 4) for k in ks},
+            "results": [asdict(r) for r in self.results],
+        }
+
+
+def run_agent(
+    images: TaskImages,
+    agent: BenchAgent,
+    tasks: Sequence[Task],
+    *,
+    name: str,
+    suite: str = "",
+    samples: int = 1,
+    parallel: int = 1,
+    out_dir: str | Path = "runs",
+    progress: Callable[[TaskResult], None] | None = None,
+) -> RunResult:
+    """Every task `samples` times, `parallel` sandboxes at a time; results under runs/<name>/."""
+    out = Path(out_dir) / name
+    (out / "episodes").mkdir(parents=True, exist_ok=True)
+    for t in tasks:  # build images up front so parallel workers do not race to build them
+        images.warm(t)
+    jobs = [(t, s) for t in tasks for s in range(samples)]
+    t0 = time.perf_counter()
+    results: list[TaskResult] = []
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        for r in pool.map(lambda job: run_one(images, agent, job[0], job[1], out / "episodes"), jobs):
+            results.append(r)
+            if progress:
+                progress(r)
+    run = RunResult(name, agent.name, suite, samples, parallel, time.perf_counter() - t0, results)
+    (out / "results.json").write_text(json.dumps(run.to_json(), indent=1))
+    return run

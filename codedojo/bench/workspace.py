@@ -1,0 +1,190 @@
+"""A task's filesystems: the agent's copy and the grading copy, as cached sandbox images.
+
+Layers, bottom up: the host base, one Python environment per distinct `task.environment`
+(a venv at /opt/venv, shared by every task that pins the same packages), then the task's tree
+at /workspace. The agent's tree is the sdist with the bug applied and `hidden_paths` removed;
+the grading tree is the same plus the hidden tests. Both trees are scrubbed of VCS history and
+neither holds the gold patch. Images are named by content, so once built, preparing a task's
+sandbox is a name lookup plus `provider.create` (the `setup_ms_p50` figure of the benchmark).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+from codedojo.bench.patching import apply_patch_to_dir
+from codedojo.bench.source import cache_root, fetch_sdist, scrub, unpack
+from codedojo.bench.task import Task
+from codedojo.bench.testrun import PytestCommand, TestReport, run_pytest
+from codedojo.sandbox.base import WORKSPACE, Limits, Sandbox, SandboxError, SandboxSpec
+
+VENV = "/opt/venv"
+_SKIP_CHANGE = ("__pycache__", ".pytest_cache", ".pyc")
+
+
+def _hidden(rel: str, hidden: list[str]) -> bool:
+    return any(rel == h or rel.startswith(h.rstrip("/") + "/") for h in hidden)
+
+
+def task_trees(task: Task) -> tuple[Path, Path]:
+    """(agent tree, grading tree) on the host, built once per task content and cached."""
+    key = task.content_hash()[:16]
+    dest = cache_root() / "trees" / f"{task.instance_id}-{key}"
+    if (dest / "done").is_file():
+        return dest / "agent", dest / "grade"
+    sdist = fetch_sdist(task.base, expect_sha256=task.base_sha256)
+    src = unpack(sdist)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tree-", dir=dest.parent))
+    try:
+        grade = tmp / "grade"
+        shutil.copytree(src, grade)
+        apply_patch_to_dir(task.bug_patch, grade)
+        scrub(grade)
+        agent = tmp / "agent"
+        shutil.copytree(grade, agent, ignore=_ignore_hidden(grade, task.hidden_paths))
+        (tmp / "done").write_text(task.instance_id)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest / "done").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest / "agent", dest / "grade"
+
+
+def _ignore_hidden(root: Path, hidden: list[str]):
+    def ignore(dirpath: str, names: list[str]) -> set[str]:
+        rel = os.path.relpath(dirpath, root)
+        rel = "" if rel == "." else rel + "/"
+        return {n for n in names if _hidden(rel + n, hidden)}
+
+    return ignore
+
+
+class TaskImages:
+    """Builds (once) and names the sandbox images of tasks on a provider with an image store."""
+
+    def __init__(self, provider, python: str = "/usr/bin/python3"):
+        if not hasattr(provider, "images"):
+            raise SandboxError("provider: needs an image store (`provider.images`) to build task images")
+        self.provider = provider
+        self.python = python
+        self._lock = threading.Lock()
+        self._memo: dict[str, str] = {}
+
+    def _named(self, name: str, build) -> str:
+        with self._lock:
+            if name in self._memo:
+                return self._memo[name]
+            try:
+                image_id = self.provider.images.resolve(name).id
+            except SandboxError:
+                image_id = build().id
+                self.provider.images.tag(image_id, name)
+            self._memo[name] = image_id
+            return image_id
+
+    def env_image(self, task: Task) -> str:
+        key = hashlib.sha256(json.dumps([self.python, sorted(task.environment)]).encode()).hexdigest()[:16]
+        return self._named(
+            f"bench-env-{key}",
+            lambda: self.provider.images.from_python_env(task.environment, python=self.python),
+        )
+
+    def _tree_image(self, task: Task, which: str) -> str:
+        agent, grade = task_trees(task)
+        env = self.env_image(task)
+        tree = agent if which == "agent" else grade
+        key = hashlib.sha256(f"{env}:{task.content_hash()}".encode()).hexdigest()[:16]
+        return self._named(
+            f"bench-{which}-{task.instance_id}-{key}",
+            lambda: self.provider.images.from_directory(str(tree), parent=env),
+        )
+
+    def agent_image(self, task: Task) -> str:
+        return self._tree_image(task, "agent")
+
+    def grade_image(self, task: Task) -> str:
+        return self._tree_image(task, "grade")
+
+    def warm(self, task: Task) -> None:
+        self.agent_image(task)
+        self.grade_image(task)
+
+    def agent_sandbox(self, task: Task, limits: Limits | None = None) -> Sandbox:
+        return self.provider.create(SandboxSpec(image=self.agent_image(task), limits=limits or Limits()))
+
+    def grade_sandbox(self, task: Task, limits: Limits | None = None) -> Sandbox:
+        return self.provider.create(SandboxSpec(image=self.grade_image(task), limits=limits or Limits()))
+
+
+def pytest_command(task: Task) -> PytestCommand:
+    return PytestCommand(root=WORKSPACE, python=f"{VENV}/bin/python", python_path=tuple(task.image.python_path),
+                         extra_args=tuple(task.image.pytest_args))
+
+
+def collect_changes(sb: Sandbox) -> dict[str, bytes | None]:
+    """What the agent changed under /workspace: relative path -> new bytes (None = deleted)."""
+    out: dict[str, bytes | None] = {}
+    for ch in sb.changes():
+        rel = ch.path[len(WORKSPACE) + 1:] if ch.path.startswith(WORKSPACE + "/") else ch.path.lstrip("/")
+        if not rel or any(s in rel for s in _SKIP_CHANGE):
+            continue
+        if ch.kind == "deleted":
+            out[rel] = None
+            continue
+        try:
+            if sb.stat(ch.path).kind != "file":
+                continue
+            out[rel] = sb.read_file(ch.path)
+        except SandboxError:
+            continue
+    return out
+
+
+def grade_changes(
+    images: TaskImages, task: Task, changes: Mapping[str, bytes | None], runs: int = 1
+) -> tuple[bool, TestReport]:
+    """Apply the agent's changes to a FRESH grading copy and run the hidden tests there.
+
+    Changes to hidden test paths are ignored: the tests that judge are the pinned ones. Returns
+    (resolved, the last report); resolved means every F2P and P2P test passed in every run.
+    """
+    sb = images.grade_sandbox(task)
+    try:
+        for rel, data in sorted(changes.items()):
+            if _hidden(rel, task.hidden_paths):
+                continue
+            path = f"{WORKSPACE}/{rel}"
+            if data is None:
+                try:
+                    sb.remove(path)
+                except SandboxError:
+                    pass
+            else:
+                sb.write_file(path, data)
+        tests = task.FAIL_TO_PASS + task.PASS_TO_PASS
+        ok = True
+        report = TestReport()
+        for _ in range(runs):
+            report = run_pytest(sb, pytest_command(task), tests=tests, timeout=task.timeouts.test_s)
+            ok = ok and set(tests) <= report.passed()
+        return ok, report
+    finally:
+        sb.destroy()
+
+
+def default_provider():
+    """The local sandbox kind, its store under the bench cache unless CODEDOJO_SANDBOX_ROOT says."""
+    from codedojo.sandbox.local import LocalProvider
+
+    return LocalProvider(root=os.environ.get("CODEDOJO_SANDBOX_ROOT") or str(cache_root() / "sandbox"))
