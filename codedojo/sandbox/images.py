@@ -32,6 +32,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -285,8 +286,8 @@ class ImageStore:
         out = {}
         d = os.path.join(self.root, "names")
         for n in sorted(os.listdir(d)):
-            if "." in n and len(n.rsplit(".", 1)[1]) == 32:
-                continue  # a tag being written
+            if n.startswith(".") or ("." in n and len(n.rsplit(".", 1)[1]) == 32):
+                continue  # internal keys and tags being written
             with open(os.path.join(d, n)) as f:
                 out[n] = f.read().strip()
         return out
@@ -307,6 +308,12 @@ class ImageStore:
         Built once per store object (the host's /etc may change between processes)."""
         if self._base is not None:
             return self._base
+        # Copying and hashing /etc takes a second or more; a stat-only fingerprint of what the
+        # skeleton is made from finds an identical base built earlier in this store.
+        key_path = os.path.join(self.root, "names", f".base-{_host_fingerprint()}")
+        with contextlib.suppress(OSError, SandboxError), open(key_path) as f:
+            self._base = self.resolve(f.read().strip())
+            return self._base
         tmp = self._tmpdir()
         try:
             _build_host_skeleton(tmp)
@@ -315,6 +322,10 @@ class ImageStore:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._base = self.put_image([layer], "host", name="base", meta={"kind": "base"})
+        tmp_key = f"{key_path}.{uuid.uuid4().hex}"
+        with open(tmp_key, "w") as f:
+            f.write(self._base.id)
+        os.rename(tmp_key, key_path)
         return self._base
 
     def _parent(self, parent: str | None) -> Image:
@@ -349,6 +360,7 @@ class ImageStore:
             target = self._stage_dest(tmp, base, dest)
             ignore = shutil.ignore_patterns(*exclude) if exclude else None
             shutil.copytree(path, target, symlinks=True, ignore=ignore)
+            os.chmod(target, 0o755)  # the source may be a private temp dir (0700)
             _chown_tree(target, *owner)
             layer = self.commit_layer(tmp)
         except BaseException:
@@ -390,13 +402,16 @@ class ImageStore:
         tmp = self._tmpdir()
         try:
             target = self._stage_dest(tmp, base, dest)
-            run = subprocess.run([python, "-m", "venv", target], capture_output=True, text=True)
+            # --without-pip plus the host's pip (`pip --python`) keeps pip itself out of the layer
+            # and skips ensurepip, which costs seconds.
+            run = subprocess.run([python, "-m", "venv", "--without-pip", target],
+                                 capture_output=True, text=True)
             if run.returncode != 0:
                 raise SandboxError(f"python: venv creation failed: {run.stderr.strip()}")
             if packages:
                 run = subprocess.run(
-                    [os.path.join(target, "bin", "python"), "-m", "pip", "install", "--quiet",
-                     "--disable-pip-version-check", *pip_args, *packages],
+                    [sys.executable, "-m", "pip", "--python", os.path.join(target, "bin", "python"),
+                     "install", "--quiet", "--disable-pip-version-check", *pip_args, *packages],
                     capture_output=True, text=True)
                 if run.returncode != 0:
                     raise SandboxError(f"packages: pip install failed: {run.stderr.strip()[-2000:]}")
@@ -456,6 +471,24 @@ class ImageStore:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return self.put_image([layer], "rootfs", name=name, meta={"kind": "debootstrap"})
+
+
+SKELETON_VERSION = "1"  # bump when _build_host_skeleton changes
+
+
+def _host_fingerprint() -> str:
+    """Changes whenever anything the host skeleton copies or links could have changed."""
+    h = hashlib.sha256(SKELETON_VERSION.encode())
+    for d in SYSTEM_DIRS:
+        p = f"/{d}"
+        h.update(f"{d}:{os.path.islink(p) and os.readlink(p)}:{os.path.isdir(p)}\n".encode())
+    for dirpath, dirnames, filenames in os.walk("/etc"):
+        dirnames.sort()
+        for n in sorted(filenames + dirnames):
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, n))
+                h.update(f"{dirpath}/{n}:{st.st_mode}:{st.st_size}:{st.st_mtime_ns}:{st.st_uid}\n".encode())
+    return h.hexdigest()[:ID_LEN]
 
 
 def _clean_dest(dest: str) -> str:

@@ -1,0 +1,271 @@
+"""Every operation of the local sandbox, on real sandboxes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from codedojo.sandbox.base import Change, ExecResult, Limits, Sandbox, SandboxError, SandboxSpec
+from tests.sandbox.conftest import SMALL
+
+
+def test_sandbox_implements_the_protocol(sandbox):
+    assert isinstance(sandbox, Sandbox)
+
+
+def test_exec_runs_as_unprivileged_user_in_workspace(sandbox):
+    r = sandbox.exec("id -u; pwd; hostname; cat pkg/__init__.py")
+    assert r.exit_code == 0, r
+    assert r.stdout.split("\n")[:4] == ["1000", "/workspace", "sandbox", "VALUE = 41"]
+
+
+def test_exec_argv_stdin_env_cwd_and_exit_code(sandbox):
+    r = sandbox.exec(["python3", "-c", "import sys,os; print(sys.stdin.read().upper(), os.environ['X'], os.getcwd()); sys.exit(3)"],
+                     stdin="abc", env={"X": "y"}, cwd="pkg")
+    assert r == ExecResult(3, "ABC y /workspace/pkg\n", "", duration_s=r.duration_s)
+    assert sandbox.exec(["no-such-binary"]).exit_code == 127
+    r = sandbox.exec("echo out; echo err >&2; exit 7")
+    assert (r.exit_code, r.stdout, r.stderr) == (7, "out\n", "err\n")
+
+
+def test_exec_timeout_and_output_cap(provider, project):
+    sb = provider.create(SandboxSpec(image=project, limits=Limits(max_output_bytes=1000, disk_mb=16)))
+    try:
+        r = sb.exec("echo started; sleep 30", timeout=0.3)
+        assert r.timed_out and r.exit_code == 137 and r.stdout == "started\n"
+        r = sb.exec("head -c 5000 /dev/zero | tr '\\0' a")
+        assert r.truncated and r.stdout == "a" * 1000 and r.exit_code == 0
+        assert sb.exec("echo still alive").stdout == "still alive\n"
+    finally:
+        sb.destroy()
+
+
+def test_spec_env_reaches_every_command(provider, project):
+    sb = provider.create(SandboxSpec(image=project, limits=SMALL, env={"TASK": "t1"}))
+    try:
+        assert sb.exec("echo $TASK $HOME").stdout == "t1 /home/user\n"
+        assert sb.shell().run("echo $TASK").stdout == "t1\n"
+    finally:
+        sb.destroy()
+
+
+@pytest.mark.parametrize("command", ["", "   ", [], ["ls", 3], ["a\0b"], 42])
+def test_malformed_commands_are_refused(sandbox, command):
+    with pytest.raises(SandboxError, match="command"):
+        sandbox.exec(command)
+    assert sandbox.exec("true").exit_code == 0
+
+
+def test_files_read_write_list_stat_remove(sandbox):
+    sandbox.write_file("src/new/mod.py", "x = 1\n")
+    assert sandbox.read_file("/workspace/src/new/mod.py") == b"x = 1\n"
+    r = sandbox.exec("stat -c '%U %a' src/new/mod.py src/new; cat src/new/mod.py")
+    assert r.stdout == "user 644\nuser 755\nx = 1\n"
+    sandbox.write_file("run.sh", "#!/bin/sh\necho ran\n", mode=0o755)
+    assert sandbox.exec("./run.sh").stdout == "ran\n"
+    names = {f.path: f for f in sandbox.list_dir()}
+    assert {"/workspace/src", "/workspace/run.sh", "/workspace/pkg", "/workspace/README.md"} <= set(names)
+    assert names["/workspace/src"].kind == "dir" and names["/workspace/run.sh"].mode == 0o755
+    info = sandbox.stat("README.md")
+    assert (info.kind, info.size, info.path) == ("file", 6, "/workspace/README.md")
+    sandbox.exec("ln -s README.md link")
+    assert sandbox.stat("link").kind == "symlink"
+    assert sandbox.read_file("link") == b"hello\n"
+    sandbox.remove("src")
+    sandbox.remove("README.md")
+    assert sandbox.exec("ls src README.md").exit_code != 0
+    with pytest.raises(SandboxError, match="no such file"):
+        sandbox.remove("README.md")
+    with pytest.raises(SandboxError):
+        sandbox.read_file("missing.txt")
+    with pytest.raises(SandboxError, match="directory"):
+        sandbox.read_file("pkg")
+    # files written by commands are visible to the host side and back
+    sandbox.exec("echo from-cmd > /tmp/t.txt")
+    assert sandbox.read_file("/tmp/t.txt") == b"from-cmd\n"
+    # system directories come from the host, read-only
+    assert sandbox.read_file("/usr/bin/python3")[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("path", ["../x", "../../etc/passwd", "/workspace/../../root/x", "a/../../..", "", "a\0b"])
+def test_escaping_paths_are_refused(sandbox, path):
+    with pytest.raises(SandboxError, match="path"):
+        sandbox.write_file(path, "x")
+    with pytest.raises(SandboxError, match="path"):
+        sandbox.read_file(path)
+
+
+def test_host_writes_respect_sandbox_permissions(sandbox):
+    with pytest.raises(SandboxError, match="permission denied"):
+        sandbox.write_file("/etc/passwd", "evil")
+    with pytest.raises(SandboxError):
+        sandbox.write_file("/usr/evil", "x")
+    assert not os.path.exists("/usr/evil")
+    sandbox.write_file("/tmp/ok", "fine", mode=0o4755)
+    assert sandbox.stat("/tmp/ok").mode == 0o755  # no setuid from the host side
+
+
+def test_persistent_shell_keeps_cwd_and_env(sandbox):
+    sh = sandbox.shell()
+    assert sh.run("cd pkg && export A=1 && B=2").exit_code == 0
+    r = sh.run("pwd; echo $A $B; printf 'no newline'")
+    assert r.stdout == "/workspace/pkg\n1 2\nno newline"
+    assert sh.run("false").exit_code == 1
+    assert sh.run("if then").exit_code == 2  # a syntax error does not break the session
+    assert sh.run("echo err >&2; pwd").stderr == "err\n"
+    r = sh.run("sleep 20", timeout=0.3)
+    assert r.timed_out
+    assert sh.run("pwd").stdout == "/workspace\n"  # a fresh shell after the timeout
+    sh.close()
+
+
+def test_snapshot_fork_independence(sandbox):
+    sandbox.write_file("state.txt", "parent-1")
+    snap = sandbox.snapshot()
+    a, b = sandbox.fork(2, snap)
+    try:
+        a.write_file("state.txt", "fork-a")
+        a.write_file("only-a.txt", "a")
+        b.exec("rm README.md")
+        assert b.read_file("state.txt") == b"parent-1"
+        assert sandbox.read_file("state.txt") == b"parent-1"
+        assert sandbox.exec("ls only-a.txt").exit_code != 0
+        assert b.exec("ls only-a.txt").exit_code != 0
+        assert a.read_file("README.md") == b"hello\n" == sandbox.read_file("README.md")
+        sandbox.write_file("after.txt", "p")
+        assert a.exec("ls after.txt").exit_code != 0
+        # forks of forks stack layers
+        c = a.fork(1)[0]
+        try:
+            assert c.read_file("state.txt") == b"fork-a" and c.read_file("only-a.txt") == b"a"
+        finally:
+            c.destroy()
+    finally:
+        a.destroy()
+        b.destroy()
+
+
+def test_restore_is_byte_identical_and_kills_processes(sandbox):
+    sandbox.exec("mkdir -p d/e && head -c 100000 /dev/urandom > d/e/blob && ln -s d/e/blob ln && chmod 600 d/e/blob")
+    before = sandbox.exec("cd /workspace && find . -printf '%p %y %m %l\\n' | sort && find . -type f -printf '%p %s\\n' | sort && sha256sum d/e/blob data.bin").stdout
+    snap = sandbox.snapshot()
+    sandbox.exec("setsid sleep 600 >/dev/null 2>&1 & rm -rf d data.bin; echo junk > d2; chmod 700 pkg")
+    assert sandbox.exec("pgrep -x sleep").exit_code == 0
+    sandbox.restore(snap)
+    after = sandbox.exec("cd /workspace && find . -printf '%p %y %m %l\\n' | sort && find . -type f -printf '%p %s\\n' | sort && sha256sum d/e/blob data.bin").stdout
+    assert after == before
+    assert sandbox.exec("pgrep -x sleep").exit_code == 1
+    # restore to the original image too
+    sandbox.restore(sandbox.image.id)
+    assert sandbox.exec("ls d").exit_code != 0
+
+
+def test_deletions_survive_snapshot_and_fork(sandbox):
+    sandbox.exec("rm old.txt && rm -r pkg && mkdir pkg && echo new > pkg/fresh.py")
+    fork = sandbox.fork(1)[0]
+    try:
+        assert fork.exec("ls old.txt").exit_code != 0
+        assert fork.exec("ls pkg").stdout == "fresh.py\n"  # opaque: old pkg contents gone
+    finally:
+        fork.destroy()
+
+
+def test_changes_lists_what_the_agent_did(sandbox):
+    sandbox.write_file("pkg/__init__.py", "VALUE = 42\n")
+    sandbox.write_file("new.py", "")
+    sandbox.remove("old.txt")
+    sandbox.exec("touch README.md")  # same bytes: copied up but not a change
+    want = [Change("/workspace/new.py", "added"), Change("/workspace/old.txt", "deleted"),
+            Change("/workspace/pkg/__init__.py", "modified")]
+    assert sandbox.changes() == want
+    snap = sandbox.snapshot()
+    fork = sandbox.fork(1, snap)[0]
+    try:
+        assert fork.changes() == want  # relative to the original image, not the snapshot
+    finally:
+        fork.destroy()
+
+
+def test_missing_image_or_layer_is_a_clear_error(provider, project):
+    with pytest.raises(SandboxError, match="no image"):
+        provider.create(SandboxSpec(image="does-not-exist"))
+    img = provider.images.from_directory(os.path.dirname(__file__), dest="/opt/t")
+    os.rename(provider.images.layer_path(img.layers[0]), provider.images.layer_path(img.layers[0]) + ".gone")
+    try:
+        with pytest.raises(SandboxError, match="missing"):
+            provider.create(SandboxSpec(image=img.id))
+    finally:
+        os.rename(provider.images.layer_path(img.layers[0]) + ".gone", provider.images.layer_path(img.layers[0]))
+    with pytest.raises(SandboxError, match="limits.memory_mb"):
+        provider.create(SandboxSpec(image=project, limits=Limits(memory_mb=0)))
+    with pytest.raises(SandboxError, match="sandbox_id"):
+        provider.get("sb-nope")
+
+
+def test_destroyed_sandbox_refuses_work(provider, project):
+    sb = provider.create(SandboxSpec(image=project, limits=SMALL))
+    sb.destroy()
+    sb.destroy()  # idempotent
+    with pytest.raises(SandboxError, match="destroyed"):
+        sb.exec("true")
+
+
+def test_image_builders(provider, tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "f.txt").write_text("v1\n")
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git[:3], "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    first = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (repo / "f.txt").write_text("v2\n")
+    subprocess.run([*git, "commit", "-qam", "two"], check=True)
+    img = provider.images.from_git(str(repo), rev=first, name="repo-v1")
+    assert provider.images.resolve("repo-v1").id == img.id
+    # same content, same address (a clone's .git differs each time, so compare directories)
+    assert provider.images.from_directory(str(repo)).id == provider.images.from_directory(str(repo)).id
+    wheel = _tiny_wheel(tmp_path)
+    env = provider.images.from_python_env([str(wheel)], dest="/opt/venv", parent=img.id, name="repo-env",
+                                          pip_args=["--no-index", "--no-deps"])
+    cmd = provider.images.from_command("echo built > /workspace/built.txt && mkdir -p /home/user/.cache",
+                                       parent=env.id, name="repo-built")
+    assert len(cmd.layers) == len(env.layers) + 1 == len(img.layers) + 2
+    sb = provider.create(SandboxSpec(image="repo-built", limits=SMALL))
+    try:
+        r = sb.exec("cat f.txt built.txt && git log --oneline | wc -l && /opt/venv/bin/python -c 'import sys, tinypkg; print(sys.prefix, tinypkg.X)'")
+        assert r.stdout == "v1\nbuilt\n1\n/opt/venv 7\n", r
+    finally:
+        sb.destroy()
+    with pytest.raises(SandboxError, match="command"):
+        provider.images.from_command("exit 3", parent=img.id)
+    with pytest.raises(SandboxError, match="dest"):
+        provider.images.from_directory(str(repo), dest="/usr/x")
+    with pytest.raises(SandboxError, match="repo"):
+        provider.images.from_git(str(tmp_path / "nope"))
+
+
+def _tiny_wheel(tmp_path):
+    """A pure-Python wheel made by hand, so the venv builder is tested without the network."""
+    import zipfile
+
+    path = tmp_path / "tinypkg-0.1-py3-none-any.whl"
+    files = {
+        "tinypkg/__init__.py": "X = 7\n",
+        "tinypkg-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: tinypkg\nVersion: 0.1\n",
+        "tinypkg-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{n},,\n" for n in files) + "tinypkg-0.1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for n, text in files.items():
+            z.writestr(n, text)
+        z.writestr("tinypkg-0.1.dist-info/RECORD", record)
+    return path
+
+
+def test_criu_is_reported_plainly():
+    from codedojo.sandbox.local import criu_available
+
+    assert criu_available() in (True, False)
