@@ -1,0 +1,296 @@
+"""Acceptance: real clients inside a sandbox, real proxy, recording upstreams on loopback."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from codedojo.egress.audit import read_audit
+from codedojo.egress.strip import redaction_marker
+from tests.egress.clients import curl, py_request
+from tests.egress.conftest import needs_root, test_policy
+
+pytestmark = needs_root
+
+SECRET = "sk-live-7f3a9c2e1b"
+SENSITIVE = {
+    "Authorization": "Bearer auth-token-value",
+    "Proxy-Authorization": "Basic cHJveHk6cGFzcw==",
+    "Cookie": "sid=cookie-value",
+    "Set-Cookie": "a=set-cookie-value",
+    "X-Api-Key": "api-key-value",
+    "X-Amz-Security-Token": "amz-token-value",
+    "X-Custom-Session": "pattern-header-value",  # matched by a configured pattern
+}
+
+
+def _urls(env: dict, host: str = "up.test") -> dict[str, str]:
+    return {
+        "http": f"http://{host}:{env['http'].port}",
+        "https": f"https://{host}:{env['https'].port}",
+    }
+
+
+def _received_paths(up) -> list[str]:
+    return [r.path for r in up.received]
+
+
+@pytest.mark.parametrize("mode", ["explicit", "transparent"])
+def test_allowed_host_passes_for_every_client(egress_env, sandbox, mode):
+    proxy = egress_env["proxy"]
+    sb = sandbox(proxy.attachment(test_policy(egress_env["http"], egress_env["https"]), mode=mode))
+    if mode == "transparent":
+        assert not any("proxy" in k.lower() for k in sb.env), sb.env
+    for scheme, base in _urls(egress_env).items():
+        up = egress_env[scheme]
+        status, body = curl(sb, f"{base}/curl-{mode}")
+        assert status == 200 and f"{scheme} upstream ok" in body, body
+        assert f"/curl-{mode}" in _received_paths(up)
+        for client in ("requests", "httpx", "urllib"):
+            out = py_request(sb, client, f"{base}/{client}-{mode}")
+            assert out.get("status") == 200, out
+            assert f"/{client}-{mode}" in _received_paths(up)
+    records = read_audit(proxy.audit_path(sb.id))
+    ok = [r for r in records if r["status"] == 200]
+    assert len(ok) == 8 and all(r["host"] == "up.test" and r["mode"] == mode for r in ok)
+    assert all(r["ip"] == "127.0.0.1" and r["override"] for r in ok)
+    assert {r["scheme"] for r in ok} == {"http", "https"}
+
+
+@pytest.mark.parametrize("mode", ["explicit", "transparent"])
+def test_denied_host_and_method_get_403_saying_why(egress_env, sandbox, mode):
+    proxy, http_up = egress_env["proxy"], egress_env["http"]
+    sb = sandbox(proxy.attachment(test_policy(http_up, egress_env["https"]), mode=mode))
+    for scheme, base in _urls(egress_env, "denied.test").items():
+        status, body = curl(sb, f"{base}/x")
+        assert status == 403, (scheme, body)
+        if not (mode == "explicit" and scheme == "https"):  # curl hides a CONNECT's body
+            assert "'denied.test' is not in the allow-list" in body, body
+        out = py_request(sb, "requests", f"{base}/x")
+        assert out.get("status") == 403 or "403" in out.get("error", ""), out
+    before = len(http_up.received)
+    status, body = curl(sb, f"{_urls(egress_env)['http']}/del", "-X", "DELETE")
+    assert status == 403 and "method DELETE is not allowed" in body
+    assert len(http_up.received) == before
+    blocked = [r for r in read_audit(proxy.audit_path(sb.id)) if r["blocked"]]
+    assert any("allow-list" in r["blocked"] and r["host"] == "denied.test" for r in blocked)
+    assert any(r["method"] == "DELETE" and "method" in r["blocked"] for r in blocked)
+
+
+@pytest.mark.parametrize("mode", ["explicit", "transparent"])
+def test_sensitive_headers_and_secrets_never_reach_upstream(egress_env, sandbox, mode):
+    proxy = egress_env["proxy"]
+    policy = test_policy(
+        egress_env["http"], egress_env["https"], strip_header_patterns=["x-custom-*"]
+    )
+    sb = sandbox(proxy.attachment(policy, mode=mode, secrets={"OPENAI_KEY": SECRET}))
+    headers = {**SENSITIVE, "X-Forwarded-Note": f"key={SECRET}"}
+    for scheme, base in _urls(egress_env).items():
+        up = egress_env[scheme]
+        start = len(up.received)
+        url = f"{base}/leak?token={SECRET}&q=1"
+        args = [a for k, v in headers.items() for a in ("-H", f"{k}: {v}")]
+        status, _ = curl(sb, url, *args, "--data-binary", f'{{"key": "{SECRET}"}}')
+        assert status == 200
+        out = py_request(sb, "httpx", url, "POST", headers, body=f"k={SECRET}&x=1")
+        assert out.get("status") == 200, out
+        got = up.received[start:]
+        assert len(got) == 2
+        blob = b"".join(
+            f"{r.path}\n{r.headers}\n".encode() + r.body for r in got
+        )  # everything the upstream saw of these requests
+        for name, value in SENSITIVE.items():
+            assert value.encode() not in blob, (name, blob)
+            assert all(name.lower() not in (h.lower() for h in r.headers) for r in got), name
+        assert SECRET.encode() not in blob
+        marker = redaction_marker("OPENAI_KEY")
+        assert all(marker in r.path for r in got)
+        assert all(marker.encode() in r.body for r in got)
+        notes = [{k.lower(): v for k, v in r.headers.items()}["x-forwarded-note"] for r in got]
+        assert all(n == f"key={marker}" for n in notes), notes
+    records = [r for r in read_audit(proxy.audit_path(sb.id)) if r["status"] == 200]
+    assert records and all(
+        set(r["stripped_headers"]) >= {h.lower() for h in SENSITIVE} for r in records
+    )
+    assert all(
+        set(r["redacted_secrets"]["OPENAI_KEY"]) == {"url", "body", "header:x-forwarded-note"}
+        for r in records
+    )
+    audit_text = proxy.audit_path(sb.id).read_text()
+    assert SECRET not in audit_text
+
+
+def test_set_cookie_never_reaches_the_sandbox(egress_env, sandbox):
+    sb = sandbox(
+        egress_env["proxy"].attachment(test_policy(egress_env["http"], egress_env["https"]))
+    )
+    r = sb.exec(["curl", "-sS", "-D", "-", "-o", "/dev/null", f"{_urls(egress_env)['http']}/c"])
+    assert " 200" in r.stdout and "set-cookie" not in r.stdout.lower(), r.stdout
+
+
+@pytest.mark.parametrize("mode", ["explicit", "transparent"])
+def test_private_and_metadata_addresses_are_blocked(egress_env, sandbox, mode):
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    port = http_up.port
+    policy = test_policy(
+        http_up, https_up,
+        allow_hosts=["*"],
+        hosts={"up.test": "127.0.0.1", "meta.test": "169.254.169.254", "intranet.test": "10.1.2.3"},
+        allow_addresses=[],  # the same upstream as the other tests, without the override
+    )  # fmt: skip
+    sb = sandbox(egress_env["proxy"].attachment(policy, mode=mode))
+    before = len(http_up.received)
+    cases = {
+        f"http://up.test:{port}/": "127.0.0.1 is a loopback address",
+        f"http://meta.test:{port}/latest/meta-data/": "169.254.169.254 is a link-local",
+        f"http://intranet.test:{port}/": "10.1.2.3 is a private address",
+    }
+    if mode == "explicit":
+        # The proxy resolves `localhost` with the host's resolver (/etc/hosts); in transparent
+        # mode the sandbox resolves it to its own loopback, which never leaves the sandbox.
+        cases[f"http://localhost:{port}/"] = "is a loopback address"
+        # An address literal only leaves through the proxy when the proxy is named.
+        cases[f"http://169.254.169.254:{port}/"] = "169.254.169.254 is a link-local"
+        cases[f"http://127.0.0.1:{port}/"] = "127.0.0.1 is a loopback address"
+    for url, why in cases.items():
+        status, body = curl(sb, url)
+        assert status == 403 and why in body, (url, body)
+    status, _ = curl(sb, f"https://meta.test:{https_up.port}/")
+    assert status == 403
+    assert len(http_up.received) == before  # nothing got through
+
+
+def test_override_is_exact_and_without_it_the_upstream_is_blocked(egress_env, sandbox):
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    proxy = egress_env["proxy"]
+    url = f"http://up.test:{http_up.port}/override"
+    with_override = sandbox(proxy.attachment(test_policy(http_up, https_up)))
+    assert curl(with_override, url)[0] == 200
+    # Same policy, override naming another port of the same address: still blocked.
+    other = test_policy(http_up, https_up, allow_addresses=[f"127.0.0.1:{https_up.port}"])
+    assert curl(sandbox(proxy.attachment(other)), url)[0] == 403
+    without = sandbox(proxy.attachment(test_policy(http_up, https_up, allow_addresses=[])))
+    status, body = curl(without, url)
+    assert status == 403 and "loopback" in body
+
+
+def test_dns_rebinding_cannot_switch_the_checked_address(egress_env, sandbox, monkeypatch):
+    """The proxy resolves once, checks, and connects to that address: a second answer that
+    points elsewhere is never used for the connection, and is itself checked next time."""
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    real = socket.getaddrinfo
+    answers = iter(["127.0.0.1"] + ["127.0.0.2"] * 10)
+    calls: list[str] = []
+
+    def rebinding(host, port, *args, **kw):
+        if host == "rebind.test":
+            ip = next(answers)
+            calls.append(ip)
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port))]
+        return real(host, port, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    policy = test_policy(http_up, https_up, hosts={})  # rebind.test goes through "DNS"
+    sb = sandbox(egress_env["proxy"].attachment(policy, mode="explicit"))
+    for scheme, up in (("http", http_up), ("https", https_up)):
+        status, body = curl(sb, f"{scheme}://rebind.test:{up.port}/first")
+        if scheme == "http":
+            assert status == 200, body  # checked 127.0.0.1 (override), connected there
+            assert calls == ["127.0.0.1"]
+        else:
+            assert status == 403  # the CONNECT was refused: the name now resolves to 127.0.0.2
+    status, body = curl(sb, f"http://rebind.test:{http_up.port}/second")
+    assert status == 403 and "resolves to 127.0.0.2" in body
+
+
+def test_limits_and_rate(egress_env, sandbox):
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    policy = test_policy(
+        http_up, https_up, max_request_bytes=1000, max_response_bytes=5000,
+        rate_limit_rps=0.5, rate_limit_burst=5,
+    )  # fmt: skip
+    sb = sandbox(egress_env["proxy"].attachment(policy))
+    base = _urls(egress_env)["http"]
+    status, body = curl(sb, f"{base}/post", "--data-binary", "x" * 5000)
+    assert status == 413 and "max_request_bytes=1000" in body
+    status, body = curl(sb, f"{base}/big/20000")
+    assert status == 502 and "max_response_bytes=5000" in body
+    assert curl(sb, f"{base}/big/100")[0] == 200
+    codes = [curl(sb, f"{base}/r{i}")[0] for i in range(4)]
+    assert 429 in codes, codes
+    records = read_audit(egress_env["proxy"].audit_path(sb.id))
+    assert any(r["status"] == 429 and "rate limit" in r["blocked"] for r in records)
+
+
+def test_each_sandbox_gets_its_own_policy_and_log(egress_env, sandbox):
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    proxy = egress_env["proxy"]
+    a = sandbox(proxy.attachment(test_policy(http_up, https_up)))
+    b = sandbox(proxy.attachment(test_policy(http_up, https_up, allow_hosts=["other.test"])))
+    url = f"http://up.test:{http_up.port}/who"
+    assert curl(a, url)[0] == 200
+    assert curl(b, url)[0] == 403
+    ra, rb = read_audit(proxy.audit_path(a.id)), read_audit(proxy.audit_path(b.id))
+    assert [r["status"] for r in ra] == [200] and [r["status"] for r in rb] == [403]
+    assert {r["sandbox"] for r in ra} == {a.id} and {r["sandbox"] for r in rb} == {b.id}
+
+
+def test_non_http_and_other_ports_do_not_leave(egress_env, sandbox):
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    proxy = egress_env["proxy"]
+    t = sandbox(proxy.attachment(test_policy(http_up, https_up), mode="transparent"))
+    # Raw bytes that are neither HTTP nor TLS: the transparent listener refuses the stream.
+    code = (
+        "import socket; s=socket.create_connection(('up.test', %d), timeout=5); "
+        "s.sendall(b'\\x00\\x01garbage-not-http\\r\\n\\r\\n'); print(repr(s.recv(100)))"
+        % http_up.port
+    )
+    r = t.exec(["python3", "-c", code])
+    assert "garbage" not in r.stdout
+    assert all(not r.body.startswith(b"\x00") for r in http_up.received)
+    # Explicit mode: only the proxy port of the gateway answers; a direct connection is refused.
+    e = sandbox(proxy.attachment(test_policy(http_up, https_up), mode="explicit"))
+    r = e.exec(["curl", "-sS", "-m", "5", "--noproxy", "*", f"http://{_gateway(e)}:22/"])
+    assert r.exit_code != 0
+
+
+def _gateway(sb) -> str:
+    return sb.env["HTTP_PROXY"].split("//", 1)[1].rsplit(":", 1)[0]
+
+
+def test_bad_input_gets_errors_and_the_proxy_keeps_serving(egress_env, sandbox):
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    sb = sandbox(egress_env["proxy"].attachment(test_policy(http_up, https_up), mode="explicit"))
+    host, port = sb.env["HTTP_PROXY"].split("//", 1)[1].rsplit(":", 1)
+    payloads = {
+        "garbage": b"\x16\x00garbage\r\n\r\n",
+        "bad request line": b"GET\r\n\r\n",
+        "oversized header": b"GET http://up.test/ HTTP/1.1\r\nHost: up.test\r\nX-Big: "
+        + b"a" * 300_000
+        + b"\r\n\r\n",
+        "connect without port": b"CONNECT up.test HTTP/1.1\r\nHost: up.test\r\n\r\n",
+        "connect bad port": b"CONNECT up.test:99999 HTTP/1.1\r\n\r\n",
+        "connect bad host": b"CONNECT [::zz]:443 HTTP/1.1\r\n\r\n",
+        "connect empty": b"CONNECT :443 HTTP/1.1\r\n\r\n",
+        "no host": b"GET /relative HTTP/1.1\r\n\r\n",
+    }
+    script = (
+        "import socket, sys\n"
+        "s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)\n"
+        "s.sendall(sys.stdin.buffer.read())\n"
+        "data = b''\n"
+        "try:\n"
+        "    while len(data) < 4096:\n"
+        "        chunk = s.recv(4096)\n"
+        "        if not chunk: break\n"
+        "        data += chunk\n"
+        "except OSError: pass\n"
+        "print(data[:200].decode('latin-1'))\n"
+    )
+    for name, payload in payloads.items():
+        r = sb.exec(["python3", "-c", script, host, port], stdin=payload)
+        first = r.stdout.split("\r\n", 1)[0]
+        assert first.startswith("HTTP/1.1 4") or first.startswith("HTTP/1.0 4"), (name, r)
+        # ...and it still serves a normal request afterwards.
+        assert curl(sb, f"http://up.test:{http_up.port}/after-{name.replace(' ', '-')}")[0] == 200
