@@ -97,8 +97,10 @@ def _list_dir(ctx: ToolContext, args: dict[str, Any]) -> str:
     ignore = list(args.get("ignore_globs") or [])
     try:
         entries = ctx.sandbox.list_dir(path)
-    except FileNotFoundError as e:
-        raise ToolError(f"directory not found: {path}") from e
+    except (FileNotFoundError, NotADirectoryError, SandboxError) as e:
+        if not _exists(ctx, path):
+            raise ToolError(f"directory not found: {path}") from e
+        raise ToolError(f"cannot list {path}: {e}") from e
     entries = [
         e
         for e in entries

@@ -1,0 +1,182 @@
+"""Every tool against a real sandbox, through its schema (ToolSession validates arguments)."""
+
+from __future__ import annotations
+
+import pytest
+
+from codedojo.harness.tools.base import ToolContext
+from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
+
+
+def ok(session, name, **args) -> str:
+    r = session.call(name, args)
+    assert not r.is_error, r.content
+    assert r.tool == name and r.version
+    return r.content
+
+
+def err(session, name, **args) -> str:
+    r = session.call(name, args)
+    assert r.is_error, r.content
+    assert r.content.startswith("Error:")
+    return r.content
+
+
+def test_read_file(session):
+    out = ok(session, "read_file", target_file="inventory/stock.py")
+    assert "    19|    return [i.name for i in items if i.qty < threshold]" in out
+    part = ok(session, "read_file", target_file="/workspace/inventory/stock.py", offset=18, limit=2)
+    assert part.splitlines()[0].startswith("    18|") and "[lines 18-19 of 27]" in part
+    assert "    27|" in ok(session, "read_file", target_file="inventory/stock.py", offset=-1)
+    assert "file not found" in err(session, "read_file", target_file="nope.py")
+    assert "binary file" in err(session, "read_file", target_file="data.bin")
+    assert "past the end" in err(session, "read_file", target_file="README.md", offset=100)
+    assert "missing required argument 'target_file'" in err(session, "read_file")
+    assert "must be >= 1" in err(session, "read_file", target_file="README.md", limit=0)
+
+
+def test_list_dir(session):
+    out = ok(session, "list_dir", target_directory=".")
+    lines = out.splitlines()
+    assert lines[0] == "/workspace/"
+    assert "  - inventory/" in lines and "  - tests/" in lines and "  - README.md (63 bytes)" in lines
+    assert lines.index("  - inventory/") < lines.index("  - README.md (63 bytes)")  # dirs first
+    out = ok(session, "list_dir", target_directory="/workspace", ignore_globs=["*.md", ".git"])
+    assert "README.md" not in out and ".git" not in out and "pyproject.toml" in out
+    assert "directory not found" in err(session, "list_dir", target_directory="missing")
+
+
+def test_glob_file_search(session):
+    assert ok(session, "glob_file_search", glob_pattern="*.py").splitlines() == [
+        "/workspace/inventory/__init__.py", "/workspace/inventory/stock.py", "/workspace/tests/test_stock.py"]
+    assert ok(session, "glob_file_search", glob_pattern="test_*.py", target_directory="tests") == \
+        "/workspace/tests/test_stock.py"
+    assert "No files matching" in ok(session, "glob_file_search", glob_pattern="*.rs")
+
+
+def test_grep(session):
+    out = ok(session, "grep", pattern=r"def \w+\(items")
+    assert "/workspace/inventory/stock.py:13:def total_value(items):" in out
+    files = set(ok(session, "grep", pattern="qty", output_mode="files_with_matches").splitlines())
+    assert files == {"/workspace/inventory/stock.py", "/workspace/tests/test_stock.py"}
+    counts = ok(session, "grep", pattern="qty", path="inventory", output_mode="count")
+    assert counts == "/workspace/inventory/stock.py:6"
+    ctx = ok(session, "grep", pattern="KeyError", **{"-B": 1}, glob="*.py")
+    assert "stock.py-26-            return i" in ctx and "stock.py:27:    raise KeyError(name)" in ctx
+    assert "bolt" in ok(session, "grep", pattern="BOLT", **{"-i": True})
+    assert ok(session, "grep", pattern="zzz_nothing") == "No matches found."
+    multi = ok(session, "grep", pattern=r"class Item:\n\s+name", multiline=True)
+    assert "class Item:" in multi
+    limited = ok(session, "grep", pattern="i", head_limit=3)
+    assert len(limited.splitlines()) == 4 and "more lines not shown" in limited
+    assert "regex parse error" in err(session, "grep", pattern="(unclosed")
+    assert "-i' must be of type boolean" in err(session, "grep", pattern="x", **{"-i": "yes"})
+    # A pattern that looks like a flag is still a pattern.
+    assert ok(session, "grep", pattern="--version") == "No matches found."
+
+
+def test_search_replace(session, sandbox):
+    out = ok(session, "search_replace", file_path="inventory/stock.py",
+             old_string="i.qty < threshold", new_string="i.qty <= threshold")
+    assert "Replaced 1 occurrence" in out
+    assert b"i.qty <= threshold" in sandbox.read_file("/workspace/inventory/stock.py")
+    assert "occurs 6 times" in err(session, "search_replace", file_path="inventory/stock.py",
+                                   old_string="qty", new_string="quantity")
+    ok(session, "search_replace", file_path="inventory/stock.py", old_string="qty", new_string="quantity",
+       replace_all=True)
+    assert b"qty" not in sandbox.read_file("/workspace/inventory/stock.py")
+    assert "not found" in err(session, "search_replace", file_path="inventory/stock.py",
+                              old_string="no such text", new_string="x")
+    assert "identical" in err(session, "search_replace", file_path="README.md", old_string="a", new_string="a")
+    assert "Created" in ok(session, "search_replace", file_path="docs/new.md", old_string="", new_string="hi\n")
+    assert sandbox.read_file("/workspace/docs/new.md") == b"hi\n"
+    # The first content seen is remembered for the rewards' diff.
+    assert "i.qty < threshold" in session.ctx.state["originals"]["/workspace/inventory/stock.py"]
+    assert session.ctx.state["originals"]["/workspace/docs/new.md"] is None
+
+
+def test_write_and_delete_file(session, sandbox):
+    assert "Wrote 6 bytes" in ok(session, "write", file_path="pkg/deep/mod.py", contents="x = 1\n")
+    assert sandbox.read_file("/workspace/pkg/deep/mod.py") == b"x = 1\n"
+    ok(session, "write", file_path="README.md", contents="replaced\n")
+    assert sandbox.read_file("/workspace/README.md") == b"replaced\n"
+    assert "Deleted" in ok(session, "delete_file", target_file="README.md")
+    assert "file not found" in err(session, "delete_file", target_file="README.md")
+    assert "is a directory" in err(session, "delete_file", target_file="inventory")
+    kinds = {c.path: c.kind for c in sandbox.changes()}
+    assert kinds["/workspace/README.md"] == "deleted" and kinds["/workspace/pkg/deep/mod.py"] == "added"
+    assert "missing required argument 'contents'" in err(session, "write", file_path="a.py")
+    # Escaping the sandbox is the sandbox's call; the tool reports it as an error.
+    r = session.call("write", {"file_path": "/proc/1/nope", "contents": "x"})
+    assert r.is_error
+
+
+def test_run_terminal_cmd(session):
+    out = ok(session, "run_terminal_cmd", command="cd inventory && export MARK=42 && echo hi && echo warn >&2")
+    assert out == "exit code: 0\nhi\nstderr:\nwarn"
+    assert ok(session, "run_terminal_cmd", command="(exit 3)") == "exit code: 3"
+    out = ok(session, "run_terminal_cmd", command="pwd; echo $MARK")
+    assert out == "exit code: 0\n/workspace/inventory\n42"  # the shell persists
+    out = ok(session, "run_terminal_cmd", command="cd /workspace && python3 -m pytest -q -p no:cacheprovider tests")
+    assert "exit code: 1" in out and "1 failed, 2 passed" in out
+    timed = err(session, "run_terminal_cmd", command="echo before; sleep 10", timeout=1)
+    assert "timed out after 1s" in timed and "before" in timed
+    assert ok(session, "run_terminal_cmd", command="pwd") == "exit code: 0\n/workspace"  # fresh shell
+    bg = ok(session, "run_terminal_cmd", command="echo from-bg; sleep 30", is_background=True)
+    assert "Started in the background" in bg
+    log = session.ctx.state["background"][-1]["log"]
+    assert "from-bg" in ok(session, "run_terminal_cmd", command=f"sleep 0.3; cat {log}")
+    assert "command is empty" in err(session, "run_terminal_cmd", command="  ")
+
+
+def test_long_output_is_truncated_with_a_marker(sandbox):
+    s = ToolSession(ToolRegistry().resolve(EnvToolConfig(max_output_chars=500)), ToolContext(sandbox=sandbox))
+    r = s.call("run_terminal_cmd", {"command": "seq 1 5000"})
+    assert r.truncated and len(r.content) < 600 and "[output truncated:" in r.content
+    assert r.content.rstrip().endswith("5000")
+    s.close()
+
+
+def test_read_lints(session):
+    assert ok(session, "read_lints", paths=["inventory"]) == "No lint errors in 2 files."
+    ok(session, "write", file_path="inventory/bad.py", contents="import os\nimport sys\n\nprint(sys.argv)\n")
+    out = ok(session, "read_lints")  # default: the files the agent edited
+    assert out.splitlines()[0] == "/workspace/inventory/bad.py:1:8: F401 `os` imported but unused"
+    assert "1 lint error(s)." in out
+    # The repository's own ruff settings apply (pyproject: line-length = 100, E501 not selected by default).
+    assert "path not found" in err(session, "read_lints", paths=["nope.py"])
+
+
+def test_todo_write(session):
+    out = ok(session, "todo_write", merge=False, todos=[
+        {"id": "1", "content": "find the bug", "status": "in_progress"}, {"id": "2", "content": "fix it"}])
+    assert out == "[~] 1: find the bug\n[ ] 2: fix it\n(0/2 done)"
+    out = ok(session, "todo_write", merge=True, todos=[{"id": "1", "status": "completed"}, {"id": "3", "content": "test"}])
+    assert out.splitlines()[0] == "[x] 1: find the bug" and "(1/3 done)" in out
+    assert session.state()["todos"][2] == {"id": "3", "content": "test", "status": "pending"}
+    assert "status" in err(session, "todo_write", merge=True, todos=[{"id": "1", "status": "later"}])
+    assert "'content' is required" in err(session, "todo_write", merge=False, todos=[{"id": "9"}])
+
+
+def test_web_fetch_without_egress_has_no_network(session):
+    out = err(session, "web_fetch", url="http://example.com/")
+    assert "egress proxy" in out
+    assert "absolute http(s) URL" in err(session, "web_fetch", url="file:///etc/passwd")
+
+
+def test_unknown_tool_and_bad_json_are_results_not_exceptions(session):
+    r = session.call("rm_rf", {})
+    assert r.is_error and "unknown tool 'rm_rf'" in r.content
+    r = session.call("read_file", '{"target_file": ')
+    assert r.is_error and "not valid JSON" in r.content
+    assert session.call("read_file", '{"target_file": "README.md"}').is_error is False
+
+
+@pytest.mark.parametrize("strictness,expect_error", [("strict", True), ("lenient", False)])
+def test_strictness_per_environment(sandbox, strictness, expect_error):
+    s = ToolSession(ToolRegistry().resolve(EnvToolConfig(strictness=strictness)), ToolContext(sandbox=sandbox))
+    r = s.call("read_file", {"target_file": "README.md", "limit": "1", "explanation": "looking"})
+    assert r.is_error is expect_error, r.content
+    if not expect_error:
+        assert r.content.startswith("     1|# inventory")
+    s.close()
