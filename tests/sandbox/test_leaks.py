@@ -1,0 +1,63 @@
+"""200 create/destroy cycles (with work in between) leave nothing behind: no process, mount,
+cgroup or directory, checked through /proc, /proc/mounts and the cgroup filesystem."""
+
+from __future__ import annotations
+
+import os
+
+from codedojo.sandbox.base import SandboxSpec
+from tests.sandbox.conftest import SMALL
+
+
+def _pids() -> set[int]:
+    return {int(p) for p in os.listdir("/proc") if p.isdigit()}
+
+
+def _mounts(root: str) -> list[str]:
+    with open("/proc/mounts") as f:
+        return [line.split()[1] for line in f if root in line]
+
+
+def _cgroups(provider) -> list[str]:
+    return [d for d in provider.cgroups.existing() if d.startswith(provider._tag)]
+
+
+def test_200_cycles_leave_nothing(provider, project):
+    sdir = os.path.join(provider.root, "sandboxes")
+    before_pids = _pids()
+    before_mounts = _mounts(provider.root)
+    assert before_mounts == [] and os.listdir(sdir) == [] and _cgroups(provider) == []
+    for i in range(200):
+        sb = provider.create(SandboxSpec(image=project, limits=SMALL))
+        if i % 20 == 0:
+            # every so often: work that starts processes, a shell, a snapshot and a fork
+            sb.exec("sleep 100 & setsid sleep 100 >/dev/null 2>&1 &")
+            sb.shell().run("cd /tmp")
+            fork = sb.fork(1)[0]
+            fork.destroy()
+        sb.destroy()
+    assert _mounts(provider.root) == []
+    assert os.listdir(sdir) == []
+    assert _cgroups(provider) == []
+    leaked = {p for p in _pids() - before_pids if os.path.exists(f"/proc/{p}")}
+    # only processes outside the sandboxes may have come and gone meanwhile (other tests' work
+    # is not running); none of ours may be a child of this process
+    ours = [p for p in leaked if _ppid(p) == os.getpid()]
+    assert ours == []
+    assert all("codedojo-sandbox-init" not in _cmdline(p) for p in leaked)
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""

@@ -1,0 +1,150 @@
+"""Each test is an attack from inside a sandbox that must fail, and the host must be unharmed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+
+from codedojo.sandbox.base import Limits, SandboxError, SandboxSpec
+
+
+def _host_pids_with(arg: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if arg.encode() in f.read():
+                        found.append(int(pid))
+            except OSError:
+                pass
+    return found
+
+
+def test_cannot_write_outside(sandbox):
+    marker = f"/tmp/codedojo-escape-{uuid.uuid4().hex}"
+    r = sandbox.exec(f"echo x > /usr/bin/evil; echo x > /etc/evil; echo x > {marker}; "
+                     "echo x > /proc/sys/kernel/hostname; mount -t tmpfs x /mnt; echo done")
+    assert r.stdout == "done\n"
+    assert "Read-only file system" in r.stderr and "Permission denied" in r.stderr
+    assert not os.path.exists("/usr/bin/evil") and not os.path.exists("/etc/evil")
+    assert not os.path.exists(marker)  # the sandbox's /tmp is its own
+    # a symlink planted inside cannot carry a host-side write out either
+    sandbox.exec(f"ln -s {marker} /workspace/trap; ln -s ../../../../../{marker} /workspace/trap2")
+    sandbox.write_file("trap", "x")
+    sandbox.write_file("trap2", "y")
+    assert not os.path.exists(marker)
+    assert sandbox.exec(f"cat {marker}").stdout == "y"
+
+
+@pytest.fixture
+def host_secret():
+    path = f"/root/codedojo-secret-{uuid.uuid4().hex}"
+    with open(path, "w") as f:
+        f.write("TOP-SECRET")
+    yield path
+    os.unlink(path)
+
+
+def test_host_secret_is_invisible(sandbox, host_secret):
+    r = sandbox.exec(f"cat {host_secret}; ls /root /work /home; grep -r TOP-SECRET /etc /root /home 2>/dev/null; echo end")
+    assert "TOP-SECRET" not in r.stdout and r.stdout.endswith("end\n")
+    with pytest.raises(SandboxError):
+        sandbox.read_file(host_secret)
+    sandbox.exec(f"ln -s {host_secret} s1; ln -s /proc/1/root{host_secret} s2")
+    for link in ("s1", "s2"):
+        with pytest.raises(SandboxError):
+            sandbox.read_file(link)
+    assert sandbox.exec("cat /etc/shadow").exit_code != 0
+
+
+def test_host_processes_are_invisible(sandbox):
+    r = sandbox.exec("ls /proc | grep -E '^[0-9]+$' | wc -l; cat /proc/*/cmdline | tr '\\0' ' '; kill -9 1; echo $?")
+    count = int(r.stdout.split("\n")[0])
+    assert count <= 6  # init, its handler and this command's few processes
+    assert "pytest" not in r.stdout
+    assert sandbox.exec("true").exit_code == 0  # init survived the kill attempt
+
+
+def test_no_network_not_even_host_loopback(sandbox):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    accepted = []
+    srv.settimeout(1.5)
+
+    def accept():
+        try:
+            accepted.append(srv.accept())
+        except OSError:
+            pass
+
+    t = threading.Thread(target=accept)
+    t.start()
+    code = (f"import socket\nfor a in [('127.0.0.1', {port}), ('10.0.2.2', 80), ('1.1.1.1', 53)]:\n"
+            "    try:\n        socket.create_connection(a, timeout=1); print('OPEN', a)\n"
+            "    except OSError as e: print('closed', e.errno)\n")
+    r = sandbox.exec(["python3", "-c", code])
+    t.join()
+    srv.close()
+    assert "OPEN" not in r.stdout and r.stdout.count("closed") == 3, r
+    assert not accepted
+    assert sandbox.exec("cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '").stdout == "lo\n"
+
+
+def test_fork_bomb_hits_pids_limit(provider, project):
+    sb = provider.create(SandboxSpec(image=project, limits=Limits(pids=32, disk_mb=16)))
+    try:
+        code = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+                "            time.sleep(60); os._exit(0)\n        n += 1\n"
+                "except OSError as e:\n    print(n, e.errno)\n")
+        r = sb.exec(["python3", "-c", code], timeout=20)
+        n, err = map(int, r.stdout.split())
+        assert n < 32 and err == 11  # EAGAIN from the pids controller
+        assert sb.exec("echo ok").exit_code in (0, 126)  # the sandbox may be full, the host is not
+    finally:
+        sb.destroy()
+
+
+def test_memory_bomb_is_killed_host_survives(provider, project):
+    sb = provider.create(SandboxSpec(image=project, limits=Limits(memory_mb=64, disk_mb=16)))
+    try:
+        r = sb.exec(["python3", "-c", "x = b'a' * (1 << 30); print('survived')"], timeout=30)
+        assert r.exit_code != 0 and "survived" not in r.stdout
+        assert sb.cgroup.memory_events().get("oom_kill", 1) >= 1
+        assert sb.exec("echo alive").stdout == "alive\n"  # init survived: only the bomb died
+    finally:
+        sb.destroy()
+
+
+def test_disk_fill_hits_size_cap(provider, project):
+    sb = provider.create(SandboxSpec(image=project, limits=Limits(disk_mb=8)))
+    try:
+        r = sb.exec("dd if=/dev/zero of=big bs=1M count=64 2>&1; df -m /workspace | tail -1")
+        assert "No space left" in r.stdout
+        with pytest.raises(SandboxError, match="disk limit"):
+            sb.write_file("big2", b"x" * (16 << 20))
+        sb.exec("rm -f big")
+        sb.write_file("small", "fits again")
+        assert sb.read_file("small") == b"fits again"
+    finally:
+        sb.destroy()
+
+
+def test_double_fork_setsid_does_not_survive_destroy(provider, project):
+    sb = provider.create(SandboxSpec(image=project, limits=Limits(disk_mb=16)))
+    tag = f"{time.time_ns() % 100000}.{os.getpid() % 1000}"
+    r = sb.exec(f"(setsid sh -c 'sleep {tag}' >/dev/null 2>&1 &) ; nohup setsid sleep {tag} >/dev/null 2>&1 & echo spawned")
+    assert r.stdout == "spawned\n"
+    deadline = time.monotonic() + 5
+    while len(_host_pids_with(f"sleep\0{tag}")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(_host_pids_with(f"sleep\0{tag}")) >= 2
+    sb.destroy()
+    assert _host_pids_with(f"sleep\0{tag}") == []
