@@ -39,7 +39,7 @@ Mode = Literal["explicit", "transparent"]
 # Where the CA lands inside a sandbox, and the variables that point clients at it. httpx and
 # Python's ssl read SSL_CERT_FILE; requests REQUESTS_CA_BUNDLE; curl CURL_CA_BUNDLE; node, pip
 # and git their own.
-CA_PATH_IN_SANDBOX = "/etc/codedojo/egress-ca.pem"
+CA_PATH_IN_SANDBOX = "/etc/codedojo-egress-ca.pem"  # /etc always exists; no new directory
 CA_ENV = (
     "SSL_CERT_FILE",
     "REQUESTS_CA_BUNDLE",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 from typing import Any
 
 # One request with a named client library; prints {"status", "body"} or {"error"} as JSON.
@@ -33,7 +32,7 @@ except Exception as e:
 print(json.dumps(out))
 """
 
-PYTHON = sys.executable
+PYTHON = "/usr/bin/python3"  # the sandbox's python (the host /usr is bound into it)
 
 
 def py_request(

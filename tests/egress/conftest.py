@@ -3,75 +3,71 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
-import uuid
+import sysconfig
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from codedojo.egress.policy import EgressPolicy
 from codedojo.egress.proxy import EgressProxy, EgressProxyConfig
-from codedojo.sandbox.base import EgressAttachment, ExecResult
+from codedojo.sandbox.base import EgressAttachment, ExecResult, Limits, SandboxSpec
 from tests.egress.upstreams import Upstream, make_ca, start_upstream
 
 UPSTREAM_NAMES = ["up.test", "rebind.test", "meta.test"]
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("iptables") is None or shutil.which("nsenter") is None,
-    reason="needs root, iptables and nsenter (network namespaces)",
+    reason="needs root, iptables and nsenter (real sandboxes with network namespaces)",
 )
 
 
-class NetnsSandbox:
-    """A bare network + mount namespace used as the sandbox: the attachment is called exactly
-    as a sandbox calls it, commands run inside with nsenter, and the binding's files are
-    bind-mounted at their paths inside the private mount namespace."""
+CLIENT_PACKAGES = ("anyio", "certifi", "charset_normalizer", "h11", "httpcore", "httpx", "idna",
+                   "requests", "sniffio", "urllib3", "typing_extensions.py")  # fmt: skip
+CLIENTS_DIR = "/opt/pyclients"  # inside the sandbox, on PYTHONPATH of the system python
+SANDBOX_PYTHON = "/usr/bin/python3"
 
-    def __init__(self, egress: EgressAttachment, root: Path) -> None:
-        self.id = f"ns-{uuid.uuid4().hex[:8]}"
-        self.egress = egress
-        self.root = root / self.id
-        self.root.mkdir(parents=True)
-        self.proc = subprocess.Popen(
-            ["unshare", "--net", "--mount", "--propagation", "private", "sleep", "3600"]
-        )
-        for _ in range(100):  # wait until sleep runs inside the new namespaces
-            if os.readlink(f"/proc/{self.proc.pid}/ns/net") != os.readlink("/proc/self/ns/net"):
-                break
-            time.sleep(0.01)
-        binding = egress.attach(self.id, self.proc.pid)
-        self.env = dict(binding.env)
-        for i, (path, data) in enumerate(binding.files.items()):
-            host = self.root / f"file{i}"
-            host.write_bytes(data)
-            if os.path.isfile(path):  # e.g. /etc/resolv.conf: shadow it in our mount namespace
-                self._nsenter(["mount", "--bind", str(host), path])
-            else:  # not on the host: the variables that name it point at our copy instead
-                self.env = {k: (str(host) if v == path else v) for k, v in self.env.items()}
 
-    def _nsenter(self, argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            ["nsenter", "-t", str(self.proc.pid), "--net", "--mount", *argv],
-            capture_output=True, check=check,
-        )  # fmt: skip
+class Box:
+    """A real local sandbox, plus the variables its egress binding gave it."""
+
+    def __init__(self, sb: Any) -> None:
+        self.sb = sb
+        self.id: str = sb.id
+        self.env = dict(sb.binding.env)
 
     def exec(self, command: str | list[str], *, env: Mapping[str, str] | None = None,
              stdin: bytes | None = None, timeout: float = 30.0) -> ExecResult:  # fmt: skip
-        argv = ["sh", "-c", command] if isinstance(command, str) else list(command)
-        base = {"PATH": os.environ["PATH"], "HOME": "/root", "LANG": "C.UTF-8"}
-        p = subprocess.run(
-            ["nsenter", "-t", str(self.proc.pid), "--net", "--mount", *argv],
-            env={**base, **self.env, **(env or {})}, capture_output=True, input=stdin,
-            timeout=timeout,
-        )  # fmt: skip
-        return ExecResult(p.returncode, p.stdout.decode(errors="replace"),
-                          p.stderr.decode(errors="replace"))  # fmt: skip
+        return self.sb.exec(command, env=env, stdin=stdin, timeout=timeout)
 
-    def destroy(self) -> None:
-        self.egress.detach(self.id)
-        self.proc.kill()
-        self.proc.wait()
-        shutil.rmtree(self.root, ignore_errors=True)
+
+@pytest.fixture(scope="session")
+def provider() -> Iterator[Any]:
+    try:
+        from codedojo.sandbox.local import LocalProvider
+    except ImportError as e:  # pragma: no cover - the sandbox package is a dependency
+        pytest.skip(f"no local sandbox provider: {e}")
+    root = os.environ.get("CODEDOJO_EGRESS_TEST_ROOT", "/tmp/codedojo-egress-test-store")
+    p = LocalProvider(root=root)
+    p.gc()
+    yield p
+    p.close()
+    p.gc()
+
+
+@pytest.fixture(scope="session")
+def clients_image(provider: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An image whose system python can import requests and httpx (copied from this venv,
+    byte-compiled once so each sandbox does not recompile them)."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    src = tmp_path_factory.mktemp("pyclients")
+    for name in CLIENT_PACKAGES:
+        if (site / name).is_dir():
+            shutil.copytree(site / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(site / name, src / name)
+    subprocess.run([SANDBOX_PYTHON, "-m", "compileall", "-q", str(src)], check=True)
+    return provider.images.from_directory(str(src), dest=CLIENTS_DIR, name="egress-clients").id
 
 
 @pytest.fixture(scope="session")
@@ -109,14 +105,20 @@ test_policy.__test__ = False  # type: ignore[attr-defined]  # a helper, not a te
 
 
 @pytest.fixture
-def sandbox(egress_env: dict, tmp_path: Path) -> Iterator[Callable[..., NetnsSandbox]]:
-    made: list[NetnsSandbox] = []
+def sandbox(provider: Any, clients_image: str) -> Iterator[Callable[[EgressAttachment], Box]]:
+    made: list[Box] = []
 
-    def make(attachment: EgressAttachment) -> NetnsSandbox:
-        sb = NetnsSandbox(attachment, tmp_path)
-        made.append(sb)
-        return sb
+    def make(attachment: EgressAttachment) -> Box:
+        spec = SandboxSpec(
+            image=clients_image,
+            limits=Limits(memory_mb=512, pids=64, cpus=1.0, disk_mb=64, exec_timeout_s=30),
+            env={"PYTHONPATH": CLIENTS_DIR},
+            egress=attachment,
+        )
+        box = Box(provider.create(spec))
+        made.append(box)
+        return box
 
     yield make
-    for sb in made:
-        sb.destroy()
+    for box in made:
+        box.sb.destroy()

@@ -8,7 +8,7 @@ import pytest
 
 from codedojo.egress.audit import read_audit
 from codedojo.egress.strip import redaction_marker
-from tests.egress.clients import curl, py_request
+from tests.egress.clients import PYTHON, curl, py_request
 from tests.egress.conftest import needs_root, test_policy
 
 pytestmark = needs_root
@@ -242,11 +242,10 @@ def test_non_http_and_other_ports_do_not_leave(egress_env, sandbox):
     t = sandbox(proxy.attachment(test_policy(http_up, https_up), mode="transparent"))
     # Raw bytes that are neither HTTP nor TLS: the transparent listener refuses the stream.
     code = (
-        "import socket; s=socket.create_connection(('up.test', %d), timeout=5); "
+        f"import socket; s=socket.create_connection(('up.test', {http_up.port}), timeout=5); "
         "s.sendall(b'\\x00\\x01garbage-not-http\\r\\n\\r\\n'); print(repr(s.recv(100)))"
-        % http_up.port
     )
-    r = t.exec(["python3", "-c", code])
+    r = t.exec([PYTHON, "-c", code])
     assert "garbage" not in r.stdout
     assert all(not r.body.startswith(b"\x00") for r in http_up.received)
     # Explicit mode: only the proxy port of the gateway answers; a direct connection is refused.
@@ -281,7 +280,7 @@ def test_bad_input_gets_errors_and_the_proxy_keeps_serving(egress_env, sandbox):
         "s.sendall(sys.stdin.buffer.read())\n"
         "data = b''\n"
         "try:\n"
-        "    while len(data) < 4096:\n"
+        "    while b'\\r\\n\\r\\n' not in data:\n"
         "        chunk = s.recv(4096)\n"
         "        if not chunk: break\n"
         "        data += chunk\n"
@@ -289,7 +288,7 @@ def test_bad_input_gets_errors_and_the_proxy_keeps_serving(egress_env, sandbox):
         "print(data[:200].decode('latin-1'))\n"
     )
     for name, payload in payloads.items():
-        r = sb.exec(["python3", "-c", script, host, port], stdin=payload)
+        r = sb.exec([PYTHON, "-c", script, host, port], stdin=payload)
         first = r.stdout.split("\r\n", 1)[0]
         assert first.startswith("HTTP/1.1 4") or first.startswith("HTTP/1.0 4"), (name, r)
         # ...and it still serves a normal request afterwards.
