@@ -33,7 +33,7 @@ def run_tests(
     sandbox: Sandbox,
     tests: Sequence[str],
     *,
-    command: str = "python -m pytest",
+    command: str = "python3 -m pytest",
     cwd: str = "/workspace",
     timeout: float = 300.0,
 ) -> dict[str, bool]:

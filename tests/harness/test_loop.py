@@ -1,0 +1,167 @@
+"""The agent loop end to end on a real repository in a real sandbox."""
+
+from __future__ import annotations
+
+import pytest
+
+from codedojo.harness.loop import SUMMARY_PREFIX, Agent, LoopConfig
+from codedojo.harness.policy import PolicyOutput, ScriptedPolicy
+from codedojo.harness.rpc import ToolClient, ToolServer, serve_in_thread
+from codedojo.harness.trajectory import read_jsonl
+from codedojo.model.toolcalls import ToolCallError
+from codedojo.reward import RewardContext, compute_reward
+from codedojo.reward.changes import collect_changes
+from codedojo.reward.outcome import grade
+from tests.harness.conftest import F2P, P2P
+
+TASK = "low_stock(items, threshold) should include items whose quantity equals the threshold. Fix it."
+
+
+def fixing_script() -> ScriptedPolicy:
+    def check_grep(messages):
+        # React to what the tools said, as a model would.
+        assert "stock.py-19-    return [i.name for i in items if i.qty < threshold]" in messages[-1]["content"]
+        return [("read_file", {"target_file": "inventory/stock.py", "offset": 17, "limit": 3})]
+
+    return ScriptedPolicy([
+        [("todo_write", {"merge": False, "todos": [
+            {"id": "find", "content": "find low_stock", "status": "in_progress"},
+            {"id": "fix", "content": "fix the comparison"},
+            {"id": "test", "content": "run the tests"}]})],
+        [("grep", {"pattern": "def low_stock", "-A": 2})],
+        check_grep,
+        [("search_replace", {"file_path": "inventory/stock.py", "old_string": "i.qty < threshold",
+                             "new_string": "i.qty <= threshold"}),
+         ("todo_write", {"merge": True, "todos": [{"id": "find", "status": "completed"},
+                                                  {"id": "fix", "status": "completed"}]})],
+        [("run_terminal_cmd", {"command": "python3 -m pytest -q -p no:cacheprovider tests"})],
+        [("read_lints", {"paths": ["inventory/stock.py"]}),
+         ("todo_write", {"merge": True, "todos": [{"id": "test", "status": "completed"}]})],
+        "Fixed low_stock: the comparison is now `<=`, so items at the threshold are included. All tests pass.",
+    ])
+
+
+def test_scripted_policy_fixes_a_bug_through_rpc(sandbox, tmp_path):
+    server = ToolServer(sandbox=sandbox)
+    running = serve_in_thread(server)
+    client = ToolClient(running.url)
+    try:
+        before = grade(sandbox, F2P, P2P)
+        assert not all(before.fail_to_pass.values()) and all(before.pass_to_pass.values())
+
+        ep = client.open_episode()
+        out = tmp_path / "run" / "traj.jsonl"
+        traj = Agent(fixing_script(), LoopConfig(max_turns=20)).run(TASK, ep, out=out, metadata={"task": "inv-1"})
+        assert traj.status == "finished", traj.error
+        assert traj.final_message.startswith("Fixed low_stock")
+        traj.validate()
+        assert len(traj.turns) == 7 and traj.tool_call_names().count("todo_write") == 3
+        test_output = next(m["content"] for m in traj.messages if m.get("role") == "tool" and "passed" in str(m["content"]))
+        assert "3 passed" in test_output
+        assert all(not c.is_error for t in traj.turns for c in t.tool_calls)
+        assert traj.tool_state["todos"][-1]["status"] == "completed"
+
+        # The outcome reward sees the tests pass; the diff holds exactly the fix.
+        report = grade(sandbox, F2P, P2P)
+        assert all(report.fail_to_pass.values()) and all(report.pass_to_pass.values())
+        changes = collect_changes(sandbox, traj.tool_state.get("originals"))
+        assert [c.path for c in changes] == ["/workspace/inventory/stock.py"]
+        assert "i.qty < threshold" in changes[0].before and "i.qty <= threshold" in changes[0].after
+        r = compute_reward(RewardContext(traj, report, changes))
+        assert r.components["outcome"] == 1.0
+        assert r.components["unfinished_todos"] == 0.0
+        assert r.components["lint_delta"] == 0.0 and r.components["comment_reasoning"] == 0.0
+        assert 0.0 < r.components["length_penalty"] and r.total < 1.0
+
+        # The step log reads back to the same trajectory.
+        assert read_jsonl(out).to_dict() == traj.to_dict()
+    finally:
+        client.close()
+        running.stop()
+        server.close()
+
+
+def test_limits_end_the_episode(session):
+    loop_forever = ScriptedPolicy([[("run_terminal_cmd", {"command": "true"})]] * 50)
+    traj = Agent(loop_forever, LoopConfig(max_turns=3)).run("spin", session)
+    assert traj.status == "max_turns" and len(traj.turns) == 3
+
+    class Wordy:
+        name = "wordy"
+
+        def generate(self, messages, tools, max_tokens):
+            return PolicyOutput(content="", calls=ScriptedPolicy([[("run_terminal_cmd", {"command": "true"})]])
+                                .generate(messages, tools, max_tokens).calls, completion_tokens=max_tokens)
+
+    traj = Agent(Wordy(), LoopConfig(max_tokens=1000, max_tokens_per_turn=400)).run("spin", session)
+    assert traj.status == "max_tokens" and [t.completion_tokens for t in traj.turns] == [400, 400, 200]
+
+
+def test_malformed_calls_get_tool_errors_and_the_episode_goes_on(session):
+    class Sloppy:
+        name = "sloppy"
+        n = 0
+
+        def generate(self, messages, tools, max_tokens):
+            self.n += 1
+            if self.n == 1:
+                return PolicyOutput(content="let me look", errors=[
+                    ToolCallError("call_bad", "unclosed <tool_call> block: invalid JSON (Expecting value)",
+                                  '<tool_call>{"name": "read_file", "arguments": {', "read_file")])
+            return PolicyOutput(content="giving up")
+
+    traj = Agent(Sloppy()).run("t", session)
+    assert traj.status == "finished"
+    traj.validate()
+    tool_msg = traj.messages[3]
+    assert tool_msg["role"] == "tool" and tool_msg["tool_call_id"] == "call_bad"
+    assert tool_msg["content"].startswith("Error: unclosed <tool_call>")
+    assert traj.turns[0].tool_calls[0].is_error
+
+
+def test_policy_failure_is_terminal(session, tmp_path):
+    class Broken:
+        name = "broken"
+
+        def generate(self, messages, tools, max_tokens):
+            raise ConnectionError("endpoint down")
+
+    traj = Agent(Broken()).run("t", session, out=tmp_path / "t.jsonl")
+    assert traj.status == "error" and "endpoint down" in traj.error
+    assert read_jsonl(tmp_path / "t.jsonl").status == "error"
+
+
+def test_self_summary_continues_in_a_fresh_context_as_one_trajectory(session, tmp_path):
+    summaries = []
+
+    class Summarising(ScriptedPolicy):
+        def generate(self, messages, tools, max_tokens):
+            if not tools:  # the loop asks for a summary without offering tools
+                summaries.append(messages[-1]["content"])
+                return PolicyOutput(content="I read README.md and stock.py; next: run the tests.", completion_tokens=12)
+            return super().generate(messages, tools, max_tokens)
+
+    big_reads = [[("run_terminal_cmd", {"command": "seq 1 400"})]] * 4
+    policy = Summarising([*big_reads, [("run_terminal_cmd", {"command": "echo after-summary"})], "done"])
+    cfg = LoopConfig(context_window=2000, summary_threshold=0.6, max_tokens_per_turn=200, max_turns=20)
+    traj = Agent(policy, cfg).run("count things", session, out=tmp_path / "s.jsonl")
+    assert traj.status == "finished"
+    assert len(summaries) >= 1 and len(traj.segments) == len(summaries) + 1
+    traj.validate()
+    kinds = [t.kind for t in traj.turns]
+    assert kinds.count("summary") == len(summaries)
+    # Every later context restarts from system + task + the summary.
+    for seg in range(1, len(traj.segments)):
+        ctx = traj.context(seg)
+        assert [m["role"] for m in ctx[:3]] == ["system", "user", "user"]
+        assert ctx[1]["content"] == "count things" and ctx[2]["content"].startswith(SUMMARY_PREFIX)
+    assert "echo after-summary" not in str(traj.context(0))
+    assert read_jsonl(tmp_path / "s.jsonl").segments == traj.segments
+
+
+@pytest.mark.parametrize("max_summaries", [0])
+def test_summaries_can_be_turned_off(session, max_summaries):
+    policy = ScriptedPolicy([[("run_terminal_cmd", {"command": "seq 1 400"})]] * 3 + ["done"])
+    cfg = LoopConfig(context_window=1000, summary_threshold=0.5, max_summaries=max_summaries)
+    traj = Agent(policy, cfg).run("t", session)
+    assert traj.status == "finished" and traj.segments == [0]

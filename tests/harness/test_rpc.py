@@ -1,0 +1,131 @@
+"""The tool service over JSON-RPC: episodes, errors, per-environment config, live update."""
+
+from __future__ import annotations
+
+import pytest
+
+from codedojo.harness.loop import Agent, LoopConfig
+from codedojo.harness.policy import ScriptedPolicy
+from codedojo.harness.rpc import RPCError, ToolClient, ToolServer, serve_in_thread
+from codedojo.harness.toolset import EnvToolConfig
+from codedojo.harness.trajectory import read_jsonl
+
+
+@pytest.fixture
+def service(sandbox):
+    server = ToolServer(sandbox=sandbox, envs={"default": EnvToolConfig(), "tiny": EnvToolConfig(tools=["read_file"])})
+    running = serve_in_thread(server)
+    client = ToolClient(running.url)
+    yield server, running, client
+    client.close()
+    running.stop()
+    server.close()
+
+
+def test_tool_calls_over_rpc(service):
+    server, _, client = service
+    ep = client.open_episode()
+    assert {s["function"]["name"] for s in ep.schemas} >= {"read_file", "grep", "run_terminal_cmd"}
+    r = ep.call("read_file", {"target_file": "README.md"})
+    assert not r.is_error and r.content.startswith("     1|# inventory") and r.version == "1"
+    r = ep.call("run_terminal_cmd", {"command": "cd tests && export X=1"})
+    assert ep.call("run_terminal_cmd", {"command": "pwd; echo $X"}).content == "exit code: 0\n/workspace/tests\n1"
+    # Tool failures are results; the service keeps serving.
+    r = ep.call("read_file", '{"target_file": 3')
+    assert r.is_error and "not valid JSON" in r.content
+    ep.call("todo_write", {"merge": False, "todos": [{"id": "a", "content": "x"}]})
+    assert ep.state()["todos"] == [{"id": "a", "content": "x", "status": "pending"}]
+    ep.close()
+    assert ep.episode_id not in server.episodes
+    # Bad requests are RPC errors naming the field.
+    with pytest.raises(RPCError, match="episode_id: unknown episode"):
+        ep.call("read_file", {"target_file": "README.md"})
+    with pytest.raises(RPCError, match="env: unknown environment 'nope'"):
+        client.open_episode("nope")
+    with pytest.raises(RPCError, match="method: unknown method"):
+        client.request("tool.explode")
+
+
+def test_per_environment_tool_config(service):
+    _, _, client = service
+    tiny = client.open_episode("tiny")
+    assert [s["function"]["name"] for s in tiny.schemas] == ["read_file"]
+    r = tiny.call("grep", {"pattern": "x"})
+    assert r.is_error and "unknown tool 'grep'" in r.content
+    client.configure_env("lenient", EnvToolConfig(tools=["read_file"], strictness="lenient"))
+    len_ep = client.open_episode("lenient")
+    assert not len_ep.call("read_file", {"target_file": "README.md", "limit": "1", "extra": 1}).is_error
+    assert tiny.call("read_file", {"target_file": "README.md", "limit": "1"}).is_error
+    with pytest.raises(RPCError, match="config"):
+        client.request("env.configure", env="bad", config={"strictness": "loose"})
+
+
+def test_unix_socket_transport(sandbox, tmp_path):
+    server = ToolServer(sandbox=sandbox)
+    sock = str(tmp_path / "tools.sock")
+    running = serve_in_thread(server, uds=sock)
+    client = ToolClient(running.url, uds=sock)
+    try:
+        ep = client.open_episode()
+        assert ep.call("run_terminal_cmd", {"command": "echo hi"}).content == "exit code: 0\nhi"
+    finally:
+        client.close()
+        running.stop()
+        server.close()
+
+
+def test_live_update_running_episode_keeps_its_version(service, tmp_path):
+    """Episode A starts on read_file v1; v2 is registered while A runs; A finishes on v1 and an
+    episode started afterwards runs on v2."""
+    _, _, client = service
+    registered: list[int] = []
+
+    def register_v2(messages):
+        registered.append(client.register("tests.harness.live_tools", "READ_FILE_V2"))
+        return [("read_file", {"target_file": "README.md"})]
+
+    policy_a = ScriptedPolicy([
+        [("read_file", {"target_file": "README.md"})],
+        register_v2,  # the job registers v2 in the middle of episode A
+        [("read_file", {"target_file": "inventory/__init__.py"})],
+        "done",
+    ])
+    ep_a = client.open_episode()
+    traj_a = Agent(policy_a, LoopConfig(max_turns=10)).run("read things", ep_a, out=tmp_path / "a.jsonl")
+    assert registered and traj_a.status == "finished"
+    assert traj_a.tool_versions["read_file"] == "1"
+    versions_a = [c.version for t in traj_a.turns for c in t.tool_calls]
+    assert versions_a == ["1", "1", "1"]
+    assert not any("[read_file v2]" in str(m.get("content")) for m in traj_a.messages)
+
+    ep_b = client.open_episode()
+    assert ep_b.versions["read_file"] == "2" and ep_b.generation > ep_a.generation
+    traj_b = Agent(ScriptedPolicy([[("read_file", {"target_file": "README.md"})], "done"])).run("read", ep_b)
+    assert traj_b.tool_versions["read_file"] == "2"
+    assert traj_b.turns[0].tool_calls[0].version == "2"
+    assert traj_b.messages[3]["content"].startswith("[read_file v2]")
+    # The saved trajectory of A records the versions it ran on.
+    assert read_jsonl(tmp_path / "a.jsonl").tool_versions["read_file"] == "1"
+    # Pinning in config still reaches v1 for new episodes.
+    client.configure_env("pinned", EnvToolConfig(versions={"read_file": "1"}))
+    assert client.open_episode("pinned").versions["read_file"] == "1"
+
+
+def test_a_dead_tool_service_ends_the_episode(sandbox, tmp_path):
+    server = ToolServer(sandbox=sandbox)
+    running = serve_in_thread(server)
+    client = ToolClient(running.url, timeout=5)
+    ep = client.open_episode()
+
+    def kill(messages):
+        running.stop()
+        return [("read_file", {"target_file": "README.md"})]
+
+    policy = ScriptedPolicy([[("read_file", {"target_file": "README.md"})], kill, "never reached"])
+    traj = Agent(policy).run("t", ep, out=tmp_path / "t.jsonl")
+    client.close()
+    server.close()
+    assert traj.status == "error" and traj.error
+    saved = read_jsonl(tmp_path / "t.jsonl")
+    assert saved.status == "error" and len(saved.turns) == 2
+    saved.validate()
