@@ -1,0 +1,160 @@
+"""`dojo sandbox ...`: serve the service, drive it (create, exec, snapshot, fork, ls, rm), build
+images and clean up after a crash (gc).
+
+Sandboxes live in the service process (`serve`), so the driving commands talk to it at
+--url (default $CODEDOJO_SANDBOX_URL or http://127.0.0.1:8181). `image` and `gc` work on the
+store directly and need no service.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import typer
+
+sandbox_app = typer.Typer(help="Sandboxes: serve, create, exec, snapshot, fork, ls, rm, gc, image.",
+                          no_args_is_help=True)
+
+URL = typer.Option(None, "--url", help="Service URL (default $CODEDOJO_SANDBOX_URL or http://127.0.0.1:8181).")
+ROOT = typer.Option(None, "--root", help="Store directory (default $CODEDOJO_SANDBOX_ROOT or /var/lib/codedojo/sandbox).")
+
+
+def _client(url: str | None):
+    from codedojo.sandbox.client import SandboxClient
+
+    return SandboxClient(url or os.environ.get("CODEDOJO_SANDBOX_URL", "http://127.0.0.1:8181"))
+
+
+def _fail(e: Exception) -> None:
+    typer.echo(f"error: {e}", err=True)
+    raise typer.Exit(2)
+
+
+@sandbox_app.command()
+def serve(root: str = ROOT, host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8181),
+          max_sandboxes: int = typer.Option(512), max_memory_percent: float = typer.Option(90.0)) -> None:
+    """Run the sandbox service (HTTP/JSON) until interrupted."""
+    from codedojo.sandbox.service import ServiceConfig
+    from codedojo.sandbox.service import serve as run
+
+    run(ServiceConfig(root=root, host=host, port=port, max_sandboxes=max_sandboxes,
+                      max_memory_percent=max_memory_percent))
+
+
+@sandbox_app.command()
+def create(image: str, memory_mb: int = 2048, pids: int = 512, cpus: float = 1.0, disk_mb: int = 2048,
+           url: str = URL) -> None:
+    """Create a sandbox from an image id or name; prints its id."""
+    from codedojo.sandbox.base import Limits, SandboxError, SandboxSpec
+
+    try:
+        sb = _client(url).create(SandboxSpec(image=image, limits=Limits(memory_mb=memory_mb, pids=pids, cpus=cpus, disk_mb=disk_mb)))
+    except SandboxError as e:
+        _fail(e)
+    typer.echo(sb.id)
+
+
+@sandbox_app.command("exec")
+def exec_(sandbox_id: str, command: list[str], timeout: float = typer.Option(None), url: str = URL) -> None:
+    """Run a command (one argument: through sh -c; several: as argv); exits with its status."""
+    from codedojo.sandbox.base import SandboxError
+
+    try:
+        r = _client(url).get(sandbox_id).exec(command[0] if len(command) == 1 else command, timeout=timeout)
+    except SandboxError as e:
+        _fail(e)
+    sys.stdout.write(r.stdout)
+    sys.stderr.write(r.stderr)
+    if r.timed_out:
+        typer.echo("timed out", err=True)
+    raise typer.Exit(r.exit_code)
+
+
+@sandbox_app.command()
+def snapshot(sandbox_id: str, url: str = URL) -> None:
+    """Freeze a sandbox's writable layer; prints the snapshot id."""
+    from codedojo.sandbox.base import SandboxError
+
+    try:
+        typer.echo(_client(url).get(sandbox_id).snapshot())
+    except SandboxError as e:
+        _fail(e)
+
+
+@sandbox_app.command()
+def fork(sandbox_id: str, n: int = typer.Option(1, "-n"), snapshot: str = typer.Option(None), url: str = URL) -> None:
+    """Start N sandboxes from a snapshot (a fresh one when not given); prints their ids."""
+    from codedojo.sandbox.base import SandboxError
+
+    try:
+        for sb in _client(url).get(sandbox_id).fork(n, snapshot):
+            typer.echo(sb.id)
+    except SandboxError as e:
+        _fail(e)
+
+
+@sandbox_app.command()
+def restore(sandbox_id: str, snapshot: str, url: str = URL) -> None:
+    """Roll a sandbox back to a snapshot."""
+    from codedojo.sandbox.base import SandboxError
+
+    try:
+        _client(url).get(sandbox_id).restore(snapshot)
+    except SandboxError as e:
+        _fail(e)
+
+
+@sandbox_app.command("ls")
+def ls(url: str = URL) -> None:
+    """List live sandboxes (JSON lines)."""
+    from codedojo.sandbox.base import SandboxError
+
+    try:
+        for s in _client(url).list():
+            typer.echo(json.dumps(s))
+    except SandboxError as e:
+        _fail(e)
+
+
+@sandbox_app.command("rm")
+def rm(sandbox_ids: list[str], url: str = URL) -> None:
+    """Destroy sandboxes."""
+    from codedojo.sandbox.base import SandboxError
+
+    client = _client(url)
+    try:
+        for i in sandbox_ids:
+            client.get(i).destroy()
+    except SandboxError as e:
+        _fail(e)
+
+
+@sandbox_app.command()
+def gc(root: str = ROOT, all_owners: bool = typer.Option(False, help="Also sandboxes of other live processes.")) -> None:
+    """Clean up after a crash: processes, mounts, cgroups and directories of dead owners."""
+    from codedojo.sandbox.local import LocalProvider
+
+    cleaned = LocalProvider(root=root).gc(all_owners=all_owners)
+    typer.echo(json.dumps({"cleaned": cleaned}))
+
+
+@sandbox_app.command()
+def image(path: str, name: str = typer.Option(None), dest: str = typer.Option("/workspace"),
+          parent: str = typer.Option(None), root: str = ROOT) -> None:
+    """Build an image from a directory (or a git URL ending in .git); prints its id."""
+    from codedojo.sandbox.base import SandboxError
+    from codedojo.sandbox.local import LocalProvider
+
+    store = LocalProvider(root=root).images
+    try:
+        img = (store.from_git(path, dest=dest, parent=parent, name=name) if path.endswith(".git")
+               else store.from_directory(path, dest=dest, parent=parent, name=name))
+    except SandboxError as e:
+        _fail(e)
+    typer.echo(img.id)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(sandbox_app, name="sandbox")

@@ -1,0 +1,183 @@
+"""A client of the sandbox service with the same interface as the local kind.
+
+    client = SandboxClient("http://127.0.0.1:8181")
+    sb = client.create(SandboxSpec(image="repo"))      # a RemoteSandbox: exec, files, fork, ...
+
+Errors the service reports come back as `SandboxError` with the service's message, so code
+written against `Sandbox` handles both kinds the same way. Egress attachments are Python
+objects and cannot cross HTTP: a spec with `egress` is refused here (attach egress on the
+service's side instead).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from codedojo.sandbox.base import WORKSPACE, Change, ExecResult, FileInfo, SandboxError, SandboxSpec
+
+
+class _Http:
+    def __init__(self, base_url: str, timeout: float):
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
+
+    def call(self, method: str, url: str, *, raw: bool = False, **kw: Any) -> Any:
+        try:
+            r = self.http.request(method, url, **kw)
+        except httpx.HTTPError as e:
+            raise SandboxError(f"sandbox service unreachable: {e}") from None
+        if r.status_code >= 400:
+            try:
+                detail = r.json().get("detail", r.text)
+            except ValueError:
+                detail = r.text
+            if isinstance(detail, list):  # FastAPI validation errors: name the fields
+                detail = "; ".join(f"{'.'.join(str(x) for x in d.get('loc', []))}: {d.get('msg')}" for d in detail)
+            raise SandboxError(f"{detail} (HTTP {r.status_code})")
+        return r.content if raw else r.json()
+
+
+class RemoteShell:
+    def __init__(self, http: _Http, sandbox_id: str, shell_id: str):
+        self._http, self._sid, self.id = http, sandbox_id, shell_id
+
+    def run(self, command: str, timeout: float | None = None) -> ExecResult:
+        return ExecResult(**self._http.call("POST", f"/sandboxes/{self._sid}/shells/{self.id}/run",
+                                            json={"command": command, "timeout": timeout}))
+
+    def close(self) -> None:
+        self._http.call("DELETE", f"/sandboxes/{self._sid}/shells/{self.id}")
+
+
+class RemoteSandbox:
+    """A sandbox living in the service; implements `codedojo.sandbox.base.Sandbox`."""
+
+    def __init__(self, client: SandboxClient, sandbox_id: str):
+        self._client = client
+        self._http = client._http
+        self.id = sandbox_id
+
+    def _url(self, tail: str) -> str:
+        return f"/sandboxes/{self.id}{tail}"
+
+    def exec(self, command: str | Sequence[str], *, stdin: bytes | str | None = None,
+             timeout: float | None = None, env: Mapping[str, str] | None = None,
+             cwd: str | None = None) -> ExecResult:
+        body: dict[str, Any] = {"command": command if isinstance(command, str) else list(command)
+                                if isinstance(command, Sequence) else command,
+                                "timeout": timeout, "env": dict(env) if env else None, "cwd": cwd}
+        if isinstance(stdin, bytes | bytearray):
+            body["stdin_b64"] = base64.b64encode(stdin).decode()
+        else:
+            body["stdin"] = stdin
+        return ExecResult(**self._http.call("POST", self._url("/exec"), json=body))
+
+    def shell(self) -> RemoteShell:
+        return RemoteShell(self._http, self.id, self._http.call("POST", self._url("/shells"))["shell_id"])
+
+    def read_file(self, path: str) -> bytes:
+        return self._http.call("GET", self._url("/file"), params={"path": path}, raw=True)
+
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        content = data.encode() if isinstance(data, str) else bytes(data)
+        self._http.call("PUT", self._url("/file"), params={"path": path, "mode": mode}, content=content,
+                        headers={"content-type": "application/octet-stream"})
+
+    def remove(self, path: str) -> None:
+        self._http.call("DELETE", self._url("/file"), params={"path": path})
+
+    def list_dir(self, path: str = WORKSPACE) -> list[FileInfo]:
+        return [FileInfo(**e) for e in self._http.call("GET", self._url("/list"), params={"path": path})["entries"]]
+
+    def stat(self, path: str) -> FileInfo:
+        return FileInfo(**self._http.call("GET", self._url("/stat"), params={"path": path}))
+
+    def changes(self) -> list[Change]:
+        return [Change(**c) for c in self._http.call("GET", self._url("/changes"))["changes"]]
+
+    def snapshot(self) -> str:
+        return self._http.call("POST", self._url("/snapshot"))["snapshot"]
+
+    def fork(self, n: int = 1, snapshot: str | None = None) -> list[RemoteSandbox]:
+        ids = self._http.call("POST", self._url("/fork"), json={"n": n, "snapshot": snapshot})["ids"]
+        return [RemoteSandbox(self._client, i) for i in ids]
+
+    def restore(self, snapshot: str) -> None:
+        self._http.call("POST", self._url("/restore"), json={"snapshot": snapshot})
+
+    def destroy(self) -> None:
+        try:
+            self._http.call("DELETE", self._url(""))
+        except SandboxError as e:
+            if "HTTP 404" not in str(e):
+                raise
+
+
+class RemoteImages:
+    """Image builders run by the service (paths are on the service's machine)."""
+
+    def __init__(self, http: _Http):
+        self._http = http
+
+    def from_directory(self, path: str, *, dest: str = WORKSPACE, parent: str | None = None,
+                       name: str | None = None) -> str:
+        return self._http.call("POST", "/images/directory",
+                               json={"path": path, "dest": dest, "parent": parent, "name": name})["id"]
+
+    def from_git(self, repo: str, *, rev: str | None = None, dest: str = WORKSPACE,
+                 parent: str | None = None, name: str | None = None) -> str:
+        return self._http.call("POST", "/images/git", json={"repo": repo, "rev": rev, "dest": dest,
+                                                             "parent": parent, "name": name})["id"]
+
+    def from_python_env(self, packages: Sequence[str] = (), *, dest: str = "/opt/venv",
+                        parent: str | None = None, name: str | None = None,
+                        pip_args: Sequence[str] = ()) -> str:
+        return self._http.call("POST", "/images/python-env", json={
+            "packages": list(packages), "dest": dest, "parent": parent, "name": name,
+            "pip_args": list(pip_args)})["id"]
+
+    def from_command(self, command: str | Sequence[str], *, parent: str | None = None,
+                     name: str | None = None, timeout: float = 600.0) -> str:
+        return self._http.call("POST", "/images/command", json={
+            "command": command if isinstance(command, str) else list(command), "parent": parent,
+            "name": name, "timeout": timeout})["id"]
+
+    def resolve(self, ref: str) -> dict:
+        return self._http.call("GET", f"/images/{ref}")
+
+    def list(self) -> dict:
+        return self._http.call("GET", "/images")
+
+
+class SandboxClient:
+    """`SandboxProvider` over HTTP: `create`, `get`, `list`, `gc`, plus `images`."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8181", timeout: float = 600.0):
+        self._http = _Http(base_url, timeout)
+        self.images = RemoteImages(self._http)
+
+    def create(self, spec: SandboxSpec) -> RemoteSandbox:
+        if spec.egress is not None:
+            raise SandboxError("spec.egress: an egress attachment cannot be sent to the service")
+        body = {"image": spec.image, "limits": dataclasses.asdict(spec.limits), "env": dict(spec.env)}
+        return RemoteSandbox(self, self._http.call("POST", "/sandboxes", json=body)["id"])
+
+    def get(self, sandbox_id: str) -> RemoteSandbox:
+        self._http.call("GET", f"/sandboxes/{sandbox_id}")
+        return RemoteSandbox(self, sandbox_id)
+
+    def list(self) -> list[dict]:
+        return self._http.call("GET", "/sandboxes")["sandboxes"]
+
+    def gc(self) -> list[str]:
+        return self._http.call("POST", "/gc")["cleaned"]
+
+    def health(self) -> dict:
+        return self._http.call("GET", "/health")
+
+    def close(self) -> None:
+        self._http.http.close()

@@ -1,0 +1,174 @@
+"""The service and its client: the same operations as the local kind, over HTTP; bad input
+gets a clear error and the service keeps serving the other sandboxes; admission control."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from codedojo.sandbox.base import Change, Limits, Sandbox, SandboxError, SandboxSpec
+from codedojo.sandbox.client import SandboxClient
+from codedojo.sandbox.service import ServiceConfig, create_app
+from tests.sandbox.conftest import SMALL
+
+
+@pytest.fixture(scope="module")
+def service(provider):
+    config = ServiceConfig()
+    app = create_app(config, provider=provider)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    yield url, config
+    server.should_exit = True
+    thread.join(10)
+    sock.close()
+
+
+@pytest.fixture
+def client(service):
+    c = SandboxClient(service[0])
+    yield c
+    for s in c.list():
+        c.get(s["id"]).destroy()
+    c.close()
+
+
+@pytest.fixture
+def remote(client, project):
+    sb = client.create(SandboxSpec(image=project, limits=SMALL))
+    yield sb
+    sb.destroy()
+
+
+def test_remote_sandbox_has_the_local_interface(remote):
+    assert isinstance(remote, Sandbox)
+    r = remote.exec(["python3", "-c", "import sys; print(sys.stdin.buffer.read().hex())"], stdin=b"\x00\xff")
+    assert (r.exit_code, r.stdout) == (0, "00ff\n")
+    assert remote.exec("echo $X; pwd", env={"X": "1"}, cwd="pkg").stdout == "1\n/workspace/pkg\n"
+    assert remote.exec("sleep 10", timeout=0.2).timed_out
+
+
+def test_remote_files_and_shell(remote):
+    remote.write_file("bin.dat", bytes(range(256)))
+    assert remote.read_file("bin.dat") == bytes(range(256))
+    assert remote.stat("bin.dat").size == 256
+    assert "/workspace/bin.dat" in {f.path for f in remote.list_dir()}
+    remote.remove("bin.dat")
+    assert remote.exec("test -e bin.dat").exit_code == 1
+    sh = remote.shell()
+    sh.run("cd /tmp && export K=v")
+    assert sh.run("pwd; echo $K").stdout == "/tmp\nv\n"
+    sh.close()
+
+
+def test_remote_snapshot_fork_restore_changes(remote):
+    remote.write_file("a.txt", "one")
+    snap = remote.snapshot()
+    (f,) = remote.fork(1, snap)
+    try:
+        f.write_file("a.txt", "fork")
+        assert remote.read_file("a.txt") == b"one"
+        remote.write_file("a.txt", "two")
+        remote.restore(snap)
+        assert remote.read_file("a.txt") == b"one"
+        assert Change("/workspace/a.txt", "added") in f.changes()
+    finally:
+        f.destroy()
+
+
+def test_bad_input_gets_clear_errors_and_service_keeps_serving(client, remote, project):
+    cases = [
+        (lambda: client.create(SandboxSpec(image="no-such-image")), "no image"),
+        (lambda: client.create(SandboxSpec(image=project, limits=Limits(pids=0))), "limits.pids"),
+        (lambda: remote.read_file("../../etc/passwd"), "escapes"),
+        (lambda: remote.write_file("/workspace/../../x", "x"), "escapes"),
+        (lambda: remote.exec(""), "command"),
+        (lambda: remote.exec([]), "command"),
+        (lambda: remote.exec(["a", 1]), "command"),  # type: ignore[list-item]
+        (lambda: remote.restore("not-a-snapshot"), "no image"),
+        (lambda: client.get("sb-missing"), "HTTP 404"),
+        (lambda: remote.fork(0), "n:"),
+    ]
+    for call, message in cases:
+        with pytest.raises(SandboxError, match=message):
+            call()
+    big = client.create(SandboxSpec(image=project, limits=Limits(disk_mb=4)))
+    try:
+        with pytest.raises(SandboxError, match="disk limit"):
+            big.write_file("fill", b"0" * (8 << 20))
+    finally:
+        big.destroy()
+    assert remote.exec("echo still serving").stdout == "still serving\n"
+    assert client.health()["ok"]
+
+
+def test_admission_control_names_the_resource(client, service, project):
+    url, config = service
+    old = config.max_memory_percent
+    config.max_memory_percent = 0.0
+    try:
+        with pytest.raises(SandboxError, match=r"memory.*HTTP 503"):
+            client.create(SandboxSpec(image=project))
+    finally:
+        config.max_memory_percent = old
+    old = config.max_sandboxes
+    config.max_sandboxes = 0
+    try:
+        with pytest.raises(SandboxError, match=r"sandboxes: .*HTTP 503"):
+            client.create(SandboxSpec(image=project))
+    finally:
+        config.max_sandboxes = old
+
+
+def test_many_sandboxes_alive_at_once(client, project):
+    sandboxes = [client.create(SandboxSpec(image=project, limits=SMALL)) for _ in range(16)]
+    try:
+        outs = [s.exec("echo $$ > /tmp/me; cat /tmp/me").stdout for s in sandboxes]
+        assert all(o.strip().isdigit() for o in outs)
+        assert len(client.list()) >= 16
+    finally:
+        for s in sandboxes:
+            s.destroy()
+
+
+def test_cli_drives_the_service(service, project):
+    # In-process (the `dojo` entry point imports every stage, which takes seconds per call).
+    from typer.testing import CliRunner
+
+    from codedojo.sandbox.cli import sandbox_app
+
+    url, _ = service
+    runner = CliRunner()
+
+    def dojo(*args: str):
+        r = runner.invoke(sandbox_app, list(args), env={"CODEDOJO_SANDBOX_URL": url})
+        r.returncode = r.exit_code
+        return r
+
+    sid = dojo("create", project, "--disk-mb", "16").stdout.strip()
+    assert sid.startswith("sb-")
+    r = dojo("exec", sid, "echo hi > f; cat f; exit 3")
+    assert (r.returncode, r.stdout) == (3, "hi\n")
+    snap = dojo("snapshot", sid).stdout.strip()
+    forks = dojo("fork", sid, "-n", "2", "--snapshot", snap).stdout.split()
+    assert len(forks) == 2
+    assert sid in dojo("ls").stdout
+    assert dojo("rm", sid, *forks).returncode == 0
+    assert sid not in dojo("ls").stdout
+    r = dojo("exec", sid, "true")
+    assert r.returncode == 2 and "no live sandbox" in r.stderr
+
+
+def test_limits_roundtrip_through_json():
+    assert Limits(**dataclasses.asdict(SMALL)) == SMALL
