@@ -405,8 +405,37 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Tokenizer:
     if path.is_dir():
         if (path / "tokenizer.json").exists():
             return Tokenizer.from_dir(path)
+        source = path / "source.json"  # a GGUF converted to HF safetensors by codedojo.model
+        if source.exists():
+            gguf = json.loads(source.read_text()).get("gguf")
+            if gguf and Path(gguf).exists():
+                return Tokenizer.from_gguf(gguf)
         ggufs = sorted(path.glob("*.gguf"))
         if ggufs:
             return Tokenizer.from_gguf(ggufs[0])
         raise FileNotFoundError(f"{path}: no tokenizer.json and no .gguf file in this directory")
     raise FileNotFoundError(f"model {name_or_path!r}: not {DEFAULT_MODEL!r}, a .gguf file or a directory")
+
+
+# A ChatML template in SmolLM2's shape (no default system prompt), for tiny test tokenizers.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
+
+
+def tiny_tokenizer(extra_merges: Sequence[str] = ("Ġ t", "h e", "Ġt he", "i n", "o n", "e r")) -> Tokenizer:
+    """A real byte-level BPE with 259 + len(merges) ids: the 256 bytes, three ChatML control
+    tokens (`<|endoftext|>`=0, `<|im_start|>`=1, `<|im_end|>`=2 as in SmolLM2) and a few merges.
+
+    Pairs with `ModelConfig.tiny(vocab_size=tokenizer.vocab_size)` for fast end-to-end tests.
+    """
+    table = byte_alphabet()
+    control = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = control + [table[b] for b in range(256)]
+    merges = list(extra_merges)
+    tokens += ["".join(m.split(" ")) for m in merges]
+    types = [TOKEN_CONTROL] * len(control) + [TOKEN_NORMAL] * (len(tokens) - len(control))
+    return Tokenizer.from_vocab(tokens, merges, types, bos_id=1, eos_id=2, pad_id=2, unk_id=0,
+                                chat_template=CHATML_TEMPLATE, name="tiny")

@@ -1,0 +1,142 @@
+"""Chat rendering with the GGUF's template: tools, tool calls, tool results, and the loss mask."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from codedojo.model.chat import ChatFormatError, ChatTemplate
+from codedojo.model.tokenizer import load_tokenizer, tiny_tokenizer
+
+TOOLS = [{"type": "function", "function": {
+    "name": "read_file", "description": "Read a file",
+    "parameters": {"type": "object", "properties": {"target_file": {"type": "string"}}, "required": ["target_file"]}}}]
+
+CONVERSATION = [
+    {"role": "system", "content": "You fix bugs."},
+    {"role": "user", "content": "Why does main.py crash?"},
+    {"role": "assistant", "content": "Let me read it.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"target_file": "main.py"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "print(1/0)\n"},
+    {"role": "assistant", "content": "It divides by zero: `1/0` raises ZeroDivisionError. Héllo ✓"},
+    {"role": "user", "content": "Thanks!"},
+    {"role": "assistant", "content": "You're welcome."},
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> ChatTemplate:
+    return ChatTemplate(load_tokenizer())
+
+
+def test_plain_render_matches_the_gguf_template(smollm2):
+    # The same string HF apply_chat_template gives for SmolLM2-135M-Instruct (checked once by hand),
+    # including the default system prompt the template adds when there is none.
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
+    text = smollm2.render(msgs, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+    ids = smollm2.encode(msgs)
+    assert ids[0] == 1 and ids[-3:] == smollm2.tokenizer.encode("<|im_start|>assistant\n")[-3:]
+
+
+def test_tools_go_into_the_system_message_in_smollm2_format(smollm2):
+    text = smollm2.render(CONVERSATION[:2], TOOLS, add_generation_prompt=True)
+    system = text.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nYou fix bugs.\n\n")
+    tools_json = system[system.index("<tools>") + 7 : system.index("</tools>")]
+    assert json.loads(tools_json) == TOOLS
+    assert "<tool_call>[" in system
+    # Without a system message, the tools prompt becomes one (and replaces the default one).
+    text2 = smollm2.render(CONVERSATION[1:2], TOOLS)
+    assert text2.startswith("<|im_start|>system\n") and "SmolLM" not in text2 and "<tools>" in text2
+
+
+def test_assistant_tool_calls_and_tool_results(smollm2):
+    text = smollm2.render(CONVERSATION[:4], TOOLS)
+    assert ('<|im_start|>assistant\nLet me read it.\n<tool_call>[\n{"name": "read_file", "arguments": '
+            '{"target_file": "main.py"}}\n]</tool_call><|im_end|>\n') in text
+    assert "<|im_start|>user\n<tool_response>\nprint(1/0)\n\n</tool_response><|im_end|>\n" in text
+    # What the renderer writes, the model's parser reads back.
+    turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    parsed = smollm2.parse(turn)
+    assert parsed.content == "Let me read it." and parsed.tool_calls[0].arguments == {"target_file": "main.py"}
+
+
+def test_render_with_mask_trains_only_assistant_turns(smollm2):
+    ids, mask = smollm2.render_with_mask(CONVERSATION, TOOLS)
+    tok = smollm2.tokenizer
+    assert len(ids) == len(mask)
+    # No boundary drift: the parts tokenized one by one equal the whole rendering tokenized at once.
+    assert ids == tok.encode(smollm2.render(CONVERSATION, TOOLS))
+    # The trained spans are exactly the three assistant turns, each ending with <|im_end|>.
+    spans, cur = [], []
+    for i, m in zip(ids, mask, strict=True):
+        if m:
+            cur.append(i)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    if cur:
+        spans.append(cur)
+    texts = [tok.decode(s) for s in spans]
+    assert texts[0].startswith("Let me read it.\n<tool_call>[") and texts[0].endswith("]</tool_call><|im_end|>")
+    assert texts[1:] == ["It divides by zero: `1/0` raises ZeroDivisionError. Héllo ✓<|im_end|>",
+                         "You're welcome.<|im_end|>"]
+    assert all(s[-1] == tok.eos_id for s in spans)
+    # Headers, the system prompt, user text and the tool output are never trained.
+    untrained = tok.decode([i for i, m in zip(ids, mask, strict=True) if not m])
+    assert "print(1/0)" in untrained and "<tools>" in untrained and "Thanks!" in untrained
+    assert untrained.count("<|im_start|>assistant\n") == 3
+
+
+def test_parts_concatenate_to_the_rendering(smollm2):
+    parts = smollm2.render_parts(CONVERSATION, TOOLS)
+    assert "".join(t for t, _ in parts) == smollm2.render(CONVERSATION, TOOLS)
+    assert [trained for _, trained in parts] == [False, True, False, True, False, True, False]
+
+
+def test_tiny_tokenizer_mask_without_drift():
+    chat = ChatTemplate(tiny_tokenizer())
+    ids, mask = chat.render_with_mask(CONVERSATION[1:3] + [{"role": "tool", "content": "x"}], TOOLS)
+    assert ids == chat.tokenizer.encode(chat.render(CONVERSATION[1:3] + [{"role": "tool", "content": "x"}], TOOLS))
+    assert sum(mask) > 0 and mask[-1] == 0
+
+
+def test_native_tool_template_gets_tools_and_calls():
+    template = (
+        "{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}:{{ c.function.arguments | tojson }}</call>{% endfor %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    chat = ChatTemplate(tiny_tokenizer(), template=template, tool_format="hermes")
+    assert chat.native_tools
+    text = chat.render(CONVERSATION[1:4], TOOLS)
+    assert text.startswith("TOOLS:[{") and '<call>read_file:{"target_file": "main.py"}</call>' in text
+    assert "<|im_start|>tool\nprint(1/0)\n<|im_end|>" in text
+
+
+def test_content_parts_and_none(smollm2):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    text = smollm2.render(msgs)
+    assert "<|im_start|>user\nab<|im_end|>" in text and '<|im_start|>assistant\n<tool_call>[\n{"name": "f"' in text
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([], "messages"),
+    ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+    ([{"role": "user", "content": "x"}, {"role": "user", "content": 3}], "messages[1].content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "messages[0].content"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}],
+     "messages[0].tool_calls"),
+    (["hello"], "messages[0]"),
+])
+def test_bad_messages_name_the_field(smollm2, messages, param):
+    with pytest.raises(ChatFormatError) as e:
+        smollm2.render(messages)
+    assert e.value.param == param and param in str(e.value)
