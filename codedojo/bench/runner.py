@@ -73,9 +73,16 @@ class NullAgent:
         return AgentResult(turns=0)
 
 
-def task_prompt(task: Task) -> str:
+def task_prompt(task: Task, max_chars: int | None = None) -> str:
+    """The agent's first message. `max_chars` shortens a long statement (a big log) for a model
+    with a small context: the head and the tail stay, the middle is marked as cut."""
+    statement = task.problem_statement
+    if max_chars and len(statement) > max_chars:
+        head, tail = statement[: max_chars * 2 // 3], statement[-(max_chars // 3):]
+        cut = statement.count("\n") - head.count("\n") - tail.count("\n")
+        statement = f"{head}\n[... {cut} lines cut to fit the context ...]\n{tail}"
     return (
-        f"{task.problem_statement}\n\n"
+        f"{statement}\n\n"
         f"The project's source is in {WORKSPACE}. Make your change there; hidden tests will check it."
     )
 
@@ -83,8 +90,10 @@ def task_prompt(task: Task) -> str:
 class HarnessAgent:
     """A policy through the harness's agent loop, with the harness's tools on the sandbox."""
 
-    def __init__(self, policy: Any, loop_config: Any = None, tool_config: Any = None, name: str | None = None):
+    def __init__(self, policy: Any, loop_config: Any = None, tool_config: Any = None, name: str | None = None,
+                 max_prompt_chars: int | None = None):
         self.policy = policy
+        self.max_prompt_chars = max_prompt_chars
         self.loop_config = loop_config
         self.tool_config = tool_config
         self.name = name or getattr(policy, "name", "model")
@@ -101,7 +110,7 @@ class HarnessAgent:
         try:
             traj_path = out_dir / f"{task.instance_id}.traj.json"
             traj = Agent(self.policy, self.loop_config).run(
-                task_prompt(task), session, out=traj_path, env=f"dojobench/{task.instance_id}",
+                task_prompt(task, self.max_prompt_chars), session, out=traj_path, env=f"dojobench/{task.instance_id}",
                 metadata={"instance_id": task.instance_id, "category": task.category},
             )
         finally:
@@ -215,6 +224,12 @@ class RunResult:
         if not by_task:
             return 0.0
         return sum(pass_at_k(len(rs), sum(r.status == "resolved" for r in rs), k) for rs in by_task.values()) / len(by_task)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunResult:
+        d = json.loads(text)
+        results = [TaskResult(**r) for r in d["results"]]
+        return cls(d["name"], d["agent"], d["suite"], d["samples"], d["parallel"], d["wall_s"], results)
 
     def to_json(self) -> dict[str, Any]:
         ks = [k for k in (1, 2, 5, 10) if k <= self.samples]

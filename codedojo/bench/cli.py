@@ -1,0 +1,201 @@
+"""`dojo bench build|validate|run|report` and the main job, `dojo demo`.
+
+Heavy imports (the sandbox, torch, matplotlib) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+bench_app = typer.Typer(help="dojobench: build, validate and run benchmark suites of real engineering tasks.",
+                        no_args_is_help=True)
+
+AGENTS = ("oracle", "null", "smollm2")
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def _load(suite: str):
+    from codedojo.bench.suite import load_suite
+    from codedojo.bench.task import TaskFormatError
+
+    try:
+        return load_suite(suite)
+    except (FileNotFoundError, TaskFormatError) as e:
+        raise typer.BadParameter(str(e), param_hint="SUITE") from None
+
+
+def _select(s, split: str | None, limit: int | None, ids: list[str] | None):
+    tasks = s.split(split) if split else list(s.tasks)
+    if ids:
+        tasks = [s[i] for i in ids]
+    return tasks[:limit] if limit else tasks
+
+
+@bench_app.command("build")
+def build(
+    recipe: Annotated[Path, typer.Argument(help="A recipe TOML (e.g. codedojo/bench/suites/v0/recipe.toml).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Suite directory to write.")],
+    jobs: Annotated[int, typer.Option(help="Packages built at a time.")] = 1,
+) -> None:
+    """Build a suite from real PyPI packages: sdists, baselines, libcst mutants, validation."""
+    from codedojo.bench.builder import BuildError, build_suite, load_recipe
+
+    if not recipe.is_file():
+        raise typer.BadParameter(f"{recipe} does not exist", param_hint="RECIPE")
+    con = _console()
+    try:
+        suite = build_suite(load_recipe(recipe), out, log=lambda m: con.print(m, markup=False, highlight=False), jobs=jobs)
+    except BuildError as e:
+        raise typer.BadParameter(str(e), param_hint="RECIPE") from None
+    con.print(f"suite {suite.name} {suite.manifest.version}: {len(suite)} tasks written to {out}")
+
+
+@bench_app.command("validate")
+def validate(
+    suite: Annotated[str, typer.Argument(help="Shipped suite name (v0, micro) or a suite directory.")],
+    sample: Annotated[int | None, typer.Option(help="Validate only the first N tasks.")] = None,
+    runs: Annotated[int, typer.Option(help="Runs of the gold patch that must all pass.")] = 3,
+    parallel: Annotated[int, typer.Option(help="Tasks validated at a time.")] = 1,
+) -> None:
+    """Check every task: the base fails its FAIL_TO_PASS tests, the gold patch passes runs/runs."""
+    from rich.table import Table
+
+    from codedojo.bench.validate import validate_suite
+    from codedojo.bench.workspace import TaskImages, default_provider
+
+    s = _load(suite)
+    tasks = s.tasks[:sample] if sample else s.tasks
+    con = _console()
+    provider = default_provider()
+    table = Table(title=f"suite {s.name} {s.manifest.version}: validation")
+    for col in ("task", "category", "base fails F2P", "base passes P2P", "gold", "ok"):
+        table.add_column(col)
+    try:
+        with con.status(f"validating {len(tasks)} task(s)") as st:
+            done: list = []
+
+            def progress(v) -> None:
+                done.append(v)
+                st.update(f"validated {len(done)}/{len(tasks)}")
+
+            results = validate_suite(TaskImages(provider), tasks, runs=runs, parallel=parallel, progress=progress)
+    finally:
+        provider.close()
+    for v in results:
+        table.add_row(v.instance_id, v.category, f"{v.base_f2p_failed}/{v.f2p}", f"{v.base_p2p_passed}/{v.p2p}",
+                      f"{v.gold_runs_passed}/{v.runs}", "[green]yes[/]" if v.ok else f"[red]NO[/] {v.error[:60]}")
+    con.print(table)
+    bad = [v for v in results if not v.ok]
+    con.print(f"{len(results) - len(bad)}/{len(results)} tasks valid")
+    if bad:
+        raise typer.Exit(1)
+
+
+@bench_app.command("run")
+def run(
+    suite: Annotated[str, typer.Argument(help="Shipped suite name (v0, micro) or a suite directory.")],
+    agent: Annotated[str, typer.Option(help=f"One of {', '.join(AGENTS)}.")] = "oracle",
+    name: Annotated[str | None, typer.Option(help="Run name (outputs under runs/<name>/).")] = None,
+    split: Annotated[str | None, typer.Option(help="Only this split (train, test).")] = None,
+    task: Annotated[list[str] | None, typer.Option(help="Only these task ids (repeatable).")] = None,
+    limit: Annotated[int | None, typer.Option(help="At most N tasks.")] = None,
+    samples: Annotated[int, typer.Option(help="Episodes per task (pass@k over them).")] = 1,
+    parallel: Annotated[int, typer.Option(help="Sandboxes at a time.")] = 1,
+    max_turns: Annotated[int, typer.Option(help="Model agent: turns per episode.")] = 4,
+    max_tokens: Annotated[int, typer.Option(help="Model agent: completion tokens per episode.")] = 512,
+    base_url: Annotated[str | None, typer.Option(help="Model agent: an OpenAI-compatible endpoint (else in process).")] = None,
+    out_dir: Annotated[Path, typer.Option(help="Where runs go.")] = Path("runs"),
+) -> None:
+    """Run an agent on a suite in sandboxes, grade on fresh copies, write the report."""
+    if agent not in AGENTS:
+        raise typer.BadParameter(f"unknown agent {agent!r}; one of {', '.join(AGENTS)}", param_hint="--agent")
+    s = _load(suite)
+    try:
+        tasks = _select(s, split, limit, task)
+    except KeyError as e:
+        raise typer.BadParameter(str(e)) from None
+    bench_agent = _make_agent(agent, max_turns, max_tokens, base_url)
+    _run_and_report(s.name, tasks, bench_agent, name or f"{s.name}-{agent}", samples, parallel, out_dir)
+
+
+def _make_agent(agent: str, max_turns: int, max_tokens: int, base_url: str | None):
+    from codedojo.bench.runner import NullAgent, OracleAgent
+
+    if agent == "oracle":
+        return OracleAgent()
+    if agent == "null":
+        return NullAgent()
+    from codedojo.bench.models import smollm2_agent
+
+    return smollm2_agent(max_turns=max_turns, max_tokens=max_tokens, base_url=base_url)
+
+
+def _run_and_report(suite_name, tasks, bench_agent, name, samples, parallel, out_dir):
+    from codedojo.bench.report import markdown, write_report
+    from codedojo.bench.runner import run_agent
+    from codedojo.bench.workspace import TaskImages, default_provider
+
+    con = _console()
+    provider = default_provider()
+    try:
+        with con.status(f"{bench_agent.name}: preparing {len(tasks)} task(s)") as st:
+            done: list = []
+
+            def progress(r) -> None:
+                done.append(r)
+                st.update(f"{bench_agent.name}: {len(done)}/{len(tasks) * samples} episodes "
+                          f"({sum(x.status == 'resolved' for x in done)} resolved)")
+
+            result = run_agent(TaskImages(provider), bench_agent, tasks, name=name, suite=suite_name,
+                               samples=samples, parallel=parallel, out_dir=out_dir, progress=progress)
+    finally:
+        provider.close()
+    paths = write_report(result, out_dir)
+    con.print(markdown(result), markup=False, highlight=False)
+    con.print(f"report: {paths['markdown']}  {paths['json']}  {paths['plot']}")
+    return result
+
+
+@bench_app.command("report")
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (runs/<name>) holding results.json.")],
+) -> None:
+    """Rewrite a run's markdown, JSON and PNG report from its results.json."""
+    from codedojo.bench.report import markdown, write_report
+    from codedojo.bench.runner import RunResult
+
+    path = run_dir / "results.json"
+    if not path.is_file():
+        raise typer.BadParameter(f"{path} does not exist", param_hint="RUN_DIR")
+    result = RunResult.from_json(path.read_text())
+    paths = write_report(result, run_dir.parent)
+    typer.echo(markdown(result))
+    typer.echo(f"report: {paths['markdown']}  {paths['json']}  {paths['plot']}")
+
+
+def demo(
+    max_turns: Annotated[int, typer.Option(help="SmolLM2: turns per episode.")] = 3,
+    max_tokens: Annotated[int, typer.Option(help="SmolLM2: completion tokens per episode.")] = 384,
+    parallel: Annotated[int, typer.Option(help="Sandboxes at a time.")] = 2,
+    base_url: Annotated[str | None, typer.Option(help="Serve SmolLM2 from this endpoint instead of in process.")] = None,
+    out_dir: Annotated[Path, typer.Option(help="Where runs go.")] = Path("runs"),
+) -> None:
+    """The main job: build (or load) the micro suite, evaluate the oracle and SmolLM2, print the report."""
+    from codedojo.bench.demo import run_demo
+
+    ok = run_demo(max_turns=max_turns, max_tokens=max_tokens, parallel=parallel, base_url=base_url, out_dir=out_dir)
+    if not ok:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")
+    app.command("demo")(demo)
