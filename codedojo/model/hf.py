@@ -1,0 +1,167 @@
+"""Hugging Face checkpoints: import safetensors with Llama or Qwen2 names, export safetensors +
+``config.json`` that ``transformers`` loads as ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` when the
+model has q/k/v biases, which Llama's config cannot express without an o_proj bias)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from codedojo.model.config import ModelConfig, RopeScaling
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from an HF ``config.json`` dict (model_type llama or qwen2)."""
+    mt = hf.get("model_type")
+    if mt not in ("llama", "qwen2"):
+        raise ValueError(f"config.json model_type: {mt!r} is not supported (llama, qwen2)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = None
+    rtype = rope.get("rope_type", rope.get("type", "default"))
+    if rtype == "yarn":
+        scaling = RopeScaling(
+            kind="yarn", factor=float(rope["factor"]),
+            original_max_seq_len=int(rope.get("original_max_position_embeddings")
+                                     or hf["max_position_embeddings"]),
+            beta_fast=float(rope.get("beta_fast") or 32.0),
+            beta_slow=float(rope.get("beta_slow") or 1.0))
+    elif rtype not in ("default", None):
+        raise ValueError(f"config.json rope_type: {rtype!r} is not supported (default, yarn)")
+    n_heads = int(hf["num_attention_heads"])
+    return ModelConfig(
+        vocab_size=int(hf["vocab_size"]), dim=int(hf["hidden_size"]),
+        n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        head_dim=hf.get("head_dim"), ffn_dim=int(hf["intermediate_size"]),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+        max_seq_len=int(hf.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attn_bias=mt == "qwen2" or bool(hf.get("attention_bias", False)),
+        rope_scaling=scaling,
+    )
+
+
+def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig
+                       ) -> dict[str, torch.Tensor]:
+    """HF Llama/Qwen2 parameter names -> ours (fusing q/k/v and gate/up)."""
+    src = {k.removeprefix("model."): v for k, v in hf_sd.items()}
+    sd = {"tok_embeddings.weight": src.pop("embed_tokens.weight"),
+          "norm.weight": src.pop("norm.weight")}
+    lm_head = src.pop("lm_head.weight", None)
+    if not cfg.tie_embeddings:
+        if lm_head is None:
+            raise ValueError("lm_head.weight missing while tie_word_embeddings is false")
+        sd["output.weight"] = lm_head
+    for i in range(cfg.n_layers):
+        p, o = f"layers.{i}.", f"layers.{i}."
+        a = p + "self_attn."
+        sd[o + "attn.wqkv.weight"] = torch.cat(
+            [src.pop(a + "q_proj.weight"), src.pop(a + "k_proj.weight"),
+             src.pop(a + "v_proj.weight")])
+        if cfg.attn_bias:
+            sd[o + "attn.wqkv.bias"] = torch.cat(
+                [src.pop(a + "q_proj.bias"), src.pop(a + "k_proj.bias"),
+                 src.pop(a + "v_proj.bias")])
+        sd[o + "attn.wo.weight"] = src.pop(a + "o_proj.weight")
+        sd[o + "attn_norm.weight"] = src.pop(p + "input_layernorm.weight")
+        sd[o + "mlp_norm.weight"] = src.pop(p + "post_attention_layernorm.weight")
+        sd[o + "mlp.w_gate_up.weight"] = torch.cat(
+            [src.pop(p + "mlp.gate_proj.weight"), src.pop(p + "mlp.up_proj.weight")])
+        sd[o + "mlp.w_down.weight"] = src.pop(p + "mlp.down_proj.weight")
+    leftover = [k for k in src if not k.endswith("rotary_emb.inv_freq")]
+    if leftover:
+        raise ValueError(f"HF tensors not understood: {sorted(leftover)[:5]}")
+    return sd
+
+
+def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Ours -> HF Llama/Qwen2 names (splitting the fused projections)."""
+    H, K, D = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd, cfg.ffn_dim
+    out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"],
+           "model.norm.weight": sd["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["output.weight"]
+    for i in range(cfg.n_layers):
+        o, p = f"layers.{i}.", f"model.layers.{i}."
+        q, k, v = sd[o + "attn.wqkv.weight"].split([H, K, K])
+        out[p + "self_attn.q_proj.weight"] = q
+        out[p + "self_attn.k_proj.weight"] = k
+        out[p + "self_attn.v_proj.weight"] = v
+        if cfg.attn_bias:
+            qb, kb, vb = sd[o + "attn.wqkv.bias"].split([H, K, K])
+            out[p + "self_attn.q_proj.bias"] = qb
+            out[p + "self_attn.k_proj.bias"] = kb
+            out[p + "self_attn.v_proj.bias"] = vb
+        out[p + "self_attn.o_proj.weight"] = sd[o + "attn.wo.weight"]
+        out[p + "input_layernorm.weight"] = sd[o + "attn_norm.weight"]
+        out[p + "post_attention_layernorm.weight"] = sd[o + "mlp_norm.weight"]
+        g, u = sd[o + "mlp.w_gate_up.weight"].split([D, D])
+        out[p + "mlp.gate_proj.weight"] = g
+        out[p + "mlp.up_proj.weight"] = u
+        out[p + "mlp.down_proj.weight"] = sd[o + "mlp.w_down.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def hf_config(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
+    """An HF ``config.json`` dict for ``cfg``."""
+    if cfg.moe is not None:
+        raise ValueError("moe: MoE models have no Llama/Qwen2 HF config; export the dense model")
+    qwen = cfg.attn_bias
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    s = cfg.rope_scaling
+    if s is not None and s.kind == "base":
+        rope["rope_theta"] = s.new_theta
+    elif s is not None and s.kind == "yarn":
+        rope.update(rope_type="yarn", factor=s.factor,
+                    original_max_position_embeddings=s.original_max_seq_len,
+                    beta_fast=s.beta_fast, beta_slow=s.beta_slow)
+    conf: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen else "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.hd,
+        "intermediate_size": cfg.ffn_dim, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": rope["rope_theta"], "rope_parameters": rope,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+    }
+    conf.update(extra)
+    return conf
+
+
+def save_hf(model_or_sd: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig,
+            out_dir: str | Path, **config_extra: Any) -> Path:
+    """Write ``model.safetensors`` + ``config.json`` under ``out_dir``; returns the dir."""
+    from safetensors.torch import save_file
+
+    sd = model_or_sd.state_dict() if isinstance(model_or_sd, torch.nn.Module) else model_or_sd
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = state_dict_to_hf({k: v.detach().cpu() for k, v in sd.items()}, cfg)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, **config_extra), indent=2))
+    return out
+
+
+def load_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """Read an HF directory (config.json + *.safetensors) -> (our state dict, config)."""
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    conf_path = d / "config.json"
+    if not conf_path.exists():
+        raise FileNotFoundError(f"{conf_path} not found (an HF model directory needs config.json)")
+    cfg = config_from_hf(json.loads(conf_path.read_text()))
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors under {d}")
+    hf_sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        hf_sd.update(load_file(str(f)))
+    return state_dict_from_hf(hf_sd, cfg), cfg

@@ -1,0 +1,134 @@
+"""A key/value cache for continuous batching: fixed slots, each holding one sequence, with its own
+length. Storage grows (by doubling) up to ``max_len`` so a 16-slot cache for long contexts costs
+memory only when sequences actually get long.
+
+A forward pass works on a contiguous range of slots (a ``CacheView``). The engine keeps its live
+sequences packed at the front (``move`` fills a hole when one finishes), so a decode step reads
+``k[:, :n]`` as a plain slice: no gather copies per layer. Positions beyond a slot's length hold
+stale values; the per-row mask hides them, which also makes ``truncate`` (speculative rollback)
+free.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from codedojo.model.config import ModelConfig
+
+
+class KVCache:
+    """Per-layer keys/values, shape (layers, slots, kv_heads, capacity, head_dim)."""
+
+    def __init__(self, cfg: ModelConfig, n_slots: int, max_len: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 initial_len: int = 256) -> None:
+        if n_slots < 1:
+            raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        self.n_layers, self.n_slots, self.max_len = cfg.n_layers, n_slots, max_len
+        self._shape = (cfg.n_layers, n_slots, cfg.n_kv_heads, 0, cfg.hd)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.lengths = [0] * n_slots  # tokens stored per slot
+        self.k = self.v = torch.empty(0)
+        self._alloc(min(initial_len, max_len))
+
+    def _alloc(self, capacity: int) -> None:
+        L, N, K, _, D = self._shape
+        k = torch.zeros(L, N, K, capacity, D, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
+        if self.k.numel():
+            old = self.k.shape[3]
+            k[:, :, :, :old] = self.k
+            v[:, :, :, :old] = self.v
+        self.k, self.v = k, v
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def reserve(self, length: int) -> None:
+        """Make room for ``length`` tokens in every slot."""
+        if length > self.max_len:
+            raise ValueError(f"sequence length {length} exceeds the cache's max_len "
+                             f"{self.max_len}")
+        if length > self.capacity:
+            cap = self.capacity
+            while cap < length:
+                cap *= 2
+            self._alloc(min(cap, self.max_len))
+
+    def view(self, start: int, stop: int | None = None) -> CacheView:
+        """The slots [start, stop) for one forward pass."""
+        stop = start + 1 if stop is None else stop
+        if not 0 <= start < stop <= self.n_slots:
+            raise ValueError(f"slots [{start}, {stop}) outside [0, {self.n_slots})")
+        return CacheView(self, start, stop)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Forget everything after the first ``length`` tokens of ``slot``."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"length {length} outside [0, {self.lengths[slot]}] for slot {slot}")
+        self.lengths[slot] = length
+
+    def reset(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot ``src`` into ``dst`` (used to keep live slots contiguous)."""
+        if src == dst:
+            return
+        n = self.lengths[src]
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+        self.lengths[src] = 0
+
+
+class CacheView:
+    """Slots [start, stop) of a cache, as seen by one forward pass over T new tokens."""
+
+    def __init__(self, cache: KVCache, start: int, stop: int) -> None:
+        self.cache, self.start, self.stop = cache, start, stop
+        self._write: torch.Tensor | None = None
+        self._past: list[int] = []
+        self._extent = 0
+
+    def prepare(self, T: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Reserve room for T new tokens per slot; return their storage positions (B, T) and
+        the attention mask (B, 1, T, S) (None when every key is visible), then advance lengths.
+        Called once per forward pass, before the layers."""
+        c = self.cache
+        past = c.lengths[self.start : self.stop]
+        B = len(past)
+        extent = max(past) + T
+        c.reserve(extent)
+        dev = c.device
+        base = torch.tensor(past, device=dev)
+        pos = base[:, None] + torch.arange(T, device=dev)[None, :]  # (B, T)
+        mask: torch.Tensor | None = None
+        if T > 1 or min(past) != max(past):
+            keys = torch.arange(extent, device=dev)
+            mask = (keys[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # (B, 1, T, S)
+        self._past, self._extent, self._write = past, extent, pos
+        for i in range(B):
+            c.lengths[self.start + i] = past[i] + T
+        return pos, mask
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, K, T, hd) at this pass's positions; return all keys/values so far
+        (B, K, S, hd) for these slots."""
+        c, s0, s1 = self.cache, self.start, self.stop
+        kc, vc = c.k[layer, s0:s1], c.v[layer, s0:s1]  # (B, K, cap, hd) views
+        T = k.shape[2]
+        past = self._past
+        if min(past) == max(past):  # all rows write the same span: a slice copy
+            p = past[0]
+            kc[:, :, p : p + T] = k
+            vc[:, :, p : p + T] = v
+        else:
+            idx = self._write[:, None, :, None].expand_as(k)  # type: ignore[index]
+            kc.scatter_(2, idx, k)
+            vc.scatter_(2, idx, v)
+        return kc[:, :, : self._extent], vc[:, :, : self._extent]

