@@ -18,21 +18,26 @@ not RPC errors; RPC errors are for bad requests (unknown method, unknown episode
 
 from __future__ import annotations
 
+import http.client
 import importlib
+import itertools
+import json
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
-import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from codedojo.harness.tools.base import ToolContext, ToolResult
 from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
 from codedojo.sandbox.base import Sandbox, SandboxProvider
 
+PARSE_ERROR = -32700
 INVALID_PARAMS = -32602
 METHOD_NOT_FOUND = -32601
 SERVER_ERROR = -32000
@@ -155,30 +160,50 @@ def _req(p: dict[str, Any], key: str) -> Any:
     return p[key]
 
 
+def _response(rid: Any, result: Any = None, error: RPCError | None = None) -> Response:
+    body: dict[str, Any] = {"jsonrpc": "2.0", "id": rid}
+    if error is not None:
+        body["error"] = {"code": error.code, "message": str(error)}
+    else:
+        body["result"] = result
+    return Response(json.dumps(body, ensure_ascii=False), media_type="application/json")
+
+
 def create_app(server: ToolServer) -> FastAPI:
+    """The HTTP face of a `ToolServer`: POST /rpc (JSON-RPC 2.0), GET /health.
+
+    The body is parsed by hand rather than through a pydantic model: a tool call is a few
+    hundred bytes and this path is paid on every call. Calls run on the thread pool, so one
+    episode's long command does not hold up the others.
+    """
     app = FastAPI(title="codedojo tools")
 
     @app.post("/rpc")
-    def rpc(body: dict[str, Any]) -> JSONResponse:
-        rid = body.get("id")
-        method = body.get("method")
-        params = body.get("params") or {}
+    async def rpc(request: Request) -> Response:
+        rid = None
         try:
+            try:
+                body = json.loads(await request.body())
+            except ValueError as e:
+                raise RPCError(PARSE_ERROR, f"body: not JSON ({e})") from e
+            if not isinstance(body, dict):
+                raise RPCError(INVALID_PARAMS, "body: must be a JSON-RPC request object")
+            rid = body.get("id")
+            method = body.get("method")
+            params = body.get("params") or {}
             if not isinstance(method, str):
                 raise RPCError(INVALID_PARAMS, "method: must be a string")
             if not isinstance(params, dict):
                 raise RPCError(INVALID_PARAMS, "params: must be an object")
-            result = server.dispatch(method, params)
+            result = await run_in_threadpool(server.dispatch, method, params)
         except RPCError as e:
-            return JSONResponse({"jsonrpc": "2.0", "id": rid, "error": {"code": e.code, "message": str(e)}})
+            return _response(rid, error=e)
         except Exception as e:  # the service must keep serving other episodes
-            return JSONResponse(
-                {"jsonrpc": "2.0", "id": rid, "error": {"code": SERVER_ERROR, "message": f"{type(e).__name__}: {e}"}}
-            )
-        return JSONResponse({"jsonrpc": "2.0", "id": rid, "result": result})
+            return _response(rid, error=RPCError(SERVER_ERROR, f"{type(e).__name__}: {e}"))
+        return _response(rid, result)
 
     @app.get("/health")
-    def health(_: Request) -> dict[str, Any]:
+    async def health() -> dict[str, Any]:
         return {"ok": True, "episodes": len(server.episodes), "generation": server.registry.generation}
 
     return app
@@ -205,14 +230,17 @@ def serve_in_thread(server: ToolServer, host: str = "127.0.0.1", port: int = 0, 
 
     app = create_app(server)
     if uds:
-        config = uvicorn.Config(app, uds=uds, log_level="warning", access_log=False)
+        config = uvicorn.Config(app, uds=uds, log_level="warning", access_log=False, timeout_keep_alive=300)
         sock = None
         url = "http://tools"
     else:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted sockets only when the
+        # protocol is spelled out, and without it every response waits ~40 ms on delayed ACKs.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
-        config = uvicorn.Config(app, log_level="warning", access_log=False)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=300)
         url = f"http://{host}:{sock.getsockname()[1]}"
     userver = uvicorn.Server(config)
     thread = threading.Thread(
@@ -230,18 +258,90 @@ def serve_in_thread(server: ToolServer, host: str = "127.0.0.1", port: int = 0, 
 # ---- client ---------------------------------------------------------------------------------
 
 
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+class _TCPHTTPConnection(http.client.HTTPConnection):
+    def connect(self) -> None:
+        super().connect()
+        # Request and response are small single writes; never wait on Nagle's algorithm.
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class ToolClient:
-    """JSON-RPC client of a `ToolServer` (keeps one connection alive)."""
+    """JSON-RPC client of a `ToolServer` over one kept-alive connection.
+
+    Built on `http.client` rather than a full HTTP client: this is the per-call cost the
+    agent loop pays on every tool call. Thread-safe (one request at a time per client).
+    """
 
     def __init__(self, url: str, uds: str | None = None, timeout: float = 300.0) -> None:
-        transport = httpx.HTTPTransport(uds=uds) if uds else None
-        self._http = httpx.Client(base_url=url, transport=transport, timeout=timeout)
-        self._ids = iter(range(1, 1 << 62))
+        parsed = urlparse(url)
+        self.url = url
+        self._uds = uds
+        self._host = parsed.hostname or "127.0.0.1"
+        self._port = parsed.port or 80
+        self._timeout = timeout
+        self._conn: http.client.HTTPConnection | None = None
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            if self._uds:
+                self._conn = _UnixHTTPConnection(self._uds, self._timeout)
+            else:
+                self._conn = _TCPHTTPConnection(self._host, self._port, timeout=self._timeout)
+        return self._conn
+
+    def _post(self, payload: bytes) -> bytes:
+        with self._lock:
+            for attempt in (0, 1):
+                conn = self._connect()
+                try:
+                    conn.request("POST", "/rpc", body=payload, headers={"Content-Type": "application/json"})
+                except OSError:
+                    # Sending failed (e.g. the server closed an idle connection): nothing was
+                    # processed, so one retry on a fresh connection is safe.
+                    self._reset()
+                    if attempt:
+                        raise
+                    continue
+                try:
+                    resp = conn.getresponse()
+                    data = resp.read()
+                except (http.client.RemoteDisconnected, ConnectionResetError) as e:
+                    self._reset()
+                    if attempt or not isinstance(e, http.client.RemoteDisconnected):
+                        raise
+                    continue  # the idle connection was closed before the request reached it
+                except BaseException:
+                    self._reset()
+                    raise
+                if resp.status != 200:
+                    raise RPCError(SERVER_ERROR, f"HTTP {resp.status}: {data[:500].decode(errors='replace')}")
+                return data
+        raise AssertionError("unreachable")
+
+    def _reset(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     def request(self, method: str, **params: Any) -> Any:
-        r = self._http.post("/rpc", json={"jsonrpc": "2.0", "id": next(self._ids), "method": method, "params": params})
-        r.raise_for_status()
-        body = r.json()
+        payload = json.dumps(
+            {"jsonrpc": "2.0", "id": next(self._ids), "method": method, "params": params}, ensure_ascii=False
+        ).encode()
+        body = json.loads(self._post(payload))
         if "error" in body:
             raise RPCError(body["error"]["code"], body["error"]["message"])
         return body["result"]
@@ -259,7 +359,8 @@ class ToolClient:
         self.request("env.configure", env=env, config=config.model_dump())
 
     def close(self) -> None:
-        self._http.close()
+        with self._lock:
+            self._reset()
 
 
 class RemoteEpisode:
@@ -285,5 +386,5 @@ class RemoteEpisode:
     def close(self) -> None:
         try:
             self.client.request("episode.close", episode_id=self.episode_id)
-        except (RPCError, httpx.HTTPError):
+        except (RPCError, OSError):
             pass

@@ -1,0 +1,94 @@
+"""Run the tool service as its own process beside one sandbox.
+
+    python -m codedojo.harness.service --image IMAGE [--root STORE] [--port 0 | --uds PATH]
+    dojo tools serve --image IMAGE ...
+
+It creates the sandbox from IMAGE (or from a directory, `--dir`), serves the tools over
+JSON-RPC, prints one JSON line `{"url", "uds", "sandbox_id", "pid"}` on stdout once it accepts
+calls, and destroys the sandbox when it gets SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from codedojo.harness.rpc import ToolServer, serve_in_thread
+from codedojo.harness.toolset import EnvToolConfig
+
+
+def serve(
+    *,
+    image: str | None = None,
+    directory: str | None = None,
+    root: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    uds: str | None = None,
+    env_configs: dict[str, Path] | None = None,
+    codebase_search: bool = True,
+) -> None:
+    from codedojo.sandbox.base import SandboxSpec
+    from codedojo.sandbox.local import LocalProvider
+
+    if (image is None) == (directory is None):
+        raise ValueError("image/dir: give exactly one of --image and --dir")
+    envs = {"default": EnvToolConfig()}
+    for name, path in (env_configs or {}).items():
+        envs[name] = EnvToolConfig.from_toml(path)
+    provider = LocalProvider(root=root)
+    if directory is not None:
+        image = provider.images.from_directory(directory).id
+    assert image is not None
+    sandbox = provider.create(SandboxSpec(image=image))
+    search = None
+    if codebase_search:
+        from codedojo.harness.embeddings import CodebaseIndex
+
+        search = CodebaseIndex()  # the model loads on the first search
+    server = ToolServer(sandbox=sandbox, envs=envs, search=search)
+    running = serve_in_thread(server, host=host, port=port, uds=uds)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(json.dumps({"url": running.url, "uds": uds, "sandbox_id": sandbox.id, "pid": __import__("os").getpid()}), flush=True)
+    try:
+        stop.wait()
+    finally:
+        running.stop()
+        server.close()
+        sandbox.destroy()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--image")
+    ap.add_argument("--dir", dest="directory")
+    ap.add_argument("--root")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--uds")
+    ap.add_argument("--no-codebase-search", action="store_true")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=TOML", help="an environment's tool config")
+    a = ap.parse_args(argv)
+    envs: dict[str, Path] = {}
+    for item in a.env:
+        name, sep, path = item.partition("=")
+        if not sep:
+            ap.error(f"--env: expected NAME=TOML, got {item!r}")
+        envs[name] = Path(path)
+    try:
+        serve(image=a.image, directory=a.directory, root=a.root, host=a.host, port=a.port, uds=a.uds,
+              env_configs=envs, codebase_search=not a.no_codebase_search)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
