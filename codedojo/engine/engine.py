@@ -1,0 +1,273 @@
+"""The generation engine: token ids in, token ids and logprobs out. It knows nothing of text.
+
+One scheduler owns the model and the KV cache. Each iteration it
+1. admits waiting requests into free cache slots, prefilling each prompt (one forward pass,
+   logits for the last position only) and sampling its first token;
+2. runs one batched decode step over every live request (each at its own length);
+3. retires finished requests, moving the last live slot into the hole so live slots stay
+   contiguous and a decode step reads the cache as a plain slice.
+
+A new request therefore joins while others decode (continuous batching). The scheduler runs
+either inline (``generate`` without a started engine) or on a background thread (``start``),
+which ``stream`` and concurrent callers use.
+
+Finish reasons: "stop" (a stop token was sampled; it is kept in ``token_ids`` because RL trains
+on it), "length" (``max_tokens`` reached, or the cache's ``max_seq_len``), "cancelled".
+``Completion.weight_version`` is the version of the weights that produced the request's first
+token; ``load_weights`` swaps weights between steps, so a request in flight during a push
+finishes on the new weights (its older-version KV entries are kept, as in asynchronous RL).
+
+Speculative decoding plugs in at ``_decode_step``: it receives the live requests and must
+append at least one token to each, via ``_emit``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from codedojo.engine.sampling import sample_batch
+from codedojo.engine.types import Completion, SamplingParams, TokenEvent
+from codedojo.model.kv_cache import KVCache
+from codedojo.model.transformer import Transformer
+
+
+@dataclass
+class Request:
+    """One generation request as the scheduler tracks it."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_event: Callable[[TokenEvent], None] | None = None
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    weight_version: int = -1
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def completion(self) -> Completion:
+        return Completion(prompt_ids=self.prompt_ids, token_ids=self.token_ids,
+                          logprobs=self.logprobs, finish_reason=self.finish_reason or "cancelled",
+                          weight_version=self.weight_version, top_logprobs=self.top_logprobs)
+
+
+class Engine:
+    """Batched, continuously-batched generation over a ``Transformer``."""
+
+    def __init__(self, model: Transformer, *, max_batch: int = 16,
+                 max_seq_len: int | None = None) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        cfg = model.cfg
+        self.model = model.eval()
+        self.max_batch = max_batch
+        self.max_seq_len = min(max_seq_len or cfg.max_seq_len, cfg.max_seq_len)
+        dtype = next(model.parameters()).dtype
+        self.cache = KVCache(cfg, max_batch, self.max_seq_len, dtype=dtype,
+                             device=next(model.parameters()).device)
+        self.weight_version = 0
+        self._waiting: deque[Request] = deque()
+        self._live: list[Request] = []  # request i lives in cache slot i
+        self._step_lock = threading.Lock()  # one scheduler iteration (or weight swap) at a time
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._running = False
+
+    # ---------------------------------------------------------------- public API
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               on_event: Callable[[TokenEvent], None] | None = None) -> Request:
+        """Queue one request (validated now, so bad input fails in the caller's thread)."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        vocab = self.model.cfg.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt_ids: token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens leave no room to generate "
+                             f"(max_seq_len {self.max_seq_len})")
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator().manual_seed(params.seed)
+        req = Request(list(prompt_ids), params, on_event, gen)
+        with self._wake:
+            self._waiting.append(req)
+            self._wake.notify()
+        return req
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[Completion]:
+        """Generate for every prompt (batched); returns completions in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: {len(plist)} entries for {len(prompts)} prompts")
+        reqs = [self.submit(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        if self._running:
+            for r in reqs:
+                r.done.wait()
+        else:
+            while not all(r.done.is_set() for r in reqs):
+                self.step()
+        return [r.completion() for r in reqs]
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams
+                     ) -> AsyncIterator[TokenEvent]:
+        """Yield tokens as they are generated. Stopping iteration (or ``aclose()``) cancels the
+        request. Starts the background scheduler if it is not running."""
+        if not self._running:
+            self.start()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        req = self.submit(prompt_ids, params,
+                          on_event=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+        try:
+            while True:
+                ev = await queue.get()
+                yield ev
+                if ev.finish_reason is not None:
+                    return
+        finally:
+            if not req.done.is_set():
+                req.cancelled = True
+                with self._wake:
+                    self._wake.notify()
+
+    def start(self) -> None:
+        """Run the scheduler on a background thread (continuous batching across callers)."""
+        if self._running:
+            return
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="codedojo-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the background scheduler; requests still queued or live are cancelled."""
+        if not self._running:
+            return
+        self._running = False
+        with self._wake:
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._step_lock:
+            for r in list(self._live) + list(self._waiting):
+                self._finish(r, "cancelled")
+            self._live.clear()
+            self._waiting.clear()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Swap in new weights (all or some parameters, our names) between scheduler steps."""
+        own = self.model.state_dict()
+        unknown = [k for k in state_dict if k not in own]
+        if unknown:
+            raise KeyError(f"load_weights: unknown parameter names {unknown[:5]}")
+        for k, v in state_dict.items():
+            if tuple(v.shape) != tuple(own[k].shape):
+                raise ValueError(f"load_weights: {k} has shape {tuple(v.shape)}, "
+                                 f"expected {tuple(own[k].shape)}")
+        with self._step_lock, torch.no_grad():
+            for k, v in state_dict.items():
+                own[k].copy_(v)
+            self.weight_version = int(version)
+
+    @property
+    def n_live(self) -> int:
+        return len(self._live)
+
+    # ---------------------------------------------------------------- scheduler
+    def _loop(self) -> None:
+        while self._running:
+            with self._wake:
+                while self._running and not self._waiting and not self._live:
+                    self._wake.wait()
+            if self._running:
+                self.step()
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One scheduler iteration: admit, decode once, retire."""
+        with self._step_lock:
+            self._retire()
+            self._admit()
+            self._retire()
+            if self._live:
+                self._decode_step(self._live)
+            self._retire()
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._live) < self.max_batch:
+            with self._wake:
+                req = self._waiting.popleft()
+            if req.cancelled:
+                self._finish(req, "cancelled")
+                continue
+            slot = len(self._live)
+            self.cache.reset(slot)
+            tokens = torch.tensor([req.prompt_ids], dtype=torch.long)
+            logits = self.model(tokens, cache=self.cache.view(slot), last_only=True)
+            req.weight_version = self.weight_version
+            self._live.append(req)
+            self._emit([req], logits[:, -1])
+
+    def _decode_step(self, live: list[Request]) -> None:
+        """Feed each live request's last token; sample the next one."""
+        tokens = torch.tensor([[r.token_ids[-1]] for r in live], dtype=torch.long)
+        logits = self.model(tokens, cache=self.cache.view(0, len(live)))  # (B, 1, V)
+        self._emit(live, logits[:, -1])
+
+    def _emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Sample one token per request from logits (B, V) and record it."""
+        drawn = sample_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        for slot_req, (tok, lp, top) in zip(reqs, drawn, strict=True):
+            self._record(slot_req, tok, lp, top)
+
+    def _record(self, req: Request, tok: int, lp: float, top: list[tuple[int, float]]) -> None:
+        req.token_ids.append(tok)
+        req.logprobs.append(lp)
+        req.top_logprobs.append(top)
+        p = req.params
+        reason = None
+        if tok in p.stop_token_ids:
+            reason = "stop"
+        elif len(req.token_ids) >= p.max_tokens or (
+                len(req.prompt_ids) + len(req.token_ids) >= self.max_seq_len):
+            reason = "length"
+        req.finish_reason = reason
+        if req.on_event is not None:
+            req.on_event(TokenEvent(tok, lp, top, reason))
+        if reason is not None:
+            req.done.set()
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.finish_reason is None:
+            req.finish_reason = reason
+            if req.on_event is not None:
+                req.on_event(TokenEvent(-1, 0.0, [], reason))
+        req.done.set()
+
+    def _retire(self) -> None:
+        """Drop finished/cancelled requests, keeping live slots contiguous."""
+        i = 0
+        while i < len(self._live):
+            r = self._live[i]
+            if r.cancelled and r.finish_reason is None:
+                self._finish(r, "cancelled")
+            if r.done.is_set():
+                last = len(self._live) - 1
+                if last != i:
+                    self.cache.move(last, i)  # also empties slot `last`
+                else:
+                    self.cache.reset(i)
+                self._live[i] = self._live[last]
+                self._live.pop()
+            else:
+                i += 1
