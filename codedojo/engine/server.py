@@ -1,0 +1,654 @@
+"""The OpenAI-compatible HTTP server: FastAPI on uvicorn, backed by one `Engine`.
+
+Routes: `GET /health`, `GET /v1/models`, `POST /v1/chat/completions` (streaming, `tools`,
+`tool_choice` auto/none, parsed `tool_calls`), `POST /v1/completions` (text or token-id prompts).
+
+Division of labour: the engine works on token ids only; this module owns text. It renders chat
+messages to prompt ids (`ChatTemplate`), turns sampled ids back into text incrementally, cuts the
+output at stop strings (and stops the engine's stream, which cancels the request there), and
+parses tool calls out of the finished text. Every request goes to the one engine, so concurrent
+requests share its batches.
+
+Bad input is an HTTP 400 in OpenAI's error shape whose `param` names the field; an unknown
+route is a 404; an internal failure is a 500 for that request only. The server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from codedojo.engine.openai_types import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    ResponseMessage,
+    TextCompletion,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    error_body,
+)
+from codedojo.engine.types import SamplingParams, TokenEvent
+from codedojo.model.chat import ChatFormatError, ChatTemplate
+from codedojo.model.tokenizer import Tokenizer
+
+
+class StreamingEngine(Protocol):
+    """What the server needs from the engine (`codedojo.engine.engine.Engine` has it)."""
+
+    weight_version: int
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]: ...
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+
+# ----------------------------------------------------------------------------------------------
+# One choice: ids -> text, stop strings, logprobs
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Piece:
+    """What one engine token adds to a choice: released text and the token's record."""
+
+    text: str
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ChoiceResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str = "stop"
+
+
+class TextAssembler:
+    """Builds a choice's text from token ids: skips stop tokens, holds back text that may be the
+    start of a stop string, and reports where a stop string completes."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], stop_ids: Sequence[int],
+                 skip_special_tokens: bool) -> None:
+        self.decoder = tokenizer.incremental_decoder(skip_special_tokens=skip_special_tokens)
+        self.stops = [s for s in stops if s]
+        self.stop_ids = set(stop_ids)
+        self.text = ""  # everything decoded so far (may run past a stop string)
+        self.released = 0  # text[:released] has been handed out
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Add a token; return text that is now safe to release."""
+        if self.stopped:
+            return ""
+        if token_id not in self.stop_ids:
+            self.text += self.decoder.push(token_id)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        if not self.stopped:
+            self.text += self.decoder.flush()
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stops and not self.stopped:
+            # Only the new tail can hold a stop string that was not there before.
+            start = max(0, self.released - max(len(s) for s in self.stops))
+            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+                final = True
+        end = len(self.text)
+        if not final and self.stops:
+            end -= _held_back(self.text, self.stops)
+        out = self.text[self.released : end] if end > self.released else ""
+        self.released = max(self.released, end)
+        return out
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+# ----------------------------------------------------------------------------------------------
+# The app
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerState:
+    engine: StreamingEngine
+    tokenizer: Tokenizer
+    chat: ChatTemplate
+    model_name: str
+    max_model_len: int
+    aliases: tuple[str, ...] = ()
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.aliases)
+
+
+def _param_from_loc(loc: Sequence[Any]) -> str | None:
+    parts = [p for p in loc if p not in ("body",)]
+    # pydantic adds union members to the path ("str", "list[int]", "NamedToolChoice"); drop them.
+    parts = [p for p in parts if not (isinstance(p, str) and ("[" in p or p in ("str", "int") or p[:1].isupper()))]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or None
+
+
+def create_app(engine: StreamingEngine, tokenizer: Tokenizer, chat: ChatTemplate | None = None, *,
+               model_name: str = "smollm2-135m-instruct", max_model_len: int | None = None,
+               aliases: Sequence[str] = ()) -> FastAPI:
+    """The FastAPI app. The caller owns the engine (starts it before serving, stops it after).
+
+    `max_model_len` defaults to the engine's `max_seq_len` (prompt + completion)."""
+    if max_model_len is None:
+        max_model_len = int(getattr(engine, "max_seq_len", 8192))
+    state = ServerState(engine, tokenizer, chat or ChatTemplate(tokenizer), model_name, max_model_len,
+                        tuple(aliases))
+    app = FastAPI(title="codedojo", docs_url=None, redoc_url=None)
+    app.state.dojo = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(error_body(e.message, e.param, e.type, e.code), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
+        if err.get("type") == "json_invalid":
+            return JSONResponse(error_body(f"request body is not valid JSON: {err.get('msg')}", None), 400)
+        param = _param_from_loc(err.get("loc", ()))
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if err.get("type") == "missing":
+            msg = "field required"
+        return JSONResponse(error_body(f"{param}: {msg}" if param else msg, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), None, kind), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", None, "server_error"), 500)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": state.model_name, "weight_version": state.engine.weight_version}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        cards = [ModelCard(id=n, created=state.created, max_model_len=state.max_model_len) for n in state.names]
+        return ModelList(data=cards).model_dump()
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(req: ChatCompletionRequest) -> Any:
+        return await _chat(state, req)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest) -> Any:
+        return await _completions(state, req)
+
+    return app
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared request handling
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_model(state: ServerState, name: str) -> None:
+    if name not in state.names:
+        raise APIError(400, f"model {name!r} is not served here; available: {list(state.names)}", "model",
+                       code="model_not_found")
+
+
+def _sampling(state: ServerState, req: ChatCompletionRequest | CompletionRequest, prompt_len: int,
+              logprobs: bool, top_logprobs: int, prompt_param: str) -> SamplingParams:
+    room = state.max_model_len - prompt_len
+    if room < 1:
+        raise APIError(400, f"the prompt is {prompt_len} tokens; the model's context is {state.max_model_len}",
+                       prompt_param, code="context_length_exceeded")
+    max_new = req.max_new_tokens
+    if max_new is None:
+        max_new = room
+    elif max_new > room:
+        name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        raise APIError(400, f"{name}={max_new} plus the {prompt_len}-token prompt exceeds the model's context "
+                       f"of {state.max_model_len}", name, code="context_length_exceeded")
+    top_k = req.top_k if req.top_k and req.top_k > 0 else 0
+    params = SamplingParams(
+        max_tokens=max_new,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k,
+        seed=req.seed,
+        stop_token_ids=state.tokenizer.stop_token_ids(),
+        logprobs=True,  # cheap, and RL clients read them with return_token_ids
+        top_logprobs=top_logprobs if logprobs else 0,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
+    return params
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The n choices of one request differ in seed (seed + index) so they are not copies."""
+    if params.seed is None or index == 0:
+        return params
+    return SamplingParams(**{**params.__dict__, "seed": params.seed + index,
+                             "stop_token_ids": list(params.stop_token_ids)})
+
+
+async def _run_choice(state: ServerState, prompt_ids: list[int], params: SamplingParams, stops: list[str],
+                      skip_special: bool) -> AsyncIterator[Piece | ChoiceResult]:
+    """Stream one choice: a `Piece` per engine token, then the `ChoiceResult`."""
+    asm = TextAssembler(state.tokenizer, stops, params.stop_token_ids, skip_special)
+    result = ChoiceResult()
+    finish = "length"
+    agen = state.engine.stream(prompt_ids, params)
+    try:
+        async for ev in agen:
+            if ev.token_id < 0:  # the engine ended the request without a token (cancelled)
+                finish = "stop" if ev.finish_reason == "cancelled" else (ev.finish_reason or finish)
+                break
+            result.token_ids.append(ev.token_id)
+            result.logprobs.append(ev.logprob)
+            result.top_logprobs.append(list(ev.top_logprobs or []))
+            text = asm.push(ev.token_id)
+            yield Piece(text, ev.token_id, ev.logprob, list(ev.top_logprobs or []))
+            if asm.stopped:
+                finish = "stop"
+                break
+            if ev.finish_reason is not None:
+                finish = "stop" if ev.finish_reason in ("stop", "cancelled") else ev.finish_reason
+                break
+    finally:
+        # Leaving the engine's stream early (stop string, client gone) cancels the request there.
+        await agen.aclose()
+    tail = asm.finish()
+    if tail:
+        yield Piece(tail, -1, 0.0, [])
+    result.text = asm.text
+    result.finish_reason = finish
+    yield result
+
+
+async def _collect(gen: AsyncIterator[Piece | ChoiceResult]) -> ChoiceResult:
+    result = ChoiceResult()
+    async for item in gen:
+        if isinstance(item, ChoiceResult):
+            result = item
+    return result
+
+
+def _token_logprob(tok: Tokenizer, token_id: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprob:
+    def entry(i: int, lp: float) -> TopLogprob:
+        return TopLogprob(token=tok.token_text(i), logprob=lp, bytes=list(tok.token_bytes(i)))
+
+    e = entry(token_id, logprob)
+    return TokenLogprob(token=e.token, logprob=e.logprob, bytes=e.bytes, top_logprobs=[entry(i, lp) for i, lp in top])
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators, tagging items with their index (n > 1 streaming)."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, g: AsyncIterator[Any]) -> None:
+        try:
+            async for item in g:
+                await queue.put((i, item))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for t in tasks:
+            exc = t.exception() if t.done() and not t.cancelled() else None
+            if exc is not None:
+                raise exc
+
+
+# ----------------------------------------------------------------------------------------------
+# /v1/chat/completions
+# ----------------------------------------------------------------------------------------------
+
+
+async def _chat(state: ServerState, req: ChatCompletionRequest) -> Any:
+    _check_model(state, req.model)
+    if req.tool_choice is not None and req.tool_choice not in ("auto", "none"):
+        raise APIError(400, "tool_choice: only \"auto\" and \"none\" are supported", "tool_choice")
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    use_tools = bool(tools) and req.tool_choice != "none"
+    try:
+        prompt_ids = state.chat.encode(messages, tools if use_tools else None, add_generation_prompt=True)
+    except ChatFormatError as e:
+        raise APIError(400, str(e), e.param) from None
+    params = _sampling(state, req, len(prompt_ids), req.logprobs, req.top_logprobs or 0, "messages")
+    stops = req.stops
+    version = state.engine.weight_version
+    rid, created = _new_id("chatcmpl"), int(time.time())
+    gens = [_run_choice(state, prompt_ids, _choice_params(params, i), stops, req.skip_special_tokens)
+            for i in range(req.n)]
+
+    if req.stream:
+        return StreamingResponse(_chat_stream(state, req, rid, created, prompt_ids, gens, tools if use_tools else None,
+                                              version), media_type="text/event-stream")
+
+    results = await asyncio.gather(*(_collect(g) for g in gens))
+    choices = []
+    for i, r in enumerate(results):
+        content: str | None = r.text
+        tool_calls = None
+        finish = r.finish_reason
+        if use_tools:
+            parsed = state.chat.parse(r.text, tools)
+            # All calls well-formed: return them parsed. Any malformed call: return the raw text,
+            # so the caller's own parser can turn it into a tool error for the model.
+            if parsed.calls and not parsed.errors:
+                tool_calls = [c.to_openai() for c in parsed.tool_calls]
+                content = parsed.content or None
+                finish = "tool_calls"
+        lp = None
+        if req.logprobs:
+            lp = ChoiceLogprobs(content=[_token_logprob(state.tokenizer, t, p, top)
+                                         for t, p, top in zip(r.token_ids, r.logprobs, r.top_logprobs, strict=True)])
+        choices.append(ChatChoice(index=i, message=ResponseMessage(content=content, tool_calls=tool_calls),
+                                  finish_reason=finish, logprobs=lp,
+                                  token_ids=r.token_ids if req.return_token_ids else None))
+    completion_tokens = sum(len(r.token_ids) for r in results)
+    resp = ChatCompletion(id=rid, created=created, model=req.model, choices=choices,
+                          usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens,
+                                      total_tokens=len(prompt_ids) + completion_tokens),
+                          prompt_token_ids=prompt_ids if req.return_token_ids else None, weight_version=version)
+    return JSONResponse(resp.model_dump(exclude_none=True))
+
+
+async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str, created: int,
+                       prompt_ids: list[int], gens: list[AsyncIterator[Piece | ChoiceResult]],
+                       tools: list[dict[str, Any]] | None, version: int) -> AsyncIterator[str]:
+    marker = state.chat.tool_format.start_marker if tools else ""
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+            "weight_version": version}
+    # Per choice: text seen so far, and how much of it went out as content.
+    seen = ["" for _ in gens]
+    sent = [0 for _ in gens]
+    completion_tokens = 0
+    first = {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                         for i in range(len(gens))]}
+    if req.return_token_ids:
+        first["prompt_token_ids"] = prompt_ids
+    yield _sse({**base, **first})
+    try:
+        async for i, item in _merge(gens):
+            if isinstance(item, Piece):
+                if item.token_id >= 0:
+                    completion_tokens += 1
+                seen[i] += item.text
+                # With tools, text from the tool-call marker on is held back until it is parsed.
+                safe = len(seen[i])
+                if marker:
+                    at = seen[i].find(marker)
+                    safe = at if at >= 0 else len(seen[i]) - _held_back(seen[i], [marker])
+                delta = seen[i][sent[i]:safe] if safe > sent[i] else ""
+                sent[i] = max(sent[i], safe)
+                choice: dict[str, Any] = {"index": i, "delta": {"content": delta} if delta else {},
+                                          "finish_reason": None}
+                if item.token_id >= 0 and req.logprobs:
+                    choice["logprobs"] = {"content": [_token_logprob(state.tokenizer, item.token_id, item.logprob,
+                                                                     item.top).model_dump()]}
+                if item.token_id >= 0 and req.return_token_ids:
+                    choice["token_ids"] = [item.token_id]
+                if delta or len(choice) > 3:
+                    yield _sse({**base, "choices": [choice]})
+                continue
+            # The choice is finished.
+            result: ChoiceResult = item
+            finish = result.finish_reason
+            delta_out: dict[str, Any] = {}
+            rest = result.text[sent[i]:]
+            if tools:
+                parsed = state.chat.parse(result.text, tools)
+                if parsed.calls and not parsed.errors:
+                    finish = "tool_calls"
+                    delta_out["tool_calls"] = [{"index": k, **c.to_openai()} for k, c in enumerate(parsed.tool_calls)]
+                    before = result.text[: sent[i]].strip()
+                    rest = parsed.content[len(before):].strip() if parsed.content.startswith(before) else ""
+            if rest:
+                delta_out["content"] = rest
+            chunk: dict[str, Any] = {**base, "choices": [{"index": i, "delta": delta_out, "finish_reason": finish}]}
+            yield _sse(chunk)
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                 "total_tokens": len(prompt_ids) + completion_tokens}
+        # Usage always travels on a final chunk; OpenAI clients accept the extra field, and
+        # `stream_options.include_usage` gets the spec's chunk with empty choices.
+        yield _sse({**base, "choices": [], "usage": usage})
+    except Exception as e:  # a failure mid-stream: tell the client in-band, keep the server up
+        yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", None, "server_error"))
+    yield "data: [DONE]\n\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# /v1/completions
+# ----------------------------------------------------------------------------------------------
+
+
+def _prompts(state: ServerState, prompt: Any) -> list[list[int]]:
+    vocab = state.tokenizer.vocab_size
+    if isinstance(prompt, str):
+        batch: list[Any] = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        batch = [prompt]
+    else:
+        batch = list(prompt)
+    out = []
+    for j, p in enumerate(batch):
+        if isinstance(p, str):
+            ids = state.tokenizer.encode(p)
+            if not ids:
+                raise APIError(400, "prompt: empty text", "prompt")
+        else:
+            ids = list(p)
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                where = "prompt" if len(batch) == 1 else f"prompt[{j}]"
+                raise APIError(400, f"{where}: token ids must be in [0, {vocab}), got {bad[:5]}", where)
+        out.append(ids)
+    return out
+
+
+async def _completions(state: ServerState, req: CompletionRequest) -> Any:
+    _check_model(state, req.model)
+    prompts = _prompts(state, req.prompt)
+    n_lp = req.logprobs
+    params = [_sampling(state, req, len(p), n_lp is not None, n_lp or 0, "prompt") for p in prompts]
+    version = state.engine.weight_version
+    rid, created = _new_id("cmpl"), int(time.time())
+    # Choice k*n + i is prompt k's i-th sample, as OpenAI numbers them.
+    jobs = [(k, p, _choice_params(params[k], i)) for k, p in enumerate(prompts) for i in range(req.n)]
+    gens = [_run_choice(state, p, sp, req.stops, req.skip_special_tokens) for _, p, sp in jobs]
+    tok = state.tokenizer
+
+    if req.stream:
+        return StreamingResponse(_completion_stream(state, req, rid, created, jobs, gens, version),
+                                 media_type="text/event-stream")
+
+    results = await asyncio.gather(*(_collect(g) for g in gens))
+    choices = []
+    for idx, ((_k, p, _), r) in enumerate(zip(jobs, results, strict=True)):
+        prefix = tok.decode(p) if req.echo else ""
+        lp = None
+        if n_lp is not None:
+            tokens = [tok.token_text(t) for t in r.token_ids]
+            offsets, pos = [], len(prefix)
+            for t in tokens:
+                offsets.append(pos)
+                pos += len(t)
+            tops = [{tok.token_text(i): v for i, v in top} for top in r.top_logprobs] if n_lp else None
+            lp = CompletionLogprobs(tokens=tokens, token_logprobs=r.logprobs, top_logprobs=tops, text_offset=offsets)
+        choices.append(CompletionChoice(index=idx, text=prefix + r.text, finish_reason=r.finish_reason, logprobs=lp,
+                                        token_ids=r.token_ids if req.return_token_ids else None,
+                                        prompt_token_ids=p if req.return_token_ids else None))
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(r.token_ids) for r in results)
+    resp = TextCompletion(id=rid, created=created, model=req.model, choices=choices,
+                          usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                      total_tokens=prompt_tokens + completion_tokens), weight_version=version)
+    return JSONResponse(resp.model_dump(exclude_none=True))
+
+
+async def _completion_stream(state: ServerState, req: CompletionRequest, rid: str, created: int,
+                             jobs: list[tuple[int, list[int], SamplingParams]],
+                             gens: list[AsyncIterator[Piece | ChoiceResult]], version: int) -> AsyncIterator[str]:
+    base = {"id": rid, "object": "text_completion", "created": created, "model": req.model,
+            "weight_version": version}
+    completion_tokens = 0
+    try:
+        if req.echo:
+            for idx, (_, p, _) in enumerate(jobs):
+                yield _sse({**base, "choices": [{"index": idx, "text": state.tokenizer.decode(p),
+                                                 "finish_reason": None}]})
+        async for idx, item in _merge(gens):
+            if isinstance(item, Piece):
+                choice: dict[str, Any] = {"index": idx, "text": item.text, "finish_reason": None}
+                if item.token_id >= 0:
+                    completion_tokens += 1
+                    if req.return_token_ids:
+                        choice["token_ids"] = [item.token_id]
+                    if req.logprobs is not None:
+                        choice["logprobs"] = {"tokens": [state.tokenizer.token_text(item.token_id)],
+                                              "token_logprobs": [item.logprob]}
+                if item.text or len(choice) > 3:
+                    yield _sse({**base, "choices": [choice]})
+            else:
+                yield _sse({**base, "choices": [{"index": idx, "text": "", "finish_reason": item.finish_reason}]})
+        prompt_tokens = sum(len(p) for _, p, _ in jobs[:: req.n])
+        yield _sse({**base, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                     "completion_tokens": completion_tokens,
+                                                     "total_tokens": prompt_tokens + completion_tokens}})
+    except Exception as e:
+        yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", None, "server_error"))
+    yield "data: [DONE]\n\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# Running it
+# ----------------------------------------------------------------------------------------------
+
+
+class BackgroundServer:
+    """Serve an app with uvicorn in a daemon thread (tests, notebooks, the RL inference service).
+
+    `with BackgroundServer(app) as srv: OpenAI(base_url=srv.url + "/v1", ...)`. Port 0 picks a
+    free port; `url` is known once `start()` returns.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 on_ready: Callable[[str], None] | None = None) -> None:
+        self.host = host
+        self.on_ready = on_ready
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=2)
+        self.server = _ReadyServer(config, self)
+        self.thread: threading.Thread | None = None
+        self.url = ""
+        self._ready = threading.Event()
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self.thread = threading.Thread(target=self.server.run, name="dojo-serve", daemon=True)
+        self.thread.start()
+        if not self._ready.wait(timeout) or not self.url:
+            self.stop()
+            raise RuntimeError(f"server did not start on {self.host} within {timeout}s")
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class _ReadyServer(uvicorn.Server):
+    """A uvicorn server that reports its bound URL once it accepts connections."""
+
+    def __init__(self, config: uvicorn.Config, owner: BackgroundServer) -> None:
+        super().__init__(config)
+        self.owner = owner
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.servers:
+            port = self.servers[0].sockets[0].getsockname()[1]
+            self.owner.url = f"http://{self.config.host}:{port}"
+            if self.owner.on_ready is not None:
+                self.owner.on_ready(self.owner.url)
+        self.owner._ready.set()

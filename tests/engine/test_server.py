@@ -1,0 +1,307 @@
+"""`dojo serve` on a tiny random model with a tiny real tokenizer, driven by the official `openai`
+client: every route, streaming, RL extensions, stop strings, bad input, concurrency."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import openai
+import pytest
+import torch
+
+from codedojo.engine.engine import Engine
+from codedojo.engine.server import BackgroundServer, TextAssembler, create_app
+from codedojo.engine.types import SamplingParams, TokenEvent
+from codedojo.model.chat import ChatTemplate
+from codedojo.model.config import ModelConfig
+from codedojo.model.tokenizer import tiny_tokenizer
+from codedojo.model.transformer import Transformer
+
+MODEL = "tiny"
+MSGS = [{"role": "user", "content": "the other one"}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def server(tok) -> Iterator[BackgroundServer]:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(vocab_size=tok.vocab_size, max_seq_len=256))
+    model.init_weights(std=0.5)  # peaky logits: varied but short-ranged text
+    engine = Engine(model.eval(), max_batch=4)
+    engine.start()
+    app = create_app(engine, tok, model_name=MODEL)
+    with BackgroundServer(app) as srv:
+        yield srv
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def greedy(client, **kw):
+    args = dict(model=MODEL, messages=MSGS, max_tokens=24, temperature=0)
+    args.update(kw)
+    return client.chat.completions.create(**args)
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_plain_chat_completion(client, tok):
+    r = client.chat.completions.create(
+        model=MODEL, messages=MSGS, max_tokens=24, temperature=0, extra_body={"return_token_ids": True})
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    extra = r.model_extra
+    assert r.usage.prompt_tokens == len(extra["prompt_token_ids"])
+    token_ids = choice.model_extra["token_ids"]
+    assert r.usage.completion_tokens == len(token_ids) and r.usage.total_tokens == r.usage.prompt_tokens + len(token_ids)
+    # The prompt is the chat template's rendering, and the text is exactly the sampled ids decoded.
+    assert extra["prompt_token_ids"] == ChatTemplate(tok).encode(MSGS)
+    gen = [t for t in token_ids if t not in tok.stop_token_ids()]
+    assert choice.message.content == tok.decode(gen, skip_special_tokens=True)
+    assert extra["weight_version"] == 0
+
+
+def test_streamed_chat_equals_non_streamed(client):
+    full = greedy(client).choices[0].message.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishes) == 1
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_logprobs_in_openai_shape(client, tok):
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=3, extra_body={"return_token_ids": True})
+    ch = r.choices[0]
+    content = ch.logprobs.content
+    assert len(content) == len(ch.model_extra["token_ids"])
+    for entry, tid in zip(content, ch.model_extra["token_ids"], strict=True):
+        assert entry.token == tok.token_text(tid) and entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        # Greedy: the sampled token is the most likely one.
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)
+
+
+def test_stop_string_cuts_output_and_stops(client):
+    full = greedy(client, max_tokens=40).choices[0].message.content
+    if len(full) < 6:
+        pytest.skip("the tiny model ended too early to pick a stop string")
+    stop = full[3:5]
+    cut = full[: full.index(stop)]
+    r = greedy(client, max_tokens=40, stop=[stop, "never-there"])
+    assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in greedy(client, max_tokens=40, stop=stop, stream=True)
+                       if c.choices)
+    assert streamed == cut
+
+
+def test_seeded_sampling_is_reproducible_and_n_choices(client):
+    a = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=16, temperature=1.0, seed=7, n=3)
+    b = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=16, temperature=1.0, seed=7, n=3)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert len({c.message.content for c in a.choices}) > 1  # seed + index: not copies
+
+
+def test_completions_text_and_token_ids(client, tok):
+    r = client.completions.create(model=MODEL, prompt="the", max_tokens=5, temperature=0, logprobs=2,
+                                  extra_body={"return_token_ids": True})
+    ch = r.choices[0]
+    assert ch.model_extra["prompt_token_ids"] == tok.encode("the")
+    assert len(ch.logprobs.tokens) == len(ch.model_extra["token_ids"]) == r.usage.completion_tokens
+    ids = tok.encode("the")
+    r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0)
+    assert r2.choices[0].text == ch.text
+    batch = client.completions.create(model=MODEL, prompt=[ids, ids + [100]], max_tokens=3, temperature=0)
+    assert len(batch.choices) == 2 and batch.choices[0].text == tok.decode(ch.model_extra["token_ids"][:3],
+                                                                            skip_special_tokens=True)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="the", max_tokens=5, temperature=0, stream=True) if c.choices)
+    assert streamed == ch.text
+
+
+def test_concurrent_requests_all_answer(client):
+    results: list[str | None] = [None] * 6
+    def go(i: int) -> None:
+        results[i] = greedy(client, max_tokens=12).choices[0].message.content
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(r is not None for r in results) and len(set(results)) == 1
+
+
+BAD = [
+    ({"model": MODEL, "messages": []}, "messages"),
+    ({"model": MODEL}, "messages"),
+    ({"model": "gpt-9", "messages": MSGS}, "model"),
+    ({"model": MODEL, "messages": MSGS, "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "messages": MSGS, "max_completion_tokens": -3}, "max_completion_tokens"),
+    ({"model": MODEL, "messages": MSGS, "max_tokens": 10_000}, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"model": MODEL, "messages": MSGS, "temperature": "hot"}, "temperature"),
+    ({"model": MODEL, "messages": MSGS, "top_p": 0}, "top_p"),
+    ({"model": MODEL, "messages": MSGS, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "array"}}}]}, "tools[0].function.parameters"),
+    ({"model": MODEL, "messages": MSGS, "tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+     "tools[0].function.name"),
+    ({"model": MODEL, "messages": MSGS, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {}, "required": ["x"]}}}]}, "tools[0].function.parameters"),
+    ({"model": MODEL, "messages": MSGS, "tools": [{"function": {"name": "f"}}]}, "tools[0].type"),
+    ({"model": MODEL, "messages": MSGS, "tool_choice": "required"}, "tool_choice"),
+    ({"model": MODEL, "messages": MSGS, "stop": [""]}, "stop"),
+    ({"model": MODEL, "messages": MSGS, "n": 0}, "n"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD, ids=[p for _, p in BAD])
+def test_bad_chat_requests_are_400_naming_the_field(client, server, body, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_openai_client_sees_bad_request_error(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=0)
+    assert e.value.param == "max_tokens"
+    assert greedy(client, max_tokens=2).choices  # still serving
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": MODEL, "prompt": [5, 99999]}, "prompt"),
+    ({"model": MODEL, "prompt": []}, "prompt"),
+    ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
+    ({"model": MODEL, "prompt": {"a": 1}}, "prompt"),
+])
+def test_bad_completion_requests(server, body, param):
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_malformed_json_and_unknown_route(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.get(server.url + "/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# -- tool calls through the server, with an engine that replays a fixed answer -------------------
+
+
+class ReplayEngine:
+    """Stands in for the engine: streams the ids of a fixed answer (the server's text and
+    tool-call handling is what is under test here; the real engine is tested with SmolLM2)."""
+
+    weight_version = 3
+    max_seq_len = 4096
+
+    def __init__(self, answer_ids: list[int]) -> None:
+        self.answer_ids = answer_ids
+        self.closed = 0
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        try:
+            for i, t in enumerate(self.answer_ids[: params.max_tokens]):
+                last = i == len(self.answer_ids) - 1 or i == params.max_tokens - 1
+                reason = "stop" if t in params.stop_token_ids else ("length" if last else None)
+                yield TokenEvent(t, -0.5, [], reason)
+                if reason:
+                    return
+        finally:
+            self.closed += 1
+
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
+    "type": "object", "properties": {"target_file": {"type": "string"}}, "required": ["target_file"]}}}]
+
+
+@pytest.fixture()
+def replay(tok):
+    def make(answer: str) -> tuple[openai.OpenAI, BackgroundServer, ReplayEngine]:
+        engine = ReplayEngine(tok.encode(answer) + [tok.eos_id])
+        srv = BackgroundServer(create_app(engine, tok, model_name=MODEL)).start()
+        servers.append(srv)
+        return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0), srv, engine
+    servers: list[BackgroundServer] = []
+    yield make
+    for s in servers:
+        s.stop()
+
+
+def test_tool_calls_are_parsed(replay):
+    answer = 'Reading.\n<tool_call>[\n{"name": "read_file", "arguments": {"target_file": "a.py"}}\n]</tool_call>'
+    client, _, _ = replay(answer)
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=200)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content == "Reading."
+    (call,) = ch.message.tool_calls
+    assert call.function.name == "read_file" and json.loads(call.function.arguments) == {"target_file": "a.py"}
+    assert call.id.startswith("call_") and r.model_extra["weight_version"] == 3
+    # tool_choice "none": no parsing, the text comes back as it is.
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice="none", max_tokens=200)
+    assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
+
+
+def test_streamed_tool_calls(replay):
+    answer = 'Reading.\n<tool_call>[\n{"name": "read_file", "arguments": {"target_file": "a.py"}}\n]</tool_call>'
+    client, _, _ = replay(answer)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=200, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content.strip() == "Reading." and "<tool_call" not in content
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        (0, "read_file", {"target_file": "a.py"})]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_malformed_tool_call_comes_back_as_text(replay):
+    answer = '<tool_call>{"name": "read_file", "arguments": {"target_file": </tool_call>'
+    client, _, _ = replay(answer)
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=200)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content == answer
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_stop_string_closes_the_engine_stream(replay):
+    client, _, engine = replay("abc STOP def ghi")
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=200, stop="STOP")
+    assert r.choices[0].message.content == "abc " and engine.closed == 1
+
+
+@pytest.mark.parametrize("stops, pieces, expected", [
+    (["END"], ["ab", "cE", "N", "Dxx"], "abc"),
+    (["END"], ["ab", "cE", "Nq"], "abcENq"),
+    (["<|", "xy"], ["a<", "b"], "a<b"),
+])
+def test_text_assembler_holds_back_possible_stop_prefixes(tok, stops, pieces, expected):
+    asm = TextAssembler(tok, stops, [], True)
+    out = ""
+    for p in pieces:
+        for t in tok.encode(p):
+            out += asm.push(t)
+            assert expected.startswith(out)
+    out += asm.finish()
+    assert out == expected
