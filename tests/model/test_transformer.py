@@ -1,0 +1,97 @@
+"""The decoder on a tiny config: cache paths equal the full forward, packed-document masking,
+hidden state / head split, input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codedojo.model.config import ModelConfig
+from codedojo.model.kv_cache import KVCache
+from codedojo.model.transformer import Transformer
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig.tiny()).eval()
+
+
+def test_prefill_then_decode_with_cache_matches_full_forward(tiny: Transformer) -> None:
+    tokens = torch.randint(0, 256, (1, 10))
+    full = tiny(tokens)
+    cache = KVCache(tiny.cfg, n_slots=2, max_len=64, initial_len=4)  # forces growth
+    pre = tiny(tokens[:, :6], cache=cache.view(1))
+    steps = [tiny(tokens[:, i : i + 1], cache=cache.view(1)) for i in range(6, 10)]
+    got = torch.cat([pre] + steps, dim=1)
+    assert torch.allclose(got, full, atol=1e-5)
+    assert cache.lengths == [0, 10]
+
+
+def test_ragged_batch_decode_matches_each_sequence_alone(tiny: Transformer) -> None:
+    seqs = [torch.randint(0, 256, (1, n)) for n in (3, 9, 5)]
+    cache = KVCache(tiny.cfg, n_slots=3, max_len=64)
+    for slot, s in enumerate(seqs):
+        tiny(s[:, :-1], cache=cache.view(slot))
+    last = torch.cat([s[:, -1:] for s in seqs])  # (3, 1)
+    batched = tiny(last, cache=cache.view(0, 3))[:, -1]
+    for i, s in enumerate(seqs):
+        assert torch.allclose(batched[i], tiny(s)[0, -1], atol=1e-5)
+
+
+def test_truncate_and_move_keep_the_cache_consistent(tiny: Transformer) -> None:
+    a, b = torch.randint(0, 256, (1, 8)), torch.randint(0, 256, (1, 5))
+    cache = KVCache(tiny.cfg, n_slots=2, max_len=32)
+    tiny(a, cache=cache.view(0))
+    cache.truncate(0, 4)  # roll back the last four (as speculative decoding does)
+    tiny(b, cache=cache.view(1))
+    cache.move(1, 0)
+    assert cache.lengths == [5, 0]
+    nxt = torch.randint(0, 256, (1, 1))
+    got = tiny(nxt, cache=cache.view(0))[0, -1]
+    assert torch.allclose(got, tiny(torch.cat([b, nxt], 1))[0, -1], atol=1e-5)
+    with pytest.raises(ValueError, match="length"):
+        cache.truncate(0, 99)
+
+
+def test_doc_ids_block_attention_across_documents(tiny: Transformer) -> None:
+    a, b = torch.randint(0, 256, (1, 5)), torch.randint(0, 256, (1, 7))
+    packed = torch.cat([a, b], 1)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7])
+    positions = torch.tensor([list(range(5)) + list(range(7))])
+    out = tiny(packed, doc_ids=doc_ids, positions=positions)
+    assert torch.allclose(out[:, :5], tiny(a), atol=1e-5)
+    assert torch.allclose(out[:, 5:], tiny(b), atol=1e-5)
+    # without the mask the second document sees the first, and its logits change
+    assert not torch.allclose(tiny(packed, positions=positions)[:, 5:], tiny(b), atol=1e-3)
+
+
+def test_return_hidden_and_head_compose_to_logits(tiny: Transformer) -> None:
+    tokens = torch.randint(0, 256, (2, 6))
+    logits, hidden = tiny(tokens, return_hidden=True)
+    assert logits.dtype == torch.float32 and logits.shape == (2, 6, 256)
+    assert hidden.shape == (2, 6, 64)
+    assert torch.allclose(tiny.head(hidden), logits)
+    assert torch.allclose(tiny(tokens, last_only=True), logits[:, -1:])
+
+
+def test_untied_model_with_attention_bias_runs_and_trains() -> None:
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig.tiny(tie_embeddings=False, attn_bias=True))
+    assert m.output is not None and m.layers[0].attn.wqkv.bias is not None
+    tokens = torch.randint(0, 256, (2, 8))
+    loss = torch.nn.functional.cross_entropy(m(tokens)[:, :-1].reshape(-1, 256),
+                                             tokens[:, 1:].reshape(-1))
+    loss.backward()
+    assert m.layers[0].attn.wqkv.weight.grad is not None
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.5  # near-uniform init
+
+
+def test_bad_inputs_name_the_field(tiny: Transformer) -> None:
+    tokens = torch.randint(0, 256, (1, 4))
+    with pytest.raises(ValueError, match="positions"):
+        tiny(tokens, positions=torch.tensor([[0, 1, 2, 999]]))
+    with pytest.raises(ValueError, match="doc_ids"):
+        tiny(tokens, doc_ids=torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        ModelConfig.tiny(n_heads=4, n_kv_heads=3)
