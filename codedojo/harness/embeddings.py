@@ -87,19 +87,25 @@ class Hit:
     text: str
 
 
-def chunk_file(path: str, text: str, max_lines: int = 40, min_lines: int = 8) -> list[Chunk]:
+def chunk_file(path: str, text: str, max_lines: int = 40, min_lines: int = 4) -> list[Chunk]:
     """Split at top-level definitions where possible, else every `max_lines` lines."""
     lines = text.splitlines()
-    chunks: list[Chunk] = []
+    bounds: list[tuple[int, int]] = []
     start = 0
     for i, line in enumerate(lines):
         top_level_def = line.startswith(("def ", "class ", "async def ", "@"))
         if i > start and ((top_level_def and i - start >= min_lines) or i - start >= max_lines):
-            chunks.append(Chunk(path, start + 1, i, "\n".join(lines[start:i])))
+            bounds.append((start, i))
             start = i
     if start < len(lines):
-        chunks.append(Chunk(path, start + 1, len(lines), "\n".join(lines[start:])))
-    return [c for c in chunks if c.text.strip()]
+        bounds.append((start, len(lines)))
+    chunks = []
+    for a, b in bounds:
+        while b > a and not lines[b - 1].strip():  # trailing blank lines are not part of it
+            b -= 1
+        if b > a:
+            chunks.append(Chunk(path, a + 1, b, "\n".join(lines[a:b])))
+    return chunks
 
 
 class CodebaseIndex:

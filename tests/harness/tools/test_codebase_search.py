@@ -1,0 +1,47 @@
+"""codebase_search with the real embedding model (served on the host, files read from the sandbox)."""
+
+from __future__ import annotations
+
+import pytest
+
+from codedojo.harness.embeddings import CodebaseIndex, chunk_file
+from codedojo.harness.tools.base import ToolContext
+from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
+
+
+def test_chunking_follows_definitions():
+    text = "import os\n\n" + "".join(f"def f{i}():\n" + "    x = 1\n" * 9 + "\n" for i in range(3))
+    chunks = chunk_file("/workspace/m.py", text)
+    assert [c.text.splitlines()[0] for c in chunks] == ["import os", "def f1():", "def f2():"]
+    assert chunks[0].start_line == 1 and chunks[-1].end_line == len(text.splitlines()) - 1  # blank line dropped
+    assert all(c.key for c in chunks) and len({c.key for c in chunks}) == len(chunks)
+
+
+@pytest.mark.slow
+def test_codebase_search_finds_code_by_meaning_and_caches_by_content(sandbox):
+    index = CodebaseIndex()
+    s = ToolSession(ToolRegistry().resolve(EnvToolConfig()), ToolContext(sandbox=sandbox, search=index))
+    try:
+        r = s.call("codebase_search", {"query": "which items are running low on quantity"})
+        assert not r.is_error, r.content
+        assert r.content.startswith("/workspace/inventory/stock.py:17-19 (score ")
+        assert "def low_stock(items, threshold):" in r.content.splitlines()[1]
+        cached = index.cached
+        assert cached > 0
+        # Unchanged files are not embedded again; an edit embeds only the changed chunk.
+        s.call("codebase_search", {"query": "add stock to an item"})
+        assert index.cached == cached
+        s.call("write", {"file_path": "inventory/report.py",
+                         "contents": "def print_report(items):\n    for i in items:\n        print(i.name, i.qty)\n"})
+        r = s.call("codebase_search", {"query": "print a report of items", "target_directories": ["inventory"]})
+        assert r.content.startswith("/workspace/inventory/report.py:1-3")
+        assert index.cached == cached + 1
+        hits = index.search(sandbox, "tests", ["/workspace/tests"])
+        assert hits and all(h.path.startswith("/workspace/tests/") for h in hits)
+    finally:
+        s.close()
+
+
+def test_codebase_search_not_configured_is_an_error_result(session):
+    r = session.call("codebase_search", {"query": "anything"})
+    assert r.is_error and "not available" in r.content
