@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import fnmatch
 import ipaddress
+import re
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Collection
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -178,18 +180,29 @@ class EgressPolicy(BaseModel):
 
     # ---- decisions --------------------------------------------------------------------------
 
+    @cached_property
+    def _hosts_re(self) -> re.Pattern[str]:
+        return _globs_re(self.allow_hosts)
+
+    @cached_property
+    def _strip_re(self) -> re.Pattern[str]:
+        return _globs_re([*ALWAYS_STRIPPED, *self.strip_header_patterns])
+
     def host_allowed(self, host: str) -> bool:
-        host = host.lower().rstrip(".")
-        return any(fnmatch.fnmatchcase(host, g) for g in self.allow_hosts)
+        return self._hosts_re.fullmatch(host.lower().rstrip(".")) is not None
 
     def header_stripped(self, name: str) -> bool:
-        name = name.lower()
-        return name in ALWAYS_STRIPPED or any(
-            fnmatch.fnmatchcase(name, p) for p in self.strip_header_patterns
-        )
+        return self._strip_re.fullmatch(name.lower()) is not None
 
     def address_override(self, ip: IPAddress, port: int) -> bool:
         return _format_hostport(ip, port) in self.allow_addresses
+
+
+def _globs_re(globs: list[str]) -> re.Pattern[str]:
+    """One compiled regex for a list of globs (checked on every request, so compiled once)."""
+    if not globs:
+        return re.compile(r"(?!)")  # matches nothing
+    return re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in globs), re.DOTALL)
 
 
 def parse_ip_port(entry: str) -> tuple[IPAddress, int]:
@@ -213,7 +226,7 @@ def _format_hostport(ip: IPAddress, port: int) -> str:
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
-def address_denied(ip: IPAddress, own: Iterable[IPAddress] = ()) -> str | None:
+def address_denied(ip: IPAddress, own: Collection[IPAddress] = ()) -> str | None:
     """Why `ip` may not be reached, or None when it is a public address.
 
     Anything that is not globally routable is denied: loopback, RFC 1918, shared (CGNAT),
@@ -229,7 +242,7 @@ def address_denied(ip: IPAddress, own: Iterable[IPAddress] = ()) -> str | None:
         return f"{ip} is a private address"
     if ip.is_multicast or ip.is_reserved or ip.is_unspecified:
         return f"{ip} is not a unicast address"
-    if ip in set(own):
+    if ip in own:
         return f"{ip} is one of the proxy host's own addresses"
     if not ip.is_global:
         return f"{ip} is not a public address"

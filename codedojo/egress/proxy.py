@@ -178,6 +178,11 @@ class EgressProxy:
         transparent_port = c.transparent_port or _free_port(c.listen_host)
         opts = options.Options()
         master = Master(opts, event_loop=asyncio.get_running_loop())
+        # mitmproxy logs every connection at INFO and re-dispatches each record as an addon
+        # event across threads; we need neither (the audit log is ours), and they cost CPU on
+        # every request whenever the root logger is verbose (under pytest, for instance).
+        master._legacy_log_events.uninstall()
+        logging.getLogger("mitmproxy").setLevel(logging.WARNING)
         ps = proxyserver.Proxyserver()
         master.addons.add(
             core.Core(), disable_h2c.DisableH2C(), ps, next_layer.NextLayer(),

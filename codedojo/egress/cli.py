@@ -1,0 +1,94 @@
+"""`dojo egress ...`: run the egress proxy as a service, check a policy file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+egress_app = typer.Typer(help="The egress proxy: policy, secret stripping, audit log.",
+                         no_args_is_help=True)  # fmt: skip
+
+
+@egress_app.command("serve")
+def serve(
+    state_dir: Annotated[Path, typer.Option(help="CA, audit logs, control socket.")] = Path(
+        "runs/egress"
+    ),
+    explicit_port: Annotated[int, typer.Option(help="HTTP_PROXY listener; 0 = any.")] = 0,
+    transparent_port: Annotated[int, typer.Option(help="Transparent listener; 0 = any.")] = 0,
+    control_socket: Annotated[
+        Path | None,
+        typer.Option(
+            help="Unix socket sandboxes attach through (default: STATE_DIR/control.sock)."
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="TOML file with an [egress.proxy] (or top-level) EgressProxyConfig."),
+    ] = None,
+) -> None:
+    """Run the proxy until interrupted; sandboxes attach over the control socket."""
+    import signal
+    import threading
+    import tomllib
+
+    from rich.console import Console
+
+    from codedojo.egress.control import ControlServer
+    from codedojo.egress.proxy import EgressProxy, EgressProxyConfig
+
+    console = Console()
+    data: dict = {}
+    if config is not None:
+        raw = tomllib.loads(config.read_text())
+        data = raw.get("egress", {}).get("proxy", raw)
+    data = {**data, "state_dir": state_dir}
+    if explicit_port:
+        data["explicit_port"] = explicit_port
+    if transparent_port:
+        data["transparent_port"] = transparent_port
+    try:
+        cfg = EgressProxyConfig.model_validate(data)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--config") from None
+    proxy = EgressProxy(cfg).start()
+    sock = control_socket or cfg.state_dir / "control.sock"
+    control = ControlServer(proxy, sock).start()
+    assert proxy.ports is not None
+    console.print(
+        f"[bold]egress proxy[/bold] explicit :{proxy.ports.explicit}  "
+        f"transparent :{proxy.ports.transparent}  dns :{proxy.ports.dns}\n"
+        f"CA {proxy.ca_dir / 'mitmproxy-ca-cert.pem'}\ncontrol {sock}\n"
+        f"audit {cfg.state_dir / 'audit'}/<sandbox>.jsonl"
+    )
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    try:
+        done.wait()
+    finally:
+        control.stop()
+        proxy.stop()
+        console.print("egress proxy stopped")
+
+
+@egress_app.command("check-policy")
+def check_policy(
+    path: Annotated[Path, typer.Argument(help="TOML policy file.")],
+    table: Annotated[str | None, typer.Option(help="Read the policy from this [table].")] = None,
+) -> None:
+    """Validate a policy file and print it with its defaults filled in."""
+    from codedojo.egress.policy import EgressPolicy, PolicyError
+
+    try:
+        policy = EgressPolicy.from_toml(path, table)
+    except PolicyError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(policy.model_dump_json(indent=2))
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(egress_app, name="egress")
