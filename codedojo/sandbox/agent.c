@@ -52,7 +52,7 @@
 #define MAX_REQUEST (4 << 20)
 
 static const char *root_dir, *hostname = "sandbox", *netns_file;
-static int netns_new, sock_fd = -1, shm_mb = 64;
+static int netns_new, sock_fd = -1, shm_mb = 64, wait_go;
 static uid_t run_uid = 1000;
 static gid_t run_gid = 1000;
 static const char *binds[MAX_BINDS];
@@ -98,6 +98,13 @@ static void bind_ro(const char *src, const char *dst) {
   if (mount(src, target, NULL, MS_BIND | MS_REC, NULL) < 0) die("bind %s", src);
   if (mount(NULL, target, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL) < 0)
     die("remount ro %s", dst);
+}
+
+static int has_dev_nodes(void) {
+  char path[4096];
+  struct stat st;
+  path_in_root(path, sizeof path, "/dev/null");
+  return stat(path, &st) == 0 && S_ISCHR(st.st_mode);
 }
 
 static void make_dev(void) {
@@ -148,7 +155,13 @@ static void setup_root(void) {
   }
   path_in_root(path, sizeof path, "/proc");
   if (mount("proc", path, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0) die("mount /proc");
-  make_dev();
+  if (has_dev_nodes()) {
+    /* The image carries its /dev (the host base does): only a private devpts is needed. */
+    path_in_root(path, sizeof path, "/dev/pts");
+    mount("devpts", path, "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620");
+  } else {
+    make_dev();
+  }
   if (sethostname(hostname, strlen(hostname)) < 0) die("sethostname");
   if (chdir(root_dir) < 0) die("chdir %s", root_dir);
   /* pivot_root(".", ".") stacks the old root on top of the new one; detaching it leaves the
@@ -156,6 +169,8 @@ static void setup_root(void) {
   if (syscall(SYS_pivot_root, ".", ".") < 0) die("pivot_root");
   if (umount2(".", MNT_DETACH) < 0) die("detach old root");
   if (chdir("/") < 0) die("chdir /");
+  /* The root may be a slave of the host's overlay mount: cut all propagation now. */
+  if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) die("make new root private");
 }
 
 /* ---- per-command handler (a child of init) ---- */
@@ -307,7 +322,65 @@ static void handle(int conn) {
 
 static void on_sigchld(int sig) { (void)sig; }
 
+/* Pre-started ("pooled") mode: the namespaces, cgroups and processes exist before the sandbox's
+ * filesystem does. Our copy of the sandbox directory (a shared bind mount on the host) stays a
+ * slave of the host's, so the overlay the host mounts there later appears here; "G <bind>..."
+ * on stdin says it is in place. */
+static void detach_siblings(void) {
+  /* Copies of the other sandboxes' mounts would receive every later mount event of theirs
+   * (each costing the host a propagation): drop all but our own directory's. */
+  char own[4096], parent[4096], line[8192];
+  snprintf(own, sizeof own, "%s", root_dir);
+  char *slash = strrchr(own, '/');
+  if (!slash) return;
+  *slash = 0; /* own = <store>/sandboxes/<id> */
+  snprintf(parent, sizeof parent, "%s", own);
+  slash = strrchr(parent, '/');
+  if (!slash) return;
+  slash[1] = 0; /* parent = <store>/sandboxes/ */
+  size_t np = strlen(parent), no = strlen(own);
+  char *targets[4096];
+  int nt = 0;
+  FILE *f = fopen("/proc/self/mountinfo", "re");
+  if (!f) return;
+  while (fgets(line, sizeof line, f) && nt < 4096) {
+    char mp[4096];
+    if (sscanf(line, "%*s %*s %*s %*s %4095s", mp) != 1) continue;
+    if (strncmp(mp, parent, np) != 0) continue;
+    if (strncmp(mp, own, no) == 0 && (mp[no] == 0 || mp[no] == '/')) continue;
+    targets[nt++] = strdup(mp);
+  }
+  fclose(f);
+  for (int i = nt - 1; i >= 0; i--) umount2(targets[i], MNT_DETACH);
+}
+
+static void wait_for_go(void) {
+  static char line[8192];
+  /* Slave first: an unmount in a peer copy would propagate back and unmount the host's. */
+  if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0) die("make / slave");
+  detach_siblings();
+  dprintf(1, "W\n");
+  size_t n = 0;
+  for (;;) {
+    ssize_t r = read(0, line + n, sizeof line - 1 - n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) _exit(0); /* the pool was drained: nothing to do */
+    n += r;
+    if (memchr(line, '\n', n) || n >= sizeof line - 1) break;
+  }
+  line[n] = 0;
+  char *nl = strchr(line, '\n');
+  if (nl) *nl = 0;
+  if (line[0] != 'G') {
+    errno = EINVAL;
+    die("expected G, got %.40s", line);
+  }
+  for (char *tok = strtok(line + 1, " "); tok; tok = strtok(NULL, " "))
+    if (n_binds < MAX_BINDS) binds[n_binds++] = tok;
+}
+
 static void init_main(void) {
+  if (wait_go) wait_for_go();
   setup_root();
   dprintf(1, "R\n");
   int devnull = open("/dev/null", O_RDWR);
@@ -352,6 +425,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--gid")) run_gid = (gid_t)atoi(v);
     else if (!strcmp(a, "--hostname")) hostname = v;
     else if (!strcmp(a, "--shm-mb")) shm_mb = atoi(v);
+    else if (!strcmp(a, "--wait-go")) wait_go = atoi(v);
     else if (!strcmp(a, "--netns-new")) netns_file = v, netns_new = 1;
     else if (!strcmp(a, "--netns-join")) netns_file = v, netns_new = 0;
     else if (!strcmp(a, "--bind") && n_binds < MAX_BINDS) binds[n_binds++] = v;

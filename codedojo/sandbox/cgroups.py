@@ -162,33 +162,47 @@ class CgroupManager:
                 os.mkdir(d)
                 dirs[c] = d
             cg = Cgroup(dirs, self.v2)
-            mem = str(memory_mb << 20)
-            period = 100_000
-            quota = str(max(1000, int(cpus * period)))
-            if self.v2:
-                d = dirs["v2"]
-                _write(os.path.join(d, "memory.max"), mem)
-                with contextlib.suppress(OSError):
-                    _write(os.path.join(d, "memory.swap.max"), "0")
-                _write(os.path.join(d, "pids.max"), str(pids))
-                _write(os.path.join(d, "cpu.max"), f"{quota} {period}")
-            else:
-                if "memory" in dirs:
-                    _write(os.path.join(dirs["memory"], "memory.limit_in_bytes"), mem)
-                    memsw = os.path.join(dirs["memory"], "memory.memsw.limit_in_bytes")
-                    if os.path.exists(memsw):
-                        _write(memsw, mem)  # no swapping around the limit
-                if "pids" in dirs:
-                    _write(os.path.join(dirs["pids"], "pids.max"), str(pids))
-                if "cpu" in dirs:
-                    _write(os.path.join(dirs["cpu"], "cpu.cfs_period_us"), str(period))
-                    _write(os.path.join(dirs["cpu"], "cpu.cfs_quota_us"), quota)
+            self.set_limits(cg, memory_mb, pids, cpus)
             return cg
         except OSError:
             for d in dirs.values():
                 with contextlib.suppress(OSError):
                     os.rmdir(d)
             raise
+
+    def set_limits(self, cg: Cgroup, memory_mb: int, pids: int, cpus: float) -> None:
+        """Write the limits (also on a cgroup that already holds tasks: a pooled sandbox)."""
+        dirs = cg.dirs
+        mem = str(memory_mb << 20)
+        period = 100_000
+        quota = str(max(1000, int(cpus * period)))
+        if self.v2:
+            d = dirs["v2"]
+            _write(os.path.join(d, "memory.max"), mem)
+            with contextlib.suppress(OSError):
+                _write(os.path.join(d, "memory.swap.max"), "0")
+            _write(os.path.join(d, "pids.max"), str(pids))
+            _write(os.path.join(d, "cpu.max"), f"{quota} {period}")
+            return
+        if "memory" in dirs:
+            memsw = os.path.join(dirs["memory"], "memory.memsw.limit_in_bytes")
+            limit = os.path.join(dirs["memory"], "memory.limit_in_bytes")
+            # memsw must stay >= the memory limit: order the two writes by direction.
+            with open(limit) as f:
+                lowering = int(f.read()) > int(mem)
+            if os.path.exists(memsw) and lowering:
+                _write(limit, mem)
+                _write(memsw, mem)
+            elif os.path.exists(memsw):
+                _write(memsw, mem)
+                _write(limit, mem)
+            else:
+                _write(limit, mem)
+        if "pids" in dirs:
+            _write(os.path.join(dirs["pids"], "pids.max"), str(pids))
+        if "cpu" in dirs:
+            _write(os.path.join(dirs["cpu"], "cpu.cfs_period_us"), str(period))
+            _write(os.path.join(dirs["cpu"], "cpu.cfs_quota_us"), quota)
 
     def existing(self) -> dict[str, Cgroup]:
         """Sandbox cgroups present under our bases (name -> cgroup), for garbage collection."""

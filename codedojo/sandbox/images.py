@@ -473,7 +473,7 @@ class ImageStore:
         return self.put_image([layer], "rootfs", name=name, meta={"kind": "debootstrap"})
 
 
-SKELETON_VERSION = "1"  # bump when _build_host_skeleton changes
+SKELETON_VERSION = "2"  # bump when _build_host_skeleton changes
 
 
 def _host_fingerprint() -> str:
@@ -557,6 +557,7 @@ def _build_host_skeleton(root: str) -> None:
         os.mkdir(p)
         os.chown(p, uid, uid)
         os.chmod(p, mode)
+    _make_dev(os.path.join(root, "dev"))
     _copy_public_etc("/etc", os.path.join(root, "etc"))
     _add_sandbox_user(os.path.join(root, "etc"))
     with open(os.path.join(root, "etc", "hostname"), "w") as f:
@@ -564,6 +565,26 @@ def _build_host_skeleton(root: str) -> None:
     with open(os.path.join(root, "etc", "hosts"), "w") as f:
         f.write("127.0.0.1 localhost sandbox\n::1 localhost\n")
     os.chmod(os.path.join(root, "etc", "hosts"), 0o644)
+
+
+DEV_NODES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9),
+             "tty": (5, 0)}
+DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+             "stderr": "/proc/self/fd/2", "ptmx": "pts/ptmx"}
+
+
+def _make_dev(dev: str) -> None:
+    """A minimal /dev inside the base layer itself, so starting a sandbox needs no /dev mounts
+    (only a private devpts); the sandbox user has no CAP_MKNOD to add others."""
+    for name, (major, minor) in DEV_NODES.items():
+        p = os.path.join(dev, name)
+        os.mknod(p, stat.S_IFCHR | 0o666, os.makedev(major, minor))
+        os.chmod(p, 0o666)
+    for name, target in DEV_LINKS.items():
+        os.symlink(target, os.path.join(dev, name))
+    os.mkdir(os.path.join(dev, "pts"), 0o755)
+    os.mkdir(os.path.join(dev, "shm"))
+    os.chmod(os.path.join(dev, "shm"), 0o1777)
 
 
 def _copy_public_etc(src: str, dst: str) -> None:

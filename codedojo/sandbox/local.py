@@ -26,6 +26,7 @@ project's kernel, so running processes are not (restore kills them); see `CRIU_A
 
 from __future__ import annotations
 
+import atexit
 import base64
 import contextlib
 import dataclasses
@@ -43,6 +44,7 @@ import subprocess
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Mapping, Sequence
 
 from codedojo.sandbox.agent import agent_binary
@@ -66,7 +68,15 @@ from codedojo.sandbox.images import (
     LayerStack,
     copy_layer_tree,
 )
-from codedojo.sandbox.syscalls import MNT_DETACH, MS_NODEV, MS_NOSUID, mount, open_in_root, umount
+from codedojo.sandbox.syscalls import (
+    MNT_DETACH,
+    MS_BIND,
+    MS_NODEV,
+    MS_NOSUID,
+    mount,
+    open_in_root,
+    umount,
+)
 
 DEFAULT_ROOT = "/var/lib/codedojo/sandbox"
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -102,6 +112,27 @@ def _mounts_under(prefix: str) -> list[str]:
             if target == prefix or target.startswith(prefix.rstrip("/") + "/"):
                 out.append(target)
     return out
+
+
+MS_SHARED = 1 << 20
+POOL_REFILL_DELAY_S = 0.03
+
+
+def _ensure_tmpfs(path: str) -> None:
+    """Sandbox directories (mount points, netns file, state.json) live on one tmpfs per store:
+    creating and deleting them costs no disk journal, they survive a crash of the service (for
+    gc) and vanish at reboot together with everything they describe."""
+    with open("/proc/self/mountinfo") as f:
+        if any(line.split()[4] == path for line in f):
+            return
+    mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=700,size=64m")
+
+
+def _drain_at_exit(ref: weakref.ref) -> None:
+    provider = ref()
+    if provider is not None:
+        with contextlib.suppress(Exception):
+            provider.drain_pool()
 
 
 def validate_limits(limits: Limits) -> None:
@@ -383,7 +414,9 @@ class LocalSandbox:
             raise SandboxError(f"image: {len(self.lowers)} layers exceed the overlay mount limit")
         mount("overlay", self._mnt, "overlay", 0, opts)
 
-    def _start_init(self, new_netns: bool) -> None:
+    def _start_init(self, new_netns: bool, wait_go: bool = False) -> None:
+        """Start the init helper. With wait_go (a pooled sandbox) it stops after entering the
+        namespaces and cgroups and waits for `_go`; otherwise it is ready on return."""
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self._address)
         self._listener.listen(64)
@@ -394,30 +427,47 @@ class LocalSandbox:
         assert self.cgroup is not None
         for f in self.cgroup.procs_files:
             args += ["--cgroup", f]
-        for d in self.image.binds:
-            args += ["--bind", f"/{d}:/{d}"]
-        self._waiter = subprocess.Popen(args, pass_fds=(fd,), stdin=subprocess.DEVNULL,
+        if wait_go:
+            args += ["--wait-go", "1"]
+        else:
+            for d in self.image.binds:
+                args += ["--bind", f"/{d}:/{d}"]
+        self._waiter = subprocess.Popen(args, pass_fds=(fd,),
+                                        stdin=subprocess.PIPE if wait_go else subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        assert self._waiter.stdout is not None
+        self._listener.close()  # init holds its own copy; ours would keep the address alive
+        self._listener = None
+        self._await("W" if wait_go else "R")
+
+    def _await(self, ready_line: str) -> None:
+        assert self._waiter is not None and self._waiter.stdout is not None
         ready = False
         error = ""
         for raw in self._waiter.stdout:
             line = raw.decode(errors="replace").strip()
             if line.startswith("P "):
                 self.init_pid = int(line[2:])
-            elif line == "R":
+            elif line == ready_line:
                 ready = True
             elif line.startswith("E "):
                 error = line[2:]
             if ready and self.init_pid:
                 break
-        self._waiter.stdout.close()
-        self._listener.close()  # init holds its own copy; ours would keep the address alive
-        self._listener = None
         if not ready or not self.init_pid:
+            self._waiter.stdout.close()
             self._waiter.wait()
             raise SandboxError(f"sandbox {self.id} failed to start: {error or 'init exited'}")
-        self._root_fd = os.open(f"/proc/{self.init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        if ready_line == "R":
+            self._waiter.stdout.close()
+            self._root_fd = os.open(f"/proc/{self.init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def _go(self) -> None:
+        """Finish a pooled sandbox: its filesystem is mounted; tell init to enter it."""
+        assert self._waiter is not None and self._waiter.stdin is not None
+        binds = " ".join(f"/{d}:/{d}" for d in self.image.binds)
+        self._waiter.stdin.write(f"G {binds}\n".encode())
+        self._waiter.stdin.close()
+        self._await("R")
 
     def _write_state(self) -> None:
         assert self.cgroup is not None
@@ -430,25 +480,60 @@ class LocalSandbox:
             json.dump(state, f)
         os.rename(tmp, os.path.join(self.dir, "state.json"))
 
-    def _start(self) -> None:
-        """Create directories, mounts, cgroups and the init (create)."""
-        limits = self.spec.limits
+    def _prepare(self, limits: Limits) -> None:
         os.makedirs(self._rw)
         os.mkdir(self._mnt)
         open(os.path.join(self.dir, "netns"), "w").close()
+        self.cgroup = self.provider.cgroups.create(self.provider.cgroup_name(self.id),
+                                                    limits.memory_mb, limits.pids, limits.cpus)
+        self._write_state()
+
+    def _start(self) -> None:
+        """Create directories, mounts, cgroups and the init (create without the pool)."""
         try:
-            self.cgroup = self.provider.cgroups.create(self.provider.cgroup_name(self.id),
-                                                        limits.memory_mb, limits.pids, limits.cpus)
-            self._write_state()
+            self._prepare(self.spec.limits)
             self._mount_fs()
             self._start_init(new_netns=True)
+            self._finish_start()
+        except BaseException:
+            self._teardown(keep_dir=False)
+            raise
+
+    def _start_blank(self) -> None:
+        """A pooled sandbox: namespaces, cgroups and init exist; no filesystem yet. Its
+        directory is a shared bind mount so the filesystem mounted at claim propagates in."""
+        try:
+            self._prepare(self.spec.limits)
+            mount(self.dir, self.dir, None, MS_BIND)
+            mount("none", self.dir, None, MS_SHARED)
+            self._start_init(new_netns=True, wait_go=True)
             self._write_state()
+        except BaseException:
+            self._teardown(keep_dir=False)
+            raise
+
+    def _claim(self, spec: SandboxSpec, image: Image, origin: Image) -> None:
+        """Turn a pooled sandbox into the one asked for: limits, filesystem, go."""
+        self.spec, self.image, self.lowers = spec, origin, image.layers
+        try:
+            assert self.cgroup is not None
+            limits = spec.limits
+            self.provider.cgroups.set_limits(self.cgroup, limits.memory_mb, limits.pids, limits.cpus)
+            self._mount_fs()
+            self._go()
+            # state.json from the blank already names the init, cgroups and owner (all gc needs)
             if self.spec.egress is not None:
                 self.binding = self.spec.egress.attach(self.id, self.init_pid)
                 self._place_binding_files()
         except BaseException:
             self._teardown(keep_dir=False)
             raise
+
+    def _finish_start(self) -> None:
+        self._write_state()
+        if self.spec.egress is not None:
+            self.binding = self.spec.egress.attach(self.id, self.init_pid)
+            self._place_binding_files()
 
     def _place_binding_files(self) -> None:
         for path, data in self.binding.files.items():
@@ -466,6 +551,10 @@ class LocalSandbox:
         if self.cgroup is not None:
             self.cgroup.kill()  # anything that got out of the pid ns the cgroup still holds
         if self._waiter is not None:
+            for pipe in (self._waiter.stdin, self._waiter.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
             self._waiter.wait()
             self._waiter = None
         self.init_pid = 0
@@ -480,6 +569,9 @@ class LocalSandbox:
         self._unmount_fs()
         with contextlib.suppress(OSError):
             umount(os.path.join(self.dir, "netns"), MNT_DETACH)
+        if any(m == self.dir for m in _mounts_under(self.dir)):
+            with contextlib.suppress(OSError):
+                umount(self.dir, MNT_DETACH)  # a pooled sandbox's shared self-bind
         if self.cgroup is not None:
             self.cgroup.remove()
         if not keep_dir:
@@ -844,15 +936,28 @@ class LocalProvider:
     >>> sb = provider.create(SandboxSpec(image="myrepo"))
     """
 
-    def __init__(self, root: str | None = None):
+    def __init__(self, root: str | None = None, *, pool_size: int = 4):
         self.root = os.path.abspath(root or os.environ.get("CODEDOJO_SANDBOX_ROOT") or DEFAULT_ROOT)
-        os.makedirs(os.path.join(self.root, "sandboxes"), exist_ok=True)
+        self.sandboxes_dir = os.path.join(self.root, "sandboxes")
+        os.makedirs(self.sandboxes_dir, exist_ok=True)
+        _ensure_tmpfs(self.sandboxes_dir)
         self.images = ImageStore(self.root, self)
         self.cgroups = CgroupManager()
         self.agent = agent_binary(self.root)
         self._tag = hashlib.sha256(self.root.encode()).hexdigest()[:8]
         self._sandboxes: dict[str, LocalSandbox] = {}
         self._lock = threading.Lock()
+        # The pool: sandboxes whose processes already sit in their namespaces and cgroups.
+        # Joining a v1 memory cgroup waits for an RCU grace period (~5-20 ms), the largest
+        # cost of a create; pooled sandboxes pay it ahead of time, off the critical path.
+        self.pool_size = pool_size
+        self._pool: list[LocalSandbox] = []
+        self._pool_cv = threading.Condition()
+        self._pool_thread: threading.Thread | None = None
+        self._closed = False
+        self._last_take = 0.0
+        # Pooled sandboxes belong to no caller: never leave them behind at interpreter exit.
+        atexit.register(_drain_at_exit, weakref.ref(self))
 
     def cgroup_name(self, sandbox_id: str) -> str:
         return f"{self._tag}-{sandbox_id}"
@@ -865,6 +970,16 @@ class LocalProvider:
 
     def _create(self, spec: SandboxSpec, image: Image, origin: Image) -> LocalSandbox:
         validate_limits(spec.limits)
+        blank = self._take_blank()
+        if blank is not None:
+            with self._lock:
+                self._sandboxes[blank.id] = blank
+            try:
+                blank._claim(spec, image, origin)
+            except BaseException:
+                self._forget(blank.id)
+                raise
+            return blank
         sandbox_id = "sb-" + uuid.uuid4().hex[:12]
         sb = LocalSandbox(self, sandbox_id, spec, origin)
         sb.lowers = image.layers
@@ -876,6 +991,58 @@ class LocalProvider:
             self._forget(sandbox_id)
             raise
         return sb
+
+    # ---- the pool ----
+
+    def _take_blank(self) -> LocalSandbox | None:
+        if self.pool_size <= 0 or self._closed:
+            return None
+        with self._pool_cv:
+            if self._pool_thread is None:
+                self._pool_thread = threading.Thread(target=self._fill_pool, name="sandbox-pool", daemon=True)
+                self._pool_thread.start()
+            blank = self._pool.pop() if self._pool else None
+            self._last_take = time.monotonic()
+            self._pool_cv.notify_all()
+        return blank
+
+    def _fill_pool(self) -> None:
+        while True:
+            with self._pool_cv:
+                while not self._closed and len(self._pool) >= self.pool_size:
+                    self._pool_cv.wait()
+                if self._closed:
+                    return
+            # Refill only once creates pause: the filler shares the GIL (and on a small host
+            # the CPUs) with the create it would otherwise slow down.
+            while time.monotonic() - self._last_take < POOL_REFILL_DELAY_S and not self._closed:
+                time.sleep(POOL_REFILL_DELAY_S / 2)
+            blank = LocalSandbox(self, "sb-" + uuid.uuid4().hex[:12], SandboxSpec(image=""),
+                                 Image("", (), "host"))
+            try:
+                blank._start_blank()
+            except Exception:
+                time.sleep(0.5)  # e.g. out of pids; creates fall back to the direct path
+                continue
+            with self._pool_cv:
+                if self._closed:
+                    blank._teardown(keep_dir=False)
+                    return
+                self._pool.append(blank)
+
+    def drain_pool(self) -> None:
+        """Tear down the pooled sandboxes (they are refilled on the next create)."""
+        with self._pool_cv:
+            pool, self._pool = self._pool, []
+            thread, self._pool_thread = self._pool_thread, None
+            self._closed = True
+            self._pool_cv.notify_all()
+        if thread is not None:
+            thread.join()
+        for blank in pool:
+            blank._teardown(keep_dir=False)
+        with self._pool_cv:
+            self._closed = False
 
     def get(self, sandbox_id: str) -> LocalSandbox:
         with self._lock:
@@ -893,7 +1060,8 @@ class LocalProvider:
             self._sandboxes.pop(sandbox_id, None)
 
     def close(self) -> None:
-        """Destroy every sandbox this provider created."""
+        """Destroy every sandbox this provider created, and the pool."""
+        self.drain_pool()
         for sb in self.list():
             sb.destroy()
 
@@ -903,7 +1071,8 @@ class LocalProvider:
         Returns the ids cleaned."""
         cleaned: list[str] = []
         sdir = os.path.join(self.root, "sandboxes")
-        live = set(self._sandboxes)
+        with self._pool_cv:
+            live = set(self._sandboxes) | {b.id for b in self._pool}
         for sid in sorted(os.listdir(sdir)):
             if sid in live:
                 continue
