@@ -27,7 +27,6 @@ project's kernel, so running processes are not (restore kills them); see `CRIU_A
 from __future__ import annotations
 
 import atexit
-import base64
 import contextlib
 import dataclasses
 import errno
@@ -305,8 +304,9 @@ def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
 class LocalShell:
     """A bash process whose cwd and exported variables persist between `run` calls.
 
-    Each command is passed base64-encoded to `eval` (so quoting and syntax errors cannot
-    desynchronise the stream; a syntax error is exit status 2) with stdin from /dev/null, then a
+    Each command is read verbatim by `read -N <bytes>` and run by `eval` (so quoting and syntax
+    errors cannot desynchronise the stream; a syntax error is exit status 2) with stdin from
+    /dev/null, then a
     random marker and the status are printed on stdout and the marker on stderr. A timeout
     kills the shell (its state is lost) and the next call starts a fresh one in /workspace."""
 
@@ -330,13 +330,18 @@ class LocalShell:
         timeout = limits.exec_timeout_s if timeout is None else timeout
         with self._lock:
             proc = self._start()
-            b64 = base64.b64encode(command.encode()).decode()
+            payload = command.encode()
             m = self._marker.decode()
-            script = (f"eval \"$(printf %s {b64} | base64 -d)\" </dev/null; __cdj=$?; "
-                      f"printf '%s%d\\n' '{m}' \"$__cdj\"; printf '%s' '{m}' >&2\n")
+            # `read -N` (bytes, with LC_ALL=C) takes exactly the command off stdin, so no quoting
+            # can desynchronise the stream and no helper process is spawned per call.
+            script = (f"LC_ALL=C IFS= read -r -N {len(payload)} __cdj_cmd\n".encode() + payload
+                      + (f"\neval \"$__cdj_cmd\" </dev/null; __cdj=$?; "
+                         f"printf '%s%d\\n' '{m}' \"$__cdj\"; printf '%s' '{m}' >&2\n").encode())
             try:
                 os.set_blocking(proc.stdin, True)
-                os.write(proc.stdin, script.encode())
+                view = memoryview(script)
+                while view:
+                    view = view[os.write(proc.stdin, view):]
                 os.set_blocking(proc.stdin, False)
             except OSError:
                 self._drop()

@@ -4,6 +4,9 @@ cgroup or directory, checked through /proc, /proc/mounts and the cgroup filesyst
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 from codedojo.sandbox.base import SandboxSpec
 from tests.sandbox.conftest import SMALL
@@ -65,3 +68,30 @@ def _cmdline(pid: int) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_gc_cleans_up_after_a_crashed_owner(provider, project):
+    """A process that dies without destroying its sandbox (kill -9 of the service) leaves
+    processes, mounts, a cgroup and a directory; gc removes all of them."""
+    code = (
+        "import os, sys\n"
+        "from codedojo.sandbox.local import LocalProvider\n"
+        "from codedojo.sandbox.base import SandboxSpec\n"
+        f"p = LocalProvider(root={provider.root!r}, pool_size=0)\n"
+        f"sb = p.create(SandboxSpec(image={project!r}))\n"
+        "sb.exec('setsid sleep 1000 >/dev/null 2>&1 &')\n"
+        "print(sb.id, sb.init_pid, flush=True)\n"
+        "os._exit(0)  # no cleanup at all, as in a crash\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    sid, init_pid = out.stdout.split()
+    assert os.path.exists(f"/proc/{init_pid}")
+    assert any(sid in m for m in _mounts(provider.root))
+    assert provider.gc() == [sid]
+    assert not any(sid in m for m in _mounts(provider.root))
+    assert not os.path.exists(os.path.join(provider.root, "sandboxes", sid))
+    assert not any(sid in name for name in provider.cgroups.existing())
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{init_pid}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not os.path.exists(f"/proc/{init_pid}")

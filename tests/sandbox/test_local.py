@@ -113,6 +113,7 @@ def test_persistent_shell_keeps_cwd_and_env(sandbox):
     r = sh.run("pwd; echo $A $B; printf 'no newline'")
     assert r.stdout == "/workspace/pkg\n1 2\nno newline"
     assert sh.run("false").exit_code == 1
+    assert sh.run("echo 'a\"b' && echo héllo\necho two; cat").stdout == 'a"b\nhéllo\ntwo\n'  # stdin: /dev/null
     assert sh.run("if then").exit_code == 2  # a syntax error does not break the session
     assert sh.run("echo err >&2; pwd").stderr == "err\n"
     r = sh.run("sleep 20", timeout=0.3)
