@@ -180,6 +180,15 @@ class EgressAddon:
             )  # fmt: skip
         flow.kill()
 
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        # The upgrade request passed the policy; its messages still may not carry a secret.
+        sc = self.registry.lookup(flow.client_conn.peername)
+        if sc is None or not sc.secrets or flow.websocket is None:
+            return
+        msg = flow.websocket.messages[-1]
+        if msg.from_client:
+            msg.content, _ = sc.secrets.redact(msg.content)
+
     def tls_failed_client(self, data: tls.TlsData) -> None:
         sc = self.registry.lookup(data.context.client.peername)
         if sc is None:

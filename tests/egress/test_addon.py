@@ -1,0 +1,96 @@
+"""The addon's decisions on synthetic flows (no network): what the acceptance tests cannot
+easily stage."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+
+import pytest
+from mitmproxy.test import tflow
+
+from codedojo.egress.addon import Blocked, EgressAddon, Registry, SandboxClient
+from codedojo.egress.audit import AuditLog, read_audit
+from codedojo.egress.policy import EgressPolicy
+from codedojo.egress.strip import SecretSet
+
+SANDBOX_IP = "10.250.0.2"
+
+
+@pytest.fixture
+def setup(tmp_path):
+    reg = Registry()
+    policy = EgressPolicy(allow_hosts=["*.example.org", "example.org"])
+    sc = SandboxClient(
+        "sb-1", SANDBOX_IP, policy, SecretSet.from_mapping({"TOKEN": "tok-123456"}),
+        AuditLog(tmp_path / "a.jsonl"), "explicit",
+    )  # fmt: skip
+    reg.add(sc)
+    yield EgressAddon(reg), sc, tmp_path / "a.jsonl"
+    sc.audit.close()
+
+
+def _flow(host: str = "www.example.org", host_header: str | None = None):
+    f = tflow.tflow(resp=False)
+    f.client_conn.peername = (SANDBOX_IP, 40000)
+    f.request.host, f.request.port = host, 80
+    f.request.headers["Host"] = host_header or host
+    return f
+
+
+def test_every_answer_is_checked_not_just_the_first(setup, monkeypatch):
+    addon, sc, _ = setup
+
+    async def answers(policy, host, port):
+        return [ipaddress.ip_address("93.184.216.34"), ipaddress.ip_address("10.0.0.7")]
+
+    monkeypatch.setattr(addon, "_resolve", answers)
+    with pytest.raises(Blocked, match="10.0.0.7 is a private address"):
+        asyncio.run(addon._check_destination(sc, "www.example.org", 80))
+
+
+def test_public_answer_is_pinned_as_the_connection_target(setup, monkeypatch):
+    addon, sc, _ = setup
+
+    async def answers(policy, host, port):
+        return [ipaddress.ip_address("2606:2800::1"), ipaddress.ip_address("93.184.216.34")]
+
+    monkeypatch.setattr(addon, "_resolve", answers)
+    f = _flow()
+    asyncio.run(addon.requestheaders(f))
+    assert f.response is None
+    assert f.request.host == "93.184.216.34"  # IPv4 preferred; connect exactly there
+    assert f.request.headers["Host"] == "www.example.org"  # the upstream still sees the name
+    assert sc.sni[("93.184.216.34", 80)] == "www.example.org"
+
+
+def test_host_header_must_match_the_destination(setup):
+    addon, _, audit = setup
+    f = _flow(host_header="internal.example.org.evil")
+    asyncio.run(addon.requestheaders(f))
+    assert f.response is not None and f.response.status_code == 403
+    assert b"does not match the destination" in f.response.content
+    addon.response(f)
+    assert "does not match" in read_audit(audit)[-1]["blocked"]
+
+
+def test_unknown_clients_are_dropped(setup):
+    addon, _, _ = setup
+    f = _flow()
+    f.client_conn.peername = ("10.250.0.6", 40000)
+    asyncio.run(addon.requestheaders(f))
+    assert f.error is not None  # killed: no sandbox owns that address
+    client = tflow.tclient_conn()
+    client.peername = ("127.0.0.1", 5555)
+    addon.client_connected(client)
+    assert client.error
+
+
+def test_websocket_messages_from_the_sandbox_are_redacted(setup):
+    addon, _, _ = setup
+    f = tflow.twebsocketflow()
+    f.client_conn.peername = (SANDBOX_IP, 40000)
+    f.websocket.messages[-1].from_client = True
+    f.websocket.messages[-1].content = b"auth tok-123456 please"
+    addon.websocket_message(f)
+    assert f.websocket.messages[-1].content == b"auth __REDACTED_TOKEN__ please"
