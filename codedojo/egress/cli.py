@@ -90,5 +90,16 @@ def check_policy(
     typer.echo(policy.model_dump_json(indent=2))
 
 
+@egress_app.command("gc")
+def gc() -> None:
+    """Remove iptables chains and veth links left by egress proxies that are no longer running."""
+    from codedojo.egress.network import gc_stale
+
+    tags = gc_stale()
+    typer.echo(
+        f"removed {len(tags)} stale proxy instance(s){': ' + ', '.join(tags) if tags else ''}"
+    )
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(egress_app, name="egress")

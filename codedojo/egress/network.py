@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 IPT_WAIT = ["-w", "5"]
+# One file per live proxy instance (its tag), holding the owner's pid: what `gc_stale` checks
+# before it removes chains and links a crashed process left behind.
+OWNERS_DIR = Path("/run/codedojo-egress")
 
 
 class NetworkError(RuntimeError):
@@ -77,6 +80,8 @@ class SandboxNetwork:
     # ---- instance-wide chains ---------------------------------------------------------------
 
     def install(self) -> None:
+        OWNERS_DIR.mkdir(parents=True, exist_ok=True)
+        (OWNERS_DIR / self.tag).write_text(f"{os.getpid()}\n")
         for table, chain, parent in (
             ("filter", self.chain_in, "INPUT"),
             ("filter", self.chain_fwd, "FORWARD"),
@@ -99,6 +104,7 @@ class SandboxNetwork:
             _run(["iptables", *IPT_WAIT, "-t", table, "-D", parent, "-j", chain], check=False)
             _run(["iptables", *IPT_WAIT, "-t", table, "-F", chain], check=False)
             _run(["iptables", *IPT_WAIT, "-t", table, "-X", chain], check=False)
+        (OWNERS_DIR / self.tag).unlink(missing_ok=True)
         self._installed = False
 
     # ---- per-sandbox links ------------------------------------------------------------------
@@ -203,6 +209,41 @@ class SandboxNetwork:
         slot = self._slots.pop(sandbox_id, None)
         if slot is not None:
             self._free.append(slot)
+
+
+def gc_stale() -> list[str]:
+    """Remove the chains and links of proxy instances whose process is gone; returns their
+    tags. Live instances (owner pid still running) are left alone."""
+    import re
+
+    listing = {
+        t: _run(["iptables", *IPT_WAIT, "-t", t, "-S"], check=False) for t in ("filter", "nat")
+    }
+    tags = {
+        m for text in listing.values() for m in re.findall(r"^-N CDEG-([0-9a-f]{6})-", text, re.M)
+    }
+    stale = []
+    for tag in sorted(tags):
+        owner = OWNERS_DIR / tag
+        try:
+            pid = int(owner.read_text())
+            os.kill(pid, 0)
+            continue  # alive
+        except (OSError, ValueError):
+            pass
+        for table, parent, suffix in (("filter", "INPUT", "IN"), ("filter", "FORWARD", "FWD"),
+                                      ("nat", "PREROUTING", "PRE")):  # fmt: skip
+            chain = f"CDEG-{tag}-{suffix}"
+            _run(["iptables", *IPT_WAIT, "-t", table, "-D", parent, "-j", chain], check=False)
+            _run(["iptables", *IPT_WAIT, "-t", table, "-F", chain], check=False)
+            _run(["iptables", *IPT_WAIT, "-t", table, "-X", chain], check=False)
+        for line in _run(["ip", "-o", "link"], check=False).splitlines():
+            name = line.split(":", 2)[1].strip().split("@", 1)[0] if ":" in line else ""
+            if name.startswith(f"cdg{tag}"):
+                _run(["ip", "link", "del", name], check=False)
+        owner.unlink(missing_ok=True)
+        stale.append(tag)
+    return stale
 
 
 def _nth30(base: ipaddress.IPv4Network, n: int) -> ipaddress.IPv4Network:

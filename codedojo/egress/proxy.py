@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from codedojo.egress.addon import EgressAddon, Registry, SandboxClient
 from codedojo.egress.audit import AuditLog
 from codedojo.egress.dns import DnsResponder
-from codedojo.egress.network import NetworkError, Ports, SandboxNetwork
+from codedojo.egress.network import NetworkError, Ports, SandboxNetwork, gc_stale
 from codedojo.egress.policy import EgressPolicy
 from codedojo.egress.strip import SecretSet
 from codedojo.sandbox.base import EgressBinding
@@ -122,6 +122,7 @@ class EgressProxy:
             self.stop()
             raise RuntimeError(f"egress proxy did not start: {self._error or 'timeout'}")
         assert self.ports is not None
+        gc_stale()  # what a crashed proxy left behind would otherwise pile up
         self.network = SandboxNetwork(self.tag, self.ports, self.config.subnet_octet)
         try:
             self.network.install()

@@ -86,3 +86,27 @@ def test_check_policy_command(tmp_path):
     f.write_text('allow_addresses = ["127.0.0.1:1"]\n')
     bad = CliRunner().invoke(app, ["egress", "check-policy", str(f)])
     assert bad.exit_code == 2 and "test-only override" in bad.output
+
+
+def test_gc_removes_what_a_killed_proxy_left(tmp_path):
+    from codedojo.egress.network import gc_stale
+
+    code = (
+        "import sys, time, pathlib\n"
+        "from codedojo.egress.proxy import EgressProxy, EgressProxyConfig\n"
+        "p = EgressProxy(EgressProxyConfig(state_dir=pathlib.Path(sys.argv[1]))).start()\n"
+        "print(p.tag, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        tag = proc.stdout.readline().strip()
+        assert tag and any(tag in c for c in _chains())
+        assert tag not in gc_stale()  # its owner is alive: left alone
+    finally:
+        proc.kill()  # no clean shutdown: the chains stay behind
+        proc.wait()
+    assert any(tag in c for c in _chains())
+    assert tag in gc_stale()
+    assert not any(tag in c for c in _chains())
