@@ -236,6 +236,20 @@ class ImageStore:
             shutil.rmtree(tmp, ignore_errors=True)  # the same content is already stored
         return layer_id
 
+    def copy_layer(self, layer_id: str, salt: str) -> str:
+        """A second copy of a layer under another id (a stack may not hold one dir twice)."""
+        new_id = hashlib.sha256(f"{layer_id}:{salt}".encode()).hexdigest()[:ID_LEN]
+        dst = self.layer_path(new_id)
+        if not os.path.isdir(dst):
+            tmp = self._tmpdir()
+            os.rmdir(tmp)
+            copy_layer_tree(self.layer_path(layer_id), tmp)
+            try:
+                os.rename(tmp, dst)
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return new_id
+
     def put_image(self, layers: Sequence[str], base: str = "host", name: str | None = None,
                   meta: dict | None = None) -> Image:
         for layer in layers:

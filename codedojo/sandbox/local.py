@@ -661,8 +661,9 @@ class LocalSandbox:
         except OSError as e:
             raise SandboxError(f"path: {path}: {e.strerror}") from None
 
-    def _parent(self, path: str, create: bool) -> tuple[int, str]:
-        """An O_PATH fd of `path`'s parent directory (created as the sandbox user when asked)."""
+    def _parent(self, path: str, create: bool, as_root: bool = False) -> tuple[int, str]:
+        """An O_PATH fd of `path`'s parent directory, created when asked: as the sandbox user
+        (who must be allowed to), or as root for files the host places (egress CA)."""
         parent, name = os.path.split(path)
         if not name:
             raise SandboxError(f"path: {path!r} names the root")
@@ -671,12 +672,14 @@ class LocalSandbox:
         except OSError as e:
             if e.errno != errno.ENOENT or not create:
                 raise SandboxError(f"path: {parent}: {e.strerror}") from None
-        gfd, gname = self._parent(parent, create=True)
+        gfd, gname = self._parent(parent, create=True, as_root=as_root)
         try:
-            self._check_writable(gfd, parent)
+            if not as_root:
+                self._check_writable(gfd, parent)
             with contextlib.suppress(FileExistsError):
                 os.mkdir(gname, 0o755, dir_fd=gfd)
-                os.chown(gname, SANDBOX_UID, SANDBOX_GID, dir_fd=gfd, follow_symlinks=False)
+                if not as_root:
+                    os.chown(gname, SANDBOX_UID, SANDBOX_GID, dir_fd=gfd, follow_symlinks=False)
         except OSError as e:
             raise SandboxError(f"path: {parent}: {e.strerror}") from None
         finally:
@@ -748,13 +751,15 @@ class LocalSandbox:
 
     def _write_as_root(self, path: str, data: bytes) -> None:
         """Place a file (the egress CA) owned by root, readable by all; parents are created."""
-        pfd, _ = self._parent(path, create=True)
+        pfd, _ = self._parent(path, create=True, as_root=True)
         os.close(pfd)
         fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.fchown(fd, 0, 0)
             os.fchmod(fd, 0o644)
-            os.write(fd, data)
+            view = memoryview(bytes(data))
+            while view:
+                view = view[os.write(fd, view):]
         finally:
             os.close(fd)
 
@@ -874,8 +879,15 @@ class LocalSandbox:
             finally:
                 self.cgroup.freeze(False)
             layer = store.commit_layer(tmp)
-            return store.put_image([layer, *self.lowers], self.image.base,
-                                   meta={"kind": "snapshot", "of": self.id}).id
+            # overlayfs refuses the same directory twice in one stack (ELOOP). The same content
+            # on top of itself changes nothing; deeper in the stack it needs its own copy.
+            if self.lowers and layer == self.lowers[0]:
+                layers = list(self.lowers)
+            elif layer in self.lowers:
+                layers = [store.copy_layer(layer, salt=",".join(self.lowers)), *self.lowers]
+            else:
+                layers = [layer, *self.lowers]
+            return store.put_image(layers, self.image.base, meta={"kind": "snapshot", "of": self.id}).id
 
     def fork(self, n: int = 1, snapshot: str | None = None) -> list[LocalSandbox]:
         if not isinstance(n, int) or n < 1:

@@ -270,3 +270,23 @@ def test_criu_is_reported_plainly():
     from codedojo.sandbox.local import criu_available
 
     assert criu_available() in (True, False)
+
+
+def test_snapshot_repeating_an_earlier_layer(sandbox):
+    """The same writable-layer content twice in one stack (overlayfs forbids a repeated dir)."""
+    sandbox.write_file("a.txt", "A")
+    s1 = sandbox.snapshot()
+    sandbox.restore(s1)
+    assert sandbox.snapshot() == s1  # nothing changed since: the same image
+    sandbox.write_file("b.txt", "B")
+    s2 = sandbox.snapshot()
+    sandbox.restore(s2)
+    sandbox.remove("a.txt")
+    sandbox.restore(s2)
+    sandbox.write_file("a.txt", "A")  # upper now equals s1's layer, which is deeper in the stack
+    s3 = sandbox.snapshot()
+    (fork,) = sandbox.fork(1, s3)
+    try:
+        assert fork.read_file("a.txt") == b"A" and fork.read_file("b.txt") == b"B"
+    finally:
+        fork.destroy()
