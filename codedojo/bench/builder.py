@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from codedojo.bench.mutate import Site, apply_site, find_sites
 from codedojo.bench.patching import make_diff
-from codedojo.bench.source import Sdist, cache_root, fetch_sdist, is_test_path, test_paths, unpack
+from codedojo.bench.source import Sdist, cache_root, fetch_sdist, is_test_path, find_test_paths, unpack
 from codedojo.bench.statement import bugfix_statement, feature_statement, log_statement
 from codedojo.bench.suite import Suite, save_suite
 from codedojo.bench.task import ImageRecipe, Task, Timeouts
@@ -134,7 +134,7 @@ def _source_modules(tree: Path, python_path: list[str]) -> list[str]:
 def prepare_package(recipe: PackageRecipe, runs: int, log: Log) -> PackageWork:
     sdist = fetch_sdist(recipe.requirement)
     tree = unpack(sdist)
-    hidden = test_paths(tree)
+    hidden = find_test_paths(tree)
     if not hidden:
         raise BuildError(f"{recipe.requirement}: the sdist ships no tests")
     work = Path(tempfile.mkdtemp(prefix=f"dojobench-{sdist.name}-"))

@@ -135,7 +135,7 @@ def is_test_path(rel: str) -> bool:
     return name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py")
 
 
-def test_paths(root: Path) -> list[str]:
+def find_test_paths(root: Path) -> list[str]:
     """The smallest set of paths (folders or files) that holds every test file under root."""
     out: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):

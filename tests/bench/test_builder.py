@@ -1,0 +1,89 @@
+import json
+import re
+
+import pytest
+
+from codedojo.bench.patching import apply_patch_to_dir
+from codedojo.bench.source import fetch_sdist, find_test_paths, unpack
+from codedojo.bench.suite import load_suite
+
+
+def test_fixture_suite_has_every_category_with_valid_tests(tiny_suite):
+    cats = sorted(t.category for t in tiny_suite.tasks)
+    assert cats == ["bugfix", "feature", "log-investigation"]
+    for t in tiny_suite.tasks:
+        assert t.FAIL_TO_PASS and t.PASS_TO_PASS
+        assert not set(t.FAIL_TO_PASS) & set(t.PASS_TO_PASS)
+        assert t.hidden_paths == ["tests"]
+        assert t.base == "tinycalc==0.1.0" and len(t.base_sha256) == 64
+        assert t.environment and t.environment[0].startswith("pytest==")
+    splits = tiny_suite.manifest.splits
+    assert sorted(splits["train"] + splits["test"]) == sorted(t.instance_id for t in tiny_suite.tasks)
+    # the saved suite loads back with its hashes intact
+    assert len(load_suite(tiny_suite.path)) == 3
+
+
+def test_bug_patch_and_gold_patch_invert_each_other(tiny_suite, tmp_path):
+    tree = unpack(fetch_sdist("tinycalc==0.1.0"))
+    original = (tree / "tinycalc/core.py").read_text()
+    for t in tiny_suite.tasks:
+        work = tmp_path / t.instance_id
+        work.mkdir()
+        (work / "tinycalc").mkdir()
+        (work / "tinycalc/core.py").write_text(original)
+        apply_patch_to_dir(t.bug_patch, work)
+        assert (work / "tinycalc/core.py").read_text() != original
+        apply_patch_to_dir(t.patch, work)
+        assert (work / "tinycalc/core.py").read_text() == original
+
+
+def test_statements_give_symptoms_not_locations(tiny_suite):
+    for t in tiny_suite.tasks:
+        s = t.problem_statement
+        if t.category == "feature":
+            assert "NotImplementedError" in s and "tinycalc.core." in s
+            continue
+        assert "tinycalc/core.py" not in s and not re.search(r"(?<![\w/])core\.py", s)
+        removed = [ln[1:].strip() for ln in t.patch.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+        for line in removed:
+            assert line not in s, f"{t.instance_id} statement shows the fixed line {line!r}"
+        if t.category == "log-investigation":
+            logs = [json.loads(ln) for ln in s.split("```jsonl\n")[1].split("\n```")[0].splitlines()]
+            errors = [r for r in logs if r["level"] == "ERROR"]
+            assert {r["scenario"] for r in errors} == set(t.FAIL_TO_PASS)
+            assert len(logs) > len(errors)
+        else:
+            assert any(f.split("::")[-1] in s for f in t.FAIL_TO_PASS)
+
+
+def test_fixture_sdist_is_found_in_cache_and_tests_located(bench_cache):
+    sd = fetch_sdist("tinycalc==0.1.0")
+    assert sd.archive.parent == bench_cache / "bench" / "sdists" / "tinycalc-0.1.0"
+    assert find_test_paths(unpack(sd)) == ["tests"]
+    with pytest.raises(RuntimeError, match="sha256"):
+        fetch_sdist("tinycalc==0.1.0", expect_sha256="f" * 64)
+    with pytest.raises(ValueError, match="pinned"):
+        fetch_sdist("tinycalc")
+
+
+@pytest.mark.slow
+def test_real_package_from_the_registry(tmp_path):
+    """inflection's sdist from PyPI (cached under the user's bench cache) yields a valid task."""
+    import os
+
+    from codedojo.bench.builder import BuildRecipe, build_suite
+
+    old = os.environ.pop("CODEDOJO_CACHE", None)  # the real cache, shared with `dojo demo`
+    try:
+        recipe = BuildRecipe.model_validate({
+            "name": "real", "version": "0", "seed": 1, "max_p2p": 5,
+            "packages": [{"requirement": "inflection==0.5.1", "bugfix": 1, "feature": 0,
+                          "log_investigation": 0, "max_candidates": 15}],
+        })
+        suite = build_suite(recipe, tmp_path, log=lambda m: None)
+    finally:
+        if old is not None:
+            os.environ["CODEDOJO_CACHE"] = old
+    (task,) = suite.tasks
+    assert task.repo == "pypi/inflection" and task.FAIL_TO_PASS and task.PASS_TO_PASS
+    assert "test_inflection.py" in task.hidden_paths

@@ -1,0 +1,30 @@
+import pytest
+
+from codedojo.bench.patching import PatchError, apply_patch, apply_patch_to_dir, make_diff
+
+
+def test_roundtrip_modify_add_delete(tmp_path):
+    before = {"a.py": "x = 1\ny = 2\nz = 3\n", "gone.py": "bye\n", "nonl.py": "no newline"}
+    after = {"a.py": "x = 1\ny = 20\nz = 3\n", "new/b.py": "hello\n", "nonl.py": "still none"}
+    diff = make_diff(before, after)
+    for rel, text in before.items():
+        (tmp_path / rel).write_text(text)
+    apply_patch_to_dir(diff, tmp_path)
+    assert (tmp_path / "a.py").read_text() == after["a.py"]
+    assert (tmp_path / "new/b.py").read_text() == "hello\n"
+    assert (tmp_path / "nonl.py").read_text() == "still none"
+    assert not (tmp_path / "gone.py").exists()
+    # and the reverse diff restores the original
+    back = make_diff(after, before)
+    apply_patch_to_dir(back, tmp_path)
+    assert {p: (tmp_path / p).read_text() for p in before} == before
+
+
+def test_context_mismatch_is_an_error():
+    diff = make_diff({"a.py": "x = 1\n"}, {"a.py": "x = 2\n"})
+    with pytest.raises(PatchError, match="does not match"):
+        apply_patch(diff, lambda p: "x = 5\n")
+    with pytest.raises(PatchError, match="does not exist"):
+        apply_patch(diff, lambda p: None)
+    with pytest.raises(PatchError, match="no file headers"):
+        apply_patch("hello", lambda p: "")

@@ -1,0 +1,67 @@
+import json
+
+from codedojo.bench.report import write_report
+from codedojo.bench.runner import HarnessAgent, NullAgent, OracleAgent, pass_at_k, run_agent
+from codedojo.bench.validate import gold_changes, validate_task
+
+
+def test_oracle_resolves_everything_null_nothing_and_reports(images, tiny_suite, tmp_path):
+    oracle = run_agent(images, OracleAgent(), tiny_suite.tasks, name="o", suite="tiny", parallel=2, out_dir=tmp_path)
+    assert oracle.counts() == {"resolved": 3, "unresolved": 0, "infra_failure": 0}
+    assert all(r.changed_files == ["tinycalc/core.py"] for r in oracle.results)
+    null = run_agent(images, NullAgent(), tiny_suite.tasks[:2], name="n", suite="tiny", out_dir=tmp_path)
+    assert null.counts()["unresolved"] == 2
+    assert all(r.f2p_passed == 0 and r.p2p_passed == r.p2p_total for r in null.results)
+    paths = write_report(oracle, tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert data["overall"]["resolved"] == 3 and set(data["by_category"]) == {"bugfix", "feature", "log-investigation"}
+    assert "| bugfix | 1 | 1 |" in paths["markdown"].read_text()
+    assert paths["plot"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_validation_of_a_task(images, tiny_suite):
+    v = validate_task(images, tiny_suite.tasks[0], runs=2)
+    assert v.ok, v
+    assert v.base_f2p_failed == v.f2p and v.gold_runs_passed == 2
+
+
+def test_editing_hidden_tests_does_not_help(images, tiny_suite, tmp_path):
+    """An agent that rewrites the tests instead of the code is graded on the pinned tests."""
+    task = tiny_suite.tasks[0]
+
+    class Cheater:
+        name = "cheater"
+
+        def solve(self, task, sandbox, out_dir):
+            from codedojo.bench.runner import AgentResult
+
+            sandbox.write_file("/workspace/tests/test_core.py", "def test_nothing():\n    pass\n")
+            return AgentResult()
+
+    run = run_agent(images, Cheater(), [task], name="c", out_dir=tmp_path)
+    assert run.results[0].status == "unresolved"
+
+
+def test_harness_agent_with_a_scripted_policy(images, tiny_suite, tmp_path):
+    """The model path: the harness loop's tools write the fix; tokens and turns are counted."""
+    from codedojo.harness.policy import ScriptedPolicy
+
+    task = next(t for t in tiny_suite.tasks if t.category == "bugfix")
+    fixed = gold_changes(task)["tinycalc/core.py"].decode()
+    policy = ScriptedPolicy([
+        [("read_file", {"target_file": "/workspace/tinycalc/core.py"})],
+        [("write", {"file_path": "/workspace/tinycalc/core.py", "contents": fixed})],
+        "Fixed.",
+    ])
+    run = run_agent(images, HarnessAgent(policy), [task], name="h", out_dir=tmp_path)
+    r = run.results[0]
+    assert r.status == "resolved", r.error
+    assert r.turns == 3 and r.completion_tokens > 0
+    assert (tmp_path / "h" / "episodes" / f"{task.instance_id}.traj.json").exists()
+
+
+def test_pass_at_k():
+    assert pass_at_k(5, 0, 1) == 0.0
+    assert pass_at_k(5, 5, 3) == 1.0
+    assert abs(pass_at_k(4, 1, 1) - 0.25) < 1e-9
+    assert abs(pass_at_k(4, 1, 2) - 0.5) < 1e-9

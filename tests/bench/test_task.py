@@ -1,0 +1,79 @@
+import json
+
+import pytest
+
+from codedojo.bench.suite import load_suite, save_suite
+from codedojo.bench.task import CANARY, Task, TaskFormatError, parse_task
+
+DIFF = "--- a/x.py\n+++ b/x.py\n@@ -1 +1 @@\n-a = 1\n+a = 2\n"
+
+
+def record(**over):
+    rec = {
+        "instance_id": "pkg-1.0__bug-x", "repo": "pypi/pkg", "version": "1.0", "base": "pkg==1.0",
+        "patch": DIFF, "FAIL_TO_PASS": ["tests/test_x.py::test_a"], "PASS_TO_PASS": ["tests/test_x.py::test_b"],
+        "problem_statement": "it breaks", "created_at": "2026-01-01T00:00:00Z", "base_sha256": "0" * 64,
+        "bug_patch": DIFF, "hidden_paths": ["tests"], "environment": ["pytest==9.2.0"],
+    }
+    rec.update(over)
+    return rec
+
+
+def test_valid_record_has_defaults_and_canary():
+    t = parse_task(record())
+    assert t.package == "pkg" and t.category == "bugfix" and t.canary == CANARY
+    assert t.test_patch == ""
+
+
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [
+        ({"base": "pkg>=1.0"}, "base"),
+        ({"FAIL_TO_PASS": []}, "FAIL_TO_PASS"),
+        ({"patch": "not a diff"}, "patch"),
+        ({"category": "poetry"}, "category"),
+        ({"environment": ["pytest"]}, "environment"),
+        ({"bug_kinds": ["typo"]}, "bug_kinds"),
+        ({"timeouts": {"test_s": -1}}, "timeouts.test_s"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
+def test_bad_field_is_named_with_the_task(over, field):
+    with pytest.raises(TaskFormatError) as e:
+        parse_task(record(**over))
+    assert "pkg-1.0__bug-x" in str(e.value) and f"'{field}'" in str(e.value)
+
+
+def test_missing_field_and_version_mismatch():
+    rec = record()
+    del rec["problem_statement"]
+    with pytest.raises(TaskFormatError, match="problem_statement"):
+        parse_task(rec)
+    with pytest.raises(TaskFormatError, match="differs from base"):
+        parse_task(record(version="2.0"))
+
+
+def test_suite_roundtrip_and_tamper_detection(tmp_path):
+    a = Task.model_validate(record())
+    b = Task.model_validate(record(instance_id="pkg-1.0__bug-y", category="feature"))
+    save_suite(tmp_path, "s", "1", [a, b], {"train": [a.instance_id], "test": [b.instance_id]})
+    s = load_suite(tmp_path)
+    assert [t.instance_id for t in s.split("test")] == ["pkg-1.0__bug-y"]
+    assert s["pkg-1.0__bug-x"] == a
+    lines = (tmp_path / "tasks.jsonl").read_text().splitlines()
+    edited = json.loads(lines[1])
+    edited["problem_statement"] = "something else"
+    (tmp_path / "tasks.jsonl").write_text(lines[0] + "\n" + json.dumps(edited) + "\n")
+    with pytest.raises(TaskFormatError, match="pkg-1.0__bug-y.*content hash"):
+        load_suite(tmp_path)
+    broken = json.loads(lines[1])
+    broken["FAIL_TO_PASS"] = "not a list"
+    (tmp_path / "tasks.jsonl").write_text(lines[0] + "\n" + json.dumps(broken) + "\n")
+    with pytest.raises(TaskFormatError, match="pkg-1.0__bug-y.*'FAIL_TO_PASS'"):
+        load_suite(tmp_path)
+
+
+def test_split_must_partition(tmp_path):
+    a = Task.model_validate(record())
+    with pytest.raises(TaskFormatError, match="both splits"):
+        save_suite(tmp_path, "s", "1", [a], {"train": [a.instance_id], "test": [a.instance_id]})

@@ -1,0 +1,43 @@
+from codedojo.bench.testrun import LocalExecutor, PytestCommand, parse_pytest_output, run_pytest
+
+OUT = """\
+..F
+=================================== FAILURES ===================================
+________________________________ TestX.test_two ________________________________
+tests/test_a.py:9: in test_two
+    assert f(2) == 5
+E   assert 4 == 5
+E    +  where 4 = f(2)
+=========================== short test summary info ============================
+PASSED tests/test_a.py::test_one
+PASSED tests/test_a.py::test_p[a b]
+FAILED tests/test_a.py::TestX::test_two - assert 4 == 5
+ERROR tests/test_b.py::test_setup - RuntimeError: boom
+SKIPPED [1] tests/test_c.py:3: no network
+1 failed, 2 passed, 1 error, 1 skipped in 0.10s
+"""
+
+
+def test_parse_summary_and_messages():
+    rep = parse_pytest_output(OUT)
+    assert rep.passed() == {"tests/test_a.py::test_one", "tests/test_a.py::test_p[a b]"}
+    assert rep.failed() == {"tests/test_a.py::TestX::test_two", "tests/test_b.py::test_setup"}
+    assert rep.messages["tests/test_a.py::TestX::test_two"].startswith("assert 4 == 5")
+    assert "where 4 = f(2)" in rep.messages["tests/test_a.py::TestX::test_two"]
+    assert rep.messages["tests/test_b.py::test_setup"] == "RuntimeError: boom"
+
+
+def test_run_pytest_on_a_folder_and_missing_tests_count_as_errors(tmp_path):
+    (tmp_path / "test_x.py").write_text("def test_ok():\n    assert True\n\ndef test_bad():\n    assert 1 == 2\n")
+    cmd = PytestCommand(root=str(tmp_path))
+    rep = run_pytest(LocalExecutor(), cmd, timeout=60)
+    assert rep.passed() == {"test_x.py::test_ok"} and rep.failed() == {"test_x.py::test_bad"}
+    assert rep.infra_error is None
+    rep = run_pytest(LocalExecutor(), cmd, tests=["test_x.py::test_ok", "test_x.py::test_gone"], timeout=60)
+    assert rep.outcomes["test_x.py::test_gone"] == "error"
+    assert not list(tmp_path.rglob("__pycache__"))  # runs leave no bytecode behind
+
+
+def test_local_executor_timeout_kills_the_group():
+    res = LocalExecutor().exec("sleep 30 & sleep 30", timeout=0.5)
+    assert res.timed_out and res.exit_code == 124
