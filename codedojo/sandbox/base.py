@@ -71,6 +71,11 @@ class EgressAttachment(Protocol):
     The sandbox calls `attach` once its (empty) network namespace exists and before any user
     command runs; `netns_pid` is a process inside that namespace (`/proc/<pid>/ns/net`). It calls
     `detach` when the sandbox is destroyed. Without an attachment a sandbox has no network at all.
+
+    The namespace lives as long as the sandbox: `restore` keeps it (and writes `files` again into
+    the fresh writable layer), so `attach` runs once per sandbox; each fork is a new sandbox
+    with its own namespace and its own `attach`. `netns_pid` is the sandbox's init, which a
+    restore replaces: configure the namespace during `attach` rather than keeping the pid.
     """
 
     def attach(self, sandbox_id: str, netns_pid: int) -> EgressBinding: ...
