@@ -126,8 +126,14 @@ class Engine:
             self.start()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        req = self.submit(prompt_ids, params,
-                          on_event=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+
+        def deliver(ev: TokenEvent) -> None:  # runs on the scheduler thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, ev)
+            except RuntimeError:  # the consumer's loop has closed: nobody is listening
+                req.cancelled = True
+
+        req = self.submit(prompt_ids, params, on_event=deliver)
         try:
             while True:
                 ev = await queue.get()
@@ -136,6 +142,7 @@ class Engine:
                     return
         finally:
             if not req.done.is_set():
+                req.on_event = None  # the consumer is gone; its loop may close before we stop
                 req.cancelled = True
                 with self._wake:
                     self._wake.notify()

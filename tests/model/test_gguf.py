@@ -15,6 +15,8 @@ from codedojo.model.config import ModelConfig
 from codedojo.model.gguf import UnsupportedTensorType, dequantize, load_gguf, unpermute_rope
 from codedojo.model.transformer import Transformer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16])
 def test_dequantize_matches_gguf_reference(qtype: Q) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -9,6 +10,8 @@ from codedojo.model.config import ModelConfig
 from codedojo.model.hf import save_hf
 from codedojo.model.transformer import Transformer
 from codedojo.model.weights import load_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _roundtrip(cfg: ModelConfig, tmp_path) -> None:

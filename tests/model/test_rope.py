@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from codedojo.model.config import ModelConfig, RopeScaling
 from codedojo.model.rope import Rotary, apply_rotary, inv_frequencies
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_yarn_frequencies_and_temperature_match_transformers() -> None:

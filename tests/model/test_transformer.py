@@ -10,6 +10,8 @@ from codedojo.model.config import ModelConfig
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.transformer import Transformer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def tiny() -> Transformer:

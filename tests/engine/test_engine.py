@@ -1,0 +1,163 @@
+"""The engine on a tiny model: against the slow reference, continuous batching, seeds, stops,
+logprobs, weight versions, streaming and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from codedojo.engine.engine import Engine
+from codedojo.engine.reference import greedy_reference, sequence_logprobs
+from codedojo.engine.sampling import filtered_logprobs
+from codedojo.engine.types import SamplingParams
+from codedojo.model.config import ModelConfig
+from codedojo.model.transformer import Transformer
+
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15], [3] * 9, [200, 100]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """A tiny model is all per-op overhead; extra intra-op threads only add sync cost, which
+    grows badly when the test machine is busy."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture()
+def model() -> Transformer:
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig.tiny(tie_embeddings=False)).eval()
+    with torch.no_grad():  # sharper than the near-uniform init, still far from one-hot
+        m.output.weight.mul_(30)  # type: ignore[union-attr]
+    return m
+
+
+def test_greedy_matches_full_recompute_reference(model: Transformer) -> None:
+    engine = Engine(model, max_batch=4)  # fewer slots than prompts: requests queue and join
+    out = engine.generate(PROMPTS, SamplingParams(max_tokens=15, temperature=0))
+    for p, c in zip(PROMPTS, out, strict=True):
+        assert c.token_ids == greedy_reference(model, p, 15)
+        assert c.finish_reason == "length" and len(c.token_ids) == 15
+    assert len({tuple(c.token_ids) for c in out}) > 1
+
+
+def test_continuous_batching_equals_sequential(model: Transformer) -> None:
+    params = [SamplingParams(max_tokens=5 + 3 * i, temperature=0.8, seed=i) for i in range(6)]
+    batched = Engine(model, max_batch=3).generate(PROMPTS, params)
+    single = Engine(model, max_batch=1)
+    for p, sp, c in zip(PROMPTS, params, batched, strict=True):
+        assert single.generate([p], sp)[0].token_ids == c.token_ids
+
+
+def test_seeds_reproduce_and_differ(model: Transformer) -> None:
+    engine = Engine(model, max_batch=4)
+    a = engine.generate([PROMPTS[0]] * 2, [SamplingParams(max_tokens=30, seed=1),
+                                           SamplingParams(max_tokens=30, seed=2)])
+    b = engine.generate([PROMPTS[1], PROMPTS[0]], SamplingParams(max_tokens=30, seed=1))
+    assert a[0].token_ids == b[1].token_ids  # same seed, other batch neighbours
+    assert a[0].token_ids != a[1].token_ids
+
+
+def test_stop_tokens_and_max_tokens(model: Transformer) -> None:
+    engine = Engine(model, max_batch=2)
+    free = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0))[0]
+    stop = free.token_ids[4]
+    first = free.token_ids.index(stop)
+    c = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0,
+                                                     stop_token_ids=[stop]))[0]
+    assert c.finish_reason == "stop" and c.token_ids == free.token_ids[: first + 1]
+    one = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=1, temperature=0))[0]
+    assert one.token_ids == free.token_ids[:1] and one.finish_reason == "length"
+
+
+def test_cache_limit_ends_with_length(model: Transformer) -> None:
+    engine = Engine(model, max_batch=1, max_seq_len=10)
+    c = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=50, temperature=0))[0]
+    assert c.finish_reason == "length" and len(PROMPTS[1]) + len(c.token_ids) == 10
+
+
+def test_logprobs_match_a_full_forward(model: Transformer) -> None:
+    engine = Engine(model, max_batch=3)
+    for temp in (0.0, 1.0, 0.7):
+        out = engine.generate(PROMPTS[:3], SamplingParams(max_tokens=10, temperature=temp,
+                                                          seed=5, top_logprobs=3))
+        for p, c in zip(PROMPTS[:3], out, strict=True):
+            ref = sequence_logprobs(model, p, c.token_ids, temperature=temp or 1.0)
+            assert max(abs(x - y) for x, y in zip(ref, c.logprobs, strict=True)) < 1e-4
+            assert all(len(t) == 3 for t in c.top_logprobs)
+            assert c.top_logprobs[0][0][1] >= c.logprobs[0] - 1e-6
+
+
+def test_top_k_top_p_filter_the_distribution() -> None:
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    lp = filtered_logprobs(logits, SamplingParams(top_k=2))
+    assert torch.isinf(lp[2:]).all() and torch.isclose(lp[:2].exp().sum(), torch.tensor(1.0))
+    probs = torch.softmax(logits, -1)  # 0.636, 0.234, 0.086, ...
+    lp = filtered_logprobs(logits, SamplingParams(top_p=0.8))
+    assert torch.isfinite(lp[:2]).all() and torch.isinf(lp[2:]).all()
+    assert torch.isclose(lp[0].exp(), probs[0] / probs[:2].sum())
+    assert torch.isfinite(filtered_logprobs(logits, SamplingParams(top_p=0.5))).sum() == 1
+
+
+def test_weight_version_tags_completions(model: Transformer) -> None:
+    engine = Engine(model, max_batch=2)
+    before = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert before.weight_version == 0
+    new = {k: v * 1.5 for k, v in model.state_dict().items() if "wqkv" in k}
+    engine.load_weights(new, version=7)
+    after = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert after.weight_version == 7 and engine.weight_version == 7
+    assert after.token_ids == greedy_reference(model, PROMPTS[0], 8)  # the new weights are used
+    with pytest.raises(KeyError, match="nope"):
+        engine.load_weights({"nope": torch.zeros(1)}, version=8)
+
+
+def test_stream_joins_running_batch_and_cancels(model: Transformer) -> None:
+    engine = Engine(model, max_batch=4)
+    engine.start()
+    try:
+        async def run() -> tuple[list[int], list[int]]:
+            long = engine.stream(PROMPTS[1], SamplingParams(max_tokens=200, temperature=0))
+            got_long = [(await long.__anext__()).token_id for _ in range(3)]
+            assert engine.n_live == 1
+            short = [ev async for ev in engine.stream(PROMPTS[0], SamplingParams(
+                max_tokens=6, temperature=0))]
+            assert short[-1].finish_reason == "length"
+            got_long.append((await long.__anext__()).token_id)
+            await long.aclose()  # the consumer stops: the request is cancelled
+            return got_long, [ev.token_id for ev in short]
+
+        got_long, short = asyncio.run(run())
+        assert short == greedy_reference(model, PROMPTS[0], 6)
+        assert got_long == greedy_reference(model, PROMPTS[1], 4)
+        for _ in range(100):
+            if engine.n_live == 0:
+                break
+            asyncio.run(asyncio.sleep(0.01))
+        assert engine.n_live == 0
+        # generate() from another caller while the scheduler thread runs
+        c = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=4, temperature=0))[0]
+        assert c.token_ids == greedy_reference(model, PROMPTS[2], 4)
+    finally:
+        engine.stop()
+
+
+def test_bad_requests_name_the_field(model: Transformer) -> None:
+    engine = Engine(model, max_batch=1, max_seq_len=16)
+    for params, field in [(SamplingParams(max_tokens=0), "max_tokens"),
+                          (SamplingParams(temperature=-1), "temperature"),
+                          (SamplingParams(top_p=0), "top_p"),
+                          (SamplingParams(top_k=-2), "top_k")]:
+        with pytest.raises(ValueError, match=field):
+            engine.generate([[1, 2]], params)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.generate([[1] * 16], SamplingParams())
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.generate([[999]], SamplingParams())
