@@ -142,6 +142,9 @@ class EgressAddon:
     def __init__(self, registry: Registry, own_addresses: Iterable[IPAddress] = ()) -> None:
         self.registry = registry
         self.own = frozenset(own_addresses)
+        # address -> why it is denied (None: public). ipaddress' range checks walk lists of
+        # networks; addresses repeat, so each is classified once.
+        self._verdicts: dict[IPAddress, str | None] = {}
 
     # ---- connections ------------------------------------------------------------------------
 
@@ -370,7 +373,12 @@ class EgressAddon:
         ips = await self._resolve(sc.policy, host, port)
         chosen: tuple[IPAddress, bool] | None = None
         for ip in ips:
-            reason = address_denied(ip, self.own)
+            if ip in self._verdicts:
+                reason = self._verdicts[ip]
+            else:
+                reason = self._verdicts[ip] = address_denied(ip, self.own)
+                if len(self._verdicts) > 65536:  # bounded: a sandbox could try many addresses
+                    self._verdicts.clear()
             override = reason is not None and sc.policy.address_override(ip, port)
             if reason is not None and not override:
                 what = str(ip) if host == str(ip) else f"{host!r} resolves to {ip}, and {ip}"
@@ -381,13 +389,14 @@ class EgressAddon:
         return chosen
 
     async def _resolve(self, policy: EgressPolicy, host: str, port: int) -> list[IPAddress]:
-        try:
-            return [ipaddress.ip_address(host.strip("[]"))]
-        except ValueError:
-            pass
-        static = policy.hosts.get(host.lower().rstrip("."))
+        static = policy.static_answers.get(host.lower().rstrip("."))
         if static is not None:
-            return [ipaddress.ip_address(static)]
+            return [static]
+        if host[:1].isdigit() or ":" in host:  # only then can it be an address literal
+            try:
+                return [ipaddress.ip_address(host.strip("[]"))]
+            except ValueError:
+                pass
         loop = asyncio.get_running_loop()
         try:
             infos = await asyncio.wait_for(

@@ -188,6 +188,11 @@ class EgressPolicy(BaseModel):
     def _strip_re(self) -> re.Pattern[str]:
         return _globs_re([*ALWAYS_STRIPPED, *self.strip_header_patterns])
 
+    @cached_property
+    def static_answers(self) -> dict[str, IPAddress]:
+        """`hosts`, parsed once (it is consulted on every request)."""
+        return {name: ipaddress.ip_address(ip) for name, ip in self.hosts.items()}
+
     def host_allowed(self, host: str) -> bool:
         return self._hosts_re.fullmatch(host.lower().rstrip(".")) is not None
 
