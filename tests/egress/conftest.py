@@ -87,7 +87,7 @@ def egress_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         https_up.server.shutdown()
 
 
-def test_policy(http: Upstream, https: Upstream, **kw: object) -> EgressPolicy:
+def upstream_policy(http: Upstream, https: Upstream, **kw: object) -> EgressPolicy:
     """The policy the tests use: the upstreams' names point at loopback and the exact
     loopback ip:port pairs are opened with the test-only override."""
     base: dict = dict(
@@ -99,9 +99,6 @@ def test_policy(http: Upstream, https: Upstream, **kw: object) -> EgressPolicy:
     )
     base.update(kw)
     return EgressPolicy(**base)
-
-
-test_policy.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
 
 
 @pytest.fixture

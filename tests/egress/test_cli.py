@@ -10,7 +10,7 @@ import time
 from codedojo.egress.audit import read_audit
 from codedojo.egress.control import RemoteEgress
 from tests.egress.clients import curl
-from tests.egress.conftest import Box, needs_root, test_policy
+from tests.egress.conftest import Box, needs_root, upstream_policy
 from tests.egress.upstreams import start_upstream
 
 pytestmark = needs_root
@@ -43,7 +43,7 @@ def test_serve_attach_over_control_socket_and_clean_exit(tmp_path, provider, cli
         assert sock.exists(), proc.communicate(timeout=5)[0] if proc.poll() is not None else ""
         assert oct(sock.stat().st_mode & 0o777) == "0o600"
         remote = RemoteEgress(sock)
-        policy = test_policy(up, up)
+        policy = upstream_policy(up, up)
         sb = provider.create(
             SandboxSpec(image=clients_image, egress=remote.attachment(policy, mode="transparent"))
         )

@@ -10,7 +10,7 @@ import pytest
 from codedojo.egress.audit import read_audit
 from codedojo.egress.strip import redaction_marker
 from tests.egress.clients import PYTHON, curl, py_requests
-from tests.egress.conftest import needs_root, test_policy
+from tests.egress.conftest import needs_root, upstream_policy
 
 pytestmark = needs_root
 
@@ -40,7 +40,9 @@ def _received_paths(up) -> list[str]:
 @pytest.mark.parametrize("mode", ["explicit", "transparent"])
 def test_allowed_host_passes_for_every_client(egress_env, sandbox, mode):
     proxy = egress_env["proxy"]
-    sb = sandbox(proxy.attachment(test_policy(egress_env["http"], egress_env["https"]), mode=mode))
+    sb = sandbox(
+        proxy.attachment(upstream_policy(egress_env["http"], egress_env["https"]), mode=mode)
+    )
     if mode == "transparent":
         assert not any("proxy" in k.lower() for k in sb.env), sb.env
     for scheme, base in _urls(egress_env).items():
@@ -63,7 +65,7 @@ def test_allowed_host_passes_for_every_client(egress_env, sandbox, mode):
 @pytest.mark.parametrize("mode", ["explicit", "transparent"])
 def test_denied_host_and_method_get_403_saying_why(egress_env, sandbox, mode):
     proxy, http_up = egress_env["proxy"], egress_env["http"]
-    sb = sandbox(proxy.attachment(test_policy(http_up, egress_env["https"]), mode=mode))
+    sb = sandbox(proxy.attachment(upstream_policy(http_up, egress_env["https"]), mode=mode))
     for scheme, base in _urls(egress_env, "denied.test").items():
         status, body = curl(sb, f"{base}/x")
         assert status == 403, (scheme, body)
@@ -83,7 +85,7 @@ def test_denied_host_and_method_get_403_saying_why(egress_env, sandbox, mode):
 @pytest.mark.parametrize("mode", ["explicit", "transparent"])
 def test_sensitive_headers_and_secrets_never_reach_upstream(egress_env, sandbox, mode):
     proxy = egress_env["proxy"]
-    policy = test_policy(
+    policy = upstream_policy(
         egress_env["http"], egress_env["https"], strip_header_patterns=["x-custom-*"]
     )
     sb = sandbox(proxy.attachment(policy, mode=mode, secrets={"OPENAI_KEY": SECRET}))
@@ -125,7 +127,7 @@ def test_sensitive_headers_and_secrets_never_reach_upstream(egress_env, sandbox,
 
 def test_set_cookie_never_reaches_the_sandbox(egress_env, sandbox):
     sb = sandbox(
-        egress_env["proxy"].attachment(test_policy(egress_env["http"], egress_env["https"]))
+        egress_env["proxy"].attachment(upstream_policy(egress_env["http"], egress_env["https"]))
     )
     r = sb.exec(["curl", "-sS", "-D", "-", "-o", "/dev/null", f"{_urls(egress_env)['http']}/c"])
     assert " 200" in r.stdout and "set-cookie" not in r.stdout.lower(), r.stdout
@@ -135,7 +137,7 @@ def test_set_cookie_never_reaches_the_sandbox(egress_env, sandbox):
 def test_private_and_metadata_addresses_are_blocked(egress_env, sandbox, mode):
     http_up, https_up = egress_env["http"], egress_env["https"]
     port = http_up.port
-    policy = test_policy(
+    policy = upstream_policy(
         http_up, https_up,
         allow_hosts=["*"],
         hosts={"up.test": "127.0.0.1", "meta.test": "169.254.169.254", "intranet.test": "10.1.2.3"},
@@ -167,12 +169,12 @@ def test_override_is_exact_and_without_it_the_upstream_is_blocked(egress_env, sa
     http_up, https_up = egress_env["http"], egress_env["https"]
     proxy = egress_env["proxy"]
     url = f"http://up.test:{http_up.port}/override"
-    with_override = sandbox(proxy.attachment(test_policy(http_up, https_up)))
+    with_override = sandbox(proxy.attachment(upstream_policy(http_up, https_up)))
     assert curl(with_override, url)[0] == 200
     # Same policy, override naming another port of the same address: still blocked.
-    other = test_policy(http_up, https_up, allow_addresses=[f"127.0.0.1:{https_up.port}"])
+    other = upstream_policy(http_up, https_up, allow_addresses=[f"127.0.0.1:{https_up.port}"])
     assert curl(sandbox(proxy.attachment(other)), url)[0] == 403
-    without = sandbox(proxy.attachment(test_policy(http_up, https_up, allow_addresses=[])))
+    without = sandbox(proxy.attachment(upstream_policy(http_up, https_up, allow_addresses=[])))
     status, body = curl(without, url)
     assert status == 403 and "loopback" in body
 
@@ -193,7 +195,7 @@ def test_dns_rebinding_cannot_switch_the_checked_address(egress_env, sandbox, mo
         return real(host, port, *args, **kw)
 
     monkeypatch.setattr(socket, "getaddrinfo", rebinding)
-    policy = test_policy(http_up, https_up, hosts={})  # rebind.test goes through "DNS"
+    policy = upstream_policy(http_up, https_up, hosts={})  # rebind.test goes through "DNS"
     sb = sandbox(egress_env["proxy"].attachment(policy, mode="explicit"))
     for scheme, up in (("http", http_up), ("https", https_up)):
         status, body = curl(sb, f"{scheme}://rebind.test:{up.port}/first")
@@ -208,7 +210,7 @@ def test_dns_rebinding_cannot_switch_the_checked_address(egress_env, sandbox, mo
 
 def test_limits_and_rate(egress_env, sandbox):
     http_up, https_up = egress_env["http"], egress_env["https"]
-    policy = test_policy(
+    policy = upstream_policy(
         http_up, https_up, max_request_bytes=1000, max_response_bytes=5000,
         rate_limit_rps=0.5, rate_limit_burst=5,
     )  # fmt: skip
@@ -228,8 +230,8 @@ def test_limits_and_rate(egress_env, sandbox):
 def test_each_sandbox_gets_its_own_policy_and_log(egress_env, sandbox):
     http_up, https_up = egress_env["http"], egress_env["https"]
     proxy = egress_env["proxy"]
-    a = sandbox(proxy.attachment(test_policy(http_up, https_up)))
-    b = sandbox(proxy.attachment(test_policy(http_up, https_up, allow_hosts=["other.test"])))
+    a = sandbox(proxy.attachment(upstream_policy(http_up, https_up)))
+    b = sandbox(proxy.attachment(upstream_policy(http_up, https_up, allow_hosts=["other.test"])))
     url = f"http://up.test:{http_up.port}/who"
     assert curl(a, url)[0] == 200
     assert curl(b, url)[0] == 403
@@ -241,7 +243,7 @@ def test_each_sandbox_gets_its_own_policy_and_log(egress_env, sandbox):
 def test_non_http_and_other_ports_do_not_leave(egress_env, sandbox):
     http_up, https_up = egress_env["http"], egress_env["https"]
     proxy = egress_env["proxy"]
-    t = sandbox(proxy.attachment(test_policy(http_up, https_up), mode="transparent"))
+    t = sandbox(proxy.attachment(upstream_policy(http_up, https_up), mode="transparent"))
     # Raw bytes that are neither HTTP nor TLS: the transparent listener refuses the stream.
     code = (
         f"import socket; s=socket.create_connection(('up.test', {http_up.port}), timeout=5); "
@@ -251,7 +253,7 @@ def test_non_http_and_other_ports_do_not_leave(egress_env, sandbox):
     assert "garbage" not in r.stdout
     assert all(not r.body.startswith(b"\x00") for r in http_up.received)
     # Explicit mode: only the proxy port of the gateway answers; a direct connection is refused.
-    e = sandbox(proxy.attachment(test_policy(http_up, https_up), mode="explicit"))
+    e = sandbox(proxy.attachment(upstream_policy(http_up, https_up), mode="explicit"))
     r = e.exec(["curl", "-sS", "-m", "5", "--noproxy", "*", f"http://{_gateway(e)}:22/"])
     assert r.exit_code != 0
 
@@ -262,7 +264,9 @@ def _gateway(sb) -> str:
 
 def test_bad_input_gets_errors_and_the_proxy_keeps_serving(egress_env, sandbox):
     http_up, https_up = egress_env["http"], egress_env["https"]
-    sb = sandbox(egress_env["proxy"].attachment(test_policy(http_up, https_up), mode="explicit"))
+    sb = sandbox(
+        egress_env["proxy"].attachment(upstream_policy(http_up, https_up), mode="explicit")
+    )
     host, port = sb.env["HTTP_PROXY"].split("//", 1)[1].rsplit(":", 1)
     payloads = {
         "garbage": b"\x16\x00garbage\r\n\r\n",
