@@ -156,13 +156,14 @@ class Agent:
 
                 t1 = time.perf_counter()
                 added = 0
-                for err in out_.errors:
-                    tm = err.to_tool_message()
+                for bad in msg.get("invalid_tool_calls", []):
+                    # A malformed call (or a call beside one) is answered, not run.
+                    tm = {"role": "tool", "tool_call_id": bad["id"], "content": f"Error: {bad['error']}"}
                     context.append(tm)
                     traj.messages.append(tm)
-                    turn.tool_calls.append(ToolCallRecord(err.id, err.name or "invalid_tool_call", "", True, False, 0.0, len(tm["content"])))
+                    turn.tool_calls.append(ToolCallRecord(bad["id"], bad.get("name") or "invalid_tool_call", "", True, False, 0.0, len(tm["content"])))
                     added += _estimate(tm["content"])
-                for call in out_.calls:
+                for call in out_.calls if not out_.errors else []:
                     res = tools.call(call.name, call.arguments)  # raises only if the service fails
                     tm = {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": res.content}
                     context.append(tm)

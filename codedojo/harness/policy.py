@@ -44,20 +44,32 @@ class PolicyOutput:
     completion_tokens: int = 0
     reasoning_tokens: int = 0
 
+    raw_text: str | None = None  # the model's text as written (kept when a call is malformed)
+
     def message(self) -> dict[str, Any]:
-        """The assistant message in OpenAI form. A malformed call keeps its place as a call whose
-        arguments are the raw text, so the error message that answers it has a call to answer."""
+        """The assistant message in OpenAI form.
+
+        A turn with a malformed call keeps the model's text as written in `content` (re-rendered
+        for training, it is what was sampled) and lists, under the non-OpenAI key
+        `invalid_tool_calls`, the ids the loop's error messages answer. None of the turn's calls
+        run: the model is told to send them again, well formed."""
         msg: dict[str, Any] = {"role": "assistant", "content": self.content or None}
         if self.reasoning:
             msg["reasoning_content"] = self.reasoning
-        calls = [c.to_openai() for c in self.calls]
-        calls += [
-            {"id": e.id, "type": "function", "function": {"name": e.name or "invalid_tool_call", "arguments": e.raw}}
-            for e in self.errors
-        ]
-        if calls:
-            msg["tool_calls"] = calls
+        if self.errors:
+            raw = self.raw_text
+            if raw is None:
+                raw = "\n".join([self.content, *(e.raw for e in self.errors)]).strip()
+            msg["content"] = raw
+            msg["invalid_tool_calls"] = [{"id": e.id, "name": e.name, "error": e.message} for e in self.errors] + [
+                {"id": c.id, "name": c.name, "error": NOT_RUN} for c in self.calls
+            ]
+        elif self.calls:
+            msg["tool_calls"] = [c.to_openai() for c in self.calls]
         return msg
+
+
+NOT_RUN = "not run: another tool call in the same message was malformed; send the calls again"
 
 
 class Policy(Protocol):
@@ -157,8 +169,12 @@ class OpenAIPolicy:
         choice = resp.choices[0]
         msg = choice.message
         content = msg.content or ""
+        raw_text = content
         parsed: list[ToolCall | ToolCallError] = from_openai(msg.tool_calls)
-        if not parsed and content:
+        if parsed and any(isinstance(c, ToolCallError) for c in parsed):
+            raw_text = None  # the API parsed the calls; message() rebuilds the text from them
+        if not parsed and content and tools:
+            # The server leaves a turn with a malformed call as text; our parser finds it.
             out: ParsedOutput = parse_tool_calls(content, self.text_format, tools)
             if out.calls:
                 content, parsed = out.content, out.calls
@@ -172,6 +188,7 @@ class OpenAIPolicy:
             calls=[c for c in parsed if isinstance(c, ToolCall)],
             errors=[c for c in parsed if isinstance(c, ToolCallError)],
             reasoning=_extra(msg, "reasoning_content"),
+            raw_text=raw_text,
             prompt_ids=list(prompt_ids),
             completion_ids=list(completion_ids),
             logprobs=logprobs,
@@ -185,7 +202,7 @@ class OpenAIPolicy:
 
 def _for_api(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as the API accepts them (our extra keys dropped)."""
-    keep = {"role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content"}
+    keep = {"role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content"}  # not invalid_tool_calls
     return [{k: v for k, v in m.items() if k in keep} for m in messages]
 
 
@@ -193,3 +210,60 @@ def timed(fn: Callable[[], PolicyOutput]) -> tuple[PolicyOutput, float]:
     t0 = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t0
+
+
+# ---- in-process engine ----------------------------------------------------------------------
+
+
+class EnginePolicy:
+    """The in-process engine on token ids: our chat template renders the prompt ids, the engine
+    samples, the template's tool-call format parses the text. No HTTP, no re-tokenization: the
+    ids recorded are the ids sampled."""
+
+    def __init__(
+        self,
+        engine: Any,  # codedojo.engine.engine.Engine (or anything with generate(prompts, params))
+        chat: Any,  # codedojo.model.chat.ChatTemplate
+        *,
+        name: str = "engine",
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.chat = chat
+        self.name = name
+        self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
+        self._calls = 0
+
+    def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int) -> PolicyOutput:
+        from codedojo.engine.types import SamplingParams
+
+        tok = self.chat.tokenizer
+        prompt_ids = self.chat.encode(_for_api(messages), tools or None, add_generation_prompt=True)
+        max_seq = getattr(self.engine, "max_seq_len", None)
+        if max_seq is not None:
+            # Leave room in the engine's window rather than fail the request.
+            max_tokens = max(1, min(max_tokens, max_seq - len(prompt_ids) - 1))
+        seed = None if self.seed is None else self.seed + self._calls
+        self._calls += 1
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            seed=seed, stop_token_ids=tok.stop_token_ids(), logprobs=True,
+        )
+        c = self.engine.generate([prompt_ids], params)[0]
+        text = tok.decode(c.token_ids, skip_special_tokens=True)
+        calls: list[ToolCall] = []
+        errors: list[ToolCallError] = []
+        content = text
+        if tools:
+            parsed = self.chat.parse(text, tools)
+            if parsed.calls:
+                content = parsed.content
+                calls, errors = parsed.tool_calls, parsed.errors
+        return PolicyOutput(
+            content=content.strip(), calls=calls, errors=errors, raw_text=text, prompt_ids=list(c.prompt_ids or prompt_ids),
+            completion_ids=list(c.token_ids), logprobs=list(c.logprobs), finish_reason=c.finish_reason,
+            weight_version=c.weight_version, prompt_tokens=len(prompt_ids), completion_tokens=len(c.token_ids),
+        )

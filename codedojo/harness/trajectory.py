@@ -142,7 +142,12 @@ class Trajectory:
                 raise ValueError(f"messages[{i}].role: {m.get('role')!r} is not an OpenAI chat role")
         if self.segments[0] != 0 or sorted(self.segments) != self.segments:
             raise ValueError(f"segments: must start at 0 and increase, got {self.segments}")
-        ids = {c["id"] for m in self.messages if m.get("role") == "assistant" for c in m.get("tool_calls") or []}
+        ids = {
+            c["id"]
+            for m in self.messages
+            if m.get("role") == "assistant"
+            for c in [*(m.get("tool_calls") or []), *(m.get("invalid_tool_calls") or [])]
+        }
         for i, m in enumerate(self.messages):
             if m.get("role") == "tool" and m.get("tool_call_id") not in ids:
                 raise ValueError(f"messages[{i}].tool_call_id: {m.get('tool_call_id')!r} answers no call")

@@ -8,7 +8,7 @@ from codedojo.harness.loop import SUMMARY_PREFIX, Agent, LoopConfig
 from codedojo.harness.policy import PolicyOutput, ScriptedPolicy
 from codedojo.harness.rpc import ToolClient, ToolServer, serve_in_thread
 from codedojo.harness.trajectory import read_jsonl
-from codedojo.model.toolcalls import ToolCallError
+from codedojo.model.toolcalls import ToolCall, ToolCallError
 from codedojo.reward import RewardContext, compute_reward
 from codedojo.reward.changes import collect_changes
 from codedojo.reward.outcome import grade
@@ -105,7 +105,8 @@ def test_malformed_calls_get_tool_errors_and_the_episode_goes_on(session):
         def generate(self, messages, tools, max_tokens):
             self.n += 1
             if self.n == 1:
-                return PolicyOutput(content="let me look", errors=[
+                good = ToolCall("call_good", "write", {"file_path": "x.txt", "contents": "x"})
+                return PolicyOutput(content="let me look", calls=[good], errors=[
                     ToolCallError("call_bad", "unclosed <tool_call> block: invalid JSON (Expecting value)",
                                   '<tool_call>{"name": "read_file", "arguments": {', "read_file")])
             return PolicyOutput(content="giving up")
@@ -113,10 +114,15 @@ def test_malformed_calls_get_tool_errors_and_the_episode_goes_on(session):
     traj = Agent(Sloppy()).run("t", session)
     assert traj.status == "finished"
     traj.validate()
-    tool_msg = traj.messages[3]
-    assert tool_msg["role"] == "tool" and tool_msg["tool_call_id"] == "call_bad"
-    assert tool_msg["content"].startswith("Error: unclosed <tool_call>")
-    assert traj.turns[0].tool_calls[0].is_error
+    assistant = traj.messages[2]
+    # The text as the model wrote it; no OpenAI tool_calls, the ids answered are listed aside.
+    assert assistant["content"].startswith("let me look\n<tool_call>{") and "tool_calls" not in assistant
+    assert [c["id"] for c in assistant["invalid_tool_calls"]] == ["call_bad", "call_good"]
+    bad, good = traj.messages[3], traj.messages[4]
+    assert bad["tool_call_id"] == "call_bad" and bad["content"].startswith("Error: unclosed <tool_call>")
+    assert good["tool_call_id"] == "call_good" and "not run" in good["content"]
+    assert all(c.is_error for c in traj.turns[0].tool_calls)
+    assert not any(c.path.endswith("x.txt") for c in session.ctx.sandbox.changes())  # nothing ran
 
 
 def test_policy_failure_is_terminal(session, tmp_path):

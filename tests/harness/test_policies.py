@@ -1,0 +1,149 @@
+"""The model clients: the OpenAI-compatible path against the real server app (scripted engine,
+and SmolLM2 for real), and the in-process engine path."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import torch
+
+from codedojo.engine.engine import Engine
+from codedojo.engine.server import BackgroundServer, create_app
+from codedojo.engine.types import SamplingParams, TokenEvent
+from codedojo.harness.loop import Agent, LoopConfig
+from codedojo.harness.policy import EnginePolicy, OpenAIPolicy
+from codedojo.harness.tools.base import ToolContext
+from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
+from codedojo.harness.trajectory import read_jsonl
+from codedojo.model.chat import ChatTemplate
+from codedojo.model.config import ModelConfig
+from codedojo.model.tokenizer import tiny_tokenizer
+from codedojo.model.transformer import Transformer
+
+
+class ScriptedEngine:
+    """Streams the ids of one scripted answer per request (the server, the client and the loop
+    are under test, not the model)."""
+
+    weight_version = 7
+    max_seq_len = 1 << 16
+
+    def __init__(self, tok, answers: list[str]) -> None:
+        self.answers = [tok.encode(a) + [tok.eos_id] for a in answers]
+        self.prompts: list[list[int]] = []
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        self.prompts.append(list(prompt_ids))
+        ids = self.answers[min(len(self.prompts), len(self.answers)) - 1]
+        for i, t in enumerate(ids[: params.max_tokens]):
+            last = i == len(ids) - 1 or i == params.max_tokens - 1
+            reason = "stop" if t in params.stop_token_ids else ("length" if last else None)
+            yield TokenEvent(t, -0.25, [], reason)
+            if reason:
+                return
+
+
+@pytest.fixture
+def scripted_server() -> Iterator:
+    tok = tiny_tokenizer()
+    engine = ScriptedEngine(tok, [
+        'Let me look.\n<tool_call>[\n{"name": "read_file", "arguments": {"target_file": "README.md"}}\n]</tool_call>',
+        '<tool_call>[{"name": "grep", "arguments": {"pattern": ',  # cut off: malformed
+        "The README describes stock keeping helpers.",
+    ])
+    with BackgroundServer(create_app(engine, tok, model_name="scripted")) as srv:
+        yield srv, engine, tok
+
+
+def test_openai_client_path_records_tokens_logprobs_and_masks(scripted_server, sandbox, tmp_path):
+    srv, engine, tok = scripted_server
+    session = small_session(sandbox)
+    policy = OpenAIPolicy("scripted", base_url=srv.url + "/v1", text_format="smollm2")
+    # The byte-level test tokenizer makes long prompts: a wide window keeps self-summary out of it.
+    cfg = LoopConfig(max_turns=5, context_window=200_000)
+    traj = Agent(policy, cfg).run("What is this repo?", session, out=tmp_path / "t.jsonl")
+    assert traj.status == "finished", traj.error
+    traj.validate()
+    assert traj.final_message == "The README describes stock keeping helpers."
+    t0, t1, t2 = traj.turns
+    # Turn 0: a parsed call; the ids are the server's prompt and the sampled answer.
+    assert t0.message["tool_calls"][0]["function"]["name"] == "read_file"
+    assert t0.prompt_ids == engine.prompts[0] and t0.completion_ids == engine.answers[0]
+    assert t0.logprobs == [-0.25] * len(t0.completion_ids) and t0.weight_version == 7
+    assert t0.loss_mask == [0] * len(t0.prompt_ids) + [1] * len(t0.completion_ids)
+    tool_out = traj.messages[3]
+    assert tool_out["role"] == "tool" and tool_out["content"].startswith("     1|# inventory")
+    # The tool output reached the model only inside the next prompt, where the mask is 0.
+    assert tok.encode("# inventory")[0] in t1.prompt_ids
+    assert sum(t1.loss_mask) == len(t1.completion_ids)
+    # Turn 1: a malformed call came back as text and became a tool error message.
+    assert t1.tool_calls and t1.tool_calls[0].is_error, traj.messages[4:]
+    assert traj.messages[4]["content"].startswith('<tool_call>[{"name": "grep"')  # as written
+    assert traj.messages[5]["content"].startswith("Error: unclosed <tool_call>")
+    assert t2.tool_calls == [] and t2.finish_reason == "stop"
+    assert read_jsonl(tmp_path / "t.jsonl").to_dict() == traj.to_dict()
+    session.close()
+
+
+def small_session(sandbox) -> ToolSession:
+    # Two tools keep the prompt short: the model's prefill dominates these tests' time.
+    return ToolSession(ToolRegistry().resolve(EnvToolConfig(tools=["read_file", "list_dir"])),
+                       ToolContext(sandbox=sandbox))
+
+
+def test_engine_policy_in_process(sandbox):
+    session = small_session(sandbox)
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(vocab_size=tok.vocab_size, max_seq_len=4096))
+    model.init_weights(std=0.5)
+    engine = Engine(model.eval(), max_batch=2)
+    chat = ChatTemplate(tok)
+    policy = EnginePolicy(engine, chat, name="tiny", temperature=1.0, seed=1)
+    traj = Agent(policy, LoopConfig(max_turns=2, max_tokens_per_turn=12)).run("hello", session)
+    assert traj.status in ("finished", "max_turns"), traj.error
+    traj.validate()
+    t0 = traj.turns[0]
+    expected_prompt = chat.encode(traj.messages[:2], session.schemas, add_generation_prompt=True)
+    assert t0.prompt_ids == expected_prompt
+    assert 0 < len(t0.completion_ids) <= 12 and len(t0.logprobs) == len(t0.completion_ids)
+    assert all(lp <= 0.0 for lp in t0.logprobs)
+    assert t0.loss_mask == [0] * len(t0.prompt_ids) + [1] * len(t0.completion_ids)
+    assert t0.weight_version == 0
+    session.close()
+
+
+@pytest.mark.slow
+def test_loop_against_dojo_serve_with_smollm2(sandbox, tmp_path):
+    """A few turns of SmolLM2 through `dojo serve`'s app and the official OpenAI client."""
+    session = small_session(sandbox)
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.model.weights import load_model
+
+    tok = load_tokenizer()
+    model, _ = load_model()
+    engine = Engine(model, max_batch=2, max_seq_len=8192)
+    engine.start()
+    try:
+        with BackgroundServer(create_app(engine, tok, model_name="smollm2")) as srv:
+            policy = OpenAIPolicy("smollm2", base_url=srv.url + "/v1", temperature=0.7, seed=0,
+                                  text_format="smollm2")
+            cfg = LoopConfig(max_turns=3, max_tokens_per_turn=48, context_window=8192)
+            traj = Agent(policy, cfg).run(
+                "List the files in the workspace with list_dir, then say what the project is.",
+                session, out=tmp_path / "smol.jsonl")
+    finally:
+        engine.stop()
+    assert traj.status in ("finished", "max_turns"), traj.error
+    traj.validate()
+    assert 1 <= len(traj.turns) <= 3
+    for t in traj.turns:
+        assert t.prompt_ids and t.completion_ids and len(t.logprobs) == len(t.completion_ids)
+        assert all(lp <= 0.0 for lp in t.logprobs)
+        assert sum(t.loss_mask) == len(t.completion_ids) and len(t.loss_mask) == len(t.prompt_ids) + len(t.completion_ids)
+    # Each later prompt holds everything the model saw before (the conversation only grows).
+    for a, b in zip(traj.turns, traj.turns[1:], strict=False):
+        assert len(b.prompt_ids) > len(a.prompt_ids)
+    back = read_jsonl(tmp_path / "smol.jsonl")
+    assert back.to_dict() == traj.to_dict()
