@@ -28,7 +28,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from codedojo.bench.mutate import Site, apply_site, find_sites
 from codedojo.bench.patching import make_diff
-from codedojo.bench.source import Sdist, cache_root, fetch_sdist, is_test_path, find_test_paths, unpack
+from codedojo.bench.source import (
+    Sdist,
+    cache_root,
+    fetch_sdist,
+    find_test_paths,
+    is_test_path,
+    unpack,
+)
 from codedojo.bench.statement import bugfix_statement, feature_statement, log_statement
 from codedojo.bench.suite import Suite, save_suite
 from codedojo.bench.task import ImageRecipe, Task, Timeouts
