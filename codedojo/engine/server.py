@@ -283,10 +283,15 @@ def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 async def _run_choice(state: ServerState, prompt_ids: list[int], params: SamplingParams, stops: list[str],
-                      skip_special: bool) -> AsyncIterator[Piece | ChoiceResult]:
-    """Stream one choice: a `Piece` per engine token, then the `ChoiceResult`."""
+                      skip_special: bool, prefix: str = "") -> AsyncIterator[Piece | ChoiceResult]:
+    """Stream one choice: a `Piece` per engine token, then the `ChoiceResult`.
+
+    `prefix` is text the server prefilled at the end of the prompt (a forced tool call's
+    start); it is part of the answer's text but not of its tokens."""
     asm = TextAssembler(state.tokenizer, stops, params.stop_token_ids, skip_special)
     result = ChoiceResult()
+    if prefix:
+        yield Piece(prefix, -1, 0.0, [])
     finish = "length"
     agen = state.engine.stream(prompt_ids, params)
     try:
@@ -311,7 +316,7 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
     tail = asm.finish()
     if tail:
         yield Piece(tail, -1, 0.0, [])
-    result.text = asm.text
+    result.text = prefix + asm.text
     result.finish_reason = finish
     yield result
 
@@ -378,20 +383,31 @@ async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any
 
 async def _chat(state: ServerState, req: ChatCompletionRequest) -> Any:
     _check_model(state, req.model)
-    if req.tool_choice is not None and req.tool_choice not in ("auto", "none"):
-        raise APIError(400, "tool_choice: only \"auto\" and \"none\" are supported", "tool_choice")
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     use_tools = bool(tools) and req.tool_choice != "none"
+    # "required" or a named function: prefill the start of a call, so the model's answer is one.
+    prefix = ""
+    if req.tool_choice is not None and req.tool_choice not in ("auto", "none"):
+        if not tools:
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        forced = None
+        if not isinstance(req.tool_choice, str):
+            forced = req.tool_choice.function.get("name")
+            if forced not in [t["function"]["name"] for t in tools]:
+                raise APIError(400, f"tool_choice names {forced!r}, which is not in tools", "tool_choice")
+        prefix = state.chat.tool_format.call_prefix(forced)
     try:
         prompt_ids = state.chat.encode(messages, tools if use_tools else None, add_generation_prompt=True)
     except ChatFormatError as e:
         raise APIError(400, str(e), e.param) from None
+    if prefix:
+        prompt_ids = prompt_ids + state.tokenizer.encode(prefix)
     params = _sampling(state, req, len(prompt_ids), req.logprobs, req.top_logprobs or 0, "messages")
     stops = req.stops
     version = state.engine.weight_version
     rid, created = _new_id("chatcmpl"), int(time.time())
-    gens = [_run_choice(state, prompt_ids, _choice_params(params, i), stops, req.skip_special_tokens)
+    gens = [_run_choice(state, prompt_ids, _choice_params(params, i), stops, req.skip_special_tokens, prefix)
             for i in range(req.n)]
 
     if req.stream:

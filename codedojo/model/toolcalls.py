@@ -89,6 +89,11 @@ class ToolCallFormat(Protocol):
 
     def render(self, calls: Sequence[ToolCall]) -> str: ...
 
+    def call_prefix(self, name: str | None) -> str:
+        """Text that commits the model to a call (of `name`, or of a tool it names itself):
+        a server prefills it to honour `tool_choice` "required" or a named function."""
+        ...
+
 
 def _quote(raw: str) -> str:
     return raw if len(raw) <= _RAW_QUOTE else raw[:_RAW_QUOTE] + f"... [{len(raw) - _RAW_QUOTE} more chars]"
@@ -154,6 +159,10 @@ class JsonToolCallFormat:
             for item in items:
                 calls.append(_call_from_json(item, id_factory, _quote(text[start:pos])))
         return ParsedOutput("".join(content).strip(), calls)
+
+    def call_prefix(self, name: str | None) -> str:
+        head = self.open_tag + ("[\n" if self.list_style else "\n")
+        return head + '{"name": "' + (f'{name}", "arguments": ' if name else "")
 
     def render(self, calls: Sequence[ToolCall]) -> str:
         objs = [json.dumps({"name": c.name, "arguments": c.arguments}, ensure_ascii=False) for c in calls]
@@ -271,6 +280,9 @@ class XmlToolCallFormat:
             if i == n:
                 return fail(f"call to {name} was cut off (no </function>)", name)
             return fail(f"unexpected text in call to {name}: {_quote(text[i:i + 40])!r}", name)
+
+    def call_prefix(self, name: str | None) -> str:
+        return f"{self.open_tag}\n<function=" + (f"{name}>\n" if name else "")
 
     def render(self, calls: Sequence[ToolCall]) -> str:
         blocks = []

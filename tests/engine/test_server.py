@@ -43,8 +43,15 @@ def server(tok) -> Iterator[BackgroundServer]:
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+def http() -> Iterator[httpx.Client]:
+    # One HTTP client for the module: building one loads a TLS context, which costs seconds.
+    with httpx.Client(timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(server, http) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, http_client=http)
 
 
 def greedy(client, **kw):
@@ -53,9 +60,9 @@ def greedy(client, **kw):
     return client.chat.completions.create(**args)
 
 
-def test_models_and_health(client, server):
+def test_models_and_health(client, server, http):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    r = httpx.get(server.url + "/health")
+    r = http.get(server.url + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
 
 
@@ -167,19 +174,19 @@ BAD = [
     ({"model": MODEL, "messages": MSGS, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {}, "required": ["x"]}}}]}, "tools[0].function.parameters"),
     ({"model": MODEL, "messages": MSGS, "tools": [{"function": {"name": "f"}}]}, "tools[0].type"),
-    ({"model": MODEL, "messages": MSGS, "tool_choice": "required"}, "tool_choice"),
+    ({"model": MODEL, "messages": MSGS, "tool_choice": "required"}, "tool_choice"),  # no tools
     ({"model": MODEL, "messages": MSGS, "stop": [""]}, "stop"),
     ({"model": MODEL, "messages": MSGS, "n": 0}, "n"),
 ]
 
 
 @pytest.mark.parametrize("body, param", BAD, ids=[p for _, p in BAD])
-def test_bad_chat_requests_are_400_naming_the_field(client, server, body, param):
-    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+def test_bad_chat_requests_are_400_naming_the_field(server, http, body, param):
+    r = http.post(server.url + "/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert http.get(server.url + "/health").status_code == 200
 
 
 def test_openai_client_sees_bad_request_error(client):
@@ -195,17 +202,17 @@ def test_openai_client_sees_bad_request_error(client):
     ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
     ({"model": MODEL, "prompt": {"a": 1}}, "prompt"),
 ])
-def test_bad_completion_requests(server, body, param):
-    r = httpx.post(server.url + "/v1/completions", json=body)
+def test_bad_completion_requests(server, http, body, param):
+    r = http.post(server.url + "/v1/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
-def test_malformed_json_and_unknown_route(server):
-    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+def test_malformed_json_and_unknown_route(server, http):
+    r = http.post(server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-    r = httpx.get(server.url + "/v1/nope")
+    r = http.get(server.url + "/v1/nope")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert http.get(server.url + "/health").status_code == 200
 
 
 # -- tool calls through the server, with an engine that replays a fixed answer -------------------
@@ -239,12 +246,12 @@ TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {
 
 
 @pytest.fixture()
-def replay(tok):
+def replay(tok, http):
     def make(answer: str) -> tuple[openai.OpenAI, BackgroundServer, ReplayEngine]:
         engine = ReplayEngine(tok.encode(answer) + [tok.eos_id])
         srv = BackgroundServer(create_app(engine, tok, model_name=MODEL)).start()
         servers.append(srv)
-        return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0), srv, engine
+        return openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, http_client=http), srv, engine
     servers: list[BackgroundServer] = []
     yield make
     for s in servers:
@@ -305,3 +312,16 @@ def test_text_assembler_holds_back_possible_stop_prefixes(tok, stops, pieces, ex
             assert expected.startswith(out)
     out += asm.finish()
     assert out == expected
+
+
+def test_named_tool_choice_prefills_the_call(replay, tok):
+    # The replayed answer is only the arguments: the server must have prefilled the call's start.
+    client, _, _ = replay('{"target_file": "b.py"}}\n]</tool_call>')
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, max_tokens=200,
+                                       tool_choice={"type": "function", "function": {"name": "read_file"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "read_file" and json.loads(call.function.arguments) == {"target_file": "b.py"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.param == "tool_choice"

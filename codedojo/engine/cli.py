@@ -1,0 +1,54 @@
+"""`dojo serve`: the OpenAI-compatible server on one engine. Heavy imports happen inside the command."""
+
+from __future__ import annotations
+
+import typer
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def serve(
+    model: str = typer.Option(DEFAULT_MODEL, help="a known model name, a .gguf file or an HF directory"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on"),
+    port: int = typer.Option(8000, help="port (0 picks a free one)"),
+    max_batch: int = typer.Option(16, help="requests decoded together (continuous batching)"),
+    served_name: str = typer.Option("", help="model name clients use (default: --model)"),
+    tool_format: str = typer.Option("smollm2", help="tool-call format: smollm2, hermes or qwen3_coder"),
+) -> None:
+    """Serve /v1/chat/completions, /v1/completions and /v1/models for MODEL."""
+    import threading
+
+    from codedojo.engine.engine import Engine
+    from codedojo.engine.server import BackgroundServer, create_app
+    from codedojo.model.chat import ChatTemplate
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.model.weights import load_model
+
+    if max_batch < 1:
+        raise typer.BadParameter("must be >= 1", param_hint="--max-batch")
+    if not 0 <= port < 65536:
+        raise typer.BadParameter("must be in [0, 65535]", param_hint="--port")
+    tokenizer = load_tokenizer(model)
+    chat = ChatTemplate(tokenizer, tool_format=tool_format)
+    net, cfg = load_model(model)
+    engine = Engine(net, max_batch=max_batch)
+    engine.start()
+    name = served_name or model
+    app = create_app(engine, tokenizer, chat, model_name=name)
+    stop = threading.Event()
+    srv = BackgroundServer(app, host=host, port=port,
+                           on_ready=lambda url: print(f"Serving {name} at {url}/v1", flush=True))
+    try:
+        srv.start(timeout=60)
+        # The server runs on its own thread; the main thread waits for Ctrl-C or the server to exit.
+        while not stop.wait(0.5) and srv.thread is not None and srv.thread.is_alive():
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.stop()
+        engine.stop()
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
