@@ -160,6 +160,10 @@ class EgressAddon:
             return
         host, port = data.server.address
         try:
+            if (str(host), int(port)) not in sc.sni:
+                # Not an address our request hooks checked and pinned (those are always IPs):
+                # the whole policy applies here too, so no path reaches around it.
+                self._check_host_port(sc, str(host), int(port))
             ip, _ = await self._check_destination(sc, str(host), int(port))
         except Blocked as b:
             data.server.error = f"egress: {b.reason}"

@@ -259,15 +259,19 @@ class EgressProxy:
         if mode not in ("explicit", "transparent"):
             raise ValueError(f"mode: {mode!r} is not 'explicit' or 'transparent'")
         link = self.network.add(sandbox_id, netns_pid, mode)
-        audit = AuditLog(self.audit_path(sandbox_id))
+        try:
+            audit = AuditLog(self.audit_path(sandbox_id))
+            self.registry.add(
+                SandboxClient(
+                    sandbox_id, link.sandbox_ip, policy, secrets or SecretSet(), audit, mode,
+                    gateway=link.host_ip,
+                )
+            )  # fmt: skip
+        except BaseException:
+            self.network.remove(sandbox_id)  # no half-attached sandbox
+            raise
         with self._lock:
             self._audits[sandbox_id] = audit
-        self.registry.add(
-            SandboxClient(
-                sandbox_id, link.sandbox_ip, policy, secrets or SecretSet(), audit, mode,
-                gateway=link.host_ip,
-            )
-        )  # fmt: skip
         env = {k: CA_PATH_IN_SANDBOX for k in CA_ENV}
         if mode == "explicit":
             assert self.ports is not None

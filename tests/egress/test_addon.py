@@ -94,3 +94,29 @@ def test_websocket_messages_from_the_sandbox_are_redacted(setup):
     f.websocket.messages[-1].content = b"auth tok-123456 please"
     addon.websocket_message(f)
     assert f.websocket.messages[-1].content == b"auth __REDACTED_TOKEN__ please"
+
+
+def test_server_connect_is_checked_even_outside_the_request_hooks(setup, monkeypatch):
+    from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+
+    addon, sc, _ = setup
+
+    async def answers(policy, host, port):
+        return [ipaddress.ip_address("93.184.216.34")]
+
+    monkeypatch.setattr(addon, "_resolve", answers)
+
+    def connect(address):
+        client, server = tflow.tclient_conn(), tflow.tserver_conn()
+        client.peername = (SANDBOX_IP, 40000)
+        server.address, server.sni = address, None
+        data = ServerConnectionHookData(server=server, client=client)
+        asyncio.run(addon.server_connect(data))
+        return server
+
+    s = connect(("evil.test", 443))  # a name the policy does not allow
+    assert s.error and "not in the allow-list" in s.error
+    s = connect(("10.9.9.9", 443))  # an address no request hook pinned
+    assert s.error
+    s = connect(("www.example.org", 443))  # allowed name: dialled at its checked address
+    assert not s.error and s.address == ("93.184.216.34", 443) and s.sni == "www.example.org"
