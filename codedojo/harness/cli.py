@@ -45,5 +45,30 @@ def export(
     typer.echo(f"wrote {len(trajs)} trajectories to {out}")
 
 
+tools_app = typer.Typer(help="The tool service (JSON-RPC) beside a sandbox.", no_args_is_help=True)
+
+
+@tools_app.command("serve")
+def tools_serve(
+    image: Annotated[str | None, typer.Option(help="Image id or name to start the sandbox from.")] = None,
+    directory: Annotated[Path | None, typer.Option("--dir", help="Build the image from this directory.")] = None,
+    root: Annotated[str | None, typer.Option(help="Sandbox store (default: the provider's).")] = None,
+    port: Annotated[int, typer.Option(help="TCP port on 127.0.0.1 (0 = any free port).")] = 0,
+    uds: Annotated[str | None, typer.Option(help="Serve on this unix socket instead.")] = None,
+    env: Annotated[list[str] | None, typer.Option(help="NAME=TOML: an environment's tool config.")] = None,
+) -> None:
+    """Start a sandbox and serve its tools; prints {url, sandbox_id} as one JSON line."""
+    from codedojo.harness.service import main as service_main
+
+    argv = ["--port", str(port)]
+    for flag, value in (("--image", image), ("--dir", directory), ("--root", root), ("--uds", uds)):
+        if value is not None:
+            argv += [flag, str(value)]
+    for item in env or []:
+        argv += ["--env", item]
+    service_main(argv)
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(traj_app, name="traj")
+    app.add_typer(tools_app, name="tools")
