@@ -10,6 +10,18 @@ things, in this order, for every request:
    name that changes its answer between check and connect (DNS rebinding) gains nothing;
 3. what leaves: sensitive headers and registered secret values are removed (see `strip.py`).
 
+An environment's policy in TOML (every field is optional; the defaults deny everything but what
+is listed):
+
+    allow_hosts = ["pypi.org", "files.pythonhosted.org", "*.readthedocs.io"]
+    allow_methods = ["GET", "HEAD"]
+    allow_ports = [443]
+    strip_header_patterns = ["*token*", "x-internal-*"]
+    max_request_bytes = 65536
+    max_response_bytes = 50_000_000
+    rate_limit_rps = 10
+    rate_limit_burst = 20
+
 `allow_addresses` is the one way to reach a non-public address, meant for tests that run their
 upstream on loopback. It is deliberately narrow and hard to set by accident: exact `ip:port`
 pairs only (no ranges, no wildcard port), and never from a TOML file, only in code.
