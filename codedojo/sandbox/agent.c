@@ -2,12 +2,16 @@
  *
  * Why a C helper: spawning bubblewrap (or a Python interpreter) per command costs several
  * milliseconds; this helper enters the namespaces once, at create, and then forks each command
- * on request, so an exec round trip is two fork()s and an execve.
+ * on request, so an exec round trip is one fork() and an execve; init alone serves all
+ * commands of its sandbox from one poll() loop.
  *
  * Invoked by codedojo/sandbox/local.py (never by users):
  *   codedojo-sandbox-init --root DIR --sock-fd N --uid U --gid G --hostname H
  *                         (--netns-new FILE | --netns-join FILE) [--cgroup PROCSFILE]...
- *                         [--bind SRC:DST]... [--shm-mb N]
+ *                         [--bind SRC:DST]... [--shm-mb N] [--wait-go 1]
+ *
+ * With --wait-go (the provider's pool of pre-started sandboxes) init stops after entering the
+ * namespaces and cgroups and waits for "G <bind>..." on stdin: the filesystem comes later.
  *
  * The first process (the "waiter", in the host pid namespace) joins the cgroups, creates or
  * joins the network namespace, unshares mount/pid/ipc/uts and forks pid 1 of the new pid
@@ -39,9 +43,11 @@
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/time.h>
 #include <sys/types.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -173,7 +179,7 @@ static void setup_root(void) {
   if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) die("make new root private");
 }
 
-/* ---- per-command handler (a child of init) ---- */
+/* ---- commands: init forks each one and reports its exit on the request's connection ---- */
 
 static int read_full(int fd, void *buf, size_t n) {
   size_t got = 0;
@@ -196,49 +202,58 @@ static void reply(int conn, const char *fmt, ...) {
   send(conn, msg, n, MSG_NOSIGNAL);
 }
 
-static void handle(int conn) {
+#define MAX_RUNNING 4096
+static struct {
+  int conn;
+  pid_t pid; /* negative once killed: the exit is still awaited */
+} running[MAX_RUNNING];
+static int n_running;
+
+/* Read one request from `conn`, start the command, send its pipes; returns its pid or -1. */
+static pid_t start_command(int conn) {
+  struct timeval tv = {5, 0}; /* the host writes the request at once; never hang init */
+  setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   uint32_t len;
-  if (read_full(conn, &len, 4) < 0 || len == 0 || len > MAX_REQUEST) _exit(2);
+  if (read_full(conn, &len, 4) < 0 || len == 0 || len > MAX_REQUEST) return -1;
   char *buf = malloc(len + 1);
-  if (!buf || read_full(conn, buf, len) < 0) _exit(2);
-  buf[len] = 0;
-  /* Split into NUL-terminated fields. */
   char **f = calloc(len + 2, sizeof *f);
-  int nf = 0;
+  char **envp = NULL, **args = NULL;
+  pid_t pid = -1;
+  if (!buf || !f || read_full(conn, buf, len) < 0) goto out;
+  buf[len] = 0;
+  int nf = 0, i = 0;
   for (char *p = buf; p < buf + len; p += strlen(p) + 1) f[nf++] = p;
-  int i = 0;
-  if (nf < 3) {
-    reply(conn, "E malformed request");
-    _exit(2);
-  }
-  const char *cwd = f[i++];
-  int argc = atoi(f[i++]);
+  const char *cwd = nf > 0 ? f[i++] : "/";
+  int argc = nf > 1 ? atoi(f[i++]) : 0;
   if (argc < 1 || i + argc > nf) {
     reply(conn, "E malformed request: argc");
-    _exit(2);
+    goto out;
   }
-  char **argv = calloc(argc + 1, sizeof *argv);
-  for (int a = 0; a < argc; a++) argv[a] = f[i++];
-  int envc = i < nf ? atoi(f[i++]) : 0;
-  if (envc < 0 || i + envc > nf) {
+  args = calloc(argc + 1, sizeof *args);
+  if (!args) goto out;
+  memcpy(args, f + i, argc * sizeof *args);
+  i += argc;
+  int envc = i < nf ? atoi(f[i]) : 0;
+  if (envc < 0 || i + 1 + envc > nf) {
     reply(conn, "E malformed request: envc");
-    _exit(2);
+    goto out;
   }
-  char **envp = calloc(envc + 1, sizeof *envp);
-  for (int e = 0; e < envc; e++) envp[e] = f[i++];
+  envp = calloc(envc + 1, sizeof *envp);
+  if (!envp) goto out;
+  if (envc) memcpy(envp, f + i + 1, envc * sizeof *envp);
 
   int in[2], out[2], err[2];
   if (pipe2(in, O_CLOEXEC) < 0 || pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0) {
     reply(conn, "E pipe: %s", strerror(errno));
-    _exit(2);
+    goto out;
   }
-  pid_t pid = fork();
+  pid = fork();
   if (pid < 0) {
     reply(conn, "E fork: %s", strerror(errno));
-    _exit(2);
-  }
-  if (pid == 0) {
-    signal(SIGCHLD, SIG_DFL);
+  } else if (pid == 0) {
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
     signal(SIGPIPE, SIG_DFL);
     setsid();
     /* Commands are the OOM killer's first choice (in the sandbox's memory cgroup and on the
@@ -263,64 +278,106 @@ static void handle(int conn) {
       _exit(126);
     }
     environ = envp;
-    execvp(argv[0], argv);
-    dprintf(2, "sandbox: %s: %s\n", argv[0], strerror(errno));
+    execvp(args[0], args);
+    dprintf(2, "sandbox: %s: %s\n", args[0], strerror(errno));
     _exit(errno == ENOENT ? 127 : 126);
-  }
-  close(in[0]);
-  close(out[1]);
-  close(err[1]);
-  char msg[64];
-  int n = snprintf(msg, sizeof msg, "F %d", (int)pid);
-  int fds[3] = {in[1], out[0], err[0]};
-  char cbuf[CMSG_SPACE(sizeof fds)];
-  memset(cbuf, 0, sizeof cbuf);
-  struct iovec iov = {msg, (size_t)n};
-  struct msghdr mh = {0};
-  mh.msg_iov = &iov;
-  mh.msg_iovlen = 1;
-  mh.msg_control = cbuf;
-  mh.msg_controllen = sizeof cbuf;
-  struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof fds);
-  memcpy(CMSG_DATA(c), fds, sizeof fds);
-  if (sendmsg(conn, &mh, MSG_NOSIGNAL) < 0) {
-    kill(-pid, SIGKILL);
-    kill(pid, SIGKILL);
-  }
-  close(in[1]);
-  close(out[0]);
-  close(err[0]);
-
-  int pfd = (int)syscall(SYS_pidfd_open, pid, 0);
-  struct pollfd pf[2] = {{conn, POLLIN, 0}, {pfd, POLLIN, 0}};
-  int killed = 0;
-  for (;;) {
-    int r = poll(pf, pfd >= 0 ? 2 : 1, pfd >= 0 ? -1 : 50);
-    if (r < 0 && errno != EINTR) break;
-    if (!killed && (pf[0].revents & (POLLIN | POLLHUP | POLLERR))) {
-      char b;
-      recv(conn, &b, 1, MSG_DONTWAIT);
+  } else {
+    char msg[64];
+    int n = snprintf(msg, sizeof msg, "F %d", (int)pid);
+    int fds[3] = {in[1], out[0], err[0]};
+    char cbuf[CMSG_SPACE(sizeof fds)];
+    memset(cbuf, 0, sizeof cbuf);
+    struct iovec iov = {msg, (size_t)n};
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cbuf;
+    mh.msg_controllen = sizeof cbuf;
+    struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof fds);
+    memcpy(CMSG_DATA(c), fds, sizeof fds);
+    if (sendmsg(conn, &mh, MSG_NOSIGNAL) < 0) {
       kill(-pid, SIGKILL);
       kill(pid, SIGKILL);
-      killed = 1;
-      pf[0].fd = -1; /* stop polling the connection; wait for the exit */
-    }
-    int st;
-    pid_t w = waitpid(pid, &st, WNOHANG);
-    if (w == pid) {
-      reply(conn, "X %d", st);
-      _exit(0);
     }
   }
-  _exit(3);
+  close(in[0]);
+  close(in[1]);
+  close(out[0]);
+  close(out[1]);
+  close(err[0]);
+  close(err[1]);
+out:
+  free(envp);
+  free(args);
+  free(buf);
+  free(f);
+  return pid;
+}
+
+/* One process serves every command (no helper process per exec): poll the listening socket,
+ * a signalfd for SIGCHLD and each running command's connection (a byte or EOF = kill it). */
+static void serve(void) {
+  sigset_t mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGCHLD);
+  sigprocmask(SIG_BLOCK, &mask, NULL);
+  int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+  if (sfd < 0) _exit(1);
+  fcntl(sock_fd, F_SETFD, FD_CLOEXEC);
+  static struct pollfd pf[MAX_RUNNING + 2];
+  for (;;) {
+    pf[0] = (struct pollfd){sock_fd, POLLIN, 0};
+    pf[1] = (struct pollfd){sfd, POLLIN, 0};
+    for (int k = 0; k < n_running; k++)
+      pf[k + 2] = (struct pollfd){running[k].pid > 0 ? running[k].conn : -1, POLLIN, 0};
+    int nfds = n_running + 2;
+    if (poll(pf, nfds, -1) < 0) continue;
+    /* Kill requests first (indices still match pf). */
+    for (int k = 0; k < n_running; k++) {
+      if (running[k].pid > 0 && (pf[k + 2].revents & (POLLIN | POLLHUP | POLLERR))) {
+        char b;
+        recv(running[k].conn, &b, 1, MSG_DONTWAIT);
+        kill(-running[k].pid, SIGKILL);
+        kill(running[k].pid, SIGKILL);
+        running[k].pid = -running[k].pid;
+      }
+    }
+    if (pf[1].revents & POLLIN) {
+      struct signalfd_siginfo si;
+      while (read(sfd, &si, sizeof si) > 0) {
+      }
+      int st;
+      pid_t w;
+      while ((w = waitpid(-1, &st, WNOHANG)) > 0) {
+        for (int k = 0; k < n_running; k++) {
+          if (running[k].pid == w || running[k].pid == -w) {
+            reply(running[k].conn, "X %d", st);
+            close(running[k].conn);
+            running[k] = running[--n_running];
+            break;
+          }
+        }
+      }
+    }
+    if ((pf[0].revents & POLLIN) && n_running < MAX_RUNNING) {
+      int conn = accept4(sock_fd, NULL, NULL, SOCK_CLOEXEC);
+      if (conn < 0) continue;
+      pid_t pid = start_command(conn);
+      if (pid > 0) {
+        running[n_running].conn = conn;
+        running[n_running].pid = pid;
+        n_running++;
+      } else {
+        close(conn);
+      }
+    }
+  }
 }
 
 /* ---- init (pid 1 of the sandbox) ---- */
-
-static void on_sigchld(int sig) { (void)sig; }
 
 /* Pre-started ("pooled") mode: the namespaces, cgroups and processes exist before the sandbox's
  * filesystem does. Our copy of the sandbox directory (a shared bind mount on the host) stays a
@@ -388,26 +445,8 @@ static void init_main(void) {
   dup2(devnull, 1);
   dup2(devnull, 2);
   if (devnull > 2) close(devnull);
-  struct sigaction sa = {0};
-  sa.sa_handler = on_sigchld;
-  sa.sa_flags = SA_NOCLDSTOP; /* no SA_RESTART: poll() returns EINTR so zombies are reaped */
-  sigaction(SIGCHLD, &sa, NULL);
   signal(SIGPIPE, SIG_IGN);
-  for (;;) {
-    struct pollfd pf = {sock_fd, POLLIN, 0};
-    int r = poll(&pf, 1, 1000);
-    while (waitpid(-1, NULL, WNOHANG) > 0) {
-    }
-    if (r <= 0) continue;
-    int conn = accept4(sock_fd, NULL, NULL, SOCK_CLOEXEC);
-    if (conn < 0) continue;
-    pid_t h = fork();
-    if (h == 0) {
-      close(sock_fd);
-      handle(conn);
-    }
-    close(conn);
-  }
+  serve();
 }
 
 int main(int argc, char **argv) {
