@@ -160,7 +160,8 @@ static void setup_root(void) {
     bind_ro(spec, colon + 1);
   }
   path_in_root(path, sizeof path, "/proc");
-  if (mount("proc", path, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0) die("mount /proc");
+  /* hidepid=2: commands see only their own processes, not init (root) and its arguments. */
+  if (mount("proc", path, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2") < 0) die("mount /proc");
   if (has_dev_nodes()) {
     /* The image carries its /dev (the host base does): only a private devpts is needed. */
     path_in_root(path, sizeof path, "/dev/pts");

@@ -127,11 +127,11 @@ def _ensure_tmpfs(path: str) -> None:
     mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=700,size=64m")
 
 
-def _drain_at_exit(ref: weakref.ref) -> None:
+def _close_at_exit(ref: weakref.ref) -> None:
     provider = ref()
     if provider is not None:
         with contextlib.suppress(Exception):
-            provider.drain_pool()
+            provider.close()
 
 
 def validate_limits(limits: Limits) -> None:
@@ -973,8 +973,9 @@ class LocalProvider:
         self._pool_thread: threading.Thread | None = None
         self._closed = False
         self._last_take = 0.0
-        # Pooled sandboxes belong to no caller: never leave them behind at interpreter exit.
-        atexit.register(_drain_at_exit, weakref.ref(self))
+        # Sandboxes must not outlive the process that made them (pooled ones belong to no
+        # caller at all); after a hard crash, `gc` finds what is left.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def cgroup_name(self, sandbox_id: str) -> str:
         return f"{self._tag}-{sandbox_id}"
