@@ -73,6 +73,7 @@ from codedojo.sandbox.syscalls import (
     MS_NODEV,
     MS_NOSUID,
     mount,
+    mount_overlay,
     open_in_root,
     umount,
 )
@@ -415,9 +416,15 @@ class LocalSandbox:
         # the upper layer alone describes the change and can be frozen into a layer by copying.
         opts = (f"lowerdir={lower},upperdir={self._rw}/upper,workdir={self._rw}/work,"
                 "redirect_dir=off,metacopy=off,index=off")
-        if len(opts) > 4000:
-            raise SandboxError(f"image: {len(self.lowers)} layers exceed the overlay mount limit")
-        mount("overlay", self._mnt, "overlay", 0, opts)
+        if len(opts) < 4000:
+            mount("overlay", self._mnt, "overlay", 0, opts)
+            return
+        try:  # a deep stack (forks of forks): one fsconfig call per layer
+            mount_overlay(self._mnt, [self.provider.images.layer_path(x) for x in self.lowers],
+                          f"{self._rw}/upper", f"{self._rw}/work",
+                          {"redirect_dir": "off", "metacopy": "off", "index": "off"})
+        except OSError as e:
+            raise SandboxError(f"image: a stack of {len(self.lowers)} layers cannot be mounted: {e}") from None
 
     def _start_init(self, new_netns: bool, wait_go: bool = False) -> None:
         """Start the init helper. With wait_go (a pooled sandbox) it stops after entering the

@@ -290,3 +290,23 @@ def test_snapshot_repeating_an_earlier_layer(sandbox):
         assert fork.read_file("a.txt") == b"A" and fork.read_file("b.txt") == b"B"
     finally:
         fork.destroy()
+
+
+def test_deep_layer_stack_beyond_the_mount_option_limit(provider, project):
+    """Forks of forks stack layers; 120 exceed mount(2)'s 4 KiB option string."""
+    store = provider.images
+    layers = list(store.resolve(project).layers)
+    for i in range(120):
+        tmp = store._tmpdir()
+        os.makedirs(os.path.join(tmp, "workspace"))
+        os.chown(os.path.join(tmp, "workspace"), 1000, 1000)
+        with open(os.path.join(tmp, "workspace", f"layer{i:03d}.txt"), "w") as f:
+            f.write(str(i))
+        layers.insert(0, store.commit_layer(tmp))
+    image = store.put_image(layers)
+    sb = provider.create(SandboxSpec(image=image.id, limits=SMALL))
+    try:
+        r = sb.exec("ls layer*.txt | wc -l; cat layer000.txt layer119.txt pkg/__init__.py")
+        assert r.stdout == "120\n0119VALUE = 41\n", r
+    finally:
+        sb.destroy()
