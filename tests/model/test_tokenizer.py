@@ -1,0 +1,147 @@
+"""The GGUF tokenizer: header reading, BPE from vocab + merges, special tokens, incremental decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from codedojo.model.tokenizer import (
+    CHATML_TEMPLATE,
+    GGUFMetadataError,
+    Tokenizer,
+    byte_alphabet,
+    load_tokenizer,
+    read_gguf_kv,
+    tiny_tokenizer,
+)
+
+TEXTS = [
+    "def add(a, b):\n    return a + b  # sum\n\n\n",
+    "héllo wörld 你好世界 🎉🎉 \t\t tabs\r\n",
+    "  leading spaces and 12345.678e-9 'quoted' it's DON'T",
+    "emoji with joiner 👩\u200d💻 and \u00a0nbsp \x00\x01 controls",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+]
+
+
+def write_gguf(path: Path, tokens: list[str], merges: list[str], types: list[int], model: str = "gpt2") -> Path:
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model(model)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_chat_template(CHATML_TEMPLATE)
+    w.add_uint32("llama.context_length", 64)
+    w.add_tensor("t", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture()
+def tiny_gguf(tmp_path) -> Path:
+    table = byte_alphabet()
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [table[b] for b in range(256)] + ["he", "Ġhe"]
+    types = [3, 3, 3] + [1] * 258
+    return write_gguf(tmp_path / "tiny.gguf", tokens, ["h e", "Ġ he"], types)
+
+
+def test_header_reader_reads_metadata_only(tiny_gguf):
+    meta = read_gguf_kv(tiny_gguf)
+    assert meta["general.architecture"] == "llama" and meta["llama.context_length"] == 64
+    assert meta["tokenizer.ggml.tokens"][:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert meta["tokenizer.ggml.merges"] == ["h e", "Ġ he"] and meta["tokenizer.ggml.token_type"][:4] == [3, 3, 3, 1]
+    assert set(read_gguf_kv(tiny_gguf, prefix="tokenizer.")) == {k for k in meta if k.startswith("tokenizer.")}
+
+
+def test_from_gguf_builds_bpe_with_specials(tiny_gguf):
+    tok = Tokenizer.from_gguf(tiny_gguf)
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (1, 2, 2, 261)
+    assert tok.encode(" he") == [260] and tok.encode("he") == [259]
+    assert tok.encode("<|im_start|>he<|im_end|>") == [1, 259, 2]
+    assert tok.chat_template == CHATML_TEMPLATE and tok.stop_token_ids() == [2, 0]
+    for s in TEXTS:
+        assert tok.decode(tok.encode(s)) == s
+
+
+def test_bad_files_are_named(tmp_path, tiny_gguf):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"NOPE" + b"\0" * 32)
+    with pytest.raises(GGUFMetadataError, match="not a GGUF"):
+        read_gguf_kv(bad)
+    table = byte_alphabet()
+    spm = write_gguf(tmp_path / "spm.gguf", [table[b] for b in range(256)], [], [1] * 256, model="llama")
+    with pytest.raises(ValueError, match="tokenizer.ggml.model is 'llama'"):
+        Tokenizer.from_gguf(spm)
+
+
+def test_save_and_load_dir_round_trip(tmp_path):
+    tok = tiny_tokenizer()
+    tok.save(tmp_path / "tk")
+    back = Tokenizer.from_dir(tmp_path / "tk")
+    assert (back.bos_id, back.eos_id, back.pad_id) == (tok.bos_id, tok.eos_id, tok.pad_id)
+    assert back.chat_template == tok.chat_template and sorted(back.special.control) == [0, 1, 2]
+    for s in TEXTS:
+        assert back.encode(s) == tok.encode(s)
+    assert load_tokenizer(str(tmp_path / "tk")).encode("the") == tok.encode("the")
+
+
+def test_incremental_decoder_never_splits_characters():
+    tok = tiny_tokenizer()  # bytes only, so every non-ASCII character spans several tokens
+    for s in TEXTS:
+        ids = tok.encode(s)
+        dec = tok.incremental_decoder(skip_special_tokens=False)
+        pieces = [dec.push(i) for i in ids] + [dec.flush()]
+        assert "".join(pieces) == s
+        assert not any("\ufffd" in p for p in pieces)
+
+
+def test_incremental_decoder_skips_specials_and_flushes_broken_tail():
+    tok = tiny_tokenizer()
+    dec = tok.incremental_decoder()
+    out = "".join(dec.push(i) for i in tok.encode("<|im_start|>ok<|im_end|>"))
+    assert out + dec.flush() == "ok"
+    dec = tok.incremental_decoder()
+    first_byte_of_e_acute = tok.encode("é")[0]
+    assert dec.push(first_byte_of_e_acute) == "" and dec.flush() == "\ufffd"
+
+
+def test_token_text_and_bytes():
+    tok = tiny_tokenizer()
+    (space_the,) = tok.encode(" the")
+    assert tok.token_text(space_the) == " the" and tok.token_bytes(space_the) == b" the"
+    assert tok.token_text(2) == "<|im_end|>" and tok.is_special(2) and not tok.is_special(space_the)
+    assert tok.token_bytes(tok.encode("é")[0]) == "é".encode()[:1]
+
+
+def test_smollm2_tokenizer_from_the_wheel():
+    tok = load_tokenizer()
+    assert tok.vocab_size == 49152 and (tok.bos_id, tok.eos_id) == (1, 2)
+    assert tok.id_to_token(2) == "<|im_end|>" and len(tok.special.control) == 17
+    assert tok.encode("<|im_start|>assistant\n")[0] == 1
+    assert "<|im_start|>" in (tok.chat_template or "")
+
+
+@pytest.mark.slow
+def test_ids_equal_hf_auto_tokenizer_from_the_same_gguf():
+    from transformers import AutoTokenizer
+
+    from codedojo.model.tokenizer import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ours = load_tokenizer()
+    code = Path(__file__).read_text() + Path(gguf.__file__).read_text()[:20000]
+    samples = TEXTS + [code, "x" * 500 + " " * 40 + "\n" * 7, "Ünïcödé ñ ß ø 日本語 한국어 עברית العربية"]
+    for s in samples:
+        assert ours.encode(s) == hf(s, add_special_tokens=True)["input_ids"]
+        assert ours.decode(ours.encode(s)) == hf.decode(hf(s)["input_ids"])
+    assert ours.eos_id == hf.eos_token_id and ours.bos_id == hf.bos_token_id
