@@ -3,8 +3,13 @@ and SmolLM2 for real), and the in-process engine path."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 
+import httpx
 import pytest
 import torch
 
@@ -114,33 +119,61 @@ def test_engine_policy_in_process(sandbox):
     session.close()
 
 
-@pytest.mark.slow
-def test_loop_against_dojo_serve_with_smollm2(sandbox, tmp_path):
-    """A few turns of SmolLM2 through `dojo serve`'s app and the official OpenAI client."""
-    session = small_session(sandbox)
-    from codedojo.model.tokenizer import load_tokenizer
-    from codedojo.model.weights import load_model
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
-    tok = load_tokenizer()
-    model, _ = load_model()
-    engine = Engine(model, max_batch=2, max_seq_len=8192)
-    engine.start()
+
+@pytest.fixture
+def dojo_serve() -> Iterator[str]:
+    """`dojo serve` (SmolLM2) as its own process on a free 127.0.0.1 port."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "codedojo.cli", "serve", "--port", str(port), "--served-name", "smollm2",
+         "--max-batch", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
     try:
-        with BackgroundServer(create_app(engine, tok, model_name="smollm2")) as srv:
-            policy = OpenAIPolicy("smollm2", base_url=srv.url + "/v1", temperature=0.7, seed=0,
-                                  text_format="smollm2")
-            cfg = LoopConfig(max_turns=3, max_tokens_per_turn=48, context_window=8192)
-            traj = Agent(policy, cfg).run(
-                "List the files in the workspace with list_dir, then say what the project is.",
-                session, out=tmp_path / "smol.jsonl")
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"dojo serve exited: {proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("dojo serve did not become healthy")
+            time.sleep(0.5)
+        yield url
     finally:
-        engine.stop()
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_loop_against_dojo_serve_with_smollm2(dojo_serve, sandbox, tmp_path):
+    """A few turns of SmolLM2 through `dojo serve` and the official OpenAI client."""
+    session = small_session(sandbox)
+    policy = OpenAIPolicy("smollm2", base_url=dojo_serve + "/v1", temperature=0.7, seed=0, text_format="smollm2")
+    cfg = LoopConfig(max_turns=3, max_tokens_per_turn=32, context_window=8192)
+    traj = Agent(policy, cfg).run(
+        "List the files in the workspace with list_dir, then say what the project is.",
+        session, out=tmp_path / "smol.jsonl")
+    session.close()
     assert traj.status in ("finished", "max_turns"), traj.error
     traj.validate()
-    assert 1 <= len(traj.turns) <= 3
+    assert 1 <= len(traj.turns) <= 3 and traj.model == "smollm2"
     for t in traj.turns:
         assert t.prompt_ids and t.completion_ids and len(t.logprobs) == len(t.completion_ids)
-        assert all(lp <= 0.0 for lp in t.logprobs)
+        assert all(lp <= 0.0 for lp in t.logprobs) and t.weight_version is not None
         assert sum(t.loss_mask) == len(t.completion_ids) and len(t.loss_mask) == len(t.prompt_ids) + len(t.completion_ids)
     # Each later prompt holds everything the model saw before (the conversation only grows).
     for a, b in zip(traj.turns, traj.turns[1:], strict=False):
