@@ -171,3 +171,20 @@ def test_summaries_can_be_turned_off(session, max_summaries):
     cfg = LoopConfig(context_window=1000, summary_threshold=0.5, max_summaries=max_summaries)
     traj = Agent(policy, cfg).run("t", session)
     assert traj.status == "finished" and traj.segments == [0]
+
+
+def test_collect_changes_uses_tool_originals_then_git(session, sandbox):
+    session.call("search_replace", {"file_path": "inventory/stock.py", "old_string": "i.qty < threshold",
+                                    "new_string": "i.qty <= threshold"})
+    session.call("run_terminal_cmd", {"command": "sed -i 's/Stock keeping/Inventory/' README.md"})
+    session.call("write", {"file_path": "inventory/extra.py", "contents": "X = 1\n"})
+    session.call("delete_file", {"target_file": "pyproject.toml"})
+    changes = {c.path: c for c in collect_changes(sandbox, session.state()["originals"])}
+    assert set(changes) == {"/workspace/inventory/stock.py", "/workspace/README.md",
+                            "/workspace/inventory/extra.py", "/workspace/pyproject.toml"}
+    assert "i.qty < threshold" in changes["/workspace/inventory/stock.py"].before
+    # Changed by a shell command: the tools never saw it, git's HEAD gives the before side.
+    readme = changes["/workspace/README.md"]
+    assert "Stock keeping" in readme.before and "Inventory helpers" in readme.after
+    assert changes["/workspace/inventory/extra.py"].before is None
+    assert changes["/workspace/pyproject.toml"].after is None and "[tool.ruff]" in changes["/workspace/pyproject.toml"].before
