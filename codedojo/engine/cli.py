@@ -16,6 +16,7 @@ def serve(
     tool_format: str = typer.Option("smollm2", help="tool-call format: smollm2, hermes or qwen3_coder"),
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions and /v1/models for MODEL."""
+    import signal
     import threading
 
     from codedojo.engine.engine import Engine
@@ -36,6 +37,7 @@ def serve(
     name = served_name or model
     app = create_app(engine, tokenizer, chat, model_name=name)
     stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     srv = BackgroundServer(app, host=host, port=port,
                            on_ready=lambda url: print(f"Serving {name} at {url}/v1", flush=True))
     try:

@@ -1,0 +1,53 @@
+"""`dojo serve` as a user runs it: a subprocess that prints its URL once ready, then answers."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import torch
+
+from codedojo.model.config import ModelConfig
+from codedojo.model.hf import save_hf
+from codedojo.model.tokenizer import tiny_tokenizer
+from codedojo.model.transformer import Transformer
+
+
+def test_dojo_serve_prints_url_and_serves(tmp_path):
+    tok = tiny_tokenizer()
+    cfg = ModelConfig.tiny(vocab_size=tok.vocab_size, max_seq_len=128)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    model.init_weights()
+    save_hf(model, cfg, tmp_path / "m")
+    tok.save(tmp_path / "m")
+
+    cmd = [sys.executable, "-c", "from codedojo.cli import main; main()", "serve", "--model", str(tmp_path / "m"),
+           "--port", "0", "--max-batch", "2", "--served-name", "tiny"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        url = None
+        while url is None:
+            line = lines.get(timeout=180)
+            if line.startswith("Serving tiny at "):
+                url = line.split(" at ", 1)[1].strip()
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+        with httpx.Client(timeout=60) as http:
+            r = http.post(url + "/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+            assert http.post(url + "/chat/completions", json={"model": "tiny", "messages": []}).status_code == 400
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
