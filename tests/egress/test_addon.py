@@ -120,3 +120,25 @@ def test_server_connect_is_checked_even_outside_the_request_hooks(setup, monkeyp
     assert s.error
     s = connect(("www.example.org", 443))  # allowed name: dialled at its checked address
     assert not s.error and s.address == ("93.184.216.34", 443) and s.sni == "www.example.org"
+
+
+def test_secrets_in_compressed_bodies_are_redacted_and_opaque_bodies_refused(setup):
+    import gzip
+
+    addon, _, _ = setup
+    f = _flow()
+    f.request.method = "POST"
+    f.request.headers["content-encoding"] = "gzip"
+    f.request.raw_content = gzip.compress(b'{"token": "tok-123456"}')
+    addon.request(f)
+    assert f.response is None
+    assert gzip.decompress(f.request.raw_content) == b'{"token": "__REDACTED_TOKEN__"}'
+    assert f.metadata["egress"]["report"].secrets == {"TOKEN": ["body"]}
+
+    g = _flow()
+    g.request.method = "POST"
+    g.request.headers["content-encoding"] = "gzip"
+    g.request.raw_content = b"not gzip at all, tok-123456"
+    addon.request(g)
+    assert g.response is not None and g.response.status_code == 400
+    assert b"cannot decode request body" in g.response.content

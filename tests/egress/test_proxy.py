@@ -50,6 +50,11 @@ def test_allowed_host_passes_for_every_client(egress_env, sandbox, mode):
         status, body = curl(sb, f"{base}/curl-{mode}")
         assert status == 200 and f"{scheme} upstream ok" in body, body
         assert f"/curl-{mode}" in _received_paths(up)
+        if scheme == "https":  # HTTP/2 to the proxy, HTTP/1.1 on to the upstream
+            r = sb.exec(["curl", "-sS", "--http2", "-o", "/dev/null", "-w", "%{http_version}",
+                         f"{base}/h2-{mode}"])  # fmt: skip
+            assert r.stdout == "2", (r.stdout, r.stderr)
+            assert f"/h2-{mode}" in _received_paths(up)
         clients = ("requests", "httpx", "urllib")
         outs = py_requests(sb, [(c, f"{base}/{c}-{mode}") for c in clients])
         for client, out in zip(clients, outs, strict=True):
@@ -57,7 +62,7 @@ def test_allowed_host_passes_for_every_client(egress_env, sandbox, mode):
             assert f"/{client}-{mode}" in _received_paths(up)
     records = read_audit(proxy.audit_path(sb.id))
     ok = [r for r in records if r["status"] == 200]
-    assert len(ok) == 8 and all(r["host"] == "up.test" and r["mode"] == mode for r in ok)
+    assert len(ok) == 9 and all(r["host"] == "up.test" and r["mode"] == mode for r in ok)
     assert all(r["ip"] == "127.0.0.1" and r["override"] for r in ok)
     assert {r["scheme"] for r in ok} == {"http", "https"}
 
