@@ -1,0 +1,289 @@
+"""Speculative decoding with MTP drafts, verified in one target pass.
+
+Each round: the MTP modules draft k tokens from the target's last hidden state (module j drafts
+token j, fed the draft of module j-1), then the target runs once over [last token, d_1..d_k]
+and the drafts are accepted left to right:
+
+* greedy (temperature 0): accept while d_j equals the target argmax; the first mismatch is
+  replaced by the target argmax. Output is token-for-token plain greedy decoding.
+* sampling: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); on rejection sample from
+  norm(max(0, p_j - q_j)) and stop. If all k are accepted, one bonus token is sampled from
+  p_{k+1}. This is the Leviathan et al. / Chen et al. rule: every emitted token is distributed
+  exactly as the target's (tested with a chi-square test).
+
+So a round emits between 1 and k + 1 tokens for one target pass. The engine's batch-1 decode
+calls `speculative_generate`; `Target` and `Drafter` are the two small interfaces it needs, with
+`TransformerTarget` / `MTPDrafter` as the concrete kinds over our model. The module knows nothing
+about tokenization or HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from codedojo.model.kv_cache import KVCache
+from codedojo.model.mtp import MTP
+from codedojo.model.transformer import Transformer
+
+
+class Target(Protocol):
+    """A causal model over one growing sequence with a truncatable cache."""
+
+    @property
+    def length(self) -> int: ...
+
+    def reset(self) -> None: ...
+
+    def extend(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ids; return logits (n, V) and last hidden states (n, D) for them."""
+        ...
+
+    def truncate(self, length: int) -> None: ...
+
+
+class Drafter(Protocol):
+    depth: int
+
+    def reset(self) -> None: ...
+
+    def draft(self, new_hidden: torch.Tensor, tokens: Sequence[int],
+              pick: Callable[[torch.Tensor], tuple[int, torch.Tensor]]
+              ) -> tuple[list[int], list[torch.Tensor]]:
+        """new_hidden (n, D): target hiddens of positions not yet given, ending at position
+        len(tokens) - 2. Returns the drafts and each draft's distribution q_j (V,)."""
+        ...
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0
+    target_passes: int = 0  # verify passes (prefill excluded)
+    drafted: int = 0
+    accepted: int = 0
+    first_accepted: int = 0
+    emitted: int = 0  # tokens emitted by verify rounds
+    accepted_per_round: list[int] = field(default_factory=list)
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / max(1, self.drafted)
+
+    @property
+    def accept_first(self) -> float:
+        return self.first_accepted / max(1, self.rounds)
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.accepted / max(1, self.rounds)
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.emitted / max(1, self.target_passes)
+
+    def as_dict(self) -> dict[str, float]:
+        return {"accept_rate": self.accept_rate, "accept_first": self.accept_first,
+                "mean_accepted": self.mean_accepted, "tokens_per_pass": self.tokens_per_pass,
+                "rounds": self.rounds}
+
+
+def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(..., V) logits -> the distribution actually sampled from (float64 for exact ratios)."""
+    if temperature <= 0:
+        out = torch.zeros_like(logits, dtype=torch.float64)
+        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.softmax(logits.double() / temperature, -1)
+
+
+def _sample(p: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(p.float() if p.dtype == torch.bfloat16 else p, 1,
+                                 generator=gen))
+
+
+def accept_drafts(drafts: Sequence[int], q: Sequence[torch.Tensor], p: torch.Tensor,
+                  temperature: float, gen: torch.Generator | None = None) -> tuple[int, int]:
+    """p (k+1, V) target distributions at the draft positions (+ bonus). Returns (number of
+    drafts accepted, the extra token: the correction or the bonus)."""
+    for j, d in enumerate(drafts):
+        if temperature <= 0:
+            best = int(p[j].argmax())
+            if d != best:
+                return j, best
+            continue
+        pj, qj = p[j], q[j]
+        ratio = float(pj[d] / qj[d]) if float(qj[d]) > 0 else float("inf")
+        u = float(torch.rand((), generator=gen, dtype=torch.float64))
+        if u < min(1.0, ratio):
+            continue
+        resid = (pj - qj).clamp(min=0)
+        s = float(resid.sum())
+        # s == 0 only when p == q, where rejection has probability 0; guard anyway.
+        return j, _sample(resid / s if s > 0 else pj, gen)
+    k = len(drafts)
+    bonus = int(p[k].argmax()) if temperature <= 0 else _sample(p[k], gen)
+    return k, bonus
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[int]
+    stats: SpecStats
+
+
+def _finish(out: list[int], max_new: int, stop: set[int]) -> tuple[list[int], bool]:
+    for i, t in enumerate(out[:max_new]):
+        if t in stop:
+            return out[: i + 1], True
+    return out[:max_new], len(out) >= max_new
+
+
+@torch.no_grad()
+def plain_generate(target: Target, prompt: Sequence[int], max_new_tokens: int,
+                   temperature: float = 0.0, gen: torch.Generator | None = None,
+                   stop_ids: Sequence[int] = ()) -> list[int]:
+    """Reference decode: one target pass per token."""
+    target.reset()
+    logits, _ = target.extend(list(prompt))
+    out: list[int] = []
+    stop = set(stop_ids)
+    while True:
+        p = target_probs(logits[-1], temperature)
+        t = int(p.argmax()) if temperature <= 0 else _sample(p, gen)
+        out.append(t)
+        if t in stop or len(out) >= max_new_tokens:
+            return out
+        logits, _ = target.extend([t])
+
+
+@torch.no_grad()
+def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int],
+                         max_new_tokens: int, temperature: float = 0.0,
+                         gen: torch.Generator | None = None, stop_ids: Sequence[int] = (),
+                         num_draft: int | None = None) -> GenerateResult:
+    if not prompt:
+        raise ValueError("prompt must not be empty")
+    k_max = drafter.depth if num_draft is None else min(num_draft, drafter.depth)
+    stats = SpecStats()
+    stop = set(stop_ids)
+    target.reset()
+    drafter.reset()
+    logits, hidden = target.extend(list(prompt))
+    p0 = target_probs(logits[-1], temperature)
+    first = int(p0.argmax()) if temperature <= 0 else _sample(p0, gen)
+    tokens = list(prompt) + [first]
+    out = [first]
+    new_hidden = hidden  # target hiddens of positions 0 .. len(tokens) - 2
+
+    def pick(logits_v: torch.Tensor) -> tuple[int, torch.Tensor]:
+        q = target_probs(logits_v, temperature)
+        return (int(q.argmax()) if temperature <= 0 else _sample(q, gen)), q
+
+    while not (first in stop or len(out) >= max_new_tokens or out[-1] in stop):
+        k = min(k_max, max_new_tokens - len(out))
+        drafts, q = drafter.draft(new_hidden, tokens, pick) if k > 0 else ([], [])
+        drafts, q = drafts[:k], q[:k]
+        L = len(tokens)
+        # One target pass over the last committed token and the drafts.
+        logits, hidden = target.extend([tokens[-1], *drafts])
+        p = target_probs(logits, temperature)  # (k+1, V)
+        n_acc, extra = accept_drafts(drafts, q, p, temperature, gen)
+        emitted = [*drafts[:n_acc], extra]
+        stats.rounds += 1
+        stats.target_passes += 1
+        stats.drafted += len(drafts)
+        stats.accepted += n_acc
+        stats.first_accepted += int(n_acc > 0)
+        stats.accepted_per_round.append(n_acc)
+        stats.emitted += len(emitted)
+        target.truncate(L + n_acc)  # keep positions 0 .. L-1+n_acc (the accepted ones)
+        new_hidden = hidden[: n_acc + 1]
+        tokens += emitted
+        out += emitted
+        done = False
+        for i, t in enumerate(out):
+            if t in stop or i + 1 >= max_new_tokens:
+                out, done = out[: i + 1], True
+                break
+        if done:
+            break
+    return GenerateResult(out, stats)
+
+
+class TransformerTarget:
+    """Our decoder with a one-slot KV cache, as a `Target`."""
+
+    def __init__(self, model: Transformer, max_len: int | None = None):
+        self.model = model
+        dtype = next(model.parameters()).dtype
+        dev = next(model.parameters()).device
+        self.cache = KVCache(model.cfg, 1, max_len or model.cfg.max_seq_len, dtype=dtype,
+                             device=dev)
+
+    @property
+    def length(self) -> int:
+        return self.cache.lengths[0]
+
+    def reset(self) -> None:
+        self.cache.reset(0)
+
+    def extend(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = self.cache.device
+        logits, hidden = self.model(torch.tensor([list(ids)], device=dev),
+                                    cache=self.cache.view(0), return_hidden=True)
+        return logits[0], hidden[0]
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(0, length)
+
+
+class MTPDrafter:
+    """Drafts with the MTP modules. Module k at position i reads token i+k, so in a round its
+    last k-1 positions read drafts; its cache keeps only positions whose inputs are all real
+    tokens, and those are recomputed next round with the real ones."""
+
+    def __init__(self, mtp: MTP, embed: Callable[[torch.Tensor], torch.Tensor],
+                 head: Callable[[torch.Tensor], torch.Tensor], max_len: int | None = None):
+        self.mtp, self.embed, self.head = mtp, embed, head
+        self.depth = mtp.depth
+        self.max_len = max_len or mtp.cfg.max_seq_len
+        self.dtype = next(mtp.parameters()).dtype
+        self.caches = mtp.new_caches(self.max_len, self.dtype)
+        self.reset()
+
+    def reset(self) -> None:
+        self.hidden: list[torch.Tensor | None] = [None] * (self.depth + 1)  # (1, T, D) per depth
+        for c in self.caches:
+            c.reset(0)
+
+    def draft(self, new_hidden: torch.Tensor, tokens: Sequence[int],
+              pick: Callable[[torch.Tensor], tuple[int, torch.Tensor]]
+              ) -> tuple[list[int], list[torch.Tensor]]:
+        L = len(tokens)
+        h0 = new_hidden.reshape(1, -1, new_hidden.shape[-1]).to(self.dtype)
+        self.hidden[0] = h0 if self.hidden[0] is None else torch.cat([self.hidden[0], h0], 1)
+        ext = list(tokens)
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        dev = h0.device
+        for k in range(1, self.depth + 1):
+            cache = self.caches[k - 1]
+            start = cache.lengths[0]
+            prev = self.hidden[k - 1]
+            assert prev is not None and start < L - 1
+            tok = torch.tensor([ext[start + k: L - 1 + k]], device=dev)  # (1, n)
+            h = self.mtp.step(k, prev[:, start:L - 1], self.embed(tok), cache)  # (1, n, D)
+            old = self.hidden[k]
+            self.hidden[k] = h if old is None else torch.cat([old[:, :start], h], 1)
+            cache.truncate(0, max(0, L - k))
+            d, q = pick(self.head(h[:, -1:]).reshape(-1).float())
+            drafts.append(d)
+            qs.append(q)
+            ext.append(d)
+        return drafts, qs
+
+
+def describe(stats: SpecStats) -> dict[str, Any]:
+    return stats.as_dict()

@@ -1,0 +1,201 @@
+"""Multi-token prediction (MTP) modules, DeepSeek-V3 style (report sec. 2.2).
+
+D sequential modules share the main model's embedding and output head. Module k (1-based) at
+position i combines the previous depth's hidden state with the embedding of token t_{i+k} and
+predicts t_{i+k+1}:
+
+    h'_i^k = W_k [RMSNorm(h_i^{k-1}); RMSNorm(Emb(t_{i+k}))]      (W_k: 2D -> D, no bias)
+    h_i^k  = Block_k(h'^k)_i                                      (one transformer block)
+    P_{i+k+1}^k = Head(h_i^k)                                     (shared head, incl. final norm)
+
+with h^0 the main model's last hidden state (before the final norm). Each module's block is the
+main model's decoder `Block` (dense, with the same RoPE/YaRN tables) with its own single-layer KV
+cache, so drafting at decode time costs one block per module per token. The modules are trained by self-distillation (their distribution at
+i pulled toward the main head's distribution at i+k, which predicts the same token); see
+`distill_loss`. The module knows nothing about training or decoding loops.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from codedojo.model.config import ModelConfig
+from codedojo.model.kv_cache import CacheView, KVCache
+from codedojo.model.rope import Rotary
+from codedojo.model.transformer import Block, RMSNorm, Transformer, document_mask
+
+
+def mtp_block_config(cfg: ModelConfig) -> ModelConfig:
+    """The MTP blocks are dense even in an MoE model (a draft block should be cheap), and are
+    single-layer as far as their KV caches are concerned."""
+    return cfg.model_copy(update={"moe": None, "n_layers": 1, "n_mtp": 0})
+
+
+class MTPModule(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm_h = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm_e = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.block = Block(mtp_block_config(cfg), 0)
+
+    def forward(self, h_prev: torch.Tensor, emb_next: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: CacheView | None = None) -> torch.Tensor:
+        """h_prev, emb_next (B, T, D) -> h (B, T, D). cos/sin from `MTP.rotary`."""
+        x = self.proj(torch.cat([self.norm_h(h_prev), self.norm_e(emb_next)], -1))
+        return self.block(x, cos, sin, mask, cache)
+
+
+class MTP(nn.Module):
+    """The D modules. Embedding and head are the main model's, passed in as callables."""
+
+    def __init__(self, cfg: ModelConfig, depth: int | None = None):
+        super().__init__()
+        depth = cfg.n_mtp if depth is None else depth
+        if depth < 1:
+            raise ValueError("MTP needs depth >= 1 (config n_mtp)")
+        self.cfg = cfg
+        self.depth = depth
+        self.layers = nn.ModuleList(MTPModule(cfg) for _ in range(depth))
+        self.rotary = Rotary(cfg)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        for name, p in self.named_parameters():
+            if p.ndim == 1:
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, std=std / (1 if "proj" in name else 4))
+        # The projection starts as "pass RMSNorm(h) through, plus a little of the embedding":
+        # an untrained module then predicts about what the main head does, a far better start
+        # for distillation than noise.
+        D = self.cfg.dim
+        for mod in self.layers:
+            mod.proj.weight[:, :D].copy_(torch.eye(D))
+
+    @torch.no_grad()
+    def init_from_model(self, model: Transformer) -> None:
+        """Copy the main model's last block into every module's block (same shapes when the
+        last layer is dense): a trained block is a much better start than a random one."""
+        last = model.layers[-1]
+        src = {k: v for k, v in last.state_dict().items()}
+        for mod in self.layers:
+            own = mod.block.state_dict()
+            if set(own) != set(src) or any(own[k].shape != src[k].shape for k in own):
+                raise ValueError("init_from_model: the last block is not a dense block of the "
+                                 "same shape (MoE?)")
+            mod.block.load_state_dict(src)
+        self.rotary = Rotary(model.cfg)
+
+    def set_rope(self, cfg: ModelConfig) -> None:
+        """Follow a context extension of the main model (same RoPE scaling)."""
+        self.cfg = self.cfg.model_copy(update={"rope_scaling": cfg.rope_scaling,
+                                               "rope_theta": cfg.rope_theta,
+                                               "max_seq_len": cfg.max_seq_len})
+        self.rotary = Rotary(self.cfg).to(next(self.parameters()).device)
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                embed: Callable[[torch.Tensor], torch.Tensor],
+                doc_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Training forward. hidden (B, T, D) main last hidden (before the final norm), tokens
+        (B, T) the inputs. Returns hidden states per depth: depth k (1-based) is (B, T-k, D);
+        row i predicts tokens[i + k + 1] (= targets[i + k])."""
+        outs = []
+        h = hidden
+        T = tokens.shape[1]
+        dtype = hidden.dtype
+        for k, mod in enumerate(self.layers, start=1):
+            if T - k <= 0:
+                break
+            cos, sin = self.rotary.tables(positions[:, : T - k])
+            mask = None if doc_ids is None else document_mask(doc_ids[:, : T - k])
+            h = mod(h[:, : T - k], embed(tokens[:, k:]), cos.to(dtype), sin.to(dtype), mask)
+            outs.append(h)
+        return outs
+
+    def new_caches(self, max_len: int, dtype: torch.dtype = torch.float32) -> list[KVCache]:
+        """One single-slot, single-layer KV cache per module (decode-time drafting)."""
+        bc = mtp_block_config(self.cfg)
+        dev = next(self.parameters()).device
+        return [KVCache(bc, 1, max_len, dtype=dtype, device=dev) for _ in self.layers]
+
+    def step(self, k: int, h_prev: torch.Tensor, emb_next: torch.Tensor, cache: KVCache
+             ) -> torch.Tensor:
+        """Decode-time forward of module k (1-based): h_prev, emb_next (1, T, D) for the T
+        positions following those already in `cache` (a cache position is a token position)."""
+        view = cache.view(0)
+        positions, mask = view.prepare(h_prev.shape[1])  # (1, T); advances the cache length
+        cos, sin = self.rotary.tables(positions)
+        return self.layers[k - 1](h_prev, emb_next, cos.to(h_prev.dtype), sin.to(h_prev.dtype),
+                                  mask, view)
+
+
+def save_mtp(mtp: MTP, out_dir: str | Path) -> Path:
+    """`mtp.safetensors` + `mtp.json` beside the model weights of a checkpoint."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().cpu().contiguous() for k, v in mtp.state_dict().items()}
+    save_file(sd, str(out / "mtp.safetensors"), metadata={"format": "pt"})
+    (out / "mtp.json").write_text(json.dumps({"depth": mtp.depth}))
+    return out
+
+
+def load_mtp(ckpt_dir: str | Path, cfg: ModelConfig) -> MTP | None:
+    """The checkpoint's MTP modules, or None when it has none (then decode without drafts)."""
+    from safetensors.torch import load_file
+
+    d = Path(ckpt_dir)
+    if not (d / "mtp.safetensors").exists():
+        return None
+    depth = int(json.loads((d / "mtp.json").read_text())["depth"])
+    mtp = MTP(cfg, depth)
+    mtp.load_state_dict(load_file(str(d / "mtp.safetensors")))
+    return mtp.eval()
+
+
+def mtp_valid_mask(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
+    """Row i of depth k is trained when the next k+1 targets are all in-document:
+    loss_mask[i..i+k] all true. (B, T) -> (B, T-k)."""
+    T = loss_mask.shape[1]
+    m = loss_mask[:, : T - k].clone()
+    for j in range(1, k + 1):
+        m &= loss_mask[:, j: T - k + j]
+    return m
+
+
+def distill_loss(mtp_logits: list[torch.Tensor], main_logits: torch.Tensor,
+                 loss_mask: torch.Tensor) -> torch.Tensor:
+    """Self-distillation: mean over depths of KL(p_main(. | i+k) || q_k(. | i)), masked.
+    The teacher is detached: the main head is the target, never pulled toward the drafts."""
+    teacher = F.log_softmax(main_logits.detach().float(), -1)  # (B, T, V)
+    losses = []
+    for k, logits in enumerate(mtp_logits, start=1):
+        T = main_logits.shape[1]
+        t = teacher[:, k:]  # (B, T-k, V)
+        s = F.log_softmax(logits.float(), -1)
+        kl = (t.exp() * (t - s)).sum(-1)  # (B, T-k)
+        m = mtp_valid_mask(loss_mask, k)[:, : T - k].float()
+        losses.append((kl * m).sum() / m.sum().clamp(min=1))
+    return torch.stack(losses).mean()
+
+
+def mtp_ce_loss(mtp_logits: list[torch.Tensor], targets: torch.Tensor,
+                loss_mask: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's original MTP objective (cross-entropy on the true tokens), for comparison."""
+    losses = []
+    for k, logits in enumerate(mtp_logits, start=1):
+        m = mtp_valid_mask(loss_mask, k)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), targets[:, k:].flatten(),
+                             reduction="none").view_as(m)
+        losses.append((ce * m).sum() / m.sum().clamp(min=1))
+    return torch.stack(losses).mean()

@@ -1,0 +1,103 @@
+"""Checkpoints that resume exactly.
+
+A checkpoint directory holds
+
+    model.safetensors   the model's state dict (our names; MoE selection biases included)
+    model_config.json   the ModelConfig (RoPE scaling after a context extension included)
+    mtp.safetensors     MTP modules, when the run has them (+ mtp.json)
+    trainer.pt          optimizer state and RNG states (torch, numpy, python)
+    state.json          stage index, step within the stage, data loader position
+
+It is written into a temporary sibling and renamed, so a crash mid-write never leaves a
+checkpoint that looks complete. HF-compatible export goes through the model package's exporter.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from codedojo.model.config import ModelConfig
+from codedojo.model.mtp import MTP, save_mtp
+from codedojo.pretrain.parallel import unwrap_state_dict
+
+
+@dataclass
+class TrainPosition:
+    stage: int
+    step: int
+    loader: dict[str, int]
+    done: bool = False
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+            "python": random.getstate()}
+
+
+def set_rng_state(s: dict[str, Any]) -> None:
+    torch.set_rng_state(s["torch"])
+    np.random.set_state(s["numpy"])
+    random.setstate(s["python"])
+
+
+def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: MTP | None,
+                    optimizer: torch.optim.Optimizer | None, pos: TrainPosition) -> Path:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        sd = unwrap_state_dict({k: v.detach().cpu().contiguous()
+                                for k, v in model.state_dict().items()})
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "model_config.json").write_text(cfg.model_dump_json(indent=1))
+        if mtp is not None:
+            save_mtp(mtp, tmp)
+        torch.save({"optimizer": None if optimizer is None else optimizer.state_dict(),
+                    "rng": rng_state()}, tmp / "trainer.pt")
+        (tmp / "state.json").write_text(json.dumps(asdict(pos)))
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def read_position(path: str | Path) -> TrainPosition:
+    return TrainPosition(**json.loads((Path(path) / "state.json").read_text()))
+
+
+def load_weights(path: str | Path, model: nn.Module, mtp: MTP | None = None) -> ModelConfig:
+    """Weights (and MTP) into already-built modules; returns the checkpoint's model config."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    sd = load_file(str(path / "model.safetensors"))
+    own = model.state_dict()
+    if set(own) != set(sd):  # wrapped (activation checkpointing) vs bare names
+        wrapped = {k: k for k in own}
+        bare_to_wrapped = {unwrap_state_dict({k: torch.empty(0)}).popitem()[0]: k for k in wrapped}
+        sd = {bare_to_wrapped.get(k, k): v for k, v in sd.items()}
+    model.load_state_dict(sd, strict=True)
+    if mtp is not None:
+        mtp.load_state_dict(load_file(str(path / "mtp.safetensors")))
+    return ModelConfig.model_validate_json((path / "model_config.json").read_text())
+
+
+def load_trainer_state(path: str | Path, optimizer: torch.optim.Optimizer | None) -> None:
+    state = torch.load(Path(path) / "trainer.pt", weights_only=False)
+    if optimizer is not None and state["optimizer"] is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    set_rng_state(state["rng"])

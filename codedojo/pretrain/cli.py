@@ -1,0 +1,37 @@
+"""`dojo pretrain CONFIG`: run the staged continued-pretraining job a TOML file describes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("pretrain")
+    def pretrain(
+        config: Annotated[Path, typer.Argument(help="TOML job config, e.g. "
+                                                "configs/cpt-smollm2.toml")],
+        out_dir: Annotated[str | None, typer.Option(help="Override the config's out_dir.")] = None,
+    ) -> None:
+        """Continued pretraining in stages (bulk, MTP distillation, long-context, SFT); reports
+        held-out code loss per stage under runs/<name>/report.json."""
+        import json
+
+        from rich.console import Console
+
+        from codedojo.pretrain.config import load_config
+        from codedojo.pretrain.trainer import run
+
+        console = Console()
+        try:
+            cfg = load_config(config)
+        except ValueError as e:
+            console.print(f"[red]config error[/]: {e}")
+            raise typer.Exit(2) from e
+        if out_dir is not None:
+            cfg = cfg.model_copy(update={"out_dir": out_dir})
+        report = run(cfg, console=console)
+        console.print_json(json.dumps({"eval_loss": report["eval_loss"],
+                                       "probe": report["probe"]}))

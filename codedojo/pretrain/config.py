@@ -1,0 +1,133 @@
+"""The job config of `dojo pretrain`: one TOML file describes the corpus, the model and an ordered
+list of stages (bulk, long-context, SFT, MTP self-distillation), all run by the same loop."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from codedojo.data.corpus import CorpusConfig
+from codedojo.model.config import RopeScaling
+
+
+class ModelSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    base: str = Field("smollm2-135m-instruct", description="What `load_model` accepts (a known "
+                      "name, a GGUF file or an HF/safetensors directory), or `tiny` for a random "
+                      "tiny model (tests).")
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="bf16 runs forward/backward under "
+                                           "autocast; master weights and optimizer stay fp32.")
+    activation_checkpointing: bool = Field(False, description="Recompute each block's "
+                                           "activations in backward (memory for compute).")
+    n_mtp: int = Field(0, ge=0, description="MTP modules to attach (0: none).")
+    tiny_overrides: dict[str, object] = Field(default_factory=dict,
+                                              description="ModelConfig fields for base = tiny.")
+
+
+class MixEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    data: Literal["code", "long", "sft"] = Field(description="code: training code shards; long: "
+                                                 "directory-level concatenations; sft: rendered "
+                                                 "chats and tool trajectories.")
+    weight: float = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0, description="Only documents at least this long.")
+
+
+class StageConfig(BaseModel):
+    """One stage of the loop. A fresh optimizer and schedule per stage (as the CPT recipe does:
+    each stage has its own warmup-stable-decay)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    seq_len: int = Field(ge=8)
+    batch_size: int = Field(4, ge=1, description="Rows per micro-batch.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    steps: int = Field(ge=1, description="Optimizer steps.")
+    lr: float = Field(3e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="LR at the end of decay / peak.")
+    warmup_steps: int = Field(0, ge=0)
+    decay_frac: float = Field(0.2, ge=0, le=1, description="Share of steps in the final decay.")
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = Field(1.0, gt=0)
+    mix: list[MixEntry] = Field(description="Weighted data for this stage.")
+    rope_scaling: RopeScaling | None = Field(None, description="Applied to the model at the start "
+                                             "of the stage and kept afterwards (long-context).")
+    probe: bool = Field(False, description="Run the passkey retrieval probe before and after.")
+    mtp: Literal["off", "distill", "joint"] = Field("off", description="distill: train only the "
+                                                    "MTP modules toward the main head (frozen "
+                                                    "model); joint: main loss + mtp_weight * MTP "
+                                                    "distillation loss.")
+    mtp_weight: float = Field(0.3, ge=0)
+    checkpoint_every: int = Field(0, ge=0, description="Also checkpoint every N steps (0: end).")
+
+    @model_validator(mode="after")
+    def _check(self) -> StageConfig:
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"stage {self.name!r}: warmup_steps > steps")
+        if not self.mix:
+            raise ValueError(f"stage {self.name!r}: mix must list at least one entry")
+        return self
+
+
+class EvalConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    seq_len: int = Field(256, ge=8)
+    batch_size: int = Field(4, ge=1)
+    batches: int = Field(4, ge=1, description="Held-out batches per evaluation (fixed set).")
+    probe_len: int = Field(512, ge=32, description="Tokens of code around the passkey.")
+    probe_trials: int = Field(4, ge=1)
+
+
+class PretrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Run name: outputs go to <out_dir>/<name>/.")
+    out_dir: str = "runs"
+    seed: int = 0
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    corpus: CorpusConfig
+    long_docs_chars: tuple[int, int] = Field((4000, 40000), description="min/max characters of a "
+                                             "directory-level long document.")
+    sft_examples: int = Field(200, ge=0, description="Code SFT examples built from the corpus.")
+    sft_jsonl: str | None = Field(None, description="Extra SFT conversations (messages/tools).")
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    stages: list[StageConfig]
+    export_hf: bool = Field(True, description="Export the final model as HF safetensors.")
+
+    @model_validator(mode="after")
+    def _check(self) -> PretrainConfig:
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stages: names must be unique, got {names}")
+        if any(s.mtp != "off" for s in self.stages) and self.model.n_mtp == 0:
+            raise ValueError("model.n_mtp must be > 0 when a stage trains MTP modules")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.name
+
+
+def load_config(path: str | Path) -> PretrainConfig:
+    """TOML -> config; errors name the file and the field path."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ValueError(f"{path}: no such config file") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: invalid TOML ({e})") from e
+    try:
+        return PretrainConfig.model_validate(raw)
+    except ValidationError as e:
+        errs = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
+                         for err in e.errors())
+        raise ValueError(f"{path}: {errs}") from e

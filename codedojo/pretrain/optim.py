@@ -1,0 +1,38 @@
+"""AdamW with a warmup-stable-decay (WSD) schedule.
+
+WSD keeps the peak LR flat for most of the run and decays only at the end, so a stage can be
+extended or branched from its stable phase (the reason CPT recipes prefer it to cosine). Decay
+parameters: matrices only; norms, biases and the MoE selection bias (a buffer) are not decayed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def wsd_lr(step: int, *, peak: float, total: int, warmup: int, decay_frac: float,
+           min_ratio: float) -> float:
+    """LR for optimizer step `step` (0-based): linear warmup, flat, then cosine-shaped decay to
+    peak * min_ratio over the last decay_frac of the steps."""
+    if warmup > 0 and step < warmup:
+        return peak * (step + 1) / warmup
+    decay_steps = max(1, round(total * decay_frac)) if decay_frac > 0 else 0
+    decay_start = total - decay_steps
+    if decay_steps == 0 or step < decay_start:
+        return peak
+    t = min(1.0, (step - decay_start + 1) / decay_steps)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def build_adamw(params: list[tuple[str, nn.Parameter]], lr: float, weight_decay: float,
+                betas: tuple[float, float]) -> torch.optim.AdamW:
+    decay = [p for n, p in params if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for n, p in params if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=False keeps the update order identical across runs (bit-exact resume).
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas,
+                             foreach=False)

@@ -1,0 +1,385 @@
+"""One loop for every stage of continued pretraining.
+
+The recipe, top to bottom (`run`):
+
+1. data: corpus -> filters -> dedup -> held-out split -> token shards; derived sets: long
+   documents (directory-level concatenations) and SFT conversations rendered by the chat
+   renderer (loss on assistant tokens only). Cached under runs/<name>/data.
+2. model: `load_model(base)` (or a random tiny model), MTP modules attached when asked.
+3. per stage: apply its RoPE scaling; pack its mixture at its length; AdamW + WSD; steps of
+   forward -> loss -> backward (grad accumulation, clipping) -> step -> MoE bias update;
+   checkpoints (exact resume); eval loss on held-out code before/after; passkey probe
+   before/after when asked.
+4. report: eval loss per stage in runs/<name>/report.json; HF export of the final model.
+
+Stages differ only in data and in the loss: `mtp = "distill"` freezes the model and trains the
+MTP modules toward the main head (self-distillation from a mid-CPT checkpoint); `"joint"` adds the
+distillation loss to the main loss. Departure from DeepSeek-V3: its MTP loss is cross-entropy on
+the true tokens; we distil the main head, because a drafter is judged by agreement with the
+target, not with the data.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from codedojo.data.mixture import MixtureSource, mix
+from codedojo.data.packing import Packed, PackedLoader, make_batch, pack
+from codedojo.model.config import ModelConfig
+from codedojo.model.moe import moe_aux_loss, update_moe_biases
+from codedojo.model.mtp import MTP, distill_loss
+from codedojo.model.rope import Rotary
+from codedojo.model.transformer import Transformer
+from codedojo.pretrain.checkpoint import (
+    TrainPosition,
+    load_trainer_state,
+    load_weights,
+    read_position,
+    save_checkpoint,
+)
+from codedojo.pretrain.config import PretrainConfig, StageConfig
+from codedojo.pretrain.optim import build_adamw, wsd_lr
+from codedojo.pretrain.parallel import apply_activation_checkpointing
+from codedojo.pretrain.probe import passkey_probe
+
+Batch = dict[str, torch.Tensor]
+
+
+# ---- losses -----------------------------------------------------------------------------------
+
+
+def masked_ce(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over trained positions. logits (B, T, V)."""
+    return F.cross_entropy(logits[mask].float(), targets[mask])
+
+
+def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
+               mtp_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one micro-batch, by stage kind."""
+    tokens, targets, mask = batch["tokens"], batch["targets"], batch["loss_mask"]
+    fwd = {"positions": batch["positions"], "doc_ids": batch["doc_ids"]}
+    if mode == "distill":
+        with torch.no_grad():  # the main model is the frozen teacher
+            logits, hidden = model(tokens, return_hidden=True, **fwd)
+        ce = masked_ce(logits, targets, mask)
+    else:
+        logits, hidden = model(tokens, return_hidden=True, **fwd)
+        ce = masked_ce(logits, targets, mask)
+    metrics = {"ce": float(ce.detach())}
+    loss = ce if mode != "distill" else ce.new_zeros(())
+    if mode in ("distill", "joint"):
+        assert mtp is not None
+        hs = mtp(hidden, tokens, batch["positions"], model.embed, batch["doc_ids"])
+        kl = distill_loss([model.head(h) for h in hs], logits, mask)
+        metrics["mtp_kl"] = float(kl.detach())
+        loss = loss + (kl if mode == "distill" else mtp_weight * kl)
+    aux = moe_aux_loss(model)
+    if aux is not None and mode != "distill":
+        loss = loss + aux
+        metrics["moe_aux"] = float(aux.detach())
+    return loss, metrics
+
+
+@torch.no_grad()
+def eval_loss(model: nn.Module, batches: list[Batch]) -> float:
+    """Token-weighted held-out loss over a fixed set of batches."""
+    was = model.training
+    model.eval()
+    tot, n = 0.0, 0
+    for b in batches:
+        logits = model(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"])
+        m = b["loss_mask"]
+        tot += float(F.cross_entropy(logits[m].float(), b["targets"][m], reduction="sum"))
+        n += int(m.sum())
+    model.train(was)
+    return tot / max(1, n)
+
+
+# ---- model setup ------------------------------------------------------------------------------
+
+
+def set_rope_scaling(model: Transformer, mtp: MTP | None, stage: StageConfig) -> ModelConfig:
+    """Context extension: new RoPE tables (YaRN or base change) for model and MTP; max_seq_len
+    grows with the YaRN factor."""
+    rs = stage.rope_scaling
+    assert rs is not None
+    upd: dict[str, Any] = {"rope_scaling": rs if rs.kind == "yarn" else None}
+    if rs.kind == "base":
+        upd["rope_theta"] = rs.new_theta
+    else:
+        upd["max_seq_len"] = max(model.cfg.max_seq_len, int(rs.original_max_seq_len * rs.factor))
+    cfg = model.cfg.model_copy(update=upd)
+    model.cfg = cfg
+    model.rotary = Rotary(cfg).to(model.tok_embeddings.weight.device)
+    if mtp is not None:
+        mtp.set_rope(cfg)
+    return cfg
+
+
+def build_model(cfg: PretrainConfig) -> tuple[Transformer, MTP | None]:
+    if cfg.model.base == "tiny":
+        mcfg = ModelConfig.tiny(**cfg.model.tiny_overrides)
+        torch.manual_seed(cfg.seed)
+        model = Transformer(mcfg)
+    else:
+        from codedojo.model.weights import load_model
+
+        model, mcfg = load_model(cfg.model.base)
+    model.train()
+    mtp = None
+    if cfg.model.n_mtp > 0:
+        mtp = MTP(model.cfg, cfg.model.n_mtp)
+        try:
+            mtp.init_from_model(model)
+        except ValueError:
+            pass  # an MoE last layer: keep the fresh init
+        mtp.train()
+    return model, mtp
+
+
+# ---- data -------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunData:
+    shards: dict[str, Path]  # "code" / "long" / "sft" -> shard dirs
+    eval: Packed
+    probe_filler: list[int]
+
+
+def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData,
+                 run_dir: Path) -> Packed:
+    """The stage's mixture packed at its length, cached on disk so a resume sees the same rows."""
+    out = run_dir / "data" / "packed" / stage.name
+    if (out / "mask.npy").exists():
+        return Packed.load(out)
+    need = stage.steps * stage.grad_accum * stage.batch_size * (stage.seq_len + 1)
+    srcs = []
+    for e in stage.mix:
+        if e.data not in data.shards:
+            raise ValueError(f"stages[{si}].mix: no {e.data!r} data in this run")
+        srcs.append(MixtureSource(name=e.data, path=str(data.shards[e.data]), weight=e.weight,
+                                  min_tokens=e.min_tokens))
+    packed = pack(mix(srcs, need, seed=cfg.seed + 1000 * si), stage.seq_len)
+    packed.save(out)
+    return Packed.load(out)
+
+
+def eval_batches(data: RunData, batch_size: int) -> list[Batch]:
+    p = data.eval
+    return [make_batch(p.tokens[i:i + batch_size], p.segments[i:i + batch_size],
+                       p.mask[i:i + batch_size]) for i in range(0, len(p), batch_size)]
+
+
+# ---- the loop ---------------------------------------------------------------------------------
+
+
+def _autocast(dtype: str) -> Any:
+    if dtype == "bf16":
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.autocast(dev, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | None,
+                loader: PackedLoader, run_dir: Path, resume_from: Path | None = None,
+                log: Callable[[dict[str, Any]], None] | None = None,
+                stop_after: int | None = None) -> list[float]:
+    """Run stage `si` (from its start or from a mid-stage checkpoint). Returns per-step losses.
+    `stop_after` ends early after that many steps of this call (tests)."""
+    st = cfg.stages[si]
+    if st.mtp == "distill":
+        for p in model.parameters():
+            p.requires_grad_(False)
+        params = list(mtp.named_parameters()) if mtp is not None else []
+    else:
+        for p in model.parameters():
+            p.requires_grad_(True)
+        params = list(model.named_parameters())
+        if mtp is not None and st.mtp == "joint":
+            params += [(f"mtp.{n}", p) for n, p in mtp.named_parameters()]
+    opt = build_adamw(params, st.lr, st.weight_decay, st.betas)
+    start = 0
+    if resume_from is not None:
+        pos = read_position(resume_from)
+        load_trainer_state(resume_from, opt)
+        loader.load_state_dict(pos.loader)
+        start = pos.step
+    trainable = [p for _, p in params]
+    losses = []
+    gamma = model.cfg.moe.bias_update_speed if model.cfg.moe is not None else 0.0
+    for step in range(start, st.steps):
+        lr = wsd_lr(step, peak=st.lr, total=st.steps, warmup=st.warmup_steps,
+                    decay_frac=st.decay_frac, min_ratio=st.min_lr_ratio)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        t0 = time.perf_counter()
+        total, metrics = 0.0, {}
+        ntok = 0
+        for _ in range(st.grad_accum):
+            batch = loader.next_batch()
+            with _autocast(cfg.model.dtype):
+                loss, metrics = stage_loss(model, mtp, batch, st.mtp, st.mtp_weight)
+            (loss / st.grad_accum).backward()
+            total += float(loss.detach()) / st.grad_accum
+            ntok += int(batch["loss_mask"].sum())
+        gnorm = torch.nn.utils.clip_grad_norm_(trainable, st.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if gamma > 0 and st.mtp != "distill":
+            update_moe_biases(model, gamma)
+        losses.append(total)
+        if log is not None:
+            log({"stage": st.name, "step": step + 1, "loss": total, "lr": lr,
+                 "grad_norm": float(gnorm), "tok_s": ntok / (time.perf_counter() - t0),
+                 **metrics})
+        done = step + 1 == st.steps
+        if (st.checkpoint_every and (step + 1) % st.checkpoint_every == 0) or done:
+            save_checkpoint(run_dir / "ckpt" / st.name, model, model.cfg, mtp, opt,
+                            TrainPosition(si, step + 1, loader.state_dict(), done))
+        if stop_after is not None and len(losses) >= stop_after:
+            break
+    return losses
+
+
+def prepare_data(cfg: PretrainConfig, tok: Any, run_dir: Path) -> RunData:
+    """Build (or reuse) the run's shards, eval set and probe filler."""
+    from codedojo.data.corpus import build_corpus, concat_by_dir
+    from codedojo.data.sft import code_sft_examples, read_sft_jsonl, render_to_shards
+    from codedojo.data.shards import TokenShards, tokenize_to_shards
+
+    d = run_dir / "data"
+    vocab, eos = tok.vocab_size, tok.eos_id
+    shards = {"code": d / "train", "long": d / "long", "sft": d / "sft"}
+    if not (d / "done.json").exists():
+        _, _, stats, train_docs = build_corpus(cfg.corpus, tok, d, vocab, eos)
+        lo, hi = cfg.long_docs_chars
+        tokenize_to_shards(concat_by_dir(train_docs, lo, hi), tok, shards["long"], vocab, eos)
+        if cfg.sft_examples > 0 or cfg.sft_jsonl:
+            from codedojo.model.chat import ChatTemplate
+
+            tmpl = ChatTemplate(tok)
+
+            def convs() -> Any:
+                yield from code_sft_examples(train_docs, cfg.sft_examples)
+                if cfg.sft_jsonl:
+                    yield from read_sft_jsonl(cfg.sft_jsonl)
+
+            render_to_shards(convs(), tmpl.render_with_mask, shards["sft"], vocab, eos)
+        ev = TokenShards(d / "eval")
+        e = cfg.eval
+        packed = pack((ev.doc(i) for i in range(len(ev))), e.seq_len,
+                      max_rows=e.batches * e.batch_size)
+        packed.save(d / "eval_packed")
+        filler = np.concatenate([ev.doc(i) for i in range(len(ev))])[: 4 * e.probe_len]
+        np.save(d / "probe_filler.npy", filler)
+        (d / "done.json").write_text(json.dumps({
+            "read": stats.read, "rejected": dict(stats.rejected),
+            "exact_dupes": stats.dedup.exact_dupes, "near_dupes": stats.dedup.near_dupes,
+            "train_docs": stats.train_docs, "eval_docs": stats.eval_docs}))
+    shards = {k: v for k, v in shards.items() if (v / "index.json").exists()}
+    return RunData(shards, Packed.load(d / "eval_packed"),
+                   np.load(d / "probe_filler.npy").tolist())
+
+
+def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
+        ) -> dict[str, Any]:
+    """The whole job. Idempotent: finished stages are skipped, a stage with a mid-stage
+    checkpoint resumes from it."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = console or Console()
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    if tok is None:
+        from codedojo.model.tokenizer import load_tokenizer
+
+        tok = load_tokenizer()
+    console.print(f"[bold]{cfg.name}[/]: preparing data under {run_dir / 'data'}")
+    data = prepare_data(cfg, tok, run_dir)
+    model, mtp = build_model(cfg)
+    if cfg.model.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    evals = eval_batches(data, cfg.eval.batch_size)
+    report_path = run_dir / "report.json"
+    report: dict[str, Any] = json.loads(report_path.read_text()) if report_path.exists() else {
+        "name": cfg.name, "eval_loss": {}, "probe": {}, "stages": {}}
+    metrics_f = (run_dir / "metrics.jsonl").open("a")
+
+    def save_report() -> None:
+        report_path.write_text(json.dumps(report, indent=1))
+
+    if "base" not in report["eval_loss"]:
+        report["eval_loss"]["base"] = eval_loss(model, evals)
+        save_report()
+    console.print(f"eval loss (base): {report['eval_loss']['base']:.4f}")
+    for si, st in enumerate(cfg.stages):
+        ck = run_dir / "ckpt" / st.name
+        pos = read_position(ck) if (ck / "state.json").exists() else None
+        if st.rope_scaling is not None:
+            set_rope_scaling(model, mtp, st)
+        if pos is not None and pos.done:
+            load_weights(ck, model, mtp)
+            console.print(f"stage {st.name}: done (checkpoint), skipping")
+            continue
+        if pos is not None:
+            load_weights(ck, model, mtp)
+        packed = stage_packed(cfg, st, si, data, run_dir)
+        loader = PackedLoader(packed, st.batch_size, seed=cfg.seed + si)
+        probe_len = min(cfg.eval.probe_len, model.cfg.max_seq_len)
+        if st.probe and pos is None:
+            report["probe"][f"{st.name}/before"] = passkey_probe(
+                model, tok, data.probe_filler, probe_len, cfg.eval.probe_trials, cfg.seed)
+        with Progress(TextColumn(f"[cyan]{st.name}"), BarColumn(), TextColumn("{task.completed}/"
+                      "{task.total} loss {task.fields[loss]}"), TimeElapsedColumn(),
+                      console=console, transient=False) as prog:
+            task = prog.add_task(st.name, total=st.steps, completed=pos.step if pos else 0,
+                                 loss="-")
+
+            def log(m: dict[str, Any], prog: Any = prog, task: Any = task) -> None:
+                metrics_f.write(json.dumps(m) + "\n")
+                metrics_f.flush()
+                prog.update(task, completed=m["step"], loss=f"{m['loss']:.3f}")
+
+            losses = train_stage(cfg, si, model, mtp, loader, run_dir,
+                                 resume_from=ck if pos is not None else None, log=log)
+        report["eval_loss"][st.name] = eval_loss(model, evals)
+        report["stages"][st.name] = {"first_loss": losses[0] if losses else None,
+                                     "last_loss": losses[-1] if losses else None,
+                                     "seq_len": st.seq_len, "steps": st.steps, "mtp": st.mtp}
+        if st.probe:
+            report["probe"][f"{st.name}/after"] = passkey_probe(
+                model, tok, data.probe_filler, probe_len, cfg.eval.probe_trials, cfg.seed)
+        save_report()
+        console.print(f"eval loss after {st.name}: {report['eval_loss'][st.name]:.4f}")
+    metrics_f.close()
+    final = run_dir / "final"
+    save_checkpoint(final, model, model.cfg, mtp, None,
+                    TrainPosition(len(cfg.stages), 0, {}, True))
+    if cfg.export_hf and model.cfg.moe is None:
+        from codedojo.model.hf import save_hf
+        from codedojo.pretrain.parallel import unwrap_state_dict
+        hf_dir = save_hf(unwrap_state_dict(model.state_dict()), model.cfg, run_dir / "hf")
+        if mtp is not None:
+            from codedojo.model.mtp import save_mtp
+
+            save_mtp(mtp, hf_dir)
+        if hasattr(tok, "save"):
+            tok.save(hf_dir)
+        report["hf_export"] = str(hf_dir)
+    report["checkpoint"] = str(final)
+    save_report()
+    return report

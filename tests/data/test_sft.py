@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import pytest
+
+from codedojo.data.mixture import MixtureSource, mix
+from codedojo.data.packing import make_batch, pack
+from codedojo.data.readers import Document
+from codedojo.data.sft import code_sft_examples, render_to_shards
+
+
+@pytest.fixture(scope="module")
+def chat():
+    from codedojo.model.chat import ChatTemplate
+    from codedojo.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    return tok, ChatTemplate(tok)
+
+
+def test_sft_loss_only_on_assistant_tokens(tmp_path, chat):
+    tok, tmpl = chat
+    src = 'def add(a, b):\n    """Add two numbers."""\n    return a + b\n\n\n' \
+          'def sub(a, b):\n    """Subtract b from a."""\n    return a - b\n'
+    convs = list(code_sft_examples([Document(src, "m.py", {"path": "m.py"})]))
+    assert len(convs) == 2 and convs[1][1] is not None  # a plain chat and a tool trajectory
+    render_to_shards(convs, tmpl.render_with_mask, tmp_path, tok.vocab_size, tok.eos_id)
+    docs = list(mix([MixtureSource(name="sft", path=str(tmp_path))], 2000, seed=0))
+    p = pack(docs[:2], seq_len=2048)
+    b = make_batch(p.tokens, p.segments, p.mask)
+    trained = b["targets"][b["loss_mask"]].tolist()
+    untrained = b["targets"][~b["loss_mask"]].tolist()
+    text = tok.decode(trained)
+    assert "return a + b" in text and "return a - b" in text
+    assert "read_file" in text  # the assistant's tool call is trained ...
+    assert "Write the Python function" not in text  # ... the user's request is not
+    assert "Write the Python function" in tok.decode(untrained)

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import torch
+
+from codedojo.model.config import ModelConfig
+from codedojo.model.mtp import MTP, distill_loss, load_mtp, mtp_valid_mask, save_mtp
+from codedojo.model.transformer import Transformer
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(vocab_size=50, n_layers=2, n_mtp=2)
+    return Transformer(cfg).eval(), MTP(cfg).eval()
+
+
+def test_cached_drafting_path_matches_training_forward(tmp_path):
+    model, mtp = _model()
+    tokens = torch.randint(0, 50, (1, 12))
+    with torch.no_grad():
+        _, hidden = model(tokens, return_hidden=True)
+        pos = torch.arange(12)[None]
+        full = mtp(hidden, tokens, pos, model.embed)
+        assert [h.shape[1] for h in full] == [11, 10]
+        caches = mtp.new_caches(64)
+        # depth 1, fed in two chunks through its KV cache
+        a = mtp.step(1, hidden[:, :5], model.embed(tokens[:, 1:6]), caches[0])
+        b = mtp.step(1, hidden[:, 5:11], model.embed(tokens[:, 6:12]), caches[0])
+        torch.testing.assert_close(torch.cat([a, b], 1), full[0], rtol=1e-5, atol=1e-5)
+        c = mtp.step(2, full[0][:, :10], model.embed(tokens[:, 2:12]), caches[1])
+        torch.testing.assert_close(c, full[1], rtol=1e-5, atol=1e-5)
+    save_mtp(mtp, tmp_path)
+    again = load_mtp(tmp_path, model.cfg)
+    assert again is not None and again.depth == 2
+    assert all(torch.equal(x, y) for x, y in zip(mtp.state_dict().values(),
+                                                 again.state_dict().values(), strict=True))
+    assert load_mtp(tmp_path / "none", model.cfg) is None
+
+
+def test_distillation_pulls_modules_toward_main_head():
+    model, mtp = _model()
+    mtp.train()
+    tokens = torch.randint(0, 50, (4, 16))
+    mask = torch.ones(4, 16, dtype=torch.bool)
+    mask[:, 7] = False  # a document boundary
+    assert mtp_valid_mask(mask, 2)[:, 5:8].sum() == 0
+    opt = torch.optim.AdamW(mtp.parameters(), lr=3e-3)
+    with torch.no_grad():
+        logits, hidden = model(tokens, return_hidden=True)
+    pos = torch.arange(16).expand(4, 16)
+    losses = []
+    for _ in range(25):
+        hs = mtp(hidden, tokens, pos, model.embed)
+        loss = distill_loss([model.head(h) for h in hs], logits, mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+    assert model.tok_embeddings.weight.grad is None  # the teacher and shared head are untouched

@@ -1,0 +1,119 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from codedojo.data.packing import PackedLoader, pack
+from codedojo.pretrain.checkpoint import load_weights
+from codedojo.pretrain.config import PretrainConfig, load_config
+from codedojo.pretrain.trainer import build_model, train_stage
+
+
+def _cfg(tmp_path, **stage) -> PretrainConfig:
+    st = dict(name="bulk", seq_len=16, batch_size=2, steps=4, lr=1e-2, warmup_steps=1,
+              checkpoint_every=2, mix=[{"data": "code"}])
+    st.update(stage)
+    return PretrainConfig.model_validate({
+        "name": "t", "out_dir": str(tmp_path), "corpus": {"sources": []},
+        "model": {"base": "tiny", "n_mtp": 1, "tiny_overrides": {"vocab_size": 64}},
+        "stages": [st]})
+
+
+def _loader(seed: int = 0) -> PackedLoader:
+    rng = np.random.default_rng(0)
+    p = pack([rng.integers(1, 64, size=n) for n in rng.integers(5, 40, size=30)], seq_len=16)
+    return PackedLoader(p, batch_size=2, seed=seed)
+
+
+@pytest.mark.parametrize("mode", ["off", "joint"])
+def test_resume_gives_bit_identical_losses(tmp_path, mode):
+    cfg = _cfg(tmp_path, mtp=mode)
+    torch.manual_seed(0)
+    model, mtp = build_model(cfg)
+    full = train_stage(cfg, 0, model, mtp, _loader(), tmp_path / "a")
+    # interrupted run: two steps, checkpoint, then a fresh process-like restart
+    cfg_b = cfg.model_copy(update={"out_dir": str(tmp_path / "b")})
+    model, mtp = build_model(cfg_b)
+    first = train_stage(cfg_b, 0, model, mtp, _loader(), tmp_path / "b", stop_after=2)
+    torch.manual_seed(123)  # the checkpoint's RNG state must win over whatever is current
+    model, mtp = build_model(cfg_b)
+    ck = tmp_path / "b" / "ckpt" / "bulk"
+    load_weights(ck, model, mtp)
+    rest = train_stage(cfg_b, 0, model, mtp, _loader(), tmp_path / "b", resume_from=ck)
+    assert first == full[:2]
+    assert rest == full[2:]  # exact float equality
+    assert full[-1] < full[0]
+
+
+def test_distill_trains_only_mtp(tmp_path):
+    cfg = _cfg(tmp_path, mtp="distill", steps=3, lr=3e-3)
+    model, mtp = build_model(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    mtp_before = {k: v.clone() for k, v in mtp.state_dict().items()}
+    train_stage(cfg, 0, model, mtp, _loader(), tmp_path)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert any(not torch.equal(mtp_before[k], v) for k, v in mtp.state_dict().items())
+
+
+def test_config_errors_name_the_field(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n[corpus]\nsources = []\n[[stages]]\nname = "a"\nseq_len = 4\n'
+                   'steps = 1\nmix = [{data = "code"}]\n')
+    with pytest.raises(ValueError, match=r"stages\.0\.seq_len"):
+        load_config(bad)
+    bad.write_text('name = "x"\n[corpus]\nsources = []\n[[stages]]\nname = "a"\nseq_len = 16\n'
+                   'steps = 1\nmtp = "distill"\nmix = [{data = "code"}]\n')
+    with pytest.raises(ValueError, match="n_mtp"):
+        load_config(bad)
+
+
+def test_repo_config_parses():
+    cfg = load_config("configs/cpt-smollm2.toml")
+    assert [s.name for s in cfg.stages] == ["bulk", "mtp", "long", "sft"]
+    assert cfg.stages[2].rope_scaling is not None and cfg.stages[2].probe
+
+
+def test_run_end_to_end_tiny(tmp_path):
+    """Three stages plus MTP distillation on a tiny model with a real tokenizer and a small
+    code corpus: report, probe, checkpoint with MTP, HF export."""
+    from rich.console import Console
+
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.pretrain.trainer import run
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(24):
+        body = "\n".join(f"    x{j} = value * {i + j}  # step {j}" for j in range(25))
+        (src / f"mod{i}.py").write_text(
+            f'def func{i}(value):\n    """Scale value by {i}."""\n{body}\n    return value\n')
+    stage = {"seq_len": 32, "batch_size": 2, "steps": 2, "lr": 1e-3, "mix": [{"data": "code"}]}
+    cfg = PretrainConfig.model_validate({
+        "name": "e2e", "out_dir": str(tmp_path / "runs"), "sft_examples": 6,
+        "long_docs_chars": [500, 3000],
+        "corpus": {"sources": [{"kind": "dir", "path": str(src)}], "holdout_frac": 0.25,
+                   "dedup": {"near": False}},
+        "model": {"base": "tiny", "n_mtp": 1,
+                  "tiny_overrides": {"vocab_size": 49152, "dim": 32, "n_heads": 2,
+                                     "n_kv_heads": 1, "ffn_dim": 64}},
+        "eval": {"seq_len": 32, "batch_size": 2, "batches": 1, "probe_len": 96,
+                 "probe_trials": 1},
+        "stages": [{"name": "bulk", **stage},
+                   {"name": "mtp", **stage, "mtp": "distill"},
+                   {"name": "long", **stage, "seq_len": 64, "probe": True, "mtp": "joint",
+                    "mix": [{"data": "long", "weight": 1.0}, {"data": "code", "weight": 1.0}],
+                    "rope_scaling": {"kind": "base", "new_theta": 40000.0}},
+                   {"name": "sft", **stage, "mix": [{"data": "sft"}]}]})
+    report = run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
+    assert set(report["eval_loss"]) == {"base", "bulk", "mtp", "long", "sft"}
+    assert report["eval_loss"]["mtp"] == report["eval_loss"]["bulk"]  # frozen model
+    assert set(report["probe"]) == {"long/before", "long/after"}
+    final = tmp_path / "runs" / "e2e" / "final"
+    assert (final / "mtp.safetensors").exists()
+    assert json.loads((final / "model_config.json").read_text())["rope_theta"] == 40000.0
+    assert (tmp_path / "runs" / "e2e" / "hf" / "config.json").exists()
+    again = run(cfg, tok=load_tokenizer(), console=Console(quiet=True))  # all stages skipped
+    assert again["eval_loss"] == report["eval_loss"]
