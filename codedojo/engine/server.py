@@ -345,6 +345,21 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _with_usage(chunk: dict[str, Any], last: bool, include_usage: bool, prompt_tokens: int,
+                completion_tokens: int) -> list[str]:
+    """SSE lines for a choice's final chunk. Every stream reports usage: with
+    `stream_options.include_usage` as the spec's extra chunk with empty `choices`, otherwise on
+    the last choice's final chunk (so clients that read `choices[0]` of every chunk keep working)."""
+    if not last:
+        return [_sse(chunk)]
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if include_usage:
+        return [_sse(chunk), _sse({**{k: v for k, v in chunk.items() if k != "choices"}, "choices": [],
+                                   "usage": usage})]
+    return [_sse({**chunk, "usage": usage})]
+
+
 async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
     """Interleave several async iterators, tagging items with their index (n > 1 streaming)."""
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -452,7 +467,8 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
     # Per choice: text seen so far, and how much of it went out as content.
     seen = ["" for _ in gens]
     sent = [0 for _ in gens]
-    completion_tokens = 0
+    completion_tokens = finished = 0
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     first = {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                          for i in range(len(gens))]}
     if req.return_token_ids:
@@ -496,12 +512,9 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
             if rest:
                 delta_out["content"] = rest
             chunk: dict[str, Any] = {**base, "choices": [{"index": i, "delta": delta_out, "finish_reason": finish}]}
-            yield _sse(chunk)
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                 "total_tokens": len(prompt_ids) + completion_tokens}
-        # Usage always travels on a final chunk; OpenAI clients accept the extra field, and
-        # `stream_options.include_usage` gets the spec's chunk with empty choices.
-        yield _sse({**base, "choices": [], "usage": usage})
+            finished += 1
+            for out in _with_usage(chunk, finished == len(gens), include_usage, len(prompt_ids), completion_tokens):
+                yield out
     except Exception as e:  # a failure mid-stream: tell the client in-band, keep the server up
         yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", None, "server_error"))
     yield "data: [DONE]\n\n"
@@ -581,7 +594,9 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
                              gens: list[AsyncIterator[Piece | ChoiceResult]], version: int) -> AsyncIterator[str]:
     base = {"id": rid, "object": "text_completion", "created": created, "model": req.model,
             "weight_version": version}
-    completion_tokens = 0
+    completion_tokens = finished = 0
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    prompt_tokens = sum(len(p) for _, p, _ in jobs[:: req.n])
     try:
         if req.echo:
             for idx, (_, p, _) in enumerate(jobs):
@@ -600,11 +615,10 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
                 if item.text or len(choice) > 3:
                     yield _sse({**base, "choices": [choice]})
             else:
-                yield _sse({**base, "choices": [{"index": idx, "text": "", "finish_reason": item.finish_reason}]})
-        prompt_tokens = sum(len(p) for _, p, _ in jobs[:: req.n])
-        yield _sse({**base, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                     "completion_tokens": completion_tokens,
-                                                     "total_tokens": prompt_tokens + completion_tokens}})
+                finished += 1
+                chunk = {**base, "choices": [{"index": idx, "text": "", "finish_reason": item.finish_reason}]}
+                for out in _with_usage(chunk, finished == len(gens), include_usage, prompt_tokens, completion_tokens):
+                    yield out
     except Exception as e:
         yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", None, "server_error"))
     yield "data: [DONE]\n\n"

@@ -90,7 +90,12 @@ def test_streamed_chat_equals_non_streamed(client):
     assert text == full
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finishes) == 1
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    # Without include_usage, usage rides on the final chunk and every chunk has a choice.
+    plain = list(client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=24, temperature=0,
+                                                stream=True))
+    assert all(c.choices for c in plain) and plain[-1].choices[0].finish_reason
+    assert plain[-1].usage.completion_tokens == chunks[-1].usage.completion_tokens
 
 
 def test_logprobs_in_openai_shape(client, tok):
