@@ -29,9 +29,15 @@ def serve(
         raise typer.BadParameter("must be >= 1", param_hint="--max-batch")
     if not 0 <= port < 65536:
         raise typer.BadParameter("must be in [0, 65535]", param_hint="--port")
-    tokenizer = load_tokenizer(model)
-    chat = ChatTemplate(tokenizer, tool_format=tool_format)
-    net, cfg = load_model(model)
+    try:
+        tokenizer = load_tokenizer(model)
+    except (FileNotFoundError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="--model") from None
+    try:
+        chat = ChatTemplate(tokenizer, tool_format=tool_format)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--tool-format") from None
+    net, _ = load_model(model)
     engine = Engine(net, max_batch=max_batch)
     engine.start()
     name = served_name or model

@@ -31,7 +31,8 @@ def smollm2() -> ChatTemplate:
 
 
 def test_plain_render_matches_the_gguf_template(smollm2):
-    # The same string HF apply_chat_template gives for SmolLM2-135M-Instruct (checked once by hand),
+    # The same string HF apply_chat_template gives for SmolLM2-135M-Instruct (the slow tokenizer test
+    # compares with HF directly),
     # including the default system prompt the template adds when there is none.
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
     text = smollm2.render(msgs, add_generation_prompt=True)
