@@ -312,7 +312,9 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
                 break
     finally:
         # Leaving the engine's stream early (stop string, client gone) cancels the request there.
-        await agen.aclose()
+        aclose = getattr(agen, "aclose", None)
+        if aclose is not None:
+            await aclose()
     tail = asm.finish()
     if tail:
         yield Piece(tail, -1, 0.0, [])

@@ -145,3 +145,15 @@ def test_ids_equal_hf_auto_tokenizer_from_the_same_gguf():
         assert ours.encode(s) == hf(s, add_special_tokens=True)["input_ids"]
         assert ours.decode(ours.encode(s)) == hf.decode(hf(s)["input_ids"])
     assert ours.eos_id == hf.eos_token_id and ours.bos_id == hf.bos_token_id
+    # The chat template renders as HF apply_chat_template does (text and ids).
+    from codedojo.model.chat import ChatTemplate
+
+    chat = ChatTemplate(ours)
+    for msgs in ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                  {"role": "user", "content": "2+2?"}],
+                 [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi\n\n  x = 1"}]):
+        for gen in (True, False):
+            assert chat.render(msgs, add_generation_prompt=gen) == hf.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=gen)
+            assert chat.encode(msgs, add_generation_prompt=gen) == hf(
+                hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen))["input_ids"]
