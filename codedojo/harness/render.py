@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -25,8 +26,11 @@ def _call_text(call: dict[str, Any], max_chars: int | None) -> str:
     fn = call.get("function", {})
     args = fn.get("arguments", "")
     try:
-        args = json.dumps(json.loads(args), ensure_ascii=False, indent=1) if isinstance(args, str) else json.dumps(args)
-    except json.JSONDecodeError:
+        obj = json.loads(args) if isinstance(args, str) else args
+        args = json.dumps(obj, ensure_ascii=False)
+        if len(args) > 160:  # long arguments read better one field per line
+            args = json.dumps(obj, ensure_ascii=False, indent=1)
+    except (json.JSONDecodeError, TypeError):
         pass
     return f"→ {fn.get('name')}({_short(str(args), max_chars)})  [{call.get('id')}]"
 
@@ -55,7 +59,7 @@ def print_trajectory(traj: Trajectory, max_chars: int | None = 1500, console: Co
             parts.append(Text(_short(str(content), max_chars)))
         for c in m.get("tool_calls") or []:
             parts.append(Text(_call_text(c, max_chars), style="green"))
-        title = role + (f" ← {m.get('name', '')} [{m.get('tool_call_id')}]" if role == "tool" else "")
+        title = escape(role + (f" ← {m.get('name', '')} [{m.get('tool_call_id')}]" if role == "tool" else ""))
         style = ROLE_STYLE.get(role, "")
         if role == "tool" and str(content or "").startswith("Error:"):
             style = "red"
@@ -77,4 +81,4 @@ def print_trajectory(traj: Trajectory, max_chars: int | None = 1500, console: Co
         console.print(Panel(_short(traj.final_message, max_chars), title="final message", border_style="green"))
     todos = traj.tool_state.get("todos") if isinstance(traj.tool_state, dict) else None
     if todos:
-        console.print("todos: " + "; ".join(f"[{x['status']}] {x['content']}" for x in todos))
+        console.print(escape("todos: " + "; ".join(f"[{x['status']}] {x['content']}" for x in todos)))
