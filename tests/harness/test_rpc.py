@@ -129,3 +129,28 @@ def test_a_dead_tool_service_ends_the_episode(sandbox, tmp_path):
     saved = read_jsonl(tmp_path / "t.jsonl")
     assert saved.status == "error" and len(saved.turns) == 2
     saved.validate()
+
+
+def test_episodes_run_concurrently(service):
+    """One episode's long command does not hold up another's calls."""
+    import threading
+    import time
+
+    _, running, client = service
+    slow_client = ToolClient(running.url)
+    slow = slow_client.open_episode()
+    fast = client.open_episode()
+    done = threading.Event()
+
+    def long_call():
+        slow.call("run_terminal_cmd", {"command": "sleep 2"})
+        done.set()
+
+    t = threading.Thread(target=long_call)
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    r = fast.call("read_file", {"target_file": "README.md"})
+    assert not r.is_error and not done.is_set() and time.monotonic() - t0 < 1.5
+    t.join()
+    slow_client.close()

@@ -18,7 +18,7 @@ def test_chunking_follows_definitions():
 
 
 @pytest.mark.slow
-def test_codebase_search_finds_code_by_meaning_and_caches_by_content(sandbox):
+def test_codebase_search_finds_code_by_meaning_and_caches_by_content(sandbox, tmp_path):
     index = CodebaseIndex()
     s = ToolSession(ToolRegistry().resolve(EnvToolConfig()), ToolContext(sandbox=sandbox, search=index))
     try:
@@ -38,6 +38,12 @@ def test_codebase_search_finds_code_by_meaning_and_caches_by_content(sandbox):
         assert index.cached == cached + 1
         hits = index.search(sandbox, "tests", ["/workspace/tests"])
         assert hits and all(h.path.startswith("/workspace/tests/") for h in hits)
+        # The vector cache survives a restart of the service.
+        index.save(tmp_path / "vectors.npz")
+        fresh = CodebaseIndex(index.embedder)
+        fresh.load(tmp_path / "vectors.npz")
+        assert fresh.cached == index.cached
+        assert [h.path for h in fresh.search(sandbox, "print a report")] == [h.path for h in index.search(sandbox, "print a report")]
     finally:
         s.close()
 

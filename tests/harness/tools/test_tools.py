@@ -180,3 +180,11 @@ def test_strictness_per_environment(sandbox, strictness, expect_error):
     if not expect_error:
         assert r.content.startswith("     1|# inventory")
     s.close()
+
+
+def test_per_tool_timeout_from_the_environment_caps_the_model(sandbox):
+    cfg = EnvToolConfig(timeouts={"run_terminal_cmd": 1.0})
+    s = ToolSession(ToolRegistry().resolve(cfg), ToolContext(sandbox=sandbox))
+    r = s.call("run_terminal_cmd", {"command": "sleep 5", "timeout": 100})
+    assert r.is_error and "timed out after 1s" in r.content and r.duration_s < 4
+    s.close()
