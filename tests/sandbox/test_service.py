@@ -170,5 +170,18 @@ def test_cli_drives_the_service(service, project):
     assert r.returncode == 2 and "no live sandbox" in r.stderr
 
 
+def test_cli_image_and_gc(provider, tmp_path):
+    from typer.testing import CliRunner
+
+    from codedojo.sandbox.cli import sandbox_app
+
+    (tmp_path / "hello.txt").write_text("hi")
+    runner = CliRunner()
+    r = runner.invoke(sandbox_app, ["image", str(tmp_path), "--name", "cli-image", "--root", provider.root])
+    assert r.exit_code == 0 and provider.images.resolve("cli-image").id == r.stdout.strip()
+    r = runner.invoke(sandbox_app, ["gc", "--root", provider.root])
+    assert r.exit_code == 0 and '"cleaned": []' in r.stdout
+
+
 def test_limits_roundtrip_through_json():
     assert Limits(**dataclasses.asdict(SMALL)) == SMALL
