@@ -115,9 +115,10 @@ def positions_from_segments(seg: torch.Tensor) -> torch.Tensor:
 
 def make_batch(tokens: np.ndarray, segments: np.ndarray, mask: np.ndarray) -> dict[str, torch.Tensor]:
     """Rows (B, L+1) -> model inputs and targets (each (B, L))."""
-    t = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
-    s = torch.as_tensor(np.asarray(segments), dtype=torch.long)
-    m = torch.as_tensor(np.asarray(mask), dtype=torch.bool)
+    # np.array copies: rows may be read-only memmap views
+    t = torch.as_tensor(np.array(tokens), dtype=torch.long)
+    s = torch.as_tensor(np.array(segments), dtype=torch.long)
+    m = torch.as_tensor(np.array(mask), dtype=torch.bool)
     inp_s = s[:, :-1]
     loss_mask = (s[:, 1:] == inp_s) & (inp_s >= 0) & m[:, 1:]
     return {

@@ -95,7 +95,11 @@ def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if temperature <= 0:
         out = torch.zeros_like(logits, dtype=torch.float64)
         return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.softmax(logits.double() / temperature, -1)
+    # exp/normalise by hand: torch.softmax's parallel kernel costs milliseconds per call on a
+    # busy CPU even for tiny rows, and this runs several times per decoded token.
+    z = logits.double() / temperature
+    e = (z - z.amax(-1, keepdim=True)).exp()
+    return e / e.sum(-1, keepdim=True)
 
 
 def _sample(p: torch.Tensor, gen: torch.Generator | None) -> int:
