@@ -108,7 +108,7 @@ class HarnessAgent:
         )
         session = ToolSession(ToolRegistry().resolve(cfg), ToolContext(sandbox=sandbox))
         try:
-            traj_path = out_dir / f"{task.instance_id}.traj.json"
+            traj_path = out_dir / f"{task.instance_id}.traj.jsonl"
             traj = Agent(self.policy, self.loop_config).run(
                 task_prompt(task, self.max_prompt_chars), session, out=traj_path, env=f"dojobench/{task.instance_id}",
                 metadata={"instance_id": task.instance_id, "category": task.category},

@@ -73,6 +73,11 @@ def resolve_suite_path(name_or_path: str | os.PathLike[str]) -> Path:
     shipped = SUITES_DIR / str(name_or_path)
     if (shipped / "manifest.json").is_file():
         return shipped
+    from codedojo.bench.source import cache_root
+
+    built = cache_root() / "suites" / str(name_or_path)  # a recipe-only suite built by `dojo demo`
+    if (built / "manifest.json").is_file():
+        return built
     raise FileNotFoundError(f"no suite {str(name_or_path)!r}: neither a directory with manifest.json nor a shipped suite")
 
 

@@ -57,7 +57,7 @@ def test_harness_agent_with_a_scripted_policy(images, tiny_suite, tmp_path):
     r = run.results[0]
     assert r.status == "resolved", r.error
     assert r.turns == 3 and r.completion_tokens > 0
-    assert (tmp_path / "h" / "episodes" / f"{task.instance_id}.traj.json").exists()
+    assert (tmp_path / "h" / "episodes" / f"{task.instance_id}.traj.jsonl").exists()
 
 
 def test_pass_at_k():
