@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from codedojo.model.kv_cache import KVCache
-from codedojo.model.mtp import MTP
+from codedojo.model.mtp import MTP, load_mtp
 from codedojo.model.transformer import Transformer
 
 
@@ -137,13 +138,6 @@ class GenerateResult:
     stats: SpecStats
 
 
-def _finish(out: list[int], max_new: int, stop: set[int]) -> tuple[list[int], bool]:
-    for i, t in enumerate(out[:max_new]):
-        if t in stop:
-            return out[: i + 1], True
-    return out[:max_new], len(out) >= max_new
-
-
 @torch.no_grad()
 def plain_generate(target: Target, prompt: Sequence[int], max_new_tokens: int,
                    temperature: float = 0.0, gen: torch.Generator | None = None,
@@ -162,85 +156,111 @@ def plain_generate(target: Target, prompt: Sequence[int], max_new_tokens: int,
         logits, _ = target.extend([t])
 
 
+class SpeculativeSession:
+    """One sequence decoded speculatively, round by round: the engine's entry point (its decode
+    step calls `round()` for a live request instead of sampling one token)."""
+
+    def __init__(self, target: Target, drafter: Drafter, temperature: float = 0.0,
+                 gen: torch.Generator | None = None, num_draft: int | None = None):
+        self.target, self.drafter = target, drafter
+        self.temperature, self.gen = temperature, gen
+        self.k_max = drafter.depth if num_draft is None else min(num_draft, drafter.depth)
+        self.stats = SpecStats()
+        self.tokens: list[int] = []
+        self._new_hidden: torch.Tensor | None = None
+
+    def _pick(self, logits_v: torch.Tensor) -> tuple[int, torch.Tensor]:
+        q = target_probs(logits_v, self.temperature)
+        return (int(q.argmax()) if self.temperature <= 0 else _sample(q, self.gen)), q
+
+    @torch.no_grad()
+    def prefill(self, prompt: Sequence[int]) -> int:
+        """Run the prompt; return the first generated token (sampled from the target)."""
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        self.target.reset()
+        self.drafter.reset()
+        logits, hidden = self.target.extend(list(prompt))
+        first, _ = self._pick(logits[-1])
+        self.tokens = [*prompt, first]
+        self._new_hidden = hidden  # target hiddens of positions 0 .. len(tokens) - 2
+        return first
+
+    @torch.no_grad()
+    def round(self, max_tokens: int | None = None) -> list[int]:
+        """Draft, verify in one target pass, accept. Returns 1 .. k+1 new tokens (at most
+        `max_tokens`, which also caps the drafts)."""
+        assert self._new_hidden is not None, "prefill first"
+        k = self.k_max if max_tokens is None else max(0, min(self.k_max, max_tokens - 1))
+        drafts: list[int] = []
+        q: list[torch.Tensor] = []
+        if k > 0:
+            drafts, q = self.drafter.draft(self._new_hidden, self.tokens, self._pick)
+            drafts, q = drafts[:k], q[:k]
+        L = len(self.tokens)
+        logits, hidden = self.target.extend([self.tokens[-1], *drafts])  # (k+1, V)
+        p = target_probs(logits, self.temperature)
+        n_acc, extra = accept_drafts(drafts, q, p, self.temperature, self.gen)
+        emitted = [*drafts[:n_acc], extra]
+        st = self.stats
+        st.rounds += 1
+        st.target_passes += 1
+        st.drafted += len(drafts)
+        st.accepted += n_acc
+        st.first_accepted += int(n_acc > 0)
+        st.accepted_per_round.append(n_acc)
+        st.emitted += len(emitted)
+        self.target.truncate(L + n_acc)  # keep positions 0 .. L-1+n_acc (the accepted ones)
+        self._new_hidden = hidden[: n_acc + 1]
+        self.tokens += emitted
+        return emitted
+
+
 @torch.no_grad()
 def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int],
                          max_new_tokens: int, temperature: float = 0.0,
                          gen: torch.Generator | None = None, stop_ids: Sequence[int] = (),
                          num_draft: int | None = None) -> GenerateResult:
-    if not prompt:
-        raise ValueError("prompt must not be empty")
-    k_max = drafter.depth if num_draft is None else min(num_draft, drafter.depth)
-    stats = SpecStats()
+    sess = SpeculativeSession(target, drafter, temperature, gen, num_draft)
     stop = set(stop_ids)
-    target.reset()
-    drafter.reset()
-    logits, hidden = target.extend(list(prompt))
-    p0 = target_probs(logits[-1], temperature)
-    first = int(p0.argmax()) if temperature <= 0 else _sample(p0, gen)
-    tokens = list(prompt) + [first]
-    out = [first]
-    new_hidden = hidden  # target hiddens of positions 0 .. len(tokens) - 2
-
-    def pick(logits_v: torch.Tensor) -> tuple[int, torch.Tensor]:
-        q = target_probs(logits_v, temperature)
-        return (int(q.argmax()) if temperature <= 0 else _sample(q, gen)), q
-
-    while not (first in stop or len(out) >= max_new_tokens or out[-1] in stop):
-        k = min(k_max, max_new_tokens - len(out))
-        drafts, q = drafter.draft(new_hidden, tokens, pick) if k > 0 else ([], [])
-        drafts, q = drafts[:k], q[:k]
-        L = len(tokens)
-        # One target pass over the last committed token and the drafts.
-        logits, hidden = target.extend([tokens[-1], *drafts])
-        p = target_probs(logits, temperature)  # (k+1, V)
-        n_acc, extra = accept_drafts(drafts, q, p, temperature, gen)
-        emitted = [*drafts[:n_acc], extra]
-        stats.rounds += 1
-        stats.target_passes += 1
-        stats.drafted += len(drafts)
-        stats.accepted += n_acc
-        stats.first_accepted += int(n_acc > 0)
-        stats.accepted_per_round.append(n_acc)
-        stats.emitted += len(emitted)
-        target.truncate(L + n_acc)  # keep positions 0 .. L-1+n_acc (the accepted ones)
-        new_hidden = hidden[: n_acc + 1]
-        tokens += emitted
-        out += emitted
-        done = False
-        for i, t in enumerate(out):
-            if t in stop or i + 1 >= max_new_tokens:
-                out, done = out[: i + 1], True
+    out = [sess.prefill(prompt)]
+    while out[-1] not in stop and len(out) < max_new_tokens:
+        new = sess.round(max_new_tokens - len(out))
+        for t in new:
+            out.append(t)
+            if t in stop:
                 break
-        if done:
-            break
-    return GenerateResult(out, stats)
+    return GenerateResult(out[:max_new_tokens], sess.stats)
 
 
 class TransformerTarget:
-    """Our decoder with a one-slot KV cache, as a `Target`."""
+    """Our decoder over one slot of a KV cache, as a `Target`. By default it owns a one-slot
+    cache; the engine can pass its own cache and the request's slot instead."""
 
-    def __init__(self, model: Transformer, max_len: int | None = None):
+    def __init__(self, model: Transformer, max_len: int | None = None,
+                 cache: KVCache | None = None, slot: int = 0):
         self.model = model
         dtype = next(model.parameters()).dtype
         dev = next(model.parameters()).device
-        self.cache = KVCache(model.cfg, 1, max_len or model.cfg.max_seq_len, dtype=dtype,
-                             device=dev)
+        self.cache = cache if cache is not None else KVCache(
+            model.cfg, 1, max_len or model.cfg.max_seq_len, dtype=dtype, device=dev)
+        self.slot = slot
 
     @property
     def length(self) -> int:
-        return self.cache.lengths[0]
+        return self.cache.lengths[self.slot]
 
     def reset(self) -> None:
-        self.cache.reset(0)
+        self.cache.reset(self.slot)
 
     def extend(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.cache.device
         logits, hidden = self.model(torch.tensor([list(ids)], device=dev),
-                                    cache=self.cache.view(0), return_hidden=True)
+                                    cache=self.cache.view(self.slot), return_hidden=True)
         return logits[0], hidden[0]
 
     def truncate(self, length: int) -> None:
-        self.cache.truncate(0, length)
+        self.cache.truncate(self.slot, length)
 
 
 class MTPDrafter:
@@ -289,5 +309,12 @@ class MTPDrafter:
         return drafts, qs
 
 
-def describe(stats: SpecStats) -> dict[str, Any]:
-    return stats.as_dict()
+def load_drafter(model: Transformer, ckpt_dir: str | Path, max_len: int | None = None
+                 ) -> MTPDrafter | None:
+    """The MTP drafter of a checkpoint directory, or None when it has no MTP modules: how a
+    server decides whether to decode speculatively."""
+    mtp = load_mtp(ckpt_dir, model.cfg)
+    if mtp is None:
+        return None
+    mtp = mtp.to(next(model.parameters()).dtype)
+    return MTPDrafter(mtp, model.embed, model.head, max_len)

@@ -277,20 +277,23 @@ def prepare_data(cfg: PretrainConfig, tok: Any, run_dir: Path) -> RunData:
                     yield from read_sft_jsonl(cfg.sft_jsonl)
 
             render_to_shards(convs(), tmpl.render_with_mask, shards["sft"], vocab, eos)
-        ev = TokenShards(d / "eval")
-        e = cfg.eval
-        packed = pack((ev.doc(i) for i in range(len(ev))), e.seq_len,
-                      max_rows=e.batches * e.batch_size)
-        packed.save(d / "eval_packed")
-        filler = np.concatenate([ev.doc(i) for i in range(len(ev))])[: 4 * e.probe_len]
-        np.save(d / "probe_filler.npy", filler)
         (d / "done.json").write_text(json.dumps({
             "read": stats.read, "rejected": dict(stats.rejected),
             "exact_dupes": stats.dedup.exact_dupes, "near_dupes": stats.dedup.near_dupes,
             "train_docs": stats.train_docs, "eval_docs": stats.eval_docs}))
+    e = cfg.eval
+    ev_dir = d / f"eval_packed_{e.seq_len}x{e.batches * e.batch_size}"
+    if not (ev_dir / "mask.npy").exists():  # depends on the eval settings only
+        ev = TokenShards(d / "eval")
+        packed = pack((ev.doc(i) for i in range(len(ev))), e.seq_len,
+                      max_rows=e.batches * e.batch_size)
+        packed.save(ev_dir)
+    filler_f = d / f"probe_filler_{e.probe_len}.npy"
+    if not filler_f.exists():
+        ev = TokenShards(d / "eval")
+        np.save(filler_f, np.concatenate([ev.doc(i) for i in range(len(ev))])[: 4 * e.probe_len])
     shards = {k: v for k, v in shards.items() if (v / "index.json").exists()}
-    return RunData(shards, Packed.load(d / "eval_packed"),
-                   np.load(d / "probe_filler.npy").tolist())
+    return RunData(shards, Packed.load(ev_dir), np.load(filler_f).tolist())
 
 
 def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None

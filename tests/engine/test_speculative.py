@@ -79,7 +79,7 @@ def test_acceptance_rule_reproduces_target_single_step():
     p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
     q = torch.tensor([0.1, 0.1, 0.2, 0.6], dtype=torch.float64)
     counts = torch.zeros(4)
-    n = 20000
+    n = 6000
     for _ in range(n):
         d = int(torch.multinomial(q, 1, generator=gen))
         acc, extra = accept_drafts([d], [q], p, 1.0, gen)
