@@ -251,3 +251,24 @@ def upcycle_mlp(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, 
         moe.w3[e].copy_(w_up[sl].T)
     moe.w2.zero_()
     return moe
+
+
+@torch.no_grad()
+def upcycle_model(dense: nn.Module, moe_cfg: Any) -> nn.Module:
+    """A dense `Transformer` -> the same model with MoE layers (from `moe_cfg.first_dense_layers`
+    on), every non-MLP weight copied and each MLP upcycled by `upcycle_mlp`. With
+    `n_shared_experts * expert_ffn_dim == ffn_dim` the result computes the same function."""
+    from codedojo.model.transformer import MLP, Transformer
+
+    cfg = dense.cfg.model_copy(update={"moe": moe_cfg})  # type: ignore[union-attr]
+    model = Transformer(cfg)
+    own = model.state_dict()
+    model.load_state_dict({k: v for k, v in dense.state_dict().items() if k in own},
+                          strict=False)
+    for blk_d, blk_m in zip(dense.layers, model.layers, strict=True):  # type: ignore[arg-type]
+        if isinstance(blk_m.mlp, MoE):
+            mlp = blk_d.mlp
+            assert isinstance(mlp, MLP)
+            gate, up = mlp.w_gate_up.weight.split(mlp.hidden, dim=0)
+            upcycle_mlp(gate, up, mlp.w_down.weight, blk_m.mlp)
+    return model

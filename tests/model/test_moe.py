@@ -120,3 +120,30 @@ def test_tiny_moe_trains_and_balances():
         losses.append(float(loss))
     assert losses[-1] < 0.5 * losses[0]
     assert m.expert_bias.abs().sum() > 0
+
+
+def test_tiny_moe_transformer_upcycled_then_trained():
+    from codedojo.model.moe import upcycle_model
+    from codedojo.model.transformer import Transformer
+
+    torch.manual_seed(6)
+    dense = Transformer(ModelConfig.tiny(vocab_size=64, ffn_dim=64)).eval()
+    moe_cfg = MoEConfig(n_routed_experts=4, top_k=2, expert_ffn_dim=32, n_shared_experts=2,
+                        first_dense_layers=1, seq_aux_loss_coef=1e-3)
+    model = upcycle_model(dense, moe_cfg).eval()
+    x = torch.randint(0, 64, (2, 12))
+    torch.testing.assert_close(model(x), dense(x), rtol=1e-4, atol=1e-5)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(12):
+        logits = model(x[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        loss = loss + moe_aux_loss(model)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        update_moe_biases(model, moe_cfg.bias_update_speed)
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0]
+    assert len(recorded_routing(model)) == 1  # one MoE layer after the dense first layer
