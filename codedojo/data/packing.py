@@ -54,8 +54,10 @@ class Packed:
 
 
 def pack(docs: Iterable[MixedDoc | np.ndarray], seq_len: int, pad_id: int = 0,
-         max_rows: int | None = None) -> Packed:
-    """Greedy in-order packing: documents are concatenated and cut into rows of seq_len + 1."""
+         max_rows: int | None = None, allow_split: bool = True) -> Packed:
+    """Greedy in-order packing: documents are concatenated and cut into rows of seq_len + 1.
+    With allow_split=False a document that does not fit in the rest of a row starts a new row
+    (the rest is padding); only documents longer than a row are still split."""
     if seq_len < 1:
         raise ValueError("seq_len must be >= 1")
     width = seq_len + 1
@@ -81,6 +83,10 @@ def pack(docs: Iterable[MixedDoc | np.ndarray], seq_len: int, pad_id: int = 0,
         toks = d.tokens if isinstance(d, MixedDoc) else np.asarray(d)
         m = d.mask if isinstance(d, MixedDoc) and d.mask is not None else np.ones(len(toks), np.uint8)
         start = 0
+        if not allow_split and fill > 0 and len(toks) > width - fill:
+            flush()
+            if max_rows is not None and len(rows_t) >= max_rows:
+                break
         while start < len(toks):
             take = min(width - fill, len(toks) - start)
             cur_t[fill:fill + take] = toks[start:start + take]

@@ -77,3 +77,9 @@ def test_loader_resume_is_exact():
     for _ in range(5):
         x, y = a.next_batch(), b.next_batch()
         assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_pack_without_splitting():
+    p = pack([np.arange(1, 4), np.arange(10, 15), np.arange(20, 22)], seq_len=5,
+             allow_split=False)
+    assert p.tokens.tolist() == [[1, 2, 3, 0, 0, 0], [10, 11, 12, 13, 14, 0], [20, 21, 0, 0, 0, 0]]

@@ -14,7 +14,7 @@ def test_document_loss_same_packed_as_alone():
     model = Transformer(ModelConfig.tiny(vocab_size=64, n_layers=2)).eval()
     rng = np.random.default_rng(0)
     docs = [rng.integers(1, 64, size=n) for n in (9, 14, 5, 20, 11)]
-    p = pack(docs, seq_len=30)  # rows of 31: no document is split
+    p = pack(docs, seq_len=30, allow_split=False)  # rows of 31: no document is split
     b = make_batch(p.tokens, p.segments, p.mask)
     with torch.no_grad():
         logits = model(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"])
