@@ -1,0 +1,126 @@
+"""Decode throughput of the engine on SmolLM2-135M-Instruct, against HF ``generate`` and against
+the memory-bandwidth bound, all measured in this process.
+
+Prints one JSON line:
+- ``batch1_tok_s``: greedy tokens/s, one request at a time (prefill included, as for HF);
+- ``batch16_tok_s``: greedy tokens/s with 16 requests decoding together;
+- ``hf_batch1_tok_s``: transformers ``generate`` (greedy, KV cache) on the same prompts;
+- ``bound_tok_s``: read bandwidth (sum over a large tensor) / weight bytes read per token;
+- ``bf16_*``: the same engine figures with bfloat16 weights, and their bound.
+
+    python benchmarks/decode.py [--new-tokens 64] [--skip-bf16] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from codedojo.engine.engine import Engine
+from codedojo.engine.types import SamplingParams
+from codedojo.model.weights import gguf_path, load_model
+
+# Sixteen short chat-style prompts as token ids (decoding, not prefill, is what we measure).
+BASE = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198]
+QUESTIONS = [[2020, 314, 13869, 47], [12275, 253, 1789, 2132, 288, 1303, 1530],
+             [504, 3458, 282, 4649, 314], [1073, 1909, 1463, 3001, 357, 441, 44]]
+PROMPTS = [BASE + QUESTIONS[i % 4] + [28 + i, 2, 198, 1, 520, 9531, 198] for i in range(16)]
+
+
+def read_bandwidth(n_bytes: int = 512 * 2**20, reps: int = 5) -> float:
+    """Bytes/s of summing a large float32 tensor (best of ``reps``)."""
+    x = torch.ones(n_bytes // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return n_bytes / best
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Every matrix is read once per decode step; the embedding table once (as the tied
+    output projection; the input lookup reads one row)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def engine_tok_s(engine: Engine, prompts: list[list[int]], n: int) -> float:
+    params = SamplingParams(max_tokens=n, temperature=0)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))  # warm up
+    t = time.perf_counter()
+    out = engine.generate(prompts, params)
+    dt = time.perf_counter() - t
+    return sum(len(c.token_ids) for c in out) / dt
+
+
+def batch1_tok_s(engine: Engine, prompts: list[list[int]], n: int) -> float:
+    params = SamplingParams(max_tokens=n, temperature=0)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))
+    tokens, t = 0, time.perf_counter()
+    for p in prompts:
+        tokens += len(engine.generate([p], params)[0].token_ids)
+    return tokens / (time.perf_counter() - t)
+
+
+def hf_tok_s(prompts: list[list[int]], n: int) -> float:
+    from transformers import LlamaForCausalLM
+
+    p = gguf_path()
+    hf = LlamaForCausalLM.from_pretrained(p.parent, gguf_file=p.name,
+                                          dtype=torch.float32).eval()
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=2)
+    with torch.inference_mode():
+        hf.generate(torch.tensor([prompts[0]]), **{**kw, "max_new_tokens": 4,
+                                                   "min_new_tokens": 4})
+        tokens, t = 0, time.perf_counter()
+        for pr in prompts:
+            out = hf.generate(torch.tensor([pr]), **kw)
+            tokens += out.shape[1] - len(pr)
+        return tokens / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batch1-prompts", type=int, default=4)
+    ap.add_argument("--skip-bf16", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true")
+    a = ap.parse_args()
+    n, p1 = a.new_tokens, PROMPTS[: a.batch1_prompts]
+    res: dict[str, object] = {"model": "smollm2-135m-instruct", "new_tokens": n,
+                              "threads": torch.get_num_threads()}
+    bw = read_bandwidth()
+    res["read_gb_s"] = round(bw / 1e9, 2)
+
+    model, _ = load_model()
+    eng = Engine(model, max_batch=16, max_seq_len=256)
+    wb = weight_bytes_per_token(model)
+    res["weight_mb_per_token"] = round(wb / 2**20, 1)
+    res["bound_tok_s"] = round(bw / wb, 2)
+    res["batch1_tok_s"] = round(batch1_tok_s(eng, p1, n), 2)
+    res["batch16_tok_s"] = round(engine_tok_s(eng, PROMPTS, n), 2)
+    del eng, model
+
+    if not a.skip_bf16:
+        model, _ = load_model(dtype=torch.bfloat16)
+        eng = Engine(model, max_batch=16, max_seq_len=256)
+        res["bf16_bound_tok_s"] = round(bw / weight_bytes_per_token(model), 2)
+        res["bf16_batch1_tok_s"] = round(batch1_tok_s(eng, p1, n), 2)
+        res["bf16_batch16_tok_s"] = round(engine_tok_s(eng, PROMPTS, n), 2)
+        del eng, model
+
+    if not a.skip_hf:
+        res["hf_batch1_tok_s"] = round(hf_tok_s(p1, n), 2)
+        res["batch1_over_bound"] = round(res["batch1_tok_s"] / res["bound_tok_s"], 3)  # type: ignore[operator]
+        res["batch16_over_hf_batch1"] = round(
+            res["batch16_tok_s"] / res["hf_batch1_tok_s"], 2)  # type: ignore[operator]
+    res["load_avg_1m"] = round(__import__("os").getloadavg()[0], 2)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
