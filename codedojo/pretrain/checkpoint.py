@@ -50,16 +50,38 @@ def set_rng_state(s: dict[str, Any]) -> None:
     random.setstate(s["python"])
 
 
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded weights: under FSDP2 the parameters are DTensors and are gathered first."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+    return model.state_dict()
+
+
 def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: MTP | None,
                     optimizer: torch.optim.Optimizer | None, pos: TrainPosition) -> Path:
+    import torch.distributed as dist
     from safetensors.torch import save_file
 
     path = Path(path)
+    full = full_state_dict(model)  # a collective under FSDP: every rank takes part
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # Sharded optimizer state is not gathered: a multi-GPU resume restores weights, data
+        # position and RNG, and restarts the optimizer moments (the CPU path is exact).
+        optimizer = None
+        if dist.get_rank() != 0:
+            return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        sd = unwrap_state_dict({k: v.detach().cpu().contiguous()
-                                for k, v in model.state_dict().items()})
+        sd = unwrap_state_dict({k: v.detach().cpu().contiguous() for k, v in full.items()})
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model_config.json").write_text(cfg.model_dump_json(indent=1))
         if mtp is not None:

@@ -50,7 +50,11 @@ from codedojo.pretrain.checkpoint import (
 )
 from codedojo.pretrain.config import PretrainConfig, StageConfig
 from codedojo.pretrain.optim import build_adamw, wsd_lr
-from codedojo.pretrain.parallel import apply_activation_checkpointing
+from codedojo.pretrain.parallel import (
+    apply_activation_checkpointing,
+    apply_fsdp,
+    init_distributed,
+)
 from codedojo.pretrain.probe import passkey_probe
 
 Batch = dict[str, torch.Tensor]
@@ -316,6 +320,13 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
     model, mtp = build_model(cfg)
     if cfg.model.activation_checkpointing:
         apply_activation_checkpointing(model)
+    rank, world = init_distributed()
+    if world > 1:  # torchrun: shard from outside the model (GPU path; not exercised on CPU)
+        dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        model.to(dev)
+        if mtp is not None:
+            mtp.to(dev)
+        apply_fsdp(model, bf16=cfg.model.dtype == "bf16")
     evals = eval_batches(data, cfg.eval.batch_size)
     report_path = run_dir / "report.json"
     report: dict[str, Any] = json.loads(report_path.read_text()) if report_path.exists() else {
@@ -341,7 +352,8 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
         if pos is not None:
             load_weights(ck, model, mtp)
         packed = stage_packed(cfg, st, si, data, run_dir)
-        loader = PackedLoader(packed, st.batch_size, seed=cfg.seed + si)
+        # each rank walks its own seeded order of the same packed rows
+        loader = PackedLoader(packed, st.batch_size, seed=cfg.seed + si + 7919 * rank)
         probe_len = min(cfg.eval.probe_len, model.cfg.max_seq_len)
         if st.probe and pos is None:
             report["probe"][f"{st.name}/before"] = passkey_probe(
