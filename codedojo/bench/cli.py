@@ -182,8 +182,8 @@ def report(
 
 
 def demo(
-    max_turns: Annotated[int, typer.Option(help="SmolLM2: turns per episode.")] = 3,
-    max_tokens: Annotated[int, typer.Option(help="SmolLM2: completion tokens per episode.")] = 384,
+    max_turns: Annotated[int, typer.Option(help="SmolLM2: turns per episode.")] = 2,
+    max_tokens: Annotated[int, typer.Option(help="SmolLM2: completion tokens per episode.")] = 192,
     parallel: Annotated[int, typer.Option(help="Sandboxes at a time.")] = 2,
     base_url: Annotated[str | None, typer.Option(help="Serve SmolLM2 from this endpoint instead of in process.")] = None,
     out_dir: Annotated[Path, typer.Option(help="Where runs go.")] = Path("runs"),

@@ -33,7 +33,7 @@ def micro_suite(log=print) -> Suite:
     return build_suite(recipe, cached, log=log)
 
 
-def run_demo(max_turns: int = 3, max_tokens: int = 384, parallel: int = 2, base_url: str | None = None,
+def run_demo(max_turns: int = 2, max_tokens: int = 192, parallel: int = 2, base_url: str | None = None,
              out_dir: Path = Path("runs")) -> bool:
     from rich.console import Console
     from rich.table import Table

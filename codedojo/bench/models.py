@@ -13,6 +13,9 @@ from typing import Any
 from codedojo.bench.runner import HarnessAgent
 
 MODEL_NAME = "smollm2-135m-instruct"
+# A small model gets the core editing tools only: every schema costs prompt tokens it decodes
+# against, and it does not use the planning or search tools well.
+SMALL_MODEL_TOOLS = ["read_file", "list_dir", "grep", "search_replace", "write", "run_terminal_cmd"]
 
 
 def smollm2_policy(base_url: str | None = None, temperature: float = 0.0, seed: int = 0,
@@ -36,13 +39,17 @@ def smollm2_policy(base_url: str | None = None, temperature: float = 0.0, seed: 
 
 
 def smollm2_agent(max_turns: int = 4, max_tokens: int = 512, base_url: str | None = None,
-                  context_window: int = 8192, temperature: float = 0.0) -> HarnessAgent:
+                  context_window: int = 8192, temperature: float = 0.0,
+                  max_tokens_per_turn: int = 128) -> HarnessAgent:
     """SmolLM2 through the harness loop, with a small budget (the demo's few turns)."""
     from codedojo.harness.loop import LoopConfig
+    from codedojo.harness.toolset import EnvToolConfig
 
-    cfg = LoopConfig(max_turns=max_turns, max_tokens=max_tokens, max_tokens_per_turn=min(256, max_tokens),
+    cfg = LoopConfig(max_turns=max_turns, max_tokens=max_tokens,
+                     max_tokens_per_turn=min(max_tokens_per_turn, max_tokens),
                      context_window=context_window, max_summaries=0)
     policy = smollm2_policy(base_url, temperature=temperature, max_seq_len=context_window)
     # About a third of the context (in characters ~ tokens/4 ... x4) for the statement; the
     # tool schemas and the replies need the rest.
-    return HarnessAgent(policy, loop_config=cfg, name="smollm2", max_prompt_chars=context_window)
+    return HarnessAgent(policy, loop_config=cfg, tool_config=EnvToolConfig(tools=SMALL_MODEL_TOOLS),
+                        name="smollm2", max_prompt_chars=context_window)
