@@ -158,8 +158,10 @@ def _run_and_report(suite_name, tasks, bench_agent, name, samples, parallel, out
                                samples=samples, parallel=parallel, out_dir=out_dir, progress=progress)
     finally:
         provider.close()
+    from rich.markdown import Markdown
+
     paths = write_report(result, out_dir)
-    con.print(markdown(result), markup=False, highlight=False)
+    con.print(Markdown(markdown(result)))
     con.print(f"report: {paths['markdown']}  {paths['json']}  {paths['plot']}")
     return result
 
