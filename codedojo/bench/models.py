@@ -40,7 +40,7 @@ def smollm2_policy(base_url: str | None = None, temperature: float = 0.0, seed: 
 
 def smollm2_agent(max_turns: int = 4, max_tokens: int = 512, base_url: str | None = None,
                   context_window: int = 8192, temperature: float = 0.0,
-                  max_tokens_per_turn: int = 128) -> HarnessAgent:
+                  max_tokens_per_turn: int = 128, max_prompt_chars: int = 3000) -> HarnessAgent:
     """SmolLM2 through the harness loop, with a small budget (the demo's few turns)."""
     from codedojo.harness.loop import LoopConfig
     from codedojo.harness.toolset import EnvToolConfig
@@ -49,7 +49,7 @@ def smollm2_agent(max_turns: int = 4, max_tokens: int = 512, base_url: str | Non
                      max_tokens_per_turn=min(max_tokens_per_turn, max_tokens),
                      context_window=context_window, max_summaries=0)
     policy = smollm2_policy(base_url, temperature=temperature, max_seq_len=context_window)
-    # About a third of the context (in characters ~ tokens/4 ... x4) for the statement; the
-    # tool schemas and the replies need the rest.
+    # A long statement (a log of hundreds of lines) is cut to its head and tail: on a CPU the
+    # prompt's length, not the reply, dominates a small model's episode time.
     return HarnessAgent(policy, loop_config=cfg, tool_config=EnvToolConfig(tools=SMALL_MODEL_TOOLS),
-                        name="smollm2", max_prompt_chars=context_window)
+                        name="smollm2", max_prompt_chars=max_prompt_chars)
