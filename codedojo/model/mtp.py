@@ -95,6 +95,17 @@ class MTP(nn.Module):
             mod.block.load_state_dict(src)
         self.rotary = Rotary(model.cfg)
 
+    @torch.no_grad()
+    def calibrate(self, hidden: torch.Tensor) -> float:
+        """Scale the projection's pass-through so a block copied from the main model sees inputs
+        at the residual-stream scale it was trained on (RMSNorm(h) has RMS 1; a late-layer
+        residual stream is far larger). hidden (B, T, D) main hidden states; returns the scale."""
+        rms = float(hidden.float().pow(2).mean(-1).sqrt().mean())
+        D = self.cfg.dim
+        for mod in self.layers:
+            mod.proj.weight[:, :D].copy_(torch.eye(D) * rms)
+        return rms
+
     def set_rope(self, cfg: ModelConfig) -> None:
         """Follow a context extension of the main model (same RoPE scaling)."""
         self.cfg = self.cfg.model_copy(update={"rope_scaling": cfg.rope_scaling,

@@ -196,6 +196,10 @@ def _autocast(dtype: str) -> Any:
     return nullcontext()
 
 
+def _first_mtp(cfg: PretrainConfig) -> int:
+    return next((i for i, s in enumerate(cfg.stages) if s.mtp != "off"), -1)
+
+
 def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | None,
                 loader: PackedLoader, run_dir: Path, resume_from: Path | None = None,
                 log: Callable[[dict[str, Any]], None] | None = None,
@@ -220,6 +224,15 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
         load_trainer_state(resume_from, opt)
         loader.load_state_dict(pos.loader)
         start = pos.step
+    if st.mtp == "distill" and mtp is not None and resume_from is None and si == _first_mtp(cfg):
+        # Fresh MTP modules: match their input scale to the model's hidden states first.
+        b = make_batch(*(a[: st.batch_size] for a in (loader.packed.tokens,
+                                                      loader.packed.segments,
+                                                      loader.packed.mask)))
+        with torch.no_grad():
+            _, hidden = model(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"],
+                              return_hidden=True)
+        mtp.calibrate(hidden)
     trainable = [p for _, p in params]
     losses = []
     gamma = model.cfg.moe.bias_update_speed if model.cfg.moe is not None else 0.0
