@@ -44,9 +44,11 @@ def build(
     recipe: Annotated[Path, typer.Argument(help="A recipe TOML (e.g. codedojo/bench/suites/v0/recipe.toml).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Suite directory to write.")],
     jobs: Annotated[int, typer.Option(help="Packages built at a time.")] = 1,
+    reconcile: Annotated[bool, typer.Option(help="Drop PASS_TO_PASS tests that fail in the grading sandbox.")] = True,
 ) -> None:
     """Build a suite from real PyPI packages: sdists, baselines, libcst mutants, validation."""
     from codedojo.bench.builder import BuildError, build_suite, load_recipe
+    from codedojo.bench.suite import save_suite
 
     if not recipe.is_file():
         raise typer.BadParameter(f"{recipe} does not exist", param_hint="RECIPE")
@@ -55,6 +57,25 @@ def build(
         suite = build_suite(load_recipe(recipe), out, log=lambda m: con.print(m, markup=False, highlight=False), jobs=jobs)
     except BuildError as e:
         raise typer.BadParameter(str(e), param_hint="RECIPE") from None
+    if reconcile:
+        # The builder runs tests on the host's Python; grading runs in the sandbox's. Tests that
+        # only pass on the host would fail every agent, so they leave PASS_TO_PASS here.
+        from codedojo.bench.validate import reconcile_pass_to_pass
+        from codedojo.bench.workspace import TaskImages, default_provider
+
+        provider = default_provider()
+        try:
+            images = TaskImages(provider)
+            fixed = []
+            for t in suite.tasks:
+                t2, dropped = reconcile_pass_to_pass(images, t)
+                if dropped:
+                    con.print(f"{t.instance_id}: {len(dropped)} PASS_TO_PASS test(s) fail in the sandbox; dropped")
+                fixed.append(t2)
+        finally:
+            provider.close()
+        m = suite.manifest
+        suite = save_suite(out, m.name, m.version, fixed, m.splits, recipe_hash=m.recipe_hash)
     con.print(f"suite {suite.name} {suite.manifest.version}: {len(suite)} tasks written to {out}")
 
 

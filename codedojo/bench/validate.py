@@ -83,3 +83,21 @@ def validate_suite(
             if progress:
                 progress(v)
     return out
+
+
+def reconcile_pass_to_pass(images: TaskImages, task: Task) -> tuple[Task, list[str]]:
+    """Drop PASS_TO_PASS tests that fail on the unpatched base in the grading environment.
+
+    The builder finds tests on the host's Python; the grading sandbox has its own interpreter
+    and only the task's pinned packages, so a test that needs something only the host has
+    (a stdlib module a distribution splits out, say) fails there whatever the agent does.
+    Returns the corrected task and the tests dropped; FAIL_TO_PASS is never touched.
+    """
+    _, base = grade_changes(images, task, {})
+    bad = [t for t in task.PASS_TO_PASS if t not in base.passed()]
+    if not bad:
+        return task, []
+    keep = [t for t in task.PASS_TO_PASS if t not in bad]
+    if not keep:
+        raise ValueError(f"task {task.instance_id!r}: no PASS_TO_PASS test passes in the grading environment")
+    return task.model_copy(update={"PASS_TO_PASS": keep}), bad
