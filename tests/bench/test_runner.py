@@ -65,3 +65,15 @@ def test_pass_at_k():
     assert pass_at_k(5, 5, 3) == 1.0
     assert abs(pass_at_k(4, 1, 1) - 0.25) < 1e-9
     assert abs(pass_at_k(4, 1, 2) - 0.5) < 1e-9
+
+
+def test_reconcile_drops_pass_to_pass_tests_failing_in_the_sandbox(images, tiny_suite):
+    from codedojo.bench.validate import reconcile_pass_to_pass
+
+    # A test that fails on the unpatched base, wrongly listed as pass-to-pass.
+    task = tiny_suite.tasks[0]
+    wrong = task.FAIL_TO_PASS[0]
+    broken = task.model_copy(update={"PASS_TO_PASS": [*task.PASS_TO_PASS, wrong]})
+    fixed, dropped = reconcile_pass_to_pass(images, broken)
+    assert dropped == [wrong]
+    assert fixed.PASS_TO_PASS == task.PASS_TO_PASS and fixed.FAIL_TO_PASS == task.FAIL_TO_PASS
