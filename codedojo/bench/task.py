@@ -4,7 +4,7 @@ The base of every task is a pinned sdist from PyPI (`base = "name==version"`, `b
 `bug_patch` turns the base into the state the agent starts from; `patch` (the gold fix) turns it
 back. Tests listed in `hidden_paths` are removed from the agent's copy and only exist in the
 fresh copy the runner grades in. `test_patch` stays empty in stored records because the hidden
-tests come unchanged from the pinned sdist; `export.swebench_record` fills it when exporting.
+tests come unchanged from the pinned sdist (restored from it in the grading copy).
 """
 
 from __future__ import annotations
