@@ -8,7 +8,7 @@ Prints one JSON line:
 - ``bound_tok_s``: read bandwidth (sum over a large tensor) / weight bytes read per token;
 - ``bf16_*``: the same engine figures with bfloat16 weights, and their bound.
 
-    python benchmarks/decode.py [--new-tokens 64] [--skip-bf16] [--skip-hf]
+    python benchmarks/decode.py [--new-tokens 64] [--threads N] [--skip-bf16] [--skip-hf]
 """
 
 from __future__ import annotations
@@ -89,7 +89,10 @@ def main() -> None:
     ap.add_argument("--batch1-prompts", type=int, default=4)
     ap.add_argument("--skip-bf16", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     n, p1 = a.new_tokens, PROMPTS[: a.batch1_prompts]
     res: dict[str, object] = {"model": "smollm2-135m-instruct", "new_tokens": n,
                               "threads": torch.get_num_threads()}
