@@ -64,8 +64,10 @@ Batch = dict[str, torch.Tensor]
 
 
 def masked_ce(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over trained positions. logits (B, T, V)."""
-    return F.cross_entropy(logits[mask].float(), targets[mask])
+    """Mean next-token cross-entropy over trained positions. logits (B, T, V). A micro-batch
+    with no trained position (an SFT row holding only a long prompt) gives 0, not NaN."""
+    ce = F.cross_entropy(logits[mask].float(), targets[mask], reduction="sum")
+    return ce / mask.sum().clamp(min=1)
 
 
 def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,

@@ -117,3 +117,12 @@ def test_run_end_to_end_tiny(tmp_path):
     assert (tmp_path / "runs" / "e2e" / "hf" / "config.json").exists()
     again = run(cfg, tok=load_tokenizer(), console=Console(quiet=True))  # all stages skipped
     assert again["eval_loss"] == report["eval_loss"]
+
+
+def test_masked_ce_of_a_row_without_trained_tokens_is_zero():
+    from codedojo.pretrain.trainer import masked_ce
+
+    logits = torch.randn(1, 4, 10, requires_grad=True)
+    loss = masked_ce(logits, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.bool))
+    loss.backward()
+    assert float(loss) == 0.0 and torch.isfinite(logits.grad).all()
