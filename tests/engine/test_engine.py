@@ -18,14 +18,7 @@ from codedojo.model.transformer import Transformer
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15], [3] * 9, [200, 100]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """A tiny model is all per-op overhead; extra intra-op threads only add sync cost, which
-    grows badly when the test machine is busy."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture()

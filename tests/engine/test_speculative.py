@@ -18,14 +18,7 @@ from codedojo.model.config import ModelConfig
 from codedojo.model.mtp import MTP
 from codedojo.model.transformer import Transformer
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: a second intra-op thread only adds contention on a shared 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _setup(vocab: int = 5, seed: int = 0, scale: float = 3.0):
     torch.manual_seed(seed)

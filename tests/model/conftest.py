@@ -43,12 +43,3 @@ def hf_smollm2():
     return LlamaForCausalLM.from_pretrained(p.parent, gguf_file=p.name,
                                             dtype=torch.float32).eval()
 
-
-@pytest.fixture()
-def one_thread():
-    """Tiny models are all per-op overhead: extra intra-op threads only add synchronisation,
-    which gets very slow when the machine is busy. Restores the previous setting."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)

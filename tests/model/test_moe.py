@@ -13,14 +13,7 @@ from codedojo.model.moe import (
     update_moe_biases,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: a second intra-op thread only adds contention on a shared 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _cfg(**kw) -> ModelConfig:
     moe = dict(n_routed_experts=8, top_k=2, expert_ffn_dim=16, n_shared_experts=1,

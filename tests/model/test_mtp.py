@@ -7,14 +7,7 @@ from codedojo.model.config import ModelConfig
 from codedojo.model.mtp import MTP, distill_loss, load_mtp, mtp_valid_mask, save_mtp
 from codedojo.model.transformer import Transformer
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: a second intra-op thread only adds contention on a shared 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model():

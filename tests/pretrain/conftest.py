@@ -1,13 +1,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: a second intra-op thread only adds contention on a shared 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _tiny_models_on_one_thread(one_thread):
+    """Every pretrain test uses tiny models (see tests/conftest.py)."""
