@@ -104,6 +104,26 @@ def _quote(raw: str) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+def _scan_blocks(
+    text: str, open_tag: str,
+    parse_block: Callable[[int], tuple[list[ToolCall | ToolCallError], int]],
+) -> ParsedOutput:
+    """Split `text` into plain content and the calls of every block opening with `open_tag`;
+    `parse_block(start)` reads one block and says where the text resumes."""
+    content: list[str] = []
+    calls: list[ToolCall | ToolCallError] = []
+    pos, n = 0, len(text)
+    while pos < n:
+        start = text.find(open_tag, pos)
+        if start < 0:
+            content.append(text[pos:])
+            break
+        content.append(text[pos:start])
+        found, pos = parse_block(start)
+        calls.extend(found)
+    return ParsedOutput("".join(content).strip(), calls)
+
+
 class JsonToolCallFormat:
     """`<tool_call>JSON</tool_call>`, JSON being one call object or a list of them.
 
@@ -122,43 +142,33 @@ class JsonToolCallFormat:
 
     def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None,
               id_factory: Callable[[], str] = new_call_id) -> ParsedOutput:
-        content: list[str] = []
-        calls: list[ToolCall | ToolCallError] = []
-        pos, n = 0, len(text)
-        while pos < n:
-            start = text.find(self.open_tag, pos)
-            if start < 0:
-                content.append(text[pos:])
-                break
-            content.append(text[pos:start])
-            body = _WS.match(text, start + len(self.open_tag)).end()
-            try:
-                value, end = _JSON.raw_decode(text, body)
-            except (json.JSONDecodeError, RecursionError) as e:
-                close = text.find(self.close_tag, body)
-                stop = n if close < 0 else close + len(self.close_tag)
-                what = e.msg if isinstance(e, json.JSONDecodeError) else "nesting too deep"
-                where = "unclosed <tool_call> block" if close < 0 else "tool call"
-                calls.append(ToolCallError(id_factory(), f"{where}: invalid JSON ({what})", _quote(text[start:stop])))
-                pos = stop
-                continue
-            after = _WS.match(text, end).end()
-            if text.startswith(self.close_tag, after):
-                pos = after + len(self.close_tag)
-            elif after == n:
-                pos = n
-            else:
-                close = text.find(self.close_tag, after)
-                stop = n if close < 0 else close + len(self.close_tag)
-                calls.append(ToolCallError(
-                    id_factory(), f"unexpected text after the tool call JSON: {_quote(text[after:after + 40])!r}",
-                    _quote(text[start:stop])))
-                pos = stop
-                continue
-            items = value if isinstance(value, list) else [value]
-            for item in items:
-                calls.append(_call_from_json(item, id_factory, _quote(text[start:pos])))
-        return ParsedOutput("".join(content).strip(), calls)
+        return _scan_blocks(text, self.open_tag, lambda start: self._parse_block(text, start, id_factory))
+
+    def _parse_block(self, text: str, start: int,
+                     id_factory: Callable[[], str]) -> tuple[list[ToolCall | ToolCallError], int]:
+        n = len(text)
+        body = _WS.match(text, start + len(self.open_tag)).end()
+        try:
+            value, end = _JSON.raw_decode(text, body)
+        except (json.JSONDecodeError, RecursionError) as e:
+            close = text.find(self.close_tag, body)
+            stop = n if close < 0 else close + len(self.close_tag)
+            what = e.msg if isinstance(e, json.JSONDecodeError) else "nesting too deep"
+            where = "unclosed <tool_call> block" if close < 0 else "tool call"
+            return [ToolCallError(id_factory(), f"{where}: invalid JSON ({what})", _quote(text[start:stop]))], stop
+        after = _WS.match(text, end).end()
+        if text.startswith(self.close_tag, after):
+            pos = after + len(self.close_tag)
+        elif after == n:
+            pos = n
+        else:
+            close = text.find(self.close_tag, after)
+            stop = n if close < 0 else close + len(self.close_tag)
+            return [ToolCallError(
+                id_factory(), f"unexpected text after the tool call JSON: {_quote(text[after:after + 40])!r}",
+                _quote(text[start:stop]))], stop
+        items = value if isinstance(value, list) else [value]
+        return [_call_from_json(item, id_factory, _quote(text[start:pos])) for item in items], pos
 
     def call_prefix(self, name: str | None) -> str:
         head = self.open_tag + ("[\n" if self.list_style else "\n")
@@ -213,18 +223,12 @@ class XmlToolCallFormat:
     def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None,
               id_factory: Callable[[], str] = new_call_id) -> ParsedOutput:
         schemas = _param_schemas(tools)
-        content: list[str] = []
-        calls: list[ToolCall | ToolCallError] = []
-        pos, n = 0, len(text)
-        while pos < n:
-            start = text.find(self.open_tag, pos)
-            if start < 0:
-                content.append(text[pos:])
-                break
-            content.append(text[pos:start])
-            call, pos = self._parse_block(text, start, schemas, id_factory)
-            calls.append(call)
-        return ParsedOutput("".join(content).strip(), calls)
+
+        def block(start: int) -> tuple[list[ToolCall | ToolCallError], int]:
+            call, end = self._parse_block(text, start, schemas, id_factory)
+            return [call], end
+
+        return _scan_blocks(text, self.open_tag, block)
 
     def _parse_block(self, text: str, start: int, schemas: dict[str, dict[str, Any]],
                      id_factory: Callable[[], str]) -> tuple[ToolCall | ToolCallError, int]:
