@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -14,3 +16,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture()
+def no_leftover_sandboxes(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that used a `provider` fixture: fail it if it left sandboxes alive (and
+    destroy them, so one leak does not cascade into the next test)."""
+    yield
+    if "provider" in request.fixturenames:
+        p = request.getfixturevalue("provider")
+        leftover = [sb.id for sb in p.list()]
+        for sb in p.list():
+            sb.destroy()
+        assert not leftover, f"test left sandboxes alive: {leftover}"

@@ -135,11 +135,5 @@ def session(sandbox) -> Iterator[ToolSession]:
 
 
 @pytest.fixture(autouse=True)
-def _no_leftover_sandboxes(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if "provider" in request.fixturenames:
-        p = request.getfixturevalue("provider")
-        leftover = [sb.id for sb in p.list()]
-        for sb in p.list():
-            sb.destroy()
-        assert not leftover, f"test left sandboxes alive: {leftover}"
+def _no_leftover_sandboxes(no_leftover_sandboxes):
+    """Every test here is checked for sandboxes it left alive (see tests/conftest.py)."""

@@ -48,11 +48,5 @@ def sandbox(provider, project):
 
 
 @pytest.fixture(autouse=True)
-def _no_leftover_sandboxes(request):
-    yield
-    if "provider" in request.fixturenames:
-        p = request.getfixturevalue("provider")
-        leftover = [sb.id for sb in p.list()]
-        for sb in p.list():
-            sb.destroy()
-        assert not leftover, f"test left sandboxes alive: {leftover}"
+def _no_leftover_sandboxes(no_leftover_sandboxes):
+    """Every test here is checked for sandboxes it left alive (see tests/conftest.py)."""
