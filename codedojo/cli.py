@@ -10,7 +10,7 @@ import importlib
 
 import typer
 
-STAGES = ("engine", "sandbox", "egress", "harness", "bench", "pretrain", "rl")
+STAGES = ("engine", "sandbox", "egress", "harness", "bench", "pretrain")
 
 app = typer.Typer(
     help="codedojo: train agentic coding models (pretrain, MTP, sandboxed RL, benchmark).",
@@ -21,14 +21,7 @@ app = typer.Typer(
 
 def _register_stages() -> None:
     for stage in STAGES:
-        name = f"codedojo.{stage}.cli"
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue
-        module.register(app)
+        importlib.import_module(f"codedojo.{stage}.cli").register(app)
 
 
 _register_stages()
