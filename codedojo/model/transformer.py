@@ -25,6 +25,7 @@ from torch import nn
 
 from codedojo.model.config import ModelConfig
 from codedojo.model.rope import Rotary, apply_rotary
+from codedojo.ops import linear
 
 if TYPE_CHECKING:
     from codedojo.model.kv_cache import CacheView
@@ -46,6 +47,13 @@ class RMSNorm(nn.Module):
         return self.weight * y.to(x.dtype)
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose decode-sized CPU calls take the small-row kernel (``codedojo.ops``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with rotary embeddings."""
 
@@ -53,9 +61,9 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.hd
-        self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd,
+        self.wqkv = Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd,
                               bias=cfg.attn_bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.hd, cfg.dim, bias=False)
+        self.wo = Linear(cfg.n_heads * cfg.hd, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None, cache: CacheView | None) -> torch.Tensor:
@@ -81,8 +89,8 @@ class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.hidden = hidden
-        self.w_gate_up = nn.Linear(dim, 2 * hidden, bias=False)
-        self.w_down = nn.Linear(hidden, dim, bias=False)
+        self.w_gate_up = Linear(dim, 2 * hidden, bias=False)
+        self.w_down = Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split(self.hidden, dim=-1)
@@ -129,8 +137,7 @@ class Transformer(nn.Module):
         self.rotary = Rotary(cfg)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size,
-                                                                bias=False)
+        self.output = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.init_weights()
 
     @torch.no_grad()
@@ -158,18 +165,20 @@ class Transformer(nn.Module):
         """Final norm + output projection: (B, T, dim) -> float32 logits (B, T, V)."""
         h = self.norm(hidden)
         w = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(h, w).float()
+        return linear(h, w).float()
 
     def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                 cache: CacheView | None = None, doc_ids: torch.Tensor | None = None,
                 return_hidden: bool = False, last_only: bool = False,
+                logits_at: torch.Tensor | None = None,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens (B, T) -> logits (B, T, V) float32, or (logits, hidden before the final norm).
 
         ``cache`` appends this call's keys/values to a KV cache view and attends to everything
         stored before them (positions default to the stored lengths). ``doc_ids`` (no cache)
         restricts attention to the same packed document. ``last_only`` computes logits for the
-        last position only (prefill needs nothing else).
+        last position only (prefill needs nothing else); ``logits_at`` (B,) for one chosen
+        position per row (prefill of right-padded prompts), giving (B, 1, V).
         """
         B, T = tokens.shape
         mask: torch.Tensor | None = None
@@ -197,6 +206,9 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache)
-        h = x[:, -1:] if last_only else x
+        if logits_at is not None:
+            h = x[torch.arange(B, device=x.device), logits_at].unsqueeze(1)
+        else:
+            h = x[:, -1:] if last_only else x
         logits = self.head(h)
         return (logits, x) if return_hidden else logits

