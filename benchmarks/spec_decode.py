@@ -33,14 +33,13 @@ def main() -> None:
 
     from codedojo.data.shards import TokenShards
     from codedojo.engine.speculative import (
-        MTPDrafter,
         SpecStats,
         TransformerTarget,
+        load_drafter,
         plain_generate,
         speculative_generate,
     )
     from codedojo.model.config import ModelConfig
-    from codedojo.model.mtp import load_mtp
     from codedojo.model.weights import build_model
 
     ck = Path(args.ckpt)
@@ -48,8 +47,9 @@ def main() -> None:
         sys.exit(f"{ck}: no checkpoint; run `dojo pretrain configs/cpt-smollm2.toml` first")
     cfg = ModelConfig.model_validate_json((ck / "model_config.json").read_text())
     model = build_model(load_file(str(ck / "model.safetensors")), cfg)
-    mtp = load_mtp(ck, cfg)
-    if mtp is None:
+    max_len = args.prompt_len + args.new + 16  # + the drafts of the last round
+    drafter = load_drafter(model, ck, max_len)
+    if drafter is None:
         sys.exit(f"{ck}: checkpoint has no MTP modules")
     shards = TokenShards(args.data)
     prompts = []
@@ -59,9 +59,7 @@ def main() -> None:
             prompts.append(d[: args.prompt_len].tolist())
         if len(prompts) == args.prompts:
             break
-    max_len = args.prompt_len + args.new + mtp.depth + 2
     target = TransformerTarget(model, max_len)
-    drafter = MTPDrafter(mtp, model.embed, model.head, max_len)
     plain_generate(target, prompts[0][:16], 4)  # warm-up
     speculative_generate(target, drafter, prompts[0][:16], 4)
     total = SpecStats()
@@ -93,7 +91,8 @@ def main() -> None:
         "tokens_per_pass": round(total.tokens_per_pass, 4),
         "spec_tok_s": round(spec_tok_s, 2), "plain_tok_s": round(plain_tok_s, 2),
         "speedup": round(spec_tok_s / plain_tok_s, 3), "greedy_identical": same,
-        "n_mtp": mtp.depth, "prompts": len(prompts), "new_tokens": args.new, "batch": 1,
+        "n_mtp": drafter.depth, "draft_vocab": int(len(drafter.mtp.draft_vocab))
+        if drafter.mtp.draft_vocab is not None else cfg.vocab_size, "prompts": len(prompts), "new_tokens": args.new, "batch": 1,
         "threads": args.threads, "ckpt": str(ck)}))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -14,8 +16,13 @@ def serve(
     max_batch: int = typer.Option(16, help="requests decoded together (continuous batching)"),
     served_name: str = typer.Option("", help="model name clients use (default: --model)"),
     tool_format: str = typer.Option("smollm2", help="tool-call format: smollm2, hermes or qwen3_coder"),
+    speculative: bool = typer.Option(True, help="decode with the checkpoint's MTP modules as "
+                                     "drafts when it has them"),
 ) -> None:
-    """Serve /v1/chat/completions, /v1/completions and /v1/models for MODEL."""
+    """Serve /v1/chat/completions, /v1/completions and /v1/models for MODEL.
+
+    A checkpoint directory with MTP modules (``mtp.safetensors``, as ``dojo pretrain`` exports)
+    decodes speculatively with them."""
     import signal
     import threading
 
@@ -38,7 +45,14 @@ def serve(
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--tool-format") from None
     net, _ = load_model(model)
-    engine = Engine(net, max_batch=max_batch)
+    drafter = None
+    if speculative and Path(model).is_dir():
+        from codedojo.engine.speculative import load_drafter
+
+        drafter = load_drafter(net, model)
+        if drafter is not None:
+            print(f"Speculative decoding with {drafter.depth} MTP modules", flush=True)
+    engine = Engine(net, max_batch=max_batch, drafter=drafter)
     engine.start()
     name = served_name or model
     app = create_app(engine, tokenizer, chat, model_name=name)

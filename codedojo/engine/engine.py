@@ -17,8 +17,12 @@ on it), "length" (``max_tokens`` reached, or the cache's ``max_seq_len``), "canc
 token; ``load_weights`` swaps weights between steps, so a request in flight during a push
 finishes on the new weights (its older-version KV entries are kept, as in asynchronous RL).
 
-Speculative decoding plugs in at ``_decode_step``: it receives the live requests and must
-append at least one token to each, via ``_emit``.
+Speculative decoding (``drafter=``, MTP modules): a request decodes speculatively while it is
+the only one live, which is when decoding is latency-bound and a verify pass over k + 1 tokens
+costs about what one token does. It must ask for the plain target distribution (no top-k/top-p,
+no top logprobs); its tokens, logprobs and finish reasons are exactly what plain decoding gives
+(greedy: identical tokens; sampling: identically distributed). When another request joins, it
+continues in the batch with plain decoding.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from codedojo.engine.sampling import sample_batch
+from codedojo.engine.sampling import filtered_logprobs, sample_batch
+from codedojo.engine.speculative import Drafter, SpecStats, SpeculativeSession, TransformerTarget
 from codedojo.engine.types import Completion, SamplingParams, TokenEvent
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.transformer import Transformer
@@ -84,7 +89,7 @@ class Engine:
     """Batched, continuously-batched generation over a ``Transformer``."""
 
     def __init__(self, model: Transformer, *, max_batch: int = 16,
-                 max_seq_len: int | None = None) -> None:
+                 max_seq_len: int | None = None, drafter: Drafter | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         cfg = model.cfg
@@ -98,6 +103,9 @@ class Engine:
         self.cache = KVCache(cfg, max_batch, self.max_seq_len, dtype=dtype,
                              device=next(model.parameters()).device)
         self.weight_version = 0
+        self.drafter = drafter
+        self.spec_stats = SpecStats()  # over every speculative round of this engine
+        self._spec: tuple[Request, SpeculativeSession] | None = None
         self._waiting: deque[Request] = deque()
         self._live: list[Request] = []  # request i lives in cache slot i
         self._step_lock = threading.Lock()  # one scheduler iteration (or weight swap) at a time
@@ -209,6 +217,9 @@ class Engine:
             for k, v in state_dict.items():
                 own[k].copy_(v)
             self.weight_version = int(version)
+            refresh = getattr(getattr(self.drafter, "head", None), "refresh", None)
+            if refresh is not None:
+                refresh()
 
     @property
     def n_live(self) -> int:
@@ -255,7 +266,14 @@ class Engine:
             if batch:
                 self._prefill(batch)
 
+    def _speculates(self, req: Request) -> bool:
+        p = self.drafter is not None and not self._live and not self._waiting
+        return p and req.params.top_k == 0 and req.params.top_p == 1.0 and (
+            not req.params.top_logprobs)
+
     def _prefill(self, batch: list[Request]) -> None:
+        if len(batch) == 1 and self._speculates(batch[0]):
+            return self._prefill_speculative(batch[0])
         start = len(self._live)
         lens = [len(r.prompt_ids) for r in batch]
         width = max(lens)
@@ -271,8 +289,39 @@ class Engine:
         self._live.extend(batch)
         self._emit(batch, logits[:, -1])
 
+    def _prefill_speculative(self, req: Request) -> None:
+        assert self.drafter is not None
+        self.cache.reset(0)
+        target = TransformerTarget(self.model, cache=self.cache, slot=0)
+        sess = SpeculativeSession(target, self.drafter, req.params.temperature, req.generator,
+                                  stats=self.spec_stats)
+        sess.prefill(req.prompt_ids)
+        req.weight_version = self.weight_version
+        self._live.append(req)
+        self._spec = (req, sess)
+        self._record_logits(req, sess)
+
+    def _record_logits(self, req: Request, sess: SpeculativeSession) -> None:
+        """Record the tokens a speculative step emitted, logprobs from their target logits."""
+        assert sess.logits is not None
+        emitted = sess.tokens[-len(sess.logits):]
+        for tok, row in zip(emitted, sess.logits, strict=True):
+            lp = float(filtered_logprobs(row, req.params)[tok]) if req.params.logprobs else 0.0
+            self._record(req, tok, lp, [])
+            if req.done.is_set():
+                break
+
     def _decode_step(self, live: list[Request]) -> None:
         """Feed each live request's last token; sample the next one."""
+        if self._spec is not None:
+            req, sess = self._spec
+            if live == [req]:
+                room = min(req.params.max_tokens - len(req.token_ids),
+                           self.max_seq_len - len(req.prompt_ids) - len(req.token_ids))
+                sess.round(max_tokens=room)
+                self._record_logits(req, sess)
+                return
+            self._spec = None  # others joined (or it finished): plain batched decoding
         tokens = torch.tensor([[r.token_ids[-1]] for r in live], dtype=torch.long)
         logits = self.model(tokens, cache=self.cache.view(0, len(live)))  # (B, 1, V)
         self._emit(live, logits[:, -1])

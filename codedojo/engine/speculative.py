@@ -29,6 +29,7 @@ import torch
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.mtp import MTP, load_mtp
 from codedojo.model.transformer import Transformer
+from codedojo.ops import linear
 
 
 class Target(Protocol):
@@ -161,12 +162,15 @@ class SpeculativeSession:
     step calls `round()` for a live request instead of sampling one token)."""
 
     def __init__(self, target: Target, drafter: Drafter, temperature: float = 0.0,
-                 gen: torch.Generator | None = None, num_draft: int | None = None):
+                 gen: torch.Generator | None = None, num_draft: int | None = None,
+                 stats: SpecStats | None = None):
+        """`stats`: where rounds are counted (a shared one aggregates over sessions)."""
         self.target, self.drafter = target, drafter
         self.temperature, self.gen = temperature, gen
         self.k_max = drafter.depth if num_draft is None else min(num_draft, drafter.depth)
-        self.stats = SpecStats()
+        self.stats = SpecStats() if stats is None else stats
         self.tokens: list[int] = []
+        self.logits: torch.Tensor | None = None  # target logits (n, V) of the last emitted
         self._new_hidden: torch.Tensor | None = None
 
     def _pick(self, logits_v: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -182,6 +186,7 @@ class SpeculativeSession:
         self.drafter.reset()
         logits, hidden = self.target.extend(list(prompt))
         first, _ = self._pick(logits[-1])
+        self.logits = logits[-1:]
         self.tokens = [*prompt, first]
         self._new_hidden = hidden  # target hiddens of positions 0 .. len(tokens) - 2
         return first
@@ -210,6 +215,7 @@ class SpeculativeSession:
         st.first_accepted += int(n_acc > 0)
         st.accepted_per_round.append(n_acc)
         st.emitted += len(emitted)
+        self.logits = logits[: n_acc + 1]
         self.target.truncate(L + n_acc)  # keep positions 0 .. L-1+n_acc (the accepted ones)
         self._new_hidden = hidden[: n_acc + 1]
         self.tokens += emitted
@@ -263,6 +269,30 @@ class TransformerTarget:
         self.cache.truncate(self.slot, length)
 
 
+class DraftHead:
+    """The output head as the drafter uses it: over the MTP draft vocabulary when there is one
+    (a slice of the head, copied once), returning full-size logits with -inf elsewhere so a
+    draft distribution q is one over the whole vocabulary, as exact acceptance needs."""
+
+    def __init__(self, model: Transformer, vocab: torch.Tensor | None = None):
+        self.model, self.norm, self.vocab = model, model.norm, vocab
+        self.vocab_size = model.cfg.vocab_size
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-slice the head after the model's weights changed."""
+        w = self.model.output_weight.detach()
+        self.weight = w if self.vocab is None else w[self.vocab].contiguous()
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = linear(self.norm(hidden), self.weight).float()
+        if self.vocab is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.vocab] = logits
+        return full
+
+
 class MTPDrafter:
     """Drafts with the MTP modules. Module k at position i reads token i+k, so in a round its
     last k-1 positions read drafts; its cache keeps only positions whose inputs are all real
@@ -270,6 +300,8 @@ class MTPDrafter:
 
     def __init__(self, mtp: MTP, embed: Callable[[torch.Tensor], torch.Tensor],
                  head: Callable[[torch.Tensor], torch.Tensor], max_len: int | None = None):
+        """`head` maps MTP hidden states to logits (V,): the model's `head`, or a
+        `DraftHead` over the draft vocabulary."""
         self.mtp, self.embed, self.head = mtp, embed, head
         self.depth = mtp.depth
         self.max_len = max_len or mtp.cfg.max_seq_len
@@ -317,4 +349,4 @@ def load_drafter(model: Transformer, ckpt_dir: str | Path, max_len: int | None =
     if mtp is None:
         return None
     mtp = mtp.to(next(model.parameters()).dtype)
-    return MTPDrafter(mtp, model.embed, model.head, max_len)
+    return MTPDrafter(mtp, model.embed, DraftHead(model, mtp.draft_vocab), max_len)

@@ -56,16 +56,35 @@ class MTPModule(nn.Module):
 class MTP(nn.Module):
     """The D modules. Embedding and head are the main model's, passed in as callables."""
 
-    def __init__(self, cfg: ModelConfig, depth: int | None = None):
+    draft_vocab: torch.Tensor | None
+
+    def __init__(self, cfg: ModelConfig, depth: int | None = None, draft_vocab: int = 0):
         super().__init__()
         depth = cfg.n_mtp if depth is None else depth
         if depth < 1:
             raise ValueError("MTP needs depth >= 1 (config n_mtp)")
+        if not 0 <= draft_vocab <= cfg.vocab_size:
+            raise ValueError(f"draft_vocab: {draft_vocab} outside [0, {cfg.vocab_size}]")
         self.cfg = cfg
         self.depth = depth
         self.layers = nn.ModuleList(MTPModule(cfg) for _ in range(depth))
         self.rotary = Rotary(cfg)
+        # The draft vocabulary (FR-Spec, Zhao et al. 2025): the ids of the most frequent
+        # tokens. The modules draft, and are distilled, over these only, so a draft costs a
+        # block and a slice of the output head instead of the whole head. 0: the full vocab.
+        if draft_vocab:
+            self.register_buffer("draft_vocab", torch.arange(draft_vocab))
+        else:
+            self.draft_vocab = None
         self.init_weights()
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_counts: torch.Tensor) -> None:
+        """Choose the draft vocabulary: the ``len(draft_vocab)`` most frequent ids (sorted)."""
+        if self.draft_vocab is None:
+            raise ValueError("set_draft_vocab: this MTP was built without a draft vocabulary")
+        top = token_counts.topk(len(self.draft_vocab)).indices.sort().values
+        self.draft_vocab.copy_(top)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
@@ -157,7 +176,8 @@ def save_mtp(mtp: MTP, out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().cpu().contiguous() for k, v in mtp.state_dict().items()}
     save_file(sd, str(out / "mtp.safetensors"), metadata={"format": "pt"})
-    (out / "mtp.json").write_text(json.dumps({"depth": mtp.depth}))
+    vocab = 0 if mtp.draft_vocab is None else len(mtp.draft_vocab)
+    (out / "mtp.json").write_text(json.dumps({"depth": mtp.depth, "draft_vocab": vocab}))
     return out
 
 
@@ -168,8 +188,8 @@ def load_mtp(ckpt_dir: str | Path, cfg: ModelConfig) -> MTP | None:
     d = Path(ckpt_dir)
     if not (d / "mtp.safetensors").exists():
         return None
-    depth = int(json.loads((d / "mtp.json").read_text())["depth"])
-    mtp = MTP(cfg, depth)
+    meta = json.loads((d / "mtp.json").read_text())
+    mtp = MTP(cfg, int(meta["depth"]), int(meta.get("draft_vocab", 0)))
     mtp.load_state_dict(load_file(str(d / "mtp.safetensors")))
     return mtp.eval()
 

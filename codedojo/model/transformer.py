@@ -161,11 +161,16 @@ class Transformer(nn.Module):
         """tokens (B, T) -> (B, T, dim)."""
         return self.tok_embeddings(tokens)
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + output projection: (B, T, dim) -> float32 logits (B, T, V)."""
-        h = self.norm(hidden)
-        w = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return linear(h, w).float()
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """(V, dim): the output projection (the embedding table when tied)."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def head(self, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm + output projection: (B, T, dim) -> float32 logits (B, T, V), or over
+        the token ids ``vocab`` only (B, T, len(vocab))."""
+        w = self.output_weight if vocab is None else self.output_weight[vocab]
+        return linear(self.norm(hidden), w).float()
 
     def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                 cache: CacheView | None = None, doc_ids: torch.Tensor | None = None,
@@ -180,6 +185,20 @@ class Transformer(nn.Module):
         last position only (prefill needs nothing else); ``logits_at`` (B,) for one chosen
         position per row (prefill of right-padded prompts), giving (B, 1, V).
         """
+        x = self.hidden(tokens, positions=positions, cache=cache, doc_ids=doc_ids)
+        B = x.shape[0]
+        if logits_at is not None:
+            h = x[torch.arange(B, device=x.device), logits_at].unsqueeze(1)
+        else:
+            h = x[:, -1:] if last_only else x
+        logits = self.head(h)
+        return (logits, x) if return_hidden else logits
+
+    def hidden(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
+               cache: CacheView | None = None, doc_ids: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """The last hidden states (B, T, dim), before the final norm (``forward`` without the
+        head; arguments as there)."""
         B, T = tokens.shape
         mask: torch.Tensor | None = None
         if cache is not None:
@@ -206,9 +225,4 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache)
-        if logits_at is not None:
-            h = x[torch.arange(B, device=x.device), logits_at].unsqueeze(1)
-        else:
-            h = x[:, -1:] if last_only else x
-        logits = self.head(h)
-        return (logits, x) if return_hidden else logits
+        return x

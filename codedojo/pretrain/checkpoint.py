@@ -114,7 +114,12 @@ def load_weights(path: str | Path, model: nn.Module, mtp: MTP | None = None) -> 
         sd = {bare_to_wrapped.get(k, k): v for k, v in sd.items()}
     model.load_state_dict(sd, strict=True)
     if mtp is not None:
-        mtp.load_state_dict(load_file(str(path / "mtp.safetensors")))
+        # A checkpoint from before the draft vocabulary was chosen (an earlier stage, or a
+        # config that gained `mtp_draft_vocab`) lacks it: the MTP stage chooses it then.
+        res = mtp.load_state_dict(load_file(str(path / "mtp.safetensors")), strict=False)
+        if res.unexpected_keys or set(res.missing_keys) - {"draft_vocab"}:
+            raise RuntimeError(f"{path}: MTP weights do not match the configured modules "
+                               f"(missing {res.missing_keys}, unexpected {res.unexpected_keys})")
     return ModelConfig.model_validate_json((path / "model_config.json").read_text())
 
 

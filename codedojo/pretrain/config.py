@@ -24,6 +24,8 @@ class ModelSpec(BaseModel):
     activation_checkpointing: bool = Field(False, description="Recompute each block's "
                                            "activations in backward (memory for compute).")
     n_mtp: int = Field(0, ge=0, description="MTP modules to attach (0: none).")
+    mtp_draft_vocab: int = Field(0, ge=0, description="Draft (and distil) MTP over the N most "
+                                 "frequent tokens of the training data (0: the full vocab).")
     tiny_overrides: dict[str, object] = Field(default_factory=dict,
                                               description="ModelConfig fields for base = tiny.")
 

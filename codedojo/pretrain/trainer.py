@@ -75,19 +75,22 @@ def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
     """The loss of one micro-batch, by stage kind."""
     tokens, targets, mask = batch["tokens"], batch["targets"], batch["loss_mask"]
     fwd = {"positions": batch["positions"], "doc_ids": batch["doc_ids"]}
-    if mode == "distill":
-        with torch.no_grad():  # the main model is the frozen teacher
-            logits, hidden = model(tokens, return_hidden=True, **fwd)
-        ce = masked_ce(logits, targets, mask)
+    vocab = mtp.draft_vocab if mtp is not None else None
+    metrics: dict[str, float] = {}
+    if mode == "distill":  # the main model is the frozen teacher, over the draft vocabulary
+        with torch.no_grad():
+            hidden = model.hidden(tokens, **fwd)
+            teacher = model.head(hidden, vocab)
+        loss = teacher.new_zeros(())
     else:
         logits, hidden = model(tokens, return_hidden=True, **fwd)
-        ce = masked_ce(logits, targets, mask)
-    metrics = {"ce": float(ce.detach())}
-    loss = ce if mode != "distill" else ce.new_zeros(())
+        loss = masked_ce(logits, targets, mask)
+        metrics["ce"] = float(loss.detach())
+        teacher = logits if vocab is None else logits[..., vocab]
     if mode in ("distill", "joint"):
         assert mtp is not None
         hs = mtp(hidden, tokens, batch["positions"], model.embed, batch["doc_ids"])
-        kl = distill_loss([model.head(h) for h in hs], logits, mask)
+        kl = distill_loss([model.head(h, vocab) for h in hs], teacher, mask)
         metrics["mtp_kl"] = float(kl.detach())
         loss = loss + (kl if mode == "distill" else mtp_weight * kl)
     aux = moe_aux_loss(model)
@@ -145,7 +148,7 @@ def build_model(cfg: PretrainConfig) -> tuple[Transformer, MTP | None]:
     model.train()
     mtp = None
     if cfg.model.n_mtp > 0:
-        mtp = MTP(model.cfg, cfg.model.n_mtp)
+        mtp = MTP(model.cfg, cfg.model.n_mtp, cfg.model.mtp_draft_vocab)
         try:
             mtp.init_from_model(model)
         except ValueError:
@@ -232,9 +235,11 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
                                                       loader.packed.segments,
                                                       loader.packed.mask)))
         with torch.no_grad():
-            _, hidden = model(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"],
-                              return_hidden=True)
+            hidden = model.hidden(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"])
         mtp.calibrate(hidden)
+        if mtp.draft_vocab is not None:
+            counts = np.bincount(loader.packed.tokens.reshape(-1), minlength=model.cfg.vocab_size)
+            mtp.set_draft_vocab(torch.from_numpy(counts))
     trainable = [p for _, p in params]
     losses = []
     gamma = model.cfg.moe.bias_update_speed if model.cfg.moe is not None else 0.0

@@ -7,6 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from codedojo.engine.speculative import (
+    DraftHead,
     MTPDrafter,
     TransformerTarget,
     accept_drafts,
@@ -121,15 +122,18 @@ class MarkovDrafter:
         return ds, qs
 
 
-@pytest.mark.parametrize("temperature", [0.7])
-def test_speculative_sampling_matches_target_distribution(temperature):
+@pytest.mark.parametrize(("temperature", "draft_vocab"), [(0.7, [0, 1, 2]), (0.7, [0, 1])])
+def test_speculative_sampling_matches_target_distribution(temperature, draft_vocab):
     """Chi-square over the joint of 3 generated tokens (27 cells): drafts from a different
-    chain, rejections, residual resampling, bonus tokens and truncation at max_new_tokens."""
+    chain, rejections, residual resampling, bonus tokens and truncation at max_new_tokens.
+    A draft vocabulary that leaves token 2 out (it is never drafted, only resampled) keeps
+    the target distribution too."""
     g = torch.Generator().manual_seed(0)
     V, n_new = 3, 3
     P = torch.rand(V, V, generator=g, dtype=torch.float64) + 0.2
     P /= P.sum(-1, keepdim=True)
     Q = torch.rand(V, V, generator=g, dtype=torch.float64) + 0.05
+    Q[:, [t for t in range(V) if t not in draft_vocab]] = 0.0
     Q /= Q.sum(-1, keepdim=True)
     Pt = target_probs(P.log(), temperature)
     expected = {}
@@ -162,3 +166,20 @@ def test_speculative_sampling_matches_target_distribution(temperature):
             prob, prev = prob * float(Qt[prev, t]), t
         wrong.append(prob * n)
     assert chisquare(obs, wrong).pvalue < 1e-6
+
+
+def test_draft_head_over_a_draft_vocabulary():
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(vocab_size=40, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                           ffn_dim=32, max_seq_len=64)
+    model = Transformer(cfg).eval()
+    vocab = torch.tensor([1, 4, 9, 30])
+    h = torch.randn(1, 3, 16)
+    with torch.no_grad():
+        full, sub = model.head(h), DraftHead(model, vocab)(h)
+    assert sub.shape == full.shape
+    torch.testing.assert_close(sub[..., vocab], full[..., vocab])
+    outside = torch.ones(40, dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.isneginf(sub[..., outside]).all()
+    assert set(target_probs(sub[0, -1], 0.0).nonzero().flatten().tolist()) <= set(vocab.tolist())

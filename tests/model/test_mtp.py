@@ -60,3 +60,19 @@ def test_distillation_pulls_modules_toward_main_head():
         opt.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.7 * losses[0]
+
+
+def test_draft_vocabulary_is_saved_and_bounded(tmp_path):
+    cfg = ModelConfig.tiny(vocab_size=50, n_layers=2, n_mtp=2)
+    mtp = MTP(cfg, 2, draft_vocab=5)
+    counts = torch.zeros(50)
+    counts[[3, 17, 40, 41, 8]] = torch.tensor([9.0, 8, 7, 6, 5])
+    mtp.set_draft_vocab(counts)
+    assert mtp.draft_vocab.tolist() == [3, 8, 17, 40, 41]
+    save_mtp(mtp, tmp_path)
+    again = load_mtp(tmp_path, cfg)
+    assert again is not None and again.draft_vocab.tolist() == [3, 8, 17, 40, 41]
+    with pytest.raises(ValueError, match="draft_vocab"):
+        MTP(cfg, 2, draft_vocab=51)
+    with pytest.raises(ValueError, match="without a draft vocabulary"):
+        MTP(cfg, 2).set_draft_vocab(counts)

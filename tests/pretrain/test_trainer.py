@@ -126,3 +126,19 @@ def test_masked_ce_of_a_row_without_trained_tokens_is_zero():
     loss = masked_ce(logits, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.bool))
     loss.backward()
     assert float(loss.detach()) == 0.0 and torch.isfinite(logits.grad).all()
+
+
+def test_distill_over_a_draft_vocabulary_of_frequent_tokens(tmp_path):
+    cfg = _cfg(tmp_path, mtp="distill", steps=3, lr=3e-3)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"mtp_draft_vocab": 8})})
+    model, mtp = build_model(cfg)
+    loader = _loader()
+    losses = train_stage(cfg, 0, model, mtp, loader, tmp_path)
+    counts = np.bincount(loader.packed.tokens.reshape(-1), minlength=64)
+    chosen = mtp.draft_vocab.tolist()
+    assert len(chosen) == 8 and chosen == sorted(chosen)
+    assert min(counts[chosen]) >= max(np.delete(counts, chosen))  # the 8 most frequent
+    assert all(np.isfinite(losses))
+    model2, mtp2 = build_model(cfg)  # the checkpoint carries the vocabulary
+    load_weights(tmp_path / "ckpt" / "bulk", model2, mtp2)
+    assert mtp2.draft_vocab.tolist() == chosen

@@ -1,0 +1,94 @@
+"""The engine decoding speculatively: same tokens and logprobs as plain decoding, stops and
+limits inside accepted drafts, and back to plain decoding when a second request joins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codedojo.engine.engine import Engine
+from codedojo.engine.reference import sequence_logprobs
+from codedojo.engine.speculative import DraftHead, MTPDrafter, TransformerTarget
+from codedojo.engine.types import SamplingParams
+from codedojo.model.config import ModelConfig
+from codedojo.model.mtp import MTP
+from codedojo.model.transformer import Transformer
+from tests.engine.test_speculative import OracleDrafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PROMPT = [5, 9, 2, 31, 7]
+
+
+@pytest.fixture()
+def model() -> Transformer:
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig.tiny(vocab_size=64, max_seq_len=128)).eval()
+    with torch.no_grad():
+        m.tok_embeddings.weight.mul_(20)  # peaked next-token distributions
+    return m
+
+
+def mtp_drafter(model: Transformer, draft_vocab: int) -> MTPDrafter:
+    mtp = MTP(model.cfg, 2, draft_vocab)
+    mtp.init_from_model(model)
+    if draft_vocab:
+        mtp.set_draft_vocab(torch.arange(model.cfg.vocab_size).flip(0))
+    return MTPDrafter(mtp.eval(), model.embed, DraftHead(model, mtp.draft_vocab))
+
+
+def plain(model: Transformer, params: SamplingParams) -> list:
+    return [Engine(model, max_batch=2).generate([PROMPT], params)[0]]
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 24])
+def test_greedy_tokens_and_logprobs_equal_plain_decoding(model: Transformer,
+                                                         draft_vocab: int) -> None:
+    params = SamplingParams(max_tokens=30, temperature=0)
+    engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, draft_vocab))
+    got = engine.generate([PROMPT], params)[0]
+    ref = plain(model, params)[0]
+    assert got.token_ids == ref.token_ids and got.finish_reason == "length"
+    assert max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs, strict=True)) < 1e-4
+    st = engine.spec_stats
+    assert st.rounds > 0 and st.emitted + 1 == len(got.token_ids)  # +1: the prefill token
+
+
+def test_oracle_drafts_stop_and_limit_inside_a_round(model: Transformer) -> None:
+    ref = plain(model, SamplingParams(max_tokens=12, temperature=0))[0].token_ids
+    engine = Engine(model, max_batch=2, drafter=OracleDrafter(TransformerTarget(model), 3))
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0))[0]
+    assert out.token_ids == ref[:10] and out.finish_reason == "length"
+    st = engine.spec_stats  # every draft accepted; the last round drafts only what fits
+    assert st.accepted == st.drafted == 6 and st.accepted_per_round == [3, 3, 0]
+    stop = ref[5]
+    cut = ref.index(stop)
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0,
+                                                   stop_token_ids=[stop]))[0]
+    assert out.token_ids == ref[: cut + 1] and out.finish_reason == "stop"
+
+
+def test_sampled_logprobs_are_the_target_distributions(model: Transformer) -> None:
+    engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, 0))
+    for seed in (1, 2):
+        out = engine.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0.8,
+                                                       seed=seed))[0]
+        ref = sequence_logprobs(model, PROMPT, out.token_ids, temperature=0.8)
+        assert max(abs(a - b) for a, b in zip(ref, out.logprobs, strict=True)) < 1e-4
+    assert engine.spec_stats.rounds > 0
+
+
+def test_a_joining_request_switches_to_plain_batching(model: Transformer) -> None:
+    params = SamplingParams(max_tokens=20, temperature=0)
+    engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, 0))
+    first = engine.submit(PROMPT, params)
+    for _ in range(3):
+        engine.step()
+    rounds = engine.spec_stats.rounds
+    second = engine.submit([3, 3, 8], params)
+    while not (first.done.is_set() and second.done.is_set()):
+        engine.step()
+    assert engine.spec_stats.rounds == rounds > 0  # no speculative round once two are live
+    plain_engine = Engine(model, max_batch=2)
+    want = plain_engine.generate([PROMPT, [3, 3, 8]], params)
+    assert first.completion().token_ids == want[0].token_ids
+    assert second.completion().token_ids == want[1].token_ids
