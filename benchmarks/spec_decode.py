@@ -1,8 +1,10 @@
 """Speculative decoding with MTP drafts vs plain decoding, batch 1, on held-out code prompts.
 
 Uses the checkpoint `dojo pretrain configs/cpt-smollm2.toml` writes (SmolLM2-135M after CPT, with
-MTP modules trained by self-distillation). Both sides run in this process on the same prompts;
-greedy, so both emit identical text (checked). Prints one JSON line.
+MTP modules trained by self-distillation, drafting over its draft vocabulary). Both sides are the
+engine `dojo serve` runs, one request at a time, in this process, on the same prompts: plain
+(`Engine(model)`) and speculative (`Engine(model, drafter=...)`). Greedy, so both must emit
+identical tokens (checked). Prints one JSON line.
 
     python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 6] [--new 64]
 """
@@ -32,15 +34,12 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from codedojo.data.shards import TokenShards
-    from codedojo.engine.speculative import (
-        SpecStats,
-        TransformerTarget,
-        load_drafter,
-        plain_generate,
-        speculative_generate,
-    )
+    from codedojo.engine.engine import Engine
+    from codedojo.engine.speculative import load_drafter
+    from codedojo.engine.types import SamplingParams
     from codedojo.model.config import ModelConfig
     from codedojo.model.weights import build_model
+    from codedojo.ops import kernel_status
 
     ck = Path(args.ckpt)
     if not (ck / "model.safetensors").exists():
@@ -59,41 +58,37 @@ def main() -> None:
             prompts.append(d[: args.prompt_len].tolist())
         if len(prompts) == args.prompts:
             break
-    target = TransformerTarget(model, max_len)
-    plain_generate(target, prompts[0][:16], 4)  # warm-up
-    speculative_generate(target, drafter, prompts[0][:16], 4)
-    total = SpecStats()
+    plain = Engine(model, max_batch=1, max_seq_len=max_len)
+    spec = Engine(model, max_batch=1, max_seq_len=max_len, drafter=drafter)
+    params = SamplingParams(max_tokens=args.new, temperature=0)
+    for eng in (plain, spec):  # warm-up
+        eng.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0))
+    spec.spec_stats.__init__()  # count the measured prompts only
     t_plain = t_spec = 0.0
     n_plain = n_spec = 0
     same = True
-    for p in prompts:
+    for p in prompts:  # alternate, so both sides see the same machine load
         t0 = time.perf_counter()
-        ref = plain_generate(target, p, args.new)
+        ref = plain.generate([p], params)[0].token_ids
         t_plain += time.perf_counter() - t0
-        n_plain += len(ref)
         t0 = time.perf_counter()
-        res = speculative_generate(target, drafter, p, args.new)
+        got = spec.generate([p], params)[0].token_ids
         t_spec += time.perf_counter() - t0
-        n_spec += len(res.tokens)
-        same &= res.tokens == ref
-        s = res.stats
-        total.rounds += s.rounds
-        total.target_passes += s.target_passes
-        total.drafted += s.drafted
-        total.accepted += s.accepted
-        total.first_accepted += s.first_accepted
-        total.emitted += s.emitted
+        n_plain, n_spec = n_plain + len(ref), n_spec + len(got)
+        same &= got == ref
+    st = spec.spec_stats
     plain_tok_s, spec_tok_s = n_plain / t_plain, n_spec / t_spec
+    vocab = drafter.mtp.draft_vocab
     print(json.dumps({
-        "accept_first": round(total.accept_first, 4),
-        "mean_accepted": round(total.mean_accepted, 4),
-        "accept_rate": round(total.accept_rate, 4),
-        "tokens_per_pass": round(total.tokens_per_pass, 4),
+        "accept_first": round(st.accept_first, 4),
+        "mean_accepted": round(st.mean_accepted, 4),
+        "accept_rate": round(st.accept_rate, 4),
+        "tokens_per_pass": round(st.tokens_per_pass, 4),
         "spec_tok_s": round(spec_tok_s, 2), "plain_tok_s": round(plain_tok_s, 2),
         "speedup": round(spec_tok_s / plain_tok_s, 3), "greedy_identical": same,
-        "n_mtp": drafter.depth, "draft_vocab": int(len(drafter.mtp.draft_vocab))
-        if drafter.mtp.draft_vocab is not None else cfg.vocab_size, "prompts": len(prompts), "new_tokens": args.new, "batch": 1,
-        "threads": args.threads, "ckpt": str(ck)}))
+        "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
+        "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,
+        "batch": 1, "threads": args.threads, "kernel": kernel_status(), "ckpt": str(ck)}))
 
 
 if __name__ == "__main__":
