@@ -35,7 +35,7 @@ def main() -> None:
 
     from codedojo.data.shards import TokenShards
     from codedojo.engine.engine import Engine
-    from codedojo.engine.speculative import load_drafter
+    from codedojo.engine.speculative import SpecStats, load_drafter
     from codedojo.engine.types import SamplingParams
     from codedojo.model.config import ModelConfig
     from codedojo.model.weights import build_model
@@ -63,7 +63,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.new, temperature=0)
     for eng in (plain, spec):  # warm-up
         eng.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0))
-    spec.spec_stats.__init__()  # count the measured prompts only
+    spec.spec_stats = SpecStats()  # count the measured prompts only
     t_plain = t_spec = 0.0
     n_plain = n_spec = 0
     same = True
