@@ -23,7 +23,6 @@ address; non-HTTP streams are refused outright.
 from __future__ import annotations
 
 import asyncio
-import functools
 import ipaddress
 import socket
 import threading
@@ -403,11 +402,10 @@ class EgressAddon:
             except ValueError:
                 pass
         loop = asyncio.get_running_loop()
-        # Python's socket.getaddrinfo on a worker thread, as asyncio's default loop does, whatever
-        # loop runs the proxy (uvloop would resolve through libuv instead).
-        lookup = functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
         try:
-            infos = await asyncio.wait_for(loop.run_in_executor(None, lookup), RESOLVE_TIMEOUT_S)
+            infos = await asyncio.wait_for(
+                loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), RESOLVE_TIMEOUT_S
+            )
         except (OSError, TimeoutError, UnicodeError) as e:
             raise Blocked(502, f"cannot resolve {host!r}: {e}") from None
         ips: list[IPAddress] = []

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Literal
 
 import psutil
-import uvloop
 from pydantic import BaseModel, ConfigDict, Field
 
 from codedojo.egress.addon import EgressAddon, Registry, SandboxClient
@@ -156,9 +155,7 @@ class EgressProxy:
         self.stop()
 
     def _serve(self) -> None:
-        # uvloop: the proxy's per-request cost is mostly event-loop and socket overhead in
-        # mitmproxy's layers, which libuv's loop roughly halves.
-        loop = uvloop.new_event_loop()
+        loop = asyncio.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)
         try:
