@@ -89,7 +89,12 @@ class Engine:
     """Batched, continuously-batched generation over a ``Transformer``."""
 
     def __init__(self, model: Transformer, *, max_batch: int = 16,
-                 max_seq_len: int | None = None, drafter: Drafter | None = None) -> None:
+                 max_seq_len: int | None = None, drafter: Drafter | None = None,
+                 spec_min_tokens_per_pass: float = 0.0, spec_probe_rounds: int = 64) -> None:
+        """``drafter``: MTP drafts for speculative decoding. Speculation stops for good when,
+        after ``spec_probe_rounds`` rounds, the drafts yield fewer than
+        ``spec_min_tokens_per_pass`` tokens per target pass (a round costs more than a plain
+        step, so weak drafts slow decoding down; 0 never stops)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         cfg = model.cfg
@@ -105,6 +110,8 @@ class Engine:
         self.weight_version = 0
         self.drafter = drafter
         self.spec_stats = SpecStats()  # over every speculative round of this engine
+        self.spec_min_tokens_per_pass = spec_min_tokens_per_pass
+        self.spec_probe_rounds = spec_probe_rounds
         self._spec: tuple[Request, SpeculativeSession] | None = None
         self._waiting: deque[Request] = deque()
         self._live: list[Request] = []  # request i lives in cache slot i
@@ -266,8 +273,16 @@ class Engine:
             if batch:
                 self._prefill(batch)
 
+    @property
+    def speculating(self) -> bool:
+        """Whether a lone request will decode speculatively (a drafter, not switched off)."""
+        st = self.spec_stats
+        weak = (st.rounds >= self.spec_probe_rounds
+                and st.tokens_per_pass < self.spec_min_tokens_per_pass)
+        return self.drafter is not None and not weak
+
     def _speculates(self, req: Request) -> bool:
-        p = self.drafter is not None and not self._live and not self._waiting
+        p = self.speculating and not self._live and not self._waiting
         return p and req.params.top_k == 0 and req.params.top_p == 1.0 and (
             not req.params.top_logprobs)
 

@@ -92,3 +92,14 @@ def test_a_joining_request_switches_to_plain_batching(model: Transformer) -> Non
     want = plain_engine.generate([PROMPT, [3, 3, 8]], params)
     assert first.completion().token_ids == want[0].token_ids
     assert second.completion().token_ids == want[1].token_ids
+
+
+def test_weak_drafts_switch_speculation_off(model: Transformer) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0)
+    engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, 0),
+                    spec_min_tokens_per_pass=3.5, spec_probe_rounds=8)  # 3 at most with 2 drafts
+    ref = plain(model, params)[0].token_ids
+    outs = [engine.generate([PROMPT], params)[0].token_ids for _ in range(3)]
+    assert all(o == ref for o in outs)
+    assert not engine.speculating
+    assert 8 <= engine.spec_stats.rounds < 3 * 11  # stopped after probing, not every request
