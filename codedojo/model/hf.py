@@ -150,7 +150,7 @@ def save_hf(model_or_sd: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelCo
 
 
 def load_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
-    """Read an HF directory (config.json + *.safetensors) -> (our state dict, config)."""
+    """Read an HF directory (config.json + model*.safetensors) -> (our state dict, config)."""
     from safetensors.torch import load_file
 
     d = Path(path)
@@ -158,9 +158,10 @@ def load_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     if not conf_path.exists():
         raise FileNotFoundError(f"{conf_path} not found (an HF model directory needs config.json)")
     cfg = config_from_hf(json.loads(conf_path.read_text()))
-    files = sorted(d.glob("*.safetensors"))
+    # Model shards only: a checkpoint may carry side modules beside them (mtp.safetensors).
+    files = sorted(f for f in d.glob("*.safetensors") if f.name.startswith("model"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors under {d}")
+        raise FileNotFoundError(f"no model*.safetensors under {d}")
     hf_sd: dict[str, torch.Tensor] = {}
     for f in files:
         hf_sd.update(load_file(str(f)))

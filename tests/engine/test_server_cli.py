@@ -1,4 +1,5 @@
-"""`dojo serve` as a user runs it: a subprocess that prints its URL once ready, then answers."""
+"""`dojo serve` as a user runs it: a subprocess that prints its URL once ready, then answers.
+The checkpoint carries MTP modules, so it decodes speculatively."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from codedojo.model.config import ModelConfig
 from codedojo.model.hf import save_hf
+from codedojo.model.mtp import MTP, save_mtp
 from codedojo.model.tokenizer import tiny_tokenizer
 from codedojo.model.transformer import Transformer
 
@@ -26,6 +28,9 @@ def test_dojo_serve_prints_url_and_serves(tmp_path):
     model.init_weights()
     save_hf(model, cfg, tmp_path / "m")
     tok.save(tmp_path / "m")
+    mtp = MTP(cfg, 2, draft_vocab=32)
+    mtp.set_draft_vocab(torch.arange(cfg.vocab_size, dtype=torch.float))
+    save_mtp(mtp, tmp_path / "m")
 
     cmd = [sys.executable, "-c", "from codedojo.cli import main; main()", "serve", "--model", str(tmp_path / "m"),
            "--port", "0", "--max-batch", "2", "--served-name", "tiny"]
@@ -34,12 +39,14 @@ def test_dojo_serve_prints_url_and_serves(tmp_path):
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     try:
-        url = None
+        url, seen = None, []
         while url is None:
             line = lines.get(timeout=180)
+            seen.append(line)
             if line.startswith("Serving tiny at "):
                 url = line.split(" at ", 1)[1].strip()
         assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+        assert any(ln.startswith("Speculative decoding with 2 MTP modules") for ln in seen), seen
         with httpx.Client(timeout=60) as http:
             r = http.post(url + "/chat/completions", json={
                 "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
