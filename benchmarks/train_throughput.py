@@ -2,7 +2,9 @@
 
 Both load SmolLM2-135M-Instruct (ours through `load_model`, HF's `LlamaForCausalLM` from the same
 converted safetensors directory), then time full steps (forward, loss, backward, AdamW step) on
-the same random token batch, in this process. Prints one JSON line.
+the same random token batch, in this process, float32 on both sides. Ours is the step `dojo
+pretrain` runs (`stage_loss`: the loss fused with the output projection, `build_adamw`); HF's is
+what its Trainer does by default (`labels=` loss, fused AdamW). Prints one JSON line.
 
     python benchmarks/train_throughput.py [--batch 4] [--seq 256] [--steps 4]
 """
@@ -13,8 +15,8 @@ import argparse
 import json
 import time
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 
 def _time_steps(step, n: int, warmup: int = 1) -> float:
@@ -37,7 +39,10 @@ def main() -> None:
 
     import transformers
 
+    from codedojo.data.packing import make_batch
     from codedojo.model.weights import DEFAULT_MODEL, converted_dir, load_model
+    from codedojo.pretrain.optim import build_adamw
+    from codedojo.pretrain.trainer import stage_loss
 
     ours, cfg = load_model(DEFAULT_MODEL)
     ours.train()
@@ -47,13 +52,14 @@ def main() -> None:
     hf.train()
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    opt_o = torch.optim.AdamW(ours.parameters(), lr=1e-5)
-    opt_h = torch.optim.AdamW(hf.parameters(), lr=1e-5)
+    x = tokens[:, :-1]
+    batch = make_batch(tokens.numpy(), np.zeros(tokens.shape, np.int32),
+                       np.ones(tokens.shape, bool))
+    opt_o = build_adamw(list(ours.named_parameters()), 1e-5, 0.0, (0.9, 0.999))
+    opt_h = torch.optim.AdamW(hf.parameters(), lr=1e-5, fused=True)
 
     def step_ours() -> None:
-        logits = ours(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss, _ = stage_loss(ours, None, batch, "off", 0.0)
         loss.backward()
         opt_o.step()
         opt_o.zero_grad(set_to_none=True)

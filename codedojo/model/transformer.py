@@ -211,7 +211,8 @@ class Transformer(nn.Module):
             if doc_ids.shape != tokens.shape:
                 raise ValueError(f"doc_ids: shape {tuple(doc_ids.shape)} != tokens "
                                  f"{tuple(tokens.shape)}")
-            mask = document_mask(doc_ids)
+            if not bool((doc_ids == doc_ids[:, :1]).all()):  # one document per row: causal
+                mask = document_mask(doc_ids)
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         elif positions.shape != tokens.shape:

@@ -65,4 +65,11 @@ def apply_fsdp(model: nn.Module, bf16: bool = True) -> nn.Module:
     for blk in model.layers:
         fully_shard(blk, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    # The loop calls these besides forward (the fused loss and the MTP distillation); FSDP2
+    # gathers the root's parameters for them too. The root keeps its parameters unsharded
+    # after a forward, so the final norm and output projection stay usable until backward.
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    for name in ("hidden", "head"):
+        register_fsdp_forward_method(model, name)
     return model

@@ -31,8 +31,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from codedojo.data.mixture import MixtureSource, mix
 from codedojo.data.packing import Packed, PackedLoader, make_batch, pack
@@ -49,6 +47,7 @@ from codedojo.pretrain.checkpoint import (
     save_checkpoint,
 )
 from codedojo.pretrain.config import PretrainConfig, StageConfig
+from codedojo.pretrain.loss import linear_cross_entropy
 from codedojo.pretrain.optim import build_adamw, wsd_lr
 from codedojo.pretrain.parallel import (
     apply_activation_checkpointing,
@@ -63,13 +62,6 @@ Batch = dict[str, torch.Tensor]
 # ---- losses -----------------------------------------------------------------------------------
 
 
-def masked_ce(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over trained positions. logits (B, T, V). A micro-batch
-    with no trained position (an SFT row holding only a long prompt) gives 0, not NaN."""
-    ce = F.cross_entropy(logits[mask].float(), targets[mask], reduction="sum")
-    return ce / mask.sum().clamp(min=1)
-
-
 def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
                mtp_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one micro-batch, by stage kind."""
@@ -82,11 +74,13 @@ def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
             hidden = model.hidden(tokens, **fwd)
             teacher = model.head(hidden, vocab)
         loss = teacher.new_zeros(())
-    else:
-        logits, hidden = model(tokens, return_hidden=True, **fwd)
-        loss = masked_ce(logits, targets, mask)
+    else:  # next-token loss fused with the head (`loss.py`): no full-size logits
+        hidden = model.hidden(tokens, **fwd)
+        loss = linear_cross_entropy(model.norm(hidden), model.output_weight, targets, mask)
         metrics["ce"] = float(loss.detach())
-        teacher = logits if vocab is None else logits[..., vocab]
+        if mode == "joint":
+            with torch.no_grad():
+                teacher = model.head(hidden, vocab)
     if mode in ("distill", "joint"):
         assert mtp is not None
         hs = mtp(hidden, tokens, batch["positions"], model.embed, batch["doc_ids"])
@@ -101,15 +95,16 @@ def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
 
 
 @torch.no_grad()
-def eval_loss(model: nn.Module, batches: list[Batch]) -> float:
+def eval_loss(model: Transformer, batches: list[Batch]) -> float:
     """Token-weighted held-out loss over a fixed set of batches."""
     was = model.training
     model.eval()
     tot, n = 0.0, 0
     for b in batches:
-        logits = model(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"])
+        hidden = model.hidden(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"])
         m = b["loss_mask"]
-        tot += float(F.cross_entropy(logits[m].float(), b["targets"][m], reduction="sum"))
+        mean = linear_cross_entropy(model.norm(hidden), model.output_weight, b["targets"], m)
+        tot += float(mean) * int(m.sum())
         n += int(m.sum())
     model.train(was)
     return tot / max(1, n)
