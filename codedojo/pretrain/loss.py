@@ -29,19 +29,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(h.dtype, torch.float32)  # bf16 inputs: float32 sums
         total = h.new_zeros((), dtype=acc)
         dh = torch.empty_like(h) if want_h else None
-        dw = torch.zeros_like(w, dtype=acc) if want_w else None
-        for s in range(0, h.shape[0], chunk):
-            hc, tc = h[s:s + chunk], targets[s:s + chunk]
-            logits = (hc @ w.t()).to(acc)  # (C, V)
-            lse = torch.logsumexp(logits, -1)
-            total += (lse - logits.gather(1, tc[:, None])[:, 0]).sum()
+        dw: torch.Tensor | None = None
+        for i in range(0, h.shape[0], chunk):
+            hc, tc = h[i:i + chunk], targets[i:i + chunk]
+            # One (C, V) buffer per chunk, worked in place: shift by the max, exponentiate,
+            # normalise (a fresh full-size temporary costs page faults as well as bandwidth).
+            z = (hc @ w.t()).to(acc)  # (C, V) logits
+            z.sub_(z.amax(-1, keepdim=True))
+            picked = z.gather(1, tc[:, None])[:, 0]
+            e = z.exp_()
+            norm = e.sum(-1)
+            total += (norm.log() - picked).sum()  # log-sum-exp minus the target's logit
             if want_h or want_w:
-                p = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                p = e.div_(norm[:, None])  # softmax
                 p[torch.arange(len(tc)), tc] -= 1.0  # d loss / d logits
                 if dh is not None:
-                    dh[s:s + chunk] = p.to(h.dtype) @ w
-                if dw is not None:
-                    dw.addmm_(p.t(), hc.to(acc))
+                    dh[i:i + chunk] = p.to(h.dtype) @ w
+                if want_w:  # the first chunk writes, the rest accumulate (no zero fill)
+                    dw = p.t() @ hc.to(acc) if dw is None else dw.addmm_(p.t(), hc.to(acc))
+        if want_w and dw is None:  # no trained position
+            dw = torch.zeros_like(w)
         ctx.save_for_backward(dh if dh is not None else h.new_empty(0),
                               dw.to(w.dtype) if dw is not None else w.new_empty(0))
         return total
