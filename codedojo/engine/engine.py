@@ -28,6 +28,7 @@ continues in the batch with plain decoding.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -60,6 +61,7 @@ def input_major_weights(model: torch.nn.Module) -> None:
                 p.data = p.data.t().contiguous().t()
 
 
+log = logging.getLogger(__name__)
 PREFILL_TOKENS = 4096  # padded tokens per batched prefill pass
 
 
@@ -276,10 +278,16 @@ class Engine:
     @property
     def speculating(self) -> bool:
         """Whether a lone request will decode speculatively (a drafter, not switched off)."""
+        if self.drafter is None:
+            return False
         st = self.spec_stats
-        weak = (st.rounds >= self.spec_probe_rounds
-                and st.tokens_per_pass < self.spec_min_tokens_per_pass)
-        return self.drafter is not None and not weak
+        if st.rounds >= self.spec_probe_rounds and st.tokens_per_pass < self.spec_min_tokens_per_pass:
+            log.warning("speculative decoding off: %.2f tokens per target pass over %d rounds "
+                        "(< %.2f); decoding plainly", st.tokens_per_pass, st.rounds,
+                        self.spec_min_tokens_per_pass)
+            self.drafter = None
+            return False
+        return True
 
     def _speculates(self, req: Request) -> bool:
         p = self.speculating and not self._live and not self._waiting

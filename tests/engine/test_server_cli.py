@@ -41,7 +41,11 @@ def test_dojo_serve_prints_url_and_serves(tmp_path):
     try:
         url, seen = None, []
         while url is None:
-            line = lines.get(timeout=180)
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                assert proc.poll() is None, f"dojo serve exited early: {''.join(seen)}"
+                continue
             seen.append(line)
             if line.startswith("Serving tiny at "):
                 url = line.split(" at ", 1)[1].strip()
