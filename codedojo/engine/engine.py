@@ -226,7 +226,7 @@ class Engine:
             for k, v in state_dict.items():
                 own[k].copy_(v)
             self.weight_version = int(version)
-            refresh = getattr(getattr(self.drafter, "head", None), "refresh", None)
+            refresh = getattr(self.drafter, "refresh", None)  # drafts read the new head
             if refresh is not None:
                 refresh()
 
@@ -278,21 +278,20 @@ class Engine:
     @property
     def speculating(self) -> bool:
         """Whether a lone request will decode speculatively (a drafter, not switched off)."""
-        if self.drafter is None:
-            return False
+        return self.drafter is not None
+
+    def _speculates(self, req: Request) -> bool:
         st = self.spec_stats
-        if st.rounds >= self.spec_probe_rounds and st.tokens_per_pass < self.spec_min_tokens_per_pass:
+        if (self.drafter is not None and st.rounds >= self.spec_probe_rounds
+                and st.tokens_per_pass < self.spec_min_tokens_per_pass):
             log.warning("speculative decoding off: %.2f tokens per target pass over %d rounds "
                         "(< %.2f); decoding plainly", st.tokens_per_pass, st.rounds,
                         self.spec_min_tokens_per_pass)
             self.drafter = None
-            return False
-        return True
-
-    def _speculates(self, req: Request) -> bool:
-        p = self.speculating and not self._live and not self._waiting
-        return p and req.params.top_k == 0 and req.params.top_p == 1.0 and (
-            not req.params.top_logprobs)
+        p = req.params
+        alone = not self._live and not self._waiting
+        return (self.drafter is not None and alone and p.top_k == 0 and p.top_p == 1.0
+                and not p.top_logprobs)
 
     def _prefill(self, batch: list[Request]) -> None:
         if len(batch) == 1 and self._speculates(batch[0]):

@@ -309,6 +309,12 @@ class MTPDrafter:
         self.caches = mtp.new_caches(self.max_len, self.dtype)
         self.reset()
 
+    def refresh(self) -> None:
+        """Follow new weights of the main model (its head, when sliced and copied)."""
+        refresh = getattr(self.head, "refresh", None)
+        if refresh is not None:
+            refresh()
+
     def reset(self) -> None:
         self.hidden: list[torch.Tensor | None] = [None] * (self.depth + 1)  # (1, T, D) per depth
         for c in self.caches:

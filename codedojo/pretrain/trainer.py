@@ -62,6 +62,12 @@ Batch = dict[str, torch.Tensor]
 # ---- losses -----------------------------------------------------------------------------------
 
 
+def next_token_loss(model: Transformer, hidden: torch.Tensor, targets: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over trained positions, fused with the model's head (`loss.py`)."""
+    return linear_cross_entropy(model.norm(hidden), model.output_weight, targets, mask)
+
+
 def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
                mtp_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one micro-batch, by stage kind."""
@@ -76,7 +82,7 @@ def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
         loss = teacher.new_zeros(())
     else:  # next-token loss fused with the head (`loss.py`): no full-size logits
         hidden = model.hidden(tokens, **fwd)
-        loss = linear_cross_entropy(model.norm(hidden), model.output_weight, targets, mask)
+        loss = next_token_loss(model, hidden, targets, mask)
         metrics["ce"] = float(loss.detach())
         if mode == "joint":
             with torch.no_grad():
@@ -103,7 +109,7 @@ def eval_loss(model: Transformer, batches: list[Batch]) -> float:
     for b in batches:
         hidden = model.hidden(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"])
         m = b["loss_mask"]
-        mean = linear_cross_entropy(model.norm(hidden), model.output_weight, b["targets"], m)
+        mean = next_token_loss(model, hidden, b["targets"], m)
         tot += float(mean) * int(m.sum())
         n += int(m.sum())
     model.train(was)
