@@ -25,7 +25,8 @@ from torch import nn
 
 from codedojo.model.config import ModelConfig
 from codedojo.model.rope import Rotary, apply_rotary
-from codedojo.ops import linear
+from codedojo.ops import decode_layers, linear
+from codedojo.ops.gemm import MAX_ROWS
 
 if TYPE_CHECKING:
     from codedojo.model.kv_cache import CacheView
@@ -119,6 +120,9 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+_EMPTY = torch.empty(0)  # "no bias" for decode_layers
+
+
 def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """doc_ids (B, T) -> bool (B, 1, T, T): causal and within the same document."""
     T = doc_ids.shape[1]
@@ -138,6 +142,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self._decode_weights: list[torch.Tensor] | None = None
         self.init_weights()
 
     @torch.no_grad()
@@ -194,6 +199,21 @@ class Transformer(nn.Module):
         logits = self.head(h)
         return (logits, x) if return_hidden else logits
 
+    def _dense_weights(self) -> list[torch.Tensor] | None:
+        """Every layer's parameters in ``codedojo.ops.decode_layers``' order (None with MoE
+        layers), listed once: loading weights and ``.to()`` keep the parameter objects."""
+        if self._decode_weights is None:
+            out: list[torch.Tensor] = []
+            for layer in self.layers:
+                attn, mlp = layer.attn, layer.mlp
+                if not isinstance(mlp, MLP):
+                    return None
+                bias = attn.wqkv.bias if attn.wqkv.bias is not None else _EMPTY
+                out += [layer.attn_norm.weight, attn.wqkv.weight, bias, attn.wo.weight,
+                        layer.mlp_norm.weight, mlp.w_gate_up.weight, mlp.w_down.weight]
+            self._decode_weights = out
+        return self._decode_weights
+
     def hidden(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                cache: CacheView | None = None, doc_ids: torch.Tensor | None = None
                ) -> torch.Tensor:
@@ -224,6 +244,17 @@ class Transformer(nn.Module):
         cos, sin = self.rotary.tables(positions)
         cos, sin = cos.to(self.tok_embeddings.weight.dtype), sin.to(self.tok_embeddings.weight.dtype)
         x = self.embed(tokens)
+        if (cache is not None and B * T <= MAX_ROWS
+                and (weights := self._dense_weights()) is not None):
+            # Decode steps and verification passes: every layer in one C++ call where the
+            # kernels take it.
+            slots = [cache.start + b for b in range(B) for _ in range(T)]
+            y = decode_layers(x.view(B * T, -1), weights, cache.cache.k, cache.cache.v, slots,
+                              store_pos.flatten().tolist(), cos.view(B * T, -1),
+                              sin.view(B * T, -1), self.cfg.n_heads, self.cfg.n_kv_heads,
+                              self.cfg.norm_eps)
+            if y is not None:
+                return y.view(B, T, -1)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache)
         return x

@@ -3,4 +3,4 @@
 from codedojo.ops import kernel_status, load_kernel
 
 load_kernel(verbose=False)
-print(f"small_gemm: {kernel_status()}")
+print(f"CPU kernels: {kernel_status()}")

@@ -4,10 +4,10 @@ Decoding multiplies 1-16 activation rows by each weight matrix. On the CPU, BLAS
 large row counts: at batch 1 it streams the weights at about half the read bandwidth, and at
 2-16 rows (a speculative verification pass, a small decode batch) it reads them several times
 over. ``small_gemm.cpp`` streams each weight matrix once per call whatever the row count (see
-``benchmarks/decode.py`` for the figures). The kernel is compiled once per machine with the
-system C++ compiler (``python -m codedojo.ops`` builds it ahead of time; ``make setup`` does)
-into ``$CODEDOJO_CACHE/kernels``; where it cannot be built, or with ``CODEDOJO_KERNELS=0``,
-everything goes through ``F.linear``. Training never uses it: inputs or weights that need
+``benchmarks/decode.py`` for the figures). The kernels (this one and ``decode_step.cpp``) are
+compiled once per machine with the system C++ compiler (``python -m codedojo.ops`` builds them
+ahead of time; ``make setup`` does) into ``$CODEDOJO_CACHE/kernels``; where they cannot be
+built, or with ``CODEDOJO_KERNELS=0``, everything goes through ``F.linear``. Training never uses it: inputs or weights that need
 gradients take the ``F.linear`` path.
 """
 
@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from codedojo.paths import cache_dir
 
 MAX_ROWS = 16  # above this BLAS is as fast (compute, not weight reads, dominates)
-SOURCE = Path(__file__).with_name("small_gemm.cpp")
+SOURCES = [Path(__file__).with_name(f)
+           for f in ("small_gemm.cpp", "decode_step.cpp", "bindings.cpp")]
 log = logging.getLogger(__name__)
 
 _kernel: ModuleType | None = None
@@ -38,7 +39,7 @@ def _enabled() -> bool:
 
 
 def load_kernel(verbose: bool = False) -> ModuleType | None:
-    """Compile (first time on this machine) and import the kernel; None when unavailable."""
+    """Compile (first time on this machine) and import the kernels; None when unavailable."""
     global _kernel, _error
     if _kernel is not None or _error is not None:
         return _kernel
@@ -54,12 +55,12 @@ def load_kernel(verbose: bool = False) -> ModuleType | None:
         build.mkdir(parents=True, exist_ok=True)
         flags = ["-O3", "-march=native", "-fopenmp"]
         try:
-            _kernel = load("codedojo_small_gemm", [str(SOURCE)], extra_cflags=flags,
+            _kernel = load("codedojo_kernels", [str(s) for s in SOURCES], extra_cflags=flags,
                            extra_ldflags=["-fopenmp"], build_directory=str(build),
-                           verbose=verbose)
+                           extra_include_paths=[str(SOURCES[0].parent)], verbose=verbose)
         except Exception as e:  # no compiler, no ninja, an unsupported platform
             _error = f"{type(e).__name__}: {e}".splitlines()[0]
-            log.warning("small_gemm kernel unavailable (%s); using F.linear", _error)
+            log.warning("CPU kernels unavailable (%s); using F.linear", _error)
         return _kernel
 
 

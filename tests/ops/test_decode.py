@@ -1,0 +1,113 @@
+"""The fused decode layers equal the layers run op by op: hidden states, and the keys/values
+they write into the cache, for rows at different lengths, several tokens per row (verification
+passes) and models with q/k/v biases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import codedojo.model.transformer as transformer
+from codedojo.model.config import ModelConfig, RopeScaling
+from codedojo.model.kv_cache import KVCache
+from codedojo.model.transformer import Transformer
+from codedojo.ops import kernel_status
+
+needs_kernel = pytest.mark.skipif(kernel_status() != "ready",
+                                  reason=f"CPU kernels: {kernel_status()}")
+
+
+def _decode(model: Transformer, cache: KVCache, tokens: torch.Tensor, start: int
+            ) -> torch.Tensor:
+    return model.hidden(tokens, cache=cache.view(start, start + tokens.shape[0]))
+
+
+def _prefill(model: Transformer, cache: KVCache, lengths: list[int], start: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    for i, n in enumerate(lengths):
+        prompt = torch.randint(0, model.cfg.vocab_size, (1, n), generator=g)
+        model.hidden(prompt, cache=cache.view(start + i))
+
+
+@needs_kernel
+@pytest.mark.parametrize("cfg", [
+    ModelConfig.tiny(),
+    ModelConfig.tiny(attn_bias=True, n_kv_heads=1, dim=48, n_heads=4, ffn_dim=72),
+    ModelConfig.tiny(head_dim=24, n_heads=6, n_kv_heads=3, n_layers=3,
+                     rope_scaling=RopeScaling(kind="yarn", factor=4.0,
+                                              original_max_seq_len=64)),
+], ids=["gqa", "bias-mqa-odd-widths", "head-dim-yarn"])
+@pytest.mark.parametrize(("lengths", "start", "new"), [([5], 0, 1), ([3], 2, 1), ([1, 7, 4], 1, 1),
+                                                       ([9, 2, 6, 6, 1], 0, 1), ([6], 0, 5),
+                                                       ([2, 8], 3, 3)])
+def test_fused_decode_matches_layers(cfg: ModelConfig, lengths: list[int], start: int, new: int,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # norms and biases away from their init values
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    fused, plain = KVCache(cfg, 8, 64), KVCache(cfg, 8, 64)
+    tokens = torch.randint(0, cfg.vocab_size, (len(lengths), new))
+    calls = []
+    real = transformer.decode_layers
+    monkeypatch.setattr(transformer, "decode_layers",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        _prefill(model, fused, lengths, start)
+        got = [_decode(model, fused, tokens, start), _decode(model, fused, tokens + 1, start)]
+        monkeypatch.setattr(transformer, "decode_layers", lambda *a, **k: None)
+        _prefill(model, plain, lengths, start)
+        want = [_decode(model, plain, tokens, start), _decode(model, plain, tokens + 1, start)]
+    assert len(calls) == 2 + len(lengths)  # both passes, and each (short) prefill, were fused
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert fused.lengths == plain.lengths
+    for i, n in enumerate(lengths):
+        s = start + i
+        end = n + 2 * new
+        torch.testing.assert_close(fused.k[:, s, :, :end], plain.k[:, s, :, :end],
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused.v[:, s, :, :end], plain.v[:, s, :, :end],
+                                   rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_fused_decode_steps_aside() -> None:
+    """Training, MoE layers and bfloat16 run the layers op by op."""
+    from codedojo.model.config import MoEConfig
+    from codedojo.ops import decode_layers
+
+    cfg = ModelConfig.tiny()
+    model = Transformer(cfg)
+    w = model._dense_weights()
+    assert w is not None and len(w) == 7 * cfg.n_layers
+    cache = KVCache(cfg, 1, 16)
+    x, cs = torch.randn(1, cfg.dim), torch.zeros(1, cfg.hd)
+    args = (cache.k, cache.v, [0], [0], cs, cs, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps)
+    assert decode_layers(x, w, *args) is None  # gradients enabled
+    with torch.no_grad():
+        assert decode_layers(x, w, *args) is not None
+        assert decode_layers(x.bfloat16(), w, *args) is None
+        assert decode_layers(torch.randn(17, cfg.dim), w, *args) is None
+    moe = Transformer(ModelConfig.tiny(moe=MoEConfig(n_routed_experts=4, expert_ffn_dim=32)))
+    assert moe._dense_weights() is None
+
+
+@needs_kernel
+def test_fused_decode_rejects_bad_shapes() -> None:
+    from codedojo.ops import decode_layers
+
+    cfg = ModelConfig.tiny()
+    w = Transformer(cfg)._dense_weights()
+    assert w is not None
+    cache = KVCache(cfg, 1, 16)
+    cs = torch.zeros(1, cfg.hd)
+    x, heads = torch.randn(1, cfg.dim), (cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="position 99 outside"):
+        decode_layers(x, w, cache.k, cache.v, [0], [99], cs, cs, *heads)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="slot 1 outside"):
+        decode_layers(x, w, cache.k, cache.v, [1], [0], cs, cs, *heads)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="layer 0 wqkv"):
+        decode_layers(x, [w[0], w[1][:-1]] + w[2:], cache.k, cache.v, [0], [0], cs, cs, *heads)
