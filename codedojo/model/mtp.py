@@ -28,7 +28,14 @@ from torch import nn
 from codedojo.model.config import ModelConfig
 from codedojo.model.kv_cache import CacheView, KVCache
 from codedojo.model.rope import Rotary
-from codedojo.model.transformer import Block, Linear, RMSNorm, Transformer, document_mask
+from codedojo.model.transformer import (
+    Block,
+    Linear,
+    RMSNorm,
+    Transformer,
+    document_mask,
+    fused_blocks,
+)
 
 
 def mtp_block_config(cfg: ModelConfig) -> ModelConfig:
@@ -49,8 +56,11 @@ class MTPModule(nn.Module):
                 sin: torch.Tensor, mask: torch.Tensor | None = None,
                 cache: CacheView | None = None) -> torch.Tensor:
         """h_prev, emb_next (B, T, D) -> h (B, T, D). cos/sin from `MTP.rotary`."""
-        x = self.proj(torch.cat([self.norm_h(h_prev), self.norm_e(emb_next)], -1))
-        return self.block(x, cos, sin, mask, cache)
+        return self.block(self.combine(h_prev, emb_next), cos, sin, mask, cache)
+
+    def combine(self, h_prev: torch.Tensor, emb_next: torch.Tensor) -> torch.Tensor:
+        """h'^k: the block's input."""
+        return self.proj(torch.cat([self.norm_h(h_prev), self.norm_e(emb_next)], -1))
 
 
 class MTP(nn.Module):
@@ -164,8 +174,13 @@ class MTP(nn.Module):
         view = cache.view(0)
         positions, mask = view.prepare(h_prev.shape[1])  # (1, T); advances the cache length
         cos, sin = self.rotary.tables(positions)
-        return self.layers[k - 1](h_prev, emb_next, cos.to(h_prev.dtype), sin.to(h_prev.dtype),
-                                  mask, view)
+        cos, sin = cos.to(h_prev.dtype), sin.to(h_prev.dtype)
+        module = self.layers[k - 1]
+        x = module.combine(h_prev, emb_next)
+        weights = module.block.decode_weights()
+        assert weights is not None  # MTP blocks are dense
+        fused = fused_blocks(weights, x, view, positions, cos, sin, self.cfg)
+        return fused if fused is not None else module.block(x, cos, sin, mask, view)
 
 
 def save_mtp(mtp: MTP, out_dir: str | Path) -> Path:

@@ -119,8 +119,34 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)
         return x + self.mlp(self.mlp_norm(x))
 
+    def decode_weights(self) -> list[torch.Tensor] | None:
+        """This block's tensors in ``codedojo.ops.decode_layers``' order; None with MoE."""
+        attn, mlp = self.attn, self.mlp
+        if not isinstance(mlp, MLP):
+            return None
+        bias = attn.wqkv.bias if attn.wqkv.bias is not None else _EMPTY
+        return [self.attn_norm.weight, attn.wqkv.weight, bias, attn.wo.weight,
+                self.mlp_norm.weight, mlp.w_gate_up.weight, mlp.w_down.weight]
+
 
 _EMPTY = torch.empty(0)  # "no bias" for decode_layers
+
+
+def fused_blocks(weights: list[torch.Tensor], x: torch.Tensor, cache: CacheView,
+                 store_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 cfg: ModelConfig) -> torch.Tensor | None:
+    """Dense blocks (``weights``: their ``decode_weights`` in order) over x (B, T, D) against
+    a cache view already prepared for these T tokens (``store_pos`` (B, T) from ``prepare``), in
+    one C++ call: decode steps, verification passes and short prefills, at most ``MAX_ROWS``
+    tokens. None where the kernels do not take it; the caller then runs the blocks one by one."""
+    B, T, _ = x.shape
+    if B * T > MAX_ROWS:
+        return None
+    slots = [cache.start + b for b in range(B) for _ in range(T)]
+    y = decode_layers(x.view(B * T, -1), weights, cache.cache.k, cache.cache.v, slots,
+                      store_pos.flatten().tolist(), cos.reshape(B * T, -1),
+                      sin.reshape(B * T, -1), cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps)
+    return None if y is None else y.view(B, T, -1)
 
 
 def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -200,18 +226,13 @@ class Transformer(nn.Module):
         return (logits, x) if return_hidden else logits
 
     def _dense_weights(self) -> list[torch.Tensor] | None:
-        """Every layer's parameters in ``codedojo.ops.decode_layers``' order (None with MoE
-        layers), listed once: loading weights and ``.to()`` keep the parameter objects."""
+        """Every layer's tensors for ``fused_blocks`` (None with MoE layers), listed once:
+        loading weights and ``.to()`` keep the parameter objects."""
         if self._decode_weights is None:
-            out: list[torch.Tensor] = []
-            for layer in self.layers:
-                attn, mlp = layer.attn, layer.mlp
-                if not isinstance(mlp, MLP):
-                    return None
-                bias = attn.wqkv.bias if attn.wqkv.bias is not None else _EMPTY
-                out += [layer.attn_norm.weight, attn.wqkv.weight, bias, attn.wo.weight,
-                        layer.mlp_norm.weight, mlp.w_gate_up.weight, mlp.w_down.weight]
-            self._decode_weights = out
+            per_layer = [layer.decode_weights() for layer in self.layers]
+            if any(w is None for w in per_layer):
+                return None
+            self._decode_weights = [t for w in per_layer for t in w]  # type: ignore[union-attr]
         return self._decode_weights
 
     def hidden(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
@@ -244,17 +265,10 @@ class Transformer(nn.Module):
         cos, sin = self.rotary.tables(positions)
         cos, sin = cos.to(self.tok_embeddings.weight.dtype), sin.to(self.tok_embeddings.weight.dtype)
         x = self.embed(tokens)
-        if (cache is not None and B * T <= MAX_ROWS
-                and (weights := self._dense_weights()) is not None):
-            # Decode steps and verification passes: every layer in one C++ call where the
-            # kernels take it.
-            slots = [cache.start + b for b in range(B) for _ in range(T)]
-            y = decode_layers(x.view(B * T, -1), weights, cache.cache.k, cache.cache.v, slots,
-                              store_pos.flatten().tolist(), cos.view(B * T, -1),
-                              sin.view(B * T, -1), self.cfg.n_heads, self.cfg.n_kv_heads,
-                              self.cfg.norm_eps)
-            if y is not None:
-                return y.view(B, T, -1)
+        if cache is not None and (weights := self._dense_weights()) is not None:
+            fused = fused_blocks(weights, x, cache, store_pos, cos, sin, self.cfg)
+            if fused is not None:
+                return fused
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache)
         return x
