@@ -11,6 +11,8 @@
 // Parallelism is ATen's thread pool.
 #pragma once
 #include <torch/extension.h>
+
+#include <algorithm>
 #include <ATen/Parallel.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -66,15 +68,27 @@ inline void tile(const float* x, const float* w, float* y, int64_t n, int64_t m,
   }
 }
 
-inline void row(const float* x, const float* w, float* y, int64_t N, int64_t m, int64_t K,
-                int64_t M) {
-  int64_t n = 0;
-  for (; n + 4 <= N; n += 4) tile<4>(x, w, y, n, m, K, M);
-  switch (N - n) {
-    case 3: tile<3>(x, w, y, n, m, K, M); break;
-    case 2: tile<2>(x, w, y, n, m, K, M); break;
-    case 1: tile<1>(x, w, y, n, m, K, M); break;
-    default: break;
+// Weight rows [m0, m1) against every activation row. With up to four activation rows each
+// weight row is read once, straight from memory. With more, the activation rows go four at a
+// time (a few KB, kept in L1) over a band of weight rows small enough to stay in L2: the weights
+// still come from memory once, and the activations are not fetched again from L2 for every
+// weight row (16 rows: a decode step of SmolLM2-135M in 58 ms instead of 77).
+inline void rows(const float* x, const float* w, float* y, int64_t N, int64_t m0, int64_t m1,
+                 int64_t K, int64_t M) {
+  const int64_t band = std::max<int64_t>(1, (256 << 10) / (K * int64_t(sizeof(float))));  // 256 KB
+  for (int64_t b0 = m0; b0 < m1; b0 += band) {
+    const int64_t b1 = std::min(m1, b0 + band);
+    int64_t n = 0;
+    for (; n + 4 <= N; n += 4)
+      for (int64_t m = b0; m < b1; ++m) tile<4>(x, w, y, n, m, K, M);
+    for (int64_t m = b0; m < b1; ++m) {
+      switch (N - n) {
+        case 3: tile<3>(x, w, y, n, m, K, M); break;
+        case 2: tile<2>(x, w, y, n, m, K, M); break;
+        case 1: tile<1>(x, w, y, n, m, K, M); break;
+        default: break;
+      }
+    }
   }
 }
 
@@ -83,8 +97,6 @@ inline void row(const float* x, const float* w, float* y, int64_t N, int64_t m, 
 // y (N, M) = x (N, K) @ w (M, K)^T, raw contiguous float32 buffers; threads over weight rows.
 inline void gemm_rows(const float* x, const float* w, float* y, int64_t N, int64_t K,
                       int64_t M) {
-  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) row(x, w, y, N, m, K, M);
-  });
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) { rows(x, w, y, N, m0, m1, K, M); });
 }
 
