@@ -111,3 +111,42 @@ def test_fused_decode_rejects_bad_shapes() -> None:
         decode_layers(x, w, cache.k, cache.v, [1], [0], cs, cs, *heads)
     with torch.no_grad(), pytest.raises(RuntimeError, match="layer 0 wqkv"):
         decode_layers(x, [w[0], w[1][:-1]] + w[2:], cache.k, cache.v, [0], [0], cs, cs, *heads)
+
+
+_GREEDY = """
+import json, sys, torch
+from codedojo.engine.engine import Engine
+from codedojo.engine.types import SamplingParams
+from codedojo.model.config import ModelConfig
+from codedojo.model.transformer import Transformer
+from codedojo.ops import kernel_status
+torch.manual_seed(0)
+model = Transformer(ModelConfig.tiny())
+eng = Engine(model, max_batch=4, max_seq_len=64)
+out = eng.generate([[1, 2, 3], [4, 5, 6, 7, 8], [9]], SamplingParams(max_tokens=12, temperature=0))
+print(json.dumps({"kernel": kernel_status(), "tokens": [c.token_ids for c in out],
+                  "logprobs": [c.logprobs for c in out]}))
+"""
+
+
+def _greedy(env: dict[str, str]) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _GREEDY], env={**os.environ, **env},
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@needs_kernel
+def test_engine_without_kernels_generates_the_same() -> None:
+    """CODEDOJO_KERNELS=0 (or a machine that cannot build them): the op-by-op layers and
+    F.linear give the same greedy tokens and logprobs."""
+    fast, slow = _greedy({}), _greedy({"CODEDOJO_KERNELS": "0"})
+    assert fast["kernel"] == "ready" and slow["kernel"].startswith("disabled")
+    assert fast["tokens"] == slow["tokens"]
+    for a, b in zip(fast["logprobs"], slow["logprobs"], strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-4)
