@@ -4,7 +4,10 @@ Uses the checkpoint `dojo pretrain configs/cpt-smollm2.toml` writes (SmolLM2-135
 MTP modules trained by self-distillation, drafting over its draft vocabulary). Both sides are the
 engine `dojo serve` runs, one request at a time, in this process, on the same prompts: plain
 (`Engine(model)`) and speculative (`Engine(model, drafter=...)`). Greedy, so both must emit
-identical tokens (checked). Prints one JSON line.
+identical tokens (checked). Prints one JSON line; besides the end-to-end figures (prefill
+included), `plain_step_ms` / `spec_round_ms` time decoding after each prompt's first step, and
+`round_cost_in_steps` says what one speculative round costs in plain steps: drafts pay only when
+`tokens_per_pass` exceeds it (`steady_speedup`).
 
     python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 6] [--new 64]
 """
@@ -66,18 +69,32 @@ def main() -> None:
     spec.spec_stats = SpecStats()  # count the measured prompts only
     t_plain = t_spec = 0.0
     n_plain = n_spec = 0
+    steady = {"plain": [0.0, 0], "spec": [0.0, 0]}  # time and steps after the prompt's first
     same = True
+
+    def run(eng: Engine, p: list[int], side: str) -> tuple[list[int], float]:
+        req = eng.submit(p, params)
+        t0 = time.perf_counter()
+        eng.step()  # prefill (+ the first round)
+        t1 = time.perf_counter()
+        while eng.n_live:
+            eng.step()
+            steady[side][1] += 1
+        t2 = time.perf_counter()
+        steady[side][0] += t2 - t1
+        return req.completion().token_ids, t2 - t0
+
     for p in prompts:  # alternate, so both sides see the same machine load
-        t0 = time.perf_counter()
-        ref = plain.generate([p], params)[0].token_ids
-        t_plain += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        got = spec.generate([p], params)[0].token_ids
-        t_spec += time.perf_counter() - t0
+        ref, dt = run(plain, p, "plain")
+        t_plain += dt
+        got, dt = run(spec, p, "spec")
+        t_spec += dt
         n_plain, n_spec = n_plain + len(ref), n_spec + len(got)
         same &= got == ref
     st = spec.spec_stats
     plain_tok_s, spec_tok_s = n_plain / t_plain, n_spec / t_spec
+    plain_step = steady["plain"][0] / max(1, steady["plain"][1])
+    spec_round = steady["spec"][0] / max(1, steady["spec"][1])
     vocab = drafter.mtp.draft_vocab
     print(json.dumps({
         "accept_first": round(st.accept_first, 4),
@@ -86,6 +103,10 @@ def main() -> None:
         "tokens_per_pass": round(st.tokens_per_pass, 4),
         "spec_tok_s": round(spec_tok_s, 2), "plain_tok_s": round(plain_tok_s, 2),
         "speedup": round(spec_tok_s / plain_tok_s, 3), "greedy_identical": same,
+        # Without the prompt: a plain step, a speculative round, and what they give.
+        "plain_step_ms": round(plain_step * 1e3, 2), "spec_round_ms": round(spec_round * 1e3, 2),
+        "round_cost_in_steps": round(spec_round / plain_step, 3),
+        "steady_speedup": round(st.tokens_per_pass * plain_step / spec_round, 3),
         "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
         "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,
         "batch": 1, "threads": args.threads, "kernel": kernel_status(), "ckpt": str(ck)}))
