@@ -168,7 +168,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self._decode_weights: list[torch.Tensor] | None = None
+        self._decode_weights: list[torch.Tensor] | None = None  # see _dense_weights
+        # load_state_dict(assign=True) puts new parameter objects in place: list them again.
+        self.register_load_state_dict_post_hook(lambda m, _: m._forget_decode_weights())
         self.init_weights()
 
     @torch.no_grad()
@@ -225,9 +227,17 @@ class Transformer(nn.Module):
         logits = self.head(h)
         return (logits, x) if return_hidden else logits
 
+    def _forget_decode_weights(self) -> None:
+        self._decode_weights = None
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        self._forget_decode_weights()  # .to(), .to_empty() may replace parameter objects
+        return super()._apply(fn, recurse)
+
     def _dense_weights(self) -> list[torch.Tensor] | None:
-        """Every layer's tensors for ``fused_blocks`` (None with MoE layers), listed once:
-        loading weights and ``.to()`` keep the parameter objects."""
+        """Every layer's tensors for ``fused_blocks`` (None with MoE layers), listed once and
+        listed again whenever parameters may have been replaced (``_apply``, loading with
+        ``assign=True``)."""
         if self._decode_weights is None:
             per_layer = [layer.decode_weights() for layer in self.layers]
             if any(w is None for w in per_layer):

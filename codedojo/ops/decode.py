@@ -1,8 +1,9 @@
 """``decode_layers``: every dense layer for up to 16 new tokens against a KV cache, in one C++
 call (``decode_step.cpp``): a decode step, a speculative verification pass, a short prefill.
 
-Run op by op, a batch-1 decode step of SmolLM2-135M spends about as long on a thousand small
-tensor ops and their dispatch as on reading the weights; this call leaves the weight reads.
+Run op by op, a batch-1 decode step of SmolLM2-135M spends two thirds as long again on a
+thousand small tensor ops and their dispatch as on reading the weights (11 of 28 ms here);
+this call leaves the weight reads.
 The caller (``Transformer.hidden``) has already reserved the cache and advanced its lengths.
 """
 

@@ -1,6 +1,7 @@
-// decode_layers: every dense layer of a Llama-family model (transformer.py's Block) for up to 16
-// new tokens against a KV cache, as one call: a decode step (one token for each of B sequences),
-// a speculative verification pass (k + 1 tokens of one sequence), or a short prefill.
+// decode_layers: every dense layer of a Llama-family model (transformer.py's Block) for a few
+// new tokens against a KV cache (decode.py sends up to 16), as one call: a decode step (one
+// token for each of B sequences), a speculative verification pass (k + 1 tokens of one
+// sequence), or a short prefill.
 //
 // At batch 1 a decode step reads every weight once (about 0.5 GB for SmolLM2-135M in float32),
 // which the small-row kernel streams near the machine's read bandwidth. Run op by op from
@@ -88,9 +89,10 @@ torch::Tensor decode_layers(const torch::Tensor& x_in, const std::vector<torch::
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
               "decode_layers: x must be (B, D) float32");
   const int64_t B = x_in.size(0), D = x_in.size(1);
-  TORCH_CHECK(B >= 1 && B <= 16 && int64_t(slot.size()) == B && int64_t(pos.size()) == B,
-              "decode_layers: 1 to 16 tokens, with a slot and a position each");
-  TORCH_CHECK(weights.size() % kPerLayer == 0, "decode_layers: 7 tensors per layer expected");
+  TORCH_CHECK(B >= 1 && int64_t(slot.size()) == B && int64_t(pos.size()) == B,
+              "decode_layers: at least one token, with a slot and a position each");
+  TORCH_CHECK(!weights.empty() && weights.size() % kPerLayer == 0,
+              "decode_layers: 7 tensors per layer expected");
   const int64_t L = weights.size() / kPerLayer;
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() &&

@@ -7,8 +7,8 @@ over. ``small_gemm.cpp`` streams each weight matrix once per call whatever the r
 ``benchmarks/decode.py`` for the figures). The kernels (this one and ``decode_step.cpp``) are
 compiled once per machine with the system C++ compiler (``python -m codedojo.ops`` builds them
 ahead of time; ``make setup`` does) into ``$CODEDOJO_CACHE/kernels``; where they cannot be
-built, or with ``CODEDOJO_KERNELS=0``, everything goes through ``F.linear``. Training never uses it: inputs or weights that need
-gradients take the ``F.linear`` path.
+built, or with ``CODEDOJO_KERNELS=0``, everything goes through ``F.linear``. Training never
+uses them: inputs or weights that need gradients take the ``F.linear`` path.
 """
 
 from __future__ import annotations

@@ -150,3 +150,16 @@ def test_engine_without_kernels_generates_the_same() -> None:
     assert fast["tokens"] == slow["tokens"]
     for a, b in zip(fast["logprobs"], slow["logprobs"], strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-4)
+
+
+def test_decode_weights_are_listed_again_when_parameters_are_replaced() -> None:
+    model = Transformer(ModelConfig.tiny())
+    first = model._dense_weights()
+    assert first is not None and model._dense_weights() is first  # listed once
+    fresh = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    model.load_state_dict(fresh, assign=True)  # new parameter objects
+    listed = model._dense_weights()
+    assert listed is not None and listed is not first
+    assert listed[1] is model.layers[0].attn.wqkv.weight
+    model.to(torch.float64)
+    assert model._dense_weights() is not listed
