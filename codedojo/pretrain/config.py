@@ -23,6 +23,9 @@ class ModelSpec(BaseModel):
                                            "autocast; master weights and optimizer stay fp32.")
     activation_checkpointing: bool = Field(False, description="Recompute each block's "
                                            "activations in backward (memory for compute).")
+    compile: bool = Field(False, description="torch.compile each block for the calls without "
+                          "a KV cache (training, teacher, eval): fused elementwise work; the first "
+                          "steps of each shape pay the compile.")
     n_mtp: int = Field(0, ge=0, description="MTP modules to attach (0: none).")
     mtp_draft_vocab: int = Field(0, ge=0, description="Draft (and distil) MTP over the N most "
                                  "frequent tokens of the training data (0: the full vocab).")

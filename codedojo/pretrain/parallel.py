@@ -2,6 +2,8 @@
 
 * `apply_activation_checkpointing`: wraps every decoder block so its activations are recomputed
   in backward.
+* `apply_compile`: regional `torch.compile`, one compiled graph per block shape, for the calls
+  without a KV cache (training, teacher, eval); decoding keeps its own path.
 * `apply_fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) per block, then the root; with
   bf16 compute and fp32 reduction when asked. Used when the loop is launched by torchrun with
   more than one process; it cannot run on this single-CPU machine, so it is kept minimal and
@@ -11,11 +13,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from codedojo.model.transformer import Block
 
 
 class CheckpointedBlock(nn.Module):
@@ -36,6 +41,28 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     for i, blk in enumerate(layers):
         if not isinstance(blk, CheckpointedBlock):
             layers[i] = CheckpointedBlock(blk)
+
+
+def apply_compile(*parts: nn.Module | None) -> None:
+    """Compile the forward of each decoder block in ``parts`` (the model, its MTP modules) for
+    the calls without a KV cache. Inductor fuses the
+    elementwise work between the matrix multiplies (RMSNorm, rotary, SwiGLU, residual adds, and
+    their backward) into a few loops: on CPU these are about a quarter of an eager training step.
+    The blocks share one code object, so all layers share the compiled graphs. Calls with a
+    cache (decoding, prefill) stay eager: there the fused decode kernels or small ops run.
+    Parameters and state-dict names are untouched."""
+    for blk in (m for part in parts if part is not None for m in part.modules()
+                if isinstance(m, Block)):
+        plain = blk.forward
+        compiled = torch.compile(plain)
+
+        def forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    mask: torch.Tensor | None, cache: object | None,
+                    plain: Callable[..., torch.Tensor] = plain,
+                    compiled: Callable[..., torch.Tensor] = compiled) -> torch.Tensor:
+            return (compiled if cache is None else plain)(x, cos, sin, mask, cache)
+
+        blk.forward = forward
 
 
 def unwrap_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

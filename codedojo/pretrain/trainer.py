@@ -51,6 +51,7 @@ from codedojo.pretrain.loss import linear_cross_entropy
 from codedojo.pretrain.optim import build_adamw, wsd_lr
 from codedojo.pretrain.parallel import (
     apply_activation_checkpointing,
+    apply_compile,
     apply_fsdp,
     init_distributed,
 )
@@ -341,6 +342,8 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
     model, mtp = build_model(cfg)
     if cfg.model.activation_checkpointing:
         apply_activation_checkpointing(model)
+    if cfg.model.compile:
+        apply_compile(model, mtp)
     rank, world = init_distributed()
     if world > 1:  # torchrun: shard from outside the model (GPU path; not exercised on CPU)
         dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
