@@ -6,10 +6,14 @@ engine `dojo serve` runs, one request at a time, in this process, on the same pr
 (`Engine(model)`) and speculative (`Engine(model, drafter=...)`). Greedy, so both must emit
 identical tokens (checked). Prints one JSON line; besides the end-to-end figures (prefill
 included), `plain_step_ms` / `spec_round_ms` time decoding after each prompt's first step, and
-`round_cost_in_steps` says what one speculative round costs in plain steps: drafts pay only when
-`tokens_per_pass` exceeds it (`steady_speedup`).
+`round_cost_in_steps` says what one step of the speculative engine (a round, or a plain step once
+speculation is off) costs in plain steps; `steady_speedup` is the tokens/s ratio over those steps. The engine drafts with every module for its first
+64 rounds, then as many tokens per round as pay by the acceptance seen (`--draft-cost`, the
+engine's `spec_draft_cost`): `drafts_per_round` is the mean, `accept_depthJ` the acceptance of
+draft J when drafts 1..J-1 passed.
 
     python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 6] [--new 64]
+                                    [--draft-cost 0.2]
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft-cost", type=float, default=0.2,
+                    help="the engine's spec_draft_cost (0: every round drafts with every module)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -62,14 +68,16 @@ def main() -> None:
         if len(prompts) == args.prompts:
             break
     plain = Engine(model, max_batch=1, max_seq_len=max_len)
-    spec = Engine(model, max_batch=1, max_seq_len=max_len, drafter=drafter)
+    spec = Engine(model, max_batch=1, max_seq_len=max_len, drafter=drafter,
+                  spec_draft_cost=args.draft_cost)
     params = SamplingParams(max_tokens=args.new, temperature=0)
     for eng in (plain, spec):  # warm-up
         eng.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0))
     spec.spec_stats = SpecStats()  # count the measured prompts only
     t_plain = t_spec = 0.0
     n_plain = n_spec = 0
-    steady = {"plain": [0.0, 0], "spec": [0.0, 0]}  # time and steps after the prompt's first
+    # after each prompt's first step: time, engine steps, tokens
+    steady = {"plain": [0.0, 0, 0], "spec": [0.0, 0, 0]}
     same = True
 
     def run(eng: Engine, p: list[int], side: str) -> tuple[list[int], float]:
@@ -77,12 +85,15 @@ def main() -> None:
         t0 = time.perf_counter()
         eng.step()  # prefill (+ the first round)
         t1 = time.perf_counter()
+        first = len(req.token_ids)
         while eng.n_live:
             eng.step()
             steady[side][1] += 1
         t2 = time.perf_counter()
         steady[side][0] += t2 - t1
-        return req.completion().token_ids, t2 - t0
+        out = req.completion().token_ids
+        steady[side][2] += len(out) - first
+        return out, t2 - t0
 
     for p in prompts:  # alternate, so both sides see the same machine load
         ref, dt = run(plain, p, "plain")
@@ -106,7 +117,11 @@ def main() -> None:
         # Without the prompt: a plain step, a speculative round, and what they give.
         "plain_step_ms": round(plain_step * 1e3, 2), "spec_round_ms": round(spec_round * 1e3, 2),
         "round_cost_in_steps": round(spec_round / plain_step, 3),
-        "steady_speedup": round(st.tokens_per_pass * plain_step / spec_round, 3),
+        "steady_speedup": round((steady["spec"][2] / steady["spec"][0])
+                                / (steady["plain"][2] / steady["plain"][0]), 3),
+        **{k: round(v, 4) for k, v in st.as_dict().items() if k.startswith("accept_depth")},
+        "draft_cost": args.draft_cost, "drafts_per_round": round(st.drafted / max(1, st.rounds), 3),
+        "speculating_at_end": spec.speculating,
         "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
         "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,
         "batch": 1, "threads": args.threads, "kernel": kernel_status(), "ckpt": str(ck)}))

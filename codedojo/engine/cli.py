@@ -18,10 +18,10 @@ def serve(
     tool_format: str = typer.Option("smollm2", help="tool-call format: smollm2, hermes or qwen3_coder"),
     speculative: bool = typer.Option(True, help="decode with the checkpoint's MTP modules as "
                                      "drafts when it has them"),
-    spec_min_tokens_per_pass: float = typer.Option(
-        1.5, help="stop speculating when the drafts yield fewer tokens per target pass than "
-        "this over the first 64 rounds (a round with 2 drafts costs about 1.4 plain steps on a "
-        "CPU; 0: never stop)"),
+    spec_draft_cost: float = typer.Option(
+        0.2, help="what one more draft per round costs, in plain decode steps (about 0.2 on a "
+        "2-core CPU): after 64 rounds, each round drafts the number of tokens that pays best by "
+        "the acceptance seen, and speculation stops when none does (0: always every module)"),
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions and /v1/models for MODEL.
 
@@ -38,6 +38,8 @@ def serve(
 
     if max_batch < 1:
         raise typer.BadParameter("must be >= 1", param_hint="--max-batch")
+    if spec_draft_cost < 0:
+        raise typer.BadParameter("must be >= 0", param_hint="--spec-draft-cost")
     if not 0 <= port < 65536:
         raise typer.BadParameter("must be in [0, 65535]", param_hint="--port")
     try:
@@ -57,7 +59,7 @@ def serve(
         if drafter is not None:
             print(f"Speculative decoding with {drafter.depth} MTP modules", flush=True)
     engine = Engine(net, max_batch=max_batch, drafter=drafter,
-                    spec_min_tokens_per_pass=spec_min_tokens_per_pass)
+                    spec_draft_cost=spec_draft_cost)
     engine.start()
     name = served_name or model
     app = create_app(engine, tokenizer, chat, model_name=name)

@@ -92,11 +92,15 @@ class Engine:
 
     def __init__(self, model: Transformer, *, max_batch: int = 16,
                  max_seq_len: int | None = None, drafter: Drafter | None = None,
-                 spec_min_tokens_per_pass: float = 0.0, spec_probe_rounds: int = 64) -> None:
-        """``drafter``: MTP drafts for speculative decoding. Speculation stops for good when,
-        after ``spec_probe_rounds`` rounds, the drafts yield fewer than
-        ``spec_min_tokens_per_pass`` tokens per target pass (a round costs more than a plain
-        step, so weak drafts slow decoding down; 0 never stops)."""
+                 spec_draft_cost: float = 0.2, spec_probe_rounds: int = 64) -> None:
+        """``drafter``: MTP drafts for speculative decoding. The first ``spec_probe_rounds``
+        rounds draft with every module; from then on each round drafts the number of tokens
+        that emits the most per unit of time by the acceptance seen so far
+        (`SpecStats.best_depth`), with one more draft costing ``spec_draft_cost`` plain decode
+        steps (drafting it and verifying it: about 0.2 on a 2-core CPU, less on a GPU). When
+        no draft pays, speculation stops for good. 0: always draft with every module."""
+        if spec_draft_cost < 0:
+            raise ValueError(f"spec_draft_cost must be >= 0, got {spec_draft_cost}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         cfg = model.cfg
@@ -112,7 +116,7 @@ class Engine:
         self.weight_version = 0
         self.drafter = drafter
         self.spec_stats = SpecStats()  # over every speculative round of this engine
-        self.spec_min_tokens_per_pass = spec_min_tokens_per_pass
+        self.spec_draft_cost = spec_draft_cost
         self.spec_probe_rounds = spec_probe_rounds
         self._spec: tuple[Request, SpeculativeSession] | None = None
         self._waiting: deque[Request] = deque()
@@ -280,13 +284,21 @@ class Engine:
         """Whether a lone request will decode speculatively (a drafter, not switched off)."""
         return self.drafter is not None
 
-    def _speculates(self, req: Request) -> bool:
+    def _spec_depth(self) -> int:
+        """Drafts for the next speculative round (see ``__init__``)."""
+        assert self.drafter is not None
         st = self.spec_stats
-        if (self.drafter is not None and st.rounds >= self.spec_probe_rounds
-                and st.tokens_per_pass < self.spec_min_tokens_per_pass):
-            log.warning("speculative decoding off: %.2f tokens per target pass over %d rounds "
-                        "(< %.2f); decoding plainly", st.tokens_per_pass, st.rounds,
-                        self.spec_min_tokens_per_pass)
+        if st.rounds < self.spec_probe_rounds or self.spec_draft_cost == 0:
+            return self.drafter.depth
+        return st.best_depth(self.drafter.depth, self.spec_draft_cost)
+
+    def _speculates(self, req: Request) -> bool:
+        if self.drafter is not None and self._spec_depth() == 0:
+            st = self.spec_stats
+            log.warning("speculative decoding off: %.2f tokens per target pass over %d rounds, "
+                        "first-draft acceptance %.2f, do not pay for a draft at %.2f steps; "
+                        "decoding plainly", st.tokens_per_pass, st.rounds, st.accept_first,
+                        self.spec_draft_cost)
             self.drafter = None
         p = req.params
         alone = not self._live and not self._waiting
@@ -340,7 +352,7 @@ class Engine:
             if live == [req]:
                 room = min(req.params.max_tokens - len(req.token_ids),
                            self.max_seq_len - len(req.prompt_ids) - len(req.token_ids))
-                sess.round(max_tokens=room)
+                sess.round(max_tokens=room, depth=self._spec_depth())
                 self._record_logits(req, sess)
                 return
             self._spec = None  # others joined (or it finished): plain batched decoding

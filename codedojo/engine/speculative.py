@@ -53,10 +53,11 @@ class Drafter(Protocol):
     def reset(self) -> None: ...
 
     def draft(self, new_hidden: torch.Tensor, tokens: Sequence[int],
-              pick: Callable[[torch.Tensor], tuple[int, torch.Tensor]]
+              pick: Callable[[torch.Tensor], tuple[int, torch.Tensor]], k: int
               ) -> tuple[list[int], list[torch.Tensor]]:
         """new_hidden (n, D): target hiddens of positions not yet given, ending at position
-        len(tokens) - 2. Returns the drafts and each draft's distribution q_j (V,)."""
+        len(tokens) - 2. Returns k drafts (1 <= k <= depth) and each draft's distribution
+        q_j (V,)."""
         ...
 
 
@@ -69,6 +70,43 @@ class SpecStats:
     first_accepted: int = 0
     emitted: int = 0  # tokens emitted by verify rounds
     accepted_per_round: list[int] = field(default_factory=list)
+    # per draft depth j (index j-1): rounds that drafted j tokens or more and accepted the
+    # first j-1 (so draft j was put to the test), and those of them that accepted draft j
+    reached: list[int] = field(default_factory=list)
+    passed: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        """One verify round."""
+        self.rounds += 1
+        self.target_passes += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.first_accepted += int(accepted > 0)
+        self.accepted_per_round.append(accepted)
+        self.emitted += emitted
+        while len(self.reached) < drafted:
+            self.reached.append(0)
+            self.passed.append(0)
+        for j in range(min(drafted, accepted + 1)):
+            self.reached[j] += 1
+            self.passed[j] += int(j < accepted)
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a round drafting k emits, by the acceptance seen so far: 1 + the chance that
+        drafts 1..j are all accepted, summed over j <= k."""
+        total, chain = 1.0, 1.0
+        for j in range(k):
+            chain *= self.passed[j] / self.reached[j] if j < len(self.reached) and \
+                self.reached[j] else 0.0
+            total += chain
+        return total
+
+    def best_depth(self, max_depth: int, draft_cost: float) -> int:
+        """The number of drafts per round that emits the most tokens per unit of time, when a
+        round drafting k costs 1 + k * draft_cost plain decode steps (drafting one more token
+        and verifying it). 0: plain decoding is faster."""
+        rate = [self.expected_tokens(k) / (1 + k * draft_cost) for k in range(max_depth + 1)]
+        return max(range(max_depth + 1), key=lambda k: (rate[k], -k))
 
     @property
     def accept_rate(self) -> float:
@@ -89,7 +127,9 @@ class SpecStats:
     def as_dict(self) -> dict[str, float]:
         return {"accept_rate": self.accept_rate, "accept_first": self.accept_first,
                 "mean_accepted": self.mean_accepted, "tokens_per_pass": self.tokens_per_pass,
-                "rounds": self.rounds}
+                "rounds": self.rounds,
+                **{f"accept_depth{j + 1}": p / r for j, (p, r) in
+                   enumerate(zip(self.passed, self.reached, strict=True)) if r}}
 
 
 def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -192,32 +232,30 @@ class SpeculativeSession:
         return first
 
     @torch.no_grad()
-    def round(self, max_tokens: int | None = None) -> list[int]:
-        """Draft, verify in one target pass, accept. Returns 1 .. k+1 new tokens (at most
-        `max_tokens`, which also caps the drafts)."""
+    def round(self, max_tokens: int | None = None, depth: int | None = None) -> list[int]:
+        """Draft, verify in one target pass, accept. Returns 1 .. k+1 new tokens, k the drafts:
+        ``depth`` (default: every module), capped so at most `max_tokens` come out. With k = 0
+        this is a plain decode step."""
         assert self._new_hidden is not None, "prefill first"
-        k = self.k_max if max_tokens is None else max(0, min(self.k_max, max_tokens - 1))
+        k = self.k_max if depth is None else max(0, min(self.k_max, depth))
+        if max_tokens is not None:
+            k = max(0, min(k, max_tokens - 1))
         drafts: list[int] = []
         q: list[torch.Tensor] = []
         if k > 0:
-            drafts, q = self.drafter.draft(self._new_hidden, self.tokens, self._pick)
-            drafts, q = drafts[:k], q[:k]
+            drafts, q = self.drafter.draft(self._new_hidden, self.tokens, self._pick, k)
         L = len(self.tokens)
         logits, hidden = self.target.extend([self.tokens[-1], *drafts])  # (k+1, V)
         p = target_probs(logits, self.temperature)
         n_acc, extra = accept_drafts(drafts, q, p, self.temperature, self.gen)
         emitted = [*drafts[:n_acc], extra]
-        st = self.stats
-        st.rounds += 1
-        st.target_passes += 1
-        st.drafted += len(drafts)
-        st.accepted += n_acc
-        st.first_accepted += int(n_acc > 0)
-        st.accepted_per_round.append(n_acc)
-        st.emitted += len(emitted)
+        self.stats.record(len(drafts), n_acc, len(emitted))
         self.logits = logits[: n_acc + 1]
         self.target.truncate(L + n_acc)  # keep positions 0 .. L-1+n_acc (the accepted ones)
-        self._new_hidden = hidden[: n_acc + 1]
+        # the drafter has not seen these hiddens yet (nor, after a round without drafts, the
+        # ones before them)
+        new = hidden[: n_acc + 1]
+        self._new_hidden = new if k > 0 else torch.cat([self._new_hidden, new])
         self.tokens += emitted
         return emitted
 
@@ -321,8 +359,12 @@ class MTPDrafter:
             c.reset(0)
 
     def draft(self, new_hidden: torch.Tensor, tokens: Sequence[int],
-              pick: Callable[[torch.Tensor], tuple[int, torch.Tensor]]
+              pick: Callable[[torch.Tensor], tuple[int, torch.Tensor]], k: int
               ) -> tuple[list[int], list[torch.Tensor]]:
+        """Modules 1..k draft (see `Drafter`); a module left out one round catches up on the
+        positions it missed the next time it runs."""
+        if not 1 <= k <= self.depth:
+            raise ValueError(f"k: {k} drafts asked of {self.depth} MTP modules")
         L = len(tokens)
         h0 = new_hidden.reshape(1, -1, new_hidden.shape[-1]).to(self.dtype)
         self.hidden[0] = h0 if self.hidden[0] is None else torch.cat([self.hidden[0], h0], 1)
@@ -330,16 +372,16 @@ class MTPDrafter:
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         dev = h0.device
-        for k in range(1, self.depth + 1):
-            cache = self.caches[k - 1]
+        for j in range(1, k + 1):
+            cache = self.caches[j - 1]
             start = cache.lengths[0]
-            prev = self.hidden[k - 1]
+            prev = self.hidden[j - 1]
             assert prev is not None and start < L - 1
-            tok = torch.tensor([ext[start + k: L - 1 + k]], device=dev)  # (1, n)
-            h = self.mtp.step(k, prev[:, start:L - 1], self.embed(tok), cache)  # (1, n, D)
-            old = self.hidden[k]
-            self.hidden[k] = h if old is None else torch.cat([old[:, :start], h], 1)
-            cache.truncate(0, max(0, L - k))
+            tok = torch.tensor([ext[start + j: L - 1 + j]], device=dev)  # (1, n)
+            h = self.mtp.step(j, prev[:, start:L - 1], self.embed(tok), cache)  # (1, n, D)
+            old = self.hidden[j]
+            self.hidden[j] = h if old is None else torch.cat([old[:, :start], h], 1)
+            cache.truncate(0, max(0, L - j))
             d, q = pick(self.head(h[:, -1:]).reshape(-1).float())
             drafts.append(d)
             qs.append(q)

@@ -8,7 +8,13 @@ import torch
 
 from codedojo.engine.engine import Engine
 from codedojo.engine.reference import sequence_logprobs
-from codedojo.engine.speculative import DraftHead, MTPDrafter, TransformerTarget
+from codedojo.engine.speculative import (
+    DraftHead,
+    MTPDrafter,
+    SpecStats,
+    SpeculativeSession,
+    TransformerTarget,
+)
 from codedojo.engine.types import SamplingParams
 from codedojo.model.config import ModelConfig
 from codedojo.model.mtp import MTP
@@ -96,10 +102,85 @@ def test_a_joining_request_switches_to_plain_batching(model: Transformer) -> Non
 
 def test_weak_drafts_switch_speculation_off(model: Transformer) -> None:
     params = SamplingParams(max_tokens=12, temperature=0)
-    engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, 0),
-                    spec_min_tokens_per_pass=3.5, spec_probe_rounds=8)  # 3 at most with 2 drafts
+    # a draft costing 5 plain steps never pays: at most 1 extra token for 5 steps
+    engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, 0), spec_draft_cost=5.0,
+                    spec_probe_rounds=8)
     ref = plain(model, params)[0].token_ids
     outs = [engine.generate([PROMPT], params)[0].token_ids for _ in range(3)]
     assert all(o == ref for o in outs)
     assert not engine.speculating
     assert 8 <= engine.spec_stats.rounds < 3 * 11  # stopped after probing, not every request
+
+
+class FirstRightDrafter(OracleDrafter):
+    """The target's own next token, then a wrong one: the first draft always passes, the
+    second never."""
+
+    def draft(self, new_hidden, tokens, pick, k):
+        drafts, qs = super().draft(new_hidden, tokens, pick, k)
+        return [drafts[0]] + [(d + 1) % 64 for d in drafts[1:]], qs
+
+
+def test_rounds_draft_as_deep_as_pays(model: Transformer) -> None:
+    params = SamplingParams(max_tokens=25, temperature=0)
+    engine = Engine(model, max_batch=2, drafter=FirstRightDrafter(TransformerTarget(model), 2),
+                    spec_draft_cost=0.2, spec_probe_rounds=4)
+    out = engine.generate([PROMPT], params)[0]
+    assert out.token_ids == plain(model, params)[0].token_ids
+    st = engine.spec_stats
+    assert st.reached[:2] == [st.rounds, 4] and st.passed[:2] == [st.rounds, 0]
+    # four probing rounds draft 2 and emit 2; then one draft: 2 tokens for 1.2 steps beats
+    # 2 tokens for 1.4 (the second draft never passes)
+    assert st.drafted == 4 * 2 + (st.rounds - 4) and st.accepted_per_round == [1] * st.rounds
+    assert engine.speculating
+
+
+def test_spec_stats_choose_the_depth_by_cost() -> None:
+    st = SpecStats()
+    for accepted, times in ((0, 6), (1, 2), (2, 2)):
+        for _ in range(times):
+            st.record(2, accepted, accepted + 1)
+    assert (st.reached, st.passed) == ([10, 4], [4, 2])
+    assert st.expected_tokens(0) == 1 and st.expected_tokens(2) == pytest.approx(1.6)
+    # 1.4 tokens per 1.2 steps > 1.6 per 1.4; cheaper drafts make depth 2 pay; dearer, none
+    assert [st.best_depth(2, c) for c in (0.2, 0.1, 0.5)] == [1, 2, 0]
+    assert st.as_dict()["accept_depth2"] == 0.5
+
+
+class ReferenceCheckingDrafter:
+    """An MTP drafter whose every round is compared with a fresh drafter that sees the whole
+    history at once: skipping modules for some rounds must not change later drafts."""
+
+    def __init__(self, model: Transformer, mtp: MTP):
+        self.model, self.mtp = model, mtp
+        self.inner = MTPDrafter(mtp, model.embed, DraftHead(model))
+        self.depth = self.inner.depth
+        self.history: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.history = None
+
+    def draft(self, new_hidden, tokens, pick, k):
+        self.history = new_hidden if self.history is None else torch.cat(
+            [self.history, new_hidden])
+        assert len(self.history) == len(tokens) - 1  # every position, once
+        got = self.inner.draft(new_hidden, tokens, pick, k)
+        fresh = MTPDrafter(self.mtp, self.model.embed, DraftHead(self.model))
+        want = fresh.draft(self.history, tokens, pick, k)
+        assert got[0] == want[0]
+        for a, b in zip(got[1], want[1], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        return got
+
+
+def test_changing_depth_between_rounds_keeps_drafts_exact(model: Transformer) -> None:
+    mtp = MTP(model.cfg, 2)
+    mtp.init_from_model(model)
+    drafter = ReferenceCheckingDrafter(model, mtp.eval())
+    sess = SpeculativeSession(TransformerTarget(model), drafter)
+    out = [sess.prefill(PROMPT)]
+    for depth in (2, 1, 0, 0, 2, 1, 1, 2, 0, 2, 2):
+        out += sess.round(depth=depth)
+    ref = plain(model, SamplingParams(max_tokens=len(out), temperature=0))[0].token_ids
+    assert out == ref

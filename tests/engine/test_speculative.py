@@ -55,9 +55,9 @@ class OracleDrafter:
     def reset(self) -> None:
         pass
 
-    def draft(self, new_hidden, tokens, pick):
-        ref = plain_generate(self.shadow, tokens, self.depth + 1)
-        return ref[1:], [target_probs(torch.zeros(5), 0.0)] * self.depth
+    def draft(self, new_hidden, tokens, pick, k):
+        ref = plain_generate(self.shadow, tokens, k + 1)
+        return ref[1:], [target_probs(torch.zeros(5), 0.0)] * k
 
 
 def test_stats_with_perfect_drafts():
@@ -112,9 +112,9 @@ class MarkovDrafter:
     def reset(self) -> None:
         pass
 
-    def draft(self, new_hidden, tokens, pick):
+    def draft(self, new_hidden, tokens, pick, k):
         prev, ds, qs = tokens[-1], [], []
-        for _ in range(self.depth):
+        for _ in range(k):
             d, q = pick(self.logq[prev])
             ds.append(d)
             qs.append(q)
