@@ -36,11 +36,24 @@ class ModelSpec(BaseModel):
 class MixEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    data: Literal["code", "long", "sft"] = Field(description="code: training code shards; long: "
-                                                 "directory-level concatenations; sft: rendered "
-                                                 "chats and tool trajectories.")
+    data: Literal["code", "long", "sft", "self"] = Field(
+        description="code: training code shards; long: directory-level concatenations; sft: "
+        "rendered chats and tool trajectories; self: the model's own greedy continuations of "
+        "code (the stage's `self_gen`).")
     weight: float = Field(1.0, gt=0)
     min_tokens: int = Field(0, ge=0, description="Only documents at least this long.")
+
+
+class SelfGenConfig(BaseModel):
+    """The model's own continuations of training-code windows, generated when the stage starts
+    (`codedojo.pretrain.selfgen`): MTP modules distilled on them learn the text they draft."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: int = Field(256, ge=1)
+    prompt_len: int = Field(64, ge=1, description="Tokens of code each continuation follows.")
+    new_tokens: int = Field(96, ge=1, description="Greedy tokens generated per prompt.")
+    batch: int = Field(16, ge=1, description="Prompts generated together.")
 
 
 class StageConfig(BaseModel):
@@ -71,6 +84,8 @@ class StageConfig(BaseModel):
                                                     "distillation loss.")
     mtp_weight: float = Field(0.3, ge=0)
     checkpoint_every: int = Field(0, ge=0, description="Also checkpoint every N steps (0: end).")
+    self_gen: SelfGenConfig | None = Field(None, description="Generate the `self` data of this "
+                                           "stage's mix.")
 
     @model_validator(mode="after")
     def _check(self) -> StageConfig:
@@ -78,6 +93,9 @@ class StageConfig(BaseModel):
             raise ValueError(f"stage {self.name!r}: warmup_steps > steps")
         if not self.mix:
             raise ValueError(f"stage {self.name!r}: mix must list at least one entry")
+        if any(e.data == "self" for e in self.mix) != (self.self_gen is not None):
+            raise ValueError(f"stage {self.name!r}: a `self` mix entry and `self_gen` go "
+                             "together")
         return self
 
 

@@ -34,6 +34,7 @@ import torch
 
 from codedojo.data.mixture import MixtureSource, mix
 from codedojo.data.packing import Packed, PackedLoader, make_batch, pack
+from codedojo.data.shards import TokenShards
 from codedojo.model.config import ModelConfig
 from codedojo.model.moe import moe_aux_loss, update_moe_biases
 from codedojo.model.mtp import MTP, distill_loss
@@ -56,6 +57,7 @@ from codedojo.pretrain.parallel import (
     init_distributed,
 )
 from codedojo.pretrain.probe import passkey_probe
+from codedojo.pretrain.selfgen import write_self_shards
 
 Batch = dict[str, torch.Tensor]
 
@@ -187,6 +189,24 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
     return Packed.load(out)
 
 
+def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data: RunData,
+              run_dir: Path, console: Any) -> Path:
+    """The stage's `self` shards: the model's continuations of training-code windows, written
+    once (a resumed stage reads them back)."""
+    g = stage.self_gen
+    assert g is not None
+    if "code" not in data.shards:
+        raise ValueError(f"stage {stage.name!r}: self_gen needs training code, and this run "
+                         "has none")
+    out = run_dir / "data" / "self" / stage.name
+    if not (out / "index.json").exists():
+        console.print(f"stage {stage.name}: generating {g.prompts} continuations of "
+                      f"{g.new_tokens} tokens")
+    return write_self_shards(model, TokenShards(data.shards["code"]), out, prompts=g.prompts,
+                             prompt_len=g.prompt_len, new_tokens=g.new_tokens, batch=g.batch,
+                             seed=cfg.seed + 31)
+
+
 def eval_batches(data: RunData, batch_size: int) -> list[Batch]:
     p = data.eval
     return [make_batch(p.tokens[i:i + batch_size], p.segments[i:i + batch_size],
@@ -283,7 +303,7 @@ def prepare_data(cfg: PretrainConfig, tok: Any, run_dir: Path) -> RunData:
     """Build (or reuse) the run's shards, eval set and probe filler."""
     from codedojo.data.corpus import build_corpus, concat_by_dir
     from codedojo.data.sft import code_sft_examples, read_sft_jsonl, render_to_shards
-    from codedojo.data.shards import TokenShards, tokenize_to_shards
+    from codedojo.data.shards import tokenize_to_shards
 
     d = run_dir / "data"
     vocab, eos = tok.vocab_size, tok.eos_id
@@ -375,6 +395,8 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
             continue
         if pos is not None:
             load_weights(ck, model, mtp)
+        if st.self_gen is not None:
+            data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
         packed = stage_packed(cfg, st, si, data, run_dir)
         # each rank walks its own seeded order of the same packed rows
         loader = PackedLoader(packed, st.batch_size, seed=cfg.seed + si + 7919 * rank)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from codedojo.data.packing import PackedLoader, pack
+from codedojo.data.shards import TokenShards
 from codedojo.pretrain.checkpoint import load_weights
 from codedojo.pretrain.config import PretrainConfig, load_config
 from codedojo.pretrain.trainer import build_model, train_stage
@@ -77,7 +78,8 @@ def test_repo_config_parses():
 
 
 def test_run_end_to_end_tiny(tmp_path):
-    """Three stages plus MTP distillation on a tiny model with a real tokenizer and a small
+    """Three stages plus MTP distillation (on code, then on the model's own continuations) on
+    a tiny model with a real tokenizer and a small
     code corpus: report, probe, checkpoint with MTP, HF export."""
     from rich.console import Console
 
@@ -106,10 +108,16 @@ def test_run_end_to_end_tiny(tmp_path):
                    {"name": "long", **stage, "seq_len": 64, "probe": True, "mtp": "joint",
                     "mix": [{"data": "long", "weight": 1.0}, {"data": "code", "weight": 1.0}],
                     "rope_scaling": {"kind": "base", "new_theta": 40000.0}},
-                   {"name": "sft", **stage, "mix": [{"data": "sft"}]}]})
+                   {"name": "sft", **stage, "mix": [{"data": "sft"}]},
+                   {"name": "mtp_self", **stage, "mtp": "distill", "mix": [{"data": "self"}],
+                    "self_gen": {"prompts": 4, "prompt_len": 8, "new_tokens": 8,
+                                 "batch": 2}}]})
     report = run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
-    assert set(report["eval_loss"]) == {"base", "bulk", "mtp", "long", "sft"}
+    assert set(report["eval_loss"]) == {"base", "bulk", "mtp", "long", "sft", "mtp_self"}
     assert report["eval_loss"]["mtp"] == report["eval_loss"]["bulk"]  # frozen model
+    assert report["eval_loss"]["mtp_self"] == report["eval_loss"]["sft"]
+    own = TokenShards(tmp_path / "runs" / "e2e" / "data" / "self" / "mtp_self")
+    assert len(own) == 4 and own.doc_lengths().tolist() == [16] * 4
     assert set(report["probe"]) == {"long/before", "long/after"}
     final = tmp_path / "runs" / "e2e" / "final"
     assert (final / "mtp.safetensors").exists()

@@ -1,0 +1,70 @@
+"""Self-generated data for MTP distillation: what the model writes itself.
+
+At inference the MTP modules draft continuations of the model's own output, not of human code.
+Distilling them on the model's own greedy continuations (Medusa-2's self-distillation) trains
+them on the text they will draft. Prompts are windows of the training code; the continuations
+come from the model as it is when the stage starts, batched over a KV cache, and are written as
+token shards (prompt + continuation, one document each) that the stage's mixture reads as
+``data = "self"``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from codedojo.data.shards import ShardWriter, TokenShards
+from codedojo.model.kv_cache import KVCache
+from codedojo.model.transformer import Transformer
+
+
+@torch.no_grad()
+def greedy_continue(model: Transformer, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """prompts (B, P) -> (B, P + new_tokens): each row continued greedily, all rows at once."""
+    was = model.training
+    model.eval()
+    B, P = prompts.shape
+    w = model.tok_embeddings.weight
+    cache = KVCache(model.cfg, B, P + new_tokens, dtype=w.dtype, device=w.device,
+                    initial_len=P + new_tokens)
+    out = [prompts]
+    logits = model(prompts, cache=cache.view(0, B), last_only=True)  # (B, 1, V)
+    for i in range(new_tokens):
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(nxt)
+        if i + 1 < new_tokens:
+            logits = model(nxt, cache=cache.view(0, B))
+    model.train(was)
+    return torch.cat(out, 1)
+
+
+def prompt_windows(code: TokenShards, n: int, length: int, seed: int) -> np.ndarray:
+    """n windows of `length` tokens at random offsets of random documents at least that long."""
+    lens = code.doc_lengths()
+    ok = np.flatnonzero(lens >= length)
+    if len(ok) == 0:
+        raise ValueError(f"self_gen.prompt_len: no training document has {length} tokens")
+    rng = np.random.default_rng(seed)
+    docs = rng.choice(ok, size=n, replace=len(ok) < n)
+    out = np.empty((n, length), np.int64)
+    for i, d in enumerate(docs):
+        start = int(rng.integers(0, lens[d] - length + 1))
+        out[i] = code.doc(int(d))[start:start + length]
+    return out
+
+
+def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, prompts: int,
+                      prompt_len: int, new_tokens: int, batch: int, seed: int) -> Path:
+    """Generate and write the shards (skipped when `out_dir` is already finished)."""
+    if (out_dir / "index.json").exists():
+        return out_dir
+    windows = prompt_windows(code, prompts, prompt_len, seed)
+    dev = model.tok_embeddings.weight.device
+    writer = ShardWriter(out_dir, model.cfg.vocab_size, eos_id=None)
+    for i in range(0, prompts, batch):
+        rows = greedy_continue(model, torch.from_numpy(windows[i:i + batch]).to(dev), new_tokens)
+        for r in rows.cpu().numpy():
+            writer.add(r)
+    return writer.close()

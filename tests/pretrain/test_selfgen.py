@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from codedojo.data.shards import ShardWriter, TokenShards
+from codedojo.engine.reference import greedy_reference
+from codedojo.model.config import ModelConfig
+from codedojo.model.transformer import Transformer
+from codedojo.pretrain.config import StageConfig
+from codedojo.pretrain.selfgen import greedy_continue, prompt_windows, write_self_shards
+
+
+@pytest.fixture()
+def model() -> Transformer:
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig.tiny(vocab_size=64, max_seq_len=64))
+    with torch.no_grad():
+        m.tok_embeddings.weight.mul_(20)  # peaked, varied continuations
+    return m.train()
+
+
+def _code(tmp_path, lengths) -> TokenShards:
+    rng = np.random.default_rng(0)
+    w = ShardWriter(tmp_path / "code", 64, eos_id=None)
+    for n in lengths:
+        w.add(rng.integers(1, 64, size=n))
+    return TokenShards(w.close())
+
+
+def test_batched_continuations_equal_one_at_a_time_greedy(model):
+    prompts = torch.randint(1, 64, (3, 6))
+    out = greedy_continue(model, prompts, 10)
+    assert out.shape == (3, 16) and torch.equal(out[:, :6], prompts)
+    for row, p in zip(out, prompts, strict=True):
+        assert row[6:].tolist() == greedy_reference(model.eval(), p.tolist(), 10)
+    assert len({tuple(r[6:].tolist()) for r in out}) > 1  # rows are not all alike
+
+
+def test_windows_come_from_long_enough_documents(tmp_path):
+    code = _code(tmp_path, [5, 30, 12, 40])
+    w = prompt_windows(code, 20, 12, seed=0)
+    docs = [code.doc(i).tolist() for i in range(len(code))]
+    for row in w.tolist():  # every window is a slice of a document of >= 12 tokens
+        assert any(len(d) >= 12 and any(d[s:s + 12] == row for s in range(len(d) - 11))
+                   for d in docs)
+    with pytest.raises(ValueError, match="prompt_len: no training document has 41 tokens"):
+        prompt_windows(code, 2, 41, seed=0)
+
+
+def test_shards_are_written_once_and_the_model_is_left_training(tmp_path, model):
+    code = _code(tmp_path, [30, 40, 25])
+    out = tmp_path / "self"
+    write_self_shards(model, code, out, prompts=5, prompt_len=8, new_tokens=6, batch=2, seed=1)
+    shards = TokenShards(out)
+    assert len(shards) == 5 and shards.doc_lengths().tolist() == [14] * 5
+    assert model.training
+    first = (out / "index.json").stat().st_mtime_ns
+    write_self_shards(model, code, out, prompts=5, prompt_len=8, new_tokens=6, batch=2, seed=1)
+    assert (out / "index.json").stat().st_mtime_ns == first
+
+
+def test_a_self_mix_needs_self_gen():
+    st = dict(name="s", seq_len=16, steps=1, mtp="distill")
+    with pytest.raises(ValueError, match="`self` mix entry and `self_gen` go together"):
+        StageConfig.model_validate({**st, "mix": [{"data": "self"}]})
+    with pytest.raises(ValueError, match="`self` mix entry and `self_gen` go together"):
+        StageConfig.model_validate({**st, "mix": [{"data": "code"}], "self_gen": {}})
+    StageConfig.model_validate({**st, "mix": [{"data": "self"}], "self_gen": {"prompts": 4}})
