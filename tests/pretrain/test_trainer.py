@@ -73,8 +73,9 @@ def test_config_errors_name_the_field(tmp_path):
 
 def test_repo_config_parses():
     cfg = load_config("configs/cpt-smollm2.toml")
-    assert [s.name for s in cfg.stages] == ["bulk", "mtp", "long", "sft"]
+    assert [s.name for s in cfg.stages] == ["bulk", "mtp", "long", "sft", "mtp_self"]
     assert cfg.stages[2].rope_scaling is not None and cfg.stages[2].probe
+    assert cfg.stages[4].self_gen is not None and cfg.model.compile
 
 
 def test_run_end_to_end_tiny(tmp_path):
