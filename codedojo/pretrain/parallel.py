@@ -50,11 +50,18 @@ def apply_compile(*parts: nn.Module | None) -> None:
     their backward) into a few loops: on CPU these are about a quarter of an eager training step.
     The blocks share one code object, so all layers share the compiled graphs. Calls with a
     cache (decoding, prefill) stay eager: there the fused decode kernels or small ops run.
-    Parameters and state-dict names are untouched."""
+    Parameters and state-dict names are untouched.
+
+    Sizes are symbolic from the start (stages change batch and length). A graph still exists per
+    grad mode, frozen or trained parameters and masked or causal attention: up to eight, the
+    default recompile limit, so it is raised to leave room for MoE variants."""
+    import torch._dynamo.config
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for blk in (m for part in parts if part is not None for m in part.modules()
                 if isinstance(m, Block)):
         plain = blk.forward
-        compiled = torch.compile(plain)
+        compiled = torch.compile(plain, dynamic=True)
 
         def forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     mask: torch.Tensor | None, cache: object | None,

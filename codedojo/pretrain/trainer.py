@@ -173,7 +173,8 @@ class RunData:
 
 def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData,
                  run_dir: Path) -> Packed:
-    """The stage's mixture packed at its length, cached on disk so a resume sees the same rows."""
+    """The stage's mixture packed at its length, cached on disk so a resume sees the same rows;
+    rows without a trained position are left out."""
     out = run_dir / "data" / "packed" / stage.name
     if (out / "mask.npy").exists():
         return Packed.load(out)
@@ -185,6 +186,12 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
         srcs.append(MixtureSource(name=e.data, path=str(data.shards[e.data]), weight=e.weight,
                                   min_tokens=e.min_tokens))
     packed = pack(mix(srcs, need, seed=cfg.seed + 1000 * si), stage.seq_len)
+    # A conversation longer than a row leaves rows of prompt only: nothing to learn from them.
+    trained = packed.mask[:, 1:].any(axis=1)
+    if not trained.any():
+        raise ValueError(f"stage {stage.name!r}: its data has no trained position")
+    if not trained.all():
+        packed = Packed(packed.tokens[trained], packed.segments[trained], packed.mask[trained])
     packed.save(out)
     return Packed.load(out)
 

@@ -142,3 +142,24 @@ def test_distill_over_a_draft_vocabulary_of_frequent_tokens(tmp_path):
     model2, mtp2 = build_model(cfg)  # the checkpoint carries the vocabulary
     load_weights(tmp_path / "ckpt" / "bulk", model2, mtp2)
     assert mtp2.draft_vocab.tolist() == chosen
+
+
+def test_rows_without_a_trained_position_are_left_out(tmp_path):
+    """Long SFT prompts (loss on the answer only) fill whole rows with untrained tokens."""
+    from codedojo.data.shards import ShardWriter
+    from codedojo.pretrain.trainer import RunData, stage_packed
+
+    w = ShardWriter(tmp_path / "sft", 64, eos_id=None)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        w.add(rng.integers(1, 64, size=40), [0] * 35 + [1] * 5)
+    data = RunData({"sft": w.close()}, None, [])  # type: ignore[arg-type]
+    cfg = _cfg(tmp_path, seq_len=8, steps=3, mix=[{"data": "sft"}])
+    packed = stage_packed(cfg, cfg.stages[0], 0, data, tmp_path)
+    assert len(packed) > 0 and packed.mask[:, 1:].any(axis=1).all()
+    cfg = _cfg(tmp_path / "none", seq_len=8, steps=3, mix=[{"data": "sft"}])
+    w = ShardWriter(tmp_path / "prompts", 64, eos_id=None)
+    w.add(rng.integers(1, 64, size=40), [0] * 40)
+    with pytest.raises(ValueError, match="'bulk': its data has no trained position"):
+        stage_packed(cfg, cfg.stages[0], 0, RunData({"sft": w.close()}, None, []),  # type: ignore[arg-type]
+                     tmp_path / "none")
