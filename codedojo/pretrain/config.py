@@ -54,6 +54,8 @@ class SelfGenConfig(BaseModel):
     prompt_len: int = Field(64, ge=1, description="Tokens of code each continuation follows.")
     new_tokens: int = Field(96, ge=1, description="Greedy tokens generated per prompt.")
     batch: int = Field(16, ge=1, description="Prompts generated together.")
+    doc_start_frac: float = Field(0.5, ge=0, le=1, description="Share of prompts taken at the "
+                                  "start of a file (the rest at random offsets).")
 
 
 class StageConfig(BaseModel):

@@ -40,8 +40,11 @@ def greedy_continue(model: Transformer, prompts: torch.Tensor, new_tokens: int) 
     return torch.cat(out, 1)
 
 
-def prompt_windows(code: TokenShards, n: int, length: int, seed: int) -> np.ndarray:
-    """n windows of `length` tokens at random offsets of random documents at least that long."""
+def prompt_windows(code: TokenShards, n: int, length: int, seed: int,
+                   doc_start_frac: float = 0.5) -> np.ndarray:
+    """n windows of `length` tokens from random documents at least that long: a share
+    `doc_start_frac` at the start of the document (writing a file from its top), the rest at
+    random offsets (continuing one mid-way)."""
     lens = code.doc_lengths()
     ok = np.flatnonzero(lens >= length)
     if len(ok) == 0:
@@ -50,17 +53,18 @@ def prompt_windows(code: TokenShards, n: int, length: int, seed: int) -> np.ndar
     docs = rng.choice(ok, size=n, replace=len(ok) < n)
     out = np.empty((n, length), np.int64)
     for i, d in enumerate(docs):
-        start = int(rng.integers(0, lens[d] - length + 1))
+        start = 0 if rng.random() < doc_start_frac else int(rng.integers(0, lens[d] - length + 1))
         out[i] = code.doc(int(d))[start:start + length]
     return out
 
 
 def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, prompts: int,
-                      prompt_len: int, new_tokens: int, batch: int, seed: int) -> Path:
+                      prompt_len: int, new_tokens: int, batch: int, seed: int,
+                      doc_start_frac: float = 0.5) -> Path:
     """Generate and write the shards (skipped when `out_dir` is already finished)."""
     if (out_dir / "index.json").exists():
         return out_dir
-    windows = prompt_windows(code, prompts, prompt_len, seed)
+    windows = prompt_windows(code, prompts, prompt_len, seed, doc_start_frac)
     dev = model.tok_embeddings.weight.device
     writer = ShardWriter(out_dir, model.cfg.vocab_size, eos_id=None)
     for i in range(0, prompts, batch):

@@ -211,7 +211,7 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
                       f"{g.new_tokens} tokens")
     return write_self_shards(model, TokenShards(data.shards["code"]), out, prompts=g.prompts,
                              prompt_len=g.prompt_len, new_tokens=g.new_tokens, batch=g.batch,
-                             seed=cfg.seed + 31)
+                             seed=cfg.seed + 31, doc_start_frac=g.doc_start_frac)
 
 
 def eval_batches(data: RunData, batch_size: int) -> list[Batch]:

@@ -45,6 +45,10 @@ def test_windows_come_from_long_enough_documents(tmp_path):
     for row in w.tolist():  # every window is a slice of a document of >= 12 tokens
         assert any(len(d) >= 12 and any(d[s:s + 12] == row for s in range(len(d) - 11))
                    for d in docs)
+    starts = {tuple(d[:12]) for d in docs if len(d) >= 12}
+    assert {tuple(r) for r in prompt_windows(code, 8, 12, seed=0, doc_start_frac=1.0)} <= starts
+    mid = prompt_windows(code, 40, 12, seed=0, doc_start_frac=0.0)
+    assert sum(tuple(r) not in starts for r in mid.tolist()) > 15  # about 25 expected
     with pytest.raises(ValueError, match="prompt_len: no training document has 41 tokens"):
         prompt_windows(code, 2, 41, seed=0)
 
