@@ -288,7 +288,7 @@ class Engine:
         """Drafts for the next speculative round (see ``__init__``)."""
         assert self.drafter is not None
         st = self.spec_stats
-        if st.rounds < self.spec_probe_rounds or self.spec_draft_cost == 0:
+        if st.rounds < max(1, self.spec_probe_rounds) or self.spec_draft_cost == 0:
             return self.drafter.depth
         return st.best_depth(self.drafter.depth, self.spec_draft_cost)
 

@@ -249,7 +249,8 @@ class SpeculativeSession:
         p = target_probs(logits, self.temperature)
         n_acc, extra = accept_drafts(drafts, q, p, self.temperature, self.gen)
         emitted = [*drafts[:n_acc], extra]
-        self.stats.record(len(drafts), n_acc, len(emitted))
+        if drafts:  # a round without drafts is a plain decode step, not counted
+            self.stats.record(len(drafts), n_acc, len(emitted))
         self.logits = logits[: n_acc + 1]
         self.target.truncate(L + n_acc)  # keep positions 0 .. L-1+n_acc (the accepted ones)
         # the drafter has not seen these hiddens yet (nor, after a round without drafts, the
