@@ -52,9 +52,10 @@ def apply_compile(*parts: nn.Module | None) -> None:
     cache (decoding, prefill) stay eager: there the fused decode kernels or small ops run.
     Parameters and state-dict names are untouched.
 
-    Sizes are symbolic from the start (stages change batch and length). A graph still exists per
-    grad mode, frozen or trained parameters and masked or causal attention: up to eight, the
-    default recompile limit, so it is raised to leave room for MoE variants."""
+    Sizes are symbolic from the start (stages change batch and length; measured as fast as
+    static sizes in `benchmarks/train_throughput.py`). A graph still exists per grad mode,
+    frozen or trained parameters and masked or causal attention: up to eight, the default
+    recompile limit, so it is raised to leave room for MoE variants."""
     import torch._dynamo.config
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
