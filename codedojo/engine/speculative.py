@@ -63,11 +63,12 @@ class Drafter(Protocol):
 
 @dataclass
 class SpecStats:
+    """Counts over speculative rounds (rounds with at least one draft; each is one target
+    pass)."""
+
     rounds: int = 0
-    target_passes: int = 0  # verify passes (prefill excluded)
     drafted: int = 0
     accepted: int = 0
-    first_accepted: int = 0
     emitted: int = 0  # tokens emitted by verify rounds
     accepted_per_round: list[int] = field(default_factory=list)
     # per draft depth j (index j-1): rounds that drafted j tokens or more and accepted the
@@ -78,10 +79,8 @@ class SpecStats:
     def record(self, drafted: int, accepted: int, emitted: int) -> None:
         """One verify round."""
         self.rounds += 1
-        self.target_passes += 1
         self.drafted += drafted
         self.accepted += accepted
-        self.first_accepted += int(accepted > 0)
         self.accepted_per_round.append(accepted)
         self.emitted += emitted
         while len(self.reached) < drafted:
@@ -111,6 +110,15 @@ class SpecStats:
     @property
     def accept_rate(self) -> float:
         return self.accepted / max(1, self.drafted)
+
+    @property
+    def target_passes(self) -> int:
+        """Verify passes (the prefill excluded)."""
+        return self.rounds
+
+    @property
+    def first_accepted(self) -> int:
+        return self.passed[0] if self.passed else 0
 
     @property
     def accept_first(self) -> float:
@@ -202,12 +210,10 @@ class SpeculativeSession:
     step calls `round()` for a live request instead of sampling one token)."""
 
     def __init__(self, target: Target, drafter: Drafter, temperature: float = 0.0,
-                 gen: torch.Generator | None = None, num_draft: int | None = None,
-                 stats: SpecStats | None = None):
+                 gen: torch.Generator | None = None, stats: SpecStats | None = None):
         """`stats`: where rounds are counted (a shared one aggregates over sessions)."""
         self.target, self.drafter = target, drafter
         self.temperature, self.gen = temperature, gen
-        self.k_max = drafter.depth if num_draft is None else min(num_draft, drafter.depth)
         self.stats = SpecStats() if stats is None else stats
         self.tokens: list[int] = []
         self.logits: torch.Tensor | None = None  # target logits (n, V) of the last emitted
@@ -237,7 +243,7 @@ class SpeculativeSession:
         ``depth`` (default: every module), capped so at most `max_tokens` come out. With k = 0
         this is a plain decode step."""
         assert self._new_hidden is not None, "prefill first"
-        k = self.k_max if depth is None else max(0, min(self.k_max, depth))
+        k = self.drafter.depth if depth is None else max(0, min(self.drafter.depth, depth))
         if max_tokens is not None:
             k = max(0, min(k, max_tokens - 1))
         drafts: list[int] = []
@@ -266,11 +272,13 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
                          max_new_tokens: int, temperature: float = 0.0,
                          gen: torch.Generator | None = None, stop_ids: Sequence[int] = (),
                          num_draft: int | None = None) -> GenerateResult:
-    sess = SpeculativeSession(target, drafter, temperature, gen, num_draft)
+    """Decode one sequence speculatively, ``num_draft`` drafts a round (default: every
+    module)."""
+    sess = SpeculativeSession(target, drafter, temperature, gen)
     stop = set(stop_ids)
     out = [sess.prefill(prompt)]
     while out[-1] not in stop and len(out) < max_new_tokens:
-        new = sess.round(max_new_tokens - len(out))
+        new = sess.round(max_new_tokens - len(out), depth=num_draft)
         for t in new:
             out.append(t)
             if t in stop:

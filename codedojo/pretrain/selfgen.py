@@ -6,6 +6,11 @@ them on the text they will draft. Prompts are windows of the training code; the 
 come from the model as it is when the stage starts, batched over a KV cache, and are written as
 token shards (prompt + continuation, one document each) that the stage's mixture reads as
 ``data = "self"``.
+
+The generation loop is written here rather than taken from ``codedojo.engine.Engine``: every
+row has the same length and no stop, so it needs no scheduler, and the engine takes the model
+over for serving (it switches it to eval mode for good and, without the CPU kernels, restrides
+its weights in place), which a model in the middle of training must not undergo.
 """
 
 from __future__ import annotations
