@@ -19,6 +19,7 @@ about tokenization or HTTP.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,8 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0  # tokens emitted by verify rounds
-    accepted_per_round: list[int] = field(default_factory=list)
+    # accepted drafts of the latest rounds (bounded: a server's engine keeps its stats for good)
+    recent: deque[int] = field(default_factory=lambda: deque(maxlen=4096))
     # per draft depth j (index j-1): rounds that drafted j tokens or more and accepted the
     # first j-1 (so draft j was put to the test), and those of them that accepted draft j
     reached: list[int] = field(default_factory=list)
@@ -81,7 +83,7 @@ class SpecStats:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
-        self.accepted_per_round.append(accepted)
+        self.recent.append(accepted)
         self.emitted += emitted
         while len(self.reached) < drafted:
             self.reached.append(0)
@@ -110,6 +112,11 @@ class SpecStats:
     @property
     def accept_rate(self) -> float:
         return self.accepted / max(1, self.drafted)
+
+    @property
+    def accepted_per_round(self) -> list[int]:
+        """Accepted drafts per round, for the latest 4096 rounds."""
+        return list(self.recent)
 
     @property
     def target_passes(self) -> int:
