@@ -21,6 +21,7 @@ target, not with the data.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -171,11 +172,20 @@ class RunData:
     probe_filler: list[int]
 
 
+def cache_dir_for(root: Path, stage: StageConfig, settings: dict[str, Any]) -> Path:
+    """``root/<stage>-<hash of settings>``: a stage's data cache, found again by a resume with
+    the same settings and made anew when the config changes them."""
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    return root / f"{stage.name}-{key.hexdigest()[:10]}"
+
+
 def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData,
                  run_dir: Path) -> Packed:
     """The stage's mixture packed at its length, cached on disk so a resume sees the same rows;
     rows without a trained position are left out."""
-    out = run_dir / "data" / "packed" / stage.name
+    out = cache_dir_for(run_dir / "data" / "packed", stage, {
+        "seed": cfg.seed + 1000 * si, **stage.model_dump(include={
+            "seq_len", "batch_size", "grad_accum", "steps", "mix", "self_gen"})})
     if (out / "mask.npy").exists():
         return Packed.load(out)
     need = stage.steps * stage.grad_accum * stage.batch_size * (stage.seq_len + 1)
@@ -205,7 +215,8 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
     if "code" not in data.shards:
         raise ValueError(f"stage {stage.name!r}: self_gen needs training code, and this run "
                          "has none")
-    out = run_dir / "data" / "self" / stage.name
+    out = cache_dir_for(run_dir / "data" / "self", stage,
+                        {"seed": cfg.seed + 31, **g.model_dump()})
     if not (out / "index.json").exists():
         console.print(f"stage {stage.name}: generating {g.prompts} continuations of "
                       f"{g.new_tokens} tokens")

@@ -117,7 +117,8 @@ def test_run_end_to_end_tiny(tmp_path):
     assert set(report["eval_loss"]) == {"base", "bulk", "mtp", "long", "sft", "mtp_self"}
     assert report["eval_loss"]["mtp"] == report["eval_loss"]["bulk"]  # frozen model
     assert report["eval_loss"]["mtp_self"] == report["eval_loss"]["sft"]
-    own = TokenShards(tmp_path / "runs" / "e2e" / "data" / "self" / "mtp_self")
+    (own_dir,) = (tmp_path / "runs" / "e2e" / "data" / "self").glob("mtp_self-*")
+    own = TokenShards(own_dir)
     assert len(own) == 4 and own.doc_lengths().tolist() == [16] * 4
     assert set(report["probe"]) == {"long/before", "long/after"}
     final = tmp_path / "runs" / "e2e" / "final"
@@ -163,3 +164,25 @@ def test_rows_without_a_trained_position_are_left_out(tmp_path):
     with pytest.raises(ValueError, match="'bulk': its data has no trained position"):
         stage_packed(cfg, cfg.stages[0], 0, RunData({"sft": w.close()}, None, []),  # type: ignore[arg-type]
                      tmp_path / "none")
+
+
+def test_packed_cache_follows_the_stage_settings(tmp_path):
+    """A resume with the same settings reads the same rows back; a config that changes the
+    stage's length or mixture gets rows packed anew, not the stale cache."""
+    from codedojo.data.shards import ShardWriter
+    from codedojo.pretrain.trainer import RunData, stage_packed
+
+    w = ShardWriter(tmp_path / "code", 64, eos_id=None)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        w.add(rng.integers(1, 64, size=30))
+    data = RunData({"code": w.close()}, None, [])  # type: ignore[arg-type]
+    run_dir = tmp_path / "run"
+    cfg = _cfg(tmp_path, seq_len=8, steps=3)
+    first = stage_packed(cfg, cfg.stages[0], 0, data, run_dir)
+    again = stage_packed(_cfg(tmp_path, seq_len=8, steps=3), cfg.stages[0], 0, data, run_dir)
+    assert np.array_equal(first.tokens, again.tokens)
+    longer = _cfg(tmp_path, seq_len=16, steps=3)
+    assert (stage_packed(longer, longer.stages[0], 0, data, run_dir).tokens.shape[1]
+            == 2 * first.tokens.shape[1] - 1)
+    assert len(list((run_dir / "data" / "packed").glob("bulk-*"))) == 2
