@@ -8,8 +8,15 @@
 // Python, the same step also spends two thirds as long again (11 of 28 ms here) on about a
 // thousand small tensor ops between the matrix multiplies (norms, RoPE, cache writes,
 // attention, residual adds) and on their dispatch. Here those are plain loops over a few KB of
-// activations; only the matrix multiplies (small_gemm.h) and attention run on ATen's thread
-// pool.
+// activations, vectorised where they count (attention's dot products, the exponentials).
+//
+// The whole call is one parallel region: each thread owns a band of rows of every weight
+// matrix (small_gemm.h's `rows`) and the threads meet at a barrier only where a result of all
+// of them is needed next (five times a layer). Norms are computed by every thread for itself,
+// residual adds and SwiGLU on each thread's own band. One fork for the call instead of one per
+// matrix multiply.
+#include <omp.h>
+
 #include <cmath>
 #include <vector>
 
@@ -18,6 +25,33 @@
 namespace {
 
 constexpr int kPerLayer = 7;  // attn_norm, wqkv, bqkv, wo, mlp_norm, w_gate_up, w_down
+
+typedef int vi16 __attribute__((vector_size(64), aligned(4)));
+
+inline void store(float* p, v16 v) { *reinterpret_cast<v16*>(p) = v; }
+
+// e^x for 16 floats (Cephes' expf: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n put in
+// the exponent bits); relative error about 1e-7. libm's expf is called one float at a time.
+inline v16 vexp(v16 x) {
+  const v16 hi = v16{} + 88.3762626647949f, lo = v16{} - 87.3365447504f;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  v16 fx = x * 1.44269504088896341f + 0.5f;
+  v16 n = __builtin_convertvector(__builtin_convertvector(fx, vi16), v16);
+  n += __builtin_convertvector(n > fx, v16);  // truncation to floor: -1 where n rounded up
+  const v16 r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  v16 y = v16{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
+  v16 scale;
+  __builtin_memcpy(&scale, &e, sizeof scale);
+  return y * scale;
+}
 
 // y = w * (x / sqrt(mean(x^2) + eps)) for each of N rows of length D.
 void rms_norm(const float* x, const float* w, float* y, int64_t N, int64_t D, float eps) {
@@ -30,17 +64,14 @@ void rms_norm(const float* x, const float* w, float* y, int64_t N, int64_t D, fl
   }
 }
 
-// Rotate-half RoPE in place over n_heads heads: x * cos + [x2, x1] * sin (sin carries the sign
-// of the rotation, as rope.py's table does).
-void rope(float* x, const float* cos, const float* sin, int64_t n_heads, int64_t hd) {
+// Rotate-half RoPE in place on one head: x * cos + [x2, x1] * sin (sin carries the sign of the
+// rotation, as rope.py's table does).
+void rope(float* v, const float* cos, const float* sin, int64_t hd) {
   const int64_t half = hd / 2;
-  for (int64_t h = 0; h < n_heads; ++h) {
-    float* v = x + h * hd;
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = v[i], b = v[i + half];
-      v[i] = a * cos[i] + b * sin[i];
-      v[i + half] = b * cos[i + half] + a * sin[i + half];
-    }
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = v[i], b = v[i + half];
+    v[i] = a * cos[i] + b * sin[i];
+    v[i + half] = b * cos[i + half] + a * sin[i + half];
   }
 }
 
@@ -49,16 +80,29 @@ void attend(const float* q, const float* k, const float* v, float* out, int64_t 
             std::vector<float>& p) {
   const float scale = 1.f / std::sqrt(float(hd));
   p.resize(S);
+  const bool vec = hd % 16 == 0;
   float mx = -INFINITY;
   for (int64_t t = 0; t < S; ++t) {
     const float* kt = k + t * hd;
     float s = 0.f;
-    for (int64_t i = 0; i < hd; ++i) s += q[i] * kt[i];
+    if (vec) {  // a float sum is not reassociated by the compiler: spell the vectors out
+      v16 a = {};
+      for (int64_t i = 0; i < hd; i += 16) a += load(q + i) * load(kt + i);
+      s = hsum(a);
+    } else {
+      for (int64_t i = 0; i < hd; ++i) s += q[i] * kt[i];
+    }
     p[t] = s * scale;
     mx = std::max(mx, p[t]);
   }
   float sum = 0.f;
-  for (int64_t t = 0; t < S; ++t) sum += (p[t] = std::exp(p[t] - mx));
+  int64_t t = 0;
+  for (; t + 16 <= S; t += 16) {
+    const v16 e = vexp(load(&p[t]) - mx);
+    store(&p[t], e);
+    sum += hsum(e);
+  }
+  for (; t < S; ++t) sum += (p[t] = std::exp(p[t] - mx));
   for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
   for (int64_t t = 0; t < S; ++t) {
     const float* vt = v + t * hd;
@@ -67,11 +111,30 @@ void attend(const float* q, const float* k, const float* v, float* out, int64_t 
   }
 }
 
+// h = silu(g) * u over n floats.
+void swiglu(const float* g, const float* u, float* h, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16 gv = load(g + i);
+    store(h + i, gv / (1.f + vexp(-gv)) * load(u + i));
+  }
+  for (; i < n; ++i) h[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
 const float* ptr(const torch::Tensor& t, int64_t numel, const char* what, int64_t layer) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == numel,
               "decode_layers: layer ", layer, " ", what, " must be a contiguous float32 tensor "
               "of ", numel, " elements");
   return t.data_ptr<float>();
+}
+
+struct Layer {
+  const float *attn_norm, *wqkv, *bqkv, *wo, *mlp_norm, *wgu, *wdown;
+};
+
+// Thread `t` of `nt`'s share [lo, hi) of n items.
+inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) {
+  return {n * t / nt, n * (t + 1) / nt};
 }
 
 }  // namespace
@@ -113,64 +176,100 @@ torch::Tensor decode_layers(const torch::Tensor& x_in, const std::vector<torch::
               "decode_layers: cos and sin must be contiguous float32 (B, hd)");
   const int64_t QKV = (H + 2 * K) * hd;
   const int64_t F = weights[5].size(0) / 2;
+  std::vector<Layer> layers(L);
+  for (int64_t l = 0; l < L; ++l) {
+    const torch::Tensor* w = &weights[l * kPerLayer];
+    layers[l] = {ptr(w[0], D, "attn_norm", l), ptr(w[1], QKV * D, "wqkv", l),
+                 w[2].numel() ? ptr(w[2], QKV, "bqkv", l) : nullptr,
+                 ptr(w[3], D * H * hd, "wo", l), ptr(w[4], D, "mlp_norm", l),
+                 ptr(w[5], 2 * F * D, "w_gate_up", l), ptr(w[6], D * F, "w_down", l)};
+  }
 
   auto opts = x_in.options();
   torch::Tensor x = x_in.contiguous().clone();
-  torch::Tensor hn = torch::empty({B, std::max(D, F)}, opts);
   torch::Tensor qkv = torch::empty({B, QKV}, opts);
   torch::Tensor att = torch::empty({B, H * hd}, opts);
-  torch::Tensor out = torch::empty({B, std::max(D, 2 * F)}, opts);
-  float *xp = x.data_ptr<float>(), *hp = hn.data_ptr<float>(), *qp = qkv.data_ptr<float>();
-  float *ap = att.data_ptr<float>(), *op = out.data_ptr<float>();
+  torch::Tensor gu = torch::empty({B, 2 * F}, opts);
+  torch::Tensor act = torch::empty({B, F}, opts);
+  torch::Tensor out = torch::empty({B, D}, opts);
+  float *xp = x.data_ptr<float>(), *qp = qkv.data_ptr<float>(), *ap = att.data_ptr<float>();
+  float *gp = gu.data_ptr<float>(), *hp = act.data_ptr<float>(), *op = out.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
 
-  for (int64_t l = 0; l < L; ++l) {
-    const torch::Tensor* w = &weights[l * kPerLayer];
-    const float* attn_norm = ptr(w[0], D, "attn_norm", l);
-    const float* wqkv = ptr(w[1], QKV * D, "wqkv", l);
-    const float* bqkv = w[2].numel() ? ptr(w[2], QKV, "bqkv", l) : nullptr;
-    const float* wo = ptr(w[3], D * H * hd, "wo", l);
-    const float* mlp_norm = ptr(w[4], D, "mlp_norm", l);
-    const float* wgu = ptr(w[5], 2 * F * D, "w_gate_up", l);
-    const float* wdown = ptr(w[6], D * F, "w_down", l);
-
-    // Attention: norm, fused q/k/v projection, RoPE on q and k, cache write, attend, output.
-    rms_norm(xp, attn_norm, hp, B, D, float(eps));
-    gemm_rows(hp, wqkv, qp, B, D, QKV);
-    for (int64_t b = 0; b < B; ++b) {
-      float* r = qp + b * QKV;
-      if (bqkv)
-        for (int64_t i = 0; i < QKV; ++i) r[i] += bqkv[i];
-      rope(r, cp + b * hd, sp + b * hd, H + K, hd);
-      for (int64_t g = 0; g < K; ++g) {
-        const int64_t at = (((l * slots + slot[b]) * K + g) * cap + pos[b]) * hd;
-        std::copy(r + (H + g) * hd, r + (H + g + 1) * hd, kc + at);
-        std::copy(r + (H + K + g) * hd, r + (H + K + g + 1) * hd, vc + at);
+  const int threads = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    std::vector<float> normed(B * D), p;
+    // y[:, m0:m1] = a (B, Kin) @ w[m0:m1]^T, this thread's band of the M output columns.
+    auto band = [&](const float* a, const float* w, float* y, int64_t Kin, int64_t M) {
+      const auto [m0, m1] = share(M, t, nt);
+      rows(a, w, y, B, m0, m1, Kin, M);
+      return std::make_pair(m0, m1);
+    };
+    auto residual = [&](int64_t m0, int64_t m1) {
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = m0; i < m1; ++i) xp[b * D + i] += op[b * D + i];
+    };
+    for (int64_t l = 0; l < L; ++l) {
+      const Layer& w = layers[l];
+      // Attention: norm, fused q/k/v projection, RoPE on q and k, cache write, attend, output.
+      rms_norm(xp, w.attn_norm, normed.data(), B, D, float(eps));
+      {
+        const auto [m0, m1] = band(normed.data(), w.wqkv, qp, D, QKV);
+        if (w.bqkv)
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t i = m0; i < m1; ++i) qp[b * QKV + i] += w.bqkv[i];
       }
+#pragma omp barrier
+      {  // RoPE on the q and k heads; k and v into the cache
+        const auto [i0, i1] = share(B * (H + K), t, nt);
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t b = i / (H + K), h = i % (H + K);
+          float* r = qp + b * QKV;
+          rope(r + h * hd, cp + b * hd, sp + b * hd, hd);
+          if (h >= H) {
+            const int64_t g = h - H;
+            const int64_t at = (((l * slots + slot[b]) * K + g) * cap + pos[b]) * hd;
+            std::copy(r + h * hd, r + (h + 1) * hd, kc + at);
+            std::copy(r + (H + K + g) * hd, r + (H + K + g + 1) * hd, vc + at);
+          }
+        }
+      }
+#pragma omp barrier
+      {
+        const auto [i0, i1] = share(B * H, t, nt);
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t b = i / H, h = i % H, g = h / (H / K);
+          const int64_t base = ((l * slots + slot[b]) * K + g) * cap * hd;
+          attend(qp + b * QKV + h * hd, kc + base, vc + base, ap + b * H * hd + h * hd,
+                 pos[b] + 1, hd, p);
+        }
+      }
+#pragma omp barrier
+      {
+        const auto [m0, m1] = band(ap, w.wo, op, H * hd, D);
+        residual(m0, m1);
+      }
+#pragma omp barrier
+      // MLP: norm, fused gate/up projection (this thread's gate rows and the matching up rows,
+      // so SwiGLU needs no other thread's), SwiGLU, down projection.
+      rms_norm(xp, w.mlp_norm, normed.data(), B, D, float(eps));
+      {
+        const auto [f0, f1] = share(F, t, nt);
+        rows(normed.data(), w.wgu, gp, B, f0, f1, D, 2 * F);
+        rows(normed.data(), w.wgu, gp, B, F + f0, F + f1, D, 2 * F);
+        for (int64_t b = 0; b < B; ++b)
+          swiglu(gp + b * 2 * F + f0, gp + b * 2 * F + F + f0, hp + b * F + f0, f1 - f0);
+      }
+#pragma omp barrier
+      {
+        const auto [m0, m1] = band(hp, w.wdown, op, F, D);
+        residual(m0, m1);
+      }
+#pragma omp barrier
     }
-    at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> p;
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / H, h = i % H, g = h / (H / K);
-        const int64_t base = ((l * slots + slot[b]) * K + g) * cap * hd;
-        attend(qp + b * QKV + h * hd, kc + base, vc + base, ap + b * H * hd + h * hd,
-               pos[b] + 1, hd, p);
-      }
-    });
-    gemm_rows(ap, wo, op, B, H * hd, D);
-    for (int64_t i = 0; i < B * D; ++i) xp[i] += op[i];
-
-    // MLP: norm, fused gate/up projection, SwiGLU, down projection.
-    rms_norm(xp, mlp_norm, hp, B, D, float(eps));
-    gemm_rows(hp, wgu, op, B, D, 2 * F);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < F; ++i) {
-        const float g = op[b * 2 * F + i];
-        hp[b * F + i] = g / (1.f + std::exp(-g)) * op[b * 2 * F + F + i];
-      }
-    gemm_rows(hp, wdown, op, B, F, D);
-    for (int64_t i = 0; i < B * D; ++i) xp[i] += op[i];
   }
   return x;
 }

@@ -15,6 +15,7 @@ its weights in place), which a model in the middle of training must not undergo.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -65,8 +66,10 @@ def prompt_windows(code: TokenShards, n: int, length: int, seed: int,
 
 def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, prompts: int,
                       prompt_len: int, new_tokens: int, batch: int, seed: int,
-                      doc_start_frac: float = 0.5) -> Path:
-    """Generate and write the shards (skipped when `out_dir` is already finished)."""
+                      doc_start_frac: float = 0.5,
+                      progress: Callable[[int], None] | None = None) -> Path:
+    """Generate and write the shards (skipped when `out_dir` is already finished);
+    ``progress(n)`` after each batch, n the continuations written so far."""
     if (out_dir / "index.json").exists():
         return out_dir
     windows = prompt_windows(code, prompts, prompt_len, seed, doc_start_frac)
@@ -76,4 +79,6 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
         rows = greedy_continue(model, torch.from_numpy(windows[i:i + batch]).to(dev), new_tokens)
         for r in rows.cpu().numpy():
             writer.add(r)
+        if progress is not None:
+            progress(min(i + batch, prompts))
     return writer.close()

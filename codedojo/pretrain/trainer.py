@@ -217,12 +217,18 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
                          "has none")
     out = cache_dir_for(run_dir / "data" / "self", stage,
                         {"seed": cfg.seed + 31, **g.model_dump()})
-    if not (out / "index.json").exists():
-        console.print(f"stage {stage.name}: generating {g.prompts} continuations of "
-                      f"{g.new_tokens} tokens")
-    return write_self_shards(model, TokenShards(data.shards["code"]), out, prompts=g.prompts,
-                             prompt_len=g.prompt_len, new_tokens=g.new_tokens, batch=g.batch,
-                             seed=cfg.seed + 31, doc_start_frac=g.doc_start_frac)
+    if (out / "index.json").exists():
+        return out
+    from rich.progress import Progress
+
+    with Progress(console=console, transient=False) as prog:
+        task = prog.add_task(f"{stage.name}: {g.new_tokens} tokens after each of {g.prompts} "
+                             "prompts", total=g.prompts)
+        return write_self_shards(
+            model, TokenShards(data.shards["code"]), out, prompts=g.prompts,
+            prompt_len=g.prompt_len, new_tokens=g.new_tokens, batch=g.batch,
+            seed=cfg.seed + 31, doc_start_frac=g.doc_start_frac,
+            progress=lambda n: prog.update(task, completed=n))
 
 
 def eval_batches(data: RunData, batch_size: int) -> list[Batch]:

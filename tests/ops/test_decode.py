@@ -74,6 +74,32 @@ def test_fused_decode_matches_layers(cfg: ModelConfig, lengths: list[int], start
 
 
 @needs_kernel
+@pytest.mark.parametrize("gain", [1.0, 30.0])
+def test_fused_decode_long_context_and_saturated_activations(gain: float,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """Contexts past one 16-wide vector of attention scores, and gate values far into SwiGLU's
+    saturation (the kernel's own exponential, clamped at the float range)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny()
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.mlp.w_gate_up.weight.mul_(gain)
+            layer.attn.wqkv.weight.mul_(gain ** 0.5)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 3))
+    out = []
+    with torch.no_grad():
+        for fused in (True, False):
+            if not fused:
+                monkeypatch.setattr(transformer, "decode_layers", lambda *a, **k: None)
+            cache = KVCache(cfg, 1, 64)
+            _prefill(model, cache, [45], 0)
+            out.append(_decode(model, cache, tokens, 0))
+    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5 * gain)
+
+
+@needs_kernel
 def test_fused_decode_steps_aside() -> None:
     """Training, MoE layers and bfloat16 run the layers op by op."""
     from codedojo.model.config import MoEConfig

@@ -56,7 +56,10 @@ def test_windows_come_from_long_enough_documents(tmp_path):
 def test_shards_are_written_once_and_the_model_is_left_training(tmp_path, model):
     code = _code(tmp_path, [30, 40, 25])
     out = tmp_path / "self"
-    write_self_shards(model, code, out, prompts=5, prompt_len=8, new_tokens=6, batch=2, seed=1)
+    seen: list[int] = []
+    write_self_shards(model, code, out, prompts=5, prompt_len=8, new_tokens=6, batch=2, seed=1,
+                      progress=seen.append)
+    assert seen == [2, 4, 5]
     shards = TokenShards(out)
     assert len(shards) == 5 and shards.doc_lengths().tolist() == [14] * 5
     assert model.training
