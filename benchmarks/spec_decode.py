@@ -7,13 +7,15 @@ engine `dojo serve` runs, one request at a time, in this process, on the same pr
 identical tokens (checked). Prints one JSON line; besides the end-to-end figures (prefill
 included), `plain_step_ms` / `spec_round_ms` time decoding after each prompt's first step, and
 `round_cost_in_steps` says what one step of the speculative engine (a round, or a plain step once
-speculation is off) costs in plain steps; `steady_speedup` is the tokens/s ratio over those steps. The engine drafts with every module for its first
-64 rounds, then as many tokens per round as pay by the acceptance seen (`--draft-cost`, the
-engine's `spec_draft_cost`): `drafts_per_round` is the mean, `accept_depthJ` the acceptance of
-draft J when drafts 1..J-1 passed.
+speculation is off) costs in plain steps; `steady_speedup` is the tokens/s ratio over those
+steps. The engine drafts with every module for its first 64 rounds (every fourth without
+drafts, to time a plain step), then as many tokens per round as pay by the acceptance seen and
+what a draft costs (`draft_cost`, in plain steps: measured then, or `--draft-cost`):
+`drafts_per_round` is the mean, `accept_depthJ` the acceptance of draft J when drafts 1..J-1
+passed.
 
     python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 6] [--new 64]
-                                    [--draft-cost 0.2]
+                                    [--draft-cost C]
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--draft-cost", type=float, default=0.2,
-                    help="the engine's spec_draft_cost (0: every round drafts with every module)")
+    ap.add_argument("--draft-cost", type=float, default=None,
+                    help="the engine's spec_draft_cost (default: measured while probing; 0: "
+                    "every round drafts with every module)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -120,7 +123,8 @@ def main() -> None:
         "steady_speedup": round((steady["spec"][2] / steady["spec"][0])
                                 / (steady["plain"][2] / steady["plain"][0]), 3),
         **{k: round(v, 4) for k, v in st.as_dict().items() if k.startswith("accept_depth")},
-        "draft_cost": args.draft_cost, "drafts_per_round": round(st.drafted / max(1, st.rounds), 3),
+        "draft_cost": round(spec.draft_cost, 3), "draft_cost_measured": args.draft_cost is None,
+        "drafts_per_round": round(st.drafted / max(1, st.rounds), 3),
         "speculating_at_end": spec.speculating,
         "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
         "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -92,14 +94,16 @@ class Engine:
 
     def __init__(self, model: Transformer, *, max_batch: int = 16,
                  max_seq_len: int | None = None, drafter: Drafter | None = None,
-                 spec_draft_cost: float = 0.2, spec_probe_rounds: int = 64) -> None:
+                 spec_draft_cost: float | None = None, spec_probe_rounds: int = 64) -> None:
         """``drafter``: MTP drafts for speculative decoding. The first ``spec_probe_rounds``
         rounds draft with every module; from then on each round drafts the number of tokens
         that emits the most per unit of time by the acceptance seen so far
-        (`SpecStats.best_depth`), with one more draft costing ``spec_draft_cost`` plain decode
-        steps (drafting it and verifying it: about 0.2 on a 2-core CPU, less on a GPU). When
-        no draft pays, speculation stops for good. 0: always draft with every module."""
-        if spec_draft_cost < 0:
+        (`SpecStats.best_depth`), with one more draft costing ``draft_cost`` plain decode steps
+        (drafting it and verifying it). When no draft pays, speculation stops for good.
+        ``spec_draft_cost``: that cost, fixed; None: measured while probing, where every
+        fourth round drafts nothing to time a plain step (a draft costs about 0.2 steps on a
+        2-core CPU, far less on a GPU); 0: always draft with every module."""
+        if spec_draft_cost is not None and spec_draft_cost < 0:
             raise ValueError(f"spec_draft_cost must be >= 0, got {spec_draft_cost}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -118,6 +122,9 @@ class Engine:
         self.spec_stats = SpecStats()  # over every speculative round of this engine
         self.spec_draft_cost = spec_draft_cost
         self.spec_probe_rounds = spec_probe_rounds
+        self._spec_max_depth = 0 if drafter is None else drafter.depth
+        self._probed = 0  # speculative steps run while probing (rounds without drafts included)
+        self._round_s: dict[int, list[float]] = {}  # probing steps' seconds, by drafts
         self._spec: tuple[Request, SpeculativeSession] | None = None
         self._waiting: deque[Request] = deque()
         self._live: list[Request] = []  # request i lives in cache slot i
@@ -284,13 +291,28 @@ class Engine:
         """Whether a lone request will decode speculatively (a drafter, not switched off)."""
         return self.drafter is not None
 
+    @property
+    def draft_cost(self) -> float:
+        """What one more draft per round costs, in plain decode steps: ``spec_draft_cost``, or
+        measured while probing as (a round with every module - a plain step) / (modules x a
+        plain step), medians of the probing steps (0.2 until both are timed)."""
+        if self.spec_draft_cost is not None:
+            return self.spec_draft_cost
+        plain, full = self._round_s.get(0), self._round_s.get(self._spec_max_depth)
+        if not plain or not full:
+            return 0.2
+        step = statistics.median(plain)
+        return max(0.0, statistics.median(full) - step) / (self._spec_max_depth * step)
+
     def _spec_depth(self) -> int:
         """Drafts for the next speculative round (see ``__init__``)."""
         assert self.drafter is not None
-        st = self.spec_stats
-        if st.rounds < max(1, self.spec_probe_rounds) or self.spec_draft_cost == 0:
+        if self.spec_draft_cost == 0:
             return self.drafter.depth
-        return st.best_depth(self.drafter.depth, self.spec_draft_cost)
+        if self._probed < self.spec_probe_rounds:
+            measuring = self.spec_draft_cost is None and self._probed % 4 == 3
+            return 0 if measuring else self.drafter.depth
+        return self.spec_stats.best_depth(self.drafter.depth, self.draft_cost)
 
     def _speculates(self, req: Request) -> bool:
         if self.drafter is not None and self._spec_depth() == 0:
@@ -298,7 +320,7 @@ class Engine:
             log.warning("speculative decoding off: %.2f tokens per target pass over %d rounds, "
                         "first-draft acceptance %.2f, do not pay for a draft at %.2f steps; "
                         "decoding plainly", st.tokens_per_pass, st.rounds, st.accept_first,
-                        self.spec_draft_cost)
+                        self.draft_cost)
             self.drafter = None
         p = req.params
         alone = not self._live and not self._waiting
@@ -352,7 +374,15 @@ class Engine:
             if live == [req]:
                 room = min(req.params.max_tokens - len(req.token_ids),
                            self.max_seq_len - len(req.prompt_ids) - len(req.token_ids))
-                sess.round(max_tokens=room, depth=self._spec_depth())
+                depth = self._spec_depth()
+                # a request's first round also drafts over the whole prompt: not timed
+                timed = depth < room and len(req.token_ids) > 1  # and drafts what was asked
+                t = time.perf_counter()
+                sess.round(max_tokens=room, depth=depth)
+                if self._probed < self.spec_probe_rounds:
+                    self._probed += 1
+                    if timed:
+                        self._round_s.setdefault(depth, []).append(time.perf_counter() - t)
                 self._record_logits(req, sess)
                 return
             self._spec = None  # others joined (or it finished): plain batched decoding

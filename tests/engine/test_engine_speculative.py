@@ -3,6 +3,8 @@ limits inside accepted drafts, and back to plain decoding when a second request 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -56,7 +58,9 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(model: Transformer,
     assert got.token_ids == ref.token_ids and got.finish_reason == "length"
     assert max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs, strict=True)) < 1e-4
     st = engine.spec_stats
-    assert st.rounds > 0 and st.emitted + 1 == len(got.token_ids)  # +1: the prefill token
+    timing_steps = len(engine._round_s.get(0, []))  # every fourth probing step drafts nothing
+    assert st.rounds > 0 and timing_steps > 0
+    assert st.emitted + timing_steps + 1 == len(got.token_ids)  # +1: the prefill token
 
 
 def test_oracle_drafts_stop_and_limit_inside_a_round(model: Transformer) -> None:
@@ -110,6 +114,35 @@ def test_weak_drafts_switch_speculation_off(model: Transformer) -> None:
     assert all(o == ref for o in outs)
     assert not engine.speculating
     assert 8 <= engine.spec_stats.rounds < 3 * 11  # stopped after probing, not every request
+
+
+class SlowDrafter(OracleDrafter):
+    """Right every time, and 50 ms a draft: far dearer than a plain step of the tiny model."""
+
+    def draft(self, new_hidden, tokens, pick, k):
+        time.sleep(0.05 * k)
+        return super().draft(new_hidden, tokens, pick, k)
+
+
+def test_measured_draft_cost_switches_dear_drafts_off(model: Transformer) -> None:
+    """With no cost given, probing times rounds with every module and plain steps (every
+    fourth): drafts that cost more than they give stop, though every one is accepted."""
+    params = SamplingParams(max_tokens=30, temperature=0)
+    engine = Engine(model, max_batch=2, drafter=SlowDrafter(TransformerTarget(model), 2),
+                    spec_probe_rounds=8)
+    assert engine.draft_cost == 0.2  # nothing timed yet
+    out = engine.generate([PROMPT], params)[0]
+    assert out.token_ids == plain(model, params)[0].token_ids
+    assert sorted(engine._round_s) == [0, 2]
+    # a round of two 50 ms drafts against a plain step of a few ms: well over one step a draft
+    assert engine.draft_cost > 1.0
+    assert engine.spec_stats.accept_rate == 1.0
+    engine.generate([PROMPT], params)
+    assert not engine.speculating
+    fixed = Engine(model, max_batch=2, drafter=SlowDrafter(TransformerTarget(model), 2),
+                   spec_draft_cost=0.1, spec_probe_rounds=4)
+    fixed.generate([PROMPT], params)
+    assert fixed.draft_cost == 0.1 and fixed.speculating and 0 not in fixed._round_s
 
 
 class FirstRightDrafter(OracleDrafter):
