@@ -122,6 +122,7 @@ class Engine:
         self.spec_stats = SpecStats()  # over every speculative round of this engine
         self.spec_draft_cost = spec_draft_cost
         self.spec_probe_rounds = spec_probe_rounds
+        self._probe_steps = max(1, spec_probe_rounds)  # the first round always drafts
         self._spec_max_depth = 0 if drafter is None else drafter.depth
         self._probed = 0  # speculative steps run while probing (rounds without drafts included)
         self._round_s: dict[int, list[float]] = {}  # probing steps' seconds, by drafts
@@ -309,7 +310,7 @@ class Engine:
         assert self.drafter is not None
         if self.spec_draft_cost == 0:
             return self.drafter.depth
-        if self._probed < self.spec_probe_rounds:
+        if self._probed < self._probe_steps:
             measuring = self.spec_draft_cost is None and self._probed % 4 == 3
             return 0 if measuring else self.drafter.depth
         return self.spec_stats.best_depth(self.drafter.depth, self.draft_cost)
@@ -379,7 +380,7 @@ class Engine:
                 timed = depth < room and len(req.token_ids) > 1  # and drafts what was asked
                 t = time.perf_counter()
                 sess.round(max_tokens=room, depth=depth)
-                if self._probed < self.spec_probe_rounds:
+                if self._probed < self._probe_steps:
                     self._probed += 1
                     if timed:
                         self._round_s.setdefault(depth, []).append(time.perf_counter() - t)
