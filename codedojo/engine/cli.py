@@ -23,6 +23,9 @@ def serve(
         "measured over the first 64 rounds; about 0.2 on a 2-core CPU): after 64 rounds, each "
         "round drafts the number of tokens that pays best by the acceptance seen, and "
         "speculation stops when none does (0: always every module)"),
+    spec_explore_every: int = typer.Option(
+        32, help="every N-th speculative round drafts with every module, so deeper drafts "
+        "than pay are tested again (0: never)"),
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions and /v1/models for MODEL.
 
@@ -41,6 +44,8 @@ def serve(
         raise typer.BadParameter("must be >= 1", param_hint="--max-batch")
     if spec_draft_cost is not None and spec_draft_cost < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--spec-draft-cost")
+    if spec_explore_every < 0:
+        raise typer.BadParameter("must be >= 0", param_hint="--spec-explore-every")
     if not 0 <= port < 65536:
         raise typer.BadParameter("must be in [0, 65535]", param_hint="--port")
     try:
@@ -60,7 +65,7 @@ def serve(
         if drafter is not None:
             print(f"Speculative decoding with {drafter.depth} MTP modules", flush=True)
     engine = Engine(net, max_batch=max_batch, drafter=drafter,
-                    spec_draft_cost=spec_draft_cost)
+                    spec_draft_cost=spec_draft_cost, spec_explore_every=spec_explore_every)
     engine.start()
     name = served_name or model
     app = create_app(engine, tokenizer, chat, model_name=name)

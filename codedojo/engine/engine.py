@@ -94,17 +94,22 @@ class Engine:
 
     def __init__(self, model: Transformer, *, max_batch: int = 16,
                  max_seq_len: int | None = None, drafter: Drafter | None = None,
-                 spec_draft_cost: float | None = None, spec_probe_rounds: int = 64) -> None:
+                 spec_draft_cost: float | None = None, spec_probe_rounds: int = 64,
+                 spec_explore_every: int = 32) -> None:
         """``drafter``: MTP drafts for speculative decoding. The first ``spec_probe_rounds``
         rounds draft with every module; from then on each round drafts the number of tokens
         that emits the most per unit of time by the acceptance seen so far
         (`SpecStats.best_depth`), with one more draft costing ``draft_cost`` plain decode steps
-        (drafting it and verifying it). When no draft pays, speculation stops for good.
+        (drafting it and verifying it), except every ``spec_explore_every``-th round (0:
+        none), which drafts with every module so that the acceptance of drafts deeper than
+        pay stays current. When no draft pays, speculation stops for good.
         ``spec_draft_cost``: that cost, fixed; None: measured while probing, where every
         fourth round drafts nothing to time a plain step (a draft costs about 0.2 steps on a
         2-core CPU, far less on a GPU); 0: always draft with every module."""
         if spec_draft_cost is not None and spec_draft_cost < 0:
             raise ValueError(f"spec_draft_cost must be >= 0, got {spec_draft_cost}")
+        if spec_explore_every < 0:
+            raise ValueError(f"spec_explore_every must be >= 0, got {spec_explore_every}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         cfg = model.cfg
@@ -122,9 +127,10 @@ class Engine:
         self.spec_stats = SpecStats()  # over every speculative round of this engine
         self.spec_draft_cost = spec_draft_cost
         self.spec_probe_rounds = spec_probe_rounds
+        self.spec_explore_every = spec_explore_every
         self._probe_steps = max(1, spec_probe_rounds)  # the first round always drafts
         self._spec_max_depth = 0 if drafter is None else drafter.depth
-        self._probed = 0  # speculative steps run while probing (rounds without drafts included)
+        self._spec_steps = 0  # speculative steps run (rounds without drafts included)
         self._round_s: dict[int, list[float]] = {}  # probing steps' seconds, by drafts
         self._spec: tuple[Request, SpeculativeSession] | None = None
         self._waiting: deque[Request] = deque()
@@ -305,18 +311,28 @@ class Engine:
         step = statistics.median(plain)
         return max(0.0, statistics.median(full) - step) / (self._spec_max_depth * step)
 
-    def _spec_depth(self) -> int:
-        """Drafts for the next speculative round (see ``__init__``)."""
+    def _paying_depth(self) -> int:
+        """The number of drafts a round pays for by what has been seen (every module while
+        probing)."""
         assert self.drafter is not None
-        if self.spec_draft_cost == 0:
+        if self.spec_draft_cost == 0 or self._spec_steps < self._probe_steps:
             return self.drafter.depth
-        if self._probed < self._probe_steps:
-            measuring = self.spec_draft_cost is None and self._probed % 4 == 3
-            return 0 if measuring else self.drafter.depth
         return self.spec_stats.best_depth(self.drafter.depth, self.draft_cost)
 
+    def _spec_depth(self) -> int:
+        """Drafts for the next speculative round (see ``__init__``): what pays, but while
+        probing every fourth round drafts nothing when the cost is to be measured, and after
+        it every ``spec_explore_every``-th drafts with every module."""
+        assert self.drafter is not None
+        n, e = self._spec_steps, self.spec_explore_every
+        if n < self._probe_steps:
+            return 0 if self.spec_draft_cost is None and n % 4 == 3 else self.drafter.depth
+        if e and (n - self._probe_steps) % e == e - 1:
+            return self.drafter.depth
+        return self._paying_depth()
+
     def _speculates(self, req: Request) -> bool:
-        if self.drafter is not None and self._spec_depth() == 0:
+        if self.drafter is not None and self._paying_depth() == 0:
             st = self.spec_stats
             log.warning("speculative decoding off: %.2f tokens per target pass over %d rounds, "
                         "first-draft acceptance %.2f, do not pay for a draft at %.2f steps; "
@@ -380,10 +396,9 @@ class Engine:
                 timed = depth < room and len(req.token_ids) > 1  # and drafts what was asked
                 t = time.perf_counter()
                 sess.round(max_tokens=room, depth=depth)
-                if self._probed < self._probe_steps:
-                    self._probed += 1
-                    if timed:
-                        self._round_s.setdefault(depth, []).append(time.perf_counter() - t)
+                if timed and self._spec_steps < self._probe_steps:
+                    self._round_s.setdefault(depth, []).append(time.perf_counter() - t)
+                self._spec_steps += 1
                 self._record_logits(req, sess)
                 return
             self._spec = None  # others joined (or it finished): plain batched decoding

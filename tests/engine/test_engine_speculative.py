@@ -168,6 +168,31 @@ def test_rounds_draft_as_deep_as_pays(model: Transformer) -> None:
     assert engine.speculating
 
 
+def test_exploring_rounds_keep_deeper_drafts_tested(model: Transformer) -> None:
+    """After probing, every third round drafts with every module: the second draft is put to
+    the test again, though one draft is what pays."""
+    params = SamplingParams(max_tokens=25, temperature=0)
+    engine = Engine(model, max_batch=2, drafter=FirstRightDrafter(TransformerTarget(model), 2),
+                    spec_draft_cost=0.2, spec_probe_rounds=4, spec_explore_every=3)
+    out = engine.generate([PROMPT], params)[0]
+    assert out.token_ids == plain(model, params)[0].token_ids
+    st = engine.spec_stats
+    explored = (st.rounds - 4) // 3
+    assert explored >= 2 and st.reached[1] == 4 + explored and st.passed[1] == 0
+    assert st.drafted == 2 * (4 + explored) + (st.rounds - 4 - explored)
+
+
+def test_probing_steps_without_drafts_do_not_switch_speculation_off(model: Transformer) -> None:
+    """A request admitted when the next probing step is one that times a plain step still
+    decodes speculatively."""
+    engine = Engine(model, max_batch=2, drafter=OracleDrafter(TransformerTarget(model), 2),
+                    spec_probe_rounds=8)
+    for i in range(6):
+        engine.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0))
+        assert engine.speculating, i
+    assert engine._spec_steps > 6  # the fourth request's first step drafted nothing
+
+
 def test_spec_stats_choose_the_depth_by_cost() -> None:
     st = SpecStats()
     for accepted, times in ((0, 6), (1, 2), (2, 2)):
@@ -217,3 +242,10 @@ def test_changing_depth_between_rounds_keeps_drafts_exact(model: Transformer) ->
         out += sess.round(depth=depth)
     ref = plain(model, SamplingParams(max_tokens=len(out), temperature=0))[0].token_ids
     assert out == ref
+
+
+@pytest.mark.parametrize(("kw", "field"), [({"spec_draft_cost": -0.1}, "spec_draft_cost"),
+                                           ({"spec_explore_every": -1}, "spec_explore_every")])
+def test_bad_speculation_settings_are_named(model: Transformer, kw: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be >= 0"):
+        Engine(model, drafter=OracleDrafter(TransformerTarget(model), 2), **kw)
