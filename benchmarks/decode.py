@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -63,30 +64,49 @@ def engine_tok_s(engine: Engine, prompts: list[list[int]], n: int) -> float:
     return sum(len(c.token_ids) for c in out) / dt
 
 
+@dataclass
+class TimedRequest:
+    """One request run alone through an engine: its first step (the prompt and the first token;
+    for a speculative engine, also its first round) and the decode steps after it."""
+
+    token_ids: list[int]
+    first_tokens: int  # tokens out after the first step
+    first_s: float
+    decode_s: float
+    decode_steps: int
+
+    @property
+    def decoded(self) -> int:
+        return len(self.token_ids) - self.first_tokens
+
+
+def time_request(engine: Engine, prompt: list[int], params: SamplingParams) -> TimedRequest:
+    """Run ``prompt`` alone to the end, step by step (``spec_decode.py`` uses this too)."""
+    req = engine.submit(prompt, params)
+    t0 = time.perf_counter()
+    engine.step()
+    t1 = time.perf_counter()
+    first, steps = len(req.token_ids), 0
+    while engine.n_live:
+        engine.step()
+        steps += 1
+    return TimedRequest(req.completion().token_ids, first, t1 - t0,
+                        time.perf_counter() - t1, steps)
+
+
 def batch1_tok_s(engine: Engine, prompts: list[list[int]], n: int,
                  bandwidth: list[float] | None = None) -> tuple[float, float]:
     """One prompt at a time; appends a read-bandwidth sample before each to ``bandwidth``.
     Returns tokens/s with the prefill (the prompt and the first token) and without it."""
     params = SamplingParams(max_tokens=n, temperature=0)
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))
-    tokens = decoded = 0
-    elapsed = decoding = 0.0
+    runs = []
     for p in prompts:
         if bandwidth is not None:
             bandwidth.append(read_bandwidth(reps=1))
-        req = engine.submit(p, params)
-        t0 = time.perf_counter()
-        engine.step()  # the prefill and the first token
-        t1 = time.perf_counter()
-        first = len(req.token_ids)
-        while engine.n_live:
-            engine.step()
-        t2 = time.perf_counter()
-        tokens += len(req.token_ids)
-        decoded += len(req.token_ids) - first
-        elapsed += t2 - t0
-        decoding += t2 - t1
-    return tokens / elapsed, decoded / decoding
+        runs.append(time_request(engine, p, params))
+    return (sum(len(r.token_ids) for r in runs) / sum(r.first_s + r.decode_s for r in runs),
+            sum(r.decoded for r in runs) / sum(r.decode_s for r in runs))
 
 
 def hf_tok_s(prompts: list[list[int]], n: int) -> float:

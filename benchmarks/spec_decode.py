@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -43,6 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
+    from decode import TimedRequest, time_request  # benchmarks/decode.py
     from safetensors.torch import load_file
 
     from codedojo.data.shards import TokenShards
@@ -77,38 +77,24 @@ def main() -> None:
     for eng in (plain, spec):  # warm-up
         eng.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0))
     spec.spec_stats = SpecStats()  # count the measured prompts only
-    t_plain = t_spec = 0.0
-    n_plain = n_spec = 0
-    # after each prompt's first step: time, engine steps, tokens
-    steady = {"plain": [0.0, 0, 0], "spec": [0.0, 0, 0]}
-    same = True
-
-    def run(eng: Engine, p: list[int], side: str) -> tuple[list[int], float]:
-        req = eng.submit(p, params)
-        t0 = time.perf_counter()
-        eng.step()  # prefill (+ the first round)
-        t1 = time.perf_counter()
-        first = len(req.token_ids)
-        while eng.n_live:
-            eng.step()
-            steady[side][1] += 1
-        t2 = time.perf_counter()
-        steady[side][0] += t2 - t1
-        out = req.completion().token_ids
-        steady[side][2] += len(out) - first
-        return out, t2 - t0
-
+    runs: dict[str, list[TimedRequest]] = {"plain": [], "spec": []}
     for p in prompts:  # alternate, so both sides see the same machine load
-        ref, dt = run(plain, p, "plain")
-        t_plain += dt
-        got, dt = run(spec, p, "spec")
-        t_spec += dt
-        n_plain, n_spec = n_plain + len(ref), n_spec + len(got)
-        same &= got == ref
+        for side, eng in (("plain", plain), ("spec", spec)):
+            runs[side].append(time_request(eng, p, params))
+    same = all(a.token_ids == b.token_ids for a, b in zip(*runs.values(), strict=True))
+
+    def tok_s(side: str) -> float:
+        return (sum(len(r.token_ids) for r in runs[side])
+                / sum(r.first_s + r.decode_s for r in runs[side]))
+
+    def after_first(side: str) -> tuple[float, float]:  # seconds a step, tokens a second
+        rs = runs[side]
+        seconds = sum(r.decode_s for r in rs)
+        return seconds / max(1, sum(r.decode_steps for r in rs)), sum(r.decoded for r in rs) / seconds
+
     st = spec.spec_stats
-    plain_tok_s, spec_tok_s = n_plain / t_plain, n_spec / t_spec
-    plain_step = steady["plain"][0] / max(1, steady["plain"][1])
-    spec_round = steady["spec"][0] / max(1, steady["spec"][1])
+    plain_tok_s, spec_tok_s = tok_s("plain"), tok_s("spec")
+    (plain_step, plain_steady), (spec_round, spec_steady) = after_first("plain"), after_first("spec")
     vocab = drafter.mtp.draft_vocab
     print(json.dumps({
         "accept_first": round(st.accept_first, 4),
@@ -120,8 +106,7 @@ def main() -> None:
         # Without the prompt: a plain step, a speculative round, and what they give.
         "plain_step_ms": round(plain_step * 1e3, 2), "spec_round_ms": round(spec_round * 1e3, 2),
         "round_cost_in_steps": round(spec_round / plain_step, 3),
-        "steady_speedup": round((steady["spec"][2] / steady["spec"][0])
-                                / (steady["plain"][2] / steady["plain"][0]), 3),
+        "steady_speedup": round(spec_steady / plain_steady, 3),
         **{k: round(v, 4) for k, v in st.as_dict().items() if k.startswith("accept_depth")},
         "draft_cost": round(spec.draft_cost, 3), "draft_cost_measured": args.draft_cost is None,
         "drafts_per_round": round(st.drafted / max(1, st.rounds), 3),
