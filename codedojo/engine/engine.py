@@ -126,12 +126,13 @@ class Engine:
         self.drafter = drafter
         self.spec_stats = SpecStats()  # over every speculative round of this engine
         self.spec_draft_cost = spec_draft_cost
-        self.spec_probe_rounds = spec_probe_rounds
+        self.spec_probe_rounds = max(1, spec_probe_rounds)  # the first round always drafts
         self.spec_explore_every = spec_explore_every
-        self._probe_steps = max(1, spec_probe_rounds)  # the first round always drafts
-        self._spec_max_depth = 0 if drafter is None else drafter.depth
         self._spec_steps = 0  # speculative steps run (rounds without drafts included)
         self._round_s: dict[int, list[float]] = {}  # probing steps' seconds, by drafts
+        self._measured_cost: float | None = None  # draft_cost, once probing is over
+        # drafter.depth, kept for draft_cost after speculation is switched off (drafter None)
+        self._spec_max_depth = 0 if drafter is None else drafter.depth
         self._spec: tuple[Request, SpeculativeSession] | None = None
         self._waiting: deque[Request] = deque()
         self._live: list[Request] = []  # request i lives in cache slot i
@@ -305,17 +306,22 @@ class Engine:
         plain step), medians of the probing steps (0.2 until both are timed)."""
         if self.spec_draft_cost is not None:
             return self.spec_draft_cost
+        if self._measured_cost is not None:
+            return self._measured_cost
         plain, full = self._round_s.get(0), self._round_s.get(self._spec_max_depth)
         if not plain or not full:
             return 0.2
         step = statistics.median(plain)
-        return max(0.0, statistics.median(full) - step) / (self._spec_max_depth * step)
+        cost = max(0.0, statistics.median(full) - step) / (self._spec_max_depth * step)
+        if self._spec_steps >= self.spec_probe_rounds:  # no more timings: computed once
+            self._measured_cost = cost
+        return cost
 
     def _paying_depth(self) -> int:
         """The number of drafts a round pays for by what has been seen (every module while
         probing)."""
         assert self.drafter is not None
-        if self.spec_draft_cost == 0 or self._spec_steps < self._probe_steps:
+        if self.spec_draft_cost == 0 or self._spec_steps < self.spec_probe_rounds:
             return self.drafter.depth
         return self.spec_stats.best_depth(self.drafter.depth, self.draft_cost)
 
@@ -325,9 +331,9 @@ class Engine:
         it every ``spec_explore_every``-th drafts with every module."""
         assert self.drafter is not None
         n, e = self._spec_steps, self.spec_explore_every
-        if n < self._probe_steps:
+        if n < self.spec_probe_rounds:
             return 0 if self.spec_draft_cost is None and n % 4 == 3 else self.drafter.depth
-        if e and (n - self._probe_steps) % e == e - 1:
+        if e and (n - self.spec_probe_rounds) % e == e - 1:
             return self.drafter.depth
         return self._paying_depth()
 
@@ -396,7 +402,7 @@ class Engine:
                 timed = depth < room and len(req.token_ids) > 1  # and drafts what was asked
                 t = time.perf_counter()
                 sess.round(max_tokens=room, depth=depth)
-                if timed and self._spec_steps < self._probe_steps:
+                if timed and self._spec_steps < self.spec_probe_rounds:
                     self._round_s.setdefault(depth, []).append(time.perf_counter() - t)
                 self._spec_steps += 1
                 self._record_logits(req, sess)

@@ -97,8 +97,8 @@ class SpecStats:
         drafts 1..j are all accepted, summed over j <= k."""
         total, chain = 1.0, 1.0
         for j in range(k):
-            chain *= self.passed[j] / self.reached[j] if j < len(self.reached) and \
-                self.reached[j] else 0.0
+            tested = self.reached[j] if j < len(self.reached) else 0
+            chain *= self.passed[j] / tested if tested else 0.0
             total += chain
         return total
 

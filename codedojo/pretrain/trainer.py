@@ -183,9 +183,9 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
                  run_dir: Path) -> Packed:
     """The stage's mixture packed at its length, cached on disk so a resume sees the same rows;
     rows without a trained position are left out."""
-    out = cache_dir_for(run_dir / "data" / "packed", stage, {
-        "seed": cfg.seed + 1000 * si, **stage.model_dump(include={
-            "seq_len", "batch_size", "grad_accum", "steps", "mix", "self_gen"})})
+    seed = cfg.seed + 1000 * si
+    out = cache_dir_for(run_dir / "data" / "packed", stage, {"seed": seed, **stage.model_dump(
+        include={"seq_len", "batch_size", "grad_accum", "steps", "mix", "self_gen"})})
     if (out / "mask.npy").exists():
         return Packed.load(out)
     need = stage.steps * stage.grad_accum * stage.batch_size * (stage.seq_len + 1)
@@ -195,7 +195,7 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
             raise ValueError(f"stages[{si}].mix: no {e.data!r} data in this run")
         srcs.append(MixtureSource(name=e.data, path=str(data.shards[e.data]), weight=e.weight,
                                   min_tokens=e.min_tokens))
-    packed = pack(mix(srcs, need, seed=cfg.seed + 1000 * si), stage.seq_len)
+    packed = pack(mix(srcs, need, seed=seed), stage.seq_len)
     # A conversation longer than a row leaves rows of prompt only: nothing to learn from them.
     trained = packed.mask[:, 1:].any(axis=1)
     if not trained.any():
@@ -215,8 +215,8 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
     if "code" not in data.shards:
         raise ValueError(f"stage {stage.name!r}: self_gen needs training code, and this run "
                          "has none")
-    out = cache_dir_for(run_dir / "data" / "self", stage,
-                        {"seed": cfg.seed + 31, **g.model_dump()})
+    seed = cfg.seed + 31
+    out = cache_dir_for(run_dir / "data" / "self", stage, {"seed": seed, **g.model_dump()})
     if (out / "index.json").exists():
         return out
     from rich.progress import Progress
@@ -227,7 +227,7 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
         return write_self_shards(
             model, TokenShards(data.shards["code"]), out, prompts=g.prompts,
             prompt_len=g.prompt_len, new_tokens=g.new_tokens, batch=g.batch,
-            seed=cfg.seed + 31, doc_start_frac=g.doc_start_frac,
+            seed=seed, doc_start_frac=g.doc_start_frac,
             progress=lambda n: prog.update(task, completed=n))
 
 
