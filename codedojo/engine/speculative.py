@@ -347,6 +347,35 @@ class DraftHead:
         return full
 
 
+class HiddenHistory:
+    """Hidden states (T, D) by position, written in place into a buffer that doubles when
+    full: a round costs what its new positions do, not a copy of the whole history (at 8k
+    positions, 18 MB a depth a round)."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.length = 0  # positions 0 .. length - 1 hold states
+
+    def write(self, start: int, h: torch.Tensor) -> None:
+        """h (n, D) at positions start .. start + n - 1; positions after those are dropped."""
+        if start > self.length:
+            raise ValueError(f"write at {start} leaves a gap after {self.length} positions")
+        end = start + h.shape[0]
+        if self.buf is None or end > self.buf.shape[0]:
+            grown = h.new_empty(max(end, 64, 0 if self.buf is None else 2 * self.buf.shape[0]),
+                                h.shape[1])
+            if self.buf is not None:
+                grown[:start] = self.buf[:start]
+            self.buf = grown
+        self.buf[start:end] = h
+        self.length = end
+
+    def __getitem__(self, span: slice) -> torch.Tensor:
+        """States of the positions ``span`` (a view)."""
+        assert self.buf is not None and (span.stop or 0) <= self.length
+        return self.buf[span]
+
+
 class MTPDrafter:
     """Drafts with the MTP modules. Module k at position i reads token i+k, so in a round its
     last k-1 positions read drafts; its cache keeps only positions whose inputs are all real
@@ -370,7 +399,8 @@ class MTPDrafter:
             refresh()
 
     def reset(self) -> None:
-        self.hidden: list[torch.Tensor | None] = [None] * (self.depth + 1)  # (1, T, D) per depth
+        # per depth (0: the target's), the states of positions 0 .. len(tokens) - 2
+        self.hidden = [HiddenHistory() for _ in range(self.depth + 1)]
         for c in self.caches:
             c.reset(0)
 
@@ -382,8 +412,8 @@ class MTPDrafter:
         if not 1 <= k <= self.depth:
             raise ValueError(f"k: {k} drafts asked of {self.depth} MTP modules")
         L = len(tokens)
-        h0 = new_hidden.reshape(1, -1, new_hidden.shape[-1]).to(self.dtype)
-        self.hidden[0] = h0 if self.hidden[0] is None else torch.cat([self.hidden[0], h0], 1)
+        h0 = new_hidden.reshape(-1, new_hidden.shape[-1]).to(self.dtype)
+        self.hidden[0].write(L - 1 - h0.shape[0], h0)
         ext = list(tokens)
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
@@ -391,12 +421,11 @@ class MTPDrafter:
         for j in range(1, k + 1):
             cache = self.caches[j - 1]
             start = cache.lengths[0]
-            prev = self.hidden[j - 1]
-            assert prev is not None and start < L - 1
+            assert start < L - 1
             tok = torch.tensor([ext[start + j: L - 1 + j]], device=dev)  # (1, n)
-            h = self.mtp.step(j, prev[:, start:L - 1], self.embed(tok), cache)  # (1, n, D)
-            old = self.hidden[j]
-            self.hidden[j] = h if old is None else torch.cat([old[:, :start], h], 1)
+            prev = self.hidden[j - 1][start:L - 1][None]
+            h = self.mtp.step(j, prev, self.embed(tok), cache)  # (1, n, D)
+            self.hidden[j].write(start, h[0])
             cache.truncate(0, max(0, L - j))
             d, q = pick(self.head(h[:, -1:]).reshape(-1).float())
             drafts.append(d)

@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 
 from codedojo.engine.speculative import (
     DraftHead,
+    HiddenHistory,
     MTPDrafter,
     TransformerTarget,
     accept_drafts,
@@ -183,3 +184,19 @@ def test_draft_head_over_a_draft_vocabulary():
     outside[vocab] = False
     assert torch.isneginf(sub[..., outside]).all()
     assert set(target_probs(sub[0, -1], 0.0).nonzero().flatten().tolist()) <= set(vocab.tolist())
+
+
+def test_hidden_history_grows_in_place_and_keeps_every_position():
+    hist, rows = HiddenHistory(), torch.arange(300.0)[:, None].expand(300, 4)
+    hist.write(0, rows[:50])
+    first = hist.buf
+    hist.write(50, rows[50:60])  # within the buffer: no new one
+    assert hist.buf is first and hist.length == 60
+    hist.write(57, rows[57:200])  # overwrites the last three, outgrows the buffer
+    hist.write(200, rows[200:300])
+    assert hist.length == 300 and hist.buf is not None and hist.buf.shape[0] >= 300
+    assert torch.equal(hist[0:300], rows)
+    hist.write(100, rows[:1] - 1)  # a rewrite drops the positions after it
+    assert hist.length == 101 and float(hist[100:101][0, 0]) == -1
+    with pytest.raises(ValueError, match="gap"):
+        hist.write(102, rows[:1])
