@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DTYPES = ("float32", "bfloat16")
 
 
 def serve(
@@ -16,6 +17,10 @@ def serve(
     max_batch: int = typer.Option(16, help="requests decoded together (continuous batching)"),
     served_name: str = typer.Option("", help="model name clients use (default: --model)"),
     tool_format: str = typer.Option("smollm2", help="tool-call format: smollm2, hermes or qwen3_coder"),
+    dtype: str = typer.Option("float32", help="weights and KV cache: float32 or bfloat16 (half "
+                              "the bytes read per token: on a CPU, where decoding is bound by "
+                              "memory reads, about 1.8x the tokens/s; the arithmetic stays "
+                              "float32)"),
     speculative: bool = typer.Option(True, help="decode with the checkpoint's MTP modules as "
                                      "drafts when it has them"),
     spec_draft_cost: float | None = typer.Option(
@@ -48,6 +53,8 @@ def serve(
         raise typer.BadParameter("must be >= 0", param_hint="--spec-explore-every")
     if not 0 <= port < 65536:
         raise typer.BadParameter("must be in [0, 65535]", param_hint="--port")
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"{dtype!r}: not one of {', '.join(DTYPES)}", param_hint="--dtype")
     try:
         tokenizer = load_tokenizer(model)
     except (FileNotFoundError, ValueError) as e:
@@ -56,7 +63,9 @@ def serve(
         chat = ChatTemplate(tokenizer, tool_format=tool_format)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--tool-format") from None
-    net, _ = load_model(model)
+    import torch
+
+    net, _ = load_model(model, dtype=getattr(torch, dtype))
     drafter = None
     if speculative and Path(model).is_dir():
         from codedojo.engine.speculative import load_drafter

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from codedojo.ops.gemm import MAX_ROWS, load_kernel
+from codedojo.ops.gemm import KERNEL_DTYPES, MAX_ROWS, load_kernel
 
 PER_LAYER = 7  # attn_norm, wqkv, bqkv (or an empty tensor), wo, mlp_norm, w_gate_up, w_down
 
@@ -26,15 +26,20 @@ def decode_layers(x: torch.Tensor, weights: Sequence[torch.Tensor], k_cache: tor
     value go to position ``positions[i]`` of cache slot ``slots[i]`` (caches laid out
     (layers, slots, kv_heads, capacity, head_dim)) and it attends to positions
     ``[0, positions[i]]`` of that slot, tokens of this call included; cos/sin (N, head_dim) are
-    the RoPE tables at each token's position. None when the kernels are unavailable or the
-    inputs are not what they take (the caller then runs the layers op by op)."""
-    if not (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
-            and x.device.type == "cpu" and k_cache.dtype == torch.float32
-            and len(weights) % PER_LAYER == 0 and not torch.is_grad_enabled()):
+    the RoPE tables at each token's position. Weights and caches are float32, or all bfloat16
+    (read at half the bytes; the arithmetic is float32 throughout, the result in x's dtype).
+    None when the kernels are unavailable or the inputs are not what they take (the caller
+    then runs the layers op by op)."""
+    if not (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.device.type == "cpu"
+            and x.dtype in KERNEL_DTYPES and len(weights) % PER_LAYER == 0
+            and all(w.dtype == k_cache.dtype for w in weights[1:2])
+            and k_cache.dtype in KERNEL_DTYPES and not torch.is_grad_enabled()):
         return None
     kernel = load_kernel()
     if kernel is None:
         return None
-    return kernel.decode_layers(x, list(weights), k_cache, v_cache, list(slots),
-                                list(positions), cos.contiguous(), sin.contiguous(), n_heads,
-                                n_kv, eps)
+    f32 = torch.float32
+    y = kernel.decode_layers(x.to(f32), list(weights), k_cache, v_cache, list(slots),
+                             list(positions), cos.to(f32).contiguous(),
+                             sin.to(f32).contiguous(), n_heads, n_kv, eps)
+    return y.to(x.dtype)

@@ -54,13 +54,14 @@ inline v16 vexp(v16 x) {
 }
 
 // y = w * (x / sqrt(mean(x^2) + eps)) for each of N rows of length D.
-void rms_norm(const float* x, const float* w, float* y, int64_t N, int64_t D, float eps) {
+template <typename W>
+void rms_norm(const float* x, const W* w, float* y, int64_t N, int64_t D, float eps) {
   for (int64_t n = 0; n < N; ++n) {
     const float* xr = x + n * D;
     double ss = 0.0;
     for (int64_t i = 0; i < D; ++i) ss += double(xr[i]) * xr[i];
     const float r = 1.f / std::sqrt(float(ss / D) + eps);
-    for (int64_t i = 0; i < D; ++i) y[n * D + i] = w[i] * (xr[i] * r);
+    for (int64_t i = 0; i < D; ++i) y[n * D + i] = float(w[i]) * (xr[i] * r);
   }
 }
 
@@ -75,22 +76,24 @@ void rope(float* v, const float* cos, const float* sin, int64_t hd) {
   }
 }
 
-// softmax(q . k_t / sqrt(hd)) . v_t over the S cached positions of one head.
-void attend(const float* q, const float* k, const float* v, float* out, int64_t S, int64_t hd,
+// softmax(q . k_t / sqrt(hd)) . v_t over the S cached positions of one head (cache entries
+// float32 or bfloat16, computed in float32).
+template <typename W>
+void attend(const float* q, const W* k, const W* v, float* out, int64_t S, int64_t hd,
             std::vector<float>& p) {
   const float scale = 1.f / std::sqrt(float(hd));
   p.resize(S);
   const bool vec = hd % 16 == 0;
   float mx = -INFINITY;
   for (int64_t t = 0; t < S; ++t) {
-    const float* kt = k + t * hd;
+    const W* kt = k + t * hd;
     float s = 0.f;
     if (vec) {  // a float sum is not reassociated by the compiler: spell the vectors out
       v16 a = {};
       for (int64_t i = 0; i < hd; i += 16) a += load(q + i) * load(kt + i);
       s = hsum(a);
     } else {
-      for (int64_t i = 0; i < hd; ++i) s += q[i] * kt[i];
+      for (int64_t i = 0; i < hd; ++i) s += q[i] * float(kt[i]);
     }
     p[t] = s * scale;
     mx = std::max(mx, p[t]);
@@ -105,9 +108,9 @@ void attend(const float* q, const float* k, const float* v, float* out, int64_t 
   for (; t < S; ++t) sum += (p[t] = std::exp(p[t] - mx));
   for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
   for (int64_t t = 0; t < S; ++t) {
-    const float* vt = v + t * hd;
+    const W* vt = v + t * hd;
     const float w = p[t] / sum;
-    for (int64_t i = 0; i < hd; ++i) out[i] += w * vt[i];
+    for (int64_t i = 0; i < hd; ++i) out[i] += w * float(vt[i]);
   }
 }
 
@@ -121,15 +124,18 @@ void swiglu(const float* g, const float* u, float* h, int64_t n) {
   for (; i < n; ++i) h[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
-const float* ptr(const torch::Tensor& t, int64_t numel, const char* what, int64_t layer) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == numel,
-              "decode_layers: layer ", layer, " ", what, " must be a contiguous float32 tensor "
-              "of ", numel, " elements");
-  return t.data_ptr<float>();
+template <typename W>
+const W* ptr(const torch::Tensor& t, int64_t numel, const char* what, int64_t layer) {
+  constexpr auto type = c10::CppTypeToScalarType<W>::value;
+  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.numel() == numel,
+              "decode_layers: layer ", layer, " ", what, " must be a contiguous ",
+              c10::toString(type), " tensor (the caches' type) of ", numel, " elements");
+  return t.data_ptr<W>();
 }
 
+template <typename W>
 struct Layer {
-  const float *attn_norm, *wqkv, *bqkv, *wo, *mlp_norm, *wgu, *wdown;
+  const W *attn_norm, *wqkv, *bqkv, *wo, *mlp_norm, *wgu, *wdown;
 };
 
 // Thread `t` of `nt`'s share [lo, hi) of n items.
@@ -137,13 +143,21 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) {
   return {n * t / nt, n * (t + 1) / nt};
 }
 
+template <typename W>
+torch::Tensor run(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
+                  const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                  const std::vector<int64_t>& slot, const std::vector<int64_t>& pos,
+                  const torch::Tensor& cos, const torch::Tensor& sin, int64_t H, int64_t K,
+                  double eps);
+
 }  // namespace
 
 // x (B, D): the embedded new tokens; returns the hidden states after the last layer (B, D).
 // k_cache, v_cache (L, slots, K, capacity, hd): token b's key and value are written at position
 // pos[b] of slot slot[b], and token b attends to positions [0, pos[b]] of its slot (every token
 // of the call is written before any attends, so tokens of one sequence see each other causally).
-// cos, sin (B, hd): the RoPE tables at each token's position.
+// cos, sin (B, hd): the RoPE tables at each token's position. x, cos, sin and the result are
+// float32; the weights and caches are float32, or all bfloat16 (computed in float32).
 torch::Tensor decode_layers(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
                             const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                             const std::vector<int64_t>& slot, const std::vector<int64_t>& pos,
@@ -157,10 +171,12 @@ torch::Tensor decode_layers(const torch::Tensor& x_in, const std::vector<torch::
   TORCH_CHECK(!weights.empty() && weights.size() % kPerLayer == 0,
               "decode_layers: 7 tensors per layer expected");
   const int64_t L = weights.size() / kPerLayer;
+  const auto type = k_cache.scalar_type();
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "decode_layers: caches must be contiguous float32 (L, slots, K, capacity, hd)");
+                  (type == at::kFloat || type == at::kBFloat16) && v_cache.scalar_type() == type,
+              "decode_layers: caches must be contiguous float32 or bfloat16 "
+              "(L, slots, K, capacity, hd)");
   const int64_t slots = k_cache.size(1), cap = k_cache.size(3), hd = k_cache.size(4);
   TORCH_CHECK(k_cache.size(0) >= L && k_cache.size(2) == K && K >= 1 && H % K == 0,
               "decode_layers: cache shape does not match the layers and heads");
@@ -174,15 +190,30 @@ torch::Tensor decode_layers(const torch::Tensor& x_in, const std::vector<torch::
                   sin.numel() == B * hd && cos.scalar_type() == at::kFloat &&
                   sin.scalar_type() == at::kFloat,
               "decode_layers: cos and sin must be contiguous float32 (B, hd)");
+  if (type == at::kBFloat16)
+    return run<at::BFloat16>(x_in, weights, k_cache, v_cache, slot, pos, cos, sin, H, K, eps);
+  return run<float>(x_in, weights, k_cache, v_cache, slot, pos, cos, sin, H, K, eps);
+}
+
+namespace {
+
+template <typename W>
+torch::Tensor run(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
+                  const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                  const std::vector<int64_t>& slot, const std::vector<int64_t>& pos,
+                  const torch::Tensor& cos, const torch::Tensor& sin, int64_t H, int64_t K,
+                  double eps) {
+  const int64_t B = x_in.size(0), D = x_in.size(1), L = weights.size() / kPerLayer;
+  const int64_t slots = k_cache.size(1), cap = k_cache.size(3), hd = k_cache.size(4);
   const int64_t QKV = (H + 2 * K) * hd;
   const int64_t F = weights[5].size(0) / 2;
-  std::vector<Layer> layers(L);
+  std::vector<Layer<W>> layers(L);
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = &weights[l * kPerLayer];
-    layers[l] = {ptr(w[0], D, "attn_norm", l), ptr(w[1], QKV * D, "wqkv", l),
-                 w[2].numel() ? ptr(w[2], QKV, "bqkv", l) : nullptr,
-                 ptr(w[3], D * H * hd, "wo", l), ptr(w[4], D, "mlp_norm", l),
-                 ptr(w[5], 2 * F * D, "w_gate_up", l), ptr(w[6], D * F, "w_down", l)};
+    layers[l] = {ptr<W>(w[0], D, "attn_norm", l), ptr<W>(w[1], QKV * D, "wqkv", l),
+                 w[2].numel() ? ptr<W>(w[2], QKV, "bqkv", l) : nullptr,
+                 ptr<W>(w[3], D * H * hd, "wo", l), ptr<W>(w[4], D, "mlp_norm", l),
+                 ptr<W>(w[5], 2 * F * D, "w_gate_up", l), ptr<W>(w[6], D * F, "w_down", l)};
   }
 
   auto opts = x_in.options();
@@ -195,7 +226,7 @@ torch::Tensor decode_layers(const torch::Tensor& x_in, const std::vector<torch::
   float *xp = x.data_ptr<float>(), *qp = qkv.data_ptr<float>(), *ap = att.data_ptr<float>();
   float *gp = gu.data_ptr<float>(), *hp = act.data_ptr<float>(), *op = out.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  W *kc = k_cache.data_ptr<W>(), *vc = v_cache.data_ptr<W>();
 
   const int threads = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(threads)
@@ -203,7 +234,7 @@ torch::Tensor decode_layers(const torch::Tensor& x_in, const std::vector<torch::
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     std::vector<float> normed(B * D), p;
     // y[:, m0:m1] = a (B, Kin) @ w[m0:m1]^T, this thread's band of the M output columns.
-    auto band = [&](const float* a, const float* w, float* y, int64_t Kin, int64_t M) {
+    auto band = [&](const float* a, const W* w, float* y, int64_t Kin, int64_t M) {
       const auto [m0, m1] = share(M, t, nt);
       rows(a, w, y, B, m0, m1, Kin, M);
       return std::make_pair(m0, m1);
@@ -213,14 +244,14 @@ torch::Tensor decode_layers(const torch::Tensor& x_in, const std::vector<torch::
         for (int64_t i = m0; i < m1; ++i) xp[b * D + i] += op[b * D + i];
     };
     for (int64_t l = 0; l < L; ++l) {
-      const Layer& w = layers[l];
+      const Layer<W>& w = layers[l];
       // Attention: norm, fused q/k/v projection, RoPE on q and k, cache write, attend, output.
       rms_norm(xp, w.attn_norm, normed.data(), B, D, float(eps));
       {
         const auto [m0, m1] = band(normed.data(), w.wqkv, qp, D, QKV);
         if (w.bqkv)
           for (int64_t b = 0; b < B; ++b)
-            for (int64_t i = m0; i < m1; ++i) qp[b * QKV + i] += w.bqkv[i];
+            for (int64_t i = m0; i < m1; ++i) qp[b * QKV + i] += float(w.bqkv[i]);
       }
 #pragma omp barrier
       {  // RoPE on the q and k heads; k and v into the cache
@@ -273,3 +304,5 @@ torch::Tensor decode_layers(const torch::Tensor& x_in, const std::vector<torch::
   }
   return x;
 }
+
+}  // namespace

@@ -4,7 +4,8 @@ Decoding multiplies 1-16 activation rows by each weight matrix. On the CPU, BLAS
 large row counts: at batch 1 it streams the weights at about half the read bandwidth, and at
 2-16 rows (a speculative verification pass, a small decode batch) it reads them several times
 over. ``small_gemm.cpp`` streams each weight matrix once per call whatever the row count (see
-``benchmarks/decode.py`` for the figures). The kernels (this one and ``decode_step.cpp``) are
+``benchmarks/decode.py`` for the figures); bfloat16 weights are read as they are, at half the
+bytes, and multiplied in float32. The kernels (this one and ``decode_step.cpp``) are
 compiled once per machine with the system C++ compiler (``python -m codedojo.ops`` builds them
 ahead of time; ``make setup`` does) into ``$CODEDOJO_CACHE/kernels``; where they cannot be
 built, or with ``CODEDOJO_KERNELS=0``, everything goes through ``F.linear``. Training never
@@ -25,6 +26,8 @@ import torch.nn.functional as F
 from codedojo.paths import cache_dir
 
 MAX_ROWS = 16  # above this BLAS is as fast (compute, not weight reads, dominates)
+# weights the kernels read (bfloat16 at half the bytes); activations are float32 inside
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 SOURCES = [Path(__file__).with_name(f)
            for f in ("small_gemm.cpp", "decode_step.cpp", "bindings.cpp")]
 log = logging.getLogger(__name__)
@@ -72,7 +75,7 @@ def kernel_status() -> str:
 
 
 def _kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
+    return (x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and w.dtype == x.dtype
             and w.dim() == 2 and w.is_contiguous() and x.numel() <= MAX_ROWS * w.shape[1]
             and x.numel() > 0
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
@@ -81,8 +84,8 @@ def _kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) @ w (M, K)^T (+ bias): ``F.linear``'s contract."""
     if _kernel_applies(x, w) and (kernel := load_kernel()) is not None:
-        y = kernel.small_gemm(x.reshape(-1, x.shape[-1]).contiguous(), w)
+        y = kernel.small_gemm(x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous(), w)
         if bias is not None:
             y += bias
-        return y.view(*x.shape[:-1], w.shape[0])
+        return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w, bias)

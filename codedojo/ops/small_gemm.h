@@ -8,7 +8,8 @@
 // gained nothing measurable). Each weight row (a few KB,
 // then in L1) meets every activation row, 4 at a time, in 16-wide vector accumulators (GCC
 // vector extensions: AVX-512 where the CPU has it, pairs of AVX2 registers otherwise).
-// Parallelism is ATen's thread pool.
+// Weights are float32 or bfloat16 (widened to float32 as they are loaded: half the bytes to
+// stream); activations and sums are float32. Parallelism is ATen's thread pool.
 #pragma once
 #include <torch/extension.h>
 
@@ -21,8 +22,19 @@
 namespace {
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 inline v16 load(const float* p) { return *reinterpret_cast<const v16*>(p); }
+
+// 16 bfloat16 values widened to float32 (a bfloat16 is the upper half of a float32's bits):
+// bfloat16 weights are read at half the bytes and multiplied in float32.
+inline v16 load(const at::BFloat16* p) {
+  const u32x16 bits = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
+  v16 out;
+  __builtin_memcpy(&out, &bits, sizeof out);
+  return out;
+}
 
 inline float hsum(v16 v) {
 #ifdef __AVX512F__
@@ -37,11 +49,11 @@ inline float hsum(v16 v) {
 // Weight row m against activation rows [n, n + NB). Each pair keeps U accumulators over
 // consecutive 16-float chunks of k: NB * U independent FMA chains, enough to hide the FMA latency
 // when NB is small (one chain per pair would leave batch 1 latency-bound, not read-bound).
-template <int NB>
-inline void tile(const float* x, const float* w, float* y, int64_t n, int64_t m, int64_t K,
+template <int NB, typename W>
+inline void tile(const float* x, const W* w, float* y, int64_t n, int64_t m, int64_t K,
                  int64_t M) {
   constexpr int U = NB == 1 ? 8 : 4;  // measured best per row count (2 at 4+ rows: slower)
-  const float* row = w + m * K;
+  const W* row = w + m * K;
   v16 acc[NB][U] = {};
   int64_t k = 0;
   for (; k + 16 * U <= K; k += 16 * U) {
@@ -63,7 +75,7 @@ inline void tile(const float* x, const float* w, float* y, int64_t n, int64_t m,
 #pragma GCC unroll 4
     for (int u = 1; u < U; ++u) a += acc[b][u];
     float s = hsum(a);
-    for (int64_t kk = k; kk < K; ++kk) s += row[kk] * x[(n + b) * K + kk];
+    for (int64_t kk = k; kk < K; ++kk) s += float(row[kk]) * x[(n + b) * K + kk];
     y[(n + b) * M + m] = s;
   }
 }
@@ -73,9 +85,10 @@ inline void tile(const float* x, const float* w, float* y, int64_t n, int64_t m,
 // time (a few KB, kept in L1) over a band of weight rows small enough to stay in L2: the weights
 // still come from memory once, and the activations are not fetched again from L2 for every
 // weight row (16 rows: a decode step of SmolLM2-135M in 58 ms instead of 77).
-inline void rows(const float* x, const float* w, float* y, int64_t N, int64_t m0, int64_t m1,
+template <typename W>
+inline void rows(const float* x, const W* w, float* y, int64_t N, int64_t m0, int64_t m1,
                  int64_t K, int64_t M) {
-  const int64_t band = std::max<int64_t>(1, (256 << 10) / (K * int64_t(sizeof(float))));  // 256 KB
+  const int64_t band = std::max<int64_t>(1, (256 << 10) / (K * int64_t(sizeof(W))));  // 256 KB
   for (int64_t b0 = m0; b0 < m1; b0 += band) {
     const int64_t b1 = std::min(m1, b0 + band);
     int64_t n = 0;
@@ -97,9 +110,10 @@ inline void rows(const float* x, const float* w, float* y, int64_t N, int64_t m0
 
 }  // namespace
 
-// y (N, M) = x (N, K) @ w (M, K)^T, raw contiguous float32 buffers; threads over weight rows.
-inline void gemm_rows(const float* x, const float* w, float* y, int64_t N, int64_t K,
-                      int64_t M) {
+// y (N, M) = x (N, K) @ w (M, K)^T, raw contiguous buffers (x, y float32; w float32 or
+// bfloat16); threads over weight rows.
+template <typename W>
+inline void gemm_rows(const float* x, const W* w, float* y, int64_t N, int64_t K, int64_t M) {
   at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) { rows(x, w, y, N, m0, m1, K, M); });
 }
 

@@ -1,5 +1,6 @@
 """`dojo serve` as a user runs it: a subprocess that prints its URL once ready, then answers.
-The checkpoint carries MTP modules, so it decodes speculatively."""
+The checkpoint carries MTP modules, so it decodes speculatively (in bfloat16: the model, its
+drafts and the KV caches)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_dojo_serve_prints_url_and_serves(tmp_path):
     save_mtp(mtp, tmp_path / "m")
 
     cmd = [sys.executable, "-c", "from codedojo.cli import main; main()", "serve", "--model", str(tmp_path / "m"),
-           "--port", "0", "--max-batch", "2", "--served-name", "tiny"]
+           "--port", "0", "--max-batch", "2", "--served-name", "tiny", "--dtype", "bfloat16"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: queue.Queue[str] = queue.Queue()
@@ -62,3 +63,12 @@ def test_dojo_serve_prints_url_and_serves(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_dojo_serve_names_a_bad_dtype():
+    from typer.testing import CliRunner
+
+    from codedojo.cli import app
+
+    r = CliRunner().invoke(app, ["serve", "--dtype", "float16"])
+    assert r.exit_code == 2 and "--dtype" in r.output and "float16" in r.output

@@ -100,8 +100,50 @@ def test_fused_decode_long_context_and_saturated_activations(gain: float,
 
 
 @needs_kernel
+@pytest.mark.parametrize("new", [1, 3])
+def test_fused_decode_in_bfloat16_matches_float32_layers(new: int,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """bfloat16 weights and caches, widened to float32 as the kernel reads them, against the
+    layers run op by op in float32 over the same (widened) weights: equal up to the bfloat16
+    rounding of the cached keys/values and of the result."""
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(attn_bias=True)
+    low = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in low.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    low = low.bfloat16()
+    ref = Transformer(cfg).eval()
+    ref.load_state_dict({k: v.float() for k, v in low.state_dict().items()})
+    tokens = torch.randint(0, cfg.vocab_size, (2, new))
+    fused = []
+    real = transformer.decode_layers
+
+    def counted(*a, **k):  # type: ignore[no-untyped-def]
+        y = real(*a, **k)
+        fused.append(y is not None)
+        return y
+
+    monkeypatch.setattr(transformer, "decode_layers", counted)
+    with torch.no_grad():
+        cache = KVCache(cfg, 4, 64, dtype=torch.bfloat16)
+        _prefill(low, cache, [5, 9], 1)
+        got = _decode(low, cache, tokens, 1)
+        monkeypatch.setattr(transformer, "decode_layers", lambda *a, **k: None)
+        plain = KVCache(cfg, 4, 64)
+        _prefill(ref, plain, [5, 9], 1)
+        want = _decode(ref, plain, tokens, 1)
+    assert fused == [True] * 3 and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(cache.k[:, 1:3].float(), plain.k[:, 1:3], rtol=2e-2, atol=2e-2)
+
+
+@needs_kernel
 def test_fused_decode_steps_aside() -> None:
-    """Training, MoE layers and bfloat16 run the layers op by op."""
+    """Training, MoE layers and weights of another type than the cache run the layers op by
+    op."""
     from codedojo.model.config import MoEConfig
     from codedojo.ops import decode_layers
 
@@ -115,7 +157,8 @@ def test_fused_decode_steps_aside() -> None:
     assert decode_layers(x, w, *args) is None  # gradients enabled
     with torch.no_grad():
         assert decode_layers(x, w, *args) is not None
-        assert decode_layers(x.bfloat16(), w, *args) is None
+        low = KVCache(cfg, 1, 16, dtype=torch.bfloat16)
+        assert decode_layers(x, w, low.k, low.v, *args[2:]) is None
         assert decode_layers(torch.randn(17, cfg.dim), w, *args) is None
     moe = Transformer(ModelConfig.tiny(moe=MoEConfig(n_routed_experts=4, expert_ffn_dim=32)))
     assert moe._dense_weights() is None

@@ -25,6 +25,18 @@ def test_kernel_matches_f_linear(rows: int, k: int, m: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 6])
+def test_bfloat16_weights_are_multiplied_in_float32(rows: int) -> None:
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 576).bfloat16(), torch.randn(203, 576).bfloat16()
+    with torch.no_grad():
+        assert gemm._kernel_applies(x, w)
+        y = linear(x, w)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, (x.float() @ w.float().T).bfloat16())
+
+
+@needs_kernel
 def test_leading_dims_and_strided_inputs() -> None:
     x, w = torch.randn(2, 3, 40)[:, :, 4:36], torch.randn(50, 32)  # a non-contiguous view
     with torch.no_grad():
@@ -42,5 +54,5 @@ def test_training_and_large_inputs_take_f_linear() -> None:
     with torch.no_grad():
         assert gemm._kernel_applies(x, w)
         assert not gemm._kernel_applies(torch.randn(gemm.MAX_ROWS + 1, 16), w)
-        assert not gemm._kernel_applies(x.bfloat16(), w.bfloat16())
+        assert not gemm._kernel_applies(x, w.bfloat16())  # mixed types: F.linear's error
         assert not gemm._kernel_applies(x, w.detach().t().contiguous().t())  # input-major
