@@ -15,7 +15,7 @@ what a draft costs (`draft_cost`, in plain steps: measured then, or `--draft-cos
 passed.
 
     python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 6] [--new 64]
-                                    [--draft-cost C]
+                                    [--draft-cost C] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="weights and KV caches (as dojo serve --dtype)")
     ap.add_argument("--draft-cost", type=float, default=None,
                     help="the engine's spec_draft_cost (default: measured while probing; 0: "
                     "every round drafts with every module)")
@@ -57,7 +59,7 @@ def main() -> None:
     if not (ck / "model.safetensors").exists():
         sys.exit(f"{ck}: no checkpoint; run `dojo pretrain configs/cpt-smollm2.toml` first")
     cfg = ModelConfig.model_validate_json((ck / "model_config.json").read_text())
-    model = build_model(load_file(str(ck / "model.safetensors")), cfg)
+    model = build_model(load_file(str(ck / "model.safetensors")), cfg, getattr(torch, args.dtype))
     max_len = args.prompt_len + args.new + 16  # + the drafts of the last round
     drafter = load_drafter(model, ck, max_len)
     if drafter is None:
@@ -113,7 +115,7 @@ def main() -> None:
         "speculating_at_end": spec.speculating,
         "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
         "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,
-        "batch": 1, "threads": args.threads, "kernel": kernel_status(), "ckpt": str(ck)}))
+        "batch": 1, "dtype": args.dtype, "threads": args.threads, "kernel": kernel_status(), "ckpt": str(ck)}))
 
 
 if __name__ == "__main__":

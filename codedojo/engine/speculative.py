@@ -58,7 +58,7 @@ class Drafter(Protocol):
               ) -> tuple[list[int], list[torch.Tensor]]:
         """new_hidden (n, D): target hiddens of positions not yet given, ending at position
         len(tokens) - 2. Returns k drafts (1 <= k <= depth) and each draft's distribution
-        q_j (V,)."""
+        q_j (V,), as ``pick`` (draft logits -> token, distribution) gave them."""
         ...
 
 
@@ -166,8 +166,9 @@ def _sample(p: torch.Tensor, gen: torch.Generator | None) -> int:
 
 def accept_drafts(drafts: Sequence[int], q: Sequence[torch.Tensor], p: torch.Tensor,
                   temperature: float, gen: torch.Generator | None = None) -> tuple[int, int]:
-    """p (k+1, V) target distributions at the draft positions (+ bonus). Returns (number of
-    drafts accepted, the extra token: the correction or the bonus)."""
+    """p (k+1, V) target distributions at the draft positions (+ bonus); greedy (temperature
+    0) reads only their argmax, so logits serve as well. Returns (number of drafts accepted,
+    the extra token: the correction or the bonus)."""
     for j, d in enumerate(drafts):
         if temperature <= 0:
             best = int(p[j].argmax())
@@ -227,8 +228,12 @@ class SpeculativeSession:
         self._new_hidden: torch.Tensor | None = None
 
     def _pick(self, logits_v: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """A token from logits (V,), and the distribution it was drawn from; greedy: the
+        argmax, and the logits themselves (greedy acceptance reads only their argmax)."""
+        if self.temperature <= 0:
+            return int(logits_v.argmax()), logits_v
         q = target_probs(logits_v, self.temperature)
-        return (int(q.argmax()) if self.temperature <= 0 else _sample(q, self.gen)), q
+        return _sample(q, self.gen), q
 
     @torch.no_grad()
     def prefill(self, prompt: Sequence[int]) -> int:
@@ -259,7 +264,7 @@ class SpeculativeSession:
             drafts, q = self.drafter.draft(self._new_hidden, self.tokens, self._pick, k)
         L = len(self.tokens)
         logits, hidden = self.target.extend([self.tokens[-1], *drafts])  # (k+1, V)
-        p = target_probs(logits, self.temperature)
+        p = logits if self.temperature <= 0 else target_probs(logits, self.temperature)
         n_acc, extra = accept_drafts(drafts, q, p, self.temperature, self.gen)
         emitted = [*drafts[:n_acc], extra]
         if drafts:  # a round without drafts is a plain decode step, not counted
@@ -339,7 +344,7 @@ class DraftHead:
         self.weight = w if self.vocab is None else w[self.vocab].contiguous()
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(self.norm(hidden), self.weight).float()
+        logits = linear(self.norm(hidden), self.weight, out_dtype=torch.float32)
         if self.vocab is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))

@@ -203,7 +203,7 @@ class Transformer(nn.Module):
         """Final norm + output projection: (B, T, dim) -> float32 logits (B, T, V), or over
         the token ids ``vocab`` only (B, T, len(vocab))."""
         w = self.output_weight if vocab is None else self.output_weight[vocab]
-        return linear(self.norm(hidden), w).float()
+        return linear(self.norm(hidden), w, out_dtype=torch.float32)
 
     def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                 cache: CacheView | None = None, doc_ids: torch.Tensor | None = None,

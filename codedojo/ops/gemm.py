@@ -81,11 +81,15 @@ def _kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) @ w (M, K)^T (+ bias): ``F.linear``'s contract."""
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x (..., K) @ w (M, K)^T (+ bias): ``F.linear``'s contract, the result as ``out_dtype``
+    (default: x's). The kernel sums in float32, so float32 logits from bfloat16 weights are
+    not rounded to bfloat16 on the way."""
     if _kernel_applies(x, w) and (kernel := load_kernel()) is not None:
         y = kernel.small_gemm(x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous(), w)
         if bias is not None:
             y += bias
-        return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
-    return F.linear(x, w, bias)
+        return y.to(out_dtype or x.dtype).view(*x.shape[:-1], w.shape[0])
+    y = F.linear(x, w, bias)
+    return y if out_dtype is None else y.to(out_dtype)

@@ -39,6 +39,7 @@ def model() -> Transformer:
 def mtp_drafter(model: Transformer, draft_vocab: int) -> MTPDrafter:
     mtp = MTP(model.cfg, 2, draft_vocab)
     mtp.init_from_model(model)
+    mtp = mtp.to(next(model.parameters()).dtype)
     if draft_vocab:
         mtp.set_draft_vocab(torch.arange(model.cfg.vocab_size).flip(0))
     return MTPDrafter(mtp.eval(), model.embed, DraftHead(model, mtp.draft_vocab))
@@ -48,9 +49,11 @@ def plain(model: Transformer, params: SamplingParams) -> list:
     return [Engine(model, max_batch=2).generate([PROMPT], params)[0]]
 
 
-@pytest.mark.parametrize("draft_vocab", [0, 24])
-def test_greedy_tokens_and_logprobs_equal_plain_decoding(model: Transformer,
-                                                         draft_vocab: int) -> None:
+@pytest.mark.parametrize(("draft_vocab", "dtype"), [(0, torch.float32), (24, torch.float32),
+                                                   (24, torch.bfloat16)])
+def test_greedy_tokens_and_logprobs_equal_plain_decoding(model: Transformer, draft_vocab: int,
+                                                         dtype: torch.dtype) -> None:
+    model = model.to(dtype)
     params = SamplingParams(max_tokens=30, temperature=0)
     engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, draft_vocab))
     got = engine.generate([PROMPT], params)[0]

@@ -37,6 +37,19 @@ def test_bfloat16_weights_are_multiplied_in_float32(rows: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_does_not_depend_on_the_rows_beside_it(dtype: torch.dtype) -> None:
+    """Batch invariance: whatever the row count, a row's products are summed in the same order
+    (K = 600: full 64-wide steps, one 16-wide step and a scalar tail)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 600).to(dtype), torch.randn(77, 600).to(dtype)
+    with torch.no_grad():
+        alone = torch.cat([linear(x[i:i + 1], w, out_dtype=torch.float32) for i in range(16)])
+        for n in range(2, 17):
+            assert torch.equal(linear(x[:n], w, out_dtype=torch.float32), alone[:n]), n
+
+
+@needs_kernel
 def test_leading_dims_and_strided_inputs() -> None:
     x, w = torch.randn(2, 3, 40)[:, :, 4:36], torch.randn(50, 32)  # a non-contiguous view
     with torch.no_grad():
