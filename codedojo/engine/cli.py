@@ -27,10 +27,11 @@ def serve(
         None, help="what one more draft per round costs, in plain decode steps (default: "
         "measured over the first 64 rounds; about 0.2 on a 2-core CPU): after 64 rounds, each "
         "round drafts the number of tokens that pays best by the acceptance seen, and "
-        "speculation stops when none does (0: always every module)"),
+        "speculation pauses when none does (0: always every module)"),
     spec_explore_every: int = typer.Option(
-        32, help="every N-th speculative round drafts with every module, so deeper drafts "
-        "than pay are tested again (0: never)"),
+        32, help="every N-th speculative round drafts with every module, so drafts that do not "
+        "pay now are tested again, and paused speculation resumes when they come to pay (0: "
+        "never, and speculation stops for good when no draft pays)"),
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions and /v1/models for MODEL.
 

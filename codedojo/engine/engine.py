@@ -100,9 +100,11 @@ class Engine:
         rounds draft with every module; from then on each round drafts the number of tokens
         that emits the most per unit of time by the acceptance seen so far
         (`SpecStats.best_depth`), with one more draft costing ``draft_cost`` plain decode steps
-        (drafting it and verifying it), except every ``spec_explore_every``-th round (0:
-        none), which drafts with every module so that the acceptance of drafts deeper than
-        pay stays current. When no draft pays, speculation stops for good.
+        (drafting it and verifying it), except every ``spec_explore_every``-th round, which
+        drafts with every module so that the acceptance of every draft stays current. When no
+        draft pays, rounds draft nothing but those: speculation pauses, and resumes if the
+        drafts come to pay (on text they know better). ``spec_explore_every=0``: no exploring
+        rounds, and when no draft pays speculation stops for good.
         ``spec_draft_cost``: that cost, fixed; None: measured while probing, where every
         fourth round drafts nothing to time a plain step (a draft costs about 0.2 steps on a
         2-core CPU, far less on a GPU); 0: always draft with every module."""
@@ -134,6 +136,7 @@ class Engine:
         # drafter.depth, kept for draft_cost after speculation is switched off (drafter None)
         self._spec_max_depth = 0 if drafter is None else drafter.depth
         self._spec: tuple[Request, SpeculativeSession] | None = None
+        self._paused = False  # no draft paid at the last admission
         self._waiting: deque[Request] = deque()
         self._live: list[Request] = []  # request i lives in cache slot i
         self._step_lock = threading.Lock()  # one scheduler iteration (or weight swap) at a time
@@ -296,8 +299,9 @@ class Engine:
 
     @property
     def speculating(self) -> bool:
-        """Whether a lone request will decode speculatively (a drafter, not switched off)."""
-        return self.drafter is not None
+        """Whether a lone request's rounds draft: a drafter (not switched off), and drafts that
+        pay (or probing still under way). While none pays, only exploring rounds draft."""
+        return self.drafter is not None and self._paying_depth() > 0
 
     @property
     def draft_cost(self) -> float:
@@ -338,13 +342,15 @@ class Engine:
         return self._paying_depth()
 
     def _speculates(self, req: Request) -> bool:
-        if self.drafter is not None and self._paying_depth() == 0:
-            st = self.spec_stats
-            log.warning("speculative decoding off: %.2f tokens per target pass over %d rounds, "
-                        "first-draft acceptance %.2f, do not pay for a draft at %.2f steps; "
-                        "decoding plainly", st.tokens_per_pass, st.rounds, st.accept_first,
-                        self.draft_cost)
-            self.drafter = None
+        if self.drafter is not None and (paused := self._paying_depth() == 0) != self._paused:
+            self._paused, st = paused, self.spec_stats
+            log.warning("speculative decoding %s: %.2f tokens per target pass over %d rounds, "
+                        "first-draft acceptance %.2f, a draft at %.2f steps",
+                        ("paused, drafting only to re-check" if self.spec_explore_every
+                         else "off") if paused else "resumed",
+                        st.tokens_per_pass, st.rounds, st.accept_first, self.draft_cost)
+            if paused and not self.spec_explore_every:
+                self.drafter = None
         p = req.params
         alone = not self._live and not self._waiting
         return (self.drafter is not None and alone and p.top_k == 0 and p.top_p == 1.0

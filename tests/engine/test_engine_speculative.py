@@ -107,16 +107,53 @@ def test_a_joining_request_switches_to_plain_batching(model: Transformer) -> Non
     assert second.completion().token_ids == want[1].token_ids
 
 
-def test_weak_drafts_switch_speculation_off(model: Transformer) -> None:
+@pytest.mark.parametrize("explore", [32, 0])
+def test_weak_drafts_pause_speculation(model: Transformer, explore: int) -> None:
+    """Drafts that do not pay stop after probing: paused (only exploring rounds draft), or
+    with no exploring rounds, off for good."""
     params = SamplingParams(max_tokens=12, temperature=0)
     # a draft costing 5 plain steps never pays: at most 1 extra token for 5 steps
     engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, 0), spec_draft_cost=5.0,
-                    spec_probe_rounds=8)
+                    spec_probe_rounds=8, spec_explore_every=explore)
     ref = plain(model, params)[0].token_ids
     outs = [engine.generate([PROMPT], params)[0].token_ids for _ in range(3)]
     assert all(o == ref for o in outs)
     assert not engine.speculating
-    assert 8 <= engine.spec_stats.rounds < 3 * 11  # stopped after probing, not every request
+    assert 8 <= engine.spec_stats.rounds <= 8 + 1  # probing, and at most one exploring round
+    assert (engine.drafter is None) == (explore == 0)
+
+
+class LateDrafter(OracleDrafter):
+    """Wrong for its first ``wrong`` rounds, then the target's own continuation."""
+
+    def __init__(self, target: TransformerTarget, depth: int, wrong: int):
+        super().__init__(target, depth)
+        self.wrong = wrong
+
+    def draft(self, new_hidden, tokens, pick, k):
+        drafts, qs = super().draft(new_hidden, tokens, pick, k)
+        self.wrong -= 1
+        return ([(d + 1) % 64 for d in drafts] if self.wrong >= 0 else drafts), qs
+
+
+def test_paused_speculation_resumes_when_drafts_come_to_pay(model: Transformer) -> None:
+    params = SamplingParams(max_tokens=40, temperature=0)
+    engine = Engine(model, max_batch=2, drafter=LateDrafter(TransformerTarget(model), 2, 4),
+                    spec_draft_cost=0.2, spec_probe_rounds=4, spec_explore_every=3)
+    # the prefill token, four probing rounds of wrong drafts, two rounds without
+    engine.generate([PROMPT], SamplingParams(max_tokens=7, temperature=0))
+    assert engine._spec_steps == 6 and not engine.speculating
+    req = engine.submit(PROMPT, params)  # the next request still explores
+    depths = []
+    while not req.done.is_set():
+        drafted = engine.spec_stats.drafted
+        engine.step()
+        depths.append(engine.spec_stats.drafted - drafted)
+    assert req.completion().token_ids == plain(model, params)[0].token_ids
+    # paused but for every third round, then drafting again: the second exploring round makes
+    # two right drafts pay
+    assert depths[:4] == [2, 0, 0, 2] and set(depths[4:-1]) == {2}
+    assert engine.speculating
 
 
 class SlowDrafter(OracleDrafter):
