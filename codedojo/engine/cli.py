@@ -19,8 +19,7 @@ def serve(
     tool_format: str = typer.Option("smollm2", help="tool-call format: smollm2, hermes or qwen3_coder"),
     dtype: str = typer.Option("float32", help="weights and KV cache: float32 or bfloat16 (half "
                               "the bytes read per token: on a CPU, where decoding is bound by "
-                              "memory reads, about 1.8x the tokens/s; the arithmetic stays "
-                              "float32)"),
+                              "memory reads, about 1.8x the tokens/s; sums stay float32)"),
     speculative: bool = typer.Option(True, help="decode with the checkpoint's MTP modules as "
                                      "drafts when it has them"),
     spec_draft_cost: float | None = typer.Option(

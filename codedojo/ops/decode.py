@@ -27,7 +27,8 @@ def decode_layers(x: torch.Tensor, weights: Sequence[torch.Tensor], k_cache: tor
     (layers, slots, kv_heads, capacity, head_dim)) and it attends to positions
     ``[0, positions[i]]`` of that slot, tokens of this call included; cos/sin (N, head_dim) are
     the RoPE tables at each token's position. Weights and caches are float32, or all bfloat16
-    (read at half the bytes; the arithmetic is float32 throughout, the result in x's dtype).
+    (read at half the bytes; sums in float32, the activations rounded to bfloat16 for the
+    products where the CPU multiplies bfloat16 pairs (AVX512-BF16); the result in x's dtype).
     None when the kernels are unavailable or the inputs are not what they take (the caller
     then runs the layers op by op)."""
     if not (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.device.type == "cpu"

@@ -157,7 +157,8 @@ torch::Tensor run(const torch::Tensor& x_in, const std::vector<torch::Tensor>& w
 // pos[b] of slot slot[b], and token b attends to positions [0, pos[b]] of its slot (every token
 // of the call is written before any attends, so tokens of one sequence see each other causally).
 // cos, sin (B, hd): the RoPE tables at each token's position. x, cos, sin and the result are
-// float32; the weights and caches are float32, or all bfloat16 (computed in float32).
+// float32; the weights and caches are float32, or all bfloat16 (sums in float32; see
+// small_gemm.h for the products).
 torch::Tensor decode_layers(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
                             const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                             const std::vector<int64_t>& slot, const std::vector<int64_t>& pos,

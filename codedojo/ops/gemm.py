@@ -5,7 +5,7 @@ large row counts: at batch 1 it streams the weights at about half the read bandw
 2-16 rows (a speculative verification pass, a small decode batch) it reads them several times
 over. ``small_gemm.cpp`` streams each weight matrix once per call whatever the row count (see
 ``benchmarks/decode.py`` for the figures); bfloat16 weights are read as they are, at half the
-bytes, and multiplied in float32. The kernels (this one and ``decode_step.cpp``) are
+bytes, their products summed in float32 (see ``small_gemm.h``). The kernels (this one and ``decode_step.cpp``) are
 compiled once per machine with the system C++ compiler (``python -m codedojo.ops`` builds them
 ahead of time; ``make setup`` does) into ``$CODEDOJO_CACHE/kernels``; where they cannot be
 built, or with ``CODEDOJO_KERNELS=0``, everything goes through ``F.linear``. Training never

@@ -26,7 +26,7 @@ def test_kernel_matches_f_linear(rows: int, k: int, m: int) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 6])
-def test_bfloat16_weights_are_multiplied_in_float32(rows: int) -> None:
+def test_bfloat16_products_are_summed_in_float32(rows: int) -> None:
     torch.manual_seed(rows)
     x, w = torch.randn(rows, 576).bfloat16(), torch.randn(203, 576).bfloat16()
     with torch.no_grad():
@@ -34,6 +34,14 @@ def test_bfloat16_weights_are_multiplied_in_float32(rows: int) -> None:
         y = linear(x, w)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, (x.float() @ w.float().T).bfloat16())
+    # float32 activations against bfloat16 weights (the decode kernel's case): products of
+    # the activations rounded to bfloat16 (AVX512-BF16) or as they are (widened weights)
+    kernel = gemm.load_kernel()
+    assert kernel is not None
+    x32 = torch.randn(rows, 576)
+    got = kernel.small_gemm(x32, w)
+    exact, rounded = (a @ w.float().T for a in (x32, x32.bfloat16().float()))
+    assert min(float((got - exact).abs().max()), float((got - rounded).abs().max())) < 1e-3
 
 
 @needs_kernel
