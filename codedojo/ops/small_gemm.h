@@ -47,8 +47,46 @@ inline float hsum(v16 v) {
 #endif
 }
 
+// How a tile multiplies activations of type X by weights of type W, `kStep` of k at a time.
+// Float32 activations against float32 weights, or bfloat16 weights widened to float32 as they
+// are loaded: one multiply-add per 16.
+template <typename X, typename W>
+struct Mul {
+  static constexpr int kStep = 16;
+  typedef v16 Acc;
+  typedef v16 Wv;
+  static Acc zero() { return v16{}; }
+  static Wv weights(const W* p) { return load(p); }
+  static Acc madd(Acc a, Wv w, const X* x) { return a + w * load(x); }
+  static Acc add(Acc a, Acc b) { return a + b; }
+  static float total(Acc a) { return hsum(a); }
+};
+
+#ifdef __AVX512BF16__
+// bfloat16 weights where the CPU has AVX512-BF16: the activations are rounded to bfloat16 as
+// well (as a bfloat16 model's are; see `rows` below) and one instruction multiplies 32 pairs
+// and adds them into 16 float32 sums. Widening the weights instead costs a load and a
+// multiply-add per activation row and 16 weights, twice the work: at 2-3 rows, compute-bound
+// (a 2-token pass of SmolLM2-135M 19% dearer than a 1-token step, a 3-token pass 57%). Here,
+// against widening (decode_layers, ms): 1 row 8.4 / 7.7, 2 rows 8.3 / 9.3, 3 rows 9.4 / 9.8,
+// 16 rows 24.9 / 35.9; eight accumulators gained nothing at one row and lost at more.
+template <>
+struct Mul<at::BFloat16, at::BFloat16> {
+  static constexpr int kStep = 32;
+  typedef __m512 Acc;
+  typedef __m512bh Wv;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Wv weights(const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static Acc madd(Acc a, Wv w, const at::BFloat16* x) {
+    return _mm512_dpbf16_ps(a, w, weights(x));
+  }
+  static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+  static float total(Acc a) { return _mm512_reduce_add_ps(a); }
+};
+#endif
+
 // Weight row m against activation rows [n, n + NB). Each pair keeps U accumulators over
-// consecutive 16-float chunks of k: NB * U independent FMA chains, enough to hide the FMA latency
+// consecutive chunks of k: NB * U independent multiply-add chains, enough to hide their latency
 // when NB is small (one chain per pair would leave batch 1 latency-bound, not read-bound).
 //
 // U is the same for every NB, so each pair's products are summed in the same order whatever the
@@ -58,81 +96,39 @@ inline float hsum(v16 v) {
 // the requests batched with it. Eight accumulators at one row measured no faster over a whole
 // decode step (layers 17.6-18.0 ms with four, 18.8-19.1 with eight; the output head alone 15%
 // slower with four); two at four rows and more, slower.
-template <int NB, typename W>
-inline void tile(const float* x, const W* w, float* y, int64_t n, int64_t m, int64_t K,
-                 int64_t M) {
-  constexpr int U = 4;
+template <int NB, typename X, typename W>
+inline void tile(const X* x, const W* w, float* y, int64_t n, int64_t m, int64_t K, int64_t M) {
+  using P = Mul<X, W>;
+  constexpr int U = 4, S = P::kStep;
   const W* row = w + m * K;
-  v16 acc[NB][U] = {};
-  int64_t k = 0;
-  for (; k + 16 * U <= K; k += 16 * U) {
-#pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-      const v16 wv = load(row + k + 16 * u);
-#pragma GCC unroll 4
-      for (int b = 0; b < NB; ++b) acc[b][u] += wv * load(x + (n + b) * K + k + 16 * u);
-    }
-  }
-  for (; k + 16 <= K; k += 16) {
-    const v16 wv = load(row + k);
-#pragma GCC unroll 4
-    for (int b = 0; b < NB; ++b) acc[b][0] += wv * load(x + (n + b) * K + k);
-  }
-#pragma GCC unroll 4
-  for (int b = 0; b < NB; ++b) {
-    v16 a = acc[b][0];
-#pragma GCC unroll 4
-    for (int u = 1; u < U; ++u) a += acc[b][u];
-    float s = hsum(a);
-    for (int64_t kk = k; kk < K; ++kk) s += float(row[kk]) * x[(n + b) * K + kk];
-    y[(n + b) * M + m] = s;
-  }
-}
-
-#ifdef __AVX512BF16__
-// bfloat16 weights where the CPU has AVX512-BF16: the activations are rounded to bfloat16 as
-// well (as a bfloat16 model's are) and one instruction multiplies 32 pairs and adds them into
-// 16 float32 sums. Widening the weights instead costs a load and a multiply-add per activation
-// row and 16 weights, twice the work: at 2-3 rows, compute-bound (a 2-token pass of
-// SmolLM2-135M 19% dearer than a 1-token step, a 3-token pass 57%). Here, against widening
-// (decode_layers, ms): 1 row 8.4 / 7.7, 2 rows 8.3 / 9.3, 3 rows 9.4 / 9.8, 16 rows 24.9 /
-// 35.9; eight accumulators gained nothing at one row and lost at more. Same order of sums at
-// every row count, as above.
-template <int NB>
-inline void tile(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t n, int64_t m,
-                 int64_t K, int64_t M) {
-  constexpr int U = 4;
-  const at::BFloat16* row = w + m * K;
-  auto bf = [](const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
-  __m512 acc[NB][U];
+  typename P::Acc acc[NB][U];
   for (int b = 0; b < NB; ++b)
-    for (int u = 0; u < U; ++u) acc[b][u] = _mm512_setzero_ps();
+    for (int u = 0; u < U; ++u) acc[b][u] = P::zero();
   int64_t k = 0;
-  for (; k + 32 * U <= K; k += 32 * U) {
+  for (; k + S * U <= K; k += S * U) {
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
-      const __m512bh wv = bf(row + k + 32 * u);
+      const typename P::Wv wv = P::weights(row + k + S * u);
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b)
-        acc[b][u] = _mm512_dpbf16_ps(acc[b][u], wv, bf(x + (n + b) * K + k + 32 * u));
+        acc[b][u] = P::madd(acc[b][u], wv, x + (n + b) * K + k + S * u);
     }
   }
-  for (; k + 32 <= K; k += 32) {
-    const __m512bh wv = bf(row + k);
+  for (; k + S <= K; k += S) {
+    const typename P::Wv wv = P::weights(row + k);
 #pragma GCC unroll 4
-    for (int b = 0; b < NB; ++b) acc[b][0] = _mm512_dpbf16_ps(acc[b][0], wv, bf(x + (n + b) * K + k));
+    for (int b = 0; b < NB; ++b) acc[b][0] = P::madd(acc[b][0], wv, x + (n + b) * K + k);
   }
 #pragma GCC unroll 4
   for (int b = 0; b < NB; ++b) {
-    __m512 a = acc[b][0];
+    typename P::Acc a = acc[b][0];
 #pragma GCC unroll 4
-    for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[b][u]);
-    float s = _mm512_reduce_add_ps(a);
+    for (int u = 1; u < U; ++u) a = P::add(a, acc[b][u]);
+    float s = P::total(a);
     for (int64_t kk = k; kk < K; ++kk) s += float(row[kk]) * float(x[(n + b) * K + kk]);
     y[(n + b) * M + m] = s;
   }
 }
-#endif
 
 // Weight rows [m0, m1) against every activation row. With up to four activation rows each
 // weight row is read once, straight from memory. With more, the activation rows go four at a
