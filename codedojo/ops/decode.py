@@ -32,9 +32,9 @@ def decode_layers(x: torch.Tensor, weights: Sequence[torch.Tensor], k_cache: tor
     None when the kernels are unavailable or the inputs are not what they take (the caller
     then runs the layers op by op)."""
     if not (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.device.type == "cpu"
-            and x.dtype in KERNEL_DTYPES and len(weights) % PER_LAYER == 0
-            and all(w.dtype == k_cache.dtype for w in weights[1:2])
-            and k_cache.dtype in KERNEL_DTYPES and not torch.is_grad_enabled()):
+            and x.dtype in KERNEL_DTYPES and weights and len(weights) % PER_LAYER == 0
+            and weights[1].dtype == k_cache.dtype and k_cache.dtype in KERNEL_DTYPES
+            and not torch.is_grad_enabled()):
         return None
     kernel = load_kernel()
     if kernel is None:

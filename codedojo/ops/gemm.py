@@ -5,11 +5,12 @@ large row counts: at batch 1 it streams the weights at about half the read bandw
 2-16 rows (a speculative verification pass, a small decode batch) it reads them several times
 over. ``small_gemm.cpp`` streams each weight matrix once per call whatever the row count (see
 ``benchmarks/decode.py`` for the figures); bfloat16 weights are read as they are, at half the
-bytes, their products summed in float32 (see ``small_gemm.h``). The kernels (this one and ``decode_step.cpp``) are
-compiled once per machine with the system C++ compiler (``python -m codedojo.ops`` builds them
-ahead of time; ``make setup`` does) into ``$CODEDOJO_CACHE/kernels``; where they cannot be
-built, or with ``CODEDOJO_KERNELS=0``, everything goes through ``F.linear``. Training never
-uses them: inputs or weights that need gradients take the ``F.linear`` path.
+bytes, their products summed in float32 (see ``small_gemm.h``). The kernels (this one and
+``decode_step.cpp``) are compiled once per machine with the system C++ compiler (``python -m
+codedojo.ops`` builds them ahead of time; ``make setup`` does) into
+``$CODEDOJO_CACHE/kernels``; where they cannot be built, or with ``CODEDOJO_KERNELS=0``,
+everything goes through ``F.linear``. Training never uses them: inputs or weights that need
+gradients take the ``F.linear`` path.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from codedojo.paths import cache_dir
 
 MAX_ROWS = 16  # above this BLAS is as fast (compute, not weight reads, dominates)
-# weights the kernels read (bfloat16 at half the bytes); activations are float32 inside
+# the weight types the kernels take (bfloat16: half the bytes read per token)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 SOURCES = [Path(__file__).with_name(f)
            for f in ("small_gemm.cpp", "decode_step.cpp", "bindings.cpp")]
