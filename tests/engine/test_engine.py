@@ -39,12 +39,19 @@ def test_greedy_matches_full_recompute_reference(model: Transformer) -> None:
     assert len({tuple(c.token_ids) for c in out}) > 1
 
 
-def test_continuous_batching_equals_sequential(model: Transformer) -> None:
-    params = [SamplingParams(max_tokens=5 + 3 * i, temperature=0.8, seed=i) for i in range(6)]
-    batched = Engine(model, max_batch=3).generate(PROMPTS, params)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_continuous_batching_equals_sequential(model: Transformer, dtype: torch.dtype) -> None:
+    """Bit for bit, logprobs included: the rows of a step do not depend on each other (with
+    prompts short enough that every batched prefill is one kernel call, too)."""
+    model = model.to(dtype)
+    prompts = [p[:5] for p in PROMPTS]  # three of them: at most 15 prefill rows
+    params = [SamplingParams(max_tokens=5 + 3 * i, temperature=0.8, seed=i, logprobs=True)
+              for i in range(6)]
+    batched = Engine(model, max_batch=3).generate(prompts, params)
     single = Engine(model, max_batch=1)
-    for p, sp, c in zip(PROMPTS, params, batched, strict=True):
-        assert single.generate([p], sp)[0].token_ids == c.token_ids
+    for p, sp, c in zip(prompts, params, batched, strict=True):
+        alone = single.generate([p], sp)[0]
+        assert (alone.token_ids, alone.logprobs) == (c.token_ids, c.logprobs)
 
 
 def test_seeds_reproduce_and_differ(model: Transformer) -> None:
