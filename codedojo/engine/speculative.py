@@ -225,7 +225,8 @@ class SpeculativeSession:
         self.stats = SpecStats() if stats is None else stats
         self.tokens: list[int] = []
         self.logits: torch.Tensor | None = None  # target logits (n, V) of the last emitted
-        self._new_hidden: torch.Tensor | None = None
+        # target hiddens the drafter has not been given yet, in order (concatenated when it is)
+        self._new_hidden: list[torch.Tensor] = []
 
     def _pick(self, logits_v: torch.Tensor) -> tuple[int, torch.Tensor]:
         """A token from logits (V,), and the distribution it was drawn from; greedy: the
@@ -246,7 +247,7 @@ class SpeculativeSession:
         first, _ = self._pick(logits[-1])
         self.logits = logits[-1:]
         self.tokens = [*prompt, first]
-        self._new_hidden = hidden  # target hiddens of positions 0 .. len(tokens) - 2
+        self._new_hidden = [hidden]  # positions 0 .. len(tokens) - 2
         return first
 
     @torch.no_grad()
@@ -254,14 +255,15 @@ class SpeculativeSession:
         """Draft, verify in one target pass, accept. Returns 1 .. k+1 new tokens, k the drafts:
         ``depth`` (default: every module), capped so at most `max_tokens` come out. With k = 0
         this is a plain decode step."""
-        assert self._new_hidden is not None, "prefill first"
+        assert self._new_hidden, "prefill first"
         k = self.drafter.depth if depth is None else max(0, min(self.drafter.depth, depth))
         if max_tokens is not None:
             k = max(0, min(k, max_tokens - 1))
         drafts: list[int] = []
         q: list[torch.Tensor] = []
         if k > 0:
-            drafts, q = self.drafter.draft(self._new_hidden, self.tokens, self._pick, k)
+            drafts, q = self.drafter.draft(torch.cat(self._new_hidden), self.tokens, self._pick,
+                                           k)
         L = len(self.tokens)
         logits, hidden = self.target.extend([self.tokens[-1], *drafts])  # (k+1, V)
         p = logits if self.temperature <= 0 else target_probs(logits, self.temperature)
@@ -273,8 +275,9 @@ class SpeculativeSession:
         self.target.truncate(L + n_acc)  # keep positions 0 .. L-1+n_acc (the accepted ones)
         # the drafter has not seen these hiddens yet (nor, after a round without drafts, the
         # ones before them)
-        new = hidden[: n_acc + 1]
-        self._new_hidden = new if k > 0 else torch.cat([self._new_hidden, new])
+        if k > 0:
+            self._new_hidden = []
+        self._new_hidden.append(hidden[: n_acc + 1])
         self.tokens += emitted
         return emitted
 
