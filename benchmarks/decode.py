@@ -12,7 +12,7 @@ Prints one JSON line:
   while the decoding runs; ``read_gb_s_best`` is the best sample, ``batch1_over_best_bound`` the
   ratio against it;
 - ``bf16_*``: the same engine figures with bfloat16 weights and KV cache (``dojo serve --dtype
-  bfloat16``: the kernels read half the bytes and compute in float32), and their bound.
+  bfloat16``: the kernels read half the bytes; sums in float32), and their bound.
 
     python benchmarks/decode.py [--new-tokens 64] [--threads N] [--skip-bf16] [--skip-hf]
 """

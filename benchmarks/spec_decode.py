@@ -92,11 +92,13 @@ def main() -> None:
     def after_first(side: str) -> tuple[float, float]:  # seconds a step, tokens a second
         rs = runs[side]
         seconds = sum(r.decode_s for r in rs)
-        return seconds / max(1, sum(r.decode_steps for r in rs)), sum(r.decoded for r in rs) / seconds
+        steps = max(1, sum(r.decode_steps for r in rs))
+        return seconds / steps, sum(r.decoded for r in rs) / seconds
 
     st = spec.spec_stats
     plain_tok_s, spec_tok_s = tok_s("plain"), tok_s("spec")
-    (plain_step, plain_steady), (spec_round, spec_steady) = after_first("plain"), after_first("spec")
+    plain_step, plain_steady = after_first("plain")
+    spec_round, spec_steady = after_first("spec")
     vocab = drafter.mtp.draft_vocab
     print(json.dumps({
         "accept_first": round(st.accept_first, 4),
@@ -115,7 +117,8 @@ def main() -> None:
         "speculating_at_end": spec.speculating,
         "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
         "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,
-        "batch": 1, "dtype": args.dtype, "threads": args.threads, "kernel": kernel_status(), "ckpt": str(ck)}))
+        "batch": 1, "dtype": args.dtype, "threads": args.threads, "kernel": kernel_status(),
+        "ckpt": str(ck)}))
 
 
 if __name__ == "__main__":

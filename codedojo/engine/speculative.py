@@ -435,7 +435,7 @@ class MTPDrafter:
             h = self.mtp.step(j, prev, self.embed(tok), cache)  # (1, n, D)
             self.hidden[j].write(start, h[0])
             cache.truncate(0, max(0, L - j))
-            d, q = pick(self.head(h[:, -1:]).reshape(-1).float())
+            d, q = pick(self.head(h[:, -1:]).reshape(-1))  # float32 logits
             drafts.append(d)
             qs.append(q)
             ext.append(d)

@@ -143,61 +143,7 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) {
   return {n * t / nt, n * (t + 1) / nt};
 }
 
-template <typename W>
-torch::Tensor run(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
-                  const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                  const std::vector<int64_t>& slot, const std::vector<int64_t>& pos,
-                  const torch::Tensor& cos, const torch::Tensor& sin, int64_t H, int64_t K,
-                  double eps);
-
-}  // namespace
-
-// x (B, D): the embedded new tokens; returns the hidden states after the last layer (B, D).
-// k_cache, v_cache (L, slots, K, capacity, hd): token b's key and value are written at position
-// pos[b] of slot slot[b], and token b attends to positions [0, pos[b]] of its slot (every token
-// of the call is written before any attends, so tokens of one sequence see each other causally).
-// cos, sin (B, hd): the RoPE tables at each token's position. x, cos, sin and the result are
-// float32; the weights and caches are float32, or all bfloat16 (sums in float32; see
-// small_gemm.h for the products).
-torch::Tensor decode_layers(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
-                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                            const std::vector<int64_t>& slot, const std::vector<int64_t>& pos,
-                            const torch::Tensor& cos, const torch::Tensor& sin, int64_t H,
-                            int64_t K, double eps) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
-              "decode_layers: x must be (B, D) float32");
-  const int64_t B = x_in.size(0), D = x_in.size(1);
-  TORCH_CHECK(B >= 1 && int64_t(slot.size()) == B && int64_t(pos.size()) == B,
-              "decode_layers: at least one token, with a slot and a position each");
-  TORCH_CHECK(!weights.empty() && weights.size() % kPerLayer == 0,
-              "decode_layers: 7 tensors per layer expected");
-  const int64_t L = weights.size() / kPerLayer;
-  const auto type = k_cache.scalar_type();
-  TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  (type == at::kFloat || type == at::kBFloat16) && v_cache.scalar_type() == type,
-              "decode_layers: caches must be contiguous float32 or bfloat16 "
-              "(L, slots, K, capacity, hd)");
-  const int64_t slots = k_cache.size(1), cap = k_cache.size(3), hd = k_cache.size(4);
-  TORCH_CHECK(k_cache.size(0) >= L && k_cache.size(2) == K && K >= 1 && H % K == 0,
-              "decode_layers: cache shape does not match the layers and heads");
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(slot[b] >= 0 && slot[b] < slots, "decode_layers: slot ", slot[b],
-                " outside the cache's ", slots, " slots");
-    TORCH_CHECK(pos[b] >= 0 && pos[b] < cap, "decode_layers: position ", pos[b],
-                " outside the cache capacity ", cap);
-  }
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * hd &&
-                  sin.numel() == B * hd && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat,
-              "decode_layers: cos and sin must be contiguous float32 (B, hd)");
-  if (type == at::kBFloat16)
-    return run<at::BFloat16>(x_in, weights, k_cache, v_cache, slot, pos, cos, sin, H, K, eps);
-  return run<float>(x_in, weights, k_cache, v_cache, slot, pos, cos, sin, H, K, eps);
-}
-
-namespace {
-
+// decode_layers (below) for weights and caches of type W, its inputs checked.
 template <typename W>
 torch::Tensor run(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
                   const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -307,3 +253,47 @@ torch::Tensor run(const torch::Tensor& x_in, const std::vector<torch::Tensor>& w
 }
 
 }  // namespace
+
+// x (B, D): the embedded new tokens; returns the hidden states after the last layer (B, D).
+// k_cache, v_cache (L, slots, K, capacity, hd): token b's key and value are written at position
+// pos[b] of slot slot[b], and token b attends to positions [0, pos[b]] of its slot (every token
+// of the call is written before any attends, so tokens of one sequence see each other causally).
+// cos, sin (B, hd): the RoPE tables at each token's position. x, cos, sin and the result are
+// float32; the weights and caches are float32, or all bfloat16 (sums in float32; see
+// small_gemm.h for the products).
+torch::Tensor decode_layers(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
+                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                            const std::vector<int64_t>& slot, const std::vector<int64_t>& pos,
+                            const torch::Tensor& cos, const torch::Tensor& sin, int64_t H,
+                            int64_t K, double eps) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
+              "decode_layers: x must be (B, D) float32");
+  const int64_t B = x_in.size(0), D = x_in.size(1);
+  TORCH_CHECK(B >= 1 && int64_t(slot.size()) == B && int64_t(pos.size()) == B,
+              "decode_layers: at least one token, with a slot and a position each");
+  TORCH_CHECK(!weights.empty() && weights.size() % kPerLayer == 0,
+              "decode_layers: 7 tensors per layer expected");
+  const int64_t L = weights.size() / kPerLayer;
+  const auto type = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  (type == at::kFloat || type == at::kBFloat16) && v_cache.scalar_type() == type,
+              "decode_layers: caches must be contiguous float32 or bfloat16 "
+              "(L, slots, K, capacity, hd)");
+  const int64_t slots = k_cache.size(1), cap = k_cache.size(3), hd = k_cache.size(4);
+  TORCH_CHECK(k_cache.size(0) >= L && k_cache.size(2) == K && K >= 1 && H % K == 0,
+              "decode_layers: cache shape does not match the layers and heads");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < slots, "decode_layers: slot ", slot[b],
+                " outside the cache's ", slots, " slots");
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < cap, "decode_layers: position ", pos[b],
+                " outside the cache capacity ", cap);
+  }
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * hd &&
+                  sin.numel() == B * hd && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat,
+              "decode_layers: cos and sin must be contiguous float32 (B, hd)");
+  if (type == at::kBFloat16)
+    return run<at::BFloat16>(x_in, weights, k_cache, v_cache, slot, pos, cos, sin, H, K, eps);
+  return run<float>(x_in, weights, k_cache, v_cache, slot, pos, cos, sin, H, K, eps);
+}
