@@ -164,9 +164,9 @@ class SlowDrafter(OracleDrafter):
         return super().draft(new_hidden, tokens, pick, k)
 
 
-def test_measured_draft_cost_switches_dear_drafts_off(model: Transformer) -> None:
+def test_measured_draft_cost_pauses_dear_drafts(model: Transformer) -> None:
     """With no cost given, probing times rounds with every module and plain steps (every
-    fourth): drafts that cost more than they give stop, though every one is accepted."""
+    fourth): drafts that cost more than they give pause, though every one is accepted."""
     params = SamplingParams(max_tokens=30, temperature=0)
     engine = Engine(model, max_batch=2, drafter=SlowDrafter(TransformerTarget(model), 2),
                     spec_probe_rounds=8)
