@@ -56,8 +56,10 @@ struct Mul {
   typedef v16 Acc;
   typedef v16 Wv;
   static Acc zero() { return v16{}; }
+  typedef v16 Xv;
   static Wv weights(const W* p) { return load(p); }
-  static Acc madd(Acc a, Wv w, const X* x) { return a + w * load(x); }
+  static Xv acts(const X* p) { return load(p); }
+  static Acc madd(Acc a, Wv w, Xv x) { return a + w * x; }
   static Acc add(Acc a, Acc b) { return a + b; }
   static float total(Acc a) { return hsum(a); }
 };
@@ -76,82 +78,110 @@ struct Mul<at::BFloat16, at::BFloat16> {
   typedef __m512 Acc;
   typedef __m512bh Wv;
   static Acc zero() { return _mm512_setzero_ps(); }
+  typedef __m512bh Xv;
   static Wv weights(const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static Acc madd(Acc a, Wv w, const at::BFloat16* x) {
-    return _mm512_dpbf16_ps(a, w, weights(x));
-  }
+  static Xv acts(const at::BFloat16* p) { return weights(p); }
+  static Acc madd(Acc a, Wv w, Xv x) { return _mm512_dpbf16_ps(a, w, x); }
   static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
   static float total(Acc a) { return _mm512_reduce_add_ps(a); }
 };
 #endif
 
-// Weight row m against activation rows [n, n + NB). Each pair keeps U accumulators over
-// consecutive chunks of k: NB * U independent multiply-add chains, enough to hide their latency
-// when NB is small (one chain per pair would leave batch 1 latency-bound, not read-bound).
+// Weight rows m + r * gap (r < R) against activation rows [n, n + NB). Each pair keeps U
+// accumulators over consecutive chunks of k: NB * U independent multiply-add chains per weight
+// row, enough to hide their latency when NB is small (one chain per pair would leave batch 1
+// latency-bound, not read-bound).
 //
-// U is the same for every NB, so each pair's products are summed in the same order whatever the
-// tile: a row's result does not depend on how many rows share the call (batch invariance). A
-// verification pass then gives, bit for bit, the logits one-token steps give (greedy speculative
-// decoding is plain greedy decoding, in bfloat16 too), and a request's tokens do not depend on
-// the requests batched with it. Eight accumulators at one row measured no faster over a whole
-// decode step (layers 17.6-18.0 ms with four, 18.8-19.1 with eight; the output head alone 15%
-// slower with four); two at four rows and more, slower.
-template <int NB, typename X, typename W>
-inline void tile(const X* x, const W* w, float* y, int64_t n, int64_t m, int64_t K, int64_t M) {
+// U is the same for every NB and R, so each pair's products are summed in the same order
+// whatever the tile: a row's result does not depend on how many rows share the call (batch
+// invariance). A verification pass then gives, bit for bit, the logits one-token steps give
+// (greedy speculative decoding is plain greedy decoding, in bfloat16 too), and a request's
+// tokens do not depend on the requests batched with it. Eight accumulators at one row measured
+// no faster over a whole decode step (layers 17.6-18.0 ms with four, 18.8-19.1 with eight; the
+// output head alone 15% slower with four); two at four rows and more, slower.
+template <int NB, int R, typename X, typename W>
+inline void tile(const X* x, const W* w, float* y, int64_t n, int64_t m, int64_t gap, int64_t K,
+                 int64_t M) {
   using P = Mul<X, W>;
   constexpr int U = 4, S = P::kStep;
-  const W* row = w + m * K;
-  typename P::Acc acc[NB][U];
-  for (int b = 0; b < NB; ++b)
-    for (int u = 0; u < U; ++u) acc[b][u] = P::zero();
+  const W* row[R];
+  for (int r = 0; r < R; ++r) row[r] = w + (m + r * gap) * K;
+  typename P::Acc acc[R][NB][U];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b)
+      for (int u = 0; u < U; ++u) acc[r][b][u] = P::zero();
   int64_t k = 0;
-  for (; k + S * U <= K; k += S * U) {
+  // One chunk of k: each weight row's vector and each activation row's vector loaded once.
+  auto chunk = [&](int64_t kk, int u) {
+    typename P::Wv wv[R];
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) wv[r] = P::weights(row[r] + kk);
 #pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-      const typename P::Wv wv = P::weights(row + k + S * u);
-#pragma GCC unroll 4
-      for (int b = 0; b < NB; ++b)
-        acc[b][u] = P::madd(acc[b][u], wv, x + (n + b) * K + k + S * u);
+    for (int b = 0; b < NB; ++b) {
+      const typename P::Xv xv = P::acts(x + (n + b) * K + kk);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) acc[r][b][u] = P::madd(acc[r][b][u], wv[r], xv);
     }
-  }
-  for (; k + S <= K; k += S) {
-    const typename P::Wv wv = P::weights(row + k);
+  };
+  for (; k + S * U <= K; k += S * U)
 #pragma GCC unroll 4
-    for (int b = 0; b < NB; ++b) acc[b][0] = P::madd(acc[b][0], wv, x + (n + b) * K + k);
-  }
+    for (int u = 0; u < U; ++u) chunk(k + S * u, u);
+  for (; k + S <= K; k += S) chunk(k, 0);
+#pragma GCC unroll 2
+  for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-  for (int b = 0; b < NB; ++b) {
-    typename P::Acc a = acc[b][0];
+    for (int b = 0; b < NB; ++b) {
+      typename P::Acc a = acc[r][b][0];
 #pragma GCC unroll 4
-    for (int u = 1; u < U; ++u) a = P::add(a, acc[b][u]);
-    float s = P::total(a);
-    for (int64_t kk = k; kk < K; ++kk) s += float(row[kk]) * float(x[(n + b) * K + kk]);
-    y[(n + b) * M + m] = s;
+      for (int u = 1; u < U; ++u) a = P::add(a, acc[r][b][u]);
+      float s = P::total(a);
+      for (int64_t kk = k; kk < K; ++kk) s += float(row[r][kk]) * float(x[(n + b) * K + kk]);
+      y[(n + b) * M + m + r * gap] = s;
+    }
   }
 }
 
-// Weight rows [m0, m1) against every activation row. With up to four activation rows each
-// weight row is read once, straight from memory. With more, the activation rows go four at a
-// time (a few KB, kept in L1) over a band of weight rows small enough to stay in L2: the weights
+// Up to three activation rows against weight rows [m0, m1), each weight row read once straight
+// from memory, as two streams: the first and second halves of the band side by side. One
+// sequential stream per thread left a quarter of the read bandwidth unused here (a 512 MB
+// matrix-vector product at 0.72-0.84 of a torch.sum over the same bytes; two streams 0.94-1.0,
+// four 0.73-0.87).
+template <int NB, typename X, typename W>
+inline void two_streams(const X* x, const W* w, float* y, int64_t n, int64_t m0, int64_t m1,
+                        int64_t K, int64_t M) {
+  const int64_t half = (m1 - m0) / 2;
+  for (int64_t m = m0; m < m0 + half; ++m) tile<NB, 2>(x, w, y, n, m, half, K, M);
+  if ((m1 - m0) % 2) tile<NB, 1>(x, w, y, n, m1 - 1, 0, K, M);
+}
+
+// Weight rows [m0, m1) against every activation row. With up to three activation rows each
+// weight row is read once, straight from memory, in two streams. With more, the activation rows
+// go four at a time (a few KB, kept in L1) over a band of weight rows small enough to stay in L2: the weights
 // still come from memory once, and the activations are not fetched again from L2 for every
 // weight row (16 rows: a decode step of SmolLM2-135M in 58 ms instead of 77).
 template <typename X, typename W>
 inline void rows(const X* x, const W* w, float* y, int64_t N, int64_t m0, int64_t m1,
                  int64_t K, int64_t M) {
+  switch (N) {
+    case 1: return two_streams<1>(x, w, y, 0, m0, m1, K, M);
+    // A two-token pass (a depth-1 verification) costs what a one-token step does
+    // (decode_layers 13.8 ms against 13.6; two one-row passes, the second over the row in L1,
+    // measured 18.2).
+    case 2: return two_streams<2>(x, w, y, 0, m0, m1, K, M);
+    case 3: return two_streams<3>(x, w, y, 0, m0, m1, K, M);
+    default: break;
+  }
   const int64_t band = std::max<int64_t>(1, (256 << 10) / (K * int64_t(sizeof(W))));  // 256 KB
   for (int64_t b0 = m0; b0 < m1; b0 += band) {
     const int64_t b1 = std::min(m1, b0 + band);
     int64_t n = 0;
     for (; n + 4 <= N; n += 4)
-      for (int64_t m = b0; m < b1; ++m) tile<4>(x, w, y, n, m, K, M);
+      for (int64_t m = b0; m < b1; ++m) tile<4, 1>(x, w, y, n, m, 0, K, M);
     for (int64_t m = b0; m < b1; ++m) {
       switch (N - n) {
-        case 3: tile<3>(x, w, y, n, m, K, M); break;
-        // A two-row tile: a two-token pass (a depth-1 verification) costs what a one-token
-        // step does (decode_layers 13.8 ms against 13.6; two one-row passes, the second over
-        // the row in L1, measured 18.2).
-        case 2: tile<2>(x, w, y, n, m, K, M); break;
-        case 1: tile<1>(x, w, y, n, m, K, M); break;
+        case 3: tile<3, 1>(x, w, y, n, m, 0, K, M); break;
+        case 2: tile<2, 1>(x, w, y, n, m, 0, K, M); break;
+        case 1: tile<1, 1>(x, w, y, n, m, 0, K, M); break;
         default: break;
       }
     }

@@ -142,21 +142,22 @@ def test_fused_decode_in_bfloat16_matches_float32_layers(new: int,
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_pass_over_several_tokens_equals_one_token_steps_bit_for_bit(dtype: torch.dtype
-                                                                      ) -> None:
+@pytest.mark.parametrize("n", [4, 40])
+def test_a_pass_over_several_tokens_equals_one_token_steps_bit_for_bit(dtype: torch.dtype,
+                                                                      n: int) -> None:
     """What makes a verification pass give exactly the hidden states (and cache entries) of
     one-token decode steps: greedy speculative decoding then emits plain greedy decoding's
-    tokens, in bfloat16 too."""
+    tokens, in bfloat16 too. A pass of 40 tokens (a short prefill) runs in chunks of 16."""
     torch.manual_seed(0)
     cfg = ModelConfig.tiny(attn_bias=True, dim=96, n_heads=4, n_kv_heads=2, ffn_dim=200)
     model = Transformer(cfg).eval().to(dtype)
-    tokens = torch.randint(0, cfg.vocab_size, (1, 4))
+    tokens = torch.randint(0, cfg.vocab_size, (1, n))
     with torch.no_grad():
         a, b = KVCache(cfg, 1, 64, dtype=dtype), KVCache(cfg, 1, 64, dtype=dtype)
         _prefill(model, a, [7], 0)
         _prefill(model, b, [7], 0)
         together = _decode(model, a, tokens, 0)
-        steps = torch.cat([_decode(model, b, tokens[:, i:i + 1], 0) for i in range(4)], 1)
+        steps = torch.cat([_decode(model, b, tokens[:, i:i + 1], 0) for i in range(n)], 1)
     assert torch.equal(together, steps)
     assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
 
