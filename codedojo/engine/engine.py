@@ -50,7 +50,7 @@ from codedojo.engine.speculative import Drafter, SpecStats, SpeculativeSession, 
 from codedojo.engine.types import Completion, SamplingParams, TokenEvent
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.transformer import Transformer
-from codedojo.ops import load_kernel
+from codedojo.ops import greedy, load_kernel
 
 
 def input_major_weights(model: torch.nn.Module) -> None:
@@ -397,8 +397,12 @@ class Engine:
         """Record the tokens a speculative step emitted, logprobs from their target logits."""
         assert sess.logits is not None
         emitted = sess.tokens[-len(sess.logits):]
-        for tok, row in zip(emitted, sess.logits, strict=True):
-            lp = float(filtered_logprobs(row, req.params)[tok]) if req.params.logprobs else 0.0
+        if req.params.temperature == 0:  # plain greedy steps' arithmetic (sample_batch)
+            lps = greedy(sess.logits, torch.tensor(emitted))[1].tolist()
+        else:
+            lps = [float(filtered_logprobs(row, req.params)[tok]) if req.params.logprobs else 0.0
+                   for tok, row in zip(emitted, sess.logits, strict=True)]
+        for tok, lp in zip(emitted, lps, strict=True):
             self._record(req, tok, lp, [])
             if req.done.is_set():
                 break

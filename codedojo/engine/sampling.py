@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from codedojo.engine.types import SamplingParams
+from codedojo.ops import greedy
 
 
 def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -54,10 +55,6 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     """logits (B, V) -> one (token, logprob, top logprobs) per row. All-greedy batches without
     top logprobs (the common decode case) take one vectorised path."""
     if all(p.temperature == 0 and not p.top_logprobs for p in params):
-        toks = torch.argmax(logits, dim=-1)
-        if any(p.logprobs for p in params):
-            lps = torch.log_softmax(logits, dim=-1).gather(1, toks[:, None])[:, 0].tolist()
-        else:
-            lps = [0.0] * len(params)
-        return [(t, lp, []) for t, lp in zip(toks.tolist(), lps, strict=True)]
+        toks, lps = greedy(logits)
+        return [(t, lp, []) for t, lp in zip(toks.tolist(), lps.tolist(), strict=True)]
     return [sample_row(logits[i], p, g) for i, (p, g) in enumerate(zip(params, gens, strict=True))]

@@ -30,7 +30,7 @@ import torch
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.mtp import MTP, load_mtp
 from codedojo.model.transformer import Transformer
-from codedojo.ops import linear
+from codedojo.ops import greedy, linear
 
 
 class Target(Protocol):
@@ -169,12 +169,13 @@ def accept_drafts(drafts: Sequence[int], q: Sequence[torch.Tensor], p: torch.Ten
     """p (k+1, V) target distributions at the draft positions (+ bonus); greedy (temperature
     0) reads only their argmax, so logits serve as well. Returns (number of drafts accepted,
     the extra token: the correction or the bonus)."""
+    if temperature <= 0:
+        best = greedy(p[:len(drafts) + 1])[0].tolist()
+        for j, d in enumerate(drafts):
+            if d != best[j]:
+                return j, best[j]
+        return len(drafts), best[len(drafts)]
     for j, d in enumerate(drafts):
-        if temperature <= 0:
-            best = int(p[j].argmax())
-            if d != best:
-                return j, best
-            continue
         pj, qj = p[j], q[j]
         ratio = float(pj[d] / qj[d]) if float(qj[d]) > 0 else float("inf")
         u = float(torch.rand((), generator=gen, dtype=torch.float64))
@@ -185,8 +186,7 @@ def accept_drafts(drafts: Sequence[int], q: Sequence[torch.Tensor], p: torch.Ten
         # s == 0 only when p == q, where rejection has probability 0; guard anyway.
         return j, _sample(resid / s if s > 0 else pj, gen)
     k = len(drafts)
-    bonus = int(p[k].argmax()) if temperature <= 0 else _sample(p[k], gen)
-    return k, bonus
+    return k, _sample(p[k], gen)
 
 
 @dataclass
@@ -232,7 +232,7 @@ class SpeculativeSession:
         """A token from logits (V,), and the distribution it was drawn from; greedy: the
         argmax, and the logits themselves (greedy acceptance reads only their argmax)."""
         if self.temperature <= 0:
-            return int(logits_v.argmax()), logits_v
+            return int(greedy(logits_v[None])[0]), logits_v
         q = target_probs(logits_v, self.temperature)
         return _sample(q, self.gen), q
 

@@ -26,33 +26,6 @@ namespace {
 
 constexpr int kPerLayer = 7;  // attn_norm, wqkv, bqkv, wo, mlp_norm, w_gate_up, w_down
 
-typedef int vi16 __attribute__((vector_size(64), aligned(4)));
-
-inline void store(float* p, v16 v) { *reinterpret_cast<v16*>(p) = v; }
-
-// e^x for 16 floats (Cephes' expf: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n put in
-// the exponent bits); relative error about 1e-7. libm's expf is called one float at a time.
-inline v16 vexp(v16 x) {
-  const v16 hi = v16{} + 88.3762626647949f, lo = v16{} - 87.3365447504f;
-  x = x > hi ? hi : x;
-  x = x < lo ? lo : x;
-  v16 fx = x * 1.44269504088896341f + 0.5f;
-  v16 n = __builtin_convertvector(__builtin_convertvector(fx, vi16), v16);
-  n += __builtin_convertvector(n > fx, v16);  // truncation to floor: -1 where n rounded up
-  const v16 r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  v16 y = v16{} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.f;
-  const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
-  v16 scale;
-  __builtin_memcpy(&scale, &e, sizeof scale);
-  return y * scale;
-}
-
 // y = w * (x / sqrt(mean(x^2) + eps)) for each of N rows of length D.
 template <typename W>
 void rms_norm(const float* x, const W* w, float* y, int64_t N, int64_t D, float eps) {

@@ -30,7 +30,7 @@ MAX_ROWS = 16  # above this BLAS is as fast (compute, not weight reads, dominate
 # the weight types the kernels take (bfloat16: half the bytes read per token)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 SOURCES = [Path(__file__).with_name(f)
-           for f in ("small_gemm.cpp", "decode_step.cpp", "bindings.cpp")]
+           for f in ("small_gemm.cpp", "decode_step.cpp", "greedy.cpp", "bindings.cpp")]
 log = logging.getLogger(__name__)
 
 _kernel: ModuleType | None = None

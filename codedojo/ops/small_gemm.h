@@ -11,40 +11,13 @@
 // rounded to bfloat16 in the CPU's bfloat16 dot products (AVX512-BF16), or where it has none are
 // widened to float32 as they are loaded. Sums are float32. Parallelism is ATen's thread pool.
 #pragma once
-#include <torch/extension.h>
-
 #include <algorithm>
 #include <vector>
 #include <ATen/Parallel.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+
+#include "vec.h"
 
 namespace {
-
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-inline v16 load(const float* p) { return *reinterpret_cast<const v16*>(p); }
-
-// 16 bfloat16 values widened to float32 (a bfloat16 is the upper half of a float32's bits).
-inline v16 load(const at::BFloat16* p) {
-  const u32x16 bits = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
-  v16 out;
-  __builtin_memcpy(&out, &bits, sizeof out);
-  return out;
-}
-
-inline float hsum(v16 v) {
-#ifdef __AVX512F__
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-#endif
-}
 
 // How a tile multiplies activations of type X by weights of type W, `kStep` of k at a time.
 // Float32 activations against float32 weights, or bfloat16 weights widened to float32 as they

@@ -1,0 +1,48 @@
+"""The greedy pick: torch.argmax's choice and torch.log_softmax's values, from one C++ call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codedojo.ops import greedy, kernel_status
+
+needs_kernel = pytest.mark.skipif(kernel_status() != "ready",
+                                  reason=f"CPU kernels: {kernel_status()}")
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "v"), [(1, 49152), (5, 1000), (3, 37), (2, 16), (2, 7), (1, 1)])
+def test_argmax_and_logprobs_are_torchs(n: int, v: int) -> None:
+    torch.manual_seed(v)
+    x = torch.randn(n, v) * 4
+    ids, lps = greedy(x)
+    assert ids.dtype == torch.long and torch.equal(ids, x.argmax(-1))
+    ref = torch.log_softmax(x, -1)
+    torch.testing.assert_close(lps, ref.gather(1, ids[:, None])[:, 0], rtol=0, atol=2e-6)
+    tokens = torch.randint(0, v, (n,))
+    torch.testing.assert_close(greedy(x, tokens)[1], ref.gather(1, tokens[:, None])[:, 0],
+                               rtol=1e-6, atol=2e-6)
+    assert torch.equal(greedy(x.double())[0], ids)  # the torch path (not float32) agrees
+
+
+@needs_kernel
+def test_ties_nans_and_masked_logits_follow_torch() -> None:
+    x = torch.zeros(3, 100)
+    x[:, [37, 80]] = 5.0  # a tie in two vector lanes: the first index wins
+    x[1, 5] = 5.0  # a tie in the same lane as 37 (37 = 5 + 2 * 16)
+    x[2, 90] = float("nan")  # NaN counts as the largest
+    ids, lps = greedy(x)
+    assert ids.tolist() == x.argmax(-1).tolist() == [37, 5, 90]
+    assert torch.isnan(lps[2]) and not torch.isnan(lps[:2]).any()
+    masked = torch.full((1, 40), float("-inf"))
+    masked[0, [3, 33]] = torch.tensor([0.0, -1.0])  # most of the vocabulary masked out
+    ids, lps = greedy(masked)
+    assert int(ids) == 3
+    torch.testing.assert_close(lps, torch.log_softmax(masked, -1)[:, 3])
+
+
+@needs_kernel
+def test_bad_tokens_are_named() -> None:
+    with pytest.raises(RuntimeError, match="token 9 outside the vocabulary of 5"):
+        greedy(torch.randn(1, 5), torch.tensor([9]))
