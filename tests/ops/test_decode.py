@@ -11,10 +11,8 @@ import codedojo.model.transformer as transformer
 from codedojo.model.config import ModelConfig, RopeScaling
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.transformer import Transformer
-from codedojo.ops import kernel_status
+from tests.ops.conftest import needs_kernel
 
-needs_kernel = pytest.mark.skipif(kernel_status() != "ready",
-                                  reason=f"CPU kernels: {kernel_status()}")
 
 
 def _decode(model: Transformer, cache: KVCache, tokens: torch.Tensor, start: int

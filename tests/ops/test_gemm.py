@@ -7,9 +7,16 @@ import torch
 import torch.nn.functional as F
 
 from codedojo.ops import gemm, kernel_status, linear
+from tests.ops.conftest import needs_kernel
 
-needs_kernel = pytest.mark.skipif(kernel_status() != "ready",
-                                  reason=f"small_gemm kernel: {kernel_status()}")
+
+
+def test_the_kernels_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where kernels are not turned off they must build: the kernel tests skip only then."""
+    if gemm._enabled():
+        assert kernel_status() == "ready"
+    monkeypatch.setenv("CODEDOJO_KERNELS", "0")
+    assert not gemm._enabled()
 
 
 @needs_kernel

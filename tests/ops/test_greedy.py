@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codedojo.ops import greedy, kernel_status
+from codedojo.ops import greedy
+from tests.ops.conftest import needs_kernel
 
-needs_kernel = pytest.mark.skipif(kernel_status() != "ready",
-                                  reason=f"CPU kernels: {kernel_status()}")
 
 
 @needs_kernel
