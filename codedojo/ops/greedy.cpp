@@ -31,11 +31,11 @@ int64_t argmax_row(const float* x, int64_t V) {
       at = gt ? cur : at;
       nan |= v != v;
     }
-    for (int l = 0; l < 16; ++l)
-      if (nan[l]) {
-        for (int64_t j = 0; j < V; ++j)
-          if (std::isnan(x[j])) return j;
-      }
+    bool any_nan = false;
+    for (int l = 0; l < 16; ++l) any_nan |= nan[l] != 0;
+    if (any_nan)
+      for (int64_t j = 0; j < V; ++j)
+        if (std::isnan(x[j])) return j;
     m = top[0], best = at[0];
     for (int l = 1; l < 16; ++l)
       if (top[l] > m || (top[l] == m && at[l] < best)) m = top[l], best = at[l];
