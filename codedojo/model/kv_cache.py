@@ -94,25 +94,29 @@ class CacheView:
         self._past: list[int] = []
         self._extent = 0
 
-    def prepare(self, T: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Reserve room for T new tokens per slot; return their storage positions (B, T) and
-        the attention mask (B, 1, T, S) (None when every key is visible), then advance lengths.
-        Called once per forward pass, before the layers."""
+    def advance(self, T: int) -> list[int]:
+        """Reserve room for T new tokens per slot and advance the lengths; return the lengths
+        before (the first new token's position in each slot). Called once per forward pass,
+        before the layers (``prepare`` does, for the layers run op by op)."""
         c = self.cache
         past = c.lengths[self.start : self.stop]
-        B = len(past)
-        extent = max(past) + T
-        c.reserve(extent)
-        dev = c.device
-        base = torch.tensor(past, device=dev)
-        pos = base[:, None] + torch.arange(T, device=dev)[None, :]  # (B, T)
+        self._past, self._extent = past, max(past) + T
+        c.reserve(self._extent)
+        for i, n in enumerate(past):
+            c.lengths[self.start + i] = n + T
+        return past
+
+    def prepare(self, T: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``advance``, then the new tokens' storage positions (B, T) and the attention mask
+        (B, 1, T, S) (None when every key is visible) for the layers run op by op."""
+        past = self.advance(T)
+        dev = self.cache.device
+        pos = torch.tensor(past, device=dev)[:, None] + torch.arange(T, device=dev)[None, :]
         mask: torch.Tensor | None = None
         if T > 1 or min(past) != max(past):
-            keys = torch.arange(extent, device=dev)
+            keys = torch.arange(self._extent, device=dev)
             mask = (keys[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # (B, 1, T, S)
-        self._past, self._extent, self._write = past, extent, pos
-        for i in range(B):
-            c.lengths[self.start + i] = past[i] + T
+        self._write = pos
         return pos, mask
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor

@@ -30,12 +30,14 @@ from codedojo.model.kv_cache import CacheView, KVCache
 from codedojo.model.rope import Rotary
 from codedojo.model.transformer import (
     Block,
+    FusedModule,
     Linear,
     RMSNorm,
     Transformer,
     document_mask,
-    fused_blocks,
+    fused_pass,
 )
+from codedojo.ops import FusedLayers
 
 
 def mtp_block_config(cfg: ModelConfig) -> ModelConfig:
@@ -63,7 +65,7 @@ class MTPModule(nn.Module):
         return self.proj(torch.cat([self.norm_h(h_prev), self.norm_e(emb_next)], -1))
 
 
-class MTP(nn.Module):
+class MTP(FusedModule):
     """The D modules. Embedding and head are the main model's, passed in as callables."""
 
     draft_vocab: torch.Tensor | None
@@ -172,15 +174,22 @@ class MTP(nn.Module):
         """Decode-time forward of module k (1-based): h_prev, emb_next (1, T, D) for the T
         positions following those already in `cache` (a cache position is a token position)."""
         view = cache.view(0)
-        positions, mask = view.prepare(h_prev.shape[1])  # (1, T); advances the cache length
-        cos, sin = self.rotary.tables(positions)
-        cos, sin = cos.to(h_prev.dtype), sin.to(h_prev.dtype)
         module = self.layers[k - 1]
         x = module.combine(h_prev, emb_next)
+        fused = self.fused_layers(k, lambda: self._build_fused(module))
+        if fused is not None and (out := fused_pass(fused, view, 1, x.shape[1], x=x)):
+            return out[0]
+        positions, mask = view.prepare(x.shape[1])  # (1, T); advances the cache length
+        cos, sin = self.rotary.tables(positions)
+        cos, sin = cos.to(h_prev.dtype), sin.to(h_prev.dtype)
+        return module.block(x, cos, sin, mask, view)
+
+    def _build_fused(self, module: MTPModule) -> FusedLayers | None:
         weights = module.block.decode_weights()
         assert weights is not None  # MTP blocks are dense
-        fused = fused_blocks(weights, x, view, positions, cos, sin, self.cfg)
-        return fused if fused is not None else module.block(x, cos, sin, mask, view)
+        cfg = self.cfg
+        return FusedLayers.build(weights, self.rotary.cos, self.rotary.sin, cfg.n_heads,
+                                 cfg.n_kv_heads, cfg.norm_eps)
 
 
 def save_mtp(mtp: MTP, out_dir: str | Path) -> Path:

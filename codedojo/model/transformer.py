@@ -17,7 +17,8 @@ batch-1 decoding is dominated by per-op overhead and weight reads. Weight import
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from torch import nn
 
 from codedojo.model.config import ModelConfig
 from codedojo.model.rope import Rotary, apply_rotary
-from codedojo.ops import decode_layers, linear
+from codedojo.ops import FusedLayers, linear
 from codedojo.ops.gemm import MAX_ROWS
 
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
     def decode_weights(self) -> list[torch.Tensor] | None:
-        """This block's tensors in ``codedojo.ops.decode_layers``' order; None with MoE."""
+        """This block's tensors in ``codedojo.ops.FusedLayers``' order; None with MoE."""
         attn, mlp = self.attn, self.mlp
         if not isinstance(mlp, MLP):
             return None
@@ -129,38 +130,88 @@ class Block(nn.Module):
                 self.mlp_norm.weight, mlp.w_gate_up.weight, mlp.w_down.weight]
 
 
-_EMPTY = torch.empty(0)  # "no bias" for decode_layers
+_EMPTY = torch.empty(0)  # "no bias" for FusedLayers
 # Passes of more than MAX_ROWS tokens go through the kernel in chunks up to this many tokens:
 # a 25-token prefill of SmolLM2-135M 84 ms against 111 op by op (BLAS); at 64 they are even,
 # and past it BLAS is faster (128 tokens: 287 ms against 362).
 FUSED_TOKENS = 48
 
 
-def fused_blocks(weights: list[torch.Tensor], x: torch.Tensor, cache: CacheView,
-                 store_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 cfg: ModelConfig) -> torch.Tensor | None:
-    """Dense blocks (``weights``: their ``decode_weights`` in order) over x (B, T, D) against
-    a cache view already prepared for these T tokens (``store_pos`` (B, T) from ``prepare``), in
-    C++ calls of at most ``MAX_ROWS`` tokens: decode steps and verification passes in one,
-    prefills of up to ``FUSED_TOKENS`` tokens in chunks of consecutive positions. None where
-    the kernels do not take it; the caller then runs the blocks one by one."""
-    B, T, _ = x.shape
+def fused_pass(layers: FusedLayers, view: CacheView, B: int, T: int, *,
+               tokens: list[list[int]] | None = None, x: torch.Tensor | None = None,
+               logits: Literal["all"] | Sequence[int] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """T new tokens for each of the B slots of ``view`` through ``layers``, given as ids
+    ``tokens`` (B lists of T) or embedded, x (B, T, D): decode steps and verification passes
+    in one C++ call of at most ``MAX_ROWS`` tokens, prefills of up to ``FUSED_TOKENS`` tokens
+    in chunks of consecutive positions. Advances the view's lengths. Returns the hidden states
+    (B, T, D) and the logits: of every token (B, T, V) for ``logits="all"``, of the token at
+    ``logits[b]`` of each row (B, 1, V), or None. None (the view untouched) where the kernels
+    do not take the pass; the caller then runs the layers op by op."""
     step = MAX_ROWS // B  # tokens of each row per call
-    if not step or B * T > max(MAX_ROWS, FUSED_TOKENS):
+    cache = view.cache
+    if not (T and step and B * T <= max(MAX_ROWS, FUSED_TOKENS) and layers.takes(cache.k)):
         return None
-    out = []
+    past = view.advance(T)
+    hidden, chosen, logit_chunks = [], [], []
     for t0 in range(0, T, step):  # a chunk's keys are in the cache before the next attends
         t1 = min(T, t0 + step)
-        n = B * (t1 - t0)
-        slots = [cache.start + b for b in range(B) for _ in range(t0, t1)]
-        y = decode_layers(x[:, t0:t1].reshape(n, -1), weights, cache.cache.k, cache.cache.v,
-                          slots, store_pos[:, t0:t1].flatten().tolist(),
-                          cos[:, t0:t1].reshape(n, -1), sin[:, t0:t1].reshape(n, -1),
-                          cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps)
-        if y is None:
+        n = t1 - t0
+        cells = [(b, t) for b in range(B) for t in range(t0, t1)]
+        if logits is None or logits == "all":
+            rows: Sequence[int] = range(B * n) if logits else ()
+        else:
+            rows = [b * n + logits[b] - t0 for b in range(B) if t0 <= logits[b] < t1]
+        h, lg = layers(cache.k, cache.v, [view.start + b for b, _ in cells],
+                       [past[b] + t for b, t in cells],
+                       x=None if x is None else x[:, t0:t1].reshape(B * n, -1),
+                       tokens=() if tokens is None else [tokens[b][t] for b, t in cells],
+                       logit_rows=rows)
+        hidden.append(h.view(B, n, -1))
+        if logits == "all":
+            logit_chunks.append(lg.view(B, n, -1))
+        elif logits is not None:
+            chosen += [b for b in range(B) if t0 <= logits[b] < t1]
+            logit_chunks.append(lg)
+    out = hidden[0] if len(hidden) == 1 else torch.cat(hidden, dim=1)
+    if logits is None:
+        return out, None
+    if logits == "all":
+        return out, logit_chunks[0] if len(logit_chunks) == 1 else torch.cat(logit_chunks, 1)
+    lg = logit_chunks[0] if len(logit_chunks) == 1 else torch.cat(logit_chunks)
+    if chosen != sorted(chosen):
+        lg = lg[torch.tensor(chosen).argsort()]
+    return out, lg.unsqueeze(1)
+
+
+class FusedModule(nn.Module):
+    """A module whose passes over a KV cache go through ``FusedLayers`` objects, built on first
+    use and built again whenever its parameters may have been replaced (``_apply``: ``.to()``,
+    ``.bfloat16()``; ``load_state_dict(assign=True)``) or its RoPE tables were (a new
+    ``rotary``). Weights changed in place need nothing."""
+
+    rotary: Rotary
+    fuse = True  # False: every layer op by op (the reference the fused passes are tested against)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fused: dict[int, tuple[torch.Tensor, FusedLayers | None]] = {}
+        self.register_load_state_dict_post_hook(lambda m, _: m._fused.clear())
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        self._fused.clear()
+        return super()._apply(fn, recurse)
+
+    def fused_layers(self, key: int, build: Callable[[], FusedLayers | None]
+                     ) -> FusedLayers | None:
+        """The ``FusedLayers`` under ``key`` (``build`` makes it); None when ``fuse`` is off
+        or the kernels do not take these layers."""
+        if not self.fuse:
             return None
-        out.append(y.view(B, t1 - t0, -1))
-    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+        hit = self._fused.get(key)
+        if hit is None or hit[0] is not self.rotary.cos:
+            hit = self._fused[key] = (self.rotary.cos, build())
+        return hit[1]
 
 
 def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -171,7 +222,7 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal).unsqueeze(1)
 
 
-class Transformer(nn.Module):
+class Transformer(FusedModule):
     """Embedding -> blocks -> final norm -> output projection (tied or not)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -182,9 +233,6 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self._decode_weights: list[torch.Tensor] | None = None  # see _dense_weights
-        # load_state_dict(assign=True) puts new parameter objects in place: list them again.
-        self.register_load_state_dict_post_hook(lambda m, _: m._forget_decode_weights())
         self.init_weights()
 
     @torch.no_grad()
@@ -232,6 +280,17 @@ class Transformer(nn.Module):
         last position only (prefill needs nothing else); ``logits_at`` (B,) for one chosen
         position per row (prefill of right-padded prompts), giving (B, 1, V).
         """
+        if cache is not None and positions is None and doc_ids is None:
+            B, T = tokens.shape
+            at: Literal["all"] | list[int] = "all"
+            if logits_at is not None:
+                at = logits_at.tolist()
+            elif last_only:
+                at = [T - 1] * B
+            fused = self._fused_pass(tokens, cache, at)
+            if fused is not None:
+                x, logits = fused
+                return (logits, x) if return_hidden else logits  # type: ignore[return-value]
         x = self.hidden(tokens, positions=positions, cache=cache, doc_ids=doc_ids)
         B = x.shape[0]
         if logits_at is not None:
@@ -241,23 +300,30 @@ class Transformer(nn.Module):
         logits = self.head(h)
         return (logits, x) if return_hidden else logits
 
-    def _forget_decode_weights(self) -> None:
-        self._decode_weights = None
+    def _fused_pass(self, tokens: torch.Tensor, cache: CacheView,
+                    logits: Literal["all"] | Sequence[int] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``fused_pass`` over every layer, from the token ids to the logits asked for; None
+        where the kernels do not take it."""
+        layers = self.fused_layers(0, self._build_fused)
+        if layers is None:
+            return None
+        T = tokens.shape[1]
+        end = max(cache.cache.lengths[cache.start : cache.stop]) + T
+        if end > self.cfg.max_seq_len:
+            raise ValueError(f"positions: {end - 1} >= max_seq_len {self.cfg.max_seq_len}")
+        return fused_pass(layers, cache, tokens.shape[0], T, tokens=tokens.tolist(),
+                          logits=logits)
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        self._forget_decode_weights()  # .to(), .to_empty() may replace parameter objects
-        return super()._apply(fn, recurse)
-
-    def _dense_weights(self) -> list[torch.Tensor] | None:
-        """Every layer's tensors for ``fused_blocks`` (None with MoE layers), listed once and
-        listed again whenever parameters may have been replaced (``_apply``, loading with
-        ``assign=True``)."""
-        if self._decode_weights is None:
-            per_layer = [layer.decode_weights() for layer in self.layers]
-            if any(w is None for w in per_layer):
-                return None
-            self._decode_weights = [t for w in per_layer for t in w]  # type: ignore[union-attr]
-        return self._decode_weights
+    def _build_fused(self) -> FusedLayers | None:
+        per_layer = [layer.decode_weights() for layer in self.layers]
+        if any(w is None for w in per_layer):  # MoE layers: op by op
+            return None
+        cfg = self.cfg
+        return FusedLayers.build([t for w in per_layer for t in w],  # type: ignore[union-attr]
+                                 self.rotary.cos, self.rotary.sin, cfg.n_heads, cfg.n_kv_heads,
+                                 cfg.norm_eps, embed=self.tok_embeddings.weight,
+                                 norm=self.norm.weight, head=self.output_weight)
 
     def hidden(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                cache: CacheView | None = None, doc_ids: torch.Tensor | None = None
@@ -269,6 +335,8 @@ class Transformer(nn.Module):
         if cache is not None:
             if doc_ids is not None:
                 raise ValueError("doc_ids: packed-document masking is not supported with a cache")
+            if positions is None and (fused := self._fused_pass(tokens, cache, None)) is not None:
+                return fused[0]
             store_pos, mask = cache.prepare(T)
             if positions is None:
                 positions = store_pos
@@ -289,10 +357,6 @@ class Transformer(nn.Module):
         cos, sin = self.rotary.tables(positions)
         cos, sin = cos.to(self.tok_embeddings.weight.dtype), sin.to(self.tok_embeddings.weight.dtype)
         x = self.embed(tokens)
-        if cache is not None and (weights := self._dense_weights()) is not None:
-            fused = fused_blocks(weights, x, cache, store_pos, cos, sin, self.cfg)
-            if fused is not None:
-                return fused
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache)
         return x

@@ -1,46 +1,76 @@
-"""``decode_layers``: every dense layer for up to 16 new tokens against a KV cache, in one C++
-call (``decode_step.cpp``): a decode step, a speculative verification pass, a short prefill.
+"""``FusedLayers``: every dense layer of a model for up to 16 new tokens against a KV cache, in
+one C++ call (``decode_step.cpp``), with the token embedding before them and the final norm and
+output head after them: a decode step, a speculative verification pass, a short prefill.
 
 Run op by op, a batch-1 decode step of SmolLM2-135M spends two thirds as long again on a
 thousand small tensor ops and their dispatch as on reading the weights (11 of 28 ms here);
-this call leaves the weight reads.
-The caller (``Transformer.hidden``) has already reserved the cache and advanced its lengths.
+this object leaves the weight reads. It holds the weights (listed and checked once); a call
+passes token ids, cache slots and positions. The caller (``Transformer``) has already
+reserved the cache and advanced its lengths.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from codedojo.ops.gemm import KERNEL_DTYPES, MAX_ROWS, load_kernel
+from codedojo.ops.gemm import KERNEL_DTYPES, load_kernel
 
 PER_LAYER = 7  # attn_norm, wqkv, bqkv (or an empty tensor), wo, mlp_norm, w_gate_up, w_down
+_EMPTY = torch.empty(0)
 
 
-def decode_layers(x: torch.Tensor, weights: Sequence[torch.Tensor], k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slots: Sequence[int], positions: Sequence[int],
-                  cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv: int, eps: float
-                  ) -> torch.Tensor | None:
-    """x (N, D) embedded tokens -> hidden states after the last layer (N, D). Token i's key and
-    value go to position ``positions[i]`` of cache slot ``slots[i]`` (caches laid out
-    (layers, slots, kv_heads, capacity, head_dim)) and it attends to positions
-    ``[0, positions[i]]`` of that slot, tokens of this call included; cos/sin (N, head_dim) are
-    the RoPE tables at each token's position. Weights and caches are float32, or all bfloat16
-    (read at half the bytes; sums in float32, the activations rounded to bfloat16 for the
-    products where the CPU multiplies bfloat16 pairs (AVX512-BF16); the result in x's dtype).
-    None when the kernels are unavailable or the inputs are not what they take (the caller
-    then runs the layers op by op)."""
-    if not (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.device.type == "cpu"
-            and x.dtype in KERNEL_DTYPES and weights and len(weights) % PER_LAYER == 0
-            and weights[1].dtype == k_cache.dtype and k_cache.dtype in KERNEL_DTYPES
-            and not torch.is_grad_enabled()):
-        return None
-    kernel = load_kernel()
-    if kernel is None:
-        return None
-    f32 = torch.float32
-    y = kernel.decode_layers(x.to(f32), list(weights), k_cache, v_cache, list(slots),
-                             list(positions), cos.to(f32).contiguous(),
-                             sin.to(f32).contiguous(), n_heads, n_kv, eps)
-    return y.to(x.dtype)
+class FusedLayers:
+    """Layers (``PER_LAYER`` tensors each, as ``Block.decode_weights`` lists them) held by the
+    C++ kernel. Weights updated in place are seen by the next call; replaced ones are not
+    (build again)."""
+
+    def __init__(self, handle: Any, dtype: torch.dtype) -> None:
+        self._handle, self.dtype = handle, dtype
+
+    @classmethod
+    def build(cls, weights: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+              n_heads: int, n_kv: int, eps: float, *, embed: torch.Tensor | None = None,
+              norm: torch.Tensor | None = None, head: torch.Tensor | None = None
+              ) -> FusedLayers | None:
+        """cos, sin (positions, head_dim): the RoPE tables, rounded to the weights' type as
+        the layers run op by op use them. ``embed`` (V, D) lets calls pass token ids; ``norm``
+        and ``head`` (V, D) let them ask for logits. Weights are float32, or all bfloat16
+        (read at half the bytes; sums in float32, the activations rounded to bfloat16 for the
+        products where the CPU multiplies bfloat16 pairs, AVX512-BF16). None when the kernels
+        are unavailable or do not take these weights (the caller then runs the layers op by
+        op)."""
+        if not (weights and len(weights) % PER_LAYER == 0 and weights[1].device.type == "cpu"
+                and weights[1].dtype in KERNEL_DTYPES):
+            return None
+        kernel = load_kernel()
+        if kernel is None:
+            return None
+        dtype, f32 = weights[1].dtype, torch.float32
+        handle = kernel.FusedLayers(
+            [w.detach() for w in weights], cos.to(dtype).to(f32).contiguous(),
+            sin.to(dtype).to(f32).contiguous(), n_heads, n_kv, eps,
+            *(_EMPTY if t is None else t.detach() for t in (embed, norm, head)))
+        return cls(handle, dtype)
+
+    def takes(self, k_cache: torch.Tensor) -> bool:
+        """Whether a call over this cache runs here: not while gradients are on, and only over
+        caches of the weights' type."""
+        return not torch.is_grad_enabled() and k_cache.dtype == self.dtype
+
+    def __call__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: Sequence[int],
+                 positions: Sequence[int], *, x: torch.Tensor | None = None,
+                 tokens: Sequence[int] = (), logit_rows: Sequence[int] = ()
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens as x (N, D) embedded, or as ids ``tokens``. Token i's key and value
+        go to position ``positions[i]`` of cache slot ``slots[i]`` (caches laid out (layers,
+        slots, kv_heads, capacity, head_dim), as ``takes``) and it attends to positions
+        ``[0, positions[i]]`` of that slot, tokens of this call included. Returns the hidden
+        states after the last layer (N, D) in the weights' type and float32 logits
+        (len(logit_rows), V) of the rows ``logit_rows``."""
+        x32 = _EMPTY if x is None else x.to(torch.float32)
+        h, logits = self._handle.run(x32, list(tokens), k_cache, v_cache, list(slots),
+                                     list(positions), list(logit_rows))
+        return h.to(self.dtype), logits

@@ -1,14 +1,19 @@
-// decode_layers: every dense layer of a Llama-family model (transformer.py's Block) for a few
-// new tokens against a KV cache (decode.py sends up to 16), as one call: a decode step (one
-// token for each of B sequences), a speculative verification pass (k + 1 tokens of one
-// sequence), or a short prefill.
+// FusedLayers: every dense layer of a Llama-family model (transformer.py's Block) for a few new
+// tokens against a KV cache, as one call, and optionally the token embedding before them and
+// the final norm and output head after them: a decode step (one token for each of B
+// sequences), a speculative verification pass (k + 1 tokens of one sequence), or a short
+// prefill.
 //
 // At batch 1 a decode step reads every weight once (about 0.5 GB for SmolLM2-135M in float32),
 // which the small-row kernel streams near the machine's read bandwidth. Run op by op from
 // Python, the same step also spends two thirds as long again (11 of 28 ms here) on about a
 // thousand small tensor ops between the matrix multiplies (norms, RoPE, cache writes,
 // attention, residual adds) and on their dispatch. Here those are plain loops over a few KB of
-// activations, vectorised where they count (attention's dot products, the exponentials).
+// activations, vectorised where they count (attention's dot products, the exponentials). The
+// weights are listed and checked once, when the object is built; a step's call passes only
+// token ids, cache slots and positions, and returns the logits: the fifty or so tensor ops a
+// step spent around the layers (embedding, RoPE tables, final norm, head) cost about 1 ms of
+// a 17 ms step, run between two passes over 0.5 GB that leave every cache cold.
 //
 // The whole call is one parallel region: each thread owns a band of rows of every weight
 // matrix (small_gemm.h's `rows`) and the threads meet at a barrier only where a result of all
@@ -98,15 +103,6 @@ void swiglu(const float* g, const float* u, float* h, int64_t n) {
 }
 
 template <typename W>
-const W* ptr(const torch::Tensor& t, int64_t numel, const char* what, int64_t layer) {
-  constexpr auto type = c10::CppTypeToScalarType<W>::value;
-  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.numel() == numel,
-              "decode_layers: layer ", layer, " ", what, " must be a contiguous ",
-              c10::toString(type), " tensor (the caches' type) of ", numel, " elements");
-  return t.data_ptr<W>();
-}
-
-template <typename W>
 struct Layer {
   const W *attn_norm, *wqkv, *bqkv, *wo, *mlp_norm, *wgu, *wdown;
 };
@@ -116,157 +112,253 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) {
   return {n * t / nt, n * (t + 1) / nt};
 }
 
-// decode_layers (below) for weights and caches of type W, its inputs checked.
-template <typename W>
-torch::Tensor run(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
-                  const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                  const std::vector<int64_t>& slot, const std::vector<int64_t>& pos,
-                  const torch::Tensor& cos, const torch::Tensor& sin, int64_t H, int64_t K,
-                  double eps) {
-  const int64_t B = x_in.size(0), D = x_in.size(1), L = weights.size() / kPerLayer;
-  const int64_t slots = k_cache.size(1), cap = k_cache.size(3), hd = k_cache.size(4);
-  const int64_t QKV = (H + 2 * K) * hd;
-  const int64_t F = weights[5].size(0) / 2;
-  std::vector<Layer<W>> layers(L);
-  for (int64_t l = 0; l < L; ++l) {
-    const torch::Tensor* w = &weights[l * kPerLayer];
-    layers[l] = {ptr<W>(w[0], D, "attn_norm", l), ptr<W>(w[1], QKV * D, "wqkv", l),
-                 w[2].numel() ? ptr<W>(w[2], QKV, "bqkv", l) : nullptr,
-                 ptr<W>(w[3], D * H * hd, "wo", l), ptr<W>(w[4], D, "mlp_norm", l),
-                 ptr<W>(w[5], 2 * F * D, "w_gate_up", l), ptr<W>(w[6], D * F, "w_down", l)};
-  }
-
-  auto opts = x_in.options();
-  torch::Tensor x = x_in.contiguous().clone();
-  torch::Tensor qkv = torch::empty({B, QKV}, opts);
-  torch::Tensor att = torch::empty({B, H * hd}, opts);
-  torch::Tensor gu = torch::empty({B, 2 * F}, opts);
-  torch::Tensor act = torch::empty({B, F}, opts);
-  torch::Tensor out = torch::empty({B, D}, opts);
-  float *xp = x.data_ptr<float>(), *qp = qkv.data_ptr<float>(), *ap = att.data_ptr<float>();
-  float *gp = gu.data_ptr<float>(), *hp = act.data_ptr<float>(), *op = out.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  W *kc = k_cache.data_ptr<W>(), *vc = v_cache.data_ptr<W>();
-
-  const int threads = std::max(1, at::get_num_threads());
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    std::vector<float> normed(B * D), p;
-    // y[:, m0:m1] = a (B, Kin) @ w[m0:m1]^T, this thread's band of the M output columns.
-    auto band = [&](const float* a, const W* w, float* y, int64_t Kin, int64_t M) {
-      const auto [m0, m1] = share(M, t, nt);
-      rows(a, w, y, B, m0, m1, Kin, M);
-      return std::make_pair(m0, m1);
-    };
-    auto residual = [&](int64_t m0, int64_t m1) {
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t i = m0; i < m1; ++i) xp[b * D + i] += op[b * D + i];
-    };
-    for (int64_t l = 0; l < L; ++l) {
-      const Layer<W>& w = layers[l];
-      // Attention: norm, fused q/k/v projection, RoPE on q and k, cache write, attend, output.
-      rms_norm(xp, w.attn_norm, normed.data(), B, D, float(eps));
-      {
-        const auto [m0, m1] = band(normed.data(), w.wqkv, qp, D, QKV);
-        if (w.bqkv)
-          for (int64_t b = 0; b < B; ++b)
-            for (int64_t i = m0; i < m1; ++i) qp[b * QKV + i] += float(w.bqkv[i]);
-      }
-#pragma omp barrier
-      {  // RoPE on the q and k heads; k and v into the cache
-        const auto [i0, i1] = share(B * (H + K), t, nt);
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t b = i / (H + K), h = i % (H + K);
-          float* r = qp + b * QKV;
-          rope(r + h * hd, cp + b * hd, sp + b * hd, hd);
-          if (h >= H) {
-            const int64_t g = h - H;
-            const int64_t at = (((l * slots + slot[b]) * K + g) * cap + pos[b]) * hd;
-            std::copy(r + h * hd, r + (h + 1) * hd, kc + at);
-            std::copy(r + (H + K + g) * hd, r + (H + K + g + 1) * hd, vc + at);
-          }
-        }
-      }
-#pragma omp barrier
-      {
-        const auto [i0, i1] = share(B * H, t, nt);
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t b = i / H, h = i % H, g = h / (H / K);
-          const int64_t base = ((l * slots + slot[b]) * K + g) * cap * hd;
-          attend(qp + b * QKV + h * hd, kc + base, vc + base, ap + b * H * hd + h * hd,
-                 pos[b] + 1, hd, p);
-        }
-      }
-#pragma omp barrier
-      {
-        const auto [m0, m1] = band(ap, w.wo, op, H * hd, D);
-        residual(m0, m1);
-      }
-#pragma omp barrier
-      // MLP: norm, fused gate/up projection (this thread's gate rows and the matching up rows,
-      // so SwiGLU needs no other thread's), SwiGLU, down projection.
-      rms_norm(xp, w.mlp_norm, normed.data(), B, D, float(eps));
-      {
-        const auto [f0, f1] = share(F, t, nt);
-        rows(normed.data(), w.wgu, gp, B, f0, f1, D, 2 * F);
-        rows(normed.data(), w.wgu, gp, B, F + f0, F + f1, D, 2 * F);
-        for (int64_t b = 0; b < B; ++b)
-          swiglu(gp + b * 2 * F + f0, gp + b * 2 * F + F + f0, hp + b * F + f0, f1 - f0);
-      }
-#pragma omp barrier
-      {
-        const auto [m0, m1] = band(hp, w.wdown, op, F, D);
-        residual(m0, m1);
-      }
-#pragma omp barrier
-    }
-  }
-  return x;
+void check_tensor(const torch::Tensor& t, at::ScalarType type, int64_t numel, const char* what,
+                  int64_t layer = -1) {
+  TORCH_CHECK(t.defined() && t.scalar_type() == type && t.is_contiguous() && t.numel() == numel,
+              "FusedLayers: ", layer >= 0 ? "layer " + std::to_string(layer) + " " : "", what,
+              " must be a contiguous ", c10::toString(type), " tensor (the weights' type) of ",
+              numel, " elements");
 }
 
 }  // namespace
 
-// x (B, D): the embedded new tokens; returns the hidden states after the last layer (B, D).
-// k_cache, v_cache (L, slots, K, capacity, hd): token b's key and value are written at position
-// pos[b] of slot slot[b], and token b attends to positions [0, pos[b]] of its slot (every token
-// of the call is written before any attends, so tokens of one sequence see each other causally).
-// cos, sin (B, hd): the RoPE tables at each token's position. x, cos, sin and the result are
-// float32; the weights and caches are float32, or all bfloat16 (sums in float32; see
-// small_gemm.h for the products).
-torch::Tensor decode_layers(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
-                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                            const std::vector<int64_t>& slot, const std::vector<int64_t>& pos,
-                            const torch::Tensor& cos, const torch::Tensor& sin, int64_t H,
-                            int64_t K, double eps) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
-              "decode_layers: x must be (B, D) float32");
-  const int64_t B = x_in.size(0), D = x_in.size(1);
-  TORCH_CHECK(B >= 1 && int64_t(slot.size()) == B && int64_t(pos.size()) == B,
-              "decode_layers: at least one token, with a slot and a position each");
-  TORCH_CHECK(!weights.empty() && weights.size() % kPerLayer == 0,
-              "decode_layers: 7 tensors per layer expected");
-  const int64_t L = weights.size() / kPerLayer;
-  const auto type = k_cache.scalar_type();
-  TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  (type == at::kFloat || type == at::kBFloat16) && v_cache.scalar_type() == type,
-              "decode_layers: caches must be contiguous float32 or bfloat16 "
-              "(L, slots, K, capacity, hd)");
-  const int64_t slots = k_cache.size(1), cap = k_cache.size(3), hd = k_cache.size(4);
-  TORCH_CHECK(k_cache.size(0) >= L && k_cache.size(2) == K && K >= 1 && H % K == 0,
-              "decode_layers: cache shape does not match the layers and heads");
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(slot[b] >= 0 && slot[b] < slots, "decode_layers: slot ", slot[b],
-                " outside the cache's ", slots, " slots");
-    TORCH_CHECK(pos[b] >= 0 && pos[b] < cap, "decode_layers: position ", pos[b],
-                " outside the cache capacity ", cap);
+// Layers of a Llama-family model held once, run for a few new tokens per call (see the top of
+// this file). The tensors are kept, not copied: weights updated in place are seen by the next
+// call.
+class FusedLayers {
+ public:
+  // weights: 7 a layer (attn_norm, wqkv, bqkv or an empty tensor, wo, mlp_norm, w_gate_up,
+  // w_down), all float32 or all bfloat16. cos, sin (positions, hd) float32: the RoPE tables.
+  // embed (V, D): the token embeddings, or an empty tensor (callers then pass x). norm (D) and
+  // head (V, D): the final norm and output projection, or empty tensors (no logits).
+  FusedLayers(std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
+              int64_t H, int64_t K, double eps, torch::Tensor embed, torch::Tensor norm,
+              torch::Tensor head)
+      : weights_(std::move(weights)), cos_(std::move(cos)), sin_(std::move(sin)),
+        embed_(std::move(embed)), norm_(std::move(norm)), head_(std::move(head)), H_(H), K_(K),
+        eps_(float(eps)) {
+    TORCH_CHECK(!weights_.empty() && weights_.size() % kPerLayer == 0,
+                "FusedLayers: 7 tensors per layer expected");
+    type_ = weights_[1].scalar_type();
+    TORCH_CHECK(type_ == at::kFloat || type_ == at::kBFloat16,
+                "FusedLayers: weights must be float32 or bfloat16");
+    TORCH_CHECK(cos_.dim() == 2 && cos_.sizes() == sin_.sizes() && cos_.is_contiguous() &&
+                    sin_.is_contiguous() && cos_.scalar_type() == at::kFloat &&
+                    sin_.scalar_type() == at::kFloat,
+                "FusedLayers: cos and sin must be contiguous float32 (positions, head_dim)");
+    TORCH_CHECK(K >= 1 && H % K == 0, "FusedLayers: ", H, " heads cannot share ", K,
+                " key/value heads");
+    L_ = weights_.size() / kPerLayer;
+    D_ = weights_[0].numel();
+    hd_ = cos_.size(1);
+    QKV_ = (H + 2 * K) * hd_;
+    F_ = weights_[5].numel() / (2 * D_);
+    for (int64_t l = 0; l < L_; ++l) {
+      const torch::Tensor* w = &weights_[l * kPerLayer];
+      check_tensor(w[0], type_, D_, "attn_norm", l);
+      check_tensor(w[1], type_, QKV_ * D_, "wqkv", l);
+      if (w[2].numel()) check_tensor(w[2], type_, QKV_, "bqkv", l);
+      check_tensor(w[3], type_, D_ * H * hd_, "wo", l);
+      check_tensor(w[4], type_, D_, "mlp_norm", l);
+      check_tensor(w[5], type_, 2 * F_ * D_, "w_gate_up", l);
+      check_tensor(w[6], type_, D_ * F_, "w_down", l);
+    }
+    V_ = head_.numel() ? head_.size(0) : embed_.numel() ? embed_.size(0) : 0;
+    if (embed_.numel()) check_tensor(embed_, type_, V_ * D_, "embed");
+    if (head_.numel()) {
+      check_tensor(head_, type_, V_ * D_, "head");
+      check_tensor(norm_, type_, D_, "norm");
+    }
   }
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * hd &&
-                  sin.numel() == B * hd && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat,
-              "decode_layers: cos and sin must be contiguous float32 (B, hd)");
-  if (type == at::kBFloat16)
-    return run<at::BFloat16>(x_in, weights, k_cache, v_cache, slot, pos, cos, sin, H, K, eps);
-  return run<float>(x_in, weights, k_cache, v_cache, slot, pos, cos, sin, H, K, eps);
+
+  // The new tokens: x (N, D) float32 embedded, or their ids `tokens` (x empty) looked up in
+  // `embed`. Token n's key and value go to position pos[n] of cache slot slot[n] (caches laid
+  // out (layers, slots, K, capacity, hd)) and it attends to positions [0, pos[n]] of that slot,
+  // tokens of this call included (every token's key is written before any attends). Returns
+  // the hidden states after the last layer (N, D) float32 and, for the rows `logit_rows`, the
+  // logits (final norm and output projection; (R, V) float32, (0, V) when none is asked).
+  std::tuple<torch::Tensor, torch::Tensor> run(const torch::Tensor& x,
+                                               const std::vector<int64_t>& tokens,
+                                               const torch::Tensor& k_cache,
+                                               const torch::Tensor& v_cache,
+                                               const std::vector<int64_t>& slot,
+                                               const std::vector<int64_t>& pos,
+                                               const std::vector<int64_t>& logit_rows) const {
+    const bool embedded = x.numel() > 0;
+    TORCH_CHECK(embedded != !tokens.empty(), "FusedLayers: pass either x or tokens");
+    const int64_t N = embedded ? x.size(0) : int64_t(tokens.size());
+    if (embedded) {
+      TORCH_CHECK(x.dim() == 2 && x.size(1) == D_ && x.scalar_type() == at::kFloat,
+                  "FusedLayers: x must be (N, ", D_, ") float32");
+    } else {
+      TORCH_CHECK(embed_.numel(), "FusedLayers: token ids given, but no embedding table held");
+    }
+    TORCH_CHECK(int64_t(slot.size()) == N && int64_t(pos.size()) == N,
+                "FusedLayers: a slot and a position for each of the ", N, " tokens expected");
+    TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() &&
+                    k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                    k_cache.scalar_type() == type_ && v_cache.scalar_type() == type_,
+                "FusedLayers: caches must be contiguous (layers, slots, K, capacity, hd) of the "
+                "weights' type, ", c10::toString(type_));
+    TORCH_CHECK(k_cache.size(0) >= L_ && k_cache.size(2) == K_ && k_cache.size(4) == hd_,
+                "FusedLayers: cache shape does not match the layers and heads");
+    const int64_t slots = k_cache.size(1), cap = k_cache.size(3);
+    for (int64_t n = 0; n < N; ++n) {
+      TORCH_CHECK(slot[n] >= 0 && slot[n] < slots, "FusedLayers: slot ", slot[n],
+                  " outside the cache's ", slots, " slots");
+      TORCH_CHECK(pos[n] >= 0 && pos[n] < cap && pos[n] < cos_.size(0),
+                  "FusedLayers: position ", pos[n], " outside the cache capacity ", cap,
+                  " or the RoPE table's ", cos_.size(0), " positions");
+      TORCH_CHECK(embedded || (tokens[n] >= 0 && tokens[n] < V_), "FusedLayers: token ",
+                  tokens[n], " outside the vocabulary of ", V_);
+    }
+    for (int64_t r : logit_rows)
+      TORCH_CHECK(head_.numel() && r >= 0 && r < N, "FusedLayers: logits asked of row ", r,
+                  head_.numel() ? " of a call of " + std::to_string(N) + " tokens"
+                                : ", but no output head held");
+    if (type_ == at::kBFloat16)
+      return run_typed<at::BFloat16>(x, tokens, k_cache, v_cache, slot, pos, logit_rows);
+    return run_typed<float>(x, tokens, k_cache, v_cache, slot, pos, logit_rows);
+  }
+
+ private:
+  template <typename W>
+  std::tuple<torch::Tensor, torch::Tensor> run_typed(
+      const torch::Tensor& x_in, const std::vector<int64_t>& tokens, const torch::Tensor& k_cache,
+      const torch::Tensor& v_cache, const std::vector<int64_t>& slot,
+      const std::vector<int64_t>& pos, const std::vector<int64_t>& logit_rows) const {
+    const int64_t B = x_in.numel() ? x_in.size(0) : int64_t(tokens.size());
+    const int64_t D = D_, H = H_, K = K_, hd = hd_, QKV = QKV_, F = F_, L = L_, V = V_;
+    const int64_t R = logit_rows.size();
+    const int64_t slots = k_cache.size(1), cap = k_cache.size(3);
+    std::vector<Layer<W>> layers(L);
+    for (int64_t l = 0; l < L; ++l) {
+      const torch::Tensor* w = &weights_[l * kPerLayer];
+      layers[l] = {w[0].data_ptr<W>(), w[1].data_ptr<W>(),
+                   w[2].numel() ? w[2].data_ptr<W>() : nullptr, w[3].data_ptr<W>(),
+                   w[4].data_ptr<W>(), w[5].data_ptr<W>(), w[6].data_ptr<W>()};
+    }
+
+    auto opts = torch::TensorOptions().dtype(at::kFloat);
+    torch::Tensor x;
+    if (x_in.numel()) {
+      x = x_in.contiguous().clone();
+    } else {  // the embedding rows of the tokens
+      x = torch::empty({B, D}, opts);
+      const W* table = embed_.data_ptr<W>();
+      float* xe = x.data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < D; ++i) xe[b * D + i] = float(table[tokens[b] * D + i]);
+    }
+    torch::Tensor qkv = torch::empty({B, QKV}, opts);
+    torch::Tensor att = torch::empty({B, H * hd}, opts);
+    torch::Tensor gu = torch::empty({B, 2 * F}, opts);
+    torch::Tensor act = torch::empty({B, F}, opts);
+    torch::Tensor out = torch::empty({B, D}, opts);
+    torch::Tensor logits = torch::empty({R, V}, opts);
+    float *xp = x.data_ptr<float>(), *qp = qkv.data_ptr<float>(), *ap = att.data_ptr<float>();
+    float *gp = gu.data_ptr<float>(), *hp = act.data_ptr<float>(), *op = out.data_ptr<float>();
+    float* lp = logits.data_ptr<float>();
+    const float *cp = cos_.data_ptr<float>(), *sp = sin_.data_ptr<float>();
+    const W* norm = R ? norm_.data_ptr<W>() : nullptr;
+    const W* head = R ? head_.data_ptr<W>() : nullptr;
+    W *kc = k_cache.data_ptr<W>(), *vc = v_cache.data_ptr<W>();
+    const float eps = eps_;
+
+    const int threads = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      std::vector<float> normed(std::max(B, R) * D), p;
+      // y[:, m0:m1] = a (B, Kin) @ w[m0:m1]^T, this thread's band of the M output columns.
+      auto band = [&](const float* a, const W* w, float* y, int64_t Kin, int64_t M) {
+        const auto [m0, m1] = share(M, t, nt);
+        rows(a, w, y, B, m0, m1, Kin, M);
+        return std::make_pair(m0, m1);
+      };
+      auto residual = [&](int64_t m0, int64_t m1) {
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t i = m0; i < m1; ++i) xp[b * D + i] += op[b * D + i];
+      };
+      for (int64_t l = 0; l < L; ++l) {
+        const Layer<W>& w = layers[l];
+        // Attention: norm, fused q/k/v projection, RoPE on q and k, cache write, attend, output.
+        rms_norm(xp, w.attn_norm, normed.data(), B, D, eps);
+        {
+          const auto [m0, m1] = band(normed.data(), w.wqkv, qp, D, QKV);
+          if (w.bqkv)
+            for (int64_t b = 0; b < B; ++b)
+              for (int64_t i = m0; i < m1; ++i) qp[b * QKV + i] += float(w.bqkv[i]);
+        }
+#pragma omp barrier
+        {  // RoPE on the q and k heads; k and v into the cache
+          const auto [i0, i1] = share(B * (H + K), t, nt);
+          for (int64_t i = i0; i < i1; ++i) {
+            const int64_t b = i / (H + K), h = i % (H + K);
+            float* r = qp + b * QKV;
+            rope(r + h * hd, cp + pos[b] * hd, sp + pos[b] * hd, hd);
+            if (h >= H) {
+              const int64_t g = h - H;
+              const int64_t at = (((l * slots + slot[b]) * K + g) * cap + pos[b]) * hd;
+              std::copy(r + h * hd, r + (h + 1) * hd, kc + at);
+              std::copy(r + (H + K + g) * hd, r + (H + K + g + 1) * hd, vc + at);
+            }
+          }
+        }
+#pragma omp barrier
+        {
+          const auto [i0, i1] = share(B * H, t, nt);
+          for (int64_t i = i0; i < i1; ++i) {
+            const int64_t b = i / H, h = i % H, g = h / (H / K);
+            const int64_t base = ((l * slots + slot[b]) * K + g) * cap * hd;
+            attend(qp + b * QKV + h * hd, kc + base, vc + base, ap + b * H * hd + h * hd,
+                   pos[b] + 1, hd, p);
+          }
+        }
+#pragma omp barrier
+        {
+          const auto [m0, m1] = band(ap, w.wo, op, H * hd, D);
+          residual(m0, m1);
+        }
+#pragma omp barrier
+        // MLP: norm, fused gate/up projection (this thread's gate rows and the matching up
+        // rows, so SwiGLU needs no other thread's), SwiGLU, down projection.
+        rms_norm(xp, w.mlp_norm, normed.data(), B, D, eps);
+        {
+          const auto [f0, f1] = share(F, t, nt);
+          rows(normed.data(), w.wgu, gp, B, f0, f1, D, 2 * F);
+          rows(normed.data(), w.wgu, gp, B, F + f0, F + f1, D, 2 * F);
+          for (int64_t b = 0; b < B; ++b)
+            swiglu(gp + b * 2 * F + f0, gp + b * 2 * F + F + f0, hp + b * F + f0, f1 - f0);
+        }
+#pragma omp barrier
+        {
+          const auto [m0, m1] = band(hp, w.wdown, op, F, D);
+          residual(m0, m1);
+        }
+#pragma omp barrier
+      }
+      if (R) {  // final norm of the rows asked for; this thread's band of the vocabulary
+        for (int64_t r = 0; r < R; ++r)
+          rms_norm(xp + logit_rows[r] * D, norm, normed.data() + r * D, 1, D, eps);
+        const auto [v0, v1] = share(V, t, nt);
+        rows(normed.data(), head, lp, R, v0, v1, D, V);
+      }
+    }
+    return {x, logits};
+  }
+
+  std::vector<torch::Tensor> weights_;
+  torch::Tensor cos_, sin_, embed_, norm_, head_;
+  int64_t H_, K_;
+  float eps_;
+  at::ScalarType type_;
+  int64_t L_, D_, hd_, QKV_, F_, V_;
+};
+
+void bind_fused_layers(pybind11::module& m) {
+  pybind11::class_<FusedLayers>(m, "FusedLayers")
+      .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t,
+                          int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor>())
+      .def("run", &FusedLayers::run, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,23 +1,31 @@
-"""The fused decode layers equal the layers run op by op: hidden states, and the keys/values
-they write into the cache, for rows at different lengths, several tokens per row (verification
-passes) and models with q/k/v biases."""
+"""The fused decode layers equal the layers run op by op: hidden states, logits, and the
+keys/values they write into the cache, for rows at different lengths, several tokens per row
+(verification passes) and models with q/k/v biases."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import codedojo.model.transformer as transformer
 from codedojo.model.config import ModelConfig, RopeScaling
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.transformer import Transformer
+from codedojo.ops import FusedLayers
 from tests.ops.conftest import needs_kernel
-
 
 
 def _decode(model: Transformer, cache: KVCache, tokens: torch.Tensor, start: int
             ) -> torch.Tensor:
     return model.hidden(tokens, cache=cache.view(start, start + tokens.shape[0]))
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one each time a FusedLayers object runs."""
+    calls: list[int] = []
+    real = FusedLayers.__call__
+    monkeypatch.setattr(FusedLayers, "__call__",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
 
 
 def _prefill(model: Transformer, cache: KVCache, lengths: list[int], start: int) -> None:
@@ -48,16 +56,15 @@ def test_fused_decode_matches_layers(cfg: ModelConfig, lengths: list[int], start
                 p.add_(0.1 * torch.randn_like(p))
     fused, plain = KVCache(cfg, 8, 64), KVCache(cfg, 8, 64)
     tokens = torch.randint(0, cfg.vocab_size, (len(lengths), new))
-    calls = []
-    real = transformer.decode_layers
-    monkeypatch.setattr(transformer, "decode_layers",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _count_calls(monkeypatch)
+    got, want = [], []
     with torch.no_grad():
-        _prefill(model, fused, lengths, start)
-        got = [_decode(model, fused, tokens, start), _decode(model, fused, tokens + 1, start)]
-        monkeypatch.setattr(transformer, "decode_layers", lambda *a, **k: None)
-        _prefill(model, plain, lengths, start)
-        want = [_decode(model, plain, tokens, start), _decode(model, plain, tokens + 1, start)]
+        for cache, out in ((fused, got), (plain, want)):
+            model.fuse = cache is fused
+            _prefill(model, cache, lengths, start)
+            out.append(_decode(model, cache, tokens, start))
+            view = cache.view(start, start + len(lengths))
+            out += model(tokens + 1, cache=view, return_hidden=True)[::-1]  # hidden, logits
     assert len(calls) == 2 + len(lengths)  # both passes, and each (short) prefill, were fused
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
@@ -73,9 +80,7 @@ def test_fused_decode_matches_layers(cfg: ModelConfig, lengths: list[int], start
 
 @needs_kernel
 @pytest.mark.parametrize("gain", [1.0, 30.0])
-def test_fused_decode_long_context_and_saturated_activations(gain: float,
-                                                            monkeypatch: pytest.MonkeyPatch
-                                                            ) -> None:
+def test_fused_decode_long_context_and_saturated_activations(gain: float) -> None:
     """Contexts past one 16-wide vector of attention scores, and gate values far into SwiGLU's
     saturation (the kernel's own exponential, clamped at the float range)."""
     torch.manual_seed(0)
@@ -89,8 +94,7 @@ def test_fused_decode_long_context_and_saturated_activations(gain: float,
     out = []
     with torch.no_grad():
         for fused in (True, False):
-            if not fused:
-                monkeypatch.setattr(transformer, "decode_layers", lambda *a, **k: None)
+            model.fuse = fused
             cache = KVCache(cfg, 1, 64)
             _prefill(model, cache, [45], 0)
             out.append(_decode(model, cache, tokens, 0))
@@ -116,24 +120,16 @@ def test_fused_decode_in_bfloat16_matches_float32_layers(new: int,
     ref = Transformer(cfg).eval()
     ref.load_state_dict({k: v.float() for k, v in low.state_dict().items()})
     tokens = torch.randint(0, cfg.vocab_size, (2, new))
-    fused = []
-    real = transformer.decode_layers
-
-    def counted(*a, **k):  # type: ignore[no-untyped-def]
-        y = real(*a, **k)
-        fused.append(y is not None)
-        return y
-
-    monkeypatch.setattr(transformer, "decode_layers", counted)
+    calls = _count_calls(monkeypatch)
     with torch.no_grad():
         cache = KVCache(cfg, 4, 64, dtype=torch.bfloat16)
         _prefill(low, cache, [5, 9], 1)
         got = _decode(low, cache, tokens, 1)
-        monkeypatch.setattr(transformer, "decode_layers", lambda *a, **k: None)
+        ref.fuse = False
         plain = KVCache(cfg, 4, 64)
         _prefill(ref, plain, [5, 9], 1)
         want = _decode(ref, plain, tokens, 1)
-    assert fused == [True] * 3 and got.dtype == torch.bfloat16
+    assert len(calls) == 3 and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(cache.k[:, 1:3].float(), plain.k[:, 1:3], rtol=2e-2, atol=2e-2)
 
@@ -161,45 +157,75 @@ def test_a_pass_over_several_tokens_equals_one_token_steps_bit_for_bit(dtype: to
 
 
 @needs_kernel
-def test_fused_decode_steps_aside() -> None:
-    """Training, MoE layers and weights of another type than the cache run the layers op by
-    op."""
+def test_fused_decode_steps_aside(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training, MoE layers, passes too long for the kernel and caches of another type than the
+    weights run the layers op by op (or, the last, not at all)."""
     from codedojo.model.config import MoEConfig
-    from codedojo.ops import decode_layers
 
     cfg = ModelConfig.tiny()
     model = Transformer(cfg)
-    w = model._dense_weights()
-    assert w is not None and len(w) == 7 * cfg.n_layers
-    cache = KVCache(cfg, 1, 16)
-    x, cs = torch.randn(1, cfg.dim), torch.zeros(1, cfg.hd)
-    args = (cache.k, cache.v, [0], [0], cs, cs, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps)
-    assert decode_layers(x, w, *args) is None  # gradients enabled
+    calls = _count_calls(monkeypatch)
+
+    def run(m: Transformer, T: int) -> None:
+        cache = KVCache(m.cfg, 1, 64)
+        m(torch.randint(0, cfg.vocab_size, (1, T)), cache=cache.view(0))
+        assert cache.lengths == [T]
+
+    run(model, 1)  # gradients enabled
+    assert calls == []
     with torch.no_grad():
-        assert decode_layers(x, w, *args) is not None
-        low = KVCache(cfg, 1, 16, dtype=torch.bfloat16)
-        assert decode_layers(x, w, low.k, low.v, *args[2:]) is None
-        assert decode_layers(torch.randn(17, cfg.dim), w, *args) is None
-    moe = Transformer(ModelConfig.tiny(moe=MoEConfig(n_routed_experts=4, expert_ffn_dim=32)))
-    assert moe._dense_weights() is None
+        run(model, 1)
+        run(model, 48)  # a short prefill: three calls of 16 tokens
+        assert len(calls) == 4
+        run(model, 49)
+        run(Transformer(ModelConfig.tiny(moe=MoEConfig(n_routed_experts=4, expert_ffn_dim=32))),
+            1)
+        fused = model.fused_layers(0, model._build_fused)
+        assert fused is not None and fused.takes(KVCache(cfg, 1, 8).k)
+        assert not fused.takes(KVCache(cfg, 1, 8, dtype=torch.bfloat16).k)
+    assert len(calls) == 4
+    assert not fused.takes(KVCache(cfg, 1, 8).k)  # gradients on
+
+
+def _fused(cfg: ModelConfig) -> FusedLayers:
+    model = Transformer(cfg)
+    fused = model.fused_layers(0, model._build_fused)
+    assert fused is not None
+    return fused
 
 
 @needs_kernel
-def test_fused_decode_rejects_bad_shapes() -> None:
-    from codedojo.ops import decode_layers
-
+def test_fused_decode_rejects_bad_input() -> None:
+    """Errors that name what is wrong, for the tensors at build time and for each call."""
     cfg = ModelConfig.tiny()
-    w = Transformer(cfg)._dense_weights()
-    assert w is not None
+    model = Transformer(cfg)
+    weights = [t for layer in model.layers for t in layer.decode_weights()]  # type: ignore[union-attr]
+    rope = (model.rotary.cos, model.rotary.sin, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps)
+    with pytest.raises(RuntimeError, match="layer 0 wqkv"):
+        FusedLayers.build([weights[0], weights[1][:-1]] + weights[2:], *rope)
+    with pytest.raises(RuntimeError, match="cannot share"):
+        FusedLayers.build(weights, *rope[:2], cfg.n_heads, cfg.n_heads - 1, cfg.norm_eps)
+    fused = _fused(cfg)
     cache = KVCache(cfg, 1, 16)
-    cs = torch.zeros(1, cfg.hd)
-    x, heads = torch.randn(1, cfg.dim), (cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="position 99 outside"):
-        decode_layers(x, w, cache.k, cache.v, [0], [99], cs, cs, *heads)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="slot 1 outside"):
-        decode_layers(x, w, cache.k, cache.v, [1], [0], cs, cs, *heads)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="layer 0 wqkv"):
-        decode_layers(x, [w[0], w[1][:-1]] + w[2:], cache.k, cache.v, [0], [0], cs, cs, *heads)
+    kv = (cache.k, cache.v)
+    with torch.no_grad():
+        for call, error in [
+            (lambda: fused(*kv, [0], [99], tokens=[1]), "position 99 outside"),
+            (lambda: fused(*kv, [1], [0], tokens=[1]), "slot 1 outside"),
+            (lambda: fused(*kv, [0], [0], tokens=[cfg.vocab_size]), "outside the vocabulary"),
+            (lambda: fused(*kv, [0], [0], tokens=[1], logit_rows=[1]), "logits asked of row 1"),
+            (lambda: fused(*kv, [0, 0], [0], tokens=[1, 2]), "a slot and a position for each"),
+            (lambda: fused(*kv, [0], [0]), "either x or tokens"),
+            (lambda: fused(*kv, [0], [0], x=torch.randn(1, cfg.dim + 1)), r"x must be \(N, "),
+        ]:
+            with pytest.raises(RuntimeError, match=error):
+                call()
+        no_head = FusedLayers.build(weights, *rope)
+        assert no_head is not None
+        with pytest.raises(RuntimeError, match="no output head"):
+            no_head(*kv, [0], [0], x=torch.randn(1, cfg.dim), logit_rows=[0])
+        with pytest.raises(RuntimeError, match="no embedding table"):
+            no_head(*kv, [0], [0], tokens=[1])
 
 
 _GREEDY = """
@@ -241,14 +267,36 @@ def test_engine_without_kernels_generates_the_same() -> None:
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-4)
 
 
-def test_decode_weights_are_listed_again_when_parameters_are_replaced() -> None:
-    model = Transformer(ModelConfig.tiny())
-    first = model._dense_weights()
-    assert first is not None and model._dense_weights() is first  # listed once
-    fresh = {k: v.clone() + 1 for k, v in model.state_dict().items()}
-    model.load_state_dict(fresh, assign=True)  # new parameter objects
-    listed = model._dense_weights()
-    assert listed is not None and listed is not first
-    assert listed[1] is model.layers[0].attn.wqkv.weight
-    model.to(torch.float64)
-    assert model._dense_weights() is not listed
+@needs_kernel
+def test_fused_layers_follow_replaced_parameters_and_rope_tables() -> None:
+    """Built once and reused; built again after ``load_state_dict(assign=True)`` (new
+    parameter objects), a new ``rotary`` (a context extension) or ``.to()``: the fused logits
+    keep equal to the layers run op by op with the weights and tables now in place."""
+    from codedojo.model.rope import Rotary
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny()
+    model = Transformer(cfg).eval()
+    first = model.fused_layers(0, model._build_fused)
+    assert first is not None and model.fused_layers(0, model._build_fused) is first
+
+    def agree() -> None:
+        tokens = torch.randint(0, cfg.vocab_size, (2, 5))
+        out = []
+        with torch.no_grad():
+            for fuse in (True, False):
+                model.fuse = fuse
+                cache = KVCache(model.cfg, 2, 64, dtype=next(model.parameters()).dtype)
+                cache.lengths = [3, 3]
+                out.append(model(tokens, cache=cache.view(0, 2)))
+        model.fuse = True
+        torch.testing.assert_close(out[0].float(), out[1].float(), rtol=1e-4, atol=1e-4)
+
+    agree()
+    model.load_state_dict({k: v.clone() * 1.5 for k, v in model.state_dict().items()},
+                          assign=True)
+    agree()
+    model.rotary = Rotary(cfg.model_copy(update={"rope_theta": 100.0}))
+    agree()
+    model.to(torch.float64)  # not a type the kernels take: op by op
+    assert model.fused_layers(0, model._build_fused) is None

@@ -10,7 +10,6 @@ from codedojo.ops import gemm, kernel_status, linear
 from tests.ops.conftest import needs_kernel
 
 
-
 def test_the_kernels_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where kernels are not turned off they must build: the kernel tests skip only then."""
     if gemm._enabled():

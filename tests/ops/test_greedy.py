@@ -9,7 +9,6 @@ from codedojo.ops import greedy
 from tests.ops.conftest import needs_kernel
 
 
-
 @needs_kernel
 @pytest.mark.parametrize(("n", "v"), [(1, 49152), (5, 1000), (3, 37), (2, 16), (2, 7), (1, 1)])
 def test_argmax_and_logprobs_are_torchs(n: int, v: int) -> None:
