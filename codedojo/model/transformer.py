@@ -27,7 +27,6 @@ from torch import nn
 from codedojo.model.config import ModelConfig
 from codedojo.model.rope import Rotary, apply_rotary
 from codedojo.ops import FusedLayers, linear
-from codedojo.ops.gemm import MAX_ROWS
 
 if TYPE_CHECKING:
     from codedojo.model.kv_cache import CacheView
@@ -131,57 +130,39 @@ class Block(nn.Module):
 
 
 _EMPTY = torch.empty(0)  # "no bias" for FusedLayers
-# Passes of more than MAX_ROWS tokens go through the kernel in chunks up to this many tokens:
-# a 25-token prefill of SmolLM2-135M 84 ms against 111 op by op (BLAS); at 64 they are even,
-# and past it BLAS is faster (128 tokens: 287 ms against 362).
-FUSED_TOKENS = 48
+# Passes of up to this many tokens (all rows together) go through the fused layers in one call:
+# a decode step, a verification pass, a short prefill. Prefilling SmolLM2-135M, fused against
+# op by op (BLAS): 32 tokens 71 / 114 ms, 128 tokens 281 / 371, 256 tokens even (544).
+FUSED_TOKENS = 256
 
 
 def fused_pass(layers: FusedLayers, view: CacheView, B: int, T: int, *,
                tokens: list[list[int]] | None = None, x: torch.Tensor | None = None,
                logits: Literal["all"] | Sequence[int] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """T new tokens for each of the B slots of ``view`` through ``layers``, given as ids
-    ``tokens`` (B lists of T) or embedded, x (B, T, D): decode steps and verification passes
-    in one C++ call of at most ``MAX_ROWS`` tokens, prefills of up to ``FUSED_TOKENS`` tokens
-    in chunks of consecutive positions. Advances the view's lengths. Returns the hidden states
-    (B, T, D) and the logits: of every token (B, T, V) for ``logits="all"``, of the token at
-    ``logits[b]`` of each row (B, 1, V), or None. None (the view untouched) where the kernels
-    do not take the pass; the caller then runs the layers op by op."""
-    step = MAX_ROWS // B  # tokens of each row per call
-    cache = view.cache
-    if not (T and step and B * T <= max(MAX_ROWS, FUSED_TOKENS) and layers.takes(cache.k)):
+    """T new tokens for each of the B slots of ``view`` through ``layers``, in one C++ call,
+    given as ids ``tokens`` (B lists of T) or embedded, x (B, T, D). Advances the view's
+    lengths. Returns the hidden states (B, T, D) and the logits: of every token (B, T, V) for
+    ``logits="all"``, of the token at ``logits[b]`` of each row (B, 1, V), or None. None (the
+    view untouched) for passes of more than ``FUSED_TOKENS`` tokens or ones the kernels do not
+    take; the caller then runs the layers op by op."""
+    if not (0 < B * T <= FUSED_TOKENS and layers.takes(view.cache.k)):
         return None
     past = view.advance(T)
-    hidden, chosen, logit_chunks = [], [], []
-    for t0 in range(0, T, step):  # a chunk's keys are in the cache before the next attends
-        t1 = min(T, t0 + step)
-        n = t1 - t0
-        cells = [(b, t) for b in range(B) for t in range(t0, t1)]
-        if logits is None or logits == "all":
-            rows: Sequence[int] = range(B * n) if logits else ()
-        else:
-            rows = [b * n + logits[b] - t0 for b in range(B) if t0 <= logits[b] < t1]
-        h, lg = layers(cache.k, cache.v, [view.start + b for b, _ in cells],
-                       [past[b] + t for b, t in cells],
-                       x=None if x is None else x[:, t0:t1].reshape(B * n, -1),
-                       tokens=() if tokens is None else [tokens[b][t] for b, t in cells],
-                       logit_rows=rows)
-        hidden.append(h.view(B, n, -1))
-        if logits == "all":
-            logit_chunks.append(lg.view(B, n, -1))
-        elif logits is not None:
-            chosen += [b for b in range(B) if t0 <= logits[b] < t1]
-            logit_chunks.append(lg)
-    out = hidden[0] if len(hidden) == 1 else torch.cat(hidden, dim=1)
-    if logits is None:
-        return out, None
+    cells = [(b, t) for b in range(B) for t in range(T)]
+    rows: Sequence[int] = ()
     if logits == "all":
-        return out, logit_chunks[0] if len(logit_chunks) == 1 else torch.cat(logit_chunks, 1)
-    lg = logit_chunks[0] if len(logit_chunks) == 1 else torch.cat(logit_chunks)
-    if chosen != sorted(chosen):
-        lg = lg[torch.tensor(chosen).argsort()]
-    return out, lg.unsqueeze(1)
+        rows = range(B * T)
+    elif logits is not None:
+        rows = [b * T + t for b, t in enumerate(logits)]
+    h, lg = layers(view.cache.k, view.cache.v, [view.start + b for b, _ in cells],
+                   [past[b] + t for b, t in cells],
+                   x=None if x is None else x.reshape(B * T, -1),
+                   tokens=() if tokens is None else [tokens[b][t] for b, t in cells],
+                   logit_rows=rows)
+    if logits is None:
+        return h.view(B, T, -1), None
+    return h.view(B, T, -1), lg.view(B, T if logits == "all" else 1, -1)
 
 
 class FusedModule(nn.Module):

@@ -357,7 +357,7 @@ class FusedLayers {
 };
 
 void bind_fused_layers(pybind11::module& m) {
-  pybind11::class_<FusedLayers>(m, "FusedLayers")
+  pybind11::class_<FusedLayers>(m, "FusedLayers", pybind11::module_local())
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t,
                           int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor>())
       .def("run", &FusedLayers::run, pybind11::call_guard<pybind11::gil_scoped_release>());

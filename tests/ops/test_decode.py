@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import codedojo.model.transformer as transformer
 from codedojo.model.config import ModelConfig, RopeScaling
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.transformer import Transformer
@@ -141,7 +142,7 @@ def test_a_pass_over_several_tokens_equals_one_token_steps_bit_for_bit(dtype: to
                                                                       n: int) -> None:
     """What makes a verification pass give exactly the hidden states (and cache entries) of
     one-token decode steps: greedy speculative decoding then emits plain greedy decoding's
-    tokens, in bfloat16 too. A pass of 40 tokens (a short prefill) runs in chunks of 16."""
+    tokens, in bfloat16 too. A pass of 40 tokens (a short prefill) is one call too."""
     torch.manual_seed(0)
     cfg = ModelConfig.tiny(attn_bias=True, dim=96, n_heads=4, n_kv_heads=2, ffn_dim=200)
     model = Transformer(cfg).eval().to(dtype)
@@ -175,15 +176,16 @@ def test_fused_decode_steps_aside(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == []
     with torch.no_grad():
         run(model, 1)
-        run(model, 48)  # a short prefill: three calls of 16 tokens
-        assert len(calls) == 4
-        run(model, 49)
+        run(model, 40)  # a short prefill: one call too
+        assert len(calls) == 2
+        monkeypatch.setattr(transformer, "FUSED_TOKENS", 16)
+        run(model, 17)
         run(Transformer(ModelConfig.tiny(moe=MoEConfig(n_routed_experts=4, expert_ffn_dim=32))),
             1)
         fused = model.fused_layers(0, model._build_fused)
         assert fused is not None and fused.takes(KVCache(cfg, 1, 8).k)
         assert not fused.takes(KVCache(cfg, 1, 8, dtype=torch.bfloat16).k)
-    assert len(calls) == 4
+    assert len(calls) == 2
     assert not fused.takes(KVCache(cfg, 1, 8).k)  # gradients on
 
 
