@@ -347,7 +347,10 @@ class DraftHead:
         self.weight = w if self.vocab is None else w[self.vocab].contiguous()
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(self.norm(hidden), self.weight, out_dtype=torch.float32)
+        return self.widen(linear(self.norm(hidden), self.weight, out_dtype=torch.float32))
+
+    def widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary (..., len(vocab)) -> full-size (..., V)."""
         if self.vocab is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
@@ -426,16 +429,28 @@ class MTPDrafter:
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         dev = h0.device
+        # the model's own embedding and head: one C++ call a module (MTP.draft_step)
+        head = self.head if isinstance(self.head, DraftHead) else None
+        if head is not None and self.embed != head.model.embed:
+            head = None
         for j in range(1, k + 1):
             cache = self.caches[j - 1]
             start = cache.lengths[0]
             assert start < L - 1
-            tok = torch.tensor([ext[start + j: L - 1 + j]], device=dev)  # (1, n)
-            prev = self.hidden[j - 1][start:L - 1][None]
-            h = self.mtp.step(j, prev, self.embed(tok), cache)  # (1, n, D)
-            self.hidden[j].write(start, h[0])
+            ids = ext[start + j: L - 1 + j]
+            prev = self.hidden[j - 1][start:L - 1]  # (n, D)
+            fused = None if head is None else self.mtp.draft_step(
+                j, prev, ids, cache, head.model.tok_embeddings.weight, head.norm.weight,
+                head.weight)
+            if fused is not None:  # one C++ call: embedding, module, head
+                h, logits = fused[0], head.widen(fused[1])  # type: ignore[union-attr]
+            else:
+                tok = torch.tensor([ids], device=dev)  # (1, n)
+                h = self.mtp.step(j, prev[None], self.embed(tok), cache)[0]  # (n, D)
+                logits = self.head(h[-1:]).reshape(-1)  # float32
+            self.hidden[j].write(start, h)
             cache.truncate(0, max(0, L - j))
-            d, q = pick(self.head(h[:, -1:]).reshape(-1))  # float32 logits
+            d, q = pick(logits)
             drafts.append(d)
             qs.append(q)
             ext.append(d)

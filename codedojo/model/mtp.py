@@ -184,12 +184,40 @@ class MTP(FusedModule):
         cos, sin = cos.to(h_prev.dtype), sin.to(h_prev.dtype)
         return module.block(x, cos, sin, mask, view)
 
-    def _build_fused(self, module: MTPModule) -> FusedLayers | None:
+    def draft_step(self, k: int, h_prev: torch.Tensor, tokens: list[int], cache: KVCache,
+                   embed: torch.Tensor, norm: torch.Tensor, head: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`step` of module k fed token ids, with the logits of its last position: the
+        embedding (``embed``, the main model's table), the module's input projection, its
+        block, and the shared head (``norm``, ``head`` (V, D): the final norm and output
+        projection, or a slice of it) in one C++ call. h_prev (T, D), T = len(tokens).
+        Returns h (T, D) and the logits (V,); None where the kernels do not take it (then
+        `step`)."""
+        module = self.layers[k - 1]
+        fused = self.fused_layers(-k, lambda: self._build_fused(module, embed, norm, head),
+                                  embed, norm, head)
+        if fused is None:
+            return None
+        T = len(tokens)
+        out = fused_pass(fused, cache.view(0), 1, T, tokens=[tokens], x=h_prev[None],
+                         logits=[T - 1])
+        if out is None:
+            return None
+        h, logits = out
+        assert logits is not None
+        return h[0], logits[0, 0]
+
+    def _build_fused(self, module: MTPModule, embed: torch.Tensor | None = None,
+                     norm: torch.Tensor | None = None, head: torch.Tensor | None = None
+                     ) -> FusedLayers | None:
         weights = module.block.decode_weights()
         assert weights is not None  # MTP blocks are dense
         cfg = self.cfg
+        mix = () if embed is None else (module.norm_h.weight, module.norm_e.weight,
+                                        module.proj.weight)
         return FusedLayers.build(weights, self.rotary.cos, self.rotary.sin, cfg.n_heads,
-                                 cfg.n_kv_heads, cfg.norm_eps)
+                                 cfg.n_kv_heads, cfg.norm_eps, embed=embed, norm=norm,
+                                 head=head, mix=mix)
 
 
 def save_mtp(mtp: MTP, out_dir: str | Path) -> Path:

@@ -168,30 +168,34 @@ def fused_pass(layers: FusedLayers, view: CacheView, B: int, T: int, *,
 class FusedModule(nn.Module):
     """A module whose passes over a KV cache go through ``FusedLayers`` objects, built on first
     use and built again whenever its parameters may have been replaced (``_apply``: ``.to()``,
-    ``.bfloat16()``; ``load_state_dict(assign=True)``) or its RoPE tables were (a new
-    ``rotary``). Weights changed in place need nothing."""
+    ``.bfloat16()``; ``load_state_dict(assign=True)``), its RoPE tables were (a new
+    ``rotary``) or other tensors they hold were (``sources``). Weights changed in place need
+    nothing."""
 
     rotary: Rotary
     fuse = True  # False: every layer op by op (the reference the fused passes are tested against)
 
     def __init__(self) -> None:
         super().__init__()
-        self._fused: dict[int, tuple[torch.Tensor, FusedLayers | None]] = {}
+        self._fused: dict[int, tuple[tuple[torch.Tensor, ...], FusedLayers | None]] = {}
         self.register_load_state_dict_post_hook(lambda m, _: m._fused.clear())
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         self._fused.clear()
         return super()._apply(fn, recurse)
 
-    def fused_layers(self, key: int, build: Callable[[], FusedLayers | None]
-                     ) -> FusedLayers | None:
-        """The ``FusedLayers`` under ``key`` (``build`` makes it); None when ``fuse`` is off
-        or the kernels do not take these layers."""
+    def fused_layers(self, key: int, build: Callable[[], FusedLayers | None],
+                     *sources: torch.Tensor) -> FusedLayers | None:
+        """The ``FusedLayers`` under ``key`` (``build`` makes it, holding ``sources`` besides
+        this module's own tensors); None when ``fuse`` is off or the kernels do not take these
+        layers."""
         if not self.fuse:
             return None
+        held = (self.rotary.cos, *sources)
         hit = self._fused.get(key)
-        if hit is None or hit[0] is not self.rotary.cos:
-            hit = self._fused[key] = (self.rotary.cos, build())
+        if hit is None or len(hit[0]) != len(held) or any(
+                a is not b for a, b in zip(hit[0], held, strict=True)):
+            hit = self._fused[key] = (held, build())
         return hit[1]
 
 

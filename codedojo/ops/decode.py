@@ -33,17 +33,21 @@ class FusedLayers:
     @classmethod
     def build(cls, weights: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
               n_heads: int, n_kv: int, eps: float, *, embed: torch.Tensor | None = None,
-              norm: torch.Tensor | None = None, head: torch.Tensor | None = None
-              ) -> FusedLayers | None:
+              norm: torch.Tensor | None = None, head: torch.Tensor | None = None,
+              mix: Sequence[torch.Tensor] = ()) -> FusedLayers | None:
         """cos, sin (positions, head_dim): the RoPE tables, rounded to the weights' type as
-        the layers run op by op use them. ``embed`` (V, D) lets calls pass token ids; ``norm``
-        and ``head`` (V, D) let them ask for logits. Weights are float32, or all bfloat16
+        the layers run op by op use them. ``embed`` (vocab, D) lets calls pass token ids;
+        ``norm`` and ``head`` (V, D) let them ask for logits. ``mix`` (an MTP module's
+        ``norm_h``, ``norm_e`` and ``proj`` weights): calls pass the previous depth's hidden
+        states and token ids, and the layers' input is proj [norm_h(x); norm_e(embed[ids])]. Weights are float32, or all bfloat16
         (read at half the bytes; sums in float32, the activations rounded to bfloat16 for the
-        products where the CPU multiplies bfloat16 pairs, AVX512-BF16). None when the kernels
-        are unavailable or do not take these weights (the caller then runs the layers op by
-        op)."""
+        products where the CPU multiplies bfloat16 pairs, AVX512-BF16), every tensor of one
+        type. None when the kernels are unavailable or do not take these weights (the caller
+        then runs the layers op by op)."""
+        held = [t for t in (embed, norm, head, *mix) if t is not None]
         if not (weights and len(weights) % PER_LAYER == 0 and weights[1].device.type == "cpu"
-                and weights[1].dtype in KERNEL_DTYPES):
+                and weights[1].dtype in KERNEL_DTYPES
+                and all(t.dtype == weights[1].dtype and t.device.type == "cpu" for t in held)):
             return None
         kernel = load_kernel()
         if kernel is None:
@@ -52,7 +56,8 @@ class FusedLayers:
         handle = kernel.FusedLayers(
             [w.detach() for w in weights], cos.to(dtype).to(f32).contiguous(),
             sin.to(dtype).to(f32).contiguous(), n_heads, n_kv, eps,
-            *(_EMPTY if t is None else t.detach() for t in (embed, norm, head)))
+            *(_EMPTY if t is None else t.detach() for t in (embed, norm, head)),
+            [t.detach() for t in mix])
         return cls(handle, dtype)
 
     def takes(self, k_cache: torch.Tensor) -> bool:
@@ -64,7 +69,8 @@ class FusedLayers:
                  positions: Sequence[int], *, x: torch.Tensor | None = None,
                  tokens: Sequence[int] = (), logit_rows: Sequence[int] = ()
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The new tokens as x (N, D) embedded, or as ids ``tokens``. Token i's key and value
+        """The new tokens as x (N, D) embedded, or as ids ``tokens`` (with ``mix``, both: x the
+        previous depth's hidden states). Token i's key and value
         go to position ``positions[i]`` of cache slot ``slots[i]`` (caches laid out (layers,
         slots, kv_heads, capacity, head_dim), as ``takes``) and it attends to positions
         ``[0, positions[i]]`` of that slot, tokens of this call included. Returns the hidden

@@ -129,14 +129,16 @@ class FusedLayers {
  public:
   // weights: 7 a layer (attn_norm, wqkv, bqkv or an empty tensor, wo, mlp_norm, w_gate_up,
   // w_down), all float32 or all bfloat16. cos, sin (positions, hd) float32: the RoPE tables.
-  // embed (V, D): the token embeddings, or an empty tensor (callers then pass x). norm (D) and
-  // head (V, D): the final norm and output projection, or empty tensors (no logits).
+  // embed (vocab, D): the token embeddings, or an empty tensor (callers then pass x). norm (D)
+  // and head (V, D): the final norm and output projection, or empty tensors (no logits).
+  // mix: an MTP module's input, [norm_h (D), norm_e (D), proj (D, 2D)]: the first layer's input
+  // is then proj [RMSNorm_h(x); RMSNorm_e(embed[token])], or empty.
   FusedLayers(std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
               int64_t H, int64_t K, double eps, torch::Tensor embed, torch::Tensor norm,
-              torch::Tensor head)
+              torch::Tensor head, std::vector<torch::Tensor> mix)
       : weights_(std::move(weights)), cos_(std::move(cos)), sin_(std::move(sin)),
-        embed_(std::move(embed)), norm_(std::move(norm)), head_(std::move(head)), H_(H), K_(K),
-        eps_(float(eps)) {
+        embed_(std::move(embed)), norm_(std::move(norm)), head_(std::move(head)),
+        mix_(std::move(mix)), H_(H), K_(K), eps_(float(eps)) {
     TORCH_CHECK(!weights_.empty() && weights_.size() % kPerLayer == 0,
                 "FusedLayers: 7 tensors per layer expected");
     type_ = weights_[1].scalar_type();
@@ -163,16 +165,25 @@ class FusedLayers {
       check_tensor(w[5], type_, 2 * F_ * D_, "w_gate_up", l);
       check_tensor(w[6], type_, D_ * F_, "w_down", l);
     }
-    V_ = head_.numel() ? head_.size(0) : embed_.numel() ? embed_.size(0) : 0;
-    if (embed_.numel()) check_tensor(embed_, type_, V_ * D_, "embed");
+    vocab_ = embed_.numel() ? embed_.size(0) : 0;
+    V_ = head_.numel() ? head_.size(0) : 0;
+    if (embed_.numel()) check_tensor(embed_, type_, vocab_ * D_, "embed");
     if (head_.numel()) {
       check_tensor(head_, type_, V_ * D_, "head");
       check_tensor(norm_, type_, D_, "norm");
     }
+    TORCH_CHECK(mix_.empty() || (mix_.size() == 3 && embed_.numel()),
+                "FusedLayers: mix is [norm_h, norm_e, proj], with an embedding table");
+    if (!mix_.empty()) {
+      check_tensor(mix_[0], type_, D_, "mix norm_h");
+      check_tensor(mix_[1], type_, D_, "mix norm_e");
+      check_tensor(mix_[2], type_, 2 * D_ * D_, "mix proj");
+    }
   }
 
   // The new tokens: x (N, D) float32 embedded, or their ids `tokens` (x empty) looked up in
-  // `embed`. Token n's key and value go to position pos[n] of cache slot slot[n] (caches laid
+  // `embed`; with `mix`, both: x the previous depth's hidden states, `tokens` the ids mixed
+  // in. Token n's key and value go to position pos[n] of cache slot slot[n] (caches laid
   // out (layers, slots, K, capacity, hd)) and it attends to positions [0, pos[n]] of that slot,
   // tokens of this call included (every token's key is written before any attends). Returns
   // the hidden states after the last layer (N, D) float32 and, for the rows `logit_rows`, the
@@ -184,8 +195,11 @@ class FusedLayers {
                                                const std::vector<int64_t>& slot,
                                                const std::vector<int64_t>& pos,
                                                const std::vector<int64_t>& logit_rows) const {
-    const bool embedded = x.numel() > 0;
-    TORCH_CHECK(embedded != !tokens.empty(), "FusedLayers: pass either x or tokens");
+    const bool embedded = x.numel() > 0, mixed = !mix_.empty();
+    TORCH_CHECK(mixed ? embedded && x.size(0) == int64_t(tokens.size())
+                      : embedded != !tokens.empty(),
+                mixed ? "FusedLayers: x and a token for each of its rows expected (mix)"
+                      : "FusedLayers: pass either x or tokens");
     const int64_t N = embedded ? x.size(0) : int64_t(tokens.size());
     if (embedded) {
       TORCH_CHECK(x.dim() == 2 && x.size(1) == D_ && x.scalar_type() == at::kFloat,
@@ -209,8 +223,8 @@ class FusedLayers {
       TORCH_CHECK(pos[n] >= 0 && pos[n] < cap && pos[n] < cos_.size(0),
                   "FusedLayers: position ", pos[n], " outside the cache capacity ", cap,
                   " or the RoPE table's ", cos_.size(0), " positions");
-      TORCH_CHECK(embedded || (tokens[n] >= 0 && tokens[n] < V_), "FusedLayers: token ",
-                  tokens[n], " outside the vocabulary of ", V_);
+      TORCH_CHECK(tokens.empty() || (tokens[n] >= 0 && tokens[n] < vocab_),
+                  "FusedLayers: token ", tokens[n], " outside the vocabulary of ", vocab_);
     }
     for (int64_t r : logit_rows)
       TORCH_CHECK(head_.numel() && r >= 0 && r < N, "FusedLayers: logits asked of row ", r,
@@ -228,6 +242,7 @@ class FusedLayers {
       const torch::Tensor& v_cache, const std::vector<int64_t>& slot,
       const std::vector<int64_t>& pos, const std::vector<int64_t>& logit_rows) const {
     const int64_t B = x_in.numel() ? x_in.size(0) : int64_t(tokens.size());
+    const bool mixed = !mix_.empty();
     const int64_t D = D_, H = H_, K = K_, hd = hd_, QKV = QKV_, F = F_, L = L_, V = V_;
     const int64_t R = logit_rows.size();
     const int64_t slots = k_cache.size(1), cap = k_cache.size(3);
@@ -240,15 +255,25 @@ class FusedLayers {
     }
 
     auto opts = torch::TensorOptions().dtype(at::kFloat);
-    torch::Tensor x;
-    if (x_in.numel()) {
+    torch::Tensor x, mixin;
+    if (x_in.numel() && !mixed) {
       x = x_in.contiguous().clone();
-    } else {  // the embedding rows of the tokens
+    } else {  // the embedding rows of the tokens (with mix, the second half of its input)
       x = torch::empty({B, D}, opts);
+      mixin = torch::empty({B, 2 * D}, opts);
+      float* xe = (mixed ? mixin : x).data_ptr<float>();
+      const int64_t stride = mixed ? 2 * D : D, at = mixed ? D : 0;
       const W* table = embed_.data_ptr<W>();
-      float* xe = x.data_ptr<float>();
       for (int64_t b = 0; b < B; ++b)
-        for (int64_t i = 0; i < D; ++i) xe[b * D + i] = float(table[tokens[b] * D + i]);
+        for (int64_t i = 0; i < D; ++i) xe[b * stride + at + i] = float(table[tokens[b] * D + i]);
+    }
+    if (mixed) {  // [RMSNorm_h(x); RMSNorm_e(e)] row by row, in place
+      const torch::Tensor h = x_in.contiguous();
+      float* m = mixin.data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b) {
+        rms_norm(h.data_ptr<float>() + b * D, mix_[0].data_ptr<W>(), m + b * 2 * D, 1, D, eps_);
+        rms_norm(m + b * 2 * D + D, mix_[1].data_ptr<W>(), m + b * 2 * D + D, 1, D, eps_);
+      }
     }
     torch::Tensor qkv = torch::empty({B, QKV}, opts);
     torch::Tensor att = torch::empty({B, H * hd}, opts);
@@ -280,6 +305,11 @@ class FusedLayers {
         for (int64_t b = 0; b < B; ++b)
           for (int64_t i = m0; i < m1; ++i) xp[b * D + i] += op[b * D + i];
       };
+      if (mixed) {  // the MTP module's projection of its two inputs
+        const auto [m0, m1] = share(D, t, nt);
+        rows(mixin.data_ptr<float>(), mix_[2].data_ptr<W>(), xp, B, m0, m1, 2 * D, D);
+#pragma omp barrier
+      }
       for (int64_t l = 0; l < L; ++l) {
         const Layer<W>& w = layers[l];
         // Attention: norm, fused q/k/v projection, RoPE on q and k, cache write, attend, output.
@@ -350,15 +380,17 @@ class FusedLayers {
 
   std::vector<torch::Tensor> weights_;
   torch::Tensor cos_, sin_, embed_, norm_, head_;
+  std::vector<torch::Tensor> mix_;
   int64_t H_, K_;
   float eps_;
   at::ScalarType type_;
-  int64_t L_, D_, hd_, QKV_, F_, V_;
+  int64_t L_, D_, hd_, QKV_, F_, V_, vocab_;
 };
 
 void bind_fused_layers(pybind11::module& m) {
   pybind11::class_<FusedLayers>(m, "FusedLayers", pybind11::module_local())
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t,
-                          int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor>())
+                          int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,
+                          std::vector<torch::Tensor>>())
       .def("run", &FusedLayers::run, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -302,3 +302,48 @@ def test_fused_layers_follow_replaced_parameters_and_rope_tables() -> None:
     agree()
     model.to(torch.float64)  # not a type the kernels take: op by op
     assert model.fused_layers(0, model._build_fused) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("draft_vocab", [None, [1, 4, 9, 30, 33]])
+def test_fused_mtp_drafts_equal_drafts_op_by_op(draft_vocab: list[int] | None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MTP module's draft step in one C++ call (embedding, input projection, block, shared
+    head): the same drafts and draft logits as the module run op by op, over two rounds (the
+    second catching up on positions the first left out)."""
+    from codedojo.engine.speculative import DraftHead, MTPDrafter
+    from codedojo.model.mtp import MTP
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(vocab_size=40, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                           n_mtp=2, max_seq_len=64)
+    model = Transformer(cfg).eval()
+    mtp = MTP(cfg).eval()
+    with torch.no_grad():
+        for p in mtp.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    vocab = None if draft_vocab is None else torch.tensor(draft_vocab)
+    hidden = [torch.randn(6, cfg.dim), torch.randn(2, cfg.dim)]
+    tokens = [3, 7, 1, 4, 22, 9, 5]
+    out = []
+    calls = _count_calls(monkeypatch)
+    for fuse in (True, False):
+        mtp.fuse = fuse
+        drafter = MTPDrafter(mtp, model.embed, DraftHead(model, vocab), 64)
+        seen: list[torch.Tensor] = []
+
+        def pick(logits: torch.Tensor, seen: list[torch.Tensor] = seen
+                 ) -> tuple[int, torch.Tensor]:
+            seen.append(logits)
+            return int(logits.argmax()), logits
+
+        with torch.no_grad():
+            first, _ = drafter.draft(hidden[0], tokens, pick, 2)
+            second, _ = drafter.draft(hidden[1], tokens + [first[0], 11], pick, 2)
+        out.append((first + second, seen))
+        if fuse:
+            assert len(calls) == 4  # a call a module a round
+    assert out[0][0] == out[1][0]
+    for a, b in zip(out[0][1], out[1][1], strict=True):
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        torch.testing.assert_close(a[a.isfinite()], b[b.isfinite()], rtol=1e-4, atol=1e-4)
