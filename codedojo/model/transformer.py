@@ -184,6 +184,10 @@ class FusedModule(nn.Module):
         self._fused.clear()
         return super()._apply(fn, recurse)
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the kernel objects behind (a copy builds its own)."""
+        return {**super().__getstate__(), "_fused": {}}
+
     def fused_layers(self, key: int, build: Callable[[], FusedLayers | None],
                      *sources: torch.Tensor) -> FusedLayers | None:
         """The ``FusedLayers`` under ``key`` (``build`` makes it, holding ``sources`` besides

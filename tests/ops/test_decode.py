@@ -347,3 +347,22 @@ def test_fused_mtp_drafts_equal_drafts_op_by_op(draft_vocab: list[int] | None,
     for a, b in zip(out[0][1], out[1][1], strict=True):
         assert torch.equal(torch.isinf(a), torch.isinf(b))
         torch.testing.assert_close(a[a.isfinite()], b[b.isfinite()], rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_a_model_that_decoded_can_be_copied() -> None:
+    """A copy (an RL reference model, say) leaves the kernel objects behind and builds its
+    own, over its own weights."""
+    import copy
+
+    model = Transformer(ModelConfig.tiny()).eval()
+    tokens = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        want = model(tokens, cache=KVCache(model.cfg, 1, 16).view(0))
+        twin = copy.deepcopy(model)
+        got = twin(tokens, cache=KVCache(model.cfg, 1, 16).view(0))
+        for p in twin.parameters():
+            p.mul_(0.5)
+        assert not torch.allclose(twin(tokens, cache=KVCache(model.cfg, 1, 16).view(0)), want)
+        again = model(tokens, cache=KVCache(model.cfg, 1, 16).view(0))
+    assert torch.equal(got, want) and torch.equal(again, want)
