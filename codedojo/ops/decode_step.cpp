@@ -260,7 +260,7 @@ class FusedLayers {
       x = x_in.contiguous().clone();
     } else {  // the embedding rows of the tokens (with mix, the second half of its input)
       x = torch::empty({B, D}, opts);
-      mixin = torch::empty({B, 2 * D}, opts);
+      if (mixed) mixin = torch::empty({B, 2 * D}, opts);
       float* xe = (mixed ? mixin : x).data_ptr<float>();
       const int64_t stride = mixed ? 2 * D : D, at = mixed ? D : 0;
       const W* table = embed_.data_ptr<W>();
