@@ -27,9 +27,10 @@ continues in the batch with plain decoding.
 On the CPU kernels (``codedojo.ops``) a forward pass over at most 256 tokens in all
 (``transformer.FUSED_TOKENS``) is batch-invariant: a token's logits do not depend on the other
 tokens in the pass, bit for bit. So greedy speculative decoding emits exactly plain greedy
-decoding's tokens in float32 and bfloat16 alike, and decode steps do not mix requests' numbers. Larger passes (longer
-prefills) go through BLAS, which makes no such promise: a prompt prefilled in one batch with
-others may differ in the last bits from the same prompt prefilled alone.
+decoding's tokens in float32 and bfloat16 alike, and decode steps do not mix requests'
+numbers. Larger passes (longer prefills) go through BLAS, which makes no such promise: a prompt
+prefilled in one batch with others may differ in the last bits from the same prompt prefilled
+alone.
 """
 
 from __future__ import annotations
