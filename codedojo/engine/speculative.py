@@ -332,14 +332,20 @@ class TransformerTarget:
 
 
 class DraftHead:
-    """The output head as the drafter uses it: over the MTP draft vocabulary when there is one
-    (a slice of the head, copied once), returning full-size logits with -inf elsewhere so a
-    draft distribution q is one over the whole vocabulary, as exact acceptance needs."""
+    """The main model's token embedding and output head as the drafter uses them: the head
+    over the MTP draft vocabulary when there is one (a slice of it, copied once), returning
+    full-size logits with -inf elsewhere so a draft distribution q is one over the whole
+    vocabulary, as exact acceptance needs."""
 
     def __init__(self, model: Transformer, vocab: torch.Tensor | None = None):
-        self.model, self.norm, self.vocab = model, model.norm, vocab
+        self.model, self.embed, self.norm, self.vocab = model, model.embed, model.norm, vocab
         self.vocab_size = model.cfg.vocab_size
         self.refresh()
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The embedding table, the final norm's weight and the (sliced) head, as
+        `MTP.draft_step` takes them."""
+        return self.model.tok_embeddings.weight, self.norm.weight, self.weight
 
     def refresh(self) -> None:
         """Re-slice the head after the model's weights changed."""
@@ -392,11 +398,10 @@ class MTPDrafter:
     last k-1 positions read drafts; its cache keeps only positions whose inputs are all real
     tokens, and those are recomputed next round with the real ones."""
 
-    def __init__(self, mtp: MTP, embed: Callable[[torch.Tensor], torch.Tensor],
-                 head: Callable[[torch.Tensor], torch.Tensor], max_len: int | None = None):
-        """`head` maps MTP hidden states to logits (V,): the model's `head`, or a
-        `DraftHead` over the draft vocabulary."""
-        self.mtp, self.embed, self.head = mtp, embed, head
+    def __init__(self, mtp: MTP, head: DraftHead, max_len: int | None = None):
+        """`head`: the main model's embedding and head the modules share (over the draft
+        vocabulary when it has one)."""
+        self.mtp, self.head = mtp, head
         self.depth = mtp.depth
         self.max_len = max_len or mtp.cfg.max_seq_len
         self.dtype = next(mtp.parameters()).dtype
@@ -405,9 +410,7 @@ class MTPDrafter:
 
     def refresh(self) -> None:
         """Follow new weights of the main model (its head, when sliced and copied)."""
-        refresh = getattr(self.head, "refresh", None)
-        if refresh is not None:
-            refresh()
+        self.head.refresh()
 
     def reset(self) -> None:
         # per depth (0: the target's), the states of positions 0 .. len(tokens) - 2
@@ -428,25 +431,18 @@ class MTPDrafter:
         ext = list(tokens)
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
-        dev = h0.device
-        # the model's own embedding and head: one C++ call a module (MTP.draft_step)
-        head = self.head if isinstance(self.head, DraftHead) else None
-        if head is not None and self.embed != head.model.embed:
-            head = None
         for j in range(1, k + 1):
             cache = self.caches[j - 1]
             start = cache.lengths[0]
             assert start < L - 1
             ids = ext[start + j: L - 1 + j]
             prev = self.hidden[j - 1][start:L - 1]  # (n, D)
-            fused = None if head is None else self.mtp.draft_step(
-                j, prev, ids, cache, head.model.tok_embeddings.weight, head.norm.weight,
-                head.weight)
+            fused = self.mtp.draft_step(j, prev, ids, cache, *self.head.tensors())
             if fused is not None:  # one C++ call: embedding, module, head
-                h, logits = fused[0], head.widen(fused[1])  # type: ignore[union-attr]
-            else:
-                tok = torch.tensor([ids], device=dev)  # (1, n)
-                h = self.mtp.step(j, prev[None], self.embed(tok), cache)[0]  # (n, D)
+                h, logits = fused[0], self.head.widen(fused[1])
+            else:  # op by op (no kernels, another device)
+                tok = torch.tensor([ids], device=h0.device)  # (1, n)
+                h = self.mtp.step(j, prev[None], self.head.embed(tok), cache)[0]  # (n, D)
                 logits = self.head(h[-1:]).reshape(-1)  # float32
             self.hidden[j].write(start, h)
             cache.truncate(0, max(0, L - j))
@@ -465,4 +461,4 @@ def load_drafter(model: Transformer, ckpt_dir: str | Path, max_len: int | None =
     if mtp is None:
         return None
     mtp = mtp.to(next(model.parameters()).dtype)
-    return MTPDrafter(mtp, model.embed, DraftHead(model, mtp.draft_vocab), max_len)
+    return MTPDrafter(mtp, DraftHead(model, mtp.draft_vocab), max_len)

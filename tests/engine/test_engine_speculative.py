@@ -42,7 +42,7 @@ def mtp_drafter(model: Transformer, draft_vocab: int) -> MTPDrafter:
     mtp = mtp.to(next(model.parameters()).dtype)
     if draft_vocab:
         mtp.set_draft_vocab(torch.arange(model.cfg.vocab_size).flip(0))
-    return MTPDrafter(mtp.eval(), model.embed, DraftHead(model, mtp.draft_vocab))
+    return MTPDrafter(mtp.eval(), DraftHead(model, mtp.draft_vocab))
 
 
 def plain(model: Transformer, params: SamplingParams) -> list:
@@ -251,7 +251,7 @@ class ReferenceCheckingDrafter:
 
     def __init__(self, model: Transformer, mtp: MTP):
         self.model, self.mtp = model, mtp
-        self.inner = MTPDrafter(mtp, model.embed, DraftHead(model))
+        self.inner = MTPDrafter(mtp, DraftHead(model))
         self.depth = self.inner.depth
         self.history: torch.Tensor | None = None
 
@@ -264,7 +264,7 @@ class ReferenceCheckingDrafter:
             [self.history, new_hidden])
         assert len(self.history) == len(tokens) - 1  # every position, once
         got = self.inner.draft(new_hidden, tokens, pick, k)
-        fresh = MTPDrafter(self.mtp, self.model.embed, DraftHead(self.model))
+        fresh = MTPDrafter(self.mtp, DraftHead(self.model))
         want = fresh.draft(self.history, tokens, pick, k)
         assert got[0] == want[0]
         for a, b in zip(got[1], want[1], strict=True):

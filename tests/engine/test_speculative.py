@@ -34,7 +34,7 @@ def _setup(vocab: int = 5, seed: int = 0, scale: float = 3.0):
         for p in mtp.parameters():
             p.add_(0.3 * torch.randn_like(p))
     target = TransformerTarget(model)
-    return target, MTPDrafter(mtp, model.embed, model.head)
+    return target, MTPDrafter(mtp, DraftHead(model))
 
 
 def test_greedy_speculative_equals_plain_greedy():

@@ -329,7 +329,7 @@ def test_fused_mtp_drafts_equal_drafts_op_by_op(draft_vocab: list[int] | None,
     calls = _count_calls(monkeypatch)
     for fuse in (True, False):
         mtp.fuse = fuse
-        drafter = MTPDrafter(mtp, model.embed, DraftHead(model, vocab), 64)
+        drafter = MTPDrafter(mtp, DraftHead(model, vocab), 64)
         seen: list[torch.Tensor] = []
 
         def pick(logits: torch.Tensor, seen: list[torch.Tensor] = seen
