@@ -78,6 +78,16 @@ inline void tile(const X* x, const W* w, float* y, int64_t n, int64_t m, int64_t
   constexpr int U = 4, S = P::kStep;
   const W* row[R];
   for (int r = 0; r < R; ++r) row[r] = w + (m + r * gap) * K;
+  // With 2-3 activation rows (a verification pass, a small batch) each weight byte costs more
+  // instructions, and the hardware prefetcher alone no longer keeps the streams full: each
+  // stream's bytes 4 KB ahead are fetched into L2 (prefetcht1) as the tile moves on. Passes of
+  // SmolLM2-135M, alternating with and without: 2 tokens 0.91x the time, 3 tokens 0.75x. At
+  // one row the same prefetches made a decode step 4-6% slower.
+  auto fetch_ahead = [&](int64_t kk) {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < S * U * int(sizeof(W)); c += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(row[r] + kk) + 4096 + c, 0, 2);
+  };
   typename P::Acc acc[R][NB][U];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b)
@@ -90,14 +100,21 @@ inline void tile(const X* x, const W* w, float* y, int64_t n, int64_t m, int64_t
     for (int r = 0; r < R; ++r) wv[r] = P::weights(row[r] + kk);
 #pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) {
-      const typename P::Xv xv = P::acts(x + (n + b) * K + kk);
+      typename P::Xv xv = P::acts(x + (n + b) * K + kk);
+      // Loaded once into a register for all R weight rows: left alone, GCC folds the load
+      // into each multiply-add, R loads instead of one. At 2-3 activation rows, where loads
+      // crowd the weight stream, that costs (a 512 MB product, alternating: 2 rows 0.93x the
+      // time, 3 rows 0.955x; the same sums, bit for bit).
+      if constexpr (R > 1 && NB > 1) asm("" : "+v"(xv));
 #pragma GCC unroll 2
       for (int r = 0; r < R; ++r) acc[r][b][u] = P::madd(acc[r][b][u], wv[r], xv);
     }
   };
-  for (; k + S * U <= K; k += S * U)
+  for (; k + S * U <= K; k += S * U) {
+    if constexpr (NB > 1 && R > 1) fetch_ahead(k);
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) chunk(k + S * u, u);
+  }
   for (; k + S <= K; k += S) chunk(k, 0);
 #pragma GCC unroll 2
   for (int r = 0; r < R; ++r) {
@@ -118,8 +135,8 @@ inline void tile(const X* x, const W* w, float* y, int64_t n, int64_t m, int64_t
 // sequential stream per thread left a fifth of the read bandwidth unused here: a 512 MB
 // matrix-vector product at 0.72-0.84 of a torch.sum over the same bytes, 0.94-1.0 with two
 // streams. A whole decode step of SmolLM2-135M (layers and head) reads at 1.07 of torch.sum's
-// rate with two streams, 0.85 with four, 0.97 with three; software prefetching, ahead in the
-// streams or of the next matrix while waiting at a barrier, gained nothing.
+// rate with two streams, 0.85 with four, 0.97 with three; at one row, software prefetching
+// (ahead in the streams, or of the next matrix while waiting at a barrier) gained nothing.
 template <int NB, typename X, typename W>
 inline void two_streams(const X* x, const W* w, float* y, int64_t n, int64_t m0, int64_t m1,
                         int64_t K, int64_t M) {
@@ -141,10 +158,10 @@ inline void rows(const X* x, const W* w, float* y, int64_t N, int64_t m0, int64_
                  int64_t K, int64_t M) {
   switch (N) {
     case 1: return two_streams<1>(x, w, y, 0, m0, m1, K, M);
-    // A two-token pass (a depth-1 verification) costs what a one-token step does while the
-    // machine reads at about 30 GB/s (the fused layers 13.8 ms against 13.6; two one-row
-    // passes, the second over the row in L1, measured 18.2); at about 40 GB/s the extra
-    // multiply-adds show: 1.17-1.21x a step (three tokens 1.49-1.56x).
+    // A two- or three-token pass (a depth-1 or depth-2 verification) costs about what a
+    // one-token step does: 1.045x each (16.4, 17.2, 17.1 ms; before `tile`'s prefetches and
+    // register-held activations, 1.16-1.21x and 1.36-1.49x). Two one-row passes, the second
+    // over the row in L1, measured 1.3x.
     case 2: return two_streams<2>(x, w, y, 0, m0, m1, K, M);
     case 3: return two_streams<3>(x, w, y, 0, m0, m1, K, M);
     default: break;
