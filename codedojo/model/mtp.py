@@ -171,14 +171,12 @@ class MTP(FusedModule):
 
     def step(self, k: int, h_prev: torch.Tensor, emb_next: torch.Tensor, cache: KVCache
              ) -> torch.Tensor:
-        """Decode-time forward of module k (1-based): h_prev, emb_next (1, T, D) for the T
-        positions following those already in `cache` (a cache position is a token position)."""
+        """Decode-time forward of module k (1-based), op by op: h_prev, emb_next (1, T, D) for
+        the T positions following those already in `cache` (a cache position is a token
+        position). `draft_step` does the same in one C++ call where the kernels take it."""
         view = cache.view(0)
         module = self.layers[k - 1]
         x = module.combine(h_prev, emb_next)
-        fused = self.fused_layers(k, lambda: self._build_fused(module))
-        if fused is not None and (out := fused_pass(fused, view, 1, x.shape[1], x=x)):
-            return out[0]
         positions, mask = view.prepare(x.shape[1])  # (1, T); advances the cache length
         cos, sin = self.rotary.tables(positions)
         cos, sin = cos.to(h_prev.dtype), sin.to(h_prev.dtype)
@@ -194,7 +192,7 @@ class MTP(FusedModule):
         Returns h (T, D) and the logits (V,); None where the kernels do not take it (then
         `step`)."""
         module = self.layers[k - 1]
-        fused = self.fused_layers(-k, lambda: self._build_fused(module, embed, norm, head),
+        fused = self.fused_layers(k, lambda: self._build_fused(module, embed, norm, head),
                                   embed, norm, head)
         if fused is None:
             return None
@@ -207,17 +205,15 @@ class MTP(FusedModule):
         assert logits is not None
         return h[0], logits[0, 0]
 
-    def _build_fused(self, module: MTPModule, embed: torch.Tensor | None = None,
-                     norm: torch.Tensor | None = None, head: torch.Tensor | None = None
-                     ) -> FusedLayers | None:
+    def _build_fused(self, module: MTPModule, embed: torch.Tensor, norm: torch.Tensor,
+                     head: torch.Tensor) -> FusedLayers | None:
         weights = module.block.decode_weights()
         assert weights is not None  # MTP blocks are dense
         cfg = self.cfg
-        mix = () if embed is None else (module.norm_h.weight, module.norm_e.weight,
-                                        module.proj.weight)
         return FusedLayers.build(weights, self.rotary.cos, self.rotary.sin, cfg.n_heads,
                                  cfg.n_kv_heads, cfg.norm_eps, embed=embed, norm=norm,
-                                 head=head, mix=mix)
+                                 head=head, mix=(module.norm_h.weight, module.norm_e.weight,
+                                                 module.proj.weight))
 
 
 def save_mtp(mtp: MTP, out_dir: str | Path) -> Path:

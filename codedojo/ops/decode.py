@@ -39,11 +39,11 @@ class FusedLayers:
         the layers run op by op use them. ``embed`` (vocab, D) lets calls pass token ids;
         ``norm`` and ``head`` (V, D) let them ask for logits. ``mix`` (an MTP module's
         ``norm_h``, ``norm_e`` and ``proj`` weights): calls pass the previous depth's hidden
-        states and token ids, and the layers' input is proj [norm_h(x); norm_e(embed[ids])]. Weights are float32, or all bfloat16
-        (read at half the bytes; sums in float32, the activations rounded to bfloat16 for the
-        products where the CPU multiplies bfloat16 pairs, AVX512-BF16), every tensor of one
-        type. None when the kernels are unavailable or do not take these weights (the caller
-        then runs the layers op by op)."""
+        states and token ids, and the layers' input is proj [norm_h(x); norm_e(embed[ids])].
+        Weights are float32, or all bfloat16 (read at half the bytes; sums in float32, the
+        activations rounded to bfloat16 for the products where the CPU multiplies bfloat16
+        pairs, AVX512-BF16), every tensor of one type. None when the kernels are unavailable
+        or do not take these weights (the caller then runs the layers op by op)."""
         held = [t for t in (embed, norm, head, *mix) if t is not None]
         if not (weights and len(weights) % PER_LAYER == 0 and weights[1].device.type == "cpu"
                 and weights[1].dtype in KERNEL_DTYPES
