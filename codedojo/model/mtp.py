@@ -37,7 +37,7 @@ from codedojo.model.transformer import (
     document_mask,
     fused_pass,
 )
-from codedojo.ops import FusedLayers
+from codedojo.ops import FusedLayers, move_to_huge_pages
 
 
 def mtp_block_config(cfg: ModelConfig) -> ModelConfig:
@@ -239,6 +239,7 @@ def load_mtp(ckpt_dir: str | Path, cfg: ModelConfig) -> MTP | None:
     meta = json.loads((d / "mtp.json").read_text())
     mtp = MTP(cfg, int(meta["depth"]), int(meta.get("draft_vocab", 0)))
     mtp.load_state_dict(load_file(str(d / "mtp.safetensors")))
+    move_to_huge_pages(mtp)  # every draft reads them all, as a decode step reads the model's
     return mtp.eval()
 
 

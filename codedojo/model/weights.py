@@ -20,6 +20,7 @@ from codedojo.model.config import ModelConfig
 from codedojo.model.gguf import load_gguf
 from codedojo.model.hf import load_hf, save_hf
 from codedojo.model.transformer import Transformer
+from codedojo.ops import move_to_huge_pages
 from codedojo.paths import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -69,13 +70,16 @@ def converted_dir(name: str = DEFAULT_MODEL) -> Path:
 
 def build_model(sd: dict[str, torch.Tensor], cfg: ModelConfig,
                 dtype: torch.dtype = torch.float32) -> Transformer:
-    """A Transformer holding ``sd`` (strict: every parameter must be present)."""
+    """A Transformer holding ``sd`` (strict: every parameter must be present), its parameters
+    in huge-page memory (decode steps read them all, see ``codedojo.ops.huge_pages``)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device="cpu")
     model.rotary = type(model.rotary)(cfg)  # buffers are computed, not loaded
     model.load_state_dict(sd, strict=True)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    move_to_huge_pages(model)
+    return model
 
 
 def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32

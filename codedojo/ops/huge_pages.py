@@ -1,0 +1,68 @@
+"""Tensors in memory backed by 2 MB pages, for weights read end to end on every decode step.
+
+A batch-1 decode step reads every weight once. In 4 KB pages that is a TLB miss every 4 KB
+(about 130,000 a step for SmolLM2-135M in float32), and each costs a page walk in the middle of
+a stream the core would rather keep busy. In 2 MB pages (Linux transparent huge pages, asked
+for with ``madvise``) a step of SmolLM2-135M on a 2-core Zen 4 takes 0.82x the time
+(``benchmarks/decode.py`` measures both kinds of memory). Where the system has no transparent
+huge pages the same calls return ordinary pages: values and behaviour never change, only speed.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+_ALIGN = 4096  # each tensor starts on a page of its own (the kernels stream from there)
+
+
+def huge_page_buffer(n_bytes: int) -> tuple[mmap.mmap, int]:
+    """An anonymous private mapping of at least ``n_bytes`` and the offset of its first 2 MB
+    boundary, from where ``n_bytes`` are advised to be backed by huge pages. Tensors made over
+    it with ``torch.frombuffer`` keep it alive."""
+    if n_bytes < 0:
+        raise ValueError(f"n_bytes must be >= 0, got {n_bytes}")
+    m = mmap.mmap(-1, n_bytes + HUGE_PAGE)
+    start = _first_boundary(m)
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advise is not None and n_bytes:
+        try:
+            m.madvise(advise, start, n_bytes)
+        except OSError:  # a kernel built without transparent huge pages: ordinary pages
+            pass
+    return m, start
+
+
+def huge_page_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor in huge-page memory (its own mapping)."""
+    count = int(torch.Size(shape).numel())
+    m, start = huge_page_buffer(count * dtype.itemsize)
+    return torch.frombuffer(m, dtype=dtype, count=count, offset=start).view(shape)
+
+
+def move_to_huge_pages(module: torch.nn.Module) -> int:
+    """Move every CPU parameter of ``module`` into one huge-page mapping, in place; returns the
+    bytes moved. Values, shapes, dtypes, ``requires_grad`` and the Parameter objects stay (an
+    optimizer holding them is unaffected); each parameter gets a storage of its own (it saves
+    as before). Views taken of a parameter before the move keep the old memory and no longer
+    see in-place updates, so call this before anything holds such views (``load_model`` does,
+    as it builds the model)."""
+    params = [p for p in module.parameters() if p.device.type == "cpu" and p.numel()]
+    sizes = [-(-p.numel() * p.element_size() // _ALIGN) * _ALIGN for p in params]
+    if not params:
+        return 0
+    m, offset = huge_page_buffer(sum(sizes))
+    with torch.no_grad():
+        for p, size in zip(params, sizes):
+            t = torch.frombuffer(m, dtype=p.dtype, count=p.numel(), offset=offset)
+            p.data = t.view(p.shape).copy_(p.data)
+            offset += size
+    return sum(sizes)
+
+
+def _first_boundary(m: mmap.mmap) -> int:
+    """Offset of the first 2 MB-aligned address in ``m``."""
+    t = torch.frombuffer(m, dtype=torch.uint8, count=1)
+    return -t.data_ptr() % HUGE_PAGE

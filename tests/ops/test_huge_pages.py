@@ -1,0 +1,87 @@
+"""Huge-page memory: moving a model there keeps every value and every Parameter, each tensor keeps
+a storage of its own, and the kernel is asked for 2 MB pages (the mapping carries the advice)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from codedojo.model.config import ModelConfig
+from codedojo.model.hf import save_hf
+from codedojo.model.transformer import Transformer
+from codedojo.model.weights import load_model
+from codedojo.ops import huge_page_empty, move_to_huge_pages
+
+
+def advised_huge(t: torch.Tensor) -> bool:
+    """Whether the mapping holding ``t``'s first byte is advised huge pages (``hg`` in the
+    VmFlags of /proc/self/smaps)."""
+    addr, inside = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return "hg" in line.split()[1:]
+    raise AssertionError(f"no mapping holds address {addr:#x}")
+
+
+def tiny_model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig.tiny())
+
+
+def test_move_keeps_values_and_parameters_and_training_updates_the_new_memory() -> None:
+    model = tiny_model()
+    params = dict(model.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # holds the Parameter objects
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 7))
+    with torch.no_grad():
+        logits = model(tokens)
+    assert not any(advised_huge(p) for p in params.values())
+
+    moved = move_to_huge_pages(model)
+
+    assert moved >= sum(p.numel() * p.element_size() for p in params.values())
+    for name, p in model.named_parameters():
+        assert p is params[name] and p.requires_grad
+        assert torch.equal(p, before[name]) and advised_huge(p)
+    with torch.no_grad():
+        assert torch.equal(model(tokens), logits)
+    model(tokens).logsumexp(-1).mean().backward()
+    opt.step()
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert changed and all(advised_huge(params[n]) for n in changed)
+
+
+def test_moved_parameters_save_and_load_as_before(tmp_path) -> None:
+    model = tiny_model()
+    move_to_huge_pages(model)
+    sd = {k: v for k, v in model.state_dict().items() if not k.startswith("rotary")}
+    save_file(sd, str(tmp_path / "m.safetensors"))  # refuses tensors sharing a storage
+    back = load_file(str(tmp_path / "m.safetensors"))
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_load_model_holds_its_weights_in_huge_pages(tmp_path) -> None:
+    cfg = ModelConfig.tiny()
+    ours = tiny_model()
+    model, _ = load_model(save_hf(ours, cfg, tmp_path / "hf"))
+    loaded = dict(model.named_parameters())
+    for name, p in ours.named_parameters():
+        assert torch.equal(loaded[name], p) and advised_huge(loaded[name])
+    bf16, _ = load_model(tmp_path / "hf", dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 and advised_huge(p) for p in bf16.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_huge_page_empty(dtype: torch.dtype) -> None:
+    t = huge_page_empty((3, 1000), dtype)
+    assert t.shape == (3, 1000) and t.dtype == dtype and t.is_contiguous()
+    assert t.data_ptr() % (2 << 20) == 0 and advised_huge(t)
+    t.fill_(2.0)
+    assert bool((t == 2.0).all())
