@@ -45,17 +45,17 @@ def huge_page_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> 
 def move_to_huge_pages(module: torch.nn.Module) -> int:
     """Move every CPU parameter of ``module`` into one huge-page mapping, in place; returns the
     bytes moved. Values, shapes, dtypes, ``requires_grad`` and the Parameter objects stay (an
-    optimizer holding them is unaffected); each parameter gets a storage of its own (it saves
-    as before). Views taken of a parameter before the move keep the old memory and no longer
+    optimizer holding them is unaffected); each parameter becomes contiguous, with a storage of
+    its own (it saves as before). Views taken of a parameter before the move keep the old memory and no longer
     see in-place updates, so call this before anything holds such views (``load_model`` does,
     as it builds the model)."""
     params = [p for p in module.parameters() if p.device.type == "cpu" and p.numel()]
-    sizes = [-(-p.numel() * p.element_size() // _ALIGN) * _ALIGN for p in params]
     if not params:
         return 0
+    sizes = [-(-p.numel() * p.element_size() // _ALIGN) * _ALIGN for p in params]
     m, offset = huge_page_buffer(sum(sizes))
     with torch.no_grad():
-        for p, size in zip(params, sizes):
+        for p, size in zip(params, sizes, strict=True):
             t = torch.frombuffer(m, dtype=p.dtype, count=p.numel(), offset=offset)
             p.data = t.view(p.shape).copy_(p.data)
             offset += size
