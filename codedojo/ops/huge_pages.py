@@ -24,7 +24,9 @@ def huge_page_buffer(n_bytes: int) -> tuple[mmap.mmap, int]:
     it with ``torch.frombuffer`` keep it alive."""
     if n_bytes < 0:
         raise ValueError(f"n_bytes must be >= 0, got {n_bytes}")
-    m = mmap.mmap(-1, n_bytes + HUGE_PAGE)
+    # private: a shared anonymous mapping is shmem, which takes huge pages only where
+    # shmem_enabled allows (rarely)
+    m = mmap.mmap(-1, n_bytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = _first_boundary(m)
     advise = getattr(mmap, "MADV_HUGEPAGE", None)
     if advise is not None and n_bytes:

@@ -14,19 +14,34 @@ from codedojo.model.weights import load_model
 from codedojo.ops import huge_page_empty, move_to_huge_pages
 
 
-def advised_huge(t: torch.Tensor) -> bool:
-    """Whether the mapping holding ``t``'s first byte is advised huge pages (``hg`` in the
-    VmFlags of /proc/self/smaps)."""
-    addr, inside = t.data_ptr(), False
+def mapping(t: torch.Tensor) -> dict[str, str]:
+    """/proc/self/smaps of the mapping holding ``t``'s first byte: its fields, and ``perms``."""
+    addr, found = t.data_ptr(), None
     with open("/proc/self/smaps") as f:
         for line in f:
-            head = line.split()[0]
+            head, *rest = line.split()
             if "-" in head and not head.endswith(":"):
+                if found is not None:
+                    return found
                 lo, hi = (int(v, 16) for v in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "VmFlags:":
-                return "hg" in line.split()[1:]
-    raise AssertionError(f"no mapping holds address {addr:#x}")
+                found = {"perms": rest[0]} if lo <= addr < hi else None
+            elif found is not None:
+                found[head.rstrip(":")] = " ".join(rest)
+    if found is None:
+        raise AssertionError(f"no mapping holds address {addr:#x}")
+    return found
+
+
+def advised_huge(t: torch.Tensor) -> bool:
+    """Whether ``t`` lies in private memory advised huge pages (``hg`` in its VmFlags)."""
+    m = mapping(t)
+    return m["perms"].endswith("p") and "hg" in m["VmFlags"].split()
+
+
+def thp_mode() -> str:
+    """always, madvise or never: the system's transparent huge pages."""
+    text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    return text[text.index("[") + 1: text.index("]")]
 
 
 def tiny_model() -> Transformer:
@@ -76,6 +91,15 @@ def test_load_model_holds_its_weights_in_huge_pages(tmp_path) -> None:
         assert torch.equal(loaded[name], p) and advised_huge(loaded[name])
     bf16, _ = load_model(tmp_path / "hf", dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 and advised_huge(p) for p in bf16.parameters())
+
+
+def test_the_memory_is_backed_by_huge_pages_where_the_system_has_them() -> None:
+    t = huge_page_empty((16 << 20,), torch.float32).fill_(1.0)  # 64 MB, every page touched
+    huge_kb = int(mapping(t)["AnonHugePages"].split()[0])
+    if thp_mode() == "never":
+        assert huge_kb == 0
+    else:  # the kernel compacts memory for advised regions: all of it, or nearly
+        assert huge_kb >= 32 << 10
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
