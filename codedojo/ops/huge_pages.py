@@ -2,10 +2,13 @@
 
 A batch-1 decode step reads every weight once. In 4 KB pages that is a TLB miss every 4 KB
 (about 130,000 a step for SmolLM2-135M in float32), and each costs a page walk in the middle of
-a stream the core would rather keep busy. In 2 MB pages (Linux transparent huge pages, asked
-for with ``madvise``) a step of SmolLM2-135M on a 2-core Zen 4 takes 0.82x the time
-(``benchmarks/decode.py`` measures both kinds of memory). Where the system has no transparent
-huge pages the same calls return ordinary pages: values and behaviour never change, only speed.
+a stream the core would rather keep busy (more so in a virtual machine, where a walk goes
+through two page tables). In 2 MB pages (Linux transparent huge pages, asked for with
+``madvise``) a batch-1 decode step of SmolLM2-135M on a 2-core Zen 4 VM took 0.82-0.92x the
+time (three runs, the two kinds of memory alternating step by step); a sum over 512 MB read
+up to a fifth faster (``benchmarks/decode.py`` samples both kinds). Where the system has no
+transparent huge pages the same calls give ordinary pages: values and behaviour never change,
+only speed.
 """
 
 from __future__ import annotations
