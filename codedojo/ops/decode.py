@@ -24,8 +24,11 @@ _EMPTY = torch.empty(0)
 
 class FusedLayers:
     """Layers (``PER_LAYER`` tensors each, as ``Block.decode_weights`` lists them) held by the
-    C++ kernel. Weights updated in place are seen by the next call; replaced ones are not
-    (build again)."""
+    C++ kernel. Float32 matrices are read from a copy laid out for the kernel (``panels.h``:
+    as much memory again as those weights), packed again by the next call when a weight's
+    version counter has moved: weights updated in place (an optimizer step, ``copy_``) are
+    seen by the next call, writes through ``.data`` (which leave the counter alone) are not.
+    Replaced weights are not seen either (build again)."""
 
     def __init__(self, handle: Any, dtype: torch.dtype) -> None:
         self._handle, self.dtype = handle, dtype

@@ -5,7 +5,9 @@
 // prefill.
 //
 // At batch 1 a decode step reads every weight once (about 0.5 GB for SmolLM2-135M in float32),
-// which the small-row kernel streams near the machine's read bandwidth. Run op by op from
+// which the kernels stream near the machine's read bandwidth: float32 matrices from a copy
+// laid out in panels (panels.h; packed when the object is built, again when a weight changes
+// in place), bfloat16 ones row by row as they are (small_gemm.h's `rows`). Run op by op from
 // Python, the same step also spends two thirds as long again (11 of 28 ms here) on about a
 // thousand small tensor ops between the matrix multiplies (norms, RoPE, cache writes,
 // attention, residual adds) and on their dispatch. Here those are plain loops over a few KB of
@@ -15,21 +17,26 @@
 // step spent around the layers (embedding, RoPE tables, final norm, head) cost about 1 ms of
 // a 17 ms step, run between two passes over 0.5 GB that leave every cache cold.
 //
-// The whole call is one parallel region: each thread owns a band of rows of every weight
-// matrix (small_gemm.h's `rows`) and the threads meet at a barrier only where a result of all
+// The whole call is one parallel region: each thread owns a band of the output columns of
+// every weight matrix (whole panels, or rows) and the threads meet at a barrier only where a result of all
 // of them is needed next (five times a layer). Norms are computed by every thread for itself,
 // residual adds and SwiGLU on each thread's own band. One fork for the call instead of one per
 // matrix multiply.
 #include <omp.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
+#include "panels.h"
 #include "small_gemm.h"
 
 namespace {
 
 constexpr int kPerLayer = 7;  // attn_norm, wqkv, bqkv, wo, mlp_norm, w_gate_up, w_down
+// A layer's float32 matrices as panels (panels.h): wqkv, wo, the gate and up halves of
+// w_gate_up, w_down.
+constexpr int kPanelsPerLayer = 5;
 
 // y = w * (x / sqrt(mean(x^2) + eps)) for each of N rows of length D.
 template <typename W>
@@ -179,6 +186,26 @@ class FusedLayers {
       check_tensor(mix_[1], type_, D_, "mix norm_e");
       check_tensor(mix_[2], type_, 2 * D_ * D_, "mix proj");
     }
+    if (type_ == at::kFloat) {  // bfloat16 matrices are read as they are, row by row
+      for (int64_t l = 0; l < L_; ++l) {
+        const torch::Tensor* w = &weights_[l * kPerLayer];
+        panels_.emplace_back(w[1], 0, QKV_);
+        panels_.emplace_back(w[3], 0, D_);
+        panels_.emplace_back(w[5], 0, F_);
+        panels_.emplace_back(w[5], F_, F_);
+        panels_.emplace_back(w[6], 0, D_);
+      }
+      if (V_) panels_.emplace_back(head_, 0, V_);
+      if (!mix_.empty()) panels_.emplace_back(mix_[2], 0, D_);
+      int64_t total = 0;  // each matrix 64-byte aligned
+      for (const Panels& p : panels_) total += (p.floats() + 15) / 16 * 16;
+      panel_memory_ = huge_page_floats(total);
+      float* at = panel_memory_.data_ptr<float>();
+      for (Panels& p : panels_) {
+        p.place(at);
+        at += (p.floats() + 15) / 16 * 16;
+      }
+    }
   }
 
   // The new tokens: x (N, D) float32 embedded, or their ids `tokens` (x empty) looked up in
@@ -194,7 +221,7 @@ class FusedLayers {
                                                const torch::Tensor& v_cache,
                                                const std::vector<int64_t>& slot,
                                                const std::vector<int64_t>& pos,
-                                               const std::vector<int64_t>& logit_rows) const {
+                                               const std::vector<int64_t>& logit_rows) {
     const bool embedded = x.numel() > 0, mixed = !mix_.empty();
     TORCH_CHECK(mixed ? embedded && x.size(0) == int64_t(tokens.size())
                       : embedded != !tokens.empty(),
@@ -232,6 +259,7 @@ class FusedLayers {
                                 : ", but no output head held");
     if (type_ == at::kBFloat16)
       return run_typed<at::BFloat16>(x, tokens, k_cache, v_cache, slot, pos, logit_rows);
+    for (Panels& p : panels_) p.refresh();  // weights changed in place since the last call
     return run_typed<float>(x, tokens, k_cache, v_cache, slot, pos, logit_rows);
   }
 
@@ -290,32 +318,46 @@ class FusedLayers {
     W *kc = k_cache.data_ptr<W>(), *vc = v_cache.data_ptr<W>();
     const float eps = eps_;
 
+    // float32: the panels of the head and of the MTP input projection follow the layers'
+    const Panels* extra = panels_.empty() ? nullptr : &panels_[L * kPanelsPerLayer];
+    const Panels* head_panels = extra && V ? extra : nullptr;
+    const Panels* mix_panels = extra && mixed ? extra + (V ? 1 : 0) : nullptr;
     const int threads = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(threads)
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
       std::vector<float> normed(std::max(B, R) * D), p;
-      // y[:, m0:m1] = a (B, Kin) @ w[m0:m1]^T, this thread's band of the M output columns.
-      auto band = [&](const float* a, const W* w, float* y, int64_t Kin, int64_t M) {
-        const auto [m0, m1] = share(M, t, nt);
-        rows(a, w, y, B, m0, m1, Kin, M);
-        return std::make_pair(m0, m1);
+      // y[:, m0:m1] = a (N, Kin) @ w^T for this thread's band [m0, m1) of the M output
+      // columns (a whole number of panels for float32 weights, `pw`; bfloat16 ones are read
+      // row by row from w); ldy is y's row stride.
+      auto band = [&](const float* a, const W* w, const Panels* pw, float* y, int64_t ldy,
+                      int64_t N, int64_t Kin, int64_t M) {
+        if constexpr (std::is_same_v<W, float>) {
+          const auto [p0, p1] = share(pw->count(), t, nt);
+          panel_rows(a, *pw, y, N, p0, p1, ldy);
+          return std::make_pair(std::min(p0 * kPanel, M), std::min(p1 * kPanel, M));
+        } else {
+          const auto [m0, m1] = share(M, t, nt);
+          rows(a, w, y, N, m0, m1, Kin, ldy);
+          return std::make_pair(m0, m1);
+        }
       };
       auto residual = [&](int64_t m0, int64_t m1) {
         for (int64_t b = 0; b < B; ++b)
           for (int64_t i = m0; i < m1; ++i) xp[b * D + i] += op[b * D + i];
       };
       if (mixed) {  // the MTP module's projection of its two inputs
-        const auto [m0, m1] = share(D, t, nt);
-        rows(mixin.data_ptr<float>(), mix_[2].data_ptr<W>(), xp, B, m0, m1, 2 * D, D);
+        band(mixin.data_ptr<float>(), mix_[2].data_ptr<W>(), mix_panels, xp, D, B, 2 * D, D);
 #pragma omp barrier
       }
       for (int64_t l = 0; l < L; ++l) {
         const Layer<W>& w = layers[l];
+        const Panels* pl = panels_.empty() ? nullptr : &panels_[l * kPanelsPerLayer];
+        auto panels = [&](int i) { return pl ? pl + i : nullptr; };
         // Attention: norm, fused q/k/v projection, RoPE on q and k, cache write, attend, output.
         rms_norm(xp, w.attn_norm, normed.data(), B, D, eps);
         {
-          const auto [m0, m1] = band(normed.data(), w.wqkv, qp, D, QKV);
+          const auto [m0, m1] = band(normed.data(), w.wqkv, panels(0), qp, QKV, B, D, QKV);
           if (w.bqkv)
             for (int64_t b = 0; b < B; ++b)
               for (int64_t i = m0; i < m1; ++i) qp[b * QKV + i] += float(w.bqkv[i]);
@@ -347,7 +389,7 @@ class FusedLayers {
         }
 #pragma omp barrier
         {
-          const auto [m0, m1] = band(ap, w.wo, op, H * hd, D);
+          const auto [m0, m1] = band(ap, w.wo, panels(1), op, D, B, H * hd, D);
           residual(m0, m1);
         }
 #pragma omp barrier
@@ -355,15 +397,14 @@ class FusedLayers {
         // rows, so SwiGLU needs no other thread's), SwiGLU, down projection.
         rms_norm(xp, w.mlp_norm, normed.data(), B, D, eps);
         {
-          const auto [f0, f1] = share(F, t, nt);
-          rows(normed.data(), w.wgu, gp, B, f0, f1, D, 2 * F);
-          rows(normed.data(), w.wgu, gp, B, F + f0, F + f1, D, 2 * F);
+          const auto [f0, f1] = band(normed.data(), w.wgu, panels(2), gp, 2 * F, B, D, F);
+          band(normed.data(), w.wgu + F * D, panels(3), gp + F, 2 * F, B, D, F);
           for (int64_t b = 0; b < B; ++b)
             swiglu(gp + b * 2 * F + f0, gp + b * 2 * F + F + f0, hp + b * F + f0, f1 - f0);
         }
 #pragma omp barrier
         {
-          const auto [m0, m1] = band(hp, w.wdown, op, F, D);
+          const auto [m0, m1] = band(hp, w.wdown, panels(4), op, D, B, F, D);
           residual(m0, m1);
         }
 #pragma omp barrier
@@ -371,8 +412,7 @@ class FusedLayers {
       if (R) {  // final norm of the rows asked for; this thread's band of the vocabulary
         for (int64_t r = 0; r < R; ++r)
           rms_norm(xp + logit_rows[r] * D, norm, normed.data() + r * D, 1, D, eps);
-        const auto [v0, v1] = share(V, t, nt);
-        rows(normed.data(), head, lp, R, v0, v1, D, V);
+        band(normed.data(), head, head_panels, lp, V, R, D, V);
       }
     }
     return {x, logits};
@@ -381,6 +421,8 @@ class FusedLayers {
   std::vector<torch::Tensor> weights_;
   torch::Tensor cos_, sin_, embed_, norm_, head_;
   std::vector<torch::Tensor> mix_;
+  std::vector<Panels> panels_;  // float32 weights only, in panel_memory_
+  torch::Tensor panel_memory_;
   int64_t H_, K_;
   float eps_;
   at::ScalarType type_;

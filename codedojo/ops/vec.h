@@ -36,6 +36,17 @@ inline float hsum(v16 v) {
 
 inline void store(float* p, v16 v) { *reinterpret_cast<v16*>(p) = v; }
 
+// 16 copies of *p (one broadcast load; `v16{} + *p` would add, for the sign of a zero).
+inline v16 splat(const float* p) {
+#ifdef __AVX512F__
+  return reinterpret_cast<v16>(_mm512_set1_ps(*p));
+#else
+  v16 v;
+  for (int i = 0; i < 16; ++i) v[i] = *p;
+  return v;
+#endif
+}
+
 typedef int vi16 __attribute__((vector_size(64), aligned(4)));
 
 // e^x for 16 floats (Cephes' expf: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n put in

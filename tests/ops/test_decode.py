@@ -272,8 +272,9 @@ def test_engine_without_kernels_generates_the_same() -> None:
 @needs_kernel
 def test_fused_layers_follow_replaced_parameters_and_rope_tables() -> None:
     """Built once and reused; built again after ``load_state_dict(assign=True)`` (new
-    parameter objects), a new ``rotary`` (a context extension) or ``.to()``: the fused logits
-    keep equal to the layers run op by op with the weights and tables now in place."""
+    parameter objects), a new ``rotary`` (a context extension) or ``.to()``; weights changed
+    in place (an optimizer step) are packed again by the next call: the fused logits keep
+    equal to the layers run op by op with the weights and tables now in place."""
     from codedojo.model.rope import Rotary
 
     torch.manual_seed(0)
@@ -294,6 +295,11 @@ def test_fused_layers_follow_replaced_parameters_and_rope_tables() -> None:
         model.fuse = True
         torch.testing.assert_close(out[0].float(), out[1].float(), rtol=1e-4, atol=1e-4)
 
+    agree()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.randint(0, cfg.vocab_size, (1, 6))).square().mean().backward()
+    opt.step()  # every matrix, the tied embedding and head too, changed in place
+    assert model.fused_layers(0, model._build_fused) is first
     agree()
     model.load_state_dict({k: v.clone() * 1.5 for k, v in model.state_dict().items()},
                           assign=True)

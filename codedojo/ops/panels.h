@@ -1,0 +1,177 @@
+// Float32 weight matrices laid out for the fused decode layers (decode_step.cpp): `Panels`.
+//
+// A weight matrix w (M, K) stored row by row is multiplied as dot products (small_gemm.h): each
+// output a sum over one weight row, each activation row loaded again for every weight row. Here
+// it is copied once into panels of 32 output columns: panel p holds, for each k in turn, the 32
+// weights w[32p + j, k] (zeros past M), so a thread reads its panels as one sequential stream
+// and every product is y[n, m] += x[n, k] * w[m, k] for k = 0, 1, 2... in one vector lane: an
+// activation broadcast from L1 meets two vectors of weights, each loaded once for all the rows
+// of a tile.
+//
+// - Every output is the same sequence of multiply-adds whatever the number of rows and however
+//   they are tiled, so a row's result does not depend on the rows beside it (a verification
+//   pass gives the logits of one-token steps bit for bit, a batch the tokens of its requests
+//   alone).
+// - One row (a decode step) streams the panels near the read bandwidth; many rows (a prefill,
+//   a batch) go eight at a time over a panel held in L2, each weight load shared by eight
+//   multiply-adds where the dot-product tiles share one by four.
+//
+// The copy costs memory (as much again as the float32 weights) and must follow the weights:
+// `Panels::refresh` packs again when the source's version counter has moved (an optimizer step,
+// `copy_`), so weights updated in place are seen by the next call.
+#pragma once
+#include <sys/mman.h>
+
+#include <algorithm>
+
+#include "vec.h"
+
+namespace {
+
+constexpr int64_t kPanel = 32;  // output columns per panel: two 16-float vectors
+
+// n floats in one private anonymous mapping advised 2 MB pages (as huge_pages.py's), aligned
+// to 2 MB, unmapped with the tensor.
+inline torch::Tensor huge_page_floats(int64_t n) {
+  const size_t huge = 2 << 20, bytes = std::max<int64_t>(n, 1) * sizeof(float) + huge;
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(base != MAP_FAILED, "Panels: cannot map ", bytes, " bytes");
+  const uintptr_t at = (reinterpret_cast<uintptr_t>(base) + huge - 1) / huge * huge;
+  madvise(reinterpret_cast<void*>(at), bytes - (at - reinterpret_cast<uintptr_t>(base)),
+          MADV_HUGEPAGE);
+  return torch::from_blob(reinterpret_cast<void*>(at), {n}, [base, bytes](void*) {
+    munmap(base, bytes);
+  }, torch::TensorOptions().dtype(at::kFloat));
+}
+
+// Rows [m0, m0 + M) of a row-major (*, K) float32 tensor as panels, in memory given by
+// `place` (one mapping for all the matrices of a model: `huge_page_floats`).
+class Panels {
+ public:
+  Panels(torch::Tensor src, int64_t m0, int64_t M)
+      : src_(std::move(src)), m0_(m0), M_(M), K_(src_.size(-1)) {}
+
+  int64_t count() const { return (M_ + kPanel - 1) / kPanel; }
+  int64_t floats() const { return count() * kPanel * K_; }
+  int64_t M() const { return M_; }
+  int64_t K() const { return K_; }
+  const float* data() const { return data_; }
+
+  void place(float* data) {
+    data_ = data;
+    pack();
+  }
+
+  // Packs again if the source changed in place since the last packing.
+  void refresh() {
+    if (src_._version() != version_) pack();
+  }
+
+ private:
+  void pack() {
+    version_ = src_._version();
+    const float* w = src_.data_ptr<float>() + m0_ * K_;
+    float* out = data_;
+    const int64_t K = K_, M = M_;
+    at::parallel_for(0, count(), 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        float* panel = out + p * kPanel * K;
+        for (int64_t j = 0; j < kPanel; ++j) {
+          const int64_t m = p * kPanel + j;
+          for (int64_t k = 0; k < K; ++k) panel[k * kPanel + j] = m < M ? w[m * K + k] : 0.f;
+        }
+      }
+    });
+  }
+
+  torch::Tensor src_;
+  float* data_ = nullptr;
+  int64_t m0_, M_, K_, version_ = -1;
+};
+
+// Activation rows x[n + b] (b < NB; length K) @ NP panels, panel i into columns c[i], ...,
+// c[i] + 31 of y (row stride ldy; columns past cols[i] left alone).
+template <int NB, int NP>
+inline void panel_tile(const float* x, const float* const* panel, float* y, int64_t n,
+                       const int64_t* c, const int64_t* cols, int64_t K, int64_t ldy) {
+  v16 acc[NB][NP][2];
+  for (int b = 0; b < NB; ++b)
+    for (int i = 0; i < NP; ++i) acc[b][i][0] = acc[b][i][1] = v16{};
+  const float* xr = x + n * K;
+  for (int64_t k = 0; k < K; ++k) {
+    v16 w[NP][2];
+    for (int i = 0; i < NP; ++i) {
+      w[i][0] = load(panel[i] + k * kPanel);
+      w[i][1] = load(panel[i] + k * kPanel + 16);
+    }
+#pragma GCC unroll 8
+    for (int b = 0; b < NB; ++b) {
+      const v16 xb = splat(xr + b * K + k);
+      for (int i = 0; i < NP; ++i) {
+        acc[b][i][0] += w[i][0] * xb;
+        acc[b][i][1] += w[i][1] * xb;
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int i = 0; i < NP; ++i) {
+      float* out = y + (n + b) * ldy + c[i];
+      if (cols[i] >= kPanel) {
+        store(out, acc[b][i][0]);
+        store(out + 16, acc[b][i][1]);
+      } else {  // the last, partial panel
+        float full[kPanel];
+        store(full, acc[b][i][0]);
+        store(full + 16, acc[b][i][1]);
+        std::copy(full, full + cols[i], out);
+      }
+    }
+}
+
+// Columns [32 p0, min(32 p1, M)) of y (N, ldy) = x (N, K) @ w^T, from panels [p0, p1) of w.
+// Up to three rows read each panel once from memory, as two streams (the first and second
+// halves of the range side by side, as small_gemm.h's `two_streams`); more go eight at a time
+// over a panel while it is in L2 (a panel is K x 128 bytes: 72 KB for K = 576).
+inline void panel_rows(const float* x, const Panels& w, float* y, int64_t N, int64_t p0,
+                       int64_t p1, int64_t ldy) {
+  const int64_t K = w.K(), M = w.M();
+  auto at = [&](int64_t p) { return w.data() + p * kPanel * K; };
+  auto width = [&](int64_t p) { return std::min(kPanel, M - p * kPanel); };
+  if (N <= 3) {
+    const int64_t half = (p1 - p0) / 2;
+    for (int64_t p = p0; p < p1 - half; ++p) {
+      const int64_t q = p + (p1 - p0 - half);  // its partner in the second half
+      const bool pair = p < p0 + half;
+      const float* panel[2] = {at(p), at(q)};
+      const int64_t c[2] = {p * kPanel, q * kPanel}, cols[2] = {width(p), pair ? width(q) : 0};
+      switch (N * 2 + pair) {
+        case 2: panel_tile<1, 1>(x, panel, y, 0, c, cols, K, ldy); break;
+        case 3: panel_tile<1, 2>(x, panel, y, 0, c, cols, K, ldy); break;
+        case 4: panel_tile<2, 1>(x, panel, y, 0, c, cols, K, ldy); break;
+        case 5: panel_tile<2, 2>(x, panel, y, 0, c, cols, K, ldy); break;
+        case 6: panel_tile<3, 1>(x, panel, y, 0, c, cols, K, ldy); break;
+        case 7: panel_tile<3, 2>(x, panel, y, 0, c, cols, K, ldy); break;
+        default: break;
+      }
+    }
+    return;
+  }
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* panel[1] = {at(p)};
+    const int64_t c[1] = {p * kPanel}, cols[1] = {width(p)};
+    int64_t n = 0;
+    for (; n + 8 <= N; n += 8) panel_tile<8, 1>(x, panel, y, n, c, cols, K, ldy);
+    switch (N - n) {
+      case 7: panel_tile<7, 1>(x, panel, y, n, c, cols, K, ldy); break;
+      case 6: panel_tile<6, 1>(x, panel, y, n, c, cols, K, ldy); break;
+      case 5: panel_tile<5, 1>(x, panel, y, n, c, cols, K, ldy); break;
+      case 4: panel_tile<4, 1>(x, panel, y, n, c, cols, K, ldy); break;
+      case 3: panel_tile<3, 1>(x, panel, y, n, c, cols, K, ldy); break;
+      case 2: panel_tile<2, 1>(x, panel, y, n, c, cols, K, ldy); break;
+      case 1: panel_tile<1, 1>(x, panel, y, n, c, cols, K, ldy); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace
