@@ -24,7 +24,7 @@ no top logprobs); its tokens, logprobs and finish reasons are exactly what plain
 (greedy: identical tokens; sampling: identically distributed). When another request joins, it
 continues in the batch with plain decoding.
 
-On the CPU kernels (``codedojo.ops``) a forward pass over at most 256 tokens in all
+On the CPU kernels (``codedojo.ops``) a forward pass over at most 512 tokens in all
 (``transformer.FUSED_TOKENS``) is batch-invariant: a token's logits do not depend on the other
 tokens in the pass, bit for bit. So greedy speculative decoding emits exactly plain greedy
 decoding's tokens in float32 and bfloat16 alike, and decode steps do not mix requests'

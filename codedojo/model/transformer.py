@@ -131,9 +131,10 @@ class Block(nn.Module):
 
 _EMPTY = torch.empty(0)  # "no bias" for FusedLayers
 # Passes of up to this many tokens (all rows together) go through the fused layers in one call:
-# a decode step, a verification pass, a short prefill. Prefilling SmolLM2-135M, fused against
-# op by op (BLAS): 32 tokens 71 / 114 ms, 128 tokens 281 / 371, 256 tokens even (544).
-FUSED_TOKENS = 256
+# a decode step, a verification pass, a prefill. Prefilling SmolLM2-135M (float32, logits of
+# every token), fused against op by op (BLAS): 128 tokens 220 / 376 ms, 256 tokens 425 / 556,
+# 512 tokens 999 / 1103, 1024 tokens even (2.5 s: the fused attention is a plain loop).
+FUSED_TOKENS = 512
 
 
 def fused_pass(layers: FusedLayers, view: CacheView, B: int, T: int, *,
