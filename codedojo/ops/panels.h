@@ -62,14 +62,17 @@ class Panels {
     pack();
   }
 
-  // Packs again if the source changed in place since the last packing.
+  // Packs again if the source changed in place since the last packing (inference tensors
+  // keep no version counter: made under torch.inference_mode, they are packed once).
   void refresh() {
-    if (src_._version() != version_) pack();
+    if (version() != version_) pack();
   }
 
  private:
+  int64_t version() const { return src_.is_inference() ? 0 : src_._version(); }
+
   void pack() {
-    version_ = src_._version();
+    version_ = version();
     const float* w = src_.data_ptr<float>() + m0_ * K_;
     float* out = data_;
     const int64_t K = K_, M = M_;

@@ -372,3 +372,20 @@ def test_a_model_that_decoded_can_be_copied() -> None:
         assert not torch.allclose(twin(tokens, cache=KVCache(model.cfg, 1, 16).view(0)), want)
         again = model(tokens, cache=KVCache(model.cfg, 1, 16).view(0))
     assert torch.equal(got, want) and torch.equal(again, want)
+
+
+@needs_kernel
+def test_fused_layers_take_weights_made_in_inference_mode(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Inference tensors keep no version counter: their panels are packed once, not checked."""
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny()
+    calls = _count_calls(monkeypatch)
+    with torch.inference_mode():
+        model = Transformer(cfg).eval()
+        tokens = torch.randint(0, cfg.vocab_size, (1, 4))
+        fused = model(tokens, cache=KVCache(cfg, 1, 32).view(0, 1))
+        model.fuse = False
+        plain = model(tokens, cache=KVCache(cfg, 1, 32).view(0, 1))
+    assert len(calls) == 1
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
