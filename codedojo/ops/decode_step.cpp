@@ -18,10 +18,10 @@
 // a 17 ms step, run between two passes over 0.5 GB that leave every cache cold.
 //
 // The whole call is one parallel region: each thread owns a band of the output columns of
-// every weight matrix (whole panels, or rows) and the threads meet at a barrier only where a result of all
-// of them is needed next (five times a layer). Norms are computed by every thread for itself,
-// residual adds and SwiGLU on each thread's own band. One fork for the call instead of one per
-// matrix multiply.
+// every weight matrix (whole panels, or rows) and the threads meet at a barrier only where a
+// result of all of them is needed next (five times a layer). Norms are computed by every
+// thread for itself, residual adds and SwiGLU on each thread's own band. One fork for the call
+// instead of one per matrix multiply.
 #include <omp.h>
 
 #include <cmath>
