@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from codedojo.ops.gemm import KERNEL_DTYPES, load_kernel
+from codedojo.ops.huge_pages import huge_page_empty
 
 PER_LAYER = 7  # attn_norm, wqkv, bqkv (or an empty tensor), wo, mlp_norm, w_gate_up, w_down
 _EMPTY = torch.empty(0)
@@ -60,7 +61,7 @@ class FusedLayers:
             [w.detach() for w in weights], cos.to(dtype).to(f32).contiguous(),
             sin.to(dtype).to(f32).contiguous(), n_heads, n_kv, eps,
             *(_EMPTY if t is None else t.detach() for t in (embed, norm, head)),
-            [t.detach() for t in mix])
+            [t.detach() for t in mix], lambda n: huge_page_empty((n,), f32))
         return cls(handle, dtype)
 
     def takes(self, k_cache: torch.Tensor) -> bool:

@@ -23,8 +23,10 @@
 // thread for itself, residual adds and SwiGLU on each thread's own band. One fork for the call
 // instead of one per matrix multiply.
 #include <omp.h>
+#include <pybind11/functional.h>
 
 #include <cmath>
+#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -139,10 +141,13 @@ class FusedLayers {
   // embed (vocab, D): the token embeddings, or an empty tensor (callers then pass x). norm (D)
   // and head (V, D): the final norm and output projection, or empty tensors (no logits).
   // mix: an MTP module's input, [norm_h (D), norm_e (D), proj (D, 2D)]: the first layer's input
-  // is then proj [RMSNorm_h(x); RMSNorm_e(embed[token])], or empty.
+  // is then proj [RMSNorm_h(x); RMSNorm_e(embed[token])], or empty. memory(n): n uninitialised
+  // float32 values, where float32 matrices are laid out in panels (panels.h; the caller gives
+  // 2 MB pages); not called for bfloat16 weights.
   FusedLayers(std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
               int64_t H, int64_t K, double eps, torch::Tensor embed, torch::Tensor norm,
-              torch::Tensor head, std::vector<torch::Tensor> mix)
+              torch::Tensor head, std::vector<torch::Tensor> mix,
+              const std::function<torch::Tensor(int64_t)>& memory)
       : weights_(std::move(weights)), cos_(std::move(cos)), sin_(std::move(sin)),
         embed_(std::move(embed)), norm_(std::move(norm)), head_(std::move(head)),
         mix_(std::move(mix)), H_(H), K_(K), eps_(float(eps)) {
@@ -199,7 +204,10 @@ class FusedLayers {
       if (!mix_.empty()) panels_.emplace_back(mix_[2], 0, D_);
       int64_t total = 0;  // each matrix 64-byte aligned
       for (const Panels& p : panels_) total += (p.floats() + 15) / 16 * 16;
-      panel_memory_ = huge_page_floats(total);
+      panel_memory_ = memory(total);
+      TORCH_CHECK(panel_memory_.scalar_type() == at::kFloat && panel_memory_.is_contiguous() &&
+                      panel_memory_.numel() >= total,
+                  "FusedLayers: memory(", total, ") must give that many contiguous float32");
       float* at = panel_memory_.data_ptr<float>();
       for (Panels& p : panels_) {
         p.place(at);
@@ -318,10 +326,8 @@ class FusedLayers {
     W *kc = k_cache.data_ptr<W>(), *vc = v_cache.data_ptr<W>();
     const float eps = eps_;
 
-    // float32: the panels of the head and of the MTP input projection follow the layers'
-    const Panels* extra = panels_.empty() ? nullptr : &panels_[L * kPanelsPerLayer];
-    const Panels* head_panels = extra && V ? extra : nullptr;
-    const Panels* mix_panels = extra && mixed ? extra + (V ? 1 : 0) : nullptr;
+    const Panels* head_panels = panel(L * kPanelsPerLayer);  // the head's, then mix proj's
+    const Panels* mix_panels = mixed ? panel(L * kPanelsPerLayer + (V ? 1 : 0)) : nullptr;
     const int threads = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(threads)
     {
@@ -352,8 +358,7 @@ class FusedLayers {
       }
       for (int64_t l = 0; l < L; ++l) {
         const Layer<W>& w = layers[l];
-        const Panels* pl = panels_.empty() ? nullptr : &panels_[l * kPanelsPerLayer];
-        auto panels = [&](int i) { return pl ? pl + i : nullptr; };
+        auto panels = [&](int i) { return panel(l * kPanelsPerLayer + i); };
         // Attention: norm, fused q/k/v projection, RoPE on q and k, cache write, attend, output.
         rms_norm(xp, w.attn_norm, normed.data(), B, D, eps);
         {
@@ -421,6 +426,9 @@ class FusedLayers {
   std::vector<torch::Tensor> weights_;
   torch::Tensor cos_, sin_, embed_, norm_, head_;
   std::vector<torch::Tensor> mix_;
+  // Panels i, in the order the constructor lists them; nullptr for bfloat16 weights (none).
+  const Panels* panel(int64_t i) const { return panels_.empty() ? nullptr : &panels_[i]; }
+
   std::vector<Panels> panels_;  // float32 weights only, in panel_memory_
   torch::Tensor panel_memory_;
   int64_t H_, K_;
@@ -433,6 +441,7 @@ void bind_fused_layers(pybind11::module& m) {
   pybind11::class_<FusedLayers>(m, "FusedLayers", pybind11::module_local())
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t,
                           int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor,
-                          std::vector<torch::Tensor>>())
+                          std::vector<torch::Tensor>,
+                          const std::function<torch::Tensor(int64_t)>&>())
       .def("run", &FusedLayers::run, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

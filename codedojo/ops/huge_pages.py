@@ -51,9 +51,9 @@ def move_to_huge_pages(module: torch.nn.Module) -> int:
     """Move every CPU parameter of ``module`` into one huge-page mapping, in place; returns the
     bytes moved. Values, shapes, dtypes, ``requires_grad`` and the Parameter objects stay (an
     optimizer holding them is unaffected); each parameter becomes contiguous, with a storage of
-    its own (it saves as before). Views taken of a parameter before the move keep the old memory and no longer
-    see in-place updates, so call this before anything holds such views (``load_model`` does,
-    as it builds the model)."""
+    its own (it saves as before). Views taken of a parameter before the move keep the old
+    memory and no longer see in-place updates, so call this before anything holds such views
+    (``load_model`` does, as it builds the model)."""
     params = [p for p in module.parameters() if p.device.type == "cpu" and p.numel()]
     if not params:
         return 0

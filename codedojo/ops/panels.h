@@ -28,8 +28,6 @@
 // `Panels::refresh` packs again when the source's version counter has moved (an optimizer step,
 // `copy_`), so weights updated in place are seen by the next call.
 #pragma once
-#include <sys/mman.h>
-
 #include <algorithm>
 
 #include "vec.h"
@@ -38,22 +36,8 @@ namespace {
 
 constexpr int64_t kPanel = 32;  // output columns per panel: two 16-float vectors
 
-// n floats in one private anonymous mapping advised 2 MB pages (as huge_pages.py's), aligned
-// to 2 MB, unmapped with the tensor.
-inline torch::Tensor huge_page_floats(int64_t n) {
-  const size_t huge = 2 << 20, bytes = std::max<int64_t>(n, 1) * sizeof(float) + huge;
-  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(base != MAP_FAILED, "Panels: cannot map ", bytes, " bytes");
-  const uintptr_t at = (reinterpret_cast<uintptr_t>(base) + huge - 1) / huge * huge;
-  madvise(reinterpret_cast<void*>(at), bytes - (at - reinterpret_cast<uintptr_t>(base)),
-          MADV_HUGEPAGE);
-  return torch::from_blob(reinterpret_cast<void*>(at), {n}, [base, bytes](void*) {
-    munmap(base, bytes);
-  }, torch::TensorOptions().dtype(at::kFloat));
-}
-
 // Rows [m0, m0 + M) of a row-major (*, K) float32 tensor as panels, in memory given by
-// `place` (one mapping for all the matrices of a model: `huge_page_floats`).
+// `place` (the owner's, one buffer for all its matrices).
 class Panels {
  public:
   Panels(torch::Tensor src, int64_t m0, int64_t M)
