@@ -31,6 +31,10 @@ def serve(
         32, help="every N-th speculative round drafts with every module, so drafts that do not "
         "pay now are tested again, and paused speculation resumes when they come to pay (0: "
         "never, and speculation stops for good when no draft pays)"),
+    prefix_cache_tokens: int = typer.Option(
+        16384, help="finished conversations' keys and values kept, in tokens, so a request "
+        "that starts with one (the next turn of an agent loop) or with a running request's "
+        "prompt (a group of samples) is prefilled only from where they part (0: off)"),
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions and /v1/models for MODEL.
 
@@ -51,6 +55,8 @@ def serve(
         raise typer.BadParameter("must be >= 0", param_hint="--spec-draft-cost")
     if spec_explore_every < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--spec-explore-every")
+    if prefix_cache_tokens < 0:
+        raise typer.BadParameter("must be >= 0", param_hint="--prefix-cache-tokens")
     if not 0 <= port < 65536:
         raise typer.BadParameter("must be in [0, 65535]", param_hint="--port")
     if dtype not in DTYPES:
@@ -74,7 +80,8 @@ def serve(
         if drafter is not None:
             print(f"Speculative decoding with {drafter.depth} MTP modules", flush=True)
     engine = Engine(net, max_batch=max_batch, drafter=drafter,
-                    spec_draft_cost=spec_draft_cost, spec_explore_every=spec_explore_every)
+                    spec_draft_cost=spec_draft_cost, spec_explore_every=spec_explore_every,
+                    prefix_cache_tokens=prefix_cache_tokens)
     engine.start()
     name = served_name or model
     app = create_app(engine, tokenizer, chat, model_name=name)

@@ -7,7 +7,10 @@ One scheduler owns the model and the KV cache. Each iteration it
 3. retires finished requests, moving the last live slot into the hole so live slots stay
    contiguous and a decode step reads the cache as a plain slice.
 
-A new request therefore joins while others decode (continuous batching). The scheduler runs
+A new request therefore joins while others decode (continuous batching). A prompt that starts
+with tokens another sequence already holds (a live one, or a finished one kept in the prefix
+cache, ``prefix_cache_tokens``) copies their keys and values and is prefilled from where they
+part: the next turn of an agent loop, the other members of a GRPO group. The scheduler runs
 either inline (``generate`` without a started engine) or on a background thread (``start``),
 which ``stream`` and concurrent callers use.
 
@@ -36,6 +39,7 @@ alone.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import statistics
 import threading
@@ -46,6 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from codedojo.engine.prefix_cache import Entry, PrefixCache, common_prefix
 from codedojo.engine.sampling import filtered_logprobs, sample_batch
 from codedojo.engine.speculative import Drafter, SpecStats, SpeculativeSession, TransformerTarget
 from codedojo.engine.types import Completion, SamplingParams, TokenEvent
@@ -73,6 +78,8 @@ def input_major_weights(model: torch.nn.Module) -> None:
 
 log = logging.getLogger(__name__)
 PREFILL_TOKENS = 4096  # padded tokens per batched prefill pass
+# Shared prefixes shorter than this are prefilled again (a copy and a batch of its own do not pay).
+PREFIX_MIN_TOKENS = 32
 
 
 @dataclass
@@ -90,11 +97,20 @@ class Request:
     weight_version: int = -1
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
+    # where its prompt's first `cached_tokens` keys/values come from: a live request or a
+    # prefix cache entry (chosen at admission)
+    reuse: Request | Entry | None = None
+    cached_tokens: int = 0
+
+    @functools.cached_property
+    def prompt_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.prompt_ids)
 
     def completion(self) -> Completion:
         return Completion(prompt_ids=self.prompt_ids, token_ids=self.token_ids,
                           logprobs=self.logprobs, finish_reason=self.finish_reason or "cancelled",
-                          weight_version=self.weight_version, top_logprobs=self.top_logprobs)
+                          weight_version=self.weight_version, top_logprobs=self.top_logprobs,
+                          cached_tokens=self.cached_tokens)
 
 
 class Engine:
@@ -103,8 +119,10 @@ class Engine:
     def __init__(self, model: Transformer, *, max_batch: int = 16,
                  max_seq_len: int | None = None, drafter: Drafter | None = None,
                  spec_draft_cost: float | None = None, spec_probe_rounds: int = 64,
-                 spec_explore_every: int = 32) -> None:
-        """``drafter``: MTP drafts for speculative decoding. The first ``spec_probe_rounds``
+                 spec_explore_every: int = 32, prefix_cache_tokens: int = 16384) -> None:
+        """``prefix_cache_tokens``: finished sequences' keys and values kept for reuse, in
+        tokens (SmolLM2-135M: 46 KB a token in float32); 0 turns prefix reuse off (live
+        sequences are not shared either). ``drafter``: MTP drafts for speculative decoding. The first ``spec_probe_rounds``
         rounds draft with every module; from then on each round drafts the number of tokens
         that emits the most per unit of time by the acceptance seen so far
         (`SpecStats.best_depth`), with one more draft costing ``draft_cost`` plain decode steps
@@ -133,6 +151,7 @@ class Engine:
         self.cache = KVCache(cfg, max_batch, self.max_seq_len, dtype=dtype,
                              device=next(model.parameters()).device)
         self.weight_version = 0
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.drafter = drafter
         self.spec_stats = SpecStats()  # over every speculative round of this engine
         self.spec_draft_cost = spec_draft_cost
@@ -256,6 +275,7 @@ class Engine:
             for k, v in state_dict.items():
                 own[k].copy_(v)
             self.weight_version = int(version)
+            self.prefix_cache.clear()  # keys and values of the old weights
             refresh = getattr(self.drafter, "refresh", None)  # drafts read the new head
             if refresh is not None:
                 refresh()
@@ -288,22 +308,68 @@ class Engine:
         """Move waiting requests into free slots and prefill them together: prompts are
         right-padded into one batch (a pad never influences a real token under the causal
         mask, and each slot is then cut back to its prompt), up to ``PREFILL_TOKENS`` padded
-        tokens per forward pass."""
+        tokens per forward pass. A prompt that shares at least ``PREFIX_MIN_TOKENS`` leading
+        tokens with a live sequence or a prefix cache entry is prefilled from where they part
+        (unless ``prefix_cache_tokens`` is 0); one that shares them with a request of the batch
+        being gathered waits for the next batch (the same iteration), to share them then."""
         while self._waiting and len(self._live) < self.max_batch:
             batch: list[Request] = []
             with self._wake:
                 while self._waiting and len(self._live) + len(batch) < self.max_batch:
                     req = self._waiting[0]
-                    width = max([len(r.prompt_ids) for r in batch] + [len(req.prompt_ids)])
-                    if batch and width * (len(batch) + 1) > PREFILL_TOKENS:
+                    if req.cancelled:
+                        self._waiting.popleft()
+                        self._finish(req, "cancelled")
+                        continue
+                    if self.prefix_cache.max_tokens and any(
+                            common_prefix(r.prompt_tensor, req.prompt_tensor) >= PREFIX_MIN_TOKENS
+                            for r in batch):
+                        break
+                    self._find_reuse(req)
+                    rows = [*batch, req]
+                    width = max(len(r.prompt_ids) - r.cached_tokens for r in rows)
+                    past = max(r.cached_tokens for r in rows)  # padded rows run past their prompt
+                    if batch and (width * len(rows) > PREFILL_TOKENS
+                                  or past + width > self.max_seq_len):
                         break
                     self._waiting.popleft()
-                    if req.cancelled:
-                        self._finish(req, "cancelled")
-                    else:
-                        batch.append(req)
+                    batch.append(req)
             if batch:
                 self._prefill(batch)
+
+    def _find_reuse(self, req: Request) -> None:
+        """Choose where the prompt's leading keys/values come from: the live sequence (of the
+        current weights) or prefix cache entry sharing the most tokens with it; at least one
+        prompt token is left to prefill, for the first token's logits."""
+        if not self.prefix_cache.max_tokens:
+            return
+        ids = req.prompt_tensor
+        src: Request | Entry | None = None
+        n = 0
+        for slot, r in enumerate(self._live):
+            if r.weight_version == self.weight_version:
+                held = (r.prompt_ids + r.token_ids)[: self.cache.lengths[slot]]
+                if (m := common_prefix(torch.tensor(held), ids)) > n:
+                    src, n = r, m
+        entry, m = self.prefix_cache.lookup(ids)
+        if m > n:
+            src, n = entry, m
+        n = min(n, len(ids) - 1)
+        req.reuse, req.cached_tokens = (src, n) if n >= PREFIX_MIN_TOKENS else (None, 0)
+
+    def _take_prefix(self, slot: int, req: Request) -> list[int]:
+        """Fill ``slot`` with the keys/values ``req`` reuses; return the prompt tokens left to
+        prefill."""
+        src, n = req.reuse, req.cached_tokens
+        req.reuse = None  # hold no entry past this point
+        if src is None:
+            self.cache.reset(slot)
+        elif isinstance(src, Entry):
+            self.cache.load(slot, src.k[:, :, :n], src.v[:, :, :n])
+        else:
+            j = next(i for i, r in enumerate(self._live) if r is src)
+            self.cache.load(slot, self.cache.k[:, j, :, :n], self.cache.v[:, j, :, :n])
+        return req.prompt_ids[n:]
 
     @property
     def speculating(self) -> bool:
@@ -365,19 +431,19 @@ class Engine:
                 and not p.top_logprobs)
 
     def _prefill(self, batch: list[Request]) -> None:
-        if len(batch) == 1 and self._speculates(batch[0]):
+        # a shared prefix saves more than drafting does (the drafts need the whole prompt)
+        if len(batch) == 1 and batch[0].reuse is None and self._speculates(batch[0]):
             return self._prefill_speculative(batch[0])
         start = len(self._live)
-        lens = [len(r.prompt_ids) for r in batch]
-        width = max(lens)
-        tokens = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, r in enumerate(batch):
-            self.cache.reset(start + i)
-            tokens[i, : lens[i]] = torch.tensor(r.prompt_ids)
+        rest = [self._take_prefix(start + i, r) for i, r in enumerate(batch)]
+        lens = [len(t) for t in rest]
+        tokens = torch.zeros(len(batch), max(lens), dtype=torch.long)
+        for i, t in enumerate(rest):
+            tokens[i, : lens[i]] = torch.tensor(t)
         view = self.cache.view(start, start + len(batch))
         logits = self.model(tokens, cache=view, logits_at=torch.tensor(lens) - 1)
         for i, r in enumerate(batch):
-            self.cache.truncate(start + i, lens[i])
+            self.cache.truncate(start + i, len(r.prompt_ids))
             r.weight_version = self.weight_version
         self._live.extend(batch)
         self._emit(batch, logits[:, -1])
@@ -468,6 +534,7 @@ class Engine:
             if r.cancelled and r.finish_reason is None:
                 self._finish(r, "cancelled")
             if r.done.is_set():
+                self._keep(i, r)
                 last = len(self._live) - 1
                 if last != i:
                     self.cache.move(last, i)  # also empties slot `last`
@@ -477,3 +544,12 @@ class Engine:
                 self._live.pop()
             else:
                 i += 1
+
+    def _keep(self, slot: int, req: Request) -> None:
+        """Put a retiring sequence's keys/values in the prefix cache (those of the current
+        weights only: a request that saw a weight push holds older ones too)."""
+        n = self.cache.lengths[slot]
+        if (n >= PREFIX_MIN_TOKENS and n <= self.prefix_cache.max_tokens
+                and req.weight_version == self.weight_version):
+            k, v = self.cache.export(slot)
+            self.prefix_cache.put(torch.tensor((req.prompt_ids + req.token_ids)[:n]), k, v)

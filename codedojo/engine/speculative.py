@@ -41,8 +41,10 @@ class Target(Protocol):
 
     def reset(self) -> None: ...
 
-    def extend(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ids; return logits (n, V) and last hidden states (n, D) for them."""
+    def extend(self, ids: Sequence[int], last_only: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ids; return logits (n, V) and last hidden states (n, D) for them: logits of
+        the last id only (1, V) with ``last_only`` (a prompt needs no others)."""
         ...
 
     def truncate(self, length: int) -> None: ...
@@ -201,7 +203,7 @@ def plain_generate(target: Target, prompt: Sequence[int], max_new_tokens: int,
                    stop_ids: Sequence[int] = ()) -> list[int]:
     """Reference decode: one target pass per token."""
     target.reset()
-    logits, _ = target.extend(list(prompt))
+    logits, _ = target.extend(list(prompt), last_only=True)
     out: list[int] = []
     stop = set(stop_ids)
     while True:
@@ -243,7 +245,7 @@ class SpeculativeSession:
             raise ValueError("prompt must not be empty")
         self.target.reset()
         self.drafter.reset()
-        logits, hidden = self.target.extend(list(prompt))
+        logits, hidden = self.target.extend(list(prompt), last_only=True)
         first, _ = self._pick(logits[-1])
         self.logits = logits[-1:]
         self.tokens = [*prompt, first]
@@ -321,10 +323,12 @@ class TransformerTarget:
     def reset(self) -> None:
         self.cache.reset(self.slot)
 
-    def extend(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(self, ids: Sequence[int], last_only: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.cache.device
         logits, hidden = self.model(torch.tensor([list(ids)], device=dev),
-                                    cache=self.cache.view(self.slot), return_hidden=True)
+                                    cache=self.cache.view(self.slot), return_hidden=True,
+                                    last_only=last_only)
         return logits[0], hidden[0]
 
     def truncate(self, length: int) -> None:

@@ -53,7 +53,9 @@ class TokenEvent:
 
 @dataclass
 class Completion:
-    """A finished request. ``weight_version`` is the engine's version when it was produced."""
+    """A finished request. ``weight_version`` is the engine's version when it was produced;
+    ``cached_tokens`` how many of the prompt's tokens were not prefilled again but taken from
+    an earlier sequence's keys and values (`codedojo.engine.prefix_cache`)."""
 
     prompt_ids: list[int]
     token_ids: list[int]
@@ -61,3 +63,4 @@ class Completion:
     finish_reason: str
     weight_version: int
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    cached_tokens: int = 0

@@ -78,7 +78,7 @@ class Attention(nn.Module):
         v = qkv[:, :, H + K :].transpose(1, 2)  # (B, K, T, hd)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, K, S, hd) with the past
-        causal = mask is None and cache is None
+        causal = mask is None and T > 1  # with a cache: the pass starts at position 0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                            enable_gqa=H != K)  # (B, H, T, hd)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * self.hd))

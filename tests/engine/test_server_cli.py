@@ -72,3 +72,12 @@ def test_dojo_serve_names_a_bad_dtype():
 
     r = CliRunner().invoke(app, ["serve", "--dtype", "float16"])
     assert r.exit_code == 2 and "--dtype" in r.output and "float16" in r.output
+
+
+def test_dojo_serve_names_a_negative_prefix_cache():
+    from typer.testing import CliRunner
+
+    from codedojo.cli import app
+
+    r = CliRunner().invoke(app, ["serve", "--prefix-cache-tokens", "-1"])
+    assert r.exit_code == 2 and "--prefix-cache-tokens" in r.output

@@ -95,9 +95,9 @@ class MarkovTarget:
     def reset(self) -> None:
         self.n = 0
 
-    def extend(self, ids):
+    def extend(self, ids, last_only=False):
         self.n += len(ids)
-        return self.logp[list(ids)], torch.zeros(len(ids), 1)
+        return self.logp[list(ids)[-1:] if last_only else list(ids)], torch.zeros(len(ids), 1)
 
     def truncate(self, length: int) -> None:
         assert length <= self.n
