@@ -89,6 +89,7 @@ class ChoiceResult:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str = "stop"
+    cached_tokens: int = 0  # prompt tokens the engine took from an earlier sequence
 
 
 class TextAssembler:
@@ -300,6 +301,7 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
                 finish = "stop" if ev.finish_reason == "cancelled" else (ev.finish_reason or finish)
                 break
             result.token_ids.append(ev.token_id)
+            result.cached_tokens = ev.cached_tokens
             result.logprobs.append(ev.logprob)
             result.top_logprobs.append(list(ev.top_logprobs or []))
             text = asm.push(ev.token_id)
@@ -347,19 +349,26 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _with_usage(chunk: dict[str, Any], last: bool, include_usage: bool, prompt_tokens: int,
-                completion_tokens: int) -> list[str]:
+def _cached_tokens(prompt_of: Sequence[int], cached: Sequence[int]) -> int:
+    """Usage's cached prompt tokens: for each prompt, the fewest any of its choices took from an
+    earlier sequence (the others of a group share the first one's prompt), summed over prompts.
+    ``prompt_of[i]``: the prompt of choice i."""
+    fewest: dict[int, int] = {}
+    for k, c in zip(prompt_of, cached, strict=True):
+        fewest[k] = min(c, fewest.get(k, c))
+    return sum(fewest.values())
+
+
+def _with_usage(chunk: dict[str, Any], last: bool, include_usage: bool, usage: Usage) -> list[str]:
     """SSE lines for a choice's final chunk. Every stream reports usage: with
     `stream_options.include_usage` as the spec's extra chunk with empty `choices`, otherwise on
     the last choice's final chunk (so clients that read `choices[0]` of every chunk keep working)."""
     if not last:
         return [_sse(chunk)]
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens}
     if include_usage:
         return [_sse(chunk), _sse({**{k: v for k, v in chunk.items() if k != "choices"}, "choices": [],
-                                   "usage": usage})]
-    return [_sse({**chunk, "usage": usage})]
+                                   "usage": usage.model_dump()})]
+    return [_sse({**chunk, "usage": usage.model_dump()})]
 
 
 async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
@@ -454,8 +463,8 @@ async def _chat(state: ServerState, req: ChatCompletionRequest) -> Any:
                                   token_ids=r.token_ids if req.return_token_ids else None))
     completion_tokens = sum(len(r.token_ids) for r in results)
     resp = ChatCompletion(id=rid, created=created, model=req.model, choices=choices,
-                          usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens,
-                                      total_tokens=len(prompt_ids) + completion_tokens),
+                          usage=Usage.of(len(prompt_ids), completion_tokens,
+                                         _cached_tokens([0] * len(results), [r.cached_tokens for r in results])),
                           prompt_token_ids=prompt_ids if req.return_token_ids else None, weight_version=version)
     return JSONResponse(resp.model_dump(exclude_none=True))
 
@@ -469,6 +478,7 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
     # Per choice: text seen so far, and how much of it went out as content.
     seen = ["" for _ in gens]
     sent = [0 for _ in gens]
+    cached = [0 for _ in gens]
     completion_tokens = finished = 0
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     first = {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
@@ -502,6 +512,7 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
             # The choice is finished.
             result: ChoiceResult = item
             finish = result.finish_reason
+            cached[i] = result.cached_tokens
             delta_out: dict[str, Any] = {}
             rest = result.text[sent[i]:]
             if tools:
@@ -515,7 +526,8 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
                 delta_out["content"] = rest
             chunk: dict[str, Any] = {**base, "choices": [{"index": i, "delta": delta_out, "finish_reason": finish}]}
             finished += 1
-            for out in _with_usage(chunk, finished == len(gens), include_usage, len(prompt_ids), completion_tokens):
+            usage = Usage.of(len(prompt_ids), completion_tokens, _cached_tokens([0] * len(gens), cached))
+            for out in _with_usage(chunk, finished == len(gens), include_usage, usage):
                 yield out
     except Exception as e:  # a failure mid-stream: tell the client in-band, keep the server up
         yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", None, "server_error"))
@@ -586,8 +598,9 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Any:
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(r.token_ids) for r in results)
     resp = TextCompletion(id=rid, created=created, model=req.model, choices=choices,
-                          usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                      total_tokens=prompt_tokens + completion_tokens), weight_version=version)
+                          usage=Usage.of(prompt_tokens, completion_tokens,
+                                         _cached_tokens([k for k, _, _ in jobs], [r.cached_tokens for r in results])),
+                          weight_version=version)
     return JSONResponse(resp.model_dump(exclude_none=True))
 
 
@@ -599,6 +612,7 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
     completion_tokens = finished = 0
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     prompt_tokens = sum(len(p) for _, p, _ in jobs[:: req.n])
+    cached = [0 for _ in jobs]
     try:
         if req.echo:
             for idx, (_, p, _) in enumerate(jobs):
@@ -618,8 +632,10 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
                     yield _sse({**base, "choices": [choice]})
             else:
                 finished += 1
+                cached[idx] = item.cached_tokens
                 chunk = {**base, "choices": [{"index": idx, "text": "", "finish_reason": item.finish_reason}]}
-                for out in _with_usage(chunk, finished == len(gens), include_usage, prompt_tokens, completion_tokens):
+                usage = Usage.of(prompt_tokens, completion_tokens, _cached_tokens([k for k, _, _ in jobs], cached))
+                for out in _with_usage(chunk, finished == len(gens), include_usage, usage):
                     yield out
     except Exception as e:
         yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", None, "server_error"))

@@ -49,6 +49,7 @@ class TokenEvent:
     logprob: float
     top_logprobs: list[tuple[int, float]]
     finish_reason: str | None  # None while running, then "stop" | "length" | "cancelled"
+    cached_tokens: int = 0  # the request's prompt tokens taken from an earlier sequence
 
 
 @dataclass

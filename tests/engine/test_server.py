@@ -385,3 +385,20 @@ def test_concurrent_requests_share_decode_batches(tok, http):
         engine.stop()
     # Submitted together, they decode together (at least two per step; all four once admitted).
     assert max(engine.batch_sizes) >= 2
+
+
+def test_usage_counts_prompt_tokens_taken_from_an_earlier_turn(client):
+    words = "lamp river stone cloud maple quartz violet ember harbor signal".split()
+    first_msgs = [{"role": "user", "content": " ".join(words[i % 10] for i in range(3, 12))}]
+    first = greedy(client, messages=first_msgs, max_tokens=8)
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens // 2
+    turn = first_msgs + [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "and then?"}]
+    second = greedy(client, messages=turn, max_tokens=8)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    stream = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    usage = [c.usage for c in stream if c.usage is not None]
+    assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    text = client.completions.create(model=MODEL, prompt=[turn[0]["content"]] * 2, max_tokens=4, n=2)
+    assert text.usage.prompt_tokens_details.cached_tokens > 0  # both prompts, from the first turn
