@@ -25,9 +25,9 @@ the only one live, which is when decoding is latency-bound and a verify pass ove
 costs about what one token does. It must ask for the plain target distribution (no top-k/top-p,
 no top logprobs); its tokens, logprobs and finish reasons are exactly what plain decoding gives
 (greedy: identical tokens; sampling: identically distributed). When another request joins, it
-continues in the batch with plain decoding. A request that takes its prompt's start from a shared prefix
-decodes plainly too: the drafts would need the target's hidden states over the whole prompt,
-and a prefix saves more than drafting does.
+continues in the batch with plain decoding. A request that takes its prompt's start from a
+shared prefix decodes plainly too: the drafts would need the target's hidden states over the
+whole prompt, and a prefix saves more than drafting does.
 
 On the CPU kernels (``codedojo.ops``) a forward pass over at most 512 tokens in all
 (``transformer.FUSED_TOKENS``) is batch-invariant: a token's logits do not depend on the other
