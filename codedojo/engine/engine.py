@@ -124,7 +124,9 @@ class Engine:
                  spec_explore_every: int = 32, prefix_cache_tokens: int = 16384) -> None:
         """``prefix_cache_tokens``: finished sequences' keys and values kept for reuse, in
         tokens (SmolLM2-135M: 46 KB a token in float32); 0 turns prefix reuse off (live
-        sequences are not shared either). ``drafter``: MTP drafts for speculative decoding. The first ``spec_probe_rounds``
+        sequences are not shared either).
+
+        ``drafter``: MTP drafts for speculative decoding. The first ``spec_probe_rounds``
         rounds draft with every module; from then on each round drafts the number of tokens
         that emits the most per unit of time by the acceptance seen so far
         (`SpecStats.best_depth`), with one more draft costing ``draft_cost`` plain decode steps
