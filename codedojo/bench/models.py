@@ -32,8 +32,9 @@ def smollm2_policy(base_url: str | None = None, temperature: float = 0.0, seed: 
 
     net, _ = load_model(MODEL_NAME)
     # One sequence at a time: the runner gives the model agent one episode at a time, and a
-    # small KV cache keeps memory flat on a 2-core machine.
-    engine = Engine(net, max_batch=1, max_seq_len=max_seq_len)
+    # small KV cache keeps memory flat on a 2-core machine; the prefix cache holds one
+    # conversation, the episode's last turn, which the next turn starts with.
+    engine = Engine(net, max_batch=1, max_seq_len=max_seq_len, prefix_cache_tokens=max_seq_len)
     chat = ChatTemplate(load_tokenizer(MODEL_NAME), tool_format="smollm2")
     return EnginePolicy(engine, chat, name=MODEL_NAME, temperature=temperature, seed=seed)
 

@@ -97,6 +97,7 @@ class Request:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     weight_version: int = -1
+    loads: int = -1  # the engine's `load_weights` calls before its prefill
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     # where its prompt's first `cached_tokens` keys/values come from: a live request or a
@@ -155,6 +156,7 @@ class Engine:
         self.cache = KVCache(cfg, max_batch, self.max_seq_len, dtype=dtype,
                              device=next(model.parameters()).device)
         self.weight_version = 0
+        self._loads = 0  # load_weights calls (a version number may be pushed twice)
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.drafter = drafter
         self.spec_stats = SpecStats()  # over every speculative round of this engine
@@ -279,6 +281,7 @@ class Engine:
             for k, v in state_dict.items():
                 own[k].copy_(v)
             self.weight_version = int(version)
+            self._loads += 1
             self.prefix_cache.clear()  # keys and values of the old weights
             refresh = getattr(self.drafter, "refresh", None)  # drafts read the new head
             if refresh is not None:
@@ -314,8 +317,9 @@ class Engine:
         mask, and each slot is then cut back to its prompt), up to ``PREFILL_TOKENS`` padded
         tokens per forward pass. A prompt that shares at least ``PREFIX_MIN_TOKENS`` leading
         tokens with a live sequence or a prefix cache entry is prefilled from where they part
-        (unless ``prefix_cache_tokens`` is 0); one that shares them with a request of the batch
-        being gathered waits for the next batch (the same iteration), to share them then."""
+        (unless ``prefix_cache_tokens`` is 0); one that would share more with a request of the
+        batch being gathered waits for the next batch (the same iteration), to share it then:
+        the first of a group of equal prompts is prefilled alone, the others together after."""
         while self._waiting and len(self._live) < self.max_batch:
             batch: list[Request] = []
             with self._wake:
@@ -325,11 +329,9 @@ class Engine:
                         self._waiting.popleft()
                         self._finish(req, "cancelled")
                         continue
-                    if self.prefix_cache.max_tokens and any(
-                            common_prefix(r.prompt_tensor, req.prompt_tensor) >= PREFIX_MIN_TOKENS
-                            for r in batch):
-                        break
                     self._find_reuse(req)
+                    if self._shares_more_with(req, batch):
+                        break
                     rows = [*batch, req]
                     width = max(len(r.prompt_ids) - r.cached_tokens for r in rows)
                     past = max(r.cached_tokens for r in rows)  # padded rows run past their prompt
@@ -351,7 +353,7 @@ class Engine:
         src: Request | Entry | None = None
         n = 0
         for slot, r in enumerate(self._live):
-            if r.weight_version == self.weight_version:
+            if r.loads == self._loads:  # keys and values of the current weights
                 held = (r.prompt_ids + r.token_ids)[: self.cache.lengths[slot]]
                 if (m := common_prefix(torch.tensor(held), ids)) > n:
                     src, n = r, m
@@ -360,6 +362,15 @@ class Engine:
             src, n = entry, m
         n = min(n, len(ids) - 1)
         req.reuse, req.cached_tokens = (src, n) if n >= PREFIX_MIN_TOKENS else (None, 0)
+
+    def _shares_more_with(self, req: Request, batch: list[Request]) -> bool:
+        """Whether ``req`` would reuse more of a request in ``batch`` (once prefilled) than
+        ``_find_reuse`` found for it, and at least ``PREFIX_MIN_TOKENS`` tokens."""
+        if not self.prefix_cache.max_tokens:
+            return False
+        last = len(req.prompt_ids) - 1
+        return any(min(common_prefix(r.prompt_tensor, req.prompt_tensor), last)
+                   >= max(PREFIX_MIN_TOKENS, req.cached_tokens + 1) for r in batch)
 
     def _take_prefix(self, slot: int, req: Request) -> list[int]:
         """Fill ``slot`` with the keys/values ``req`` reuses; return the prompt tokens left to
@@ -448,7 +459,7 @@ class Engine:
         logits = self.model(tokens, cache=view, logits_at=torch.tensor(lens) - 1)
         for i, r in enumerate(batch):
             self.cache.truncate(start + i, len(r.prompt_ids))
-            r.weight_version = self.weight_version
+            r.weight_version, r.loads = self.weight_version, self._loads
         self._live.extend(batch)
         self._emit(batch, logits[:, -1])
 
@@ -459,7 +470,7 @@ class Engine:
         sess = SpeculativeSession(target, self.drafter, req.params.temperature, req.generator,
                                   stats=self.spec_stats)
         sess.prefill(req.prompt_ids)
-        req.weight_version = self.weight_version
+        req.weight_version, req.loads = self.weight_version, self._loads
         self._live.append(req)
         self._spec = (req, sess)
         self._record_logits(req, sess)
@@ -552,8 +563,8 @@ class Engine:
     def _keep(self, slot: int, req: Request) -> None:
         """Put a retiring sequence's keys/values in the prefix cache (those of the current
         weights only: a request that saw a weight push holds older ones too)."""
-        n = self.cache.lengths[slot]
-        if (n >= PREFIX_MIN_TOKENS and n <= self.prefix_cache.max_tokens
-                and req.weight_version == self.weight_version):
-            k, v = self.cache.export(slot)
-            self.prefix_cache.put(torch.tensor((req.prompt_ids + req.token_ids)[:n]), k, v)
+        ids = (req.prompt_ids + req.token_ids)[: self.cache.lengths[slot]]
+        # (a speculative round that stopped early holds keys past its last emitted token)
+        n = len(ids)
+        if PREFIX_MIN_TOKENS <= n <= self.prefix_cache.max_tokens and req.loads == self._loads:
+            self.prefix_cache.put(torch.tensor(ids), *self.cache.export(slot, n))

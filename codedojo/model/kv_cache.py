@@ -74,10 +74,11 @@ class KVCache:
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
 
-    def export(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the keys and values ``slot`` holds, (layers, kv_heads, length, head_dim)
-        each."""
-        n = self.lengths[slot]
+    def export(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values of the first ``n`` tokens ``slot`` holds, (layers,
+        kv_heads, n, head_dim) each."""
+        if not 0 <= n <= self.lengths[slot]:
+            raise ValueError(f"n {n} outside [0, {self.lengths[slot]}] for slot {slot}")
         return self.k[:, slot, :, :n].clone(), self.v[:, slot, :, :n].clone()
 
     def load(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -400,5 +400,10 @@ def test_usage_counts_prompt_tokens_taken_from_an_earlier_turn(client):
                                             stream=True, stream_options={"include_usage": True})
     usage = [c.usage for c in stream if c.usage is not None]
     assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
-    text = client.completions.create(model=MODEL, prompt=[turn[0]["content"]] * 2, max_tokens=4, n=2)
-    assert text.usage.prompt_tokens_details.cached_tokens > 0  # both prompts, from the first turn
+    # Completions with n = 2: the second choice shares the first one's prompt, and usage counts
+    # what the prompt took from earlier requests (nothing the first time, all but one token after).
+    raw = " ".join(words[i % 10] for i in range(5, 13))
+    a = client.completions.create(model=MODEL, prompt=raw, max_tokens=4, n=2)
+    assert a.usage.prompt_tokens_details.cached_tokens == 0
+    b = client.completions.create(model=MODEL, prompt=raw, max_tokens=4, n=2)
+    assert b.usage.prompt_tokens_details.cached_tokens == b.usage.prompt_tokens - 1
