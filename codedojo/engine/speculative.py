@@ -226,6 +226,7 @@ class SpeculativeSession:
         self.temperature, self.gen = temperature, gen
         self.stats = SpecStats() if stats is None else stats
         self.tokens: list[int] = []
+        self.origin = 0  # the drafter sees the sequence from this position on
         self.logits: torch.Tensor | None = None  # target logits (n, V) of the last emitted
         # target hiddens the drafter has not been given yet, in order (concatenated when it is)
         self._new_hidden: list[torch.Tensor] = []
@@ -239,17 +240,30 @@ class SpeculativeSession:
         return _sample(q, self.gen), q
 
     @torch.no_grad()
-    def prefill(self, prompt: Sequence[int]) -> int:
-        """Run the prompt; return the first generated token (sampled from the target)."""
+    def prefill(self, prompt: Sequence[int], start: int = 0) -> int:
+        """Run the prompt; return the first generated token (sampled from the target).
+
+        ``start`` > 0: the target already holds the keys and values of the prompt's first
+        ``start`` tokens (a prefix reused from another sequence), and only the rest is run. The
+        drafter then sees the sequence from ``start`` on: its modules attend over their own
+        states of those positions only (the target's hidden states they read still carry the
+        whole context), so their drafts may be accepted less often, never wrongly."""
         if not prompt:
             raise ValueError("prompt must not be empty")
-        self.target.reset()
+        if not 0 <= start < len(prompt):
+            raise ValueError(f"start {start} must leave at least one of the prompt's "
+                             f"{len(prompt)} tokens to run")
+        if start == 0:
+            self.target.reset()
+        elif self.target.length != start:
+            raise ValueError(f"start {start}: the target holds {self.target.length} tokens")
         self.drafter.reset()
-        logits, hidden = self.target.extend(list(prompt), last_only=True)
+        logits, hidden = self.target.extend(list(prompt[start:]), last_only=True)
         first, _ = self._pick(logits[-1])
         self.logits = logits[-1:]
         self.tokens = [*prompt, first]
-        self._new_hidden = [hidden]  # positions 0 .. len(tokens) - 2
+        self.origin = start
+        self._new_hidden = [hidden]  # positions start .. len(tokens) - 2
         return first
 
     @torch.no_grad()
@@ -264,8 +278,8 @@ class SpeculativeSession:
         drafts: list[int] = []
         q: list[torch.Tensor] = []
         if k > 0:
-            drafts, q = self.drafter.draft(torch.cat(self._new_hidden), self.tokens, self._pick,
-                                           k)
+            drafts, q = self.drafter.draft(torch.cat(self._new_hidden),
+                                           self.tokens[self.origin:], self._pick, k)
         L = len(self.tokens)
         logits, hidden = self.target.extend([self.tokens[-1], *drafts])  # (k+1, V)
         p = logits if self.temperature <= 0 else target_probs(logits, self.temperature)

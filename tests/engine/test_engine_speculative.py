@@ -289,3 +289,28 @@ def test_changing_depth_between_rounds_keeps_drafts_exact(model: Transformer) ->
 def test_bad_speculation_settings_are_named(model: Transformer, kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"{field} must be >= 0"):
         Engine(model, drafter=OracleDrafter(TransformerTarget(model), 2), **kw)
+
+
+def test_the_next_turn_reuses_the_prefix_and_still_drafts(model: Transformer) -> None:
+    greedy = SamplingParams(max_tokens=20, temperature=0)
+    engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, 24))
+    fresh = Engine(model, max_batch=2, prefix_cache_tokens=0)
+    convo = PROMPT * 8
+    first = engine.generate([convo], greedy)[0]
+    turn = convo + first.token_ids[:12] + [3, 4]
+    rounds = engine.spec_stats.rounds
+    again = engine.generate([turn], greedy)[0]
+    assert again.cached_tokens == len(convo) + 12
+    assert engine.spec_stats.rounds > rounds  # decoded speculatively
+    ref = fresh.generate([turn], greedy)[0]
+    assert again.token_ids == ref.token_ids
+    assert max(abs(a - b) for a, b in zip(again.logprobs, ref.logprobs, strict=True)) < 1e-4
+
+
+def test_a_session_starts_after_a_prefix_the_target_holds(model: Transformer) -> None:
+    target = TransformerTarget(model)
+    sess = SpeculativeSession(target, mtp_drafter(model, 0))
+    with pytest.raises(ValueError, match="start 3: the target holds 0 tokens"):
+        sess.prefill(PROMPT, start=3)
+    with pytest.raises(ValueError, match="at least one"):
+        sess.prefill(PROMPT, start=len(PROMPT))
