@@ -8,10 +8,15 @@ group, with the prefix cache and without it (``prefix_cache_tokens=0``), in this
 - group: ``--group`` requests with one prompt of ``--group-prompt`` tokens, sampled with
   different seeds (a GRPO group); ``group_s_*`` seconds for the group.
 
-Both sides must emit the same tokens (checked: ``identical``). Prints one JSON line.
+Both sides must emit the same tokens (checked: ``identical``). With ``--ckpt`` (a checkpoint
+with MTP modules in HF form, as ``dojo pretrain configs/cpt-smollm2.toml`` exports to
+runs/cpt-smollm2/hf) the model is that checkpoint's and both engines decode the agent's turns
+speculatively (``spec_rounds_*``, ``spec_accept_first_*``: their rounds and first-draft
+acceptance on each side). Prints one JSON line.
 
     python benchmarks/prefix_cache.py [--turns 6] [--tool-tokens 300] [--reply 24]
                                       [--group 8] [--group-prompt 1024] [--threads 2]
+                                      [--ckpt runs/cpt-smollm2/hf]
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import time
 import torch
 
 from codedojo.engine.engine import Engine
+from codedojo.engine.speculative import load_drafter
 from codedojo.engine.types import Completion, SamplingParams
 from codedojo.model.tokenizer import load_tokenizer
 from codedojo.model.weights import load_model
@@ -56,10 +62,11 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--group-prompt", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ckpt", default=None, help="a checkpoint directory with MTP modules")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    model, _ = load_model()
+    model, _ = load_model(args.ckpt) if args.ckpt else load_model()
     tok = load_tokenizer()
     text = "".join(inspect.getsource(m) for m in (inspect, json, argparse))
     ids = tok.encode(text)
@@ -70,8 +77,11 @@ def main() -> None:
     tools = [ids[i * args.tool_tokens:(i + 1) * args.tool_tokens] for i in range(args.turns)]
     prompt = ids[-args.group_prompt:]
 
-    cached = Engine(model, max_batch=args.group)
-    fresh = Engine(model, max_batch=args.group, prefix_cache_tokens=0)
+    def drafter():  # one each: a drafter holds the state of the sequence it drafts for
+        return load_drafter(model, args.ckpt) if args.ckpt else None
+
+    cached = Engine(model, max_batch=args.group, drafter=drafter())
+    fresh = Engine(model, max_batch=args.group, prefix_cache_tokens=0, drafter=drafter())
     for e in (cached, fresh):  # warm-up
         e.generate([system], SamplingParams(max_tokens=2, temperature=0))
     agent_cached, a1 = agent(cached, system, tools, args.reply)
@@ -87,9 +97,12 @@ def main() -> None:
         "group_s_cached": round(group_cached, 3), "group_s_fresh": round(group_fresh, 3),
         "group_speedup": round(group_fresh / group_cached, 3),
         "group_cached_tokens": sum(c.cached_tokens for c in g1),
-        "identical": identical, "turns": args.turns, "tool_tokens": args.tool_tokens,
+        "identical": identical,
+        **({f"spec_{k}_{side}": getattr(e.spec_stats, k) for k in ("rounds", "accept_first")
+            for side, e in (("cached", cached), ("fresh", fresh))} if args.ckpt else {}),
+        "turns": args.turns, "tool_tokens": args.tool_tokens,
         "reply_tokens": args.reply, "group": args.group, "group_prompt": args.group_prompt,
-        "threads": args.threads}))
+        "threads": args.threads, "ckpt": args.ckpt}))
 
 
 if __name__ == "__main__":
