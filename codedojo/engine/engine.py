@@ -354,10 +354,13 @@ class Engine:
         src: Request | Entry | None = None
         n = 0
         for slot, r in enumerate(self._live):
-            if r.loads == self._loads:  # keys and values of the current weights
-                held = (r.prompt_ids + r.token_ids)[: self.cache.lengths[slot]]
-                if (m := common_prefix(torch.tensor(held), ids)) > n:
-                    src, n = r, m
+            if r.loads != self._loads:  # keys and values of older weights
+                continue
+            m = common_prefix(r.prompt_tensor, ids)
+            if m == len(r.prompt_ids) and r.token_ids:  # and on into what it generated
+                m += common_prefix(torch.tensor(r.token_ids), ids[m:])
+            if (m := min(m, self.cache.lengths[slot])) > n:
+                src, n = r, m
         entry, m = self.prefix_cache.lookup(ids)
         if m > n:
             src, n = entry, m

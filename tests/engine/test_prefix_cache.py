@@ -94,6 +94,20 @@ def test_a_batch_is_split_where_padding_would_run_past_the_context(model: Transf
         assert c.token_ids == greedy_reference(model, p, 4)
 
 
+def test_a_prompt_continuing_a_running_sequence_reuses_its_output_too(
+        model: Transformer) -> None:
+    engine = Engine(model, max_batch=2)
+    running = engine.submit(PROMPT, SamplingParams(max_tokens=20, temperature=0))
+    for _ in range(5):
+        engine.step()
+    turn = PROMPT + running.token_ids[:3] + [4]
+    late = engine.submit(turn, SamplingParams(max_tokens=6, temperature=0))
+    while not (running.done.is_set() and late.done.is_set()):
+        engine.step()
+    assert late.cached_tokens == len(PROMPT) + 3
+    assert late.token_ids == greedy_reference(model, turn, 6)
+
+
 def test_short_shared_prefixes_are_prefilled_again(model: Transformer) -> None:
     engine = Engine(model, max_batch=2)
     engine.generate([PROMPT], sampled(1))
