@@ -269,7 +269,9 @@ class Engine:
             self._waiting.clear()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Swap in new weights (all or some parameters, our names) between scheduler steps."""
+        """Swap in new weights (all or some parameters, our names) between scheduler steps.
+        Prefixes are not shared across it: the prefix cache is emptied, and requests prefilled
+        before it are no source for requests after it (even under the same version number)."""
         own = self.model.state_dict()
         unknown = [k for k in state_dict if k not in own]
         if unknown:
