@@ -388,8 +388,7 @@ class Engine:
         elif isinstance(src, Entry):
             self.cache.load(slot, src.k[:, :, :n], src.v[:, :, :n])
         else:
-            j = next(i for i, r in enumerate(self._live) if r is src)
-            self.cache.load(slot, self.cache.k[:, j, :, :n], self.cache.v[:, j, :, :n])
+            self.cache.copy(next(i for i, r in enumerate(self._live) if r is src), slot, n)
         return req.prompt_ids[n:]
 
     @property

@@ -349,14 +349,11 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _cached_tokens(prompt_of: Sequence[int], cached: Sequence[int]) -> int:
-    """Usage's cached prompt tokens: for each prompt, the fewest any of its choices took from an
-    earlier sequence (the others of a group share the first one's prompt), summed over prompts.
-    ``prompt_of[i]``: the prompt of choice i."""
-    fewest: dict[int, int] = {}
-    for k, c in zip(prompt_of, cached, strict=True):
-        fewest[k] = min(c, fewest.get(k, c))
-    return sum(fewest.values())
+def _cached_tokens(cached: Sequence[int], n: int) -> int:
+    """Usage's cached prompt tokens: for each prompt, the fewest any of its ``n`` choices took
+    from an earlier sequence (the others of a group share the first one's prompt), summed over
+    prompts. ``cached[k * n + i]``: choice i of prompt k."""
+    return sum(min(cached[k: k + n]) for k in range(0, len(cached), n))
 
 
 def _with_usage(chunk: dict[str, Any], last: bool, include_usage: bool, usage: Usage) -> list[str]:
@@ -464,7 +461,7 @@ async def _chat(state: ServerState, req: ChatCompletionRequest) -> Any:
     completion_tokens = sum(len(r.token_ids) for r in results)
     resp = ChatCompletion(id=rid, created=created, model=req.model, choices=choices,
                           usage=Usage.of(len(prompt_ids), completion_tokens,
-                                         _cached_tokens([0] * len(results), [r.cached_tokens for r in results])),
+                                         _cached_tokens([r.cached_tokens for r in results], len(results))),
                           prompt_token_ids=prompt_ids if req.return_token_ids else None, weight_version=version)
     return JSONResponse(resp.model_dump(exclude_none=True))
 
@@ -526,7 +523,7 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
                 delta_out["content"] = rest
             chunk: dict[str, Any] = {**base, "choices": [{"index": i, "delta": delta_out, "finish_reason": finish}]}
             finished += 1
-            usage = Usage.of(len(prompt_ids), completion_tokens, _cached_tokens([0] * len(gens), cached))
+            usage = Usage.of(len(prompt_ids), completion_tokens, _cached_tokens(cached, len(gens)))
             for out in _with_usage(chunk, finished == len(gens), include_usage, usage):
                 yield out
     except Exception as e:  # a failure mid-stream: tell the client in-band, keep the server up
@@ -599,7 +596,7 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Any:
     completion_tokens = sum(len(r.token_ids) for r in results)
     resp = TextCompletion(id=rid, created=created, model=req.model, choices=choices,
                           usage=Usage.of(prompt_tokens, completion_tokens,
-                                         _cached_tokens([k for k, _, _ in jobs], [r.cached_tokens for r in results])),
+                                         _cached_tokens([r.cached_tokens for r in results], req.n)),
                           weight_version=version)
     return JSONResponse(resp.model_dump(exclude_none=True))
 
@@ -634,7 +631,7 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
                 finished += 1
                 cached[idx] = item.cached_tokens
                 chunk = {**base, "choices": [{"index": idx, "text": "", "finish_reason": item.finish_reason}]}
-                usage = Usage.of(prompt_tokens, completion_tokens, _cached_tokens([k for k, _, _ in jobs], cached))
+                usage = Usage.of(prompt_tokens, completion_tokens, _cached_tokens(cached, req.n))
                 for out in _with_usage(chunk, finished == len(gens), include_usage, usage):
                     yield out
     except Exception as e:

@@ -81,6 +81,10 @@ class KVCache:
             raise ValueError(f"n {n} outside [0, {self.lengths[slot]}] for slot {slot}")
         return self.k[:, slot, :, :n].clone(), self.v[:, slot, :, :n].clone()
 
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """Make slot ``dst`` hold the first ``n`` tokens of slot ``src`` and nothing after."""
+        self.load(dst, self.k[:, src, :, :n], self.v[:, src, :, :n])
+
     def load(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Make ``slot`` hold the given keys and values (as ``export`` gives them) and nothing
         after them."""
@@ -94,10 +98,7 @@ class KVCache:
         """Copy slot ``src`` into ``dst`` (used to keep live slots contiguous)."""
         if src == dst:
             return
-        n = self.lengths[src]
-        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
-        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-        self.lengths[dst] = n
+        self.copy(src, dst, self.lengths[src])
         self.lengths[src] = 0
 
 
