@@ -33,6 +33,7 @@ class AgentResult:
 
     turns: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those the engine took from its prefix cache
     completion_tokens: int = 0
     status: str = "finished"
     trajectory: str | None = None  # path of the saved trajectory, when there is one
@@ -121,6 +122,7 @@ class HarnessAgent:
         return AgentResult(
             turns=len(actions),
             prompt_tokens=sum(t.prompt_tokens or 0 for t in traj.turns),
+            cached_tokens=sum(t.cached_tokens or 0 for t in traj.turns),
             completion_tokens=sum(t.completion_tokens or 0 for t in traj.turns),
             status=traj.status,
             trajectory=str(traj_path),
@@ -139,6 +141,7 @@ class TaskResult:
     p2p_total: int = 0
     turns: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     completion_tokens: int = 0
     agent_status: str = ""
     setup_s: float = 0.0
@@ -165,6 +168,7 @@ def run_one(images: TaskImages, agent: BenchAgent, task: Task, sample: int, out_
         res.agent_s = time.perf_counter() - t0
         res.turns, res.agent_status = ar.turns, ar.status
         res.prompt_tokens, res.completion_tokens = ar.prompt_tokens, ar.completion_tokens
+        res.cached_tokens = ar.cached_tokens
         changes = collect_changes(sb)
         res.changed_files = sorted(changes)
         sb.destroy()

@@ -145,7 +145,7 @@ class Agent:
                     index=len(traj.turns), segment=len(traj.segments) - 1, kind="action", message=msg,
                     prompt_ids=out_.prompt_ids, completion_ids=out_.completion_ids, logprobs=out_.logprobs,
                     loss_mask=_mask(out_), finish_reason=out_.finish_reason, weight_version=out_.weight_version,
-                    prompt_tokens=out_.prompt_tokens, completion_tokens=out_.completion_tokens,
+                    prompt_tokens=out_.prompt_tokens, cached_tokens=out_.cached_tokens, completion_tokens=out_.completion_tokens,
                     reasoning_tokens=out_.reasoning_tokens, generate_s=gen_s, started_at=t0,
                 )
                 traj.turns.append(turn)
@@ -210,7 +210,7 @@ class Agent:
                 index=len(traj.turns), segment=len(traj.segments) - 1, kind="summary", message=msg,
                 prompt_ids=out.prompt_ids, completion_ids=out.completion_ids, logprobs=out.logprobs,
                 loss_mask=_mask(out), finish_reason=out.finish_reason, weight_version=out.weight_version,
-                prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, completion_tokens=out.completion_tokens,
                 generate_s=time.perf_counter() - g0, started_at=t0,
             )
         )

@@ -41,6 +41,7 @@ class PolicyOutput:
     finish_reason: str = "stop"
     weight_version: int | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those the server reused rather than prefilled
     completion_tokens: int = 0
     reasoning_tokens: int = 0
 
@@ -183,6 +184,7 @@ class OpenAIPolicy:
         completion_ids = _extra(choice, "token_ids") or _extra(choice, "completion_token_ids") or []
         usage = resp.usage
         details = getattr(usage, "completion_tokens_details", None) if usage else None
+        prompt_details = getattr(usage, "prompt_tokens_details", None) if usage else None
         return PolicyOutput(
             content=content,
             calls=[c for c in parsed if isinstance(c, ToolCall)],
@@ -195,6 +197,7 @@ class OpenAIPolicy:
             finish_reason=choice.finish_reason or "stop",
             weight_version=_extra(resp, "weight_version"),
             prompt_tokens=usage.prompt_tokens if usage else len(prompt_ids),
+            cached_tokens=(getattr(prompt_details, "cached_tokens", 0) or 0) if prompt_details else 0,
             completion_tokens=usage.completion_tokens if usage else len(completion_ids),
             reasoning_tokens=(getattr(details, "reasoning_tokens", 0) or 0) if details else 0,
         )
@@ -265,5 +268,6 @@ class EnginePolicy:
         return PolicyOutput(
             content=content.strip(), calls=calls, errors=errors, raw_text=text, prompt_ids=list(c.prompt_ids or prompt_ids),
             completion_ids=list(c.token_ids), logprobs=list(c.logprobs), finish_reason=c.finish_reason,
-            weight_version=c.weight_version, prompt_tokens=len(prompt_ids), completion_tokens=len(c.token_ids),
+            weight_version=c.weight_version, prompt_tokens=len(prompt_ids), cached_tokens=c.cached_tokens,
+            completion_tokens=len(c.token_ids),
         )

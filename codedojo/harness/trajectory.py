@@ -48,6 +48,7 @@ class Turn:
     finish_reason: str = ""
     weight_version: int | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those the engine reused (prefix cache)
     completion_tokens: int = 0
     reasoning_tokens: int = 0  # of completion_tokens, the thinking part (when known)
     tool_calls: list[ToolCallRecord] = field(default_factory=list)

@@ -1,8 +1,9 @@
 import json
 
-from codedojo.bench.report import write_report
+from codedojo.bench.report import summary, write_report
 from codedojo.bench.runner import HarnessAgent, NullAgent, OracleAgent, pass_at_k, run_agent
 from codedojo.bench.validate import gold_changes, validate_task
+from codedojo.harness.trajectory import read_jsonl
 
 
 def test_oracle_resolves_everything_null_nothing_and_reports(images, tiny_suite, tmp_path):
@@ -48,7 +49,16 @@ def test_harness_agent_with_a_scripted_policy(images, tiny_suite, tmp_path):
 
     task = next(t for t in tiny_suite.tasks if t.category == "bugfix")
     fixed = gold_changes(task)["tinycalc/core.py"].decode()
-    policy = ScriptedPolicy([
+
+    class PrefixCachingPolicy(ScriptedPolicy):
+        """Reports a third of each prompt as served from a prefix cache."""
+
+        def generate(self, messages, tools, max_tokens):
+            out = super().generate(messages, tools, max_tokens)
+            out.cached_tokens = out.prompt_tokens // 3
+            return out
+
+    policy = PrefixCachingPolicy([
         [("read_file", {"target_file": "/workspace/tinycalc/core.py"})],
         [("write", {"file_path": "/workspace/tinycalc/core.py", "contents": fixed})],
         "Fixed.",
@@ -57,6 +67,9 @@ def test_harness_agent_with_a_scripted_policy(images, tiny_suite, tmp_path):
     r = run.results[0]
     assert r.status == "resolved", r.error
     assert r.turns == 3 and r.completion_tokens > 0
+    traj = read_jsonl(tmp_path / "h" / "episodes" / f"{task.instance_id}.traj.jsonl")
+    assert r.cached_tokens == sum(t.prompt_tokens // 3 for t in traj.turns) > 0
+    assert summary(run)["overall"]["cached_prompt_tokens_total"] == r.cached_tokens
     assert (tmp_path / "h" / "episodes" / f"{task.instance_id}.traj.jsonl").exists()
 
 

@@ -41,10 +41,11 @@ class ScriptedEngine:
     async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         self.prompts.append(list(prompt_ids))
         ids = self.answers[min(len(self.prompts), len(self.answers)) - 1]
+        cached = 10 * (len(self.prompts) - 1)  # reported as a prefix cache would, per request
         for i, t in enumerate(ids[: params.max_tokens]):
             last = i == len(ids) - 1 or i == params.max_tokens - 1
             reason = "stop" if t in params.stop_token_ids else ("length" if last else None)
-            yield TokenEvent(t, -0.25, [], reason)
+            yield TokenEvent(t, -0.25, [], reason, cached_tokens=cached)
             if reason:
                 return
 
@@ -87,6 +88,8 @@ def test_openai_client_path_records_tokens_logprobs_and_masks(scripted_server, s
     assert traj.messages[4]["content"].startswith('<tool_call>[{"name": "grep"')  # as written
     assert traj.messages[5]["content"].startswith("Error: unclosed <tool_call>")
     assert t2.tool_calls == [] and t2.finish_reason == "stop"
+    # The server's usage.prompt_tokens_details.cached_tokens reaches each turn.
+    assert [t.cached_tokens for t in traj.turns] == [0, 10, 20]
     assert read_jsonl(tmp_path / "t.jsonl").to_dict() == traj.to_dict()
     session.close()
 
@@ -115,7 +118,10 @@ def test_engine_policy_in_process(sandbox):
     assert 0 < len(t0.completion_ids) <= 12 and len(t0.logprobs) == len(t0.completion_ids)
     assert all(lp <= 0.0 for lp in t0.logprobs)
     assert t0.loss_mask == [0] * len(t0.prompt_ids) + [1] * len(t0.completion_ids)
-    assert t0.weight_version == 0
+    assert t0.weight_version == 0 and t0.cached_tokens == 0
+    # The same prompt again: the engine reuses all of it but the last token, and says so.
+    again = policy.generate(traj.messages[:2], session.schemas, 4)
+    assert again.prompt_ids == expected_prompt and again.cached_tokens == len(expected_prompt) - 1
     session.close()
 
 
