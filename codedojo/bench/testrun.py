@@ -1,8 +1,8 @@
 """Running a package's pytest suite somewhere and reading per-test outcomes back.
 
-Where the tests run is behind `Executor`: anything with the `Sandbox.exec` shape (a sandbox is
-one), or `LocalExecutor` for a folder on the host (the builder's validation runs there). The
-outcome comes from pytest's `-rA` short summary, which names every test by node id.
+Where the tests run is behind `codedojo.sandbox.base.Executor`: any sandbox, or `LocalExecutor`
+for a folder on the host (the builder's validation runs there). The outcome comes from pytest's
+`-rA` short summary, which names every test by node id.
 """
 
 from __future__ import annotations
@@ -15,26 +15,11 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from codedojo.sandbox.base import ExecResult
+from codedojo.sandbox.base import ExecResult, Executor
 
 _SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S.*?)(?: - (.*))?$")
 _SECTION = re.compile(r"^_{3,} (?:ERROR at \w+ of )?(.+?) _{3,}$")
-
-
-class Executor(Protocol):
-    """Runs one command somewhere (a sandbox, a host folder) and waits for it."""
-
-    def exec(
-        self,
-        command: str | Sequence[str],
-        *,
-        stdin: bytes | str | None = None,
-        timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        cwd: str | None = None,
-    ) -> ExecResult: ...
 
 
 class LocalExecutor:

@@ -100,9 +100,8 @@ class Shell(Protocol):
     def close(self) -> None: ...
 
 
-@runtime_checkable
-class Sandbox(Protocol):
-    id: str
+class Executor(Protocol):
+    """Runs one command somewhere and waits for it: every sandbox, and the bench's host runner."""
 
     def exec(
         self,
@@ -115,6 +114,11 @@ class Sandbox(Protocol):
     ) -> ExecResult:
         """Run one command (a string goes through `sh -c`) and wait for it."""
         ...
+
+
+@runtime_checkable
+class Sandbox(Executor, Protocol):
+    id: str
 
     def shell(self) -> Shell: ...
 
