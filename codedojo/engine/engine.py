@@ -30,6 +30,12 @@ shared prefix decodes speculatively too, its drafts seeing the sequence from whe
 part ends (`SpeculativeSession.prefill`; on held-out code, drafts that saw only the last 8 of
 384 prompt tokens were accepted as often as those that saw all of them).
 
+A mixture-of-experts model's requests record their routing (``Completion.routing``): the
+experts each MoE layer chose for each token, in the very pass that produced the token's keys
+and values (a shared prefix's routing comes with its keys and values), so that training can
+replay it (router replay) rather than route again on slightly different numbers. They decode
+plainly, never speculatively.
+
 On the CPU kernels (``codedojo.ops``) a forward pass over at most 512 tokens in all
 (``transformer.FUSED_TOKENS``) is batch-invariant: a token's logits do not depend on the other
 tokens in the pass, bit for bit. So greedy speculative decoding emits exactly plain greedy
@@ -58,6 +64,7 @@ from codedojo.engine.sampling import filtered_logprobs, sample_batch
 from codedojo.engine.speculative import Drafter, SpecStats, SpeculativeSession, TransformerTarget
 from codedojo.engine.types import Completion, SamplingParams, TokenEvent
 from codedojo.model.kv_cache import KVCache
+from codedojo.model.moe import moe_layers
 from codedojo.model.transformer import Transformer
 from codedojo.ops import greedy, load_kernel
 
@@ -105,16 +112,24 @@ class Request:
     # prefix cache entry (chosen at admission)
     reuse: Request | Entry | None = None
     cached_tokens: int = 0
+    # MoE models: (MoE layers, tokens, top_k) pieces, one per pass, for every token fed so far
+    routing: list[torch.Tensor] = field(default_factory=list)
 
     @functools.cached_property
     def prompt_tensor(self) -> torch.Tensor:
         return torch.tensor(self.prompt_ids)
 
+    def routing_tensor(self) -> torch.Tensor | None:
+        """The routing recorded so far, as one (MoE layers, tokens, top_k) tensor."""
+        if len(self.routing) > 1:
+            self.routing[:] = [torch.cat(self.routing, dim=1)]
+        return self.routing[0] if self.routing else None
+
     def completion(self) -> Completion:
         return Completion(prompt_ids=self.prompt_ids, token_ids=self.token_ids,
                           logprobs=self.logprobs, finish_reason=self.finish_reason or "cancelled",
                           weight_version=self.weight_version, top_logprobs=self.top_logprobs,
-                          cached_tokens=self.cached_tokens)
+                          cached_tokens=self.cached_tokens, routing=self.routing_tensor())
 
 
 class Engine:
@@ -148,6 +163,7 @@ class Engine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         cfg = model.cfg
         self.model = model.eval()
+        self._moe = moe_layers(model)  # their routing is recorded per request
         on_cpu = next(model.parameters()).device.type == "cpu"
         if on_cpu and load_kernel() is None:
             input_major_weights(model)
@@ -383,12 +399,16 @@ class Engine:
         prefill."""
         src, n = req.reuse, req.cached_tokens
         req.reuse = None  # hold no entry past this point
+        routing = None
         if src is None:
             self.cache.reset(slot)
         elif isinstance(src, Entry):
             self.cache.load(slot, src.k[:, :, :n], src.v[:, :, :n])
+            routing = src.routing
         else:
             self.cache.copy(next(i for i, r in enumerate(self._live) if r is src), slot, n)
+            routing = src.routing_tensor()
+        req.routing = [routing[:, :n]] if routing is not None else []
         return req.prompt_ids[n:]
 
     @property
@@ -448,7 +468,7 @@ class Engine:
         p = req.params
         alone = not self._live and not self._waiting
         return (self.drafter is not None and alone and p.top_k == 0 and p.top_p == 1.0
-                and not p.top_logprobs)
+                and not p.top_logprobs and not self._moe)
 
     def _prefill(self, batch: list[Request]) -> None:
         if len(batch) == 1 and self._speculates(batch[0]):
@@ -461,6 +481,7 @@ class Engine:
             tokens[i, : lens[i]] = torch.tensor(t)
         view = self.cache.view(start, start + len(batch))
         logits = self.model(tokens, cache=view, logits_at=torch.tensor(lens) - 1)
+        self._record_routing(batch, lens)
         for i, r in enumerate(batch):
             self.cache.truncate(start + i, len(r.prompt_ids))
             r.weight_version, r.loads = self.weight_version, self._loads
@@ -513,7 +534,17 @@ class Engine:
             self._spec = None  # others joined (or it finished): plain batched decoding
         tokens = torch.tensor([[r.token_ids[-1]] for r in live], dtype=torch.long)
         logits = self.model(tokens, cache=self.cache.view(0, len(live)))  # (B, 1, V)
+        self._record_routing(live, [1] * len(live))
         self._emit(live, logits[:, -1])
+
+    def _record_routing(self, reqs: list[Request], lens: list[int]) -> None:
+        """Append to each request the routing the last pass chose for its first ``lens[i]``
+        tokens (row i; the rest of a row is padding)."""
+        if not self._moe:
+            return
+        chosen = torch.stack([m.last_indices for m in self._moe]).to(torch.int16)  # (L, B, T, k)
+        for i, r in enumerate(reqs):
+            r.routing.append(chosen[:, i, : lens[i]].clone())
 
     def _emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
         """Sample one token per request from logits (B, V) and record it."""
@@ -571,4 +602,6 @@ class Engine:
         # (a speculative round that stopped early holds keys past its last emitted token)
         n = len(ids)
         if PREFIX_MIN_TOKENS <= n <= self.prefix_cache.max_tokens and req.loads == self._loads:
-            self.prefix_cache.put(torch.tensor(ids), *self.cache.export(slot, n))
+            routing = req.routing_tensor()
+            self.prefix_cache.put(torch.tensor(ids), *self.cache.export(slot, n),
+                                  routing=None if routing is None else routing[:, :n])

@@ -6,6 +6,10 @@ The engine works on token ids only; the server turns text into ids and ids back 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -56,7 +60,14 @@ class TokenEvent:
 class Completion:
     """A finished request. ``weight_version`` is the engine's version when it was produced;
     ``cached_tokens`` how many of the prompt's tokens were not prefilled again but taken from
-    an earlier sequence's keys and values (`codedojo.engine.prefix_cache`)."""
+    an earlier sequence's keys and values (`codedojo.engine.prefix_cache`).
+
+    ``routing`` (MoE models; None for dense ones): the experts every MoE layer chose for every
+    token the engine fed the model, the prompt and then each generated token but the last, as
+    (MoE layers in order, len(prompt_ids) + len(token_ids) - 1, top_k) int16. A training
+    forward over ``(prompt_ids + token_ids)[:-1]`` inside
+    ``router_replay(model, [r[None] for r in routing])`` routes every token as the rollout did
+    (`codedojo.model.moe`), so its logprobs are the rollout's, not a re-routed model's."""
 
     prompt_ids: list[int]
     token_ids: list[int]
@@ -65,3 +76,4 @@ class Completion:
     weight_version: int
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     cached_tokens: int = 0
+    routing: torch.Tensor | None = None

@@ -1,0 +1,93 @@
+"""An MoE model's requests record the experts every token took, so that training replays the
+rollout's routing (router replay): the replayed forward gives the rollout's logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codedojo.engine.engine import Engine
+from codedojo.engine.speculative import DraftHead, MTPDrafter
+from codedojo.engine.types import Completion, SamplingParams
+from codedojo.model.config import ModelConfig, MoEConfig
+from codedojo.model.moe import recorded_routing, router_replay
+from codedojo.model.mtp import MTP
+from codedojo.model.transformer import Transformer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TOP_K = 2
+
+
+@pytest.fixture()
+def moe_model() -> Transformer:
+    torch.manual_seed(0)
+    moe = MoEConfig(n_routed_experts=8, top_k=TOP_K, expert_ffn_dim=16, n_shared_experts=1,
+                    first_dense_layers=1)
+    m = Transformer(ModelConfig.tiny(dim=24, n_layers=3, vocab_size=96, max_seq_len=256, moe=moe))
+    m.init_weights(std=0.5)
+    return m.eval()
+
+
+def replayed(model: Transformer, c: Completion) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A training forward over the sequence with the rollout's routing: the logprobs of the
+    generated tokens, and the routing the model would choose itself on the same pass."""
+    ids = torch.tensor([(c.prompt_ids + c.token_ids)[:-1]])
+    assert c.routing is not None
+    with torch.no_grad():
+        own = [r[0] for r in (model(ids), recorded_routing(model))[1]]
+        with router_replay(model, [r[None] for r in c.routing]):
+            logp = torch.log_softmax(model(ids), dim=-1)[0, len(c.prompt_ids) - 1:]
+    return logp.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0], own
+
+
+def test_batched_rollouts_record_the_routing_training_replays(moe_model):
+    prompts = [list(range(3, 40)), [7, 8, 9], [11] * 20]  # padded together in one prefill
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=5, logprobs=True)
+    outs = Engine(moe_model, max_batch=4).generate(prompts, params)
+    for c in outs:
+        n = len(c.prompt_ids) + len(c.token_ids) - 1
+        assert c.routing is not None and c.routing.dtype == torch.int16
+        assert c.routing.shape == (2, n, TOP_K)  # MoE layers 1 and 2, every token fed
+        logp, own = replayed(moe_model, c)
+        torch.testing.assert_close(logp, torch.tensor(c.logprobs), atol=1e-4, rtol=0)
+        # The recorded routing is what those passes chose, layer by layer and token by token.
+        for layer, chosen in enumerate(own):
+            assert torch.equal(c.routing[layer].long(), chosen), layer
+
+
+def test_a_shared_prefix_brings_its_routing(moe_model):
+    """Reused keys and values come with the routing of the pass that made them: a finished
+    turn's (prefix cache) and a running group member's (live slot). The routing is the same
+    as without reuse."""
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    engine = Engine(moe_model, max_batch=4)
+    first = engine.generate([list(range(1, 50))], greedy)[0]
+    turn = first.prompt_ids + first.token_ids + [5, 6, 7]
+    group = [list(range(60, 5, -1))] * 3  # prefilled once, then twice from the live first
+    outs = engine.generate([turn, *group], greedy)
+    held = len(first.prompt_ids) + len(first.token_ids) - 1  # the last token was never fed
+    assert [c.cached_tokens for c in outs] == [held, 0, 54, 54]
+    assert outs[0].routing is not None and first.routing is not None
+    assert torch.equal(outs[0].routing[:, :held], first.routing)
+    fresh = Engine(moe_model, max_batch=4, prefix_cache_tokens=0).generate([turn, *group], greedy)
+    for c, f in zip(outs, fresh, strict=True):
+        assert c.token_ids == f.token_ids
+        assert f.routing is not None and torch.equal(c.routing, f.routing)  # type: ignore[arg-type]
+
+
+def test_moe_requests_decode_plainly_beside_a_drafter(moe_model):
+    """Speculative rounds would route tokens that are then rejected: an MoE model's requests
+    decode plainly, and every token fed is routed once."""
+    mtp = MTP(moe_model.cfg, 2, 0).eval()
+    engine = Engine(moe_model, drafter=MTPDrafter(mtp, DraftHead(moe_model, mtp.draft_vocab)),
+                    spec_draft_cost=0)
+    c = engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert engine.spec_stats.rounds == 0
+    assert c.routing is not None and c.routing.shape == (2, 4 + 8 - 1, TOP_K)
+
+
+def test_dense_models_record_no_routing():
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig.tiny(vocab_size=64, max_seq_len=64)).eval()
+    c = Engine(m).generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert c.routing is None
