@@ -30,7 +30,8 @@ shared prefix decodes speculatively too, its drafts seeing the sequence from whe
 part ends (`SpeculativeSession.prefill`; on held-out code, drafts that saw only the last 8 of
 384 prompt tokens were accepted as often as those that saw all of them).
 
-A mixture-of-experts model's requests record their routing (``Completion.routing``): the
+A mixture-of-experts model's requests record their routing (``Completion.routed_experts``, and
+piece by piece in ``TokenEvent``): the
 experts each MoE layer chose for each token, in the very pass that produced the token's keys
 and values (a shared prefix's routing comes with its keys and values), so that training can
 replay it (router replay) rather than route again on slightly different numbers. They decode
@@ -112,24 +113,25 @@ class Request:
     # prefix cache entry (chosen at admission)
     reuse: Request | Entry | None = None
     cached_tokens: int = 0
-    # MoE models: (MoE layers, tokens, top_k) pieces, one per pass, for every token fed so far
+    # MoE models: the experts of every token fed so far, (tokens, MoE layers, top_k) pieces:
+    # a shared prefix's, then one per pass; the first `routing_sent` went out with events
     routing: list[torch.Tensor] = field(default_factory=list)
+    routing_sent: int = 0
 
     @functools.cached_property
     def prompt_tensor(self) -> torch.Tensor:
         return torch.tensor(self.prompt_ids)
 
-    def routing_tensor(self) -> torch.Tensor | None:
-        """The routing recorded so far, as one (MoE layers, tokens, top_k) tensor."""
-        if len(self.routing) > 1:
-            self.routing[:] = [torch.cat(self.routing, dim=1)]
-        return self.routing[0] if self.routing else None
+    def routed_experts(self) -> torch.Tensor | None:
+        """The routing recorded so far, as one (tokens, MoE layers, top_k) tensor."""
+        return torch.cat(self.routing) if self.routing else None
 
     def completion(self) -> Completion:
         return Completion(prompt_ids=self.prompt_ids, token_ids=self.token_ids,
                           logprobs=self.logprobs, finish_reason=self.finish_reason or "cancelled",
                           weight_version=self.weight_version, top_logprobs=self.top_logprobs,
-                          cached_tokens=self.cached_tokens, routing=self.routing_tensor())
+                          cached_tokens=self.cached_tokens,
+                          routed_experts=self.routed_experts())
 
 
 class Engine:
@@ -407,8 +409,8 @@ class Engine:
             routing = src.routing
         else:
             self.cache.copy(next(i for i, r in enumerate(self._live) if r is src), slot, n)
-            routing = src.routing_tensor()
-        req.routing = [routing[:, :n]] if routing is not None else []
+            routing = src.routed_experts()
+        req.routing = [routing[:n]] if routing is not None else []
         return req.prompt_ids[n:]
 
     @property
@@ -542,9 +544,9 @@ class Engine:
         tokens (row i; the rest of a row is padding)."""
         if not self._moe:
             return
-        chosen = torch.stack([m.last_indices for m in self._moe]).to(torch.int16)  # (L, B, T, k)
+        chosen = torch.stack([m.last_indices for m in self._moe], dim=2)  # (B, T, L, k)
         for i, r in enumerate(reqs):
-            r.routing.append(chosen[:, i, : lens[i]].clone())
+            r.routing.append(chosen[i, : lens[i]].to(torch.int16))
 
     def _emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
         """Sample one token per request from logits (B, V) and record it."""
@@ -564,8 +566,12 @@ class Engine:
                 len(req.prompt_ids) + len(req.token_ids) >= self.max_seq_len):
             reason = "length"
         req.finish_reason = reason
+        routed = None
+        if req.routing_sent < len(req.routing):  # the routing of the pass that sampled it
+            routed = torch.cat(req.routing[req.routing_sent:])
+            req.routing_sent = len(req.routing)
         if req.on_event is not None:
-            req.on_event(TokenEvent(tok, lp, top, reason, req.cached_tokens))
+            req.on_event(TokenEvent(tok, lp, top, reason, req.cached_tokens, routed))
         if reason is not None:
             req.done.set()
 
@@ -602,6 +608,6 @@ class Engine:
         # (a speculative round that stopped early holds keys past its last emitted token)
         n = len(ids)
         if PREFIX_MIN_TOKENS <= n <= self.prefix_cache.max_tokens and req.loads == self._loads:
-            routing = req.routing_tensor()
+            routing = req.routed_experts()
             self.prefix_cache.put(torch.tensor(ids), *self.cache.export(slot, n),
-                                  routing=None if routing is None else routing[:, :n])
+                                  routing=None if routing is None else routing[:n])

@@ -6,8 +6,10 @@ error shape. Unknown request fields are ignored, as OpenAI-compatible servers do
 
 Extensions, vLLM-style, for RL: `top_k`, `return_token_ids` (the response then carries
 `prompt_token_ids` and per-choice `token_ids`, the exact ids sampled, end-of-turn token included),
-`skip_special_tokens`, and a `weight_version` on every response: the engine's weights version
-that produced it.
+`return_routed_experts` (an MoE model's choices carry `routed_experts`: for every token fed, the
+prompt's and then each sampled one but the last, every MoE layer's top-k experts; streamed, each
+chunk carries the rows of the pass that sampled its token), `skip_special_tokens`, and a
+`weight_version` on every response: the engine's weights version that produced it.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ class _Sampling(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     return_token_ids: bool = False
+    return_routed_experts: bool = False
     skip_special_tokens: bool = True
 
     @field_validator("stop")
@@ -247,6 +250,7 @@ class ChatChoice(BaseModel):
     finish_reason: str
     logprobs: ChoiceLogprobs | None = None
     token_ids: list[int] | None = None
+    routed_experts: list[list[list[int]]] | None = None  # (tokens, MoE layers, top_k)
 
 
 class ChatCompletion(BaseModel):
@@ -276,6 +280,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    routed_experts: list[list[list[int]]] | None = None  # (tokens, MoE layers, top_k)
 
 
 class TextCompletion(BaseModel):

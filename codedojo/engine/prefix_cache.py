@@ -21,7 +21,7 @@ class Entry:
     ids: torch.Tensor  # (n,) int64: the tokens whose keys/values are held
     k: torch.Tensor  # (layers, kv_heads, n, head_dim)
     v: torch.Tensor
-    routing: torch.Tensor | None = None  # (MoE layers, n, top_k): the experts each token took
+    routing: torch.Tensor | None = None  # (n, MoE layers, top_k): the experts each token took
 
 
 def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:

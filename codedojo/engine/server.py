@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -80,6 +81,7 @@ class Piece:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    routed_experts: torch.Tensor | None = None  # MoE: the rows of the pass that sampled it
 
 
 @dataclass
@@ -90,6 +92,11 @@ class ChoiceResult:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str = "stop"
     cached_tokens: int = 0  # prompt tokens the engine took from an earlier sequence
+    routed_experts: list[torch.Tensor] = field(default_factory=list)  # MoE: pieces, in order
+
+    def routed_list(self, asked: bool) -> list[list[list[int]]] | None:
+        """``routed_experts`` for the response: when asked for and the model has MoE layers."""
+        return torch.cat(self.routed_experts).tolist() if asked and self.routed_experts else None
 
 
 class TextAssembler:
@@ -302,10 +309,12 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
                 break
             result.token_ids.append(ev.token_id)
             result.cached_tokens = ev.cached_tokens
+            if ev.routed_experts is not None:
+                result.routed_experts.append(ev.routed_experts)
             result.logprobs.append(ev.logprob)
             result.top_logprobs.append(list(ev.top_logprobs or []))
             text = asm.push(ev.token_id)
-            yield Piece(text, ev.token_id, ev.logprob, list(ev.top_logprobs or []))
+            yield Piece(text, ev.token_id, ev.logprob, list(ev.top_logprobs or []), ev.routed_experts)
             if asm.stopped:
                 finish = "stop"
                 break
@@ -457,7 +466,8 @@ async def _chat(state: ServerState, req: ChatCompletionRequest) -> Any:
                                          for t, p, top in zip(r.token_ids, r.logprobs, r.top_logprobs, strict=True)])
         choices.append(ChatChoice(index=i, message=ResponseMessage(content=content, tool_calls=tool_calls),
                                   finish_reason=finish, logprobs=lp,
-                                  token_ids=r.token_ids if req.return_token_ids else None))
+                                  token_ids=r.token_ids if req.return_token_ids else None,
+                                  routed_experts=r.routed_list(req.return_routed_experts)))
     completion_tokens = sum(len(r.token_ids) for r in results)
     resp = ChatCompletion(id=rid, created=created, model=req.model, choices=choices,
                           usage=Usage.of(len(prompt_ids), completion_tokens,
@@ -503,6 +513,8 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
                                                                      item.top).model_dump()]}
                 if item.token_id >= 0 and req.return_token_ids:
                     choice["token_ids"] = [item.token_id]
+                if item.routed_experts is not None and req.return_routed_experts:
+                    choice["routed_experts"] = item.routed_experts.tolist()
                 if delta or len(choice) > 3:
                     yield _sse({**base, "choices": [choice]})
                 continue
@@ -591,7 +603,8 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Any:
             lp = CompletionLogprobs(tokens=tokens, token_logprobs=r.logprobs, top_logprobs=tops, text_offset=offsets)
         choices.append(CompletionChoice(index=idx, text=prefix + r.text, finish_reason=r.finish_reason, logprobs=lp,
                                         token_ids=r.token_ids if req.return_token_ids else None,
-                                        prompt_token_ids=p if req.return_token_ids else None))
+                                        prompt_token_ids=p if req.return_token_ids else None,
+                                        routed_experts=r.routed_list(req.return_routed_experts)))
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(r.token_ids) for r in results)
     resp = TextCompletion(id=rid, created=created, model=req.model, choices=choices,
@@ -622,6 +635,8 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
                     completion_tokens += 1
                     if req.return_token_ids:
                         choice["token_ids"] = [item.token_id]
+                    if item.routed_experts is not None and req.return_routed_experts:
+                        choice["routed_experts"] = item.routed_experts.tolist()
                     if req.logprobs is not None:
                         choice["logprobs"] = {"tokens": [state.tokenizer.token_text(item.token_id)],
                                               "token_logprobs": [item.logprob]}

@@ -54,6 +54,10 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]]
     finish_reason: str | None  # None while running, then "stop" | "length" | "cancelled"
     cached_tokens: int = 0  # the request's prompt tokens taken from an earlier sequence
+    # MoE models: the experts chosen for the tokens fed in the pass that sampled this token
+    # (the prompt's, with the first token; the previous token's after), (tokens, MoE layers,
+    # top_k); None for a dense model and for an event without a token
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass
@@ -62,11 +66,11 @@ class Completion:
     ``cached_tokens`` how many of the prompt's tokens were not prefilled again but taken from
     an earlier sequence's keys and values (`codedojo.engine.prefix_cache`).
 
-    ``routing`` (MoE models; None for dense ones): the experts every MoE layer chose for every
-    token the engine fed the model, the prompt and then each generated token but the last, as
-    (MoE layers in order, len(prompt_ids) + len(token_ids) - 1, top_k) int16. A training
-    forward over ``(prompt_ids + token_ids)[:-1]`` inside
-    ``router_replay(model, [r[None] for r in routing])`` routes every token as the rollout did
+    ``routed_experts`` (MoE models; None for dense ones): the experts every MoE layer chose for
+    every token the engine fed the model, the prompt and then each generated token but the
+    last, as (len(prompt_ids) + len(token_ids) - 1, MoE layers in order, top_k) int16 (vLLM's
+    layout). A training forward over ``(prompt_ids + token_ids)[:-1]`` inside
+    ``router_replay(model, routed_experts.unbind(-2))`` routes every token as the rollout did
     (`codedojo.model.moe`), so its logprobs are the rollout's, not a re-routed model's."""
 
     prompt_ids: list[int]
@@ -76,4 +80,4 @@ class Completion:
     weight_version: int
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     cached_tokens: int = 0
-    routing: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None

@@ -20,6 +20,7 @@ matmul. Tests check one against the other. The layer does not know about paralle
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -213,9 +214,10 @@ def recorded_routing(model: nn.Module) -> list[torch.Tensor]:
 
 
 @contextmanager
-def router_replay(model: nn.Module, indices: list[torch.Tensor]):
-    """Within the block, every MoE layer uses the given expert indices (from `recorded_routing`
-    at inference) instead of choosing its own."""
+def router_replay(model: nn.Module, indices: Sequence[torch.Tensor]):
+    """Within the block, every MoE layer uses the given expert indices, (B, T, k) or (T, k) per
+    layer in order, instead of choosing its own: `recorded_routing` at inference, or a rollout's
+    ``Completion.routed_experts`` (tokens, layers, k) as ``routed_experts.unbind(-2)``."""
     layers = moe_layers(model)
     if len(indices) != len(layers):
         raise ValueError(f"router_replay: {len(indices)} index tensors for {len(layers)} MoE layers")

@@ -68,9 +68,11 @@ def test_models_and_health(client, server, http):
 
 def test_plain_chat_completion(client, tok):
     r = client.chat.completions.create(
-        model=MODEL, messages=MSGS, max_tokens=24, temperature=0, extra_body={"return_token_ids": True})
+        model=MODEL, messages=MSGS, max_tokens=24, temperature=0,
+        extra_body={"return_token_ids": True, "return_routed_experts": True})
     choice = r.choices[0]
     assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert "routed_experts" not in choice.model_extra  # a dense model routes nothing
     extra = r.model_extra
     assert r.usage.prompt_tokens == len(extra["prompt_token_ids"])
     token_ids = choice.model_extra["token_ids"]
