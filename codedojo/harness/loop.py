@@ -76,6 +76,19 @@ def _mask(out: PolicyOutput) -> list[int]:
     return [0] * len(out.prompt_ids) + [1] * len(out.completion_ids)
 
 
+def _turn(traj: Trajectory, kind: str, msg: dict[str, Any], out: PolicyOutput, generate_s: float,
+          started_at: float) -> Turn:
+    """The record of one model call: what the trainer needs of it, and its counts."""
+    return Turn(
+        index=len(traj.turns), segment=len(traj.segments) - 1, kind=kind, message=msg,
+        prompt_ids=out.prompt_ids, completion_ids=out.completion_ids, logprobs=out.logprobs,
+        loss_mask=_mask(out), routed_experts=out.routed_experts, finish_reason=out.finish_reason,
+        weight_version=out.weight_version, prompt_tokens=out.prompt_tokens,
+        cached_tokens=out.cached_tokens, completion_tokens=out.completion_tokens,
+        reasoning_tokens=out.reasoning_tokens, generate_s=generate_s, started_at=started_at,
+    )
+
+
 class Agent:
     """Runs episodes of one policy with one loop config."""
 
@@ -141,13 +154,7 @@ class Agent:
                 msg = out_.message()
                 context.append(msg)
                 traj.messages.append(msg)
-                turn = Turn(
-                    index=len(traj.turns), segment=len(traj.segments) - 1, kind="action", message=msg,
-                    prompt_ids=out_.prompt_ids, completion_ids=out_.completion_ids, logprobs=out_.logprobs,
-                    loss_mask=_mask(out_), finish_reason=out_.finish_reason, weight_version=out_.weight_version,
-                    prompt_tokens=out_.prompt_tokens, cached_tokens=out_.cached_tokens, completion_tokens=out_.completion_tokens,
-                    reasoning_tokens=out_.reasoning_tokens, generate_s=gen_s, started_at=t0,
-                )
+                turn = _turn(traj, "action", msg, out_, gen_s, t0)
                 traj.turns.append(turn)
                 if not out_.calls and not out_.errors:
                     traj.final_message = out_.content
@@ -205,15 +212,7 @@ class Agent:
         out = self.policy.generate(context, [], budget)  # no tools offered: a summary is text
         msg = {"role": "assistant", "content": out.content or ""}
         traj.messages.append(msg)
-        traj.turns.append(
-            Turn(
-                index=len(traj.turns), segment=len(traj.segments) - 1, kind="summary", message=msg,
-                prompt_ids=out.prompt_ids, completion_ids=out.completion_ids, logprobs=out.logprobs,
-                loss_mask=_mask(out), finish_reason=out.finish_reason, weight_version=out.weight_version,
-                prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens, completion_tokens=out.completion_tokens,
-                generate_s=time.perf_counter() - g0, started_at=t0,
-            )
-        )
+        traj.turns.append(_turn(traj, "summary", msg, out, time.perf_counter() - g0, t0))
         fresh = self._fresh_context(traj.task)
         fresh.append({"role": "user", "content": f"{SUMMARY_PREFIX}\n\n{out.content or ''}\n\nContinue the task."})
         traj.segments.append(len(traj.messages))

@@ -38,6 +38,9 @@ class PolicyOutput:
     prompt_ids: list[int] = field(default_factory=list)
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # MoE policies: each fed token's experts, (len(prompt_ids) + len(completion_ids) - 1,
+    # MoE layers, top_k), for router replay in training; None for a dense model
+    routed_experts: list[list[list[int]]] | None = None
     finish_reason: str = "stop"
     weight_version: int | None = None
     prompt_tokens: int = 0
@@ -149,7 +152,7 @@ class OpenAIPolicy:
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=1)
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
         self.text_format = text_format
-        self.extra_body = {"return_token_ids": True, **(extra_body or {})}
+        self.extra_body = {"return_token_ids": True, "return_routed_experts": True, **(extra_body or {})}
 
     def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int) -> PolicyOutput:
         kwargs: dict[str, Any] = {}
@@ -194,6 +197,7 @@ class OpenAIPolicy:
             prompt_ids=list(prompt_ids),
             completion_ids=list(completion_ids),
             logprobs=logprobs,
+            routed_experts=_extra(choice, "routed_experts"),
             finish_reason=choice.finish_reason or "stop",
             weight_version=_extra(resp, "weight_version"),
             prompt_tokens=usage.prompt_tokens if usage else len(prompt_ids),
@@ -268,6 +272,7 @@ class EnginePolicy:
         return PolicyOutput(
             content=content.strip(), calls=calls, errors=errors, raw_text=text, prompt_ids=list(c.prompt_ids or prompt_ids),
             completion_ids=list(c.token_ids), logprobs=list(c.logprobs), finish_reason=c.finish_reason,
+            routed_experts=None if c.routed_experts is None else c.routed_experts.tolist(),
             weight_version=c.weight_version, prompt_tokens=len(prompt_ids), cached_tokens=c.cached_tokens,
             completion_tokens=len(c.token_ids),
         )

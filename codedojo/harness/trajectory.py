@@ -45,6 +45,9 @@ class Turn:
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)  # over prompt_ids + completion_ids
+    # MoE policies: the experts of every token fed (prompt_ids + completion_ids but the last),
+    # [token][MoE layer][top_k], which training replays (router replay); None for dense ones
+    routed_experts: list[list[list[int]]] | None = None
     finish_reason: str = ""
     weight_version: int | None = None
     prompt_tokens: int = 0
@@ -74,6 +77,9 @@ class Turn:
             )
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError(f"turn {self.index}: loss_mask must hold 0/1 only")
+        if self.routed_experts is not None and len(self.routed_experts) != max(n - 1, 0):
+            raise ValueError(f"turn {self.index}: routed_experts has {len(self.routed_experts)} "
+                             f"rows for the {max(n - 1, 0)} tokens fed")
 
 
 @dataclass
@@ -265,9 +271,11 @@ def _turn_type() -> Any:
             ("completion_ids", pa.list_(pa.int32())),
             ("logprobs", pa.list_(pa.float32())),
             ("loss_mask", pa.list_(pa.int8())),
+            ("routed_experts", pa.list_(pa.list_(pa.list_(pa.int16())))),  # null: a dense model
             ("finish_reason", pa.string()),
             ("weight_version", pa.int64()),
             ("prompt_tokens", pa.int32()),
+            ("cached_tokens", pa.int32()),
             ("completion_tokens", pa.int32()),
             ("reasoning_tokens", pa.int32()),
             ("tool_calls", pa.string()),  # JSON

@@ -22,12 +22,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TOP_K = 2
 
 
-def tiny_moe(vocab_size: int = 96) -> Transformer:
+def tiny_moe(vocab_size: int = 96, max_seq_len: int = 256) -> Transformer:
     torch.manual_seed(0)
     moe = MoEConfig(n_routed_experts=8, top_k=TOP_K, expert_ffn_dim=16, n_shared_experts=1,
                     first_dense_layers=1)
-    m = Transformer(ModelConfig.tiny(dim=24, n_layers=3, vocab_size=vocab_size, max_seq_len=256,
-                                     moe=moe))
+    m = Transformer(ModelConfig.tiny(dim=24, n_layers=3, vocab_size=vocab_size,
+                                     max_seq_len=max_seq_len, moe=moe))
     m.init_weights(std=0.5)
     return m.eval()
 

@@ -25,6 +25,7 @@ from codedojo.model.chat import ChatTemplate
 from codedojo.model.config import ModelConfig
 from codedojo.model.tokenizer import tiny_tokenizer
 from codedojo.model.transformer import Transformer
+from tests.engine.test_routing import tiny_moe
 
 
 class ScriptedEngine:
@@ -45,7 +46,9 @@ class ScriptedEngine:
         for i, t in enumerate(ids[: params.max_tokens]):
             last = i == len(ids) - 1 or i == params.max_tokens - 1
             reason = "stop" if t in params.stop_token_ids else ("length" if last else None)
-            yield TokenEvent(t, -0.25, [], reason, cached_tokens=cached)
+            # as an MoE model routes: the prompt's rows with the first token, then one a token
+            routed = torch.full((len(prompt_ids) if i == 0 else 1, 1, 2), i, dtype=torch.int16)
+            yield TokenEvent(t, -0.25, [], reason, cached_tokens=cached, routed_experts=routed)
             if reason:
                 return
 
@@ -90,6 +93,11 @@ def test_openai_client_path_records_tokens_logprobs_and_masks(scripted_server, s
     assert t2.tool_calls == [] and t2.finish_reason == "stop"
     # The server's usage.prompt_tokens_details.cached_tokens reaches each turn.
     assert [t.cached_tokens for t in traj.turns] == [0, 10, 20]
+    # And so do the routed experts of every token fed, in order.
+    for t in traj.turns:
+        assert t.routed_experts is not None
+        assert len(t.routed_experts) == len(t.prompt_ids) + len(t.completion_ids) - 1
+        assert t.routed_experts[-1] == [[len(t.completion_ids) - 1] * 2]
     assert read_jsonl(tmp_path / "t.jsonl").to_dict() == traj.to_dict()
     session.close()
 
@@ -123,6 +131,26 @@ def test_engine_policy_in_process(sandbox):
     again = policy.generate(traj.messages[:2], session.schemas, 4)
     assert again.prompt_ids == expected_prompt and again.cached_tokens == len(expected_prompt) - 1
     session.close()
+
+
+def test_engine_policy_records_an_moe_models_routing(sandbox, tmp_path):
+    session = small_session(sandbox)
+    tok = tiny_tokenizer()
+    engine = Engine(tiny_moe(tok.vocab_size, max_seq_len=4096), max_batch=2)
+    policy = EnginePolicy(engine, ChatTemplate(tok), name="moe", temperature=0)
+    traj = Agent(policy, LoopConfig(max_turns=1, max_tokens_per_turn=6)).run(
+        "hello", session, out=tmp_path / "moe.jsonl")
+    session.close()
+    assert traj.turns, traj.error
+    t0 = traj.turns[0]
+    ids = t0.prompt_ids + t0.completion_ids
+    direct = engine.generate([t0.prompt_ids], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert direct.token_ids == t0.completion_ids and direct.routed_experts is not None
+    assert t0.routed_experts == direct.routed_experts.tolist() and len(t0.routed_experts) == len(ids) - 1
+    assert read_jsonl(tmp_path / "moe.jsonl").turns[0].routed_experts == t0.routed_experts
+    t0.routed_experts = t0.routed_experts[1:]
+    with pytest.raises(ValueError, match="routed_experts has"):
+        t0.validate()
 
 
 def _free_port() -> int:

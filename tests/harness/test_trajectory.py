@@ -1,4 +1,5 @@
 import json
+from dataclasses import fields
 
 import pytest
 
@@ -67,6 +68,9 @@ def test_partial_last_line_is_tolerated_but_corruption_is_not(tmp_path):
 def test_parquet_round_trip(tmp_path):
     a, b = _traj(), _traj()
     b.status = "max_turns"
+    b.turns[0].cached_tokens = 2  # an MoE policy's turn, its prompt partly from a prefix cache
+    b.turns[0].routed_experts = [[[1, 6]], [[0, 3]], [[2, 7]], [[5, 1]]]
+    b.validate()
     write_parquet([a, b], tmp_path / "d.parquet")
     back = load(tmp_path / "d.parquet")
     assert [x.to_dict() for x in back] == [a.to_dict(), b.to_dict()]
@@ -74,8 +78,10 @@ def test_parquet_round_trip(tmp_path):
     import pyarrow.parquet as pq
 
     table = pq.read_table(tmp_path / "d.parquet")
-    ids_type = table.schema.field("turns").type.value_type.field("completion_ids").type
-    assert ids_type.value_type == pa.int32()
+    turn_type = table.schema.field("turns").type.value_type
+    assert turn_type.field("completion_ids").type.value_type == pa.int32()
+    # Every field of a turn has a column: none is dropped on the way to a dataset.
+    assert {turn_type.field(i).name for i in range(turn_type.num_fields)} == {f.name for f in fields(Turn)}
 
 
 def test_validate_names_the_problem():
