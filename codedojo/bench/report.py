@@ -29,7 +29,7 @@ def summary(run: RunResult) -> dict:
             "turns_mean": round(sum(r.turns for r in rs) / n, 2) if n else 0.0,
             "tokens_total": sum(r.prompt_tokens + r.completion_tokens for r in rs),
             "completion_tokens_total": sum(r.completion_tokens for r in rs),
-            "cached_prompt_tokens_total": sum(r.cached_tokens for r in rs),
+            "cached_tokens_total": sum(r.cached_tokens for r in rs),
             "time_s_median": round(median(r.total_s for r in rs), 3) if n else 0.0,
             "agent_s_total": round(sum(r.agent_s for r in rs), 3),
         }

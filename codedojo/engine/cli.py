@@ -35,6 +35,9 @@ def serve(
         16384, help="finished conversations' keys and values kept, in tokens, so a request "
         "that starts with one (the next turn of an agent loop) or with a running request's "
         "prompt (a group of samples) is prefilled only from where they part (0: off)"),
+    record_routing: bool = typer.Option(
+        False, help="an MoE model's requests record every token's experts, which clients get "
+        "with return_routed_experts (RL rollouts, for router replay); they decode without drafts"),
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions and /v1/models for MODEL.
 
@@ -81,7 +84,7 @@ def serve(
             print(f"Speculative decoding with {drafter.depth} MTP modules", flush=True)
     engine = Engine(net, max_batch=max_batch, drafter=drafter,
                     spec_draft_cost=spec_draft_cost, spec_explore_every=spec_explore_every,
-                    prefix_cache_tokens=prefix_cache_tokens)
+                    prefix_cache_tokens=prefix_cache_tokens, record_routing=record_routing)
     engine.start()
     name = served_name or model
     app = create_app(engine, tokenizer, chat, model_name=name)

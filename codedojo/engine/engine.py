@@ -30,12 +30,12 @@ shared prefix decodes speculatively too, its drafts seeing the sequence from whe
 part ends (`SpeculativeSession.prefill`; on held-out code, drafts that saw only the last 8 of
 384 prompt tokens were accepted as often as those that saw all of them).
 
-A mixture-of-experts model's requests record their routing (``Completion.routed_experts``, and
-piece by piece in ``TokenEvent``): the
-experts each MoE layer chose for each token, in the very pass that produced the token's keys
-and values (a shared prefix's routing comes with its keys and values), so that training can
-replay it (router replay) rather than route again on slightly different numbers. They decode
-plainly, never speculatively.
+With ``record_routing`` (RL rollouts of a mixture-of-experts model), requests record their
+routing (``Completion.routed_experts``, and piece by piece in ``TokenEvent``): the experts each
+MoE layer chose for each token, in the very pass that produced the token's keys and values (a
+shared prefix's routing comes with its keys and values), so that training can replay it
+(router replay) rather than route again on slightly different numbers. They decode plainly,
+never speculatively.
 
 On the CPU kernels (``codedojo.ops``) a forward pass over at most 512 tokens in all
 (``transformer.FUSED_TOKENS``) is batch-invariant: a token's logits do not depend on the other
@@ -113,10 +113,10 @@ class Request:
     # prefix cache entry (chosen at admission)
     reuse: Request | Entry | None = None
     cached_tokens: int = 0
-    # MoE models: the experts of every token fed so far, (tokens, MoE layers, top_k) pieces:
-    # a shared prefix's, then one per pass; the first `routing_sent` went out with events
-    routing: list[torch.Tensor] = field(default_factory=list)
-    routing_sent: int = 0
+    # routing recorded: the experts of every token fed so far, (tokens, MoE layers, top_k)
+    # pieces, a shared prefix's and then one per pass; the first `routed_sent` went out in events
+    routed: list[torch.Tensor] = field(default_factory=list)
+    routed_sent: int = 0
 
     @functools.cached_property
     def prompt_tensor(self) -> torch.Tensor:
@@ -124,7 +124,7 @@ class Request:
 
     def routed_experts(self) -> torch.Tensor | None:
         """The routing recorded so far, as one (tokens, MoE layers, top_k) tensor."""
-        return torch.cat(self.routing) if self.routing else None
+        return torch.cat(self.routed) if self.routed else None
 
     def completion(self) -> Completion:
         return Completion(prompt_ids=self.prompt_ids, token_ids=self.token_ids,
@@ -140,10 +140,15 @@ class Engine:
     def __init__(self, model: Transformer, *, max_batch: int = 16,
                  max_seq_len: int | None = None, drafter: Drafter | None = None,
                  spec_draft_cost: float | None = None, spec_probe_rounds: int = 64,
-                 spec_explore_every: int = 32, prefix_cache_tokens: int = 16384) -> None:
+                 spec_explore_every: int = 32, prefix_cache_tokens: int = 16384,
+                 record_routing: bool = False) -> None:
         """``prefix_cache_tokens``: finished sequences' keys and values kept for reuse, in
         tokens (SmolLM2-135M: 46 KB a token in float32); 0 turns prefix reuse off (live
         sequences are not shared either).
+
+        ``record_routing``: an MoE model's requests record the experts every token took
+        (``Completion.routed_experts``), for router replay in training; they then decode
+        plainly, without drafts. No effect on a dense model.
 
         ``drafter``: MTP drafts for speculative decoding. The first ``spec_probe_rounds``
         rounds draft with every module; from then on each round drafts the number of tokens
@@ -165,7 +170,12 @@ class Engine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         cfg = model.cfg
         self.model = model.eval()
-        self._moe = moe_layers(model)  # their routing is recorded per request
+        moe = moe_layers(model)
+        self._moe = moe if record_routing else []  # the layers whose routing is recorded
+        # "dense", "recorded" or "unrecorded" (an MoE model, record_routing off)
+        self.routing = "recorded" if self._moe else ("unrecorded" if moe else "dense")
+        if self._moe and drafter is not None:
+            log.warning("record_routing: requests decode plainly, the drafter is not used")
         on_cpu = next(model.parameters()).device.type == "cpu"
         if on_cpu and load_kernel() is None:
             input_major_weights(model)
@@ -401,16 +411,16 @@ class Engine:
         prefill."""
         src, n = req.reuse, req.cached_tokens
         req.reuse = None  # hold no entry past this point
-        routing = None
+        routed = None
         if src is None:
             self.cache.reset(slot)
         elif isinstance(src, Entry):
             self.cache.load(slot, src.k[:, :, :n], src.v[:, :, :n])
-            routing = src.routing
+            routed = src.routed_experts
         else:
             self.cache.copy(next(i for i, r in enumerate(self._live) if r is src), slot, n)
-            routing = src.routed_experts()
-        req.routing = [routing[:n]] if routing is not None else []
+            routed = src.routed_experts()
+        req.routed = [routed[:n]] if routed is not None else []
         return req.prompt_ids[n:]
 
     @property
@@ -536,7 +546,8 @@ class Engine:
             self._spec = None  # others joined (or it finished): plain batched decoding
         tokens = torch.tensor([[r.token_ids[-1]] for r in live], dtype=torch.long)
         logits = self.model(tokens, cache=self.cache.view(0, len(live)))  # (B, 1, V)
-        self._record_routing(live, [1] * len(live))
+        if self._moe:
+            self._record_routing(live, [1] * len(live))
         self._emit(live, logits[:, -1])
 
     def _record_routing(self, reqs: list[Request], lens: list[int]) -> None:
@@ -545,8 +556,9 @@ class Engine:
         if not self._moe:
             return
         chosen = torch.stack([m.last_indices for m in self._moe], dim=2)  # (B, T, L, k)
+        chosen = chosen.to("cpu", torch.int16)  # one copy off the device a pass
         for i, r in enumerate(reqs):
-            r.routing.append(chosen[i, : lens[i]].to(torch.int16))
+            r.routed.append(chosen[i, : lens[i]].clone())
 
     def _emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
         """Sample one token per request from logits (B, V) and record it."""
@@ -567,9 +579,10 @@ class Engine:
             reason = "length"
         req.finish_reason = reason
         routed = None
-        if req.routing_sent < len(req.routing):  # the routing of the pass that sampled it
-            routed = torch.cat(req.routing[req.routing_sent:])
-            req.routing_sent = len(req.routing)
+        if req.routed_sent < len(req.routed):  # the routing of the pass that sampled it
+            pending = req.routed[req.routed_sent:]
+            routed = pending[0] if len(pending) == 1 else torch.cat(pending)
+            req.routed_sent = len(req.routed)
         if req.on_event is not None:
             req.on_event(TokenEvent(tok, lp, top, reason, req.cached_tokens, routed))
         if reason is not None:
@@ -608,6 +621,6 @@ class Engine:
         # (a speculative round that stopped early holds keys past its last emitted token)
         n = len(ids)
         if PREFIX_MIN_TOKENS <= n <= self.prefix_cache.max_tokens and req.loads == self._loads:
-            routing = req.routed_experts()
+            routed = req.routed_experts()
             self.prefix_cache.put(torch.tensor(ids), *self.cache.export(slot, n),
-                                  routing=None if routing is None else routing[:n])
+                                  routed_experts=None if routed is None else routed[:n])

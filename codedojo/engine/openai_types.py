@@ -6,10 +6,11 @@ error shape. Unknown request fields are ignored, as OpenAI-compatible servers do
 
 Extensions, vLLM-style, for RL: `top_k`, `return_token_ids` (the response then carries
 `prompt_token_ids` and per-choice `token_ids`, the exact ids sampled, end-of-turn token included),
-`return_routed_experts` (an MoE model's choices carry `routed_experts`: for every token fed, the
-prompt's and then each sampled one but the last, every MoE layer's top-k experts; streamed, each
-chunk carries the rows of the pass that sampled its token), `skip_special_tokens`, and a
-`weight_version` on every response: the engine's weights version that produced it.
+`return_routed_experts` (on an engine that records an MoE model's routing, each choice carries
+`routed_experts` as vLLM sends it: a base64-encoded NumPy array (tokens fed, MoE layers, top_k),
+the prompt's tokens and then each sampled one but the last; streamed, in the choice's last
+chunk), `skip_special_tokens`, and a `weight_version` on every response: the engine's weights
+version that produced it.
 """
 
 from __future__ import annotations
@@ -250,7 +251,7 @@ class ChatChoice(BaseModel):
     finish_reason: str
     logprobs: ChoiceLogprobs | None = None
     token_ids: list[int] | None = None
-    routed_experts: list[list[list[int]]] | None = None  # (tokens, MoE layers, top_k)
+    routed_experts: str | None = None  # base64 .npy, (tokens fed, MoE layers, top_k)
 
 
 class ChatCompletion(BaseModel):
@@ -280,7 +281,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
-    routed_experts: list[list[list[int]]] | None = None  # (tokens, MoE layers, top_k)
+    routed_experts: str | None = None  # base64 .npy, (tokens fed, MoE layers, top_k)
 
 
 class TextCompletion(BaseModel):

@@ -21,7 +21,7 @@ class Entry:
     ids: torch.Tensor  # (n,) int64: the tokens whose keys/values are held
     k: torch.Tensor  # (layers, kv_heads, n, head_dim)
     v: torch.Tensor
-    routing: torch.Tensor | None = None  # (n, MoE layers, top_k): the experts each token took
+    routed_experts: torch.Tensor | None = None  # (n, MoE layers, top_k), when routing is recorded
 
 
 def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -53,7 +53,7 @@ class PrefixCache:
         return best, n
 
     def put(self, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            routing: torch.Tensor | None = None) -> None:
+            routed_experts: torch.Tensor | None = None) -> None:
         """Keep a sequence (its tensors are held as given: pass copies). An entry that is a
         prefix of it is dropped; one it is a prefix of makes it redundant."""
         n = len(ids)
@@ -67,7 +67,7 @@ class PrefixCache:
                 self._drop(e)
         while self.tokens + n > self.max_tokens:
             self._drop(self.entries[0])
-        self.entries.append(Entry(ids, k, v, routing))
+        self.entries.append(Entry(ids, k, v, routed_experts))
         self.tokens += n
 
     def clear(self) -> None:

@@ -48,7 +48,7 @@ from codedojo.engine.openai_types import (
     Usage,
     error_body,
 )
-from codedojo.engine.types import SamplingParams, TokenEvent
+from codedojo.engine.types import SamplingParams, TokenEvent, encode_routed_experts
 from codedojo.model.chat import ChatFormatError, ChatTemplate
 from codedojo.model.tokenizer import Tokenizer
 
@@ -81,7 +81,6 @@ class Piece:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
-    routed_experts: torch.Tensor | None = None  # MoE: the rows of the pass that sampled it
 
 
 @dataclass
@@ -92,11 +91,13 @@ class ChoiceResult:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str = "stop"
     cached_tokens: int = 0  # prompt tokens the engine took from an earlier sequence
-    routed_experts: list[torch.Tensor] = field(default_factory=list)  # MoE: pieces, in order
+    routed_experts: list[torch.Tensor] = field(default_factory=list)  # recorded: pieces, in order
 
-    def routed_list(self, asked: bool) -> list[list[list[int]]] | None:
-        """``routed_experts`` for the response: when asked for and the model has MoE layers."""
-        return torch.cat(self.routed_experts).tolist() if asked and self.routed_experts else None
+    def routed_for(self, req: ChatCompletionRequest | CompletionRequest) -> str | None:
+        """The response's ``routed_experts`` (vLLM's encoding): when asked for and recorded."""
+        if not (req.return_routed_experts and self.routed_experts):
+            return None
+        return encode_routed_experts(torch.cat(self.routed_experts))
 
 
 class TextAssembler:
@@ -253,6 +254,9 @@ def _check_model(state: ServerState, name: str) -> None:
 
 def _sampling(state: ServerState, req: ChatCompletionRequest | CompletionRequest, prompt_len: int,
               logprobs: bool, top_logprobs: int, prompt_param: str) -> SamplingParams:
+    if req.return_routed_experts and getattr(state.engine, "routing", "dense") == "unrecorded":
+        raise APIError(400, "return_routed_experts: this server does not record its MoE model's "
+                       "routing (start it with --record-routing)", "return_routed_experts")
     room = state.max_model_len - prompt_len
     if room < 1:
         raise APIError(400, f"the prompt is {prompt_len} tokens; the model's context is {state.max_model_len}",
@@ -314,7 +318,7 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
             result.logprobs.append(ev.logprob)
             result.top_logprobs.append(list(ev.top_logprobs or []))
             text = asm.push(ev.token_id)
-            yield Piece(text, ev.token_id, ev.logprob, list(ev.top_logprobs or []), ev.routed_experts)
+            yield Piece(text, ev.token_id, ev.logprob, list(ev.top_logprobs or []))
             if asm.stopped:
                 finish = "stop"
                 break
@@ -467,7 +471,7 @@ async def _chat(state: ServerState, req: ChatCompletionRequest) -> Any:
         choices.append(ChatChoice(index=i, message=ResponseMessage(content=content, tool_calls=tool_calls),
                                   finish_reason=finish, logprobs=lp,
                                   token_ids=r.token_ids if req.return_token_ids else None,
-                                  routed_experts=r.routed_list(req.return_routed_experts)))
+                                  routed_experts=r.routed_for(req)))
     completion_tokens = sum(len(r.token_ids) for r in results)
     resp = ChatCompletion(id=rid, created=created, model=req.model, choices=choices,
                           usage=Usage.of(len(prompt_ids), completion_tokens,
@@ -513,8 +517,6 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
                                                                      item.top).model_dump()]}
                 if item.token_id >= 0 and req.return_token_ids:
                     choice["token_ids"] = [item.token_id]
-                if item.routed_experts is not None and req.return_routed_experts:
-                    choice["routed_experts"] = item.routed_experts.tolist()
                 if delta or len(choice) > 3:
                     yield _sse({**base, "choices": [choice]})
                 continue
@@ -533,7 +535,10 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
                     rest = parsed.content[len(before):].strip() if parsed.content.startswith(before) else ""
             if rest:
                 delta_out["content"] = rest
-            chunk: dict[str, Any] = {**base, "choices": [{"index": i, "delta": delta_out, "finish_reason": finish}]}
+            last: dict[str, Any] = {"index": i, "delta": delta_out, "finish_reason": finish}
+            if (routed := result.routed_for(req)) is not None:
+                last["routed_experts"] = routed
+            chunk: dict[str, Any] = {**base, "choices": [last]}
             finished += 1
             usage = Usage.of(len(prompt_ids), completion_tokens, _cached_tokens(cached, len(gens)))
             for out in _with_usage(chunk, finished == len(gens), include_usage, usage):
@@ -604,7 +609,7 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Any:
         choices.append(CompletionChoice(index=idx, text=prefix + r.text, finish_reason=r.finish_reason, logprobs=lp,
                                         token_ids=r.token_ids if req.return_token_ids else None,
                                         prompt_token_ids=p if req.return_token_ids else None,
-                                        routed_experts=r.routed_list(req.return_routed_experts)))
+                                        routed_experts=r.routed_for(req)))
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(r.token_ids) for r in results)
     resp = TextCompletion(id=rid, created=created, model=req.model, choices=choices,
@@ -635,8 +640,6 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
                     completion_tokens += 1
                     if req.return_token_ids:
                         choice["token_ids"] = [item.token_id]
-                    if item.routed_experts is not None and req.return_routed_experts:
-                        choice["routed_experts"] = item.routed_experts.tolist()
                     if req.logprobs is not None:
                         choice["logprobs"] = {"tokens": [state.tokenizer.token_text(item.token_id)],
                                               "token_logprobs": [item.logprob]}
@@ -645,7 +648,10 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
             else:
                 finished += 1
                 cached[idx] = item.cached_tokens
-                chunk = {**base, "choices": [{"index": idx, "text": "", "finish_reason": item.finish_reason}]}
+                last: dict[str, Any] = {"index": idx, "text": "", "finish_reason": item.finish_reason}
+                if (routed := item.routed_for(req)) is not None:
+                    last["routed_experts"] = routed
+                chunk = {**base, "choices": [last]}
                 usage = Usage.of(prompt_tokens, completion_tokens, _cached_tokens(cached, req.n))
                 for out in _with_usage(chunk, finished == len(gens), include_usage, usage):
                     yield out

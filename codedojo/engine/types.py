@@ -5,11 +5,13 @@ The engine works on token ids only; the server turns text into ids and ids back 
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import numpy as np
+import torch
 
 
 @dataclass
@@ -54,9 +56,9 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]]
     finish_reason: str | None  # None while running, then "stop" | "length" | "cancelled"
     cached_tokens: int = 0  # the request's prompt tokens taken from an earlier sequence
-    # MoE models: the experts chosen for the tokens fed in the pass that sampled this token
-    # (the prompt's, with the first token; the previous token's after), (tokens, MoE layers,
-    # top_k); None for a dense model and for an event without a token
+    # Routing recorded (`Engine(record_routing=True)`, an MoE model): the experts chosen for the
+    # tokens fed in the pass that sampled this token (the prompt's, with the first token; the
+    # previous token's after), (tokens, MoE layers, top_k); else None
     routed_experts: torch.Tensor | None = None
 
 
@@ -66,9 +68,10 @@ class Completion:
     ``cached_tokens`` how many of the prompt's tokens were not prefilled again but taken from
     an earlier sequence's keys and values (`codedojo.engine.prefix_cache`).
 
-    ``routed_experts`` (MoE models; None for dense ones): the experts every MoE layer chose for
-    every token the engine fed the model, the prompt and then each generated token but the
-    last, as (len(prompt_ids) + len(token_ids) - 1, MoE layers in order, top_k) int16 (vLLM's
+    ``routed_experts`` (an MoE model on an engine that records routing; else None, as for a
+    request cancelled before its prefill): the experts every MoE layer chose for every token
+    the engine fed the model, the prompt and then each generated token but the last, as a CPU
+    (len(prompt_ids) + len(token_ids) - 1, MoE layers in order, top_k) int16 tensor (vLLM's
     layout). A training forward over ``(prompt_ids + token_ids)[:-1]`` inside
     ``router_replay(model, routed_experts.unbind(-2))`` routes every token as the rollout did
     (`codedojo.model.moe`), so its logprobs are the rollout's, not a re-routed model's."""
@@ -81,3 +84,24 @@ class Completion:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     cached_tokens: int = 0
     routed_experts: torch.Tensor | None = None
+
+
+def encode_routed_experts(routed: torch.Tensor) -> str:
+    """Routed experts (tokens, MoE layers, top_k) as vLLM sends them over HTTP: a NumPy ``.npy``
+    file, base64-encoded (2 bytes an id, against about 3 as JSON numbers)."""
+    buf = io.BytesIO()
+    np.save(buf, routed.to("cpu", torch.int16).numpy(), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def decode_routed_experts(data: str) -> torch.Tensor:
+    """The (tokens, MoE layers, top_k) ids `encode_routed_experts` (or vLLM) sent, as int64
+    (torch's index type); ValueError saying what is wrong with anything else."""
+    try:
+        arr = np.load(io.BytesIO(base64.b64decode(data, validate=True)), allow_pickle=False)
+    except (ValueError, binascii.Error, OSError, EOFError) as e:
+        raise ValueError(f"routed_experts: not a base64-encoded NumPy array ({e})") from None
+    if arr.ndim != 3 or arr.dtype.kind not in "iu":
+        raise ValueError(f"routed_experts: expected integer ids shaped (tokens, MoE layers, top_k), "
+                         f"got {arr.dtype} {arr.shape}")
+    return torch.from_numpy(arr.astype(np.int64))

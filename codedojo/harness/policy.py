@@ -38,9 +38,10 @@ class PolicyOutput:
     prompt_ids: list[int] = field(default_factory=list)
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    # MoE policies: each fed token's experts, (len(prompt_ids) + len(completion_ids) - 1,
-    # MoE layers, top_k), for router replay in training; None for a dense model
-    routed_experts: list[list[list[int]]] | None = None
+    # an MoE policy's recorded routing: each fed token's experts, (len(prompt_ids) +
+    # len(completion_ids) - 1, MoE layers, top_k), base64 .npy as vLLM sends it
+    # (`codedojo.engine.types.decode_routed_experts`), for router replay in training
+    routed_experts: str | None = None
     finish_reason: str = "stop"
     weight_version: int | None = None
     prompt_tokens: int = 0
@@ -145,14 +146,19 @@ class OpenAIPolicy:
         text_format: str = "hermes",
         timeout: float = 600.0,
         extra_body: dict[str, Any] | None = None,
+        routed_experts: bool = False,
     ) -> None:
+        """``routed_experts``: ask an MoE model's server for every token's experts (vLLM's
+        ``return_routed_experts``; `dojo serve --record-routing`), for router replay."""
         import openai
 
         self.name = model
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=1)
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
         self.text_format = text_format
-        self.extra_body = {"return_token_ids": True, "return_routed_experts": True, **(extra_body or {})}
+        self.extra_body = {"return_token_ids": True, **(extra_body or {})}
+        if routed_experts:
+            self.extra_body["return_routed_experts"] = True
 
     def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int) -> PolicyOutput:
         kwargs: dict[str, Any] = {}
@@ -197,7 +203,8 @@ class OpenAIPolicy:
             prompt_ids=list(prompt_ids),
             completion_ids=list(completion_ids),
             logprobs=logprobs,
-            routed_experts=_extra(choice, "routed_experts"),
+            routed_experts=_checked_routing(_extra(choice, "routed_experts"),
+                                            len(prompt_ids) + len(completion_ids) - 1),
             finish_reason=choice.finish_reason or "stop",
             weight_version=_extra(resp, "weight_version"),
             prompt_tokens=usage.prompt_tokens if usage else len(prompt_ids),
@@ -205,6 +212,25 @@ class OpenAIPolicy:
             completion_tokens=usage.completion_tokens if usage else len(completion_ids),
             reasoning_tokens=(getattr(details, "reasoning_tokens", 0) or 0) if details else 0,
         )
+
+
+def _checked_routing(value: Any, fed: int) -> str | None:
+    """A server's ``routed_experts`` in our (vLLM's) encoding, checked to hold a row for each of
+    the ``fed`` tokens; ValueError naming what is wrong."""
+    import torch
+
+    from codedojo.engine.types import decode_routed_experts, encode_routed_experts
+
+    if value is None:
+        return None
+    if isinstance(value, list):  # nested lists, as some servers send them
+        value = encode_routed_experts(torch.tensor(value))
+    if not isinstance(value, str):
+        raise ValueError(f"routed_experts: expected a base64 NumPy array, got {type(value).__name__}")
+    rows = len(decode_routed_experts(value))
+    if rows != fed:
+        raise ValueError(f"routed_experts: {rows} rows for the {fed} tokens fed")
+    return value
 
 
 def _for_api(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -245,7 +271,7 @@ class EnginePolicy:
         self._calls = 0
 
     def generate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int) -> PolicyOutput:
-        from codedojo.engine.types import SamplingParams
+        from codedojo.engine.types import SamplingParams, encode_routed_experts
 
         tok = self.chat.tokenizer
         prompt_ids = self.chat.encode(_for_api(messages), tools or None, add_generation_prompt=True)
@@ -272,7 +298,7 @@ class EnginePolicy:
         return PolicyOutput(
             content=content.strip(), calls=calls, errors=errors, raw_text=text, prompt_ids=list(c.prompt_ids or prompt_ids),
             completion_ids=list(c.token_ids), logprobs=list(c.logprobs), finish_reason=c.finish_reason,
-            routed_experts=None if c.routed_experts is None else c.routed_experts.tolist(),
+            routed_experts=None if c.routed_experts is None else encode_routed_experts(c.routed_experts),
             weight_version=c.weight_version, prompt_tokens=len(prompt_ids), cached_tokens=c.cached_tokens,
             completion_tokens=len(c.token_ids),
         )

@@ -45,9 +45,10 @@ class Turn:
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)  # over prompt_ids + completion_ids
-    # MoE policies: the experts of every token fed (prompt_ids + completion_ids but the last),
-    # [token][MoE layer][top_k], which training replays (router replay); None for dense ones
-    routed_experts: list[list[list[int]]] | None = None
+    # an MoE policy's recorded routing: the experts of every token fed (prompt_ids +
+    # completion_ids but the last), (tokens, MoE layers, top_k) as base64 .npy (vLLM's form,
+    # `codedojo.engine.types.decode_routed_experts`), which training replays; else None
+    routed_experts: str | None = None
     finish_reason: str = ""
     weight_version: int | None = None
     prompt_tokens: int = 0
@@ -77,9 +78,16 @@ class Turn:
             )
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError(f"turn {self.index}: loss_mask must hold 0/1 only")
-        if self.routed_experts is not None and len(self.routed_experts) != max(n - 1, 0):
-            raise ValueError(f"turn {self.index}: routed_experts has {len(self.routed_experts)} "
-                             f"rows for the {max(n - 1, 0)} tokens fed")
+        if self.routed_experts is not None:
+            from codedojo.engine.types import decode_routed_experts
+
+            try:
+                rows = len(decode_routed_experts(self.routed_experts))
+            except ValueError as e:
+                raise ValueError(f"turn {self.index}: {e}") from None
+            if rows != max(n - 1, 0):
+                raise ValueError(f"turn {self.index}: routed_experts has {rows} rows for the "
+                                 f"{max(n - 1, 0)} tokens fed")
 
 
 @dataclass
@@ -271,7 +279,7 @@ def _turn_type() -> Any:
             ("completion_ids", pa.list_(pa.int32())),
             ("logprobs", pa.list_(pa.float32())),
             ("loss_mask", pa.list_(pa.int8())),
-            ("routed_experts", pa.list_(pa.list_(pa.list_(pa.int16())))),  # null: a dense model
+            ("routed_experts", pa.string()),  # base64 .npy; null: no routing recorded
             ("finish_reason", pa.string()),
             ("weight_version", pa.int64()),
             ("prompt_tokens", pa.int32()),

@@ -15,9 +15,14 @@ import torch
 
 from codedojo.engine.engine import Engine
 from codedojo.engine.server import BackgroundServer, create_app
-from codedojo.engine.types import SamplingParams, TokenEvent
+from codedojo.engine.types import (
+    SamplingParams,
+    TokenEvent,
+    decode_routed_experts,
+    encode_routed_experts,
+)
 from codedojo.harness.loop import Agent, LoopConfig
-from codedojo.harness.policy import EnginePolicy, OpenAIPolicy
+from codedojo.harness.policy import EnginePolicy, OpenAIPolicy, _checked_routing
 from codedojo.harness.tools.base import ToolContext
 from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
 from codedojo.harness.trajectory import read_jsonl
@@ -25,7 +30,7 @@ from codedojo.model.chat import ChatTemplate
 from codedojo.model.config import ModelConfig
 from codedojo.model.tokenizer import tiny_tokenizer
 from codedojo.model.transformer import Transformer
-from tests.engine.test_routing import tiny_moe
+from tests.engine.tiny_moe import tiny_moe
 
 
 class ScriptedEngine:
@@ -68,7 +73,7 @@ def scripted_server() -> Iterator:
 def test_openai_client_path_records_tokens_logprobs_and_masks(scripted_server, sandbox, tmp_path):
     srv, engine, tok = scripted_server
     session = small_session(sandbox)
-    policy = OpenAIPolicy("scripted", base_url=srv.url + "/v1", text_format="smollm2")
+    policy = OpenAIPolicy("scripted", base_url=srv.url + "/v1", text_format="smollm2", routed_experts=True)
     # The byte-level test tokenizer makes long prompts: a wide window keeps self-summary out of it.
     cfg = LoopConfig(max_turns=5, context_window=200_000)
     traj = Agent(policy, cfg).run("What is this repo?", session, out=tmp_path / "t.jsonl")
@@ -96,8 +101,9 @@ def test_openai_client_path_records_tokens_logprobs_and_masks(scripted_server, s
     # And so do the routed experts of every token fed, in order.
     for t in traj.turns:
         assert t.routed_experts is not None
-        assert len(t.routed_experts) == len(t.prompt_ids) + len(t.completion_ids) - 1
-        assert t.routed_experts[-1] == [[len(t.completion_ids) - 1] * 2]
+        routed = decode_routed_experts(t.routed_experts)
+        assert len(routed) == len(t.prompt_ids) + len(t.completion_ids) - 1
+        assert routed[-1].tolist() == [[len(t.completion_ids) - 1] * 2]
     assert read_jsonl(tmp_path / "t.jsonl").to_dict() == traj.to_dict()
     session.close()
 
@@ -136,21 +142,37 @@ def test_engine_policy_in_process(sandbox):
 def test_engine_policy_records_an_moe_models_routing(sandbox, tmp_path):
     session = small_session(sandbox)
     tok = tiny_tokenizer()
-    engine = Engine(tiny_moe(tok.vocab_size, max_seq_len=4096), max_batch=2)
-    policy = EnginePolicy(engine, ChatTemplate(tok), name="moe", temperature=0)
+    model = tiny_moe(tok.vocab_size, max_seq_len=4096)
+    policy = EnginePolicy(Engine(model, record_routing=True), ChatTemplate(tok), name="moe",
+                          temperature=0)
     traj = Agent(policy, LoopConfig(max_turns=1, max_tokens_per_turn=6)).run(
         "hello", session, out=tmp_path / "moe.jsonl")
     session.close()
     assert traj.turns, traj.error
     t0 = traj.turns[0]
-    ids = t0.prompt_ids + t0.completion_ids
-    direct = engine.generate([t0.prompt_ids], SamplingParams(max_tokens=6, temperature=0))[0]
+    fresh = Engine(model, record_routing=True, prefix_cache_tokens=0)
+    direct = fresh.generate([t0.prompt_ids], SamplingParams(max_tokens=6, temperature=0))[0]
     assert direct.token_ids == t0.completion_ids and direct.routed_experts is not None
-    assert t0.routed_experts == direct.routed_experts.tolist() and len(t0.routed_experts) == len(ids) - 1
+    assert t0.routed_experts is not None
+    assert torch.equal(decode_routed_experts(t0.routed_experts), direct.routed_experts.long())
     assert read_jsonl(tmp_path / "moe.jsonl").turns[0].routed_experts == t0.routed_experts
-    t0.routed_experts = t0.routed_experts[1:]
-    with pytest.raises(ValueError, match="routed_experts has"):
+    t0.routed_experts = encode_routed_experts(direct.routed_experts[1:])
+    with pytest.raises(ValueError, match="turn 0: routed_experts has"):
         t0.validate()
+    t0.routed_experts = "not base64"
+    with pytest.raises(ValueError, match="turn 0: routed_experts: not a base64"):
+        t0.validate()
+
+
+def test_a_servers_routed_experts_are_checked_on_arrival():
+    routed = torch.randint(0, 8, (5, 2, 2))
+    as_lists = _checked_routing(routed.tolist(), 5)  # a server that sends nested lists
+    assert as_lists is not None and torch.equal(decode_routed_experts(as_lists), routed)
+    with pytest.raises(ValueError, match="routed_experts: 5 rows for the 6 tokens fed"):
+        _checked_routing(encode_routed_experts(routed), 6)
+    with pytest.raises(ValueError, match="routed_experts: expected a base64 NumPy array, got int"):
+        _checked_routing(3, 5)
+    assert _checked_routing(None, 5) is None
 
 
 def _free_port() -> int:

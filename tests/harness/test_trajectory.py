@@ -2,7 +2,9 @@ import json
 from dataclasses import fields
 
 import pytest
+import torch
 
+from codedojo.engine.types import encode_routed_experts
 from codedojo.harness.trajectory import (
     ToolCallRecord,
     Trajectory,
@@ -69,7 +71,7 @@ def test_parquet_round_trip(tmp_path):
     a, b = _traj(), _traj()
     b.status = "max_turns"
     b.turns[0].cached_tokens = 2  # an MoE policy's turn, its prompt partly from a prefix cache
-    b.turns[0].routed_experts = [[[1, 6]], [[0, 3]], [[2, 7]], [[5, 1]]]
+    b.turns[0].routed_experts = encode_routed_experts(torch.tensor([[[1, 6]], [[0, 3]], [[2, 7]], [[5, 1]]]))
     b.validate()
     write_parquet([a, b], tmp_path / "d.parquet")
     back = load(tmp_path / "d.parquet")
