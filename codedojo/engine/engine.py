@@ -34,8 +34,8 @@ With ``record_routing`` (RL rollouts of a mixture-of-experts model), requests re
 routing (``Completion.routed_experts``, and piece by piece in ``TokenEvent``): the experts each
 MoE layer chose for each token, in the very pass that produced the token's keys and values (a
 shared prefix's routing comes with its keys and values), so that training can replay it
-(router replay) rather than route again on slightly different numbers. They decode plainly,
-never speculatively.
+(router replay) rather than route again on slightly different numbers. A request's rows match
+its keys and values one for one, a verify pass's rejected drafts dropped with theirs.
 
 On the CPU kernels (``codedojo.ops``) a forward pass over at most 512 tokens in all
 (``transformer.FUSED_TOKENS``) is batch-invariant: a token's logits do not depend on the other
@@ -113,10 +113,10 @@ class Request:
     # prefix cache entry (chosen at admission)
     reuse: Request | Entry | None = None
     cached_tokens: int = 0
-    # routing recorded: the experts of every token fed so far, (tokens, MoE layers, top_k)
-    # pieces, a shared prefix's and then one per pass; the first `routed_sent` went out in events
+    # routing recorded: the experts of every token in its cache slot, (tokens, MoE layers,
+    # top_k) pieces: the prompt's (a shared prefix's alone until the prefill), then one row per
+    # token fed; piece i goes out with generated token i, the token sampled after it
     routed: list[torch.Tensor] = field(default_factory=list)
-    routed_sent: int = 0
 
     @functools.cached_property
     def prompt_tensor(self) -> torch.Tensor:
@@ -127,11 +127,13 @@ class Request:
         return torch.cat(self.routed) if self.routed else None
 
     def completion(self) -> Completion:
+        routed = self.routed_experts()  # a round that stopped early holds rows past the end
+        fed = len(self.prompt_ids) + len(self.token_ids) - 1
         return Completion(prompt_ids=self.prompt_ids, token_ids=self.token_ids,
                           logprobs=self.logprobs, finish_reason=self.finish_reason or "cancelled",
                           weight_version=self.weight_version, top_logprobs=self.top_logprobs,
                           cached_tokens=self.cached_tokens,
-                          routed_experts=self.routed_experts())
+                          routed_experts=None if routed is None else routed[:fed])
 
 
 class Engine:
@@ -147,8 +149,8 @@ class Engine:
         sequences are not shared either).
 
         ``record_routing``: an MoE model's requests record the experts every token took
-        (``Completion.routed_experts``), for router replay in training; they then decode
-        plainly, without drafts. No effect on a dense model.
+        (``Completion.routed_experts``), for router replay in training. No effect on a dense
+        model.
 
         ``drafter``: MTP drafts for speculative decoding. The first ``spec_probe_rounds``
         rounds draft with every module; from then on each round drafts the number of tokens
@@ -174,8 +176,6 @@ class Engine:
         self._moe = moe if record_routing else []  # the layers whose routing is recorded
         # "dense", "recorded" or "unrecorded" (an MoE model, record_routing off)
         self.routing = "recorded" if self._moe else ("unrecorded" if moe else "dense")
-        if self._moe and drafter is not None:
-            log.warning("record_routing: requests decode plainly, the drafter is not used")
         on_cpu = next(model.parameters()).device.type == "cpu"
         if on_cpu and load_kernel() is None:
             input_major_weights(model)
@@ -480,7 +480,7 @@ class Engine:
         p = req.params
         alone = not self._live and not self._waiting
         return (self.drafter is not None and alone and p.top_k == 0 and p.top_p == 1.0
-                and not p.top_logprobs and not self._moe)
+                and not p.top_logprobs)
 
     def _prefill(self, batch: list[Request]) -> None:
         if len(batch) == 1 and self._speculates(batch[0]):
@@ -507,6 +507,7 @@ class Engine:
         sess = SpeculativeSession(target, self.drafter, req.params.temperature, req.generator,
                                   stats=self.spec_stats)
         sess.prefill(req.prompt_ids, start=req.cached_tokens)
+        self._record_routing([req], [len(req.prompt_ids) - req.cached_tokens])
         req.weight_version, req.loads = self.weight_version, self._loads
         self._live.append(req)
         self._spec = (req, sess)
@@ -541,6 +542,9 @@ class Engine:
                 if timed and self._spec_steps < self.spec_probe_rounds:
                     self._round_s.setdefault(depth, []).append(time.perf_counter() - t)
                 self._spec_steps += 1
+                # the verify pass's rows of the positions kept, one per token emitted
+                assert sess.logits is not None
+                self._record_routing([req], [len(sess.logits)])
                 self._record_logits(req, sess)
                 return
             self._spec = None  # others joined (or it finished): plain batched decoding
@@ -558,7 +562,11 @@ class Engine:
         chosen = torch.stack([m.last_indices for m in self._moe], dim=2)  # (B, T, L, k)
         chosen = chosen.to("cpu", torch.int16)  # one copy off the device a pass
         for i, r in enumerate(reqs):
-            r.routed.append(chosen[i, : lens[i]].clone())
+            rows = chosen[i, : lens[i]]
+            if r.token_ids:  # decoding (a verify pass feeds several tokens)
+                r.routed.extend(rows.clone().split(1))
+            else:  # the prompt's rest, after a shared prefix's rows
+                r.routed = [torch.cat([*r.routed, rows])]
 
     def _emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
         """Sample one token per request from logits (B, V) and record it."""
@@ -578,11 +586,8 @@ class Engine:
                 len(req.prompt_ids) + len(req.token_ids) >= self.max_seq_len):
             reason = "length"
         req.finish_reason = reason
-        routed = None
-        if req.routed_sent < len(req.routed):  # the routing of the pass that sampled it
-            pending = req.routed[req.routed_sent:]
-            routed = pending[0] if len(pending) == 1 else torch.cat(pending)
-            req.routed_sent = len(req.routed)
+        n = len(req.token_ids)
+        routed = req.routed[n - 1] if n <= len(req.routed) else None  # the rows it followed
         if req.on_event is not None:
             req.on_event(TokenEvent(tok, lp, top, reason, req.cached_tokens, routed))
         if reason is not None:

@@ -56,9 +56,9 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]]
     finish_reason: str | None  # None while running, then "stop" | "length" | "cancelled"
     cached_tokens: int = 0  # the request's prompt tokens taken from an earlier sequence
-    # Routing recorded (`Engine(record_routing=True)`, an MoE model): the experts chosen for the
-    # tokens fed in the pass that sampled this token (the prompt's, with the first token; the
-    # previous token's after), (tokens, MoE layers, top_k); else None
+    # Routing recorded (`Engine(record_routing=True)`, an MoE model): the experts of the tokens
+    # fed since the last event, (tokens, MoE layers, top_k): the prompt's with the first token,
+    # then the one token before it; else None
     routed_experts: torch.Tensor | None = None
 
 

@@ -66,15 +66,20 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(model: Transformer, dra
     assert st.emitted + timing_steps + 1 == len(got.token_ids)  # +1: the prefill token
 
 
-def test_oracle_drafts_stop_and_limit_inside_a_round(model: Transformer) -> None:
+def test_oracle_drafts_stop_and_limit_inside_a_round() -> None:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(vocab_size=64, max_seq_len=128)).eval()
+    model.init_weights(std=0.5)  # a varied continuation: a wrong draft would be rejected
     ref = plain(model, SamplingParams(max_tokens=12, temperature=0))[0].token_ids
+    assert len(set(ref)) > 6
     engine = Engine(model, max_batch=2, drafter=OracleDrafter(TransformerTarget(model), 3))
     out = engine.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0))[0]
     assert out.token_ids == ref[:10] and out.finish_reason == "length"
     st = engine.spec_stats  # every draft accepted; the last token has no room for drafts
     assert st.accepted == st.drafted == 6 and st.accepted_per_round == [3, 3]
-    stop = ref[5]
+    stop = ref[6]
     cut = ref.index(stop)
+    assert cut == 6  # the middle of the second round (tokens 5-8)
     out = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0,
                                                    stop_token_ids=[stop]))[0]
     assert out.token_ids == ref[: cut + 1] and out.finish_reason == "stop"

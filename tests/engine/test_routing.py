@@ -11,7 +11,7 @@ import torch
 
 from codedojo.engine.engine import Engine
 from codedojo.engine.server import BackgroundServer, create_app
-from codedojo.engine.speculative import DraftHead, MTPDrafter
+from codedojo.engine.speculative import DraftHead, MTPDrafter, TransformerTarget
 from codedojo.engine.types import (
     Completion,
     SamplingParams,
@@ -24,6 +24,7 @@ from codedojo.model.moe import recorded_routing, router_replay
 from codedojo.model.mtp import MTP
 from codedojo.model.tokenizer import tiny_tokenizer
 from codedojo.model.transformer import Transformer
+from tests.engine.test_speculative import OracleDrafter
 from tests.engine.tiny_moe import MOE_LAYERS, TOP_K, tiny_moe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,24 +106,42 @@ def test_a_shared_prefix_brings_its_routing(moe_model):
         assert torch.equal(c.routed_experts, f.routed_experts)  # type: ignore[arg-type]
 
 
-def test_only_a_recording_engine_records_and_only_it_gives_up_drafts(moe_model):
-    """Speculative rounds route tokens that are then rejected: while routing is recorded, an
-    MoE model's requests decode plainly. Without recording they speculate as usual."""
+@pytest.mark.parametrize("stop_at", [None, 4])
+def test_speculative_rounds_keep_the_rows_of_the_tokens_they_keep(moe_model, stop_at):
+    """A verify pass routes every draft; the rows of rejected drafts go with their keys and
+    values, and a stop inside a round cuts the rows where it cuts the tokens. The result is
+    plain decoding's, rows included."""
+    prompt = list(range(5, 45))
+    plain = recording(moe_model).generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
+    stops = [] if stop_at is None else [plain.token_ids[stop_at]]
+    params = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=stops)
     mtp = MTP(moe_model.cfg, 2, 0).eval()
-    drafter = MTPDrafter(mtp, DraftHead(moe_model, mtp.draft_vocab))
-    params = SamplingParams(max_tokens=8, temperature=0)
-    rec = recording(moe_model, drafter=drafter, spec_draft_cost=0)
-    c = rec.generate([[1, 2, 3, 4]], params)[0]
-    assert rec.spec_stats.rounds == 0 and rec.routing == "recorded"
-    assert c.routed_experts is not None and c.routed_experts.shape == (4 + 8 - 1, MOE_LAYERS, TOP_K)
-    spec = Engine(moe_model, drafter=drafter, spec_draft_cost=0)
-    s = spec.generate([[1, 2, 3, 4]], params)[0]
-    assert spec.spec_stats.rounds > 0 and spec.routing == "unrecorded"
-    assert s.routed_experts is None and s.token_ids == c.token_ids
+    for drafter, accepted in ((OracleDrafter(TransformerTarget(moe_model), 2), 1.0),
+                              (MTPDrafter(mtp, DraftHead(moe_model, mtp.draft_vocab)), 0.0)):
+        engine = recording(moe_model, drafter=drafter, spec_draft_cost=0)
+        events: list[TokenEvent] = []
+        req = engine.submit(prompt, params, on_event=events.append)
+        while not req.done.is_set():
+            engine.step()
+        c = req.completion()
+        assert engine.spec_stats.rounds > 0 and engine.spec_stats.accept_first == accepted
+        n = len(c.token_ids)
+        assert c.token_ids == plain.token_ids[:n] and n == (12 if stop_at is None else stop_at + 1)
+        assert c.routed_experts is not None and plain.routed_experts is not None
+        assert torch.equal(c.routed_experts, plain.routed_experts[: len(prompt) + n - 1])
+        rows = [ev.routed_experts for ev in events if ev.routed_experts is not None]
+        assert [len(r) for r in rows] == [len(prompt)] + [1] * (n - 1)  # one per token after
+        assert torch.equal(torch.cat(rows), c.routed_experts)
+
+
+def test_routing_is_recorded_only_where_asked_and_routed(moe_model):
+    unrecorded = Engine(moe_model)
+    c = unrecorded.generate([[1, 2, 3]], GREEDY)[0]
+    assert c.routed_experts is None and unrecorded.routing == "unrecorded"
     torch.manual_seed(0)
     dense = Engine(Transformer(ModelConfig.tiny(vocab_size=64, max_seq_len=64)).eval(),
                    record_routing=True)
-    assert dense.generate([[1, 2, 3]], params)[0].routed_experts is None
+    assert dense.generate([[1, 2, 3]], GREEDY)[0].routed_experts is None
     assert dense.routing == "dense"
 
 

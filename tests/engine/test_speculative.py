@@ -57,8 +57,8 @@ class OracleDrafter:
         pass
 
     def draft(self, new_hidden, tokens, pick, k):
-        ref = plain_generate(self.shadow, tokens, k + 1)
-        return ref[1:], [target_probs(torch.zeros(5), 0.0)] * k
+        # `tokens` ends with the token the target has yet to run: the drafts follow it
+        return plain_generate(self.shadow, tokens, k), [target_probs(torch.zeros(5), 0.0)] * k
 
 
 def test_stats_with_perfect_drafts():
