@@ -37,7 +37,7 @@ def serve(
         "prompt (a group of samples) is prefilled only from where they part (0: off)"),
     record_routing: bool = typer.Option(
         False, help="an MoE model's requests record every token's experts, which clients get "
-        "with return_routed_experts (RL rollouts, for router replay); they decode without drafts"),
+        "with return_routed_experts (RL rollouts, for router replay)"),
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions and /v1/models for MODEL.
 
