@@ -1,0 +1,92 @@
+"""What recording an MoE model's routing costs (``Engine(record_routing=True)``, for router
+replay in RL): generation with and without it on the same random MoE model, in this process,
+and the size of one completion's routing on the wire (vLLM's base64 NumPy form against JSON
+lists of ints).
+
+The model is a small DeepSeek-style MoE (``--layers`` layers, the first dense, ``--experts``
+routed experts, top ``--top-k``, one shared expert) with random weights: routing cost does
+not depend on what the weights know. ``--batch`` prompts of ``--prompt`` random tokens decode
+``--new`` tokens greedily, ``--repeats`` times a side, alternating; the best time of each side
+is kept. Both sides must emit the same tokens (``identical``). Prints one JSON line.
+
+    python benchmarks/routing.py [--batch 8] [--prompt 256] [--new 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from codedojo.engine.engine import Engine
+from codedojo.engine.types import Completion, SamplingParams, encode_routed_experts
+from codedojo.model.config import ModelConfig, MoEConfig
+from codedojo.model.transformer import Transformer
+
+
+def timed(engine: Engine, prompts: list[list[int]], new: int) -> tuple[float, list[Completion]]:
+    t = time.perf_counter()
+    out = engine.generate(prompts, SamplingParams(max_tokens=new, temperature=0))
+    return time.perf_counter() - t, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    torch.manual_seed(0)
+    moe = MoEConfig(n_routed_experts=args.experts, top_k=args.top_k, expert_ffn_dim=args.dim // 2,
+                    n_shared_experts=1, first_dense_layers=1)
+    cfg = ModelConfig.tiny(vocab_size=8192, dim=args.dim, n_layers=args.layers, n_heads=4,
+                           n_kv_heads=2, ffn_dim=args.dim * 2, max_seq_len=1024, moe=moe)
+    model = Transformer(cfg).eval()
+    model.init_weights()
+    prompts = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt)).tolist()
+    # No prefix cache: every repeat prefills from scratch, on both sides.
+    plain = Engine(model, max_batch=args.batch, prefix_cache_tokens=0)
+    record = Engine(model, max_batch=args.batch, prefix_cache_tokens=0, record_routing=True)
+    timed(plain, prompts[:1], 2)  # warm-up
+    best = {"plain": float("inf"), "record": float("inf")}
+    outs: dict[str, list[Completion]] = {}
+    for _ in range(args.repeats):
+        for name, engine in (("plain", plain), ("record", record)):
+            s, outs[name] = timed(engine, prompts, args.new)
+            best[name] = min(best[name], s)
+    tokens = sum(len(c.token_ids) for c in outs["plain"])
+    routed = outs["record"][0].routed_experts
+    assert routed is not None
+    t = time.perf_counter()
+    wire = encode_routed_experts(routed)
+    encode_ms = (time.perf_counter() - t) * 1e3
+    t = time.perf_counter()
+    as_json = json.dumps(routed.tolist())
+    json_ms = (time.perf_counter() - t) * 1e3
+    print(json.dumps({
+        "bench": "routing",
+        "moe": {"layers": args.layers, "moe_layers": len(routed[0]), "experts": args.experts,
+                "top_k": args.top_k, "dim": args.dim},
+        "batch": args.batch, "prompt": args.prompt, "new": args.new,
+        "plain_tok_s": round(tokens / best["plain"], 1),
+        "record_tok_s": round(tokens / best["record"], 1),
+        "record_over_plain": round(best["plain"] / best["record"], 3),
+        "identical": [c.token_ids for c in outs["plain"]] == [c.token_ids for c in outs["record"]],
+        "rows": len(routed),
+        "wire_b64_bytes": len(wire), "wire_json_bytes": len(as_json),
+        "encode_ms": round(encode_ms, 2), "json_ms": round(json_ms, 2),
+    }))
+
+
+if __name__ == "__main__":
+    main()
