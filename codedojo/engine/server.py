@@ -54,7 +54,9 @@ from codedojo.model.tokenizer import Tokenizer
 
 
 class StreamingEngine(Protocol):
-    """What the server needs from the engine (`codedojo.engine.engine.Engine` has it)."""
+    """What the server needs from the engine (`codedojo.engine.engine.Engine` has it). An
+    engine may also say whether it records its routing (``routing``: "dense", "recorded" or
+    "unrecorded", as the engine's); one that does not say is taken for a dense model's."""
 
     weight_version: int
 
