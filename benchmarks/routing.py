@@ -6,8 +6,8 @@ lists of ints).
 The model is a small DeepSeek-style MoE (``--layers`` layers, the first dense, ``--experts``
 routed experts, top ``--top-k``, one shared expert) with random weights: routing cost does
 not depend on what the weights know. ``--batch`` prompts of ``--prompt`` random tokens decode
-``--new`` tokens greedily, ``--repeats`` times a side, alternating; the best time of each side
-is kept. Both sides must emit the same tokens (``identical``). Prints one JSON line.
+``--new`` tokens greedily, ``--repeats`` times a side, each side going first in turn; the best
+time of each side is kept. Both sides must emit the same tokens (``identical``). Prints one JSON line.
 
     python benchmarks/routing.py [--batch 8] [--prompt 256] [--new 64] [--repeats 3]
 """
@@ -60,8 +60,9 @@ def main() -> None:
     timed(plain, prompts[:1], 2)  # warm-up
     best = {"plain": float("inf"), "record": float("inf")}
     outs: dict[str, list[Completion]] = {}
-    for _ in range(args.repeats):
-        for name, engine in (("plain", plain), ("record", record)):
+    sides = [("plain", plain), ("record", record)]
+    for i in range(args.repeats):
+        for name, engine in sides if i % 2 == 0 else sides[::-1]:  # each side first in turn
             s, outs[name] = timed(engine, prompts, args.new)
             best[name] = min(best[name], s)
     tokens = sum(len(c.token_ids) for c in outs["plain"])
