@@ -560,7 +560,7 @@ class Engine:
         if not self._moe:
             return
         chosen = torch.stack([m.last_indices for m in self._moe], dim=2)  # (B, T, L, k)
-        chosen = chosen.to("cpu", torch.int16)  # one copy off the device a pass
+        chosen = chosen.to(torch.int16).cpu()  # narrowed on the device, then one copy off it
         for i, r in enumerate(reqs):
             rows = chosen[i, : lens[i]]
             if r.token_ids:  # decoding (a verify pass feeds several tokens)

@@ -12,7 +12,8 @@ and the drafts are accepted left to right:
   exactly as the target's (tested with a chi-square test).
 
 So a round emits between 1 and k + 1 tokens for one target pass. The engine's batch-1 decode
-calls `speculative_generate`; `Target` and `Drafter` are the two small interfaces it needs, with
+runs a `SpeculativeSession` (`speculative_generate` is the same loop on its own); `Target` and
+`Drafter` are the two small interfaces they need, with
 `TransformerTarget` / `MTPDrafter` as the concrete kinds over our model. The module knows nothing
 about tokenization or HTTP.
 """

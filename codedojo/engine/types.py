@@ -56,9 +56,9 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]]
     finish_reason: str | None  # None while running, then "stop" | "length" | "cancelled"
     cached_tokens: int = 0  # the request's prompt tokens taken from an earlier sequence
-    # Routing recorded (`Engine(record_routing=True)`, an MoE model): the experts of the tokens
-    # fed since the last event, (tokens, MoE layers, top_k): the prompt's with the first token,
-    # then the one token before it; else None
+    # Routing recorded (`Engine(record_routing=True)`, an MoE model): (tokens, MoE layers,
+    # top_k), the prompt's rows with the first token, then the row of the token just before
+    # it (one pass may feed several: a verify pass); else None
     routed_experts: torch.Tensor | None = None
 
 
@@ -88,20 +88,60 @@ class Completion:
 
 def encode_routed_experts(routed: torch.Tensor) -> str:
     """Routed experts (tokens, MoE layers, top_k) as vLLM sends them over HTTP: a NumPy ``.npy``
-    file, base64-encoded (2 bytes an id, against about 3 as JSON numbers)."""
+    file, base64-encoded, of the narrowest unsigned type that holds the ids (uint8 up to 256
+    experts, else uint16): 1.3-2.7 characters an id, against 2-6 as JSON numbers."""
+    arr = routed.cpu().numpy()
+    _check_routed(arr.shape, arr.dtype)
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.uint16).max):
+        raise ValueError(f"routed_experts: expert ids must be in [0, 65535], got "
+                         f"{arr.min()}..{arr.max()}")
     buf = io.BytesIO()
-    np.save(buf, routed.to("cpu", torch.int16).numpy(), allow_pickle=False)
+    narrow = np.uint8 if not arr.size or arr.max() <= np.iinfo(np.uint8).max else np.uint16
+    np.save(buf, arr.astype(narrow), allow_pickle=False)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def decode_routed_experts(data: str) -> torch.Tensor:
     """The (tokens, MoE layers, top_k) ids `encode_routed_experts` (or vLLM) sent, as int64
     (torch's index type); ValueError saying what is wrong with anything else."""
+    f = _npy(data)
     try:
-        arr = np.load(io.BytesIO(base64.b64decode(data, validate=True)), allow_pickle=False)
-    except (ValueError, binascii.Error, OSError, EOFError) as e:
-        raise ValueError(f"routed_experts: not a base64-encoded NumPy array ({e})") from None
-    if arr.ndim != 3 or arr.dtype.kind not in "iu":
-        raise ValueError(f"routed_experts: expected integer ids shaped (tokens, MoE layers, top_k), "
-                         f"got {arr.dtype} {arr.shape}")
+        arr = np.load(f, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"routed_experts: not a NumPy array ({e})") from None
+    if not isinstance(arr, np.ndarray):
+        raise ValueError("routed_experts: expected one NumPy array, got an .npz archive")
+    _check_routed(arr.shape, arr.dtype)
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"routed_experts: expert ids must be >= 0, got {arr.min()}..{arr.max()}")
     return torch.from_numpy(arr.astype(np.int64))
+
+
+def routed_experts_shape(data: str) -> tuple[int, ...]:
+    """The (tokens, MoE layers, top_k) shape of encoded routed experts, read from the array's
+    header alone (a long turn's rows need not be decoded to be counted)."""
+    f = _npy(data[:344] if isinstance(data, str) else data)  # 258 bytes: a header is 64-256
+    try:
+        version = np.lib.format.read_magic(f)
+        read = {(1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0}[version]
+        shape, _, dtype = read(f)
+    except (ValueError, KeyError, EOFError):  # another version, or a longer header
+        return tuple(decode_routed_experts(data).shape)
+    _check_routed(shape, dtype)
+    return tuple(shape)
+
+
+def _npy(data: str) -> io.BytesIO:
+    if not isinstance(data, str):
+        raise ValueError(f"routed_experts: expected a base64 string, got {type(data).__name__}")
+    try:
+        return io.BytesIO(base64.b64decode(data, validate=True))
+    except (ValueError, binascii.Error) as e:
+        raise ValueError(f"routed_experts: not base64 ({e})") from None
+
+
+def _check_routed(shape: tuple[int, ...], dtype: np.dtype) -> None:
+    if len(shape) != 3 or dtype.kind not in "iu":
+        raise ValueError(f"routed_experts: expected integer ids shaped (tokens, MoE layers, top_k), "
+                         f"got {dtype} {tuple(shape)}")

@@ -216,18 +216,27 @@ class OpenAIPolicy:
 
 def _checked_routing(value: Any, fed: int) -> str | None:
     """A server's ``routed_experts`` in our (vLLM's) encoding, checked to hold a row for each of
-    the ``fed`` tokens; ValueError naming what is wrong."""
+    the ``fed`` tokens (its prompt's and completion's ids but the last); ValueError naming what
+    is wrong."""
+    import numpy as np
     import torch
 
-    from codedojo.engine.types import decode_routed_experts, encode_routed_experts
+    from codedojo.engine.types import encode_routed_experts, routed_experts_shape
 
     if value is None:
         return None
+    if fed < 1:
+        raise ValueError("routed_experts: the server sent no token ids to align them with "
+                         "(it must honour return_token_ids)")
     if isinstance(value, list):  # nested lists, as some servers send them
-        value = encode_routed_experts(torch.tensor(value))
-    if not isinstance(value, str):
-        raise ValueError(f"routed_experts: expected a base64 NumPy array, got {type(value).__name__}")
-    rows = len(decode_routed_experts(value))
+        try:
+            arr = np.asarray(value)
+        except ValueError as e:
+            raise ValueError(f"routed_experts: not a (tokens, MoE layers, top_k) array ({e})") from None
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"routed_experts: expected integer ids, got {arr.dtype}")
+        value = encode_routed_experts(torch.from_numpy(arr))
+    rows = routed_experts_shape(value)[0]
     if rows != fed:
         raise ValueError(f"routed_experts: {rows} rows for the {fed} tokens fed")
     return value

@@ -79,10 +79,10 @@ class Turn:
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError(f"turn {self.index}: loss_mask must hold 0/1 only")
         if self.routed_experts is not None:
-            from codedojo.engine.types import decode_routed_experts
+            from codedojo.engine.types import routed_experts_shape
 
             try:
-                rows = len(decode_routed_experts(self.routed_experts))
+                rows = routed_experts_shape(self.routed_experts)[0]
             except ValueError as e:
                 raise ValueError(f"turn {self.index}: {e}") from None
             if rows != max(n - 1, 0):

@@ -86,7 +86,7 @@ def test_oracle_drafts_stop_and_limit_inside_a_round() -> None:
     assert st.accepted == st.drafted == 6 and st.accepted_per_round == [3, 3]
     stop = ref[6]
     cut = ref.index(stop)
-    assert cut == 6  # the middle of the second round (tokens 5-8)
+    assert cut == 6  # a round emits it with drafts after it, which the stop drops
     out = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0,
                                                    stop_token_ids=[stop]))[0]
     assert out.token_ids == ref[: cut + 1] and out.finish_reason == "stop"

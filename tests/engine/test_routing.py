@@ -4,7 +4,11 @@ rollout's logprobs."""
 
 from __future__ import annotations
 
+import base64
+import io
+
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
@@ -18,12 +22,14 @@ from codedojo.engine.types import (
     TokenEvent,
     decode_routed_experts,
     encode_routed_experts,
+    routed_experts_shape,
 )
 from codedojo.model.config import ModelConfig
 from codedojo.model.moe import recorded_routing, router_replay
 from codedojo.model.mtp import MTP
 from codedojo.model.tokenizer import tiny_tokenizer
 from codedojo.model.transformer import Transformer
+from tests.engine.test_engine_speculative import FirstRightDrafter
 from tests.engine.test_speculative import OracleDrafter
 from tests.engine.tiny_moe import MOE_LAYERS, TOP_K, tiny_moe
 
@@ -106,32 +112,72 @@ def test_a_shared_prefix_brings_its_routing(moe_model):
         assert torch.equal(c.routed_experts, f.routed_experts)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("stop_at", [None, 4])
+def drafters(model: Transformer) -> list[tuple[object, float]]:
+    """Drafters and the share of first drafts each gets accepted: all, all (then the second
+    is wrong), none (a random MTP module)."""
+    mtp = MTP(model.cfg, 2, 0).eval()
+    return [(OracleDrafter(TransformerTarget(model), 2), 1.0),
+            (FirstRightDrafter(TransformerTarget(model), 2), 1.0),
+            (MTPDrafter(mtp, DraftHead(model, mtp.draft_vocab)), 0.0)]
+
+
+def run(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[Completion, list]:
+    events: list[TokenEvent] = []
+    req = engine.submit(prompt, params, on_event=events.append)
+    while not req.done.is_set():
+        engine.step()
+    return req.completion(), [ev.routed_experts for ev in events if ev.routed_experts is not None]
+
+
+@pytest.mark.parametrize("stop_at", [None, 5])
 def test_speculative_rounds_keep_the_rows_of_the_tokens_they_keep(moe_model, stop_at):
     """A verify pass routes every draft; the rows of rejected drafts go with their keys and
-    values, and a stop inside a round cuts the rows where it cuts the tokens. The result is
-    plain decoding's, rows included."""
+    values, and a stop inside a round (token 5: the oracle's second round emits 4-6, the
+    half-right drafter's third 5-6) cuts the rows where it cuts the tokens. The result is
+    plain decoding's, rows included, and so is the next turn's, which reuses what was kept."""
     prompt = list(range(5, 45))
     plain = recording(moe_model).generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
+    assert plain.routed_experts is not None
     stops = [] if stop_at is None else [plain.token_ids[stop_at]]
+    assert stop_at is None or plain.token_ids.index(stops[0]) == stop_at
     params = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=stops)
-    mtp = MTP(moe_model.cfg, 2, 0).eval()
-    for drafter, accepted in ((OracleDrafter(TransformerTarget(moe_model), 2), 1.0),
-                              (MTPDrafter(mtp, DraftHead(moe_model, mtp.draft_vocab)), 0.0)):
+    for drafter, accepted in drafters(moe_model):
         engine = recording(moe_model, drafter=drafter, spec_draft_cost=0)
-        events: list[TokenEvent] = []
-        req = engine.submit(prompt, params, on_event=events.append)
-        while not req.done.is_set():
-            engine.step()
-        c = req.completion()
+        c, rows = run(engine, prompt, params)
         assert engine.spec_stats.rounds > 0 and engine.spec_stats.accept_first == accepted
         n = len(c.token_ids)
         assert c.token_ids == plain.token_ids[:n] and n == (12 if stop_at is None else stop_at + 1)
-        assert c.routed_experts is not None and plain.routed_experts is not None
+        assert c.routed_experts is not None
         assert torch.equal(c.routed_experts, plain.routed_experts[: len(prompt) + n - 1])
-        rows = [ev.routed_experts for ev in events if ev.routed_experts is not None]
         assert [len(r) for r in rows] == [len(prompt)] + [1] * (n - 1)  # one per token after
         assert torch.equal(torch.cat(rows), c.routed_experts)
+        turn = prompt + c.token_ids + [7, 8]
+        again, _ = run(engine, turn, GREEDY)
+        fresh = recording(moe_model, prefix_cache_tokens=0).generate([turn], GREEDY)[0]
+        assert again.cached_tokens >= len(prompt) and again.token_ids == fresh.token_ids
+        assert torch.equal(again.routed_experts, fresh.routed_experts)  # type: ignore[arg-type]
+
+
+def test_a_request_joining_a_speculating_one_takes_its_rows(moe_model):
+    """A request whose prompt continues a live speculative sequence copies its keys, values
+    and rows (the speculating one goes on in the batch); both end as a fresh engine's."""
+    prompt = list(range(5, 45))
+    long = SamplingParams(max_tokens=12, temperature=0)
+    engine = recording(moe_model, drafter=drafters(moe_model)[0][0], spec_draft_cost=0)
+    first = engine.submit(prompt, long)
+    for _ in range(3):
+        engine.step()
+    assert engine.spec_stats.rounds > 0 and len(first.token_ids) > 4
+    joining = prompt + first.token_ids[:4] + [9]
+    second = engine.submit(joining, GREEDY)
+    while not (first.done.is_set() and second.done.is_set()):
+        engine.step()
+    assert second.cached_tokens == len(prompt) + 4
+    fresh = recording(moe_model, prefix_cache_tokens=0)
+    for req, params in ((first, long), (second, GREEDY)):
+        c, f = req.completion(), fresh.generate([req.prompt_ids], params)[0]
+        assert c.token_ids == f.token_ids
+        assert torch.equal(c.routed_experts, f.routed_experts)  # type: ignore[arg-type]
 
 
 def test_routing_is_recorded_only_where_asked_and_routed(moe_model):
@@ -146,12 +192,28 @@ def test_routing_is_recorded_only_where_asked_and_routed(moe_model):
 
 
 def test_the_wire_encoding_round_trips_and_names_bad_input():
-    routed = torch.randint(0, 300, (7, MOE_LAYERS, TOP_K), dtype=torch.int16)
-    assert torch.equal(decode_routed_experts(encode_routed_experts(routed)), routed.long())
-    with pytest.raises(ValueError, match="routed_experts: not a base64-encoded NumPy array"):
-        decode_routed_experts("[[1, 2]]")
-    with pytest.raises(ValueError, match=r"routed_experts: expected integer ids .* \(7, 4\)"):
-        decode_routed_experts(encode_routed_experts(routed.reshape(7, 4)))
+    for high, narrow in ((8, np.uint8), (300, np.uint16)):  # the narrowest type, as vLLM sends
+        routed = torch.randint(0, high, (7, MOE_LAYERS, TOP_K), dtype=torch.int16)
+        wire = encode_routed_experts(routed)
+        assert np.load(io.BytesIO(base64.b64decode(wire))).dtype == narrow
+        assert routed_experts_shape(wire) == (7, MOE_LAYERS, TOP_K)
+        assert torch.equal(decode_routed_experts(wire), routed.long())
+
+    def npy(arr: np.ndarray, save=np.save) -> str:
+        buf = io.BytesIO()
+        save(buf, arr)
+        return base64.b64encode(buf.getvalue()).decode()
+
+    bad = {"[[1, 2]]": "not base64", 3: "expected a base64 string, got int",
+           npy(np.zeros((7, 4), np.uint8)): r"expected integer ids .* \(7, 4\)",
+           npy(np.zeros((2, 1, 1), np.float32)): "expected integer ids",
+           npy(-np.ones((2, 1, 1), np.int16)): "expert ids must be >= 0",
+           npy(np.zeros((1, 1, 1), np.uint8), np.savez): "expected one NumPy array, got an .npz"}
+    for data, message in bad.items():
+        with pytest.raises(ValueError, match=f"routed_experts: {message}"):
+            decode_routed_experts(data)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"routed_experts: expert ids must be in \[0, 65535\]"):
+        encode_routed_experts(torch.full((1, 1, 1), 70000))
 
 
 def test_the_server_returns_routed_experts_when_asked():
@@ -179,10 +241,11 @@ def test_the_server_returns_routed_experts_when_asked():
             assert direct.token_ids == ids and direct.routed_experts is not None
             assert torch.equal(direct.routed_experts.long(), routed)
             chunks = list(client.chat.completions.create(**args, extra_body=ask, stream=True))
-            sent = [ch.model_extra["routed_experts"] for c in chunks for ch in c.choices
-                    if "routed_experts" in (ch.model_extra or {})]
-            assert len(sent) == 1 and chunks[-1].choices[0].finish_reason is not None
-            assert torch.equal(decode_routed_experts(sent[0]), routed)  # in the last chunk
+            carriers = [ch for c in chunks for ch in c.choices
+                        if "routed_experts" in (ch.model_extra or {})]
+            assert len(carriers) == 1 and carriers[0].finish_reason is not None  # the last one
+            assert torch.equal(decode_routed_experts(carriers[0].model_extra["routed_experts"]),
+                               routed)
             plain = client.chat.completions.create(**args)
             assert "routed_experts" not in (plain.choices[0].model_extra or {})
             kw = dict(model="moe", prompt="route me", max_tokens=3, temperature=0, extra_body=ask)

@@ -48,7 +48,8 @@ def test_greedy_speculative_equals_plain_greedy():
 
 
 class OracleDrafter:
-    """Drafts the target's own greedy continuation: every draft must be accepted."""
+    """Drafts the target's own greedy continuation: every draft must be accepted (given the
+    whole sequence: with a reused prefix the session shows drafters only the part after it)."""
 
     def __init__(self, target: TransformerTarget, depth: int):
         self.shadow, self.depth = TransformerTarget(target.model), depth

@@ -160,7 +160,7 @@ def test_engine_policy_records_an_moe_models_routing(sandbox, tmp_path):
     with pytest.raises(ValueError, match="turn 0: routed_experts has"):
         t0.validate()
     t0.routed_experts = "not base64"
-    with pytest.raises(ValueError, match="turn 0: routed_experts: not a base64"):
+    with pytest.raises(ValueError, match="turn 0: routed_experts: not base64"):
         t0.validate()
 
 
@@ -170,9 +170,13 @@ def test_a_servers_routed_experts_are_checked_on_arrival():
     assert as_lists is not None and torch.equal(decode_routed_experts(as_lists), routed)
     with pytest.raises(ValueError, match="routed_experts: 5 rows for the 6 tokens fed"):
         _checked_routing(encode_routed_experts(routed), 6)
-    with pytest.raises(ValueError, match="routed_experts: expected a base64 NumPy array, got int"):
+    with pytest.raises(ValueError, match="routed_experts: expected a base64 string, got int"):
         _checked_routing(3, 5)
     assert _checked_routing(None, 5) is None
+    with pytest.raises(ValueError, match="routed_experts: the server sent no token ids"):
+        _checked_routing(encode_routed_experts(routed), 0 + 0 - 1)
+    with pytest.raises(ValueError, match="routed_experts: expected integer ids, got float"):
+        _checked_routing([[[0.5]]], 1)
 
 
 def _free_port() -> int:
