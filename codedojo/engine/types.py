@@ -86,11 +86,11 @@ class Completion:
     routed_experts: torch.Tensor | None = None
 
 
-def encode_routed_experts(routed: torch.Tensor) -> str:
+def encode_routed_experts(routed: torch.Tensor | np.ndarray) -> str:
     """Routed experts (tokens, MoE layers, top_k) as vLLM sends them over HTTP: a NumPy ``.npy``
     file, base64-encoded, of the narrowest unsigned type that holds the ids (uint8 up to 256
     experts, else uint16): 1.3-2.7 characters an id, against 2-6 as JSON numbers."""
-    arr = routed.cpu().numpy()
+    arr = routed.cpu().numpy() if isinstance(routed, torch.Tensor) else np.asarray(routed)
     _check_routed(arr.shape, arr.dtype)
     if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.uint16).max):
         raise ValueError(f"routed_experts: expert ids must be in [0, 65535], got "
@@ -104,6 +104,12 @@ def encode_routed_experts(routed: torch.Tensor) -> str:
 def decode_routed_experts(data: str) -> torch.Tensor:
     """The (tokens, MoE layers, top_k) ids `encode_routed_experts` (or vLLM) sent, as int64
     (torch's index type); ValueError saying what is wrong with anything else."""
+    return torch.from_numpy(routed_experts_array(data).astype(np.int64))
+
+
+def routed_experts_array(data: str) -> np.ndarray:
+    """`decode_routed_experts` in the type it was sent in (uint8 or uint16 from us and vLLM):
+    an eighth of the memory of int64 ids, for rows that are compared and kept, not indexed with."""
     f = _npy(data)
     try:
         arr = np.load(f, allow_pickle=False)
@@ -114,7 +120,7 @@ def decode_routed_experts(data: str) -> torch.Tensor:
     _check_routed(arr.shape, arr.dtype)
     if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
         raise ValueError(f"routed_experts: expert ids must be >= 0, got {arr.min()}..{arr.max()}")
-    return torch.from_numpy(arr.astype(np.int64))
+    return arr
 
 
 def routed_experts_shape(data: str) -> tuple[int, ...]:

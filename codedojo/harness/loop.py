@@ -155,7 +155,7 @@ class Agent:
                 context.append(msg)
                 traj.messages.append(msg)
                 turn = _turn(traj, "action", msg, out_, gen_s, t0)
-                traj.turns.append(turn)
+                traj.add_turn(turn)
                 if not out_.calls and not out_.errors:
                     traj.final_message = out_.content
                     traj.status = "finished"
@@ -212,7 +212,7 @@ class Agent:
         out = self.policy.generate(context, [], budget)  # no tools offered: a summary is text
         msg = {"role": "assistant", "content": out.content or ""}
         traj.messages.append(msg)
-        traj.turns.append(_turn(traj, "summary", msg, out, time.perf_counter() - g0, t0))
+        traj.add_turn(_turn(traj, "summary", msg, out, time.perf_counter() - g0, t0))
         fresh = self._fresh_context(traj.task)
         fresh.append({"role": "user", "content": f"{SUMMARY_PREFIX}\n\n{out.content or ''}\n\nContinue the task."})
         traj.segments.append(len(traj.messages))

@@ -8,6 +8,11 @@ later prompt, so it is never trained on.
 
 Storage: JSONL, appended after every step (a header line, one line per turn, an end line), so
 a crash loses at most the step in flight; and parquet (one row per trajectory) for datasets.
+
+An MoE policy's routing (router replay) is kept per turn as the rows after those it shares with
+the turn before (`Trajectory.add_turn`): each prompt of an agent episode holds the conversation
+so far, so whole rows per turn would grow with the square of the episode's length, at hundreds
+of bytes a token for a large MoE. `Trajectory.iter_routed_experts` gives them back whole.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
+# 2: a turn's routed_experts may leave out the rows it shares with the previous turn
+# (routed_experts_shared); version 1 turns, which never do, read as they are
+FORMAT_VERSION = 2
 
 
 @dataclass
@@ -45,10 +52,13 @@ class Turn:
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)  # over prompt_ids + completion_ids
-    # an MoE policy's recorded routing: the experts of every token fed (prompt_ids +
-    # completion_ids but the last), (tokens, MoE layers, top_k) as base64 .npy (vLLM's form,
-    # `codedojo.engine.types.decode_routed_experts`), which training replays; else None
+    # an MoE policy's recorded routing, which training replays: the experts of every token fed
+    # (prompt_ids + completion_ids but the last), (tokens, MoE layers, top_k) as base64 .npy
+    # (vLLM's form, `codedojo.engine.types.decode_routed_experts`), less the first
+    # routed_experts_shared rows, which are the previous turn's first rows
+    # (`Trajectory.iter_routed_experts` restores them); else None
     routed_experts: str | None = None
+    routed_experts_shared: int = 0
     finish_reason: str = ""
     weight_version: int | None = None
     prompt_tokens: int = 0
@@ -78,6 +88,8 @@ class Turn:
             )
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError(f"turn {self.index}: loss_mask must hold 0/1 only")
+        if self.routed_experts_shared and self.routed_experts is None:
+            raise ValueError(f"turn {self.index}: routed_experts_shared without routed_experts")
         if self.routed_experts is not None:
             from codedojo.engine.types import routed_experts_shape
 
@@ -85,9 +97,10 @@ class Turn:
                 rows = routed_experts_shape(self.routed_experts)[0]
             except ValueError as e:
                 raise ValueError(f"turn {self.index}: {e}") from None
-            if rows != max(n - 1, 0):
-                raise ValueError(f"turn {self.index}: routed_experts has {rows} rows for the "
-                                 f"{max(n - 1, 0)} tokens fed")
+            shared = self.routed_experts_shared
+            if shared < 0 or rows + shared != max(n - 1, 0):
+                raise ValueError(f"turn {self.index}: routed_experts has {rows} rows after "
+                                 f"{shared} shared for the {max(n - 1, 0)} tokens fed")
 
 
 @dataclass
@@ -145,6 +158,65 @@ class Trajectory:
         stop = self.segments[seg + 1] if seg + 1 < len(self.segments) else len(self.messages)
         return self.messages[start:stop]
 
+    def add_turn(self, turn: Turn) -> None:
+        """Append a model call's record. Its ``routed_experts``, every fed token's row as the
+        policy gave them, are kept as the rows that follow the longest run of rows the previous
+        turn's routing begins with too (``routed_experts_shared``): exactly the rows a prefix
+        cache reused, or a server routed alike."""
+        if turn.routed_experts_shared:
+            raise ValueError(f"turn {turn.index}: add_turn takes a turn's whole routing "
+                             f"(routed_experts_shared is {turn.routed_experts_shared})")
+        rows = None
+        if turn.routed_experts is not None:
+            from codedojo.engine.types import encode_routed_experts, routed_experts_array
+
+            rows = routed_experts_array(turn.routed_experts)
+            prev = self._last_routing()
+            shared = 0 if prev is None else _rows_in_common(prev, rows)
+            if shared:
+                turn.routed_experts = encode_routed_experts(rows[shared:])
+                turn.routed_experts_shared = shared
+        self.turns.append(turn)
+        self._routing = (len(self.turns), rows)
+
+    def iter_routed_experts(self) -> Iterator[Any]:
+        """Each turn's routing whole, in turn order: a (tokens fed, MoE layers, top_k) int64
+        tensor for ``router_replay``, or None where the turn has none."""
+        import torch
+
+        for rows in self._iter_routing():
+            yield None if rows is None else torch.from_numpy(rows.astype("int64"))
+
+    def _iter_routing(self) -> Iterator[Any]:
+        import numpy as np
+
+        from codedojo.engine.types import routed_experts_array
+
+        prev = None
+        for t in self.turns:
+            rows = None if t.routed_experts is None else routed_experts_array(t.routed_experts)
+            if rows is not None and t.routed_experts_shared:
+                if prev is None or len(prev) < t.routed_experts_shared:
+                    raise ValueError(f"turn {t.index}: routed_experts_shared "
+                                     f"{t.routed_experts_shared} rows, but the turn before has "
+                                     f"{0 if prev is None else len(prev)}")
+                if prev.shape[1:] != rows.shape[1:]:
+                    raise ValueError(f"turn {t.index}: routed_experts rows shaped "
+                                     f"{rows.shape[1:]}, the turn before's {prev.shape[1:]}")
+                rows = np.concatenate([prev[: t.routed_experts_shared], rows])
+            yield rows
+            prev = rows
+
+    def _last_routing(self) -> Any:
+        """The last turn's whole rows (numpy), kept from `add_turn` or rebuilt."""
+        cached: tuple[int, Any] | None = getattr(self, "_routing", None)
+        if cached is not None and cached[0] == len(self.turns):
+            return cached[1]
+        last = None
+        for rows in self._iter_routing():
+            last = rows
+        return last
+
     def tool_call_names(self) -> list[str]:
         return [c["function"]["name"] for m in self.messages if m.get("role") == "assistant" for c in m.get("tool_calls") or []]
 
@@ -166,8 +238,15 @@ class Trajectory:
         for i, m in enumerate(self.messages):
             if m.get("role") == "tool" and m.get("tool_call_id") not in ids:
                 raise ValueError(f"messages[{i}].tool_call_id: {m.get('tool_call_id')!r} answers no call")
-        for t in self.turns:
+        for prev, t in zip([None, *self.turns[:-1]], self.turns, strict=True):
             t.validate()
+            if t.routed_experts_shared:
+                fed = 0 if prev is None or prev.routed_experts is None else (
+                    max(len(prev.prompt_ids) + len(prev.completion_ids) - 1, 0))
+                if t.routed_experts_shared > fed:
+                    raise ValueError(f"turn {t.index}: routed_experts_shared "
+                                     f"{t.routed_experts_shared} rows, but the turn before has "
+                                     f"{fed}")
 
     def to_dict(self) -> dict[str, Any]:
         d = self.header()
@@ -266,6 +345,15 @@ def read_jsonl(path: str | Path) -> Trajectory:
 # ---- parquet --------------------------------------------------------------------------------
 
 
+def _rows_in_common(a: Any, b: Any) -> int:
+    """How many leading rows two routings (numpy, (tokens, layers, k)) have alike."""
+    n = min(len(a), len(b))
+    if n == 0 or a.shape[1:] != b.shape[1:]:
+        return 0
+    same = (a[:n] == b[:n]).reshape(n, -1).all(1)
+    return n if same.all() else int(same.argmin())
+
+
 def _turn_type() -> Any:
     import pyarrow as pa
 
@@ -280,6 +368,7 @@ def _turn_type() -> Any:
             ("logprobs", pa.list_(pa.float32())),
             ("loss_mask", pa.list_(pa.int8())),
             ("routed_experts", pa.string()),  # base64 .npy; null: no routing recorded
+            ("routed_experts_shared", pa.int32()),
             ("finish_reason", pa.string()),
             ("weight_version", pa.int64()),
             ("prompt_tokens", pa.int32()),

@@ -25,7 +25,7 @@ from codedojo.harness.loop import Agent, LoopConfig
 from codedojo.harness.policy import EnginePolicy, OpenAIPolicy, _checked_routing
 from codedojo.harness.tools.base import ToolContext
 from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
-from codedojo.harness.trajectory import read_jsonl
+from codedojo.harness.trajectory import Turn, read_jsonl
 from codedojo.model.chat import ChatTemplate
 from codedojo.model.config import ModelConfig
 from codedojo.model.tokenizer import tiny_tokenizer
@@ -98,12 +98,14 @@ def test_openai_client_path_records_tokens_logprobs_and_masks(scripted_server, s
     assert t2.tool_calls == [] and t2.finish_reason == "stop"
     # The server's usage.prompt_tokens_details.cached_tokens reaches each turn.
     assert [t.cached_tokens for t in traj.turns] == [0, 10, 20]
-    # And so do the routed experts of every token fed, in order.
-    for t in traj.turns:
-        assert t.routed_experts is not None
-        routed = decode_routed_experts(t.routed_experts)
+    # And so do the routed experts of every token fed, in order: a turn keeps those after the
+    # rows it begins with alike with the turn before (here its prompt's, all expert 0).
+    assert [t.routed_experts_shared for t in traj.turns] == [0, len(t0.prompt_ids), len(t1.prompt_ids)]
+    for t, routed in zip(traj.turns, traj.iter_routed_experts(), strict=True):
+        assert routed is not None
         assert len(routed) == len(t.prompt_ids) + len(t.completion_ids) - 1
-        assert routed[-1].tolist() == [[len(t.completion_ids) - 1] * 2]
+        assert routed[:len(t.prompt_ids)].unique().tolist() == [0]
+        assert routed[len(t.prompt_ids):, 0, 0].tolist() == list(range(1, len(t.completion_ids)))
     assert read_jsonl(tmp_path / "t.jsonl").to_dict() == traj.to_dict()
     session.close()
 
@@ -156,6 +158,22 @@ def test_engine_policy_records_an_moe_models_routing(sandbox, tmp_path):
     assert t0.routed_experts is not None
     assert torch.equal(decode_routed_experts(t0.routed_experts), direct.routed_experts.long())
     assert read_jsonl(tmp_path / "moe.jsonl").turns[0].routed_experts == t0.routed_experts
+    # The next call extends the conversation: the engine reuses turn 0's keys and values with
+    # their routing, and the trajectory keeps only the rows after those turn 0 has too.
+    more = [*traj.messages, {"role": "user", "content": "and then?"}]
+    out = policy.generate(more, session.schemas, 6)
+    assert out.cached_tokens > len(t0.prompt_ids)
+    traj.add_turn(Turn(index=1, segment=0, kind="action", message=out.message(),
+                       prompt_ids=out.prompt_ids, completion_ids=out.completion_ids,
+                       logprobs=out.logprobs, routed_experts=out.routed_experts))
+    t1 = traj.turns[1]
+    assert t1.routed_experts_shared >= out.cached_tokens
+    rows = len(decode_routed_experts(t1.routed_experts or ""))
+    assert rows == len(out.prompt_ids) + len(out.completion_ids) - 1 - t1.routed_experts_shared
+    again = fresh.generate([out.prompt_ids], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert again.token_ids == out.completion_ids and again.routed_experts is not None
+    assert torch.equal(list(traj.iter_routed_experts())[1], again.routed_experts.long())
+    traj.validate()
     t0.routed_experts = encode_routed_experts(direct.routed_experts[1:])
     with pytest.raises(ValueError, match="turn 0: routed_experts has"):
         t0.validate()

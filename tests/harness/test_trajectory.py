@@ -1,10 +1,11 @@
 import json
 from dataclasses import fields
+from itertools import islice
 
 import pytest
 import torch
 
-from codedojo.engine.types import encode_routed_experts
+from codedojo.engine.types import decode_routed_experts, encode_routed_experts
 from codedojo.harness.trajectory import (
     ToolCallRecord,
     Trajectory,
@@ -84,6 +85,72 @@ def test_parquet_round_trip(tmp_path):
     assert turn_type.field("completion_ids").type.value_type == pa.int32()
     # Every field of a turn has a column: none is dropped on the way to a dataset.
     assert {turn_type.field(i).name for i in range(turn_type.num_fields)} == {f.name for f in fields(Turn)}
+
+
+def _routed_turn(index: int, fed: int, routed: torch.Tensor | None) -> Turn:
+    """A turn of ``fed`` + 1 tokens (the last sampled one never fed) and its routing."""
+    return Turn(index=index, segment=0, kind="action", message={"role": "assistant", "content": ""},
+                prompt_ids=list(range(fed - 1)), completion_ids=[7, 8], logprobs=[-1.0, -1.0],
+                routed_experts=None if routed is None else encode_routed_experts(routed))
+
+
+def _same(got: list, want: list) -> bool:
+    return len(got) == len(want) and all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in zip(got, want, strict=True))
+
+
+def test_turns_keep_the_routing_rows_they_add_and_give_back_whole_rows(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    r0 = torch.randint(0, 300, (9, 2, 3), generator=g)  # 300 experts: uint16 on the wire
+    r1 = torch.cat([r0, torch.randint(0, 300, (6, 2, 3), generator=g)])  # turn 0's rows, then new
+    r2 = r1.clone()
+    r2[11, 1, 2] = (r2[11, 1, 2] + 1) % 300  # routed apart from row 11 on (another server pass)
+    r3 = torch.randint(0, 300, (5, 2, 3), generator=g)  # a new context: nothing in common
+    r5 = r3[:4].clone()  # follows a turn without routing: stored whole
+    t = _traj()
+    t.turns.clear()
+    for i, r in enumerate([r0, r1, r2, r3, None, r5]):
+        t.add_turn(_routed_turn(i, 6 if r is None else len(r), r))
+    assert [u.routed_experts_shared for u in t.turns] == [0, 9, 11, 0, 0, 0]
+    stored = [0 if u.routed_experts is None else len(decode_routed_experts(u.routed_experts))
+              for u in t.turns]
+    assert stored == [9, 6, 4, 5, 0, 4]  # 28 rows kept of the 59 the turns fed
+    whole = list(t.iter_routed_experts())
+    assert _same(whole, [r0, r1, r2, r3, None, r5])
+    t.validate()
+    # Both stores keep the shared form, and it reads back whole.
+    write_parquet([t], tmp_path / "d.parquet")
+    w = TrajectoryWriter(tmp_path / "t.jsonl")
+    w.start(t)
+    w.finish(t)
+    for back in (load(tmp_path / "d.parquet")[0], read_jsonl(tmp_path / "t.jsonl")):
+        assert back.to_dict() == t.to_dict()
+        assert _same(list(back.iter_routed_experts()), whole)
+        # A trajectory read back goes on sharing with its last turn's rows.
+        back.add_turn(_routed_turn(6, 6, torch.cat([r5, r5[:2]])))
+        assert back.turns[-1].routed_experts_shared == 4
+        assert torch.equal(list(back.iter_routed_experts())[-1], torch.cat([r5, r5[:2]]))
+    # Shared rows the turn before does not have are named.
+    t.turns[3].routed_experts_shared = 1
+    t.turns[3].routed_experts = encode_routed_experts(r3[1:])
+    t.turns[5].routed_experts_shared = 1
+    t.turns[5].routed_experts = encode_routed_experts(r5[1:])
+    t.turns[3].validate()
+    with pytest.raises(ValueError, match="turn 5: routed_experts_shared 1 rows, but the turn before has 0"):
+        t.validate()
+    with pytest.raises(ValueError, match="turn 5: routed_experts_shared 1 rows, but the turn before has 0"):
+        list(t.iter_routed_experts())
+    assert torch.equal(list(islice(t.iter_routed_experts(), 4))[3], torch.cat([r2[:1], r3[1:]]))
+    with pytest.raises(ValueError, match="add_turn takes a turn's whole routing"):
+        t.add_turn(t.turns[5])
+    bad = _routed_turn(0, 4, r0[:4])
+    bad.routed_experts_shared = 1
+    with pytest.raises(ValueError, match="turn 0: routed_experts has 4 rows after 1 shared for the 4"):
+        bad.validate()
+    bad.routed_experts = None
+    with pytest.raises(ValueError, match="turn 0: routed_experts_shared without routed_experts"):
+        bad.validate()
 
 
 def test_validate_names_the_problem():
