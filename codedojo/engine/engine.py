@@ -174,6 +174,9 @@ class Engine:
         self.model = model.eval()
         moe = moe_layers(model)
         self._moe = moe if record_routing else []  # the layers whose routing is recorded
+        if any(m.n_experts > torch.iinfo(torch.int16).max + 1 for m in self._moe):
+            raise ValueError(f"record_routing: routing is kept as int16 expert ids, and this model "
+                             f"has {max(m.n_experts for m in self._moe)} experts in a layer")
         # "dense", "recorded" or "unrecorded" (an MoE model, record_routing off)
         self.routing = "recorded" if self._moe else ("unrecorded" if moe else "dense")
         on_cpu = next(model.parameters()).device.type == "cpu"

@@ -25,7 +25,7 @@ from codedojo.engine.types import (
     routed_experts_shape,
 )
 from codedojo.model.config import ModelConfig
-from codedojo.model.moe import recorded_routing, router_replay
+from codedojo.model.moe import moe_layers, recorded_routing, router_replay
 from codedojo.model.mtp import MTP
 from codedojo.model.tokenizer import tiny_tokenizer
 from codedojo.model.transformer import Transformer
@@ -189,6 +189,16 @@ def test_routing_is_recorded_only_where_asked_and_routed(moe_model):
                    record_routing=True)
     assert dense.generate([[1, 2, 3]], GREEDY)[0].routed_experts is None
     assert dense.routing == "dense"
+    # More experts than int16 ids hold is refused, not wrapped into negative ids.
+    layer = moe_layers(moe_model)[0]
+    n = layer.n_experts
+    try:
+        layer.n_experts = 40_000
+        with pytest.raises(ValueError, match="record_routing: .* 40000 experts in a layer"):
+            Engine(moe_model, record_routing=True)
+        Engine(moe_model)  # nothing is recorded: nothing to hold
+    finally:
+        layer.n_experts = n
 
 
 def test_the_wire_encoding_round_trips_and_names_bad_input():
