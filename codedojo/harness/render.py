@@ -68,13 +68,13 @@ def print_trajectory(traj: Trajectory, max_chars: int | None = 1500, console: Co
 
     if traj.turns:
         t = Table(title="turns", show_lines=False)
-        for col in ("#", "kind", "seg", "prompt", "completion", "trained", "mean logprob", "tools", "gen s", "tools s", "finish"):
+        for col in ("#", "kind", "seg", "prompt", "cached", "completion", "trained", "mean logprob", "tools", "gen s", "tools s", "finish"):
             t.add_column(col, justify="right" if col not in ("kind", "tools", "finish") else "left")
         for u in traj.turns:
             mean_lp = f"{sum(u.logprobs) / len(u.logprobs):.3f}" if u.logprobs else "-"
             tools = ", ".join(f"{c.name}{'!' if c.is_error else ''}" for c in u.tool_calls) or "-"
             t.add_row(str(u.index), u.kind, str(u.segment), str(u.prompt_tokens or len(u.prompt_ids)),
-                      str(u.completion_tokens or len(u.completion_ids)), str(sum(u.loss_mask)), mean_lp, tools,
+                      str(u.cached_tokens), str(u.completion_tokens or len(u.completion_ids)), str(sum(u.loss_mask)), mean_lp, tools,
                       f"{u.generate_s:.2f}", f"{u.tools_s:.2f}", u.finish_reason)
         console.print(t)
     if traj.final_message:

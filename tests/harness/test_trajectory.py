@@ -171,6 +171,7 @@ def test_traj_show_cli(tmp_path):
 
     t = _traj()
     t.status, t.final_message = "finished", "all good"
+    t.turns[0].cached_tokens = 2
     p = tmp_path / "t.jsonl"
     w = TrajectoryWriter(p)
     w.start(t)
@@ -178,6 +179,13 @@ def test_traj_show_cli(tmp_path):
     r = CliRunner().invoke(app, ["traj", "show", str(p)], env={"COLUMNS": "160"})
     assert r.exit_code == 0, r.output
     assert "grep" in r.output and "a.py:1:x" in r.output and "all good" in r.output and "finished" in r.output
+    # The turns table: prompt 3 tokens, 2 of them from the prefix cache, 2 sampled, 2 trained.
+    lines = r.output.splitlines()
+    head = next(line for line in lines if "┃ kind" in line).split("┃")[1:-1]
+    row = next(line for line in lines if "│ action" in line).split("│")[1:-1]
+    cols = {h.strip(): c.strip() for h, c in zip(head, row, strict=True)}
+    assert {k: cols[k] for k in ("prompt", "cached", "completion", "trained")} == {
+        "prompt": "3", "cached": "2", "completion": "2", "trained": "2"}
     r = CliRunner().invoke(app, ["traj", "show", str(tmp_path / "missing.jsonl")], env={"COLUMNS": "300"})
     assert r.exit_code != 0 and "does not exist" in " ".join(r.output.split())
     out = tmp_path / "all.parquet"
