@@ -267,6 +267,15 @@ class Trajectory:
         return t
 
 
+def _rows_in_common(a: Any, b: Any) -> int:
+    """How many leading rows two routings (numpy, (tokens, layers, k)) have alike."""
+    n = min(len(a), len(b))
+    if n == 0 or a.shape[1:] != b.shape[1:]:
+        return 0
+    same = (a[:n] == b[:n]).reshape(n, -1).all(1)
+    return n if same.all() else int(same.argmin())
+
+
 class TrajectoryWriter:
     """Appends a trajectory to a JSONL file step by step (header, turns, end)."""
 
@@ -343,15 +352,6 @@ def read_jsonl(path: str | Path) -> Trajectory:
 
 
 # ---- parquet --------------------------------------------------------------------------------
-
-
-def _rows_in_common(a: Any, b: Any) -> int:
-    """How many leading rows two routings (numpy, (tokens, layers, k)) have alike."""
-    n = min(len(a), len(b))
-    if n == 0 or a.shape[1:] != b.shape[1:]:
-        return 0
-    same = (a[:n] == b[:n]).reshape(n, -1).all(1)
-    return n if same.all() else int(same.argmin())
 
 
 def _turn_type() -> Any:
