@@ -28,7 +28,7 @@ from torch import nn
 
 from codedojo.model.config import ModelConfig
 from codedojo.model.mtp import MTP, save_mtp
-from codedojo.pretrain.parallel import unwrap_state_dict
+from codedojo.pretrain.parallel import distributed, is_main, unwrap_state_dict
 
 
 @dataclass
@@ -51,10 +51,9 @@ def set_rng_state(s: dict[str, Any]) -> None:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded weights: under FSDP2 the parameters are DTensors and are gathered first."""
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    """Unsharded weights: under FSDP2 the parameters are DTensors and are gathered first (a
+    collective: every rank calls it; rank 0 gets the tensors, the others an empty dict)."""
+    if distributed():
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -65,18 +64,31 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """`model.load_state_dict(sd)` for whole tensors, sharding them where FSDP2 has."""
+    if distributed():
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True,
+                                                                 strict=True))
+    else:
+        model.load_state_dict(sd, strict=True)
+
+
 def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: MTP | None,
                     optimizer: torch.optim.Optimizer | None, pos: TrainPosition) -> Path:
-    import torch.distributed as dist
     from safetensors.torch import save_file
 
     path = Path(path)
     full = full_state_dict(model)  # a collective under FSDP: every rank takes part
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if distributed():
         # Sharded optimizer state is not gathered: a multi-GPU resume restores weights, data
         # position and RNG, and restarts the optimizer moments (the CPU path is exact).
         optimizer = None
-        if dist.get_rank() != 0:
+        if not is_main():
             return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
@@ -112,7 +124,7 @@ def load_weights(path: str | Path, model: nn.Module, mtp: MTP | None = None) -> 
         wrapped = {k: k for k in own}
         bare_to_wrapped = {unwrap_state_dict({k: torch.empty(0)}).popitem()[0]: k for k in wrapped}
         sd = {bare_to_wrapped.get(k, k): v for k, v in sd.items()}
-    model.load_state_dict(sd, strict=True)
+    load_full_state_dict(model, sd)
     if mtp is not None:
         # A checkpoint from before the draft vocabulary was chosen (an earlier stage, or a
         # config that gained `mtp_draft_vocab`) lacks it: the MTP stage chooses it then.

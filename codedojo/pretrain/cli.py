@@ -16,12 +16,14 @@ def register(app: typer.Typer) -> None:
         out_dir: Annotated[str | None, typer.Option(help="Override the config's out_dir.")] = None,
     ) -> None:
         """Continued pretraining in stages (bulk, MTP distillation, long-context, SFT); reports
-        held-out code loss per stage under runs/<name>/report.json."""
+        held-out code loss per stage under runs/<name>/report.json. Under `torchrun
+        --nproc_per_node N` it trains data-parallel with FSDP2 (NCCL on GPUs, gloo on CPUs)."""
         import json
 
         from rich.console import Console
 
         from codedojo.pretrain.config import load_config
+        from codedojo.pretrain.parallel import is_main
         from codedojo.pretrain.trainer import run
 
         console = Console()
@@ -33,5 +35,6 @@ def register(app: typer.Typer) -> None:
         if out_dir is not None:
             cfg = cfg.model_copy(update={"out_dir": out_dir})
         report = run(cfg, console=console)
-        console.print_json(json.dumps({"eval_loss": report["eval_loss"],
-                                       "probe": report["probe"]}))
+        if is_main():
+            console.print_json(json.dumps({"eval_loss": report["eval_loss"],
+                                           "probe": report["probe"]}))

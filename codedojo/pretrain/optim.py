@@ -29,11 +29,20 @@ def wsd_lr(step: int, *, peak: float, total: int, warmup: int, decay_frac: float
 
 def build_adamw(params: list[tuple[str, nn.Parameter]], lr: float, weight_decay: float,
                 betas: tuple[float, float]) -> torch.optim.AdamW:
-    decay = [p for n, p in params if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for n, p in params if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = []
+    # FSDP-sharded parameters (DTensors) and parameters kept whole on every rank (the MTP
+    # modules) go in groups of their own: the fused kernel takes one kind at a time.
+    for sharded in (False, True):
+        kind = [p for _, p in params if p.requires_grad and _is_dtensor(p) == sharded]
+        groups += [{"params": [p for p in kind if p.ndim >= 2], "weight_decay": weight_decay},
+                   {"params": [p for p in kind if p.ndim < 2], "weight_decay": 0.0}]
     # The fused kernel: one pass over each parameter's state per step, and deterministic, so a
     # resumed run stays bit-identical.
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas,
                              fused=True)
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)

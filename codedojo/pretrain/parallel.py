@@ -6,14 +6,18 @@
   without a KV cache (training, teacher, eval); decoding keeps its own path.
 * `apply_fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) per block, then the root; with
   bf16 compute and fp32 reduction when asked. Used when the loop is launched by torchrun with
-  more than one process; it cannot run on this single-CPU machine, so it is kept minimal and
-  follows the documented FSDP2 recipe (per-block sharding, root last).
+  more than one process: NCCL on GPUs, gloo on CPUs (tested here with two CPU processes).
+* Data parallelism around it: the MTP modules are small and stay whole on every rank
+  (`broadcast_module` once, `average_gradients` every step), MoE expert loads are summed over
+  ranks before the bias update (`sum_over_ranks`), and files are written by rank 0
+  (`main_rank_first`, `is_main`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -91,20 +95,109 @@ def init_distributed() -> tuple[int, int]:
     return rank, world
 
 
+def distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def is_main() -> bool:
+    """Rank 0, or the only process: the one that writes files and prints."""
+    return not distributed() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    if distributed():
+        dist.barrier()
+
+
+@contextmanager
+def main_rank_first() -> Iterator[None]:
+    """Rank 0 runs the body first (it builds files on disk), then the other ranks (they find
+    them built and read them)."""
+    if not is_main():
+        barrier()
+    yield
+    if distributed() and is_main():
+        barrier()
+
+
+def broadcast_module(module: nn.Module) -> None:
+    """Every rank takes rank 0's parameters and buffers (a module kept whole on each rank)."""
+    if distributed():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src=0)
+
+
+def average_gradients(params: Iterable[torch.Tensor]) -> None:
+    """Average the gradients of parameters kept whole on every rank, in one all-reduce (FSDP
+    averages the sharded ones itself)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not distributed() or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)  # a sum: gloo has no average
+    flat /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """`torch.nn.utils.clip_grad_norm_` (returning the norm before clipping), also over a mix
+    of FSDP-sharded gradients (DTensors, whose norm is reduced over ranks) and gradients of
+    parameters kept whole on every rank (already averaged: the same everywhere)."""
+    if not distributed():
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = 0.0
+    for group in ([g for g in grads if isinstance(g, DTensor)],
+                  [g for g in grads if not isinstance(g, DTensor)]):
+        if group:
+            norm = torch.nn.utils.get_total_norm(group)
+            squares += float(norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+    total = squares ** 0.5
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over ranks, in place."""
+    if distributed():
+        dist.all_reduce(t)
+    return t
+
+
+def mean_over_ranks(x: float) -> float:
+    if not distributed():
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
 def apply_fsdp(model: nn.Module, bf16: bool = True) -> nn.Module:
     """Shard each block, then the root (which holds embeddings, final norm and head)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # The CPU decode kernels read a block's weights in place, which sharding frees: passes
+    # with a KV cache (the passkey probe, self-generated data) go op by op, through FSDP.
+    model.fuse = False
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else torch.float32,
                               reduce_dtype=torch.float32)
     for blk in model.layers:
         fully_shard(blk, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    # The loop calls these besides forward (the fused loss and the MTP distillation); FSDP2
-    # gathers the root's parameters for them too. The root keeps its parameters unsharded
-    # after a forward, so the final norm and output projection stay usable until backward.
+    # The root (embedding, final norm, head) is gathered by the step's one call of `hidden`
+    # and stays gathered to the end of backward: the loop then uses it directly (the fused
+    # loss, the teacher's head, the MTP modules' embedding and head). No other method of the
+    # root is registered with FSDP: each registered call is a forward of its own, whose
+    # backward would reshard the root while autograd still holds its weights.
+    fully_shard(model, mp_policy=mp, reshard_after_forward=False)
     from torch.distributed.fsdp import register_fsdp_forward_method
 
-    for name in ("hidden", "head"):
-        register_fsdp_forward_method(model, name)
+    register_fsdp_forward_method(model, "hidden")
     return model

@@ -66,19 +66,21 @@ def prompt_windows(code: TokenShards, n: int, length: int, seed: int,
 
 def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, prompts: int,
                       prompt_len: int, new_tokens: int, batch: int, seed: int,
-                      doc_start_frac: float = 0.5,
+                      doc_start_frac: float = 0.5, write: bool = True,
                       progress: Callable[[int], None] | None = None) -> Path:
     """Generate and write the shards (skipped when `out_dir` is already finished);
-    ``progress(n)`` after each batch, n the continuations written so far."""
+    ``progress(n)`` after each batch, n the continuations written so far. ``write=False``
+    generates without writing: the ranks of a sharded model other than the one that writes
+    take part in every forward."""
     if (out_dir / "index.json").exists():
         return out_dir
     windows = prompt_windows(code, prompts, prompt_len, seed, doc_start_frac)
     dev = model.tok_embeddings.weight.device
-    writer = ShardWriter(out_dir, model.cfg.vocab_size, eos_id=None)
+    writer = ShardWriter(out_dir, model.cfg.vocab_size, eos_id=None) if write else None
     for i in range(0, prompts, batch):
         rows = greedy_continue(model, torch.from_numpy(windows[i:i + batch]).to(dev), new_tokens)
-        for r in rows.cpu().numpy():
+        for r in rows.cpu().numpy() if writer is not None else []:
             writer.add(r)
         if progress is not None:
             progress(min(i + batch, prompts))
-    return writer.close()
+    return writer.close() if writer is not None else out_dir

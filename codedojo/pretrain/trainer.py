@@ -37,12 +37,13 @@ from codedojo.data.mixture import MixtureSource, mix
 from codedojo.data.packing import Packed, PackedLoader, make_batch, pack
 from codedojo.data.shards import TokenShards
 from codedojo.model.config import ModelConfig
-from codedojo.model.moe import moe_aux_loss, update_moe_biases
+from codedojo.model.moe import moe_aux_loss, moe_layers, update_moe_biases
 from codedojo.model.mtp import MTP, distill_loss
 from codedojo.model.rope import Rotary
 from codedojo.model.transformer import Transformer
 from codedojo.pretrain.checkpoint import (
     TrainPosition,
+    full_state_dict,
     load_trainer_state,
     load_weights,
     read_position,
@@ -55,7 +56,15 @@ from codedojo.pretrain.parallel import (
     apply_activation_checkpointing,
     apply_compile,
     apply_fsdp,
+    average_gradients,
+    barrier,
+    broadcast_module,
+    clip_grad_norm,
     init_distributed,
+    is_main,
+    main_rank_first,
+    mean_over_ranks,
+    sum_over_ranks,
 )
 from codedojo.pretrain.probe import passkey_probe
 from codedojo.pretrain.selfgen import write_self_shards
@@ -217,18 +226,23 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
                          "has none")
     seed = cfg.seed + 31
     out = cache_dir_for(run_dir / "data" / "self", stage, {"seed": seed, **g.model_dump()})
+    barrier()  # every rank sees the shards there, or none does
     if (out / "index.json").exists():
         return out
     from rich.progress import Progress
 
+    # Under FSDP every rank generates (each forward gathers the shards from all of them), the
+    # same continuations; rank 0 writes them.
     with Progress(console=console, transient=False) as prog:
         task = prog.add_task(f"{stage.name}: {g.new_tokens} tokens after each of {g.prompts} "
                              "prompts", total=g.prompts)
-        return write_self_shards(
+        write_self_shards(
             model, TokenShards(data.shards["code"]), out, prompts=g.prompts,
             prompt_len=g.prompt_len, new_tokens=g.new_tokens, batch=g.batch,
-            seed=seed, doc_start_frac=g.doc_start_frac,
+            seed=seed, doc_start_frac=g.doc_start_frac, write=is_main(),
             progress=lambda n: prog.update(task, completed=n))
+    barrier()
+    return out
 
 
 def eval_batches(data: RunData, batch_size: int) -> list[Batch]:
@@ -287,6 +301,7 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
             counts = np.bincount(loader.packed.tokens.reshape(-1), minlength=model.cfg.vocab_size)
             mtp.set_draft_vocab(torch.from_numpy(counts))
     trainable = [p for _, p in params]
+    whole = [p for p in mtp.parameters() if p.requires_grad] if mtp is not None else []
     losses = []
     gamma = model.cfg.moe.bias_update_speed if model.cfg.moe is not None else 0.0
     for step in range(start, st.steps):
@@ -304,11 +319,15 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
             (loss / st.grad_accum).backward()
             total += float(loss.detach()) / st.grad_accum
             ntok += int(batch["loss_mask"].sum())
-        gnorm = torch.nn.utils.clip_grad_norm_(trainable, st.grad_clip)
+        average_gradients(whole)  # MTP modules are whole on every rank (no-op on one process)
+        gnorm = clip_grad_norm(trainable, st.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if gamma > 0 and st.mtp != "distill":
+            for m in moe_layers(model):
+                sum_over_ranks(m.tokens_per_expert)  # every rank's biases move alike
             update_moe_biases(model, gamma)
+        total = mean_over_ranks(total)
         losses.append(total)
         if log is not None:
             log({"stage": st.name, "step": step + 1, "loss": total, "lr": lr,
@@ -381,28 +400,34 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
         from codedojo.model.tokenizer import load_tokenizer
 
         tok = load_tokenizer()
-    console.print(f"[bold]{cfg.name}[/]: preparing data under {run_dir / 'data'}")
-    data = prepare_data(cfg, tok, run_dir)
+    rank, world = init_distributed()  # under torchrun: data parallel over `world` processes
+    if rank != 0:
+        console = Console(quiet=True)  # rank 0 speaks for all
+    console.print(f"[bold]{cfg.name}[/]: preparing data under {run_dir / 'data'}"
+                  + (f" ({world} processes)" if world > 1 else ""))
+    with main_rank_first():
+        data = prepare_data(cfg, tok, run_dir)
     model, mtp = build_model(cfg)
     if cfg.model.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.model.compile:
         apply_compile(model, mtp)
-    rank, world = init_distributed()
-    if world > 1:  # torchrun: shard from outside the model (GPU path; not exercised on CPU)
+    if world > 1:  # shard from outside the model: FSDP2 over NCCL (GPUs) or gloo (CPUs)
         dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         model.to(dev)
         if mtp is not None:
             mtp.to(dev)
+            broadcast_module(mtp)  # its random parts start alike on every rank
         apply_fsdp(model, bf16=cfg.model.dtype == "bf16")
     evals = eval_batches(data, cfg.eval.batch_size)
     report_path = run_dir / "report.json"
     report: dict[str, Any] = json.loads(report_path.read_text()) if report_path.exists() else {
         "name": cfg.name, "eval_loss": {}, "probe": {}, "stages": {}}
-    metrics_f = (run_dir / "metrics.jsonl").open("a")
+    metrics_f = (run_dir / "metrics.jsonl").open("a") if is_main() else None
 
     def save_report() -> None:
-        report_path.write_text(json.dumps(report, indent=1))
+        if is_main():
+            report_path.write_text(json.dumps(report, indent=1))
 
     if "base" not in report["eval_loss"]:
         report["eval_loss"]["base"] = eval_loss(model, evals)
@@ -421,7 +446,8 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
             load_weights(ck, model, mtp)
         if st.self_gen is not None:
             data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
-        packed = stage_packed(cfg, st, si, data, run_dir)
+        with main_rank_first():
+            packed = stage_packed(cfg, st, si, data, run_dir)
         # each rank walks its own seeded order of the same packed rows
         loader = PackedLoader(packed, st.batch_size, seed=cfg.seed + si + 7919 * rank)
         probe_len = min(cfg.eval.probe_len, model.cfg.max_seq_len)
@@ -435,8 +461,9 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
                                  loss="-")
 
             def log(m: dict[str, Any], prog: Any = prog, task: Any = task) -> None:
-                metrics_f.write(json.dumps(m) + "\n")
-                metrics_f.flush()
+                if metrics_f is not None:
+                    metrics_f.write(json.dumps(m) + "\n")
+                    metrics_f.flush()
                 prog.update(task, completed=m["step"], loss=f"{m['loss']:.3f}")
 
             losses = train_stage(cfg, si, model, mtp, loader, run_dir,
@@ -450,21 +477,26 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
                 model, tok, data.probe_filler, probe_len, cfg.eval.probe_trials, cfg.seed)
         save_report()
         console.print(f"eval loss after {st.name}: {report['eval_loss'][st.name]:.4f}")
-    metrics_f.close()
+    if metrics_f is not None:
+        metrics_f.close()
     final = run_dir / "final"
     save_checkpoint(final, model, model.cfg, mtp, None,
                     TrainPosition(len(cfg.stages), 0, {}, True))
     if cfg.export_hf and model.cfg.moe is None:
-        from codedojo.model.hf import save_hf
-        from codedojo.pretrain.parallel import unwrap_state_dict
-        hf_dir = save_hf(unwrap_state_dict(model.state_dict()), model.cfg, run_dir / "hf")
-        if mtp is not None:
-            from codedojo.model.mtp import save_mtp
+        full = full_state_dict(model)  # a collective under FSDP: every rank takes part
+        hf_dir = run_dir / "hf"
+        if is_main():
+            from codedojo.model.hf import save_hf
+            from codedojo.pretrain.parallel import unwrap_state_dict
+            save_hf(unwrap_state_dict(full), model.cfg, hf_dir)
+            if mtp is not None:
+                from codedojo.model.mtp import save_mtp
 
-            save_mtp(mtp, hf_dir)
-        if hasattr(tok, "save"):
-            tok.save(hf_dir)
+                save_mtp(mtp, hf_dir)
+            if hasattr(tok, "save"):
+                tok.save(hf_dir)
         report["hf_export"] = str(hf_dir)
     report["checkpoint"] = str(final)
     save_report()
+    barrier()  # every rank returns once rank 0 has written it all
     return report

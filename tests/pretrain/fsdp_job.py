@@ -1,0 +1,64 @@
+"""The job `test_distributed.py` launches under torchrun: the pretraining loop on a config (a
+JSON file), then what each rank holds, written to ``<out>/rank<r>.json`` for the test to
+compare."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from codedojo.model.tokenizer import load_tokenizer
+from codedojo.pretrain.checkpoint import full_state_dict
+from codedojo.pretrain.config import PretrainConfig
+from codedojo.pretrain.trainer import run
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        h.update(k.encode())
+        h.update(tensors[k].detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    cfg = PretrainConfig.model_validate_json(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[2])
+    captured: dict[str, object] = {}
+    import codedojo.pretrain.trainer as trainer
+
+    build = trainer.build_model
+
+    def keep(cfg_):  # the modules the loop trains, to read back after it
+        model, mtp = build(cfg_)
+        if mtp is not None:  # as a base model's unseeded MTP init would: unlike on each rank
+            with torch.no_grad():
+                for p in mtp.parameters():
+                    p.add_(0.01 * dist.get_rank())
+        captured.update(model=model, mtp=mtp)
+        return model, mtp
+
+    trainer.build_model = keep
+    torch.set_num_threads(1)
+    report = run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
+    model, mtp = captured["model"], captured["mtp"]
+    full = full_state_dict(model)  # every rank takes part; rank 0 gets the weights
+    rank = dist.get_rank()
+    (out / f"rank{rank}.json").write_text(json.dumps({
+        "world": dist.get_world_size(), "report": report,
+        "mtp": digest(mtp.state_dict()) if mtp is not None else None,
+        "model": digest(full) if full else None,
+        "expert_bias": digest({n: b for n, b in model.named_buffers()  # this rank's own
+                               if n.endswith("expert_bias")}),
+        "sharded": type(next(model.parameters())).__name__}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The pretraining loop data-parallel under torchrun: FSDP2 over gloo, two CPU processes (the
+same code path as NCCL on GPUs, where only the backend differs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from codedojo.pretrain.checkpoint import load_weights
+from codedojo.pretrain.config import PretrainConfig
+from codedojo.pretrain.trainer import build_model
+from tests.pretrain.fsdp_job import digest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _config(tmp_path: Path) -> PretrainConfig:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(24):
+        body = "\n".join(f"    x{j} = value * {i + j}  # step {j}" for j in range(25))
+        (src / f"mod{i}.py").write_text(
+            f'def func{i}(value):\n    """Scale value by {i}."""\n{body}\n    return value\n')
+    stage = {"seq_len": 32, "batch_size": 2, "steps": 2, "lr": 1e-2, "mix": [{"data": "code"}]}
+    return PretrainConfig.model_validate({
+        "name": "fsdp", "out_dir": str(tmp_path / "runs"), "sft_examples": 6,
+        "long_docs_chars": [500, 3000],
+        "corpus": {"sources": [{"kind": "dir", "path": str(src)}], "holdout_frac": 0.25,
+                   "dedup": {"near": False}},
+        "model": {"base": "tiny", "n_mtp": 1, "compile": False,
+                  "tiny_overrides": {"vocab_size": 49152, "dim": 32, "n_heads": 2,
+                                     "n_kv_heads": 1, "ffn_dim": 64}},
+        "eval": {"seq_len": 32, "batch_size": 2, "batches": 1, "probe_len": 96,
+                 "probe_trials": 1},
+        "stages": [{"name": "bulk", **stage, "mtp": "joint"},
+                   {"name": "mtp", **stage, "mtp": "distill"},
+                   {"name": "long", **stage, "seq_len": 64, "probe": True, "mtp": "joint",
+                    "mix": [{"data": "long", "weight": 1.0}, {"data": "code", "weight": 1.0}],
+                    "rope_scaling": {"kind": "base", "new_theta": 40000.0}},
+                   {"name": "sft", **stage, "mix": [{"data": "sft"}]},
+                   {"name": "mtp_self", **stage, "mtp": "distill", "mix": [{"data": "self"}],
+                    "self_gen": {"prompts": 4, "prompt_len": 8, "new_tokens": 8,
+                                 "batch": 2}}]})
+
+
+def _torchrun(cfg_file: Path, out: Path) -> list[dict]:
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(ROOT / "tests/pretrain/fsdp_job.py"), str(cfg_file), str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _run(cfg: PretrainConfig, tmp_path: Path, name: str) -> list[dict]:
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(cfg.model_dump_json())
+    return _torchrun(cfg_file, tmp_path / name)
+
+
+def test_two_processes_train_every_stage_with_fsdp(tmp_path):
+    cfg = _config(tmp_path)
+    r0, r1 = _run(cfg, tmp_path, "first")
+    assert r0["world"] == r1["world"] == 2 and r0["sharded"] == r1["sharded"] == "DTensor"
+    # Every rank evaluates the same model: the same losses, stage by stage.
+    assert r0["report"] == r1["report"]
+    loss = r0["report"]["eval_loss"]
+    assert set(loss) == {"base", "bulk", "mtp", "long", "sft", "mtp_self"}
+    assert loss["bulk"] < loss["base"] and loss["mtp"] == loss["bulk"]  # distilling: frozen
+    assert set(r0["report"]["probe"]) == {"long/before", "long/after"}
+    # The MTP modules, whole on each rank and trained on each rank's own batches, stay alike.
+    assert r0["mtp"] == r1["mtp"]
+    run_dir = tmp_path / "runs" / "fsdp"
+    # Rank 0 alone wrote: one metrics line per step, one report, one set of self shards.
+    metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) == sum(s.steps for s in cfg.stages)
+    assert json.loads((run_dir / "report.json").read_text())["eval_loss"] == loss
+    (own,) = (run_dir / "data" / "self").glob("mtp_self-*")
+    assert json.loads((own / "index.json").read_text())
+    # The final checkpoint holds the gathered weights: a single process loads them.
+    model, mtp = build_model(cfg)
+    load_weights(run_dir / "final", model, mtp)
+    assert digest(model.state_dict()) == r0["model"] and digest(mtp.state_dict()) == r0["mtp"]
+    assert (run_dir / "hf" / "model.safetensors").exists()
+    # Run again: every stage loads its checkpoint into the sharded model and is skipped.
+    a0, a1 = _run(cfg, tmp_path, "again")
+    assert a0["report"]["eval_loss"] == a1["report"]["eval_loss"] == loss
+    assert a0["model"] == r0["model"] and a0["mtp"] == a1["mtp"] == r0["mtp"]
+    assert torch.isfinite(torch.tensor(list(loss.values()))).all()
+
+
+def test_an_moe_models_expert_biases_move_alike_on_every_rank(tmp_path):
+    """Each rank routes its own batches; the aux-loss-free bias update counts every rank's."""
+    cfg = _config(tmp_path)
+    moe = {"n_routed_experts": 4, "top_k": 2, "expert_ffn_dim": 16, "n_shared_experts": 1,
+           "first_dense_layers": 1, "bias_update_speed": 0.01}
+    model = cfg.model.model_copy(update={"tiny_overrides": {
+        **cfg.model.tiny_overrides, "n_layers": 3, "moe": moe}})
+    cfg = cfg.model_copy(update={"model": model, "stages": cfg.stages[:2]})
+    r0, r1 = _run(cfg, tmp_path, "moe")
+    assert r0["report"] == r1["report"] and r0["mtp"] == r1["mtp"]
+    assert r0["expert_bias"] == r1["expert_bias"]
+    final, _ = build_model(cfg)
+    load_weights(tmp_path / "runs" / "fsdp" / "final", final)
+    biases = [b for n, b in final.named_buffers() if n.endswith("expert_bias")]
+    assert biases and all(b.abs().sum() > 0 for b in biases)  # they did move
