@@ -175,7 +175,10 @@ def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
 def mean_over_ranks(x: float) -> float:
     if not distributed():
         return x
-    t = torch.tensor([x], dtype=torch.float64)
+    # NCCL reduces GPU tensors only
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    t = torch.tensor([x], dtype=torch.float64, device=dev)
     dist.all_reduce(t)
     return float(t) / dist.get_world_size()
 
