@@ -95,6 +95,14 @@ def init_distributed() -> tuple[int, int]:
     return rank, world
 
 
+def shutdown_distributed() -> None:
+    """Leave the process group once every rank is done with it: a gloo rank that tears down
+    while a peer's last collective is still in flight aborts ("terminate called")."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 

@@ -16,6 +16,7 @@ from rich.console import Console
 from codedojo.model.tokenizer import load_tokenizer
 from codedojo.pretrain.checkpoint import full_state_dict
 from codedojo.pretrain.config import PretrainConfig
+from codedojo.pretrain.parallel import shutdown_distributed
 from codedojo.pretrain.trainer import run
 
 
@@ -57,7 +58,7 @@ def main() -> None:
         "expert_bias": digest({n: b for n, b in model.named_buffers()  # this rank's own
                                if n.endswith("expert_bias")}),
         "sharded": type(next(model.parameters())).__name__}))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
