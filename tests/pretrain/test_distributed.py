@@ -15,37 +15,13 @@ from codedojo.pretrain.checkpoint import load_weights
 from codedojo.pretrain.config import PretrainConfig
 from codedojo.pretrain.trainer import build_model
 from tests.pretrain.fsdp_job import digest
+from tests.pretrain.tiny_run import five_stage_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _config(tmp_path: Path) -> PretrainConfig:
-    src = tmp_path / "src"
-    src.mkdir()
-    for i in range(24):
-        body = "\n".join(f"    x{j} = value * {i + j}  # step {j}" for j in range(25))
-        (src / f"mod{i}.py").write_text(
-            f'def func{i}(value):\n    """Scale value by {i}."""\n{body}\n    return value\n')
-    stage = {"seq_len": 32, "batch_size": 2, "steps": 2, "lr": 1e-2, "mix": [{"data": "code"}]}
-    return PretrainConfig.model_validate({
-        "name": "fsdp", "out_dir": str(tmp_path / "runs"), "sft_examples": 6,
-        "long_docs_chars": [500, 3000],
-        "corpus": {"sources": [{"kind": "dir", "path": str(src)}], "holdout_frac": 0.25,
-                   "dedup": {"near": False}},
-        "model": {"base": "tiny", "n_mtp": 1, "compile": False,
-                  "tiny_overrides": {"vocab_size": 49152, "dim": 32, "n_heads": 2,
-                                     "n_kv_heads": 1, "ffn_dim": 64}},
-        "eval": {"seq_len": 32, "batch_size": 2, "batches": 1, "probe_len": 96,
-                 "probe_trials": 1},
-        "stages": [{"name": "bulk", **stage, "mtp": "joint"},
-                   {"name": "mtp", **stage, "mtp": "distill"},
-                   {"name": "long", **stage, "seq_len": 64, "probe": True, "mtp": "joint",
-                    "mix": [{"data": "long", "weight": 1.0}, {"data": "code", "weight": 1.0}],
-                    "rope_scaling": {"kind": "base", "new_theta": 40000.0}},
-                   {"name": "sft", **stage, "mix": [{"data": "sft"}]},
-                   {"name": "mtp_self", **stage, "mtp": "distill", "mix": [{"data": "self"}],
-                    "self_gen": {"prompts": 4, "prompt_len": 8, "new_tokens": 8,
-                                 "batch": 2}}]})
+    return five_stage_config(tmp_path, "fsdp", lr=1e-2, bulk_mtp="joint", compile=False)
 
 
 def _torchrun(cfg_file: Path, out: Path) -> list[dict]:

@@ -11,6 +11,7 @@ from codedojo.data.shards import TokenShards
 from codedojo.pretrain.checkpoint import load_weights
 from codedojo.pretrain.config import PretrainConfig, load_config
 from codedojo.pretrain.trainer import build_model, train_stage
+from tests.pretrain.tiny_run import five_stage_config
 
 
 def _cfg(tmp_path, **stage) -> PretrainConfig:
@@ -87,32 +88,7 @@ def test_run_end_to_end_tiny(tmp_path):
     from codedojo.model.tokenizer import load_tokenizer
     from codedojo.pretrain.trainer import run
 
-    src = tmp_path / "src"
-    src.mkdir()
-    for i in range(24):
-        body = "\n".join(f"    x{j} = value * {i + j}  # step {j}" for j in range(25))
-        (src / f"mod{i}.py").write_text(
-            f'def func{i}(value):\n    """Scale value by {i}."""\n{body}\n    return value\n')
-    stage = {"seq_len": 32, "batch_size": 2, "steps": 2, "lr": 1e-3, "mix": [{"data": "code"}]}
-    cfg = PretrainConfig.model_validate({
-        "name": "e2e", "out_dir": str(tmp_path / "runs"), "sft_examples": 6,
-        "long_docs_chars": [500, 3000],
-        "corpus": {"sources": [{"kind": "dir", "path": str(src)}], "holdout_frac": 0.25,
-                   "dedup": {"near": False}},
-        "model": {"base": "tiny", "n_mtp": 1,
-                  "tiny_overrides": {"vocab_size": 49152, "dim": 32, "n_heads": 2,
-                                     "n_kv_heads": 1, "ffn_dim": 64}},
-        "eval": {"seq_len": 32, "batch_size": 2, "batches": 1, "probe_len": 96,
-                 "probe_trials": 1},
-        "stages": [{"name": "bulk", **stage},
-                   {"name": "mtp", **stage, "mtp": "distill"},
-                   {"name": "long", **stage, "seq_len": 64, "probe": True, "mtp": "joint",
-                    "mix": [{"data": "long", "weight": 1.0}, {"data": "code", "weight": 1.0}],
-                    "rope_scaling": {"kind": "base", "new_theta": 40000.0}},
-                   {"name": "sft", **stage, "mix": [{"data": "sft"}]},
-                   {"name": "mtp_self", **stage, "mtp": "distill", "mix": [{"data": "self"}],
-                    "self_gen": {"prompts": 4, "prompt_len": 8, "new_tokens": 8,
-                                 "batch": 2}}]})
+    cfg = five_stage_config(tmp_path, "e2e")
     report = run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
     assert set(report["eval_loss"]) == {"base", "bulk", "mtp", "long", "sft", "mtp_self"}
     assert report["eval_loss"]["mtp"] == report["eval_loss"]["bulk"]  # frozen model
