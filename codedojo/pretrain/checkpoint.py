@@ -65,25 +65,29 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
-    """`model.load_state_dict(sd)` for whole tensors, sharding them where FSDP2 has."""
+    """`model.load_state_dict(sd)` for whole tensors, sharding them where FSDP2 has: there
+    rank 0 holds them (the others pass an empty dict) and sends each rank its shards."""
     if distributed():
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
         )
 
-        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True,
-                                                                 strict=True))
+        set_model_state_dict(model, sd, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, strict=True))
     else:
         model.load_state_dict(sd, strict=True)
 
 
 def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: MTP | None,
-                    optimizer: torch.optim.Optimizer | None, pos: TrainPosition) -> Path:
+                    optimizer: torch.optim.Optimizer | None, pos: TrainPosition,
+                    full: dict[str, torch.Tensor] | None = None) -> Path:
+    """``full``: the model's `full_state_dict`, when the caller has gathered it already."""
     from safetensors.torch import save_file
 
     path = Path(path)
-    full = full_state_dict(model)  # a collective under FSDP: every rank takes part
+    if full is None:
+        full = full_state_dict(model)  # a collective under FSDP: every rank takes part
     if distributed():
         # Sharded optimizer state is not gathered: a multi-GPU resume restores weights, data
         # position and RNG, and restarts the optimizer moments (the CPU path is exact).
@@ -118,7 +122,8 @@ def load_weights(path: str | Path, model: nn.Module, mtp: MTP | None = None) -> 
     from safetensors.torch import load_file
 
     path = Path(path)
-    sd = load_file(str(path / "model.safetensors"))
+    # under FSDP rank 0 alone reads the weights, and sends them (`load_full_state_dict`)
+    sd = load_file(str(path / "model.safetensors")) if is_main() else {}
     own = model.state_dict()
     if set(own) != set(sd):  # wrapped (activation checkpointing) vs bare names
         wrapped = {k: k for k in own}

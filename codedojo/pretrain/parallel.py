@@ -9,7 +9,8 @@
   more than one process: NCCL on GPUs, gloo on CPUs (tested here with two CPU processes).
 * Data parallelism around it: the MTP modules are small and stay whole on every rank
   (`broadcast_module` once, `average_gradients` every step), MoE expert loads are summed over
-  ranks before the bias update (`sum_over_ranks`), and files are written by rank 0
+  ranks before the bias update (`sum_over_ranks`), the gradient norm is taken over both
+  kinds of parameter (`clip_grad_norm`: torch's refuses the mix), and files are written by rank 0
   (`main_rank_first`, `is_main`).
 """
 
@@ -136,10 +137,14 @@ def broadcast_module(module: nn.Module) -> None:
 
 
 def average_gradients(params: Iterable[torch.Tensor]) -> None:
-    """Average the gradients of parameters kept whole on every rank, in one all-reduce (FSDP
-    averages the sharded ones itself)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not distributed() or not grads:
+    """Average over ranks, in one all-reduce, the gradients of the parameters FSDP does not
+    shard (kept whole on every rank, as the MTP modules are); FSDP averages its own."""
+    if not distributed():
+        return
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None and not isinstance(p, DTensor)]
+    if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)  # a sum: gloo has no average

@@ -79,8 +79,9 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     writer = ShardWriter(out_dir, model.cfg.vocab_size, eos_id=None) if write else None
     for i in range(0, prompts, batch):
         rows = greedy_continue(model, torch.from_numpy(windows[i:i + batch]).to(dev), new_tokens)
-        for r in rows.cpu().numpy() if writer is not None else []:
-            writer.add(r)
+        if writer is not None:
+            for r in rows.cpu().numpy():
+                writer.add(r)
         if progress is not None:
             progress(min(i + batch, prompts))
     return writer.close() if writer is not None else out_dir

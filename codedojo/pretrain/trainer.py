@@ -301,7 +301,6 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
             counts = np.bincount(loader.packed.tokens.reshape(-1), minlength=model.cfg.vocab_size)
             mtp.set_draft_vocab(torch.from_numpy(counts))
     trainable = [p for _, p in params]
-    whole = [p for p in mtp.parameters() if p.requires_grad] if mtp is not None else []
     losses = []
     gamma = model.cfg.moe.bias_update_speed if model.cfg.moe is not None else 0.0
     for step in range(start, st.steps):
@@ -319,7 +318,7 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
             (loss / st.grad_accum).backward()
             total += float(loss.detach()) / st.grad_accum
             ntok += int(batch["loss_mask"].sum())
-        average_gradients(whole)  # MTP modules are whole on every rank (no-op on one process)
+        average_gradients(trainable)  # those FSDP does not shard (no-op on one process)
         gnorm = clip_grad_norm(trainable, st.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -480,10 +479,10 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
     if metrics_f is not None:
         metrics_f.close()
     final = run_dir / "final"
+    full = full_state_dict(model)  # gathered once (a collective under FSDP) for both writes
     save_checkpoint(final, model, model.cfg, mtp, None,
-                    TrainPosition(len(cfg.stages), 0, {}, True))
+                    TrainPosition(len(cfg.stages), 0, {}, True), full=full)
     if cfg.export_hf and model.cfg.moe is None:
-        full = full_state_dict(model)  # a collective under FSDP: every rank takes part
         hf_dir = run_dir / "hf"
         if is_main():
             from codedojo.model.hf import save_hf
