@@ -5,11 +5,16 @@ A checkpoint directory holds
     model.safetensors   the model's state dict (our names; MoE selection biases included)
     model_config.json   the ModelConfig (RoPE scaling after a context extension included)
     mtp.safetensors     MTP modules, when the run has them (+ mtp.json)
-    trainer.pt          optimizer state and RNG states (torch, numpy, python)
+    trainer.pt          optimizer state (whole tensors, keyed by parameter name) and RNG
+                        states (torch, numpy, python; one set per rank)
     state.json          stage index, step within the stage, data loader position
 
 It is written into a temporary sibling and renamed, so a crash mid-write never leaves a
 checkpoint that looks complete. HF-compatible export goes through the model package's exporter.
+
+Under FSDP2 the shards are gathered (weights and optimizer moments alike) and rank 0 writes one
+checkpoint of whole tensors; a resume has rank 0 read it and send each rank its shards. The
+file does not depend on the number of processes: a run resumes on one process or on many.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import random
 import shutil
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +34,14 @@ from torch import nn
 
 from codedojo.model.config import ModelConfig
 from codedojo.model.mtp import MTP, save_mtp
-from codedojo.pretrain.parallel import distributed, is_main, unwrap_state_dict
+from codedojo.pretrain.parallel import (
+    bare_name,
+    broadcast_object,
+    distributed,
+    gather_object,
+    is_main,
+    unwrap_state_dict,
+)
 
 
 @dataclass
@@ -79,21 +92,57 @@ def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
         model.load_state_dict(sd, strict=True)
 
 
+def _optimizer_names(model: nn.Module, mtp: MTP | None,
+                     optimizer: torch.optim.Optimizer) -> tuple[nn.Module, dict[str, str]]:
+    """The module the optimizer's parameters are named from (the model under ``model.``, the
+    MTP modules under ``mtp.``), and each trained parameter's name there -> its name in the
+    file (the bare model's: a resume may change activation checkpointing)."""
+    modules = nn.ModuleDict({"model": model, **({"mtp": mtp} if mtp is not None else {})})
+    trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    names = {}
+    for name, p in modules.named_parameters():
+        if id(p) in trained:
+            kind, _, rest = name.partition(".")
+            names[name] = f"{kind}.{bare_name(rest)}" if kind == "model" else name
+    return modules, names
+
+
+def _renamed(osd: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    return {"state": {names[k]: v for k, v in osd["state"].items()},
+            "param_groups": [{**g, "params": [names[n] for n in g["params"]]}
+                             for g in osd["param_groups"]]}
+
+
+def optimizer_state_dict(model: nn.Module, mtp: MTP | None,
+                         optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state with whole tensors, keyed by parameter name. Under FSDP2 a
+    collective (the moments of sharded parameters are gathered): every rank calls it, rank 0
+    gets the state, the others an empty dict."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    modules, names = _optimizer_names(model, mtp, optimizer)
+    osd = get_optimizer_state_dict(modules, optimizer, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+    return _renamed(osd, names) if osd else {}
+
+
 def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: MTP | None,
                     optimizer: torch.optim.Optimizer | None, pos: TrainPosition,
                     full: dict[str, torch.Tensor] | None = None) -> Path:
-    """``full``: the model's `full_state_dict`, when the caller has gathered it already."""
+    """``full``: the model's `full_state_dict`, when the caller has gathered it already. Under
+    FSDP2 every rank calls it (the shards are gathered) and rank 0 writes."""
     from safetensors.torch import save_file
 
     path = Path(path)
     if full is None:
-        full = full_state_dict(model)  # a collective under FSDP: every rank takes part
-    if distributed():
-        # Sharded optimizer state is not gathered: a multi-GPU resume restores weights, data
-        # position and RNG, and restarts the optimizer moments (the CPU path is exact).
-        optimizer = None
-        if not is_main():
-            return path
+        full = full_state_dict(model)
+    osd = None if optimizer is None else optimizer_state_dict(model, mtp, optimizer)
+    rngs = gather_object(rng_state())  # each rank's own: a rank may draw random numbers
+    if not is_main():
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
@@ -102,8 +151,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: M
         (tmp / "model_config.json").write_text(cfg.model_dump_json(indent=1))
         if mtp is not None:
             save_mtp(mtp, tmp)
-        torch.save({"optimizer": None if optimizer is None else optimizer.state_dict(),
-                    "rng": rng_state()}, tmp / "trainer.pt")
+        torch.save({"optimizer": osd, "rng": rngs[0], "rng_ranks": rngs}, tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps(asdict(pos)))
         if path.exists():
             shutil.rmtree(path)
@@ -126,8 +174,7 @@ def load_weights(path: str | Path, model: nn.Module, mtp: MTP | None = None) -> 
     sd = load_file(str(path / "model.safetensors")) if is_main() else {}
     own = model.state_dict()
     if set(own) != set(sd):  # wrapped (activation checkpointing) vs bare names
-        wrapped = {k: k for k in own}
-        bare_to_wrapped = {unwrap_state_dict({k: torch.empty(0)}).popitem()[0]: k for k in wrapped}
+        bare_to_wrapped = {bare_name(k): k for k in own}
         sd = {bare_to_wrapped.get(k, k): v for k, v in sd.items()}
     load_full_state_dict(model, sd)
     if mtp is not None:
@@ -140,8 +187,56 @@ def load_weights(path: str | Path, model: nn.Module, mtp: MTP | None = None) -> 
     return ModelConfig.model_validate_json((path / "model_config.json").read_text())
 
 
-def load_trainer_state(path: str | Path, optimizer: torch.optim.Optimizer | None) -> None:
-    state = torch.load(Path(path) / "trainer.pt", weights_only=False)
-    if optimizer is not None and state["optimizer"] is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    set_rng_state(state["rng"])
+def load_trainer_state(path: str | Path, model: nn.Module, mtp: MTP | None,
+                       optimizer: torch.optim.Optimizer | None) -> None:
+    """The optimizer state and this rank's RNG states. Under FSDP2 every rank calls it: rank 0
+    reads the file and sends each rank its shards of the moments and its RNG states."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    path = Path(path)
+    state = torch.load(path / "trainer.pt", weights_only=False) if is_main() else None
+    osd: dict[str, Any] = {}
+    if optimizer is not None:
+        modules, names = _optimizer_names(model, mtp, optimizer)
+        kind = None
+        if is_main():
+            osd = state["optimizer"] or {}
+            kind = _optimizer_state_kind(osd, names)
+        kind = broadcast_object(kind)  # every rank takes the same branch (they are collectives)
+        if kind == "positional" and not distributed():  # written by an older version
+            optimizer.load_state_dict(osd)
+        elif kind == "named":
+            own = {v: k for k, v in names.items()}
+            set_optimizer_state_dict(modules, optimizer, _renamed(osd, own) if osd else {},
+                                     options=StateDictOptions(
+                                         full_state_dict=True, broadcast_from_rank0=distributed()))
+        elif kind == "none":
+            warnings.warn(f"{path}: the checkpoint has no optimizer state (written by a sharded "
+                          "run of an older version); the optimizer moments start at zero",
+                          stacklevel=2)
+        else:
+            raise ValueError(f"{path / 'trainer.pt'}: {kind}")
+    rngs = broadcast_object(None if state is None else state.get("rng_ranks", [state["rng"]]))
+    rank = torch.distributed.get_rank() if distributed() else 0
+    # a run resumed on a different number of processes: the ranks it did not have take rank 0's
+    set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
+
+
+def _optimizer_state_kind(osd: dict[str, Any], names: dict[str, str]) -> str:
+    """"named", "positional" (an older version's), "none", or why the saved optimizer state
+    does not fit an optimizer over the parameters ``names``."""
+    if not osd:
+        return "none"
+    saved = [n for g in osd["param_groups"] for n in g["params"]]
+    if all(isinstance(n, int) for n in saved):
+        if distributed():
+            return "an older version's optimizer state cannot be loaded by a sharded run"
+        return "positional"
+    missing, unexpected = set(names.values()) - set(saved), set(saved) - set(names.values())
+    if missing or unexpected:
+        return (f"the optimizer state does not match the trained parameters (missing "
+                f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
+    return "named"

@@ -78,10 +78,15 @@ def apply_compile(*parts: nn.Module | None) -> None:
         blk.forward = forward
 
 
+def bare_name(name: str) -> str:
+    """A model parameter's or buffer's name as the bare model has it (checkpoint wrappers add
+    `.block`)."""
+    return name.replace(".block.", ".", 1) if name.startswith("layers.") else name
+
+
 def unwrap_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Names as the bare model has them (checkpoint wrappers add `.block`)."""
-    return {k.replace(".block.", ".", 1) if k.startswith("layers.") and ".block." in k else k: v
-            for k, v in sd.items()}
+    """Names as the bare model has them."""
+    return {bare_name(k): v for k, v in sd.items()}
 
 
 def init_distributed() -> tuple[int, int]:
@@ -127,6 +132,37 @@ def main_rank_first() -> Iterator[None]:
     yield
     if distributed() and is_main():
         barrier()
+
+
+def sharded(model: nn.Module) -> nn.Module:
+    """``model`` holding its sharded parameters. While FSDP2 has a module gathered its
+    parameters are plain tensors it frees again, and the root stays gathered after a forward
+    (`apply_fsdp`: an eval, a probe). An optimizer built then would hold those tensors: the
+    gradients go to the shards and the embedding and final norm would never move."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    return model
+
+
+def broadcast_object(obj: object) -> object:
+    """Rank 0's ``obj`` on every rank (any picklable object)."""
+    if not distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_object(obj: object) -> list[object]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not distributed():
+        return [obj]
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def broadcast_module(module: nn.Module) -> None:

@@ -64,6 +64,7 @@ from codedojo.pretrain.parallel import (
     is_main,
     main_rank_first,
     mean_over_ranks,
+    sharded,
     sum_over_ranks,
 )
 from codedojo.pretrain.probe import passkey_probe
@@ -272,6 +273,7 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
     """Run stage `si` (from its start or from a mid-stage checkpoint). Returns per-step losses.
     `stop_after` ends early after that many steps of this call (tests)."""
     st = cfg.stages[si]
+    sharded(model)  # under FSDP2: the parameters to freeze or train are the shards
     if st.mtp == "distill":
         for p in model.parameters():
             p.requires_grad_(False)
@@ -286,7 +288,7 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
     start = 0
     if resume_from is not None:
         pos = read_position(resume_from)
-        load_trainer_state(resume_from, opt)
+        load_trainer_state(resume_from, model, mtp, opt)
         loader.load_state_dict(pos.loader)
         start = pos.step
     if st.mtp == "distill" and mtp is not None and resume_from is None and si == _first_mtp(cfg):

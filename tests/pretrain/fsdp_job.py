@@ -1,6 +1,7 @@
 """The job `test_distributed.py` launches under torchrun: the pretraining loop on a config (a
 JSON file), then what each rank holds, written to ``<out>/rank<r>.json`` for the test to
-compare."""
+compare. With a third argument, ``interrupt``, every rank stops right after the first
+mid-stage checkpoint, as a preempted job would."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from rich.console import Console
 from codedojo.model.tokenizer import load_tokenizer
 from codedojo.pretrain.checkpoint import full_state_dict
 from codedojo.pretrain.config import PretrainConfig
-from codedojo.pretrain.parallel import shutdown_distributed
+from codedojo.pretrain.parallel import shutdown_distributed, unwrap_state_dict
 from codedojo.pretrain.trainer import run
 
 
@@ -26,6 +27,10 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
         h.update(k.encode())
         h.update(tensors[k].detach().float().cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+class Interrupted(Exception):
+    pass
 
 
 def main() -> None:
@@ -42,12 +47,27 @@ def main() -> None:
             with torch.no_grad():
                 for p in mtp.parameters():
                     p.add_(0.01 * dist.get_rank())
-        captured.update(model=model, mtp=mtp)
+        captured.update(model=model, mtp=mtp, init={n: p.detach().clone()
+                                                    for n, p in model.named_parameters()})
         return model, mtp
 
     trainer.build_model = keep
+    if sys.argv[3:] == ["interrupt"]:
+        save = trainer.save_checkpoint
+
+        def save_then_stop(*args, **kw):
+            path = save(*args, **kw)
+            if not args[5].done:  # the position: a checkpoint mid-stage
+                raise Interrupted
+            return path
+
+        trainer.save_checkpoint = save_then_stop
     torch.set_num_threads(1)
-    report = run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
+    try:
+        report = run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
+    except Interrupted:
+        shutdown_distributed()
+        return
     model, mtp = captured["model"], captured["mtp"]
     full = full_state_dict(model)  # every rank takes part; rank 0 gets the weights
     rank = dist.get_rank()
@@ -55,6 +75,8 @@ def main() -> None:
         "world": dist.get_world_size(), "report": report,
         "mtp": digest(mtp.state_dict()) if mtp is not None else None,
         "model": digest(full) if full else None,
+        "untrained": sorted(n for n, w in unwrap_state_dict(full).items()  # rank 0: all of it
+                            if n in captured["init"] and torch.equal(w, captured["init"][n])),
         "expert_bias": digest({n: b for n, b in model.named_buffers()  # this rank's own
                                if n.endswith("expert_bias")}),
         "sharded": type(next(model.parameters())).__name__}))

@@ -8,8 +8,10 @@ import torch
 
 from codedojo.data.packing import PackedLoader, pack
 from codedojo.data.shards import TokenShards
-from codedojo.pretrain.checkpoint import load_weights
+from codedojo.pretrain.checkpoint import load_trainer_state, load_weights
 from codedojo.pretrain.config import PretrainConfig, load_config
+from codedojo.pretrain.optim import build_adamw
+from codedojo.pretrain.parallel import apply_activation_checkpointing
 from codedojo.pretrain.trainer import build_model, train_stage
 from tests.pretrain.tiny_run import five_stage_config
 
@@ -48,6 +50,48 @@ def test_resume_gives_bit_identical_losses(tmp_path, mode):
     assert first == full[:2]
     assert rest == full[2:]  # exact float equality
     assert full[-1] < full[0]
+
+
+def test_a_resume_may_change_activation_checkpointing(tmp_path):
+    """The optimizer state is saved under the bare model's parameter names, so it finds its
+    parameters whether or not the blocks are wrapped; one that fits no parameter is refused."""
+    cfg = _cfg(tmp_path, mtp="joint")
+    torch.manual_seed(0)
+    model, mtp = build_model(cfg)
+    full = train_stage(cfg, 0, model, mtp, _loader(), tmp_path / "a")
+    model, mtp = build_model(cfg)
+    apply_activation_checkpointing(model)
+    first = train_stage(cfg, 0, model, mtp, _loader(), tmp_path / "b", stop_after=2)
+    ck = tmp_path / "b" / "ckpt" / "bulk"
+    model, mtp = build_model(cfg)
+    load_weights(ck, model, mtp)
+    rest = train_stage(cfg, 0, model, mtp, _loader(), tmp_path / "b", resume_from=ck)
+    assert first + rest == full
+    # the same checkpoint resumed by a stage that trains the model alone
+    plain = _cfg(tmp_path, mtp="off")
+    model, _ = build_model(plain)
+    with pytest.raises(ValueError, match=r"does not match.*unexpected \['mtp\."):
+        train_stage(plain, 0, model, None, _loader(), tmp_path / "b", resume_from=ck)
+
+
+def test_a_checkpoint_of_an_older_version_resumes(tmp_path):
+    """Its optimizer state is positional (`Optimizer.state_dict`): one process still loads it."""
+    cfg = _cfg(tmp_path, mtp="off")
+    torch.manual_seed(0)
+    model, _ = build_model(cfg)
+    full = train_stage(cfg, 0, model, None, _loader(), tmp_path / "a")
+    model, _ = build_model(cfg)
+    first = train_stage(cfg, 0, model, None, _loader(), tmp_path / "b", stop_after=2)
+    ck = tmp_path / "b" / "ckpt" / "bulk"
+    st = cfg.stages[0]
+    opt = build_adamw(list(model.named_parameters()), st.lr, st.weight_decay, st.betas)
+    load_trainer_state(ck, model, None, opt)
+    rng = torch.load(ck / "trainer.pt", weights_only=False)["rng"]
+    torch.save({"optimizer": opt.state_dict(), "rng": rng}, ck / "trainer.pt")
+    model, _ = build_model(cfg)
+    load_weights(ck, model)
+    rest = train_stage(cfg, 0, model, None, _loader(), tmp_path / "b", resume_from=ck)
+    assert first + rest == full
 
 
 def test_distill_trains_only_mtp(tmp_path):
