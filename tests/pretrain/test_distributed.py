@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from codedojo.pretrain.checkpoint import load_weights
+from codedojo.pretrain.checkpoint import load_trainer_state, load_weights
 from codedojo.pretrain.config import PretrainConfig
+from codedojo.pretrain.optim import build_adamw
 from codedojo.pretrain.trainer import build_model
 from tests.pretrain.fsdp_job import digest
 from tests.pretrain.tiny_run import five_stage_config
@@ -26,7 +27,8 @@ def _config(tmp_path: Path) -> PretrainConfig:
 
 def _torchrun(cfg_file: Path, out: Path, *extra: str) -> list[dict]:
     out.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "PYTHONFAULTHANDLER": "1"}  # a rank that aborts prints its Python stack
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(ROOT / "tests/pretrain/fsdp_job.py"), str(cfg_file), str(out), *extra],
@@ -116,3 +118,12 @@ def test_a_preempted_sharded_run_resumes_exactly(tmp_path):
     assert len(logged(cfg.run_dir)) == 6
     assert again["model"] == ref["model"] and again["mtp"] == ref["mtp"]
     assert again["report"]["eval_loss"] == ref["report"]["eval_loss"]
+    # The checkpoint holds whole tensors: one process takes the optimizer state too.
+    model, mtp = build_model(cfg)
+    ck = cfg.run_dir / "ckpt" / "bulk"
+    load_weights(ck, model, mtp)
+    params = [*model.parameters(), *mtp.parameters()]
+    opt = build_adamw([("", p) for p in params], 1e-3, 0.0, (0.9, 0.95))
+    load_trainer_state(ck, model, mtp, opt)
+    assert [opt.state[p]["exp_avg"].shape for p in params] == [p.shape for p in params]
+    assert all(float(opt.state[p]["step"]) == 4 for p in params)
