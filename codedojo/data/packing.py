@@ -138,22 +138,31 @@ def make_batch(tokens: np.ndarray, segments: np.ndarray, mask: np.ndarray) -> di
 
 class PackedLoader:
     """Batches of packed rows in a seeded order per epoch. Its whole state is (epoch, position),
-    so a resumed run sees exactly the batches it would have seen."""
+    so a resumed run sees exactly the batches it would have seen.
 
-    def __init__(self, packed: Packed, batch_size: int, seed: int = 0, shuffle: bool = True):
+    Data parallel (``world`` ranks): every rank draws the same order and takes every
+    ``world``-th row of it from its ``rank``, so in an epoch the ranks' rows are disjoint and
+    each rank has as many (the last ``len % world`` of the order wait for the next epoch)."""
+
+    def __init__(self, packed: Packed, batch_size: int, seed: int = 0, shuffle: bool = True,
+                 rank: int = 0, world: int = 1):
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
-        if len(packed) < batch_size:
-            raise ValueError(f"only {len(packed)} packed rows for batch_size {batch_size}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not one of {world} ranks")
+        if len(packed) // world < batch_size:
+            raise ValueError(f"only {len(packed)} packed rows for batch_size {batch_size}"
+                             + (f" on each of {world} ranks" if world > 1 else ""))
         self.packed, self.batch_size, self.seed, self.shuffle = packed, batch_size, seed, shuffle
+        self.rank, self.world = rank, world
         self.epoch, self.pos = 0, 0
         self._order = self._make_order()
 
     def _make_order(self) -> np.ndarray:
         n = len(self.packed)
-        if not self.shuffle:
-            return np.arange(n)
-        return np.random.default_rng([self.seed, self.epoch]).permutation(n)
+        order = (np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle
+                 else np.arange(n))
+        return order[: n - n % self.world][self.rank::self.world]
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         if self.pos + self.batch_size > len(self._order):

@@ -449,8 +449,8 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
             data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
         with main_rank_first():
             packed = stage_packed(cfg, st, si, data, run_dir)
-        # each rank walks its own seeded order of the same packed rows
-        loader = PackedLoader(packed, st.batch_size, seed=cfg.seed + si + 7919 * rank)
+        # every rank its own share of the rows, in the same seeded order
+        loader = PackedLoader(packed, st.batch_size, seed=cfg.seed + si, rank=rank, world=world)
         probe_len = min(cfg.eval.probe_len, model.cfg.max_seq_len)
         if st.probe and pos is None:
             report["probe"][f"{st.name}/before"] = passkey_probe(

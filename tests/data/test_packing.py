@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from codedojo.data.mixture import MixtureSource, mix
@@ -77,6 +78,35 @@ def test_loader_resume_is_exact():
     for _ in range(5):
         x, y = a.next_batch(), b.next_batch()
         assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_ranks_share_out_the_rows_of_an_epoch():
+    p = pack([np.arange(1, 220)], seq_len=8)
+    assert len(p) == 25
+    alone = PackedLoader(p, batch_size=3, seed=4)
+    ranks = [PackedLoader(p, batch_size=3, seed=4, rank=r, world=3) for r in range(3)]
+    rows = [set(ld._order.tolist()) for ld in ranks]
+    assert [len(r) for r in rows] == [8, 8, 8]
+    assert len(set.union(*rows)) == 24 and set.union(*rows) <= set(alone._order.tolist())
+    # the batches hold the rank's own rows
+    for ld, own in zip(ranks, rows, strict=True):
+        batch = ld.next_batch()["tokens"]
+        assert {tuple(r) for r in batch.tolist()} <= {tuple(p.tokens[i, :-1]) for i in own}
+    # the next epoch draws a new order and shares it out again; a resume finds it
+    for _ in range(3):
+        ranks[1].next_batch()
+    assert ranks[1].epoch == 1
+    again = PackedLoader(p, batch_size=3, seed=4, rank=1, world=3)
+    again.load_state_dict(ranks[1].state_dict())
+    first = PackedLoader(p, batch_size=3, seed=4, rank=0, world=3)
+    first.load_state_dict({"epoch": 1, "pos": 0})
+    assert np.array_equal(again._order, ranks[1]._order)
+    assert not set(again._order.tolist()) & set(first._order.tolist())
+    assert set(again._order.tolist()) != rows[1]
+    with pytest.raises(ValueError, match="on each of 9 ranks"):
+        PackedLoader(p, batch_size=3, world=9)
+    with pytest.raises(ValueError, match="rank 3 is not one of 3"):
+        PackedLoader(p, batch_size=1, rank=3, world=3)
 
 
 def test_pack_without_splitting():

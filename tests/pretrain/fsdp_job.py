@@ -52,6 +52,15 @@ def main() -> None:
         return model, mtp
 
     trainer.build_model = keep
+    orders: dict[int, list[int]] = {}  # the rows each stage's loader gave this rank first
+
+    class Loader(trainer.PackedLoader):
+        def _make_order(self):
+            order = super()._make_order()
+            orders.setdefault(self.seed, order.tolist())
+            return order
+
+    trainer.PackedLoader = Loader
     if sys.argv[3:] == ["interrupt"]:
         save = trainer.save_checkpoint
 
@@ -72,7 +81,7 @@ def main() -> None:
     full = full_state_dict(model)  # every rank takes part; rank 0 gets the weights
     rank = dist.get_rank()
     (out / f"rank{rank}.json").write_text(json.dumps({
-        "world": dist.get_world_size(), "report": report,
+        "world": dist.get_world_size(), "report": report, "orders": orders,
         "mtp": digest(mtp.state_dict()) if mtp is not None else None,
         "model": digest(full) if full else None,
         "untrained": sorted(n for n, w in unwrap_state_dict(full).items()  # rank 0: all of it

@@ -52,6 +52,9 @@ def test_two_processes_train_every_stage_with_fsdp(tmp_path):
     # Every parameter trained: the root's too (embedding, final norm), gathered by the base
     # eval before the optimizer was built.
     assert r0["untrained"] == []
+    # Each stage shares its rows out: the ranks' first epochs are disjoint.
+    assert r0["orders"].keys() == r1["orders"].keys() and len(r0["orders"]) == 5
+    assert all(not set(r0["orders"][s]) & set(r1["orders"][s]) for s in r0["orders"])
     loss = r0["report"]["eval_loss"]
     assert set(loss) == {"base", "bulk", "mtp", "long", "sft", "mtp_self"}
     assert loss["bulk"] < loss["base"] and loss["mtp"] == loss["bulk"]  # distilling: frozen
