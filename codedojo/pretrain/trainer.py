@@ -305,6 +305,8 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
     trainable = [p for _, p in params]
     losses = []
     gamma = model.cfg.moe.bias_update_speed if model.cfg.moe is not None else 0.0
+    for m in moe_layers(model):  # the stage's first bias update counts its own tokens only
+        m.tokens_per_expert.zero_()
     for step in range(start, st.steps):
         lr = wsd_lr(step, peak=st.lr, total=st.steps, warmup=st.warmup_steps,
                     decay_frac=st.decay_frac, min_ratio=st.min_lr_ratio)

@@ -94,6 +94,33 @@ def test_a_checkpoint_of_an_older_version_resumes(tmp_path):
     assert first + rest == full
 
 
+def test_a_distill_stage_leaves_no_expert_counts_behind(tmp_path):
+    """A frozen (distill) stage routes tokens but moves no selection bias; the next stage's
+    first bias update counts that stage's own tokens only."""
+    moe = {"n_routed_experts": 8, "top_k": 2, "expert_ffn_dim": 16, "n_shared_experts": 1,
+           "first_dense_layers": 0, "bias_update_speed": 0.01}
+
+    def cfg(mtp: str) -> PretrainConfig:
+        c = _cfg(tmp_path, mtp=mtp, steps=2, checkpoint_every=0)
+        over = {**c.model.tiny_overrides, "moe": moe}
+        return c.model_copy(update={"model": c.model.model_copy(update={"tiny_overrides": over})})
+
+    def biases(model) -> list[torch.Tensor]:
+        return [b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")]
+
+    torch.manual_seed(0)
+    model, mtp = build_model(cfg("off"))
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    train_stage(cfg("distill"), 0, model, mtp, _loader(1), tmp_path / "a")
+    assert all(b.abs().sum() == 0 for b in biases(model))  # frozen: no update
+    train_stage(cfg("off"), 0, model, None, _loader(), tmp_path / "a", stop_after=1)
+    fresh, _ = build_model(cfg("off"))
+    fresh.load_state_dict(init)
+    train_stage(cfg("off"), 0, fresh, None, _loader(), tmp_path / "b", stop_after=1)
+    assert any(b.abs().sum() > 0 for b in biases(fresh))
+    assert all(torch.equal(a, b) for a, b in zip(biases(model), biases(fresh), strict=True))
+
+
 def test_distill_trains_only_mtp(tmp_path):
     cfg = _cfg(tmp_path, mtp="distill", steps=3, lr=3e-3)
     model, mtp = build_model(cfg)
