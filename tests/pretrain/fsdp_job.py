@@ -49,6 +49,11 @@ def main() -> None:
                     p.add_(0.01 * dist.get_rank())
         captured.update(model=model, mtp=mtp, init={n: p.detach().clone()
                                                     for n, p in model.named_parameters()})
+
+        def seen(block, args, out):  # runs before FSDP frees the gathered weights
+            captured["gathered_dtype"] = str(block.attn_norm.weight.dtype)
+
+        model.layers[0].register_forward_hook(seen)
         return model, mtp
 
     trainer.build_model = keep
@@ -88,7 +93,8 @@ def main() -> None:
                             if n in captured["init"] and torch.equal(w, captured["init"][n])),
         "expert_bias": digest({n: b for n, b in model.named_buffers()  # this rank's own
                                if n.endswith("expert_bias")}),
-        "sharded": type(next(model.parameters())).__name__}))
+        "sharded": type(next(model.parameters())).__name__,
+        "gathered_dtype": captured["gathered_dtype"]}))
     shutdown_distributed()
 
 

@@ -102,10 +102,12 @@ def test_a_preempted_sharded_run_resumes_exactly(tmp_path):
     """Interrupted right after a mid-stage checkpoint and run again, a two-process run logs the
     same losses and gradient norms, bit for bit, and ends with the same weights as a run never
     interrupted: the checkpoint holds the gathered optimizer moments (of the sharded model and
-    of the MTP modules kept whole), and every rank gets its shards of them back."""
+    of the MTP modules kept whole), and every rank gets its shards of them back. In bf16, as on
+    GPUs: FSDP gathers bf16 weights, computes under autocast and reduces in fp32."""
     cfg = _config(tmp_path)
     bulk = cfg.stages[0].model_copy(update={"steps": 4, "checkpoint_every": 2})
-    cfg = cfg.model_copy(update={"stages": [bulk, cfg.stages[1]]})
+    cfg = cfg.model_copy(update={"stages": [bulk, cfg.stages[1]],
+                                 "model": cfg.model.model_copy(update={"dtype": "bf16"})})
     whole = cfg.model_copy(update={"out_dir": str(tmp_path / "whole")})
     (ref, _) = _run(whole, tmp_path, "ref")
     assert _run(cfg, tmp_path, "first", "interrupt") == []  # stopped: no rank reported
@@ -121,6 +123,7 @@ def test_a_preempted_sharded_run_resumes_exactly(tmp_path):
     assert len(logged(cfg.run_dir)) == 6
     assert again["model"] == ref["model"] and again["mtp"] == ref["mtp"]
     assert again["report"]["eval_loss"] == ref["report"]["eval_loss"]
+    assert again["gathered_dtype"] == "torch.bfloat16"  # the weights FSDP gathered
     # The checkpoint holds whole tensors: one process takes the optimizer state too.
     model, mtp = build_model(cfg)
     ck = cfg.run_dir / "ckpt" / "bulk"
