@@ -113,6 +113,10 @@ def distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def is_main() -> bool:
     """Rank 0, or the only process: the one that writes files and prints."""
     return not distributed() or dist.get_rank() == 0
@@ -221,15 +225,16 @@ def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def mean_over_ranks(x: float) -> float:
+def mean_over_ranks(*xs: float) -> list[float]:
+    """Each value's mean over ranks, all in one all-reduce."""
     if not distributed():
-        return x
+        return list(xs)
     # NCCL reduces GPU tensors only
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
-    t = torch.tensor([x], dtype=torch.float64, device=dev)
+    t = torch.tensor(xs, dtype=torch.float64, device=dev)
     dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
+    return (t / dist.get_world_size()).tolist()
 
 
 def apply_fsdp(model: nn.Module, bf16: bool = True) -> nn.Module:

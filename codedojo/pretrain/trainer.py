@@ -66,6 +66,7 @@ from codedojo.pretrain.parallel import (
     mean_over_ranks,
     sharded,
     sum_over_ranks,
+    world_size,
 )
 from codedojo.pretrain.probe import passkey_probe
 from codedojo.pretrain.selfgen import write_self_shards
@@ -330,12 +331,13 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
             for m in moe_layers(model):
                 sum_over_ranks(m.tokens_per_expert)  # every rank's biases move alike
             update_moe_biases(model, gamma)
-        total = mean_over_ranks(total)
+        # the loss of the whole batch; tokens per second of all ranks together
+        total, tok_s = mean_over_ranks(total, ntok / (time.perf_counter() - t0))
+        tok_s *= world_size()
         losses.append(total)
         if log is not None:
             log({"stage": st.name, "step": step + 1, "loss": total, "lr": lr,
-                 "grad_norm": float(gnorm), "tok_s": ntok / (time.perf_counter() - t0),
-                 **metrics})
+                 "grad_norm": float(gnorm), "tok_s": tok_s, **metrics})
         done = step + 1 == st.steps
         if (st.checkpoint_every and (step + 1) % st.checkpoint_every == 0) or done:
             save_checkpoint(run_dir / "ckpt" / st.name, model, model.cfg, mtp, opt,

@@ -94,7 +94,7 @@ def main() -> None:
         "expert_bias": digest({n: b for n, b in model.named_buffers()  # this rank's own
                                if n.endswith("expert_bias")}),
         "sharded": type(next(model.parameters())).__name__,
-        "gathered_dtype": captured["gathered_dtype"]}))
+        "gathered_dtype": captured.get("gathered_dtype")}))  # None: no forward ran
     shutdown_distributed()
 
 
