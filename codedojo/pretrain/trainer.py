@@ -191,15 +191,19 @@ def cache_dir_for(root: Path, stage: StageConfig, settings: dict[str, Any]) -> P
 
 
 def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData,
-                 run_dir: Path) -> Packed:
+                 run_dir: Path, world: int = 1) -> Packed:
     """The stage's mixture packed at its length, cached on disk so a resume sees the same rows;
-    rows without a trained position are left out."""
+    rows without a trained position are left out. Enough rows for the stage's steps on each of
+    ``world`` data-parallel ranks (they share the rows out)."""
     seed = cfg.seed + 1000 * si
-    out = cache_dir_for(run_dir / "data" / "packed", stage, {"seed": seed, **stage.model_dump(
-        include={"seq_len", "batch_size", "grad_accum", "steps", "mix", "self_gen"})})
+    settings = {"seed": seed, **stage.model_dump(
+        include={"seq_len", "batch_size", "grad_accum", "steps", "mix", "self_gen"})}
+    if world > 1:
+        settings["world"] = world
+    out = cache_dir_for(run_dir / "data" / "packed", stage, settings)
     if (out / "mask.npy").exists():
         return Packed.load(out)
-    need = stage.steps * stage.grad_accum * stage.batch_size * (stage.seq_len + 1)
+    need = world * stage.steps * stage.grad_accum * stage.batch_size * (stage.seq_len + 1)
     srcs = []
     for e in stage.mix:
         if e.data not in data.shards:
@@ -452,7 +456,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
         if st.self_gen is not None:
             data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
         with main_rank_first():
-            packed = stage_packed(cfg, st, si, data, run_dir)
+            packed = stage_packed(cfg, st, si, data, run_dir, world)
         # every rank its own share of the rows, in the same seeded order
         loader = PackedLoader(packed, st.batch_size, seed=cfg.seed + si, rank=rank, world=world)
         probe_len = min(cfg.eval.probe_len, model.cfg.max_seq_len)

@@ -233,3 +233,9 @@ def test_packed_cache_follows_the_stage_settings(tmp_path):
     assert (stage_packed(longer, longer.stages[0], 0, data, run_dir).tokens.shape[1]
             == 2 * first.tokens.shape[1] - 1)
     assert len(list((run_dir / "data" / "packed").glob("bulk-*"))) == 2
+    # two data-parallel ranks share the rows out: each still has rows for every step
+    st = cfg.stages[0]
+    assert len(first) >= st.steps * st.batch_size
+    shared = stage_packed(cfg, st, 0, data, run_dir, world=2)
+    assert len(shared) // 2 >= st.steps * st.batch_size and len(shared) >= 2 * len(first) - 1
+    assert len(list((run_dir / "data" / "packed").glob("bulk-*"))) == 3
