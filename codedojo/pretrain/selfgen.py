@@ -24,6 +24,7 @@ import torch
 from codedojo.data.shards import ShardWriter, TokenShards
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.transformer import Transformer
+from codedojo.pretrain.parallel import gather_object
 
 
 @torch.no_grad()
@@ -66,22 +67,33 @@ def prompt_windows(code: TokenShards, n: int, length: int, seed: int,
 
 def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, prompts: int,
                       prompt_len: int, new_tokens: int, batch: int, seed: int,
-                      doc_start_frac: float = 0.5, write: bool = True,
+                      doc_start_frac: float = 0.5, rank: int = 0, world: int = 1,
                       progress: Callable[[int], None] | None = None) -> Path:
     """Generate and write the shards (skipped when `out_dir` is already finished);
-    ``progress(n)`` after each batch, n the continuations written so far. ``write=False``
-    generates without writing: the ranks of a sharded model other than the one that writes
-    take part in every forward."""
+    ``progress(n)`` after each batch, n about the continuations made so far.
+
+    Data parallel (``world`` ranks, every one calling): each rank continues its own share of
+    the prompts, and rank 0 gathers them all and writes them in prompt order. The shares are
+    padded to one length, so that every rank makes the same forward calls, as the collectives
+    of a sharded model need."""
     if (out_dir / "index.json").exists():
         return out_dir
     windows = prompt_windows(code, prompts, prompt_len, seed, doc_start_frac)
+    share = -(-prompts // world)
+    mine = windows[rank * share:(rank + 1) * share]
+    own = len(mine)
+    mine = np.concatenate([mine, np.repeat(windows[:1], share - own, axis=0)])  # the padding
     dev = model.tok_embeddings.weight.device
-    writer = ShardWriter(out_dir, model.cfg.vocab_size, eos_id=None) if write else None
-    for i in range(0, prompts, batch):
-        rows = greedy_continue(model, torch.from_numpy(windows[i:i + batch]).to(dev), new_tokens)
-        if writer is not None:
-            for r in rows.cpu().numpy():
-                writer.add(r)
+    rows = []
+    for i in range(0, share, batch):
+        x = torch.from_numpy(mine[i:i + batch]).to(dev)
+        rows.append(greedy_continue(model, x, new_tokens).cpu().numpy())
         if progress is not None:
-            progress(min(i + batch, prompts))
-    return writer.close() if writer is not None else out_dir
+            progress(min((i + batch) * world, prompts))
+    shares = gather_object(np.concatenate(rows)[:own])
+    if rank != 0:
+        return out_dir
+    writer = ShardWriter(out_dir, model.cfg.vocab_size, eos_id=None)
+    for r in np.concatenate(shares):
+        writer.add(r)
+    return writer.close()

@@ -222,7 +222,7 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
 
 
 def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data: RunData,
-              run_dir: Path, console: Any) -> Path:
+              run_dir: Path, console: Any, rank: int = 0) -> Path:
     """The stage's `self` shards: the model's continuations of training-code windows, written
     once (a resumed stage reads them back)."""
     g = stage.self_gen
@@ -237,15 +237,15 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
         return out
     from rich.progress import Progress
 
-    # Under FSDP every rank generates (each forward gathers the shards from all of them), the
-    # same continuations; rank 0 writes them.
+    # Under FSDP every rank continues its own share of the prompts (each forward gathers the
+    # shards from all of them); rank 0 gathers the continuations and writes them.
     with Progress(console=console, transient=False) as prog:
         task = prog.add_task(f"{stage.name}: {g.new_tokens} tokens after each of {g.prompts} "
                              "prompts", total=g.prompts)
         write_self_shards(
             model, TokenShards(data.shards["code"]), out, prompts=g.prompts,
             prompt_len=g.prompt_len, new_tokens=g.new_tokens, batch=g.batch,
-            seed=seed, doc_start_frac=g.doc_start_frac, write=is_main(),
+            seed=seed, doc_start_frac=g.doc_start_frac, rank=rank, world=world_size(),
             progress=lambda n: prog.update(task, completed=n))
     barrier()
     return out
@@ -454,7 +454,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
         if pos is not None:
             load_weights(ck, model, mtp)
         if st.self_gen is not None:
-            data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
+            data.shards["self"] = self_data(cfg, st, model, data, run_dir, console, rank)
         with main_rank_first():
             packed = stage_packed(cfg, st, si, data, run_dir, world)
         # every rank its own share of the rows, in the same seeded order

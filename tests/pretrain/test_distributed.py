@@ -11,9 +11,11 @@ from pathlib import Path
 
 import torch
 
+from codedojo.data.shards import TokenShards
 from codedojo.pretrain.checkpoint import load_trainer_state, load_weights
 from codedojo.pretrain.config import PretrainConfig
 from codedojo.pretrain.optim import build_adamw
+from codedojo.pretrain.selfgen import prompt_windows
 from codedojo.pretrain.trainer import build_model
 from tests.pretrain.fsdp_job import digest
 from tests.pretrain.tiny_run import five_stage_config
@@ -45,6 +47,10 @@ def _run(cfg: PretrainConfig, tmp_path: Path, name: str, *extra: str) -> list[di
 
 def test_two_processes_train_every_stage_with_fsdp(tmp_path):
     cfg = _config(tmp_path)
+    selfgen = cfg.stages[4]  # 5 prompts: shares of 3 and 2 (+1 padding)
+    selfgen = selfgen.model_copy(update={"self_gen": selfgen.self_gen.model_copy(
+        update={"prompts": 5})})
+    cfg = cfg.model_copy(update={"stages": [*cfg.stages[:4], selfgen]})
     r0, r1 = _run(cfg, tmp_path, "first")
     assert r0["world"] == r1["world"] == 2 and r0["sharded"] == r1["sharded"] == "DTensor"
     # Every rank evaluates the same model: the same losses, stage by stage.
@@ -66,8 +72,14 @@ def test_two_processes_train_every_stage_with_fsdp(tmp_path):
     metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(metrics) == sum(s.steps for s in cfg.stages)
     assert json.loads((run_dir / "report.json").read_text())["eval_loss"] == loss
+    # The ranks continued their own shares of the prompts; rank 0 wrote them all, in order.
     (own,) = (run_dir / "data" / "self").glob("mtp_self-*")
-    assert json.loads((own / "index.json").read_text())
+    g = selfgen.self_gen
+    prompts = prompt_windows(TokenShards(run_dir / "data" / "train"), g.prompts, g.prompt_len,
+                             cfg.seed + 31, g.doc_start_frac)
+    written = TokenShards(own)
+    assert len(written) == 5 and written.doc_lengths().tolist() == [16] * 5
+    assert [written.doc(i)[:8].tolist() for i in range(5)] == prompts.tolist()
     # The final checkpoint holds the gathered weights: a single process loads them.
     model, mtp = build_model(cfg)
     load_weights(run_dir / "final", model, mtp)
