@@ -40,6 +40,7 @@ from codedojo.pretrain.parallel import (
     distributed,
     gather_object,
     is_main,
+    process_rank,
     unwrap_state_dict,
 )
 
@@ -220,7 +221,7 @@ def load_trainer_state(path: str | Path, model: nn.Module, mtp: MTP | None,
         else:
             raise ValueError(f"{path / 'trainer.pt'}: {kind}")
     rngs = broadcast_object(None if state is None else state.get("rng_ranks", [state["rng"]]))
-    rank = torch.distributed.get_rank() if distributed() else 0
+    rank = process_rank()
     # a run resumed on a different number of processes: the ranks it did not have take rank 0's
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
 

@@ -97,8 +97,7 @@ def init_distributed() -> tuple[int, int]:
         dist.init_process_group(backend)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return rank, world
+    return process_rank(), world
 
 
 def shutdown_distributed() -> None:
@@ -115,6 +114,11 @@ def distributed() -> bool:
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def process_rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def is_main() -> bool:

@@ -64,6 +64,7 @@ from codedojo.pretrain.parallel import (
     is_main,
     main_rank_first,
     mean_over_ranks,
+    process_rank,
     sharded,
     sum_over_ranks,
     world_size,
@@ -222,7 +223,7 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
 
 
 def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data: RunData,
-              run_dir: Path, console: Any, rank: int = 0) -> Path:
+              run_dir: Path, console: Any) -> Path:
     """The stage's `self` shards: the model's continuations of training-code windows, written
     once (a resumed stage reads them back)."""
     g = stage.self_gen
@@ -245,7 +246,7 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
         write_self_shards(
             model, TokenShards(data.shards["code"]), out, prompts=g.prompts,
             prompt_len=g.prompt_len, new_tokens=g.new_tokens, batch=g.batch,
-            seed=seed, doc_start_frac=g.doc_start_frac, rank=rank, world=world_size(),
+            seed=seed, doc_start_frac=g.doc_start_frac, rank=process_rank(), world=world_size(),
             progress=lambda n: prog.update(task, completed=n))
     barrier()
     return out
@@ -454,7 +455,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
         if pos is not None:
             load_weights(ck, model, mtp)
         if st.self_gen is not None:
-            data.shards["self"] = self_data(cfg, st, model, data, run_dir, console, rank)
+            data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
         with main_rank_first():
             packed = stage_packed(cfg, st, si, data, run_dir, world)
         # every rank its own share of the rows, in the same seeded order
