@@ -152,7 +152,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: M
         (tmp / "model_config.json").write_text(cfg.model_dump_json(indent=1))
         if mtp is not None:
             save_mtp(mtp, tmp)
-        torch.save({"optimizer": osd, "rng": rngs[0], "rng_ranks": rngs}, tmp / "trainer.pt")
+        torch.save({"optimizer": osd, "rng_ranks": rngs}, tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps(asdict(pos)))
         if path.exists():
             shutil.rmtree(path)
@@ -220,7 +220,8 @@ def load_trainer_state(path: str | Path, model: nn.Module, mtp: MTP | None,
                           stacklevel=2)
         else:
             raise ValueError(f"{path / 'trainer.pt'}: {kind}")
-    rngs = broadcast_object(None if state is None else state.get("rng_ranks", [state["rng"]]))
+    # (an older version saved one set, as "rng")
+    rngs = broadcast_object(None if state is None else state.get("rng_ranks", [state.get("rng")]))
     rank = process_rank()
     # a run resumed on a different number of processes: the ranks it did not have take rank 0's
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])

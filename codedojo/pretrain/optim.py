@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+from codedojo.pretrain.parallel import is_sharded
+
 
 def wsd_lr(step: int, *, peak: float, total: int, warmup: int, decay_frac: float,
            min_ratio: float) -> float:
@@ -33,16 +35,10 @@ def build_adamw(params: list[tuple[str, nn.Parameter]], lr: float, weight_decay:
     # FSDP-sharded parameters (DTensors) and parameters kept whole on every rank (the MTP
     # modules) go in groups of their own: the fused kernel takes one kind at a time.
     for sharded in (False, True):
-        kind = [p for _, p in params if p.requires_grad and _is_dtensor(p) == sharded]
+        kind = [p for _, p in params if p.requires_grad and is_sharded(p) == sharded]
         groups += [{"params": [p for p in kind if p.ndim >= 2], "weight_decay": weight_decay},
                    {"params": [p for p in kind if p.ndim < 2], "weight_decay": 0.0}]
     # The fused kernel: one pass over each parameter's state per step, and deterministic, so a
     # resumed run stays bit-identical.
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas,
                              fused=True)
-
-
-def _is_dtensor(p: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(p, DTensor)

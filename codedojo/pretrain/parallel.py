@@ -123,7 +123,14 @@ def process_rank() -> int:
 
 def is_main() -> bool:
     """Rank 0, or the only process: the one that writes files and prints."""
-    return not distributed() or dist.get_rank() == 0
+    return process_rank() == 0
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """An FSDP2 shard (a DTensor), as opposed to a tensor kept whole on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def barrier() -> None:
@@ -142,8 +149,8 @@ def main_rank_first() -> Iterator[None]:
         barrier()
 
 
-def sharded(model: nn.Module) -> nn.Module:
-    """``model`` holding its sharded parameters. While FSDP2 has a module gathered its
+def sharded(model: nn.Module) -> None:
+    """Put ``model``'s sharded parameters back in place. While FSDP2 has a module gathered its
     parameters are plain tensors it frees again, and the root stays gathered after a forward
     (`apply_fsdp`: an eval, a probe). An optimizer built then would hold those tensors: the
     gradients go to the shards and the embedding and final norm would never move."""
@@ -152,7 +159,6 @@ def sharded(model: nn.Module) -> nn.Module:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
-    return model
 
 
 def broadcast_object(obj: object) -> object:
@@ -185,9 +191,7 @@ def average_gradients(params: Iterable[torch.Tensor]) -> None:
     shard (kept whole on every rank, as the MTP modules are); FSDP averages its own."""
     if not distributed():
         return
-    from torch.distributed.tensor import DTensor
-
-    grads = [p.grad for p in params if p.grad is not None and not isinstance(p, DTensor)]
+    grads = [p.grad for p in params if p.grad is not None and not is_sharded(p)]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -205,15 +209,12 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
     parameters kept whole on every rank (already averaged: the same everywhere)."""
     if not distributed():
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    from torch.distributed.tensor import DTensor
-
     grads = [p.grad for p in params if p.grad is not None]
     squares = 0.0
-    for group in ([g for g in grads if isinstance(g, DTensor)],
-                  [g for g in grads if not isinstance(g, DTensor)]):
+    for group in ([g for g in grads if is_sharded(g)], [g for g in grads if not is_sharded(g)]):
         if group:
             norm = torch.nn.utils.get_total_norm(group)
-            squares += float(norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+            squares += float(norm.full_tensor() if is_sharded(norm) else norm) ** 2
     total = squares ** 0.5
     coef = max_norm / (total + 1e-6)
     if coef < 1:

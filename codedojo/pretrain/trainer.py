@@ -38,7 +38,7 @@ from codedojo.data.packing import Packed, PackedLoader, make_batch, pack
 from codedojo.data.shards import TokenShards
 from codedojo.model.config import ModelConfig
 from codedojo.model.moe import moe_aux_loss, moe_layers, update_moe_biases
-from codedojo.model.mtp import MTP, distill_loss
+from codedojo.model.mtp import MTP, distill_loss, save_mtp
 from codedojo.model.rope import Rotary
 from codedojo.model.transformer import Transformer
 from codedojo.pretrain.checkpoint import (
@@ -67,6 +67,7 @@ from codedojo.pretrain.parallel import (
     process_rank,
     sharded,
     sum_over_ranks,
+    unwrap_state_dict,
     world_size,
 )
 from codedojo.pretrain.probe import passkey_probe
@@ -345,7 +346,9 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
                  "grad_norm": float(gnorm), "tok_s": tok_s, **metrics})
         done = step + 1 == st.steps
         if (st.checkpoint_every and (step + 1) % st.checkpoint_every == 0) or done:
-            save_checkpoint(run_dir / "ckpt" / st.name, model, model.cfg, mtp, opt,
+            # a finished stage is never resumed: its optimizer state would be gathered for nothing
+            save_checkpoint(run_dir / "ckpt" / st.name, model, model.cfg, mtp,
+                            None if done else opt,
                             TrainPosition(si, step + 1, loader.state_dict(), done))
         if stop_after is not None and len(losses) >= stop_after:
             break
@@ -497,11 +500,9 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
         hf_dir = run_dir / "hf"
         if is_main():
             from codedojo.model.hf import save_hf
-            from codedojo.pretrain.parallel import unwrap_state_dict
+
             save_hf(unwrap_state_dict(full), model.cfg, hf_dir)
             if mtp is not None:
-                from codedojo.model.mtp import save_mtp
-
                 save_mtp(mtp, hf_dir)
             if hasattr(tok, "save"):
                 tok.save(hf_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +126,7 @@ def test_a_preempted_sharded_run_resumes_exactly(tmp_path):
     assert _run(cfg, tmp_path, "first", "interrupt") == []  # stopped: no rank reported
     metrics = cfg.run_dir / "metrics.jsonl"
     assert len(metrics.read_text().splitlines()) == 2
+    preempted = shutil.copytree(cfg.run_dir / "ckpt" / "bulk", tmp_path / "preempted")
     (again, _) = _run(cfg, tmp_path, "again")
 
     def logged(run_dir: Path) -> list[tuple]:
@@ -138,10 +140,12 @@ def test_a_preempted_sharded_run_resumes_exactly(tmp_path):
     assert again["gathered_dtype"] == "torch.bfloat16"  # the weights FSDP gathered
     # The checkpoint holds whole tensors: one process takes the optimizer state too.
     model, mtp = build_model(cfg)
-    ck = cfg.run_dir / "ckpt" / "bulk"
-    load_weights(ck, model, mtp)
+    load_weights(preempted, model, mtp)
     params = [*model.parameters(), *mtp.parameters()]
     opt = build_adamw([("", p) for p in params], 1e-3, 0.0, (0.9, 0.95))
-    load_trainer_state(ck, model, mtp, opt)
+    load_trainer_state(preempted, model, mtp, opt)
     assert [opt.state[p]["exp_avg"].shape for p in params] == [p.shape for p in params]
-    assert all(float(opt.state[p]["step"]) == 4 for p in params)
+    assert all(float(opt.state[p]["step"]) == 2 for p in params)
+    # A finished stage is never resumed: its checkpoint holds no optimizer state.
+    assert torch.load(cfg.run_dir / "ckpt" / "bulk" / "trainer.pt",
+                      weights_only=False)["optimizer"] is None

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -62,7 +63,7 @@ def test_a_resume_may_change_activation_checkpointing(tmp_path):
     model, mtp = build_model(cfg)
     apply_activation_checkpointing(model)
     first = train_stage(cfg, 0, model, mtp, _loader(), tmp_path / "b", stop_after=2)
-    ck = tmp_path / "b" / "ckpt" / "bulk"
+    ck = shutil.copytree(tmp_path / "b" / "ckpt" / "bulk", tmp_path / "mid")
     model, mtp = build_model(cfg)
     load_weights(ck, model, mtp)
     rest = train_stage(cfg, 0, model, mtp, _loader(), tmp_path / "b", resume_from=ck)
@@ -86,7 +87,7 @@ def test_a_checkpoint_of_an_older_version_resumes(tmp_path):
     st = cfg.stages[0]
     opt = build_adamw(list(model.named_parameters()), st.lr, st.weight_decay, st.betas)
     load_trainer_state(ck, model, None, opt)
-    rng = torch.load(ck / "trainer.pt", weights_only=False)["rng"]
+    rng = torch.load(ck / "trainer.pt", weights_only=False)["rng_ranks"][0]
     torch.save({"optimizer": opt.state_dict(), "rng": rng}, ck / "trainer.pt")
     model, _ = build_model(cfg)
     load_weights(ck, model)
