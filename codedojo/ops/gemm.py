@@ -15,8 +15,10 @@ gradients take the ``F.linear`` path.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -55,7 +57,9 @@ def load_kernel(verbose: bool = False) -> ModuleType | None:
             return None
         from torch.utils.cpp_extension import load
 
-        build = cache_dir() / "kernels" / f"torch-{torch.__version__}"
+        # -march=native: a build serves only CPUs with the same instruction sets, so a cache
+        # shared between machines (a home directory over NFS) keeps one build per CPU kind
+        build = cache_dir() / "kernels" / f"torch-{torch.__version__}-{cpu_kind()}"
         build.mkdir(parents=True, exist_ok=True)
         flags = ["-O3", "-march=native", "-fopenmp"]
         try:
@@ -63,9 +67,31 @@ def load_kernel(verbose: bool = False) -> ModuleType | None:
                            extra_ldflags=["-fopenmp"], build_directory=str(build),
                            extra_include_paths=[str(SOURCES[0].parent)], verbose=verbose)
         except Exception as e:  # no compiler, no ninja, an unsupported platform
-            _error = f"{type(e).__name__}: {e}".splitlines()[0]
+            _error = build_error(e)
             log.warning("CPU kernels unavailable (%s); using F.linear", _error)
         return _kernel
+
+
+def cpu_kind() -> str:
+    """A short digest of this CPU's architecture and instruction-set flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):  # x86, Arm
+                flags = line.split(":", 1)[1]
+                break
+    except OSError:  # not Linux
+        flags = platform.processor()
+    key = f"{platform.machine()} {' '.join(sorted(flags.split()))}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def build_error(e: Exception) -> str:
+    """The exception's first line, and the compiler's first error when it was a build that
+    failed (the first line alone only names the failing command)."""
+    lines = f"{type(e).__name__}: {e}".splitlines()
+    first = next((ln.strip() for ln in lines[1:] if "error:" in ln), None)
+    return lines[0] if first is None else f"{type(e).__name__}: the C++ build failed: {first}"
 
 
 def kernel_status() -> str:

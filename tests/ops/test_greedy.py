@@ -16,11 +16,14 @@ def test_argmax_and_logprobs_are_torchs(n: int, v: int) -> None:
     x = torch.randn(n, v) * 4
     ids, lps = greedy(x)
     assert ids.dtype == torch.long and torch.equal(ids, x.argmax(-1))
-    ref = torch.log_softmax(x, -1)
-    torch.testing.assert_close(lps, ref.gather(1, ids[:, None])[:, 0], rtol=0, atol=2e-6)
     tokens = torch.randint(0, v, (n,))
-    torch.testing.assert_close(greedy(x, tokens)[1], ref.gather(1, tokens[:, None])[:, 0],
-                               rtol=1e-6, atol=2e-6)
+    for t, got in ((ids, lps), (tokens, greedy(x, tokens)[1])):
+        # as near the exact (float64) value as torch's float32 log_softmax, whose own sums
+        # over a 49k row are off by about 1e-5, in an order of summation of their own
+        exact = torch.log_softmax(x.double(), -1).gather(1, t[:, None])[:, 0]
+        theirs = torch.log_softmax(x, -1).gather(1, t[:, None])[:, 0]
+        bound = (theirs.double() - exact).abs() + 1e-6 + 1e-7 * exact.abs()
+        assert ((got.double() - exact).abs() <= bound).all(), (got, exact, theirs)
     assert torch.equal(greedy(x.double())[0], ids)  # the torch path (not float32) agrees
 
 
