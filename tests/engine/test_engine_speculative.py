@@ -55,7 +55,8 @@ def plain(model: Transformer, params: SamplingParams) -> list:
 def test_greedy_tokens_and_logprobs_equal_plain_decoding(model: Transformer, draft_vocab: int,
                                                          dtype: torch.dtype, varied: bool) -> None:
     """On the peaked model (one token repeated) the drafts are accepted; on the varied one
-    (weights at std 0.5: a different token nearly every step) they are rejected."""
+    (weights at std 0.5: a different token nearly every step) they are rejected, but for the
+    odd one that matches by chance."""
     if varied:
         model.init_weights(std=0.5)
     model = model.to(dtype)
@@ -68,7 +69,8 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(model: Transformer, dra
     assert max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs, strict=True)) < 1e-4
     st = engine.spec_stats
     timing_steps = len(engine._round_s.get(0, []))  # every fourth probing step drafts nothing
-    assert st.rounds > 0 and timing_steps > 0 and (st.accepted > 0) != varied
+    assert st.rounds > 0 and timing_steps > 0
+    assert st.accepted <= st.drafted // 4 if varied else st.accepted > st.drafted // 2, st
     # a step without drafts (timing, or no room left for one) emits one token; +1: the prefill's
     assert st.emitted + (engine._spec_steps - st.rounds) + 1 == len(got.token_ids)
 

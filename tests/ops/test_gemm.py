@@ -18,6 +18,22 @@ def test_the_kernels_build(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not gemm._enabled()
 
 
+def test_a_failed_build_names_the_compilers_error(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build directory is per CPU kind, and a build that fails says why, not only which
+    command failed."""
+    assert gemm.cpu_kind() == gemm.cpu_kind() and len(gemm.cpu_kind()) == 12
+    monkeypatch.setenv("CODEDOJO_CACHE", str(tmp_path))
+    monkeypatch.setattr(gemm, "_kernel", None)
+    monkeypatch.setattr(gemm, "_error", None)
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("int f() { return undeclared_name; }\n")
+    monkeypatch.setattr(gemm, "SOURCES", [bad])
+    assert gemm.load_kernel() is None
+    assert "undeclared_name" in gemm._error and "error:" in gemm._error, gemm._error
+    assert (tmp_path / "kernels" / f"torch-{torch.__version__}-{gemm.cpu_kind()}").is_dir()
+    assert gemm.build_error(ImportError("ninja is required")) == "ImportError: ninja is required"
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16])
 @pytest.mark.parametrize(("k", "m"), [(64, 96), (37, 11), (576, 203)])
