@@ -70,14 +70,14 @@ void attend(const float* q, const W* k, const W* v, float* out, int64_t S, int64
             std::vector<float>& p) {
   const float scale = 1.f / std::sqrt(float(hd));
   p.resize(S);
-  const bool vec = hd % 16 == 0;
+  const bool vec = hd % kLanes == 0;
   float mx = -INFINITY;
   for (int64_t t = 0; t < S; ++t) {
     const W* kt = k + t * hd;
     float s = 0.f;
     if (vec) {  // a float sum is not reassociated by the compiler: spell the vectors out
-      v16 a = {};
-      for (int64_t i = 0; i < hd; i += 16) a += load(q + i) * load(kt + i);
+      vf a = {};
+      for (int64_t i = 0; i < hd; i += kLanes) a += load(q + i) * load(kt + i);
       s = hsum(a);
     } else {
       for (int64_t i = 0; i < hd; ++i) s += q[i] * float(kt[i]);
@@ -87,8 +87,8 @@ void attend(const float* q, const W* k, const W* v, float* out, int64_t S, int64
   }
   float sum = 0.f;
   int64_t t = 0;
-  for (; t + 16 <= S; t += 16) {
-    const v16 e = vexp(load(&p[t]) - mx);
+  for (; t + kLanes <= S; t += kLanes) {
+    const vf e = vexp(load(&p[t]) - mx);
     store(&p[t], e);
     sum += hsum(e);
   }
@@ -104,8 +104,8 @@ void attend(const float* q, const W* k, const W* v, float* out, int64_t S, int64
 // h = silu(g) * u over n floats.
 void swiglu(const float* g, const float* u, float* h, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const v16 gv = load(g + i);
+  for (; i + kLanes <= n; i += kLanes) {
+    const vf gv = load(g + i);
     store(h + i, gv / (1.f + vexp(-gv)) * load(u + i));
   }
   for (; i < n; ++i) h[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];

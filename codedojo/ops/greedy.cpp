@@ -19,25 +19,26 @@ namespace {
 int64_t argmax_row(const float* x, int64_t V) {
   int64_t best = 0, i = 0;
   float m = x[0];
-  if (V >= 16) {
-    v16 top = load(x);
-    vi16 at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, cur = at;
-    vi16 nan = top != top;
-    for (i = 16; i + 16 <= V; i += 16) {
-      cur += 16;
-      const v16 v = load(x + i);
-      const vi16 gt = v > top;  // strict: each lane keeps its first maximum
+  if (V >= kLanes) {
+    vf top = load(x);
+    vi at;
+    for (int l = 0; l < kLanes; ++l) at[l] = l;
+    vi cur = at, nan = top != top;
+    for (i = kLanes; i + kLanes <= V; i += kLanes) {
+      cur += kLanes;
+      const vf v = load(x + i);
+      const vi gt = v > top;  // strict: each lane keeps its first maximum
       top = gt ? v : top;
       at = gt ? cur : at;
       nan |= v != v;
     }
     bool any_nan = false;
-    for (int l = 0; l < 16; ++l) any_nan |= nan[l] != 0;
+    for (int l = 0; l < kLanes; ++l) any_nan |= nan[l] != 0;
     if (any_nan)
       for (int64_t j = 0; j < V; ++j)
         if (std::isnan(x[j])) return j;
     m = top[0], best = at[0];
-    for (int l = 1; l < 16; ++l)
+    for (int l = 1; l < kLanes; ++l)
       if (top[l] > m || (top[l] == m && at[l] < best)) m = top[l], best = at[l];
   }
   for (; i < V; ++i) {
@@ -50,8 +51,8 @@ int64_t argmax_row(const float* x, int64_t V) {
 // log(sum(exp(x - m))) over the row.
 float log_sum_exp(const float* x, int64_t V, float m) {
   int64_t i = 0;
-  v16 s = {};
-  for (; i + 16 <= V; i += 16) s += vexp(load(x + i) - m);
+  vf s = {};
+  for (; i + kLanes <= V; i += kLanes) s += vexp(load(x + i) - m);
   float sum = hsum(s);
   for (; i < V; ++i) sum += std::exp(x[i] - m);
   return std::log(sum);

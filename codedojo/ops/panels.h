@@ -5,16 +5,16 @@
 // it is copied once into panels of 32 output columns: panel p holds, for each k in turn, the 32
 // weights w[32p + j, k] (zeros past M), so a thread reads its panels as sequential streams
 // and every product is y[n, m] += x[n, k] * w[m, k] for k = 0, 1, 2... in one vector lane: an
-// activation broadcast from L1 meets two vectors of weights, each loaded once for all the rows
-// of a tile.
+// activation broadcast from L1 meets the panel's 32 weights (two vectors with AVX-512, four
+// with AVX2), each loaded once for all the rows of a tile.
 //
 // - Every output is the same sequence of multiply-adds whatever the number of rows and however
 //   they are tiled, so a row's result does not depend on the rows beside it (a verification
 //   pass gives the logits of one-token steps bit for bit, a batch the tokens of its requests
 //   alone).
 // - One row (a decode step) streams the panels near the read bandwidth; many rows (a prefill,
-//   a batch) go eight at a time over a panel held in L2, each weight load shared by eight
-//   multiply-adds where the dot-product tiles share one by four.
+//   a batch) go eight at a time (AVX2: two) over a panel held in L2, each weight load shared
+//   by eight multiply-adds where the dot-product tiles share one by four.
 //
 // Measured here on SmolLM2-135M's layers against the dot-product tiles, the same process
 // alternating: passes of 8 / 25 / 128 tokens 0.75 / 0.80 / 0.67x the time, a one-token step
@@ -34,7 +34,12 @@
 
 namespace {
 
-constexpr int64_t kPanel = 32;  // output columns per panel: two 16-float vectors
+constexpr int64_t kPanel = 32;  // output columns per panel: 2 vectors (AVX-512) or 4 (AVX2)
+
+// Rows eight at a time with AVX-512 (16 accumulators of its 32 registers), two at a time with
+// AVX2 (8 of its 16).
+constexpr int kRowTile = kLanes == 16 ? 8 : 2;
+constexpr int kParts = kPanel / kLanes;  // vectors a panel row
 
 // Rows [m0, m0 + M) of a row-major (*, K) float32 tensor as panels, in memory given by
 // `place` (the owner's, one buffer for all its matrices).
@@ -89,43 +94,36 @@ class Panels {
 template <int NB, int NP>
 inline void panel_tile(const float* x, const float* const* panel, float* y, int64_t n,
                        const int64_t* c, const int64_t* cols, int64_t K, int64_t ldy) {
-  v16 acc[NB][NP][2];
+  vf acc[NB][NP][kParts];
   for (int b = 0; b < NB; ++b)
-    for (int i = 0; i < NP; ++i) acc[b][i][0] = acc[b][i][1] = v16{};
+    for (int i = 0; i < NP; ++i)
+      for (int j = 0; j < kParts; ++j) acc[b][i][j] = vf{};
   const float* xr = x + n * K;
   for (int64_t k = 0; k < K; ++k) {
-    v16 w[NP][2];
-    for (int i = 0; i < NP; ++i) {
-      w[i][0] = load(panel[i] + k * kPanel);
-      w[i][1] = load(panel[i] + k * kPanel + 16);
-    }
+    vf w[NP][kParts];
+    for (int i = 0; i < NP; ++i)
+      for (int j = 0; j < kParts; ++j)
+        w[i][j] = load(panel[i] + k * kPanel + j * kLanes);
 #pragma GCC unroll 8
     for (int b = 0; b < NB; ++b) {
-      const v16 xb = splat(xr + b * K + k);
-      for (int i = 0; i < NP; ++i) {
-        acc[b][i][0] += w[i][0] * xb;
-        acc[b][i][1] += w[i][1] * xb;
-      }
+      const vf xb = splat(xr + b * K + k);
+      for (int i = 0; i < NP; ++i)
+        for (int j = 0; j < kParts; ++j) acc[b][i][j] = madd(acc[b][i][j], w[i][j], xb);
     }
   }
   for (int b = 0; b < NB; ++b)
     for (int i = 0; i < NP; ++i) {
       float* out = y + (n + b) * ldy + c[i];
-      if (cols[i] >= kPanel) {
-        store(out, acc[b][i][0]);
-        store(out + 16, acc[b][i][1]);
-      } else {  // the last, partial panel
-        float full[kPanel];
-        store(full, acc[b][i][0]);
-        store(full + 16, acc[b][i][1]);
-        std::copy(full, full + cols[i], out);
-      }
+      float full[kPanel];
+      float* to = cols[i] >= kPanel ? out : full;  // the last panel may be partial
+      for (int j = 0; j < kParts; ++j) store(to + j * kLanes, acc[b][i][j]);
+      if (to == full) std::copy(full, full + cols[i], out);
     }
 }
 
 // Columns [32 p0, min(32 p1, M)) of y (N, ldy) = x (N, K) @ w^T, from panels [p0, p1) of w.
 // Up to three rows read each panel once from memory, as two streams (the first and second
-// halves of the range side by side, as small_gemm.h's `two_streams`); more go eight at a time
+// halves of the range side by side, as small_gemm.h's `two_streams`); more go kRowTile at a time
 // over a panel while it is in L2 (a panel is K x 128 bytes: 72 KB for K = 576).
 inline void panel_rows(const float* x, const Panels& w, float* y, int64_t N, int64_t p0,
                        int64_t p1, int64_t ldy) {
@@ -155,7 +153,8 @@ inline void panel_rows(const float* x, const Panels& w, float* y, int64_t N, int
     const float* panel[1] = {at(p)};
     const int64_t c[1] = {p * kPanel}, cols[1] = {width(p)};
     int64_t n = 0;
-    for (; n + 8 <= N; n += 8) panel_tile<8, 1>(x, panel, y, n, c, cols, K, ldy);
+    for (; n + kRowTile <= N; n += kRowTile)
+      panel_tile<kRowTile, 1>(x, panel, y, n, c, cols, K, ldy);
     switch (N - n) {
       case 7: panel_tile<7, 1>(x, panel, y, n, c, cols, K, ldy); break;
       case 6: panel_tile<6, 1>(x, panel, y, n, c, cols, K, ldy); break;

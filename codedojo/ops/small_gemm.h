@@ -5,8 +5,8 @@
 // weights once per activation row or fall back to slow paths. Here each thread owns a band of
 // weight rows and reads it once, as two sequential streams (its two halves side by side; see
 // `two_streams`). Each weight row (a few KB, then in L1) meets every activation row, 4 at a
-// time, in 16-wide vector accumulators (GCC vector extensions: AVX-512 where the CPU has it,
-// pairs of AVX2 registers otherwise).
+// time, in vector accumulators of the CPU's width (vec.h: AVX-512 where the CPU has it, AVX2
+// otherwise).
 // Weights are float32 or bfloat16 (half the bytes to stream): bfloat16 weights meet activations
 // rounded to bfloat16 in the CPU's bfloat16 dot products (AVX512-BF16), or where it has none are
 // widened to float32 as they are loaded. Sums are float32. Parallelism is ATen's thread pool.
@@ -24,17 +24,17 @@ namespace {
 
 // How a tile multiplies activations of type X by weights of type W, `kStep` of k at a time.
 // Float32 activations against float32 weights, or bfloat16 weights widened to float32 as they
-// are loaded: one multiply-add per 16.
+// are loaded: one multiply-add per kLanes.
 template <typename X, typename W>
 struct Mul {
-  static constexpr int kStep = 16;
-  typedef v16 Acc;
-  typedef v16 Wv;
-  static Acc zero() { return v16{}; }
-  typedef v16 Xv;
+  static constexpr int kStep = kLanes;
+  typedef vf Acc;
+  typedef vf Wv;
+  static Acc zero() { return vf{}; }
+  typedef vf Xv;
   static Wv weights(const W* p) { return load(p); }
   static Xv acts(const X* p) { return load(p); }
-  static Acc madd(Acc a, Wv w, Xv x) { return a + w * x; }
+  static Acc madd(Acc a, Wv w, Xv x) { return ::madd(a, w, x); }
   static Acc add(Acc a, Acc b) { return a + b; }
   static float total(Acc a) { return hsum(a); }
 };
@@ -108,7 +108,7 @@ inline void tile(const X* x, const W* w, float* y, int64_t n, int64_t m, int64_t
       // into each multiply-add, R loads instead of one. At 2-3 activation rows, where loads
       // crowd the weight stream, that costs (a 512 MB product, alternating: 2 rows 0.93x the
       // time, 3 rows 0.955x; the same sums, bit for bit).
-#if defined(__AVX512F__)  // "v": one vector register, which holds 16 floats only with AVX-512
+#if defined(__AVX512F__)  // "v": a register (AVX2 tiles measured as fast without)
       if constexpr (R > 1 && NB > 1) asm("" : "+v"(xv));
 #endif
 #pragma GCC unroll 2

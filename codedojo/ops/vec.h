@@ -1,73 +1,94 @@
-// 16-float vectors (GCC vector extensions: one AVX-512 register where the CPU has it, pairs of
-// AVX2 registers otherwise) and the few operations the kernels share on them.
+// Float vectors of the CPU's own width (GCC vector extensions): 16 floats, one register, where
+// it has AVX-512; 8 floats, one AVX2 register, otherwise (GCC keeps wider vectors in memory, not
+// in register pairs: a few GFLOP/s). Loops step by kLanes, so a sum's order follows the width:
+// the same on every machine of one kind, and whatever the rows batched together.
 #pragma once
 #include <torch/extension.h>
 
 #include <cstdint>
-#ifdef __AVX512F__
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes), aligned(4)));
+typedef int vi __attribute__((vector_size(4 * kLanes), aligned(4)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * kLanes), aligned(2)));
+typedef uint32_t vu32 __attribute__((vector_size(4 * kLanes)));
 
-inline v16 load(const float* p) { return *reinterpret_cast<const v16*>(p); }
+inline vf load(const float* p) { return *reinterpret_cast<const vf*>(p); }
 
-// 16 bfloat16 values widened to float32 (a bfloat16 is the upper half of a float32's bits).
-inline v16 load(const at::BFloat16* p) {
-  const u32x16 bits = __builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16;
-  v16 out;
+// kLanes bfloat16 values widened to float32 (a bfloat16 is the upper half of a float32's bits).
+inline vf load(const at::BFloat16* p) {
+  const vu32 bits = __builtin_convertvector(*reinterpret_cast<const vu16*>(p), vu32) << 16;
+  vf out;
   __builtin_memcpy(&out, &bits, sizeof out);
   return out;
 }
 
-inline float hsum(v16 v) {
+// a + b * c in one rounding, spelled out: left to the compiler's contraction, some tiles'
+// multiply-adds were fused and others not (a row's sums then depend on the rows beside it).
+inline vf madd(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_fmadd_ps(reinterpret_cast<__m512>(b),
+                                              reinterpret_cast<__m512>(c),
+                                              reinterpret_cast<__m512>(a)));
+#elif defined(__FMA__)
+  return reinterpret_cast<vf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(b),
+                                              reinterpret_cast<__m256>(c),
+                                              reinterpret_cast<__m256>(a)));
+#else
+  return a + b * c;
+#endif
+}
+
+inline float hsum(vf v) {
 #ifdef __AVX512F__
   return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
 #else
   float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
+  for (int i = 0; i < kLanes; ++i) s += v[i];
   return s;
 #endif
 }
 
-inline void store(float* p, v16 v) { *reinterpret_cast<v16*>(p) = v; }
+inline void store(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
 
-// 16 copies of *p (one broadcast load; `v16{} + *p` would add, for the sign of a zero).
-inline v16 splat(const float* p) {
+// kLanes copies of *p (a broadcast: x - +0 is x, a -0 included; `vf{} + *p` would turn a -0
+// into +0).
+inline vf splat(const float* p) {
 #ifdef __AVX512F__
-  return reinterpret_cast<v16>(_mm512_set1_ps(*p));
+  return reinterpret_cast<vf>(_mm512_set1_ps(*p));
 #else
-  v16 v;
-  for (int i = 0; i < 16; ++i) v[i] = *p;
-  return v;
+  return *p - vf{};
 #endif
 }
 
-typedef int vi16 __attribute__((vector_size(64), aligned(4)));
-
-// e^x for 16 floats (Cephes' expf: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n put in
+// e^x for kLanes floats (Cephes' expf: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n put in
 // the exponent bits); relative error about 1e-7. libm's expf is called one float at a time.
-inline v16 vexp(v16 x) {
-  const v16 hi = v16{} + 88.3762626647949f, lo = v16{} - 87.3365447504f;
+inline vf vexp(vf x) {
+  const vf hi = vf{} + 88.3762626647949f, lo = vf{} - 87.3365447504f;
   x = x > hi ? hi : x;
   x = x < lo ? lo : x;
-  v16 fx = x * 1.44269504088896341f + 0.5f;
-  v16 n = __builtin_convertvector(__builtin_convertvector(fx, vi16), v16);
-  n += __builtin_convertvector(n > fx, v16);  // truncation to floor: -1 where n rounded up
-  const v16 r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  v16 y = v16{} + 1.9875691500e-4f;
+  vf fx = x * 1.44269504088896341f + 0.5f;
+  vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+  n += __builtin_convertvector(n > fx, vf);  // truncation to floor: -1 where n rounded up
+  const vf r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  vf y = vf{} + 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.f;
-  const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
-  v16 scale;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
   __builtin_memcpy(&scale, &e, sizeof scale);
   return y * scale;
 }
