@@ -13,8 +13,8 @@
 //   pass gives the logits of one-token steps bit for bit, a batch the tokens of its requests
 //   alone).
 // - One row (a decode step) streams the panels near the read bandwidth; many rows (a prefill,
-//   a batch) go eight at a time (AVX2: two) over a panel held in L2, each weight load shared
-//   by eight multiply-adds where the dot-product tiles share one by four.
+//   a batch) go kRowTile at a time over a panel held in L2, each weight load shared by eight
+//   multiply-adds with AVX-512 (two with AVX2) where the dot-product tiles share one by four.
 //
 // Measured here on SmolLM2-135M's layers against the dot-product tiles, the same process
 // alternating: passes of 8 / 25 / 128 tokens 0.75 / 0.80 / 0.67x the time, a one-token step

@@ -60,15 +60,9 @@ inline float hsum(vf v) {
 
 inline void store(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
 
-// kLanes copies of *p (a broadcast: x - +0 is x, a -0 included; `vf{} + *p` would turn a -0
-// into +0).
-inline vf splat(const float* p) {
-#ifdef __AVX512F__
-  return reinterpret_cast<vf>(_mm512_set1_ps(*p));
-#else
-  return *p - vf{};
-#endif
-}
+// kLanes copies of *p: one broadcast load (x - +0 is x, a -0 included; `vf{} + *p` would turn
+// a -0 into +0).
+inline vf splat(const float* p) { return *p - vf{}; }
 
 // e^x for kLanes floats (Cephes' expf: x = n ln2 + r, a degree-6 polynomial for e^r, 2^n put in
 // the exponent bits); relative error about 1e-7. libm's expf is called one float at a time.
