@@ -54,12 +54,17 @@ class TrainPosition:
 
 
 def rng_state() -> dict[str, Any]:
+    """Every generator a step may draw from: torch's (CPU, and this process's GPU once CUDA is
+    in use), NumPy's and Python's."""
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-            "python": random.getstate()}
+            "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
 
 
 def set_rng_state(s: dict[str, Any]) -> None:
     torch.set_rng_state(s["torch"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(s["cuda"])
     np.random.set_state(s["numpy"])
     random.setstate(s["python"])
 

@@ -21,6 +21,10 @@ class ModelSpec(BaseModel):
                       "tiny model (tests).")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="bf16 runs forward/backward under "
                                            "autocast; master weights and optimizer stay fp32.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train. auto: "
+                                                   "this process's GPU (LOCAL_RANK under "
+                                                   "torchrun) when CUDA is available, else the "
+                                                   "CPU.")
     activation_checkpointing: bool = Field(False, description="Recompute each block's "
                                            "activations in backward (memory for compute).")
     compile: bool = Field(False, description="torch.compile each block for the calls without "

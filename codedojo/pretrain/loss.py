@@ -42,7 +42,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total += (norm.log() - picked).sum()  # log-sum-exp minus the target's logit
             if want_h or want_w:
                 p = e.div_(norm[:, None])  # softmax
-                p[torch.arange(len(tc)), tc] -= 1.0  # d loss / d logits
+                p[torch.arange(len(tc), device=p.device), tc] -= 1.0  # d loss / d logits
                 if dh is not None:
                     dh[i:i + chunk] = p.to(h.dtype) @ w
                 if want_w:  # the first chunk writes, the rest accumulate (no zero fill)

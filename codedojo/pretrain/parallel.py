@@ -7,6 +7,7 @@
 * `apply_fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) per block, then the root; with
   bf16 compute and fp32 reduction when asked. Used when the loop is launched by torchrun with
   more than one process: NCCL on GPUs, gloo on CPUs (tested here with two CPU processes).
+  `train_device` says which: the config's `model.device`, each process on its LOCAL_RANK's GPU.
 * Data parallelism around it: the MTP modules are small and stay whole on every rank
   (`broadcast_module` once, `average_gradients` every step), MoE expert loads are summed over
   ranks before the bias update (`sum_over_ranks`), the gradient norm is taken over both
@@ -89,14 +90,31 @@ def unwrap_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {bare_name(k): v for k, v in sd.items()}
 
 
-def init_distributed() -> tuple[int, int]:
-    """(rank, world size); initialises the process group under torchrun."""
+def train_device(requested: str = "auto") -> torch.device:
+    """The device this process trains on: ``cpu``, ``cuda`` (this process's GPU: LOCAL_RANK
+    under torchrun), or ``auto`` (the GPU when CUDA is available, else the CPU)."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"model.device: {requested!r} is not one of auto, cpu, cuda")
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("model.device = 'cuda', but this process sees no CUDA device")
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"LOCAL_RANK {index}: this machine has {torch.cuda.device_count()} "
+                         "CUDA devices (more processes per node than GPUs?)")
+    return torch.device("cuda", index)
+
+
+def init_distributed(device: torch.device | None = None) -> tuple[int, int]:
+    """(rank, world size); under torchrun, initialises the process group for ``device``'s kind
+    of tensors: NCCL between GPUs, gloo between CPUs."""
+    device = device or train_device()
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return process_rank(), world
 
 
@@ -243,8 +261,14 @@ def mean_over_ranks(*xs: float) -> list[float]:
 
 
 def apply_fsdp(model: nn.Module, bf16: bool = True) -> nn.Module:
-    """Shard each block, then the root (which holds embeddings, final norm and head)."""
+    """Shard each block, then the root (which holds embeddings, final norm and head), over all
+    ranks, on the device the model is on."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # Named, not left to FSDP: its default mesh is on the accelerator whenever the machine
+    # has one, also for a model kept on the CPU.
+    mesh = init_device_mesh(next(model.parameters()).device.type, (world_size(),))
 
     # The CPU decode kernels read a block's weights in place, which sharding frees: passes
     # with a KV cache (the passkey probe, self-generated data) go op by op, through FSDP.
@@ -252,13 +276,13 @@ def apply_fsdp(model: nn.Module, bf16: bool = True) -> nn.Module:
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else torch.float32,
                               reduce_dtype=torch.float32)
     for blk in model.layers:
-        fully_shard(blk, mp_policy=mp)
+        fully_shard(blk, mesh=mesh, mp_policy=mp)
     # The root (embedding, final norm, head) is gathered by the step's one call of `hidden`
     # and stays gathered to the end of backward: the loop then uses it directly (the fused
     # loss, the teacher's head, the MTP modules' embedding and head). No other method of the
     # root is registered with FSDP: each registered call is a forward of its own, whose
     # backward would reshard the root while autograd still holds its weights.
-    fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     register_fsdp_forward_method(model, "hidden")

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from codedojo.data.mixture import MixtureSource, mix
 from codedojo.data.packing import Packed, PackedLoader, make_batch, pack
@@ -67,6 +68,7 @@ from codedojo.pretrain.parallel import (
     process_rank,
     sharded,
     sum_over_ranks,
+    train_device,
     unwrap_state_dict,
     world_size,
 )
@@ -74,6 +76,16 @@ from codedojo.pretrain.probe import passkey_probe
 from codedojo.pretrain.selfgen import write_self_shards
 
 Batch = dict[str, torch.Tensor]
+
+
+def on_device(batch: Batch, device: torch.device) -> Batch:
+    """The batch's tensors on ``device`` (the loader builds them on the CPU)."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model computes (under FSDP2: where its shards are)."""
+    return next(model.parameters()).device
 
 
 # ---- losses -----------------------------------------------------------------------------------
@@ -123,7 +135,9 @@ def eval_loss(model: Transformer, batches: list[Batch]) -> float:
     was = model.training
     model.eval()
     tot, n = 0.0, 0
+    dev = model_device(model)
     for b in batches:
+        b = on_device(b, dev)
         hidden = model.hidden(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"])
         m = b["loss_mask"]
         mean = next_token_loss(model, hidden, b["targets"], m)
@@ -262,10 +276,9 @@ def eval_batches(data: RunData, batch_size: int) -> list[Batch]:
 # ---- the loop ---------------------------------------------------------------------------------
 
 
-def _autocast(dtype: str) -> Any:
+def _autocast(dtype: str, device: torch.device) -> Any:
     if dtype == "bf16":
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-        return torch.autocast(dev, dtype=torch.bfloat16)
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()
 
 
@@ -281,6 +294,7 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
     `stop_after` ends early after that many steps of this call (tests)."""
     st = cfg.stages[si]
     sharded(model)  # under FSDP2: the parameters to freeze or train are the shards
+    dev = model_device(model)
     if st.mtp == "distill":
         for p in model.parameters():
             p.requires_grad_(False)
@@ -303,6 +317,7 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
         b = make_batch(*(a[: st.batch_size] for a in (loader.packed.tokens,
                                                       loader.packed.segments,
                                                       loader.packed.mask)))
+        b = on_device(b, dev)
         with torch.no_grad():
             hidden = model.hidden(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"])
         mtp.calibrate(hidden)
@@ -323,8 +338,8 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
         total, metrics = 0.0, {}
         ntok = 0
         for _ in range(st.grad_accum):
-            batch = loader.next_batch()
-            with _autocast(cfg.model.dtype):
+            batch = on_device(loader.next_batch(), dev)
+            with _autocast(cfg.model.dtype, dev):
                 loss, metrics = stage_loss(model, mtp, batch, st.mtp, st.mtp_weight)
             (loss / st.grad_accum).backward()
             total += float(loss.detach()) / st.grad_accum
@@ -413,7 +428,8 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
         from codedojo.model.tokenizer import load_tokenizer
 
         tok = load_tokenizer()
-    rank, world = init_distributed()  # under torchrun: data parallel over `world` processes
+    dev = train_device(cfg.model.device)
+    rank, world = init_distributed(dev)  # under torchrun: data parallel over `world` processes
     if rank != 0:
         console = Console(quiet=True)  # rank 0 speaks for all
     console.print(f"[bold]{cfg.name}[/]: preparing data under {run_dir / 'data'}"
@@ -421,15 +437,15 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
     with main_rank_first():
         data = prepare_data(cfg, tok, run_dir)
     model, mtp = build_model(cfg)
+    model.to(dev)
+    if mtp is not None:
+        mtp.to(dev)
     if cfg.model.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.model.compile:
         apply_compile(model, mtp)
     if world > 1:  # shard from outside the model: FSDP2 over NCCL (GPUs) or gloo (CPUs)
-        dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        model.to(dev)
         if mtp is not None:
-            mtp.to(dev)
             broadcast_module(mtp)  # its random parts start alike on every rank
         apply_fsdp(model, bf16=cfg.model.dtype == "bf16")
     evals = eval_batches(data, cfg.eval.batch_size)

@@ -142,6 +142,10 @@ def test_config_errors_name_the_field(tmp_path):
                    'steps = 1\nmtp = "distill"\nmix = [{data = "code"}]\n')
     with pytest.raises(ValueError, match="n_mtp"):
         load_config(bad)
+    bad.write_text('name = "x"\n[model]\ndevice = "gpu"\n[corpus]\nsources = []\n[[stages]]\n'
+                   'name = "a"\nseq_len = 16\nsteps = 1\nmix = [{data = "code"}]\n')
+    with pytest.raises(ValueError, match=r"model\.device"):
+        load_config(bad)
 
 
 def test_repo_config_parses():

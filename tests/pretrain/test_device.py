@@ -1,0 +1,65 @@
+"""Where a pretraining run computes: the config's `model.device`, the machine's GPUs, and
+torchrun's LOCAL_RANK."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codedojo.pretrain.parallel import train_device
+from codedojo.pretrain.trainer import on_device
+
+
+def _gpus(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+def test_the_training_device_follows_the_config_and_the_machine(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    _gpus(monkeypatch, 0)
+    assert train_device("auto") == torch.device("cpu")
+    assert train_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="model.device = 'cuda'.*no CUDA device"):
+        train_device("cuda")
+    with pytest.raises(ValueError, match="model.device: 'gpu'"):
+        train_device("gpu")
+
+    _gpus(monkeypatch, 2)
+    assert train_device("auto") == torch.device("cuda", 0)
+    assert train_device("cpu") == torch.device("cpu")  # a CPU run on a GPU machine
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun's second process on this node
+    assert train_device("auto") == torch.device("cuda", 1)
+    assert train_device("cuda") == torch.device("cuda", 1)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ValueError, match="LOCAL_RANK 2: this machine has 2 CUDA devices"):
+        train_device("auto")
+
+
+def test_batches_follow_the_model():
+    batch = {"tokens": torch.ones(2, 4, dtype=torch.long), "loss_mask": torch.ones(2, 4).bool()}
+    moved = on_device(batch, torch.device("meta"))
+    assert set(moved) == set(batch)
+    assert all(v.device.type == "meta" and v.dtype == batch[k].dtype for k, v in moved.items())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_whole_run_trains_on_the_gpu(tmp_path):
+    """All five stages on one GPU in bf16: each stage's batches, the teacher, the MTP modules,
+    self-generation and the probe run there, and the checkpoint loads on the CPU."""
+    from rich.console import Console
+
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.pretrain.checkpoint import load_weights
+    from codedojo.pretrain.trainer import build_model, run
+    from tests.pretrain.tiny_run import five_stage_config
+
+    cfg = five_stage_config(tmp_path, "gpu", lr=1e-2, device="cuda", dtype="bf16")
+    torch.cuda.reset_peak_memory_stats()
+    report = run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
+    assert torch.cuda.max_memory_allocated() > 0
+    assert report["eval_loss"]["bulk"] < report["eval_loss"]["base"]
+    assert report["eval_loss"]["mtp"] == report["eval_loss"]["bulk"]  # frozen model
+    model, mtp = build_model(cfg)
+    load_weights(tmp_path / "runs" / "gpu" / "final", model, mtp)
+    assert next(model.parameters()).device.type == "cpu"
