@@ -106,10 +106,14 @@ def train_device(requested: str = "auto") -> torch.device:
     return torch.device("cuda", index)
 
 
-def init_distributed(device: torch.device | None = None) -> tuple[int, int]:
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model computes (under FSDP2: where its shards are)."""
+    return next(model.parameters()).device
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
     """(rank, world size); under torchrun, initialises the process group for ``device``'s kind
-    of tensors: NCCL between GPUs, gloo between CPUs."""
-    device = device or train_device()
+    of tensors (`train_device`): NCCL between GPUs, gloo between CPUs."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -268,7 +272,7 @@ def apply_fsdp(model: nn.Module, bf16: bool = True) -> nn.Module:
 
     # Named, not left to FSDP: its default mesh is on the accelerator whenever the machine
     # has one, also for a model kept on the CPU.
-    mesh = init_device_mesh(next(model.parameters()).device.type, (world_size(),))
+    mesh = init_device_mesh(model_device(model).type, (world_size(),))
 
     # The CPU decode kernels read a block's weights in place, which sharding frees: passes
     # with a KV cache (the passkey probe, self-generated data) go op by op, through FSDP.

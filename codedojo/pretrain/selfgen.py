@@ -24,7 +24,7 @@ import torch
 from codedojo.data.shards import ShardWriter, TokenShards
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.transformer import Transformer
-from codedojo.pretrain.parallel import gather_object
+from codedojo.pretrain.parallel import gather_object, model_device
 
 
 @torch.no_grad()
@@ -83,7 +83,7 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     mine = windows[rank * share:(rank + 1) * share]
     own = len(mine)
     mine = np.concatenate([mine, np.repeat(windows[:1], share - own, axis=0)])  # the padding
-    dev = model.tok_embeddings.weight.device
+    dev = model_device(model)
     rows = []
     for i in range(0, share, batch):
         x = torch.from_numpy(mine[i:i + batch]).to(dev)

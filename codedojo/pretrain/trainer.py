@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from codedojo.data.mixture import MixtureSource, mix
 from codedojo.data.packing import Packed, PackedLoader, make_batch, pack
@@ -65,6 +64,7 @@ from codedojo.pretrain.parallel import (
     is_main,
     main_rank_first,
     mean_over_ranks,
+    model_device,
     process_rank,
     sharded,
     sum_over_ranks,
@@ -81,11 +81,6 @@ Batch = dict[str, torch.Tensor]
 def on_device(batch: Batch, device: torch.device) -> Batch:
     """The batch's tensors on ``device`` (the loader builds them on the CPU)."""
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """Where the model computes (under FSDP2: where its shards are)."""
-    return next(model.parameters()).device
 
 
 # ---- losses -----------------------------------------------------------------------------------
