@@ -49,19 +49,35 @@ def greedy_continue(model: Transformer, prompts: torch.Tensor, new_tokens: int) 
 
 def prompt_windows(code: TokenShards, n: int, length: int, seed: int,
                    doc_start_frac: float = 0.5) -> np.ndarray:
-    """n windows of `length` tokens from random documents at least that long: a share
-    `doc_start_frac` at the start of the document (writing a file from its top), the rest at
-    random offsets (continuing one mid-way)."""
+    """n distinct, non-overlapping windows of `length` tokens from documents at least that long:
+    up to a share `doc_start_frac` at the start of a document (writing a file from its top), one
+    per document, the rest drawn from the other windows of a tiling of every document (at a
+    random phase each), continuing one mid-way. A window seen twice teaches the drafts one
+    continuation twice, so a corpus without n windows is refused, naming how many it holds."""
     lens = code.doc_lengths()
     ok = np.flatnonzero(lens >= length)
     if len(ok) == 0:
         raise ValueError(f"self_gen.prompt_len: no training document has {length} tokens")
     rng = np.random.default_rng(seed)
-    docs = rng.choice(ok, size=n, replace=len(ok) < n)
+    n_starts = min(round(n * doc_start_frac), len(ok))
+    starts = rng.choice(ok, size=n_starts, replace=False)
+    # The rest of each document cut into windows after its first `length` tokens, from a random
+    # phase (so the cuts differ between documents); the unused document starts come last.
+    phase = rng.integers(0, lens[ok] % length + 1)
+    mid = [(d, s) for d, p in zip(ok, phase, strict=True)
+           for s in range(length + int(p), int(lens[d]) - length + 1, length)]
+    rest = [(d, 0) for d in np.setdiff1d(ok, starts)]
+    pool = [mid[i] for i in rng.permutation(len(mid))]
+    pool += [rest[i] for i in rng.permutation(len(rest))]
+    picked = [(d, 0) for d in starts] + pool[: n - n_starts]
+    if len(picked) < n:
+        raise ValueError(f"self_gen.prompts: {n} distinct windows of {length} tokens asked for, "
+                         f"and the training code holds {len(picked)}; lower self_gen.prompts "
+                         "or prompt_len, or add code to the corpus")
+    picked = [picked[i] for i in rng.permutation(n)]  # batches mix starts and middles
     out = np.empty((n, length), np.int64)
-    for i, d in enumerate(docs):
-        start = 0 if rng.random() < doc_start_frac else int(rng.integers(0, lens[d] - length + 1))
-        out[i] = code.doc(int(d))[start:start + length]
+    for i, (d, s) in enumerate(picked):
+        out[i] = code.doc(int(d))[s:s + length]
     return out
 
 

@@ -38,19 +38,36 @@ def test_batched_continuations_equal_one_at_a_time_greedy(model):
     assert len({tuple(r[6:].tolist()) for r in out}) > 1  # rows are not all alike
 
 
-def test_windows_come_from_long_enough_documents(tmp_path):
-    code = _code(tmp_path, [5, 30, 12, 40])
-    w = prompt_windows(code, 20, 12, seed=0)
+def _where(row: list[int], docs: list[list[int]]) -> set[tuple[int, int]]:
+    return {(i, s) for i, d in enumerate(docs) for s in range(len(d) - len(row) + 1)
+            if d[s:s + len(row)] == row}
+
+
+def test_windows_are_distinct_slices_of_long_enough_documents(tmp_path):
+    code = _code(tmp_path, [5, 30, 12, 40, 64])
     docs = [code.doc(i).tolist() for i in range(len(code))]
-    for row in w.tolist():  # every window is a slice of a document of >= 12 tokens
-        assert any(len(d) >= 12 and any(d[s:s + 12] == row for s in range(len(d) - 11))
-                   for d in docs)
-    starts = {tuple(d[:12]) for d in docs if len(d) >= 12}
-    assert {tuple(r) for r in prompt_windows(code, 8, 12, seed=0, doc_start_frac=1.0)} <= starts
-    mid = prompt_windows(code, 40, 12, seed=0, doc_start_frac=0.0)
-    assert sum(tuple(r) not in starts for r in mid.tolist()) > 15  # about 25 expected
-    with pytest.raises(ValueError, match="prompt_len: no training document has 41 tokens"):
-        prompt_windows(code, 2, 41, seed=0)
+    w = prompt_windows(code, 9, 12, seed=0)
+    spans = [_where(row, docs) for row in w.tolist()]
+    assert all(len(s) == 1 for s in spans)  # random tokens: each window sits in one place
+    spans_ = sorted(next(iter(s)) for s in spans)
+    assert {d for d, _ in spans_} <= {1, 2, 3, 4}  # never the 5-token document
+    for (d0, s0), (d1, s1) in zip(spans_, spans_[1:], strict=False):
+        assert d0 != d1 or s1 >= s0 + 12  # no two windows overlap
+    # 4 documents of >= 12 tokens: 4 starts at most, one per document, however many are asked
+    at_start = [s for d, s in spans_ if s == 0]
+    assert 0 < len(at_start) <= 4
+    all_starts = prompt_windows(code, 4, 12, seed=1, doc_start_frac=1.0)
+    assert sorted(next(iter(_where(r, docs))) for r in all_starts.tolist()) == [
+        (1, 0), (2, 0), (3, 0), (4, 0)]
+    mid = prompt_windows(code, 6, 12, seed=0, doc_start_frac=0.0)
+    assert all(s > 0 for r in mid.tolist() for _, s in _where(r, docs))
+    # 4 starts and 1 + 2 + 4 later windows (lengths 30, 12, 40, 64): 11 in all, not 12
+    assert len(prompt_windows(code, 11, 12, seed=2)) == 11
+    with pytest.raises(ValueError, match="12 distinct windows of 12 tokens asked for, and the "
+                       "training code holds 11"):
+        prompt_windows(code, 12, 12, seed=2)
+    with pytest.raises(ValueError, match="prompt_len: no training document has 65 tokens"):
+        prompt_windows(code, 2, 65, seed=0)
 
 
 def test_shards_are_written_once_and_the_model_is_left_training(tmp_path, model):
