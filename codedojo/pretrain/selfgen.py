@@ -61,23 +61,32 @@ def prompt_windows(code: TokenShards, n: int, length: int, seed: int,
     rng = np.random.default_rng(seed)
     n_starts = min(round(n * doc_start_frac), len(ok))
     starts = rng.choice(ok, size=n_starts, replace=False)
-    # The rest of each document cut into windows after its first `length` tokens, from a random
-    # phase (so the cuts differ between documents); the unused document starts come last.
+    # The rest of each document is cut into windows after its first `length` tokens, from a
+    # random phase (so the cuts differ between documents); the windows are counted, not listed,
+    # so that a corpus of billions of tokens costs nothing to draw from.
     phase = rng.integers(0, lens[ok] % length + 1)
-    mid = [(d, s) for d, p in zip(ok, phase, strict=True)
-           for s in range(length + int(p), int(lens[d]) - length + 1, length)]
-    rest = [(d, 0) for d in np.setdiff1d(ok, starts)]
-    pool = [mid[i] for i in rng.permutation(len(mid))]
-    pool += [rest[i] for i in rng.permutation(len(rest))]
-    picked = [(d, 0) for d in starts] + pool[: n - n_starts]
-    if len(picked) < n:
+    per_doc = np.maximum(0, (lens[ok] - 2 * length - phase) // length + 1)
+    n_mid = min(n - n_starts, int(per_doc.sum()))
+    idx = rng.choice(int(per_doc.sum()), size=n_mid, replace=False)
+    first = np.cumsum(per_doc) - per_doc  # index of each document's first window
+    at = np.searchsorted(first, idx, side="right") - 1
+    docs = np.concatenate([starts, ok[at]])
+    offs = np.concatenate([np.zeros(n_starts, np.int64),
+                           length + phase[at] + (idx - first[at]) * length])
+    # Short of windows, the starts of the documents not drawn yet come last.
+    unused = np.setdiff1d(ok, starts)
+    more = min(n - len(docs), len(unused))
+    docs = np.concatenate([docs, rng.choice(unused, size=more, replace=False)])
+    offs = np.concatenate([offs, np.zeros(more, np.int64)])
+    if len(docs) < n:
         raise ValueError(f"self_gen.prompts: {n} distinct windows of {length} tokens asked for, "
-                         f"and the training code holds {len(picked)}; lower self_gen.prompts "
+                         f"and the training code holds {len(docs)}; lower self_gen.prompts "
                          "or prompt_len, or add code to the corpus")
-    picked = [picked[i] for i in rng.permutation(n)]  # batches mix starts and middles
+    order = rng.permutation(n)  # batches mix starts and middles
+    docs, offs = docs[order], offs[order]
     out = np.empty((n, length), np.int64)
-    for i, (d, s) in enumerate(picked):
-        out[i] = code.doc(int(d))[s:s + length]
+    for i, (d, s) in enumerate(zip(docs.tolist(), offs.tolist(), strict=True)):
+        out[i] = code.doc(d)[s:s + length]
     return out
 
 
