@@ -14,7 +14,7 @@ what a draft costs (`draft_cost`, in plain steps: measured then, or `--draft-cos
 `drafts_per_round` is the mean, `accept_depthJ` the acceptance of draft J when drafts 1..J-1
 passed.
 
-    python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 6] [--new 64]
+    python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 24] [--new 64]
                                     [--draft-cost C] [--dtype bfloat16]
 """
 
@@ -32,7 +32,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", default="runs/cpt-smollm2/final")
     ap.add_argument("--data", default="runs/cpt-smollm2/data/eval")
-    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--prompts", type=int, default=24,
+                    help="held-out prompts (with 6, the acceptance of one checkpoint "
+                    "read 0.17 in one run and 0.41 with 24)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)

@@ -1,0 +1,100 @@
+"""How often the MTP drafts agree with the main head's greedy tokens, on held-out code.
+
+`spec_decode.py` sees the acceptance of a few hundred drafts, and it moves with the engine's
+choice of how many to draft. This measures the heads alone over many more positions: the model
+continues held-out code windows greedily (distinct windows of the eval documents, half of them at
+a file's start, as `dojo pretrain` draws its self-generated prompts), then every MTP depth k reads
+the model's hidden states and the continuation's real tokens and predicts token i+k+1 at each
+position i. `agree_depthK` is the share of the generated tokens it predicts exactly: depth 1's
+figure is what greedy speculative decoding accepts as its first draft, depth 2's what it accepts as
+the second once the first was right. The baseline, in the same run, is the heads of `--base` (by
+default the checkpoint before the last distillation stage) on the same continuations; the two
+checkpoints must hold the same main model. Prints one JSON line.
+
+    python benchmarks/mtp_agreement.py [--ckpt runs/cpt-smollm2/final]
+                                       [--base runs/cpt-smollm2/ckpt/sft] [--prompts 192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", default="runs/cpt-smollm2/final")
+    ap.add_argument("--base", default="runs/cpt-smollm2/ckpt/sft")
+    ap.add_argument("--data", default="runs/cpt-smollm2/data/eval")
+    ap.add_argument("--prompts", type=int, default=192)
+    ap.add_argument("--prompt-len", type=int, default=96)
+    ap.add_argument("--new", type=int, default=96)
+    ap.add_argument("--seed", type=int, default=123)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from safetensors.torch import load_file
+
+    from codedojo.data.shards import TokenShards
+    from codedojo.model.config import ModelConfig
+    from codedojo.model.mtp import MTP, load_mtp
+    from codedojo.model.transformer import Transformer
+    from codedojo.model.weights import build_model
+    from codedojo.pretrain.selfgen import greedy_continue, prompt_windows
+
+    def checkpoint(d: Path) -> tuple[dict[str, torch.Tensor], ModelConfig, MTP]:
+        if not (d / "model.safetensors").exists():
+            sys.exit(f"{d}: no checkpoint; run `dojo pretrain configs/cpt-smollm2.toml` first")
+        cfg = ModelConfig.model_validate_json((d / "model_config.json").read_text())
+        mtp = load_mtp(d, cfg)
+        if mtp is None:
+            sys.exit(f"{d}: checkpoint has no MTP modules")
+        return load_file(str(d / "model.safetensors")), cfg, mtp.float().eval()
+
+    weights, cfg, mtp = checkpoint(Path(args.ckpt))
+    base_weights, _, base_mtp = checkpoint(Path(args.base))
+    if weights.keys() != base_weights.keys() or any(
+            not torch.equal(weights[k], base_weights[k]) for k in weights):
+        sys.exit(f"{args.base}: its main model differs from {args.ckpt}'s; the baseline heads "
+                 "must read the same hidden states")
+    model: Transformer = build_model(weights, cfg, torch.float32).eval()
+
+    windows = prompt_windows(TokenShards(args.data), args.prompts, args.prompt_len, args.seed)
+    with torch.no_grad():
+        rows = torch.cat([greedy_continue(model, torch.from_numpy(windows[i:i + 32]), args.new)
+                          for i in range(0, len(windows), 32)])
+        hidden = torch.cat([model.hidden(rows[i:i + 16]) for i in range(0, len(rows), 16)])
+
+    def agreement(heads: MTP) -> list[float]:
+        B, T = rows.shape
+        positions = torch.arange(T).expand(B, T)
+        hits, seen = [0] * heads.depth, [0] * heads.depth
+        with torch.no_grad():
+            for i in range(0, B, 32):
+                tok = rows[i:i + 32]
+                outs = heads(hidden[i:i + 32], tok, positions[i:i + 32], model.embed)
+                for k, h in enumerate(outs, start=1):
+                    vocab = heads.draft_vocab
+                    pred = model.head(h, vocab).argmax(-1)  # (b, T-k); row i: token i+k+1
+                    if vocab is not None:
+                        pred = vocab[pred]
+                    ok = (pred[:, :T - k - 1] == tok[:, k + 1:])[:, args.prompt_len - k - 1:]
+                    hits[k - 1] += int(ok.sum())
+                    seen[k - 1] += ok.numel()
+        return [h / n for h, n in zip(hits, seen, strict=True)]
+
+    ours, base = agreement(mtp), agreement(base_mtp)
+    print(json.dumps({
+        **{f"agree_depth{k}": round(a, 4) for k, a in enumerate(ours, start=1)},
+        **{f"base_agree_depth{k}": round(a, 4) for k, a in enumerate(base, start=1)},
+        "positions": len(rows) * args.new, "prompts": len(rows), "prompt_len": args.prompt_len,
+        "new_tokens": args.new, "n_mtp": mtp.depth, "ckpt": args.ckpt, "base": args.base}))
+
+
+if __name__ == "__main__":
+    main()
