@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
 
         from codedojo.pretrain.config import load_config
-        from codedojo.pretrain.parallel import is_main, shutdown_distributed
+        from codedojo.pretrain.parallel import exit_distributed, is_main
         from codedojo.pretrain.trainer import run
 
         console = Console()
@@ -38,4 +38,4 @@ def register(app: typer.Typer) -> None:
         if is_main():
             console.print_json(json.dumps({"eval_loss": report["eval_loss"],
                                            "probe": report["probe"]}))
-        shutdown_distributed()  # under torchrun; after a failure torchrun stops the others
+        exit_distributed()  # under torchrun; after a failure torchrun stops the others

@@ -17,7 +17,7 @@ from rich.console import Console
 from codedojo.model.tokenizer import load_tokenizer
 from codedojo.pretrain.checkpoint import full_state_dict
 from codedojo.pretrain.config import PretrainConfig
-from codedojo.pretrain.parallel import shutdown_distributed, unwrap_state_dict
+from codedojo.pretrain.parallel import exit_distributed, unwrap_state_dict
 from codedojo.pretrain.trainer import run
 
 
@@ -80,8 +80,7 @@ def main() -> None:
     try:
         report = run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
     except Interrupted:
-        shutdown_distributed()
-        return
+        exit_distributed()
     model, mtp = captured["model"], captured["mtp"]
     full = full_state_dict(model)  # every rank takes part; rank 0 gets the weights
     rank = dist.get_rank()
@@ -95,7 +94,7 @@ def main() -> None:
                                if n.endswith("expert_bias")}),
         "sharded": type(next(model.parameters())).__name__,
         "gathered_dtype": captured.get("gathered_dtype")}))  # None: no forward ran
-    shutdown_distributed()
+    exit_distributed()
 
 
 if __name__ == "__main__":
