@@ -123,14 +123,6 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     return process_rank(), world
 
 
-def shutdown_distributed() -> None:
-    """Leave the process group once every rank is done with it: a gloo rank that tears down
-    while a peer's last collective is still in flight aborts ("terminate called")."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def exit_distributed() -> None:
     """The end of a torchrun process whose work is saved: leave the process group with the
     other ranks, then exit without the interpreter's teardown. In that teardown a thread of
@@ -140,7 +132,10 @@ def exit_distributed() -> None:
     group it only returns."""
     if not dist.is_initialized():
         return
-    shutdown_distributed()
+    # Every rank done with the group before any leaves it: a gloo rank that tears down while a
+    # peer's last collective is still in flight aborts too.
+    dist.barrier()
+    dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
