@@ -27,14 +27,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want_h = grads and ctx.needs_input_grad[0]
         want_w = grads and ctx.needs_input_grad[1]
         acc = torch.promote_types(h.dtype, torch.float32)  # bf16 inputs: float32 sums
+        # Under autocast (`dtype = "bf16"`) the products run in its dtype, as the unfused loss's
+        # would; the casts are spelled out, since in-place products take no autocast.
+        dev = h.device.type
+        mm = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+        wm = w.to(mm)
         total = h.new_zeros((), dtype=acc)
         dh = torch.empty_like(h) if want_h else None
         dw: torch.Tensor | None = None
         for i in range(0, h.shape[0], chunk):
-            hc, tc = h[i:i + chunk], targets[i:i + chunk]
+            hc, tc = h[i:i + chunk].to(mm), targets[i:i + chunk]
             # One (C, V) buffer per chunk, worked in place: shift by the max, exponentiate,
             # normalise (a fresh full-size temporary costs page faults as well as bandwidth).
-            z = (hc @ w.t()).to(acc)  # (C, V) logits
+            z = (hc @ wm.t()).to(acc)  # (C, V) logits
             z.sub_(z.amax(-1, keepdim=True))
             picked = z.gather(1, tc[:, None])[:, 0]
             e = z.exp_()
@@ -44,9 +49,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 p = e.div_(norm[:, None])  # softmax
                 p[torch.arange(len(tc), device=p.device), tc] -= 1.0  # d loss / d logits
                 if dh is not None:
-                    dh[i:i + chunk] = p.to(h.dtype) @ w
+                    dh[i:i + chunk] = p.to(mm) @ wm
                 if want_w:  # the first chunk writes, the rest accumulate (no zero fill)
-                    dw = p.t() @ hc.to(acc) if dw is None else dw.addmm_(p.t(), hc.to(acc))
+                    if dw is None:
+                        dw = (p.to(mm).t() @ hc).to(acc)
+                    elif mm == acc:
+                        dw.addmm_(p.t(), hc)
+                    else:  # a bf16 product, summed over the chunks in float32
+                        dw += p.to(mm).t() @ hc
         if want_w and dw is None:  # no trained position
             dw = torch.zeros_like(w)
         ctx.save_for_backward(dh if dh is not None else h.new_empty(0),

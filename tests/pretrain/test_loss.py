@@ -43,3 +43,22 @@ def test_no_trained_position_and_no_grad() -> None:
     assert v.requires_grad is False and v > 0
     with pytest.raises(ValueError, match="do not line up"):
         linear_cross_entropy(h, w, t[:, :4], torch.ones(2, 4, dtype=torch.bool))
+
+
+def test_under_bf16_autocast_it_follows_the_autocast_loss_over_several_chunks() -> None:
+    """`dtype = "bf16"` trains under autocast: the products run in bf16, the sums in float32,
+    chunk after chunk, and the gradients come back in the parameters' float32."""
+    torch.manual_seed(0)
+    h = torch.randn(2, 40, 32, requires_grad=True)
+    w = (0.3 * torch.randn(50, 32)).requires_grad_()
+    targets = torch.randint(0, 50, (2, 40))
+    mask = torch.rand(2, 40) > 0.2
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy(h, w, targets, mask, chunk=16)  # 4+ chunks
+        want = _plain(h, w, targets, mask)
+    gh, gw = torch.autograd.grad(got, (h, w))
+    wh, ww = torch.autograd.grad(want, (h, w))
+    assert gh.dtype == gw.dtype == torch.float32
+    torch.testing.assert_close(got, want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gh, wh.float(), rtol=5e-2, atol=1e-3)
+    torch.testing.assert_close(gw, ww.float(), rtol=5e-2, atol=1e-3)
