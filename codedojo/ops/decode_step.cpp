@@ -27,6 +27,7 @@
 
 #include <cmath>
 #include <functional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -121,12 +122,16 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) {
   return {n * t / nt, n * (t + 1) / nt};
 }
 
+// Numbers in error messages go through std::to_string, never `<<`: inserting an integer into a
+// stream runs libstdc++'s number formatting as compiled into this library, which crashed
+// (SIGSEGV in std::codecvt) on a machine whose compiler's libstdc++ differed from the one the
+// process had loaded. Text insertions are safe there, as are all the kernels' own paths.
 void check_tensor(const torch::Tensor& t, at::ScalarType type, int64_t numel, const char* what,
                   int64_t layer = -1) {
   TORCH_CHECK(t.defined() && t.scalar_type() == type && t.is_contiguous() && t.numel() == numel,
               "FusedLayers: ", layer >= 0 ? "layer " + std::to_string(layer) + " " : "", what,
               " must be a contiguous ", c10::toString(type), " tensor (the weights' type) of ",
-              numel, " elements");
+              std::to_string(numel), " elements");
 }
 
 }  // namespace
@@ -160,7 +165,7 @@ class FusedLayers {
                     sin_.is_contiguous() && cos_.scalar_type() == at::kFloat &&
                     sin_.scalar_type() == at::kFloat,
                 "FusedLayers: cos and sin must be contiguous float32 (positions, head_dim)");
-    TORCH_CHECK(K >= 1 && H % K == 0, "FusedLayers: ", H, " heads cannot share ", K,
+    TORCH_CHECK(K >= 1 && H % K == 0, "FusedLayers: ", std::to_string(H), " heads cannot share ", std::to_string(K),
                 " key/value heads");
     L_ = weights_.size() / kPerLayer;
     D_ = weights_[0].numel();
@@ -207,7 +212,7 @@ class FusedLayers {
       panel_memory_ = memory(total);
       TORCH_CHECK(panel_memory_.scalar_type() == at::kFloat && panel_memory_.is_contiguous() &&
                       panel_memory_.numel() >= total,
-                  "FusedLayers: memory(", total, ") must give that many contiguous float32");
+                  "FusedLayers: memory(", std::to_string(total), ") must give that many contiguous float32");
       float* at = panel_memory_.data_ptr<float>();
       for (Panels& p : panels_) {
         p.place(at);
@@ -238,12 +243,13 @@ class FusedLayers {
     const int64_t N = embedded ? x.size(0) : int64_t(tokens.size());
     if (embedded) {
       TORCH_CHECK(x.dim() == 2 && x.size(1) == D_ && x.scalar_type() == at::kFloat,
-                  "FusedLayers: x must be (N, ", D_, ") float32");
+                  "FusedLayers: x must be (N, ", std::to_string(D_), ") float32");
     } else {
       TORCH_CHECK(embed_.numel(), "FusedLayers: token ids given, but no embedding table held");
     }
     TORCH_CHECK(int64_t(slot.size()) == N && int64_t(pos.size()) == N,
-                "FusedLayers: a slot and a position for each of the ", N, " tokens expected");
+                "FusedLayers: a slot and a position for each of the ", std::to_string(N),
+                " tokens expected");
     TORCH_CHECK(k_cache.dim() == 5 && k_cache.sizes() == v_cache.sizes() &&
                     k_cache.is_contiguous() && v_cache.is_contiguous() &&
                     k_cache.scalar_type() == type_ && v_cache.scalar_type() == type_,
@@ -253,16 +259,19 @@ class FusedLayers {
                 "FusedLayers: cache shape does not match the layers and heads");
     const int64_t slots = k_cache.size(1), cap = k_cache.size(3);
     for (int64_t n = 0; n < N; ++n) {
-      TORCH_CHECK(slot[n] >= 0 && slot[n] < slots, "FusedLayers: slot ", slot[n],
-                  " outside the cache's ", slots, " slots");
+      TORCH_CHECK(slot[n] >= 0 && slot[n] < slots, "FusedLayers: slot ",
+                  std::to_string(slot[n]), " outside the cache's ", std::to_string(slots), " slots");
       TORCH_CHECK(pos[n] >= 0 && pos[n] < cap && pos[n] < cos_.size(0),
-                  "FusedLayers: position ", pos[n], " outside the cache capacity ", cap,
-                  " or the RoPE table's ", cos_.size(0), " positions");
+                  "FusedLayers: position ", std::to_string(pos[n]), " outside the cache capacity ",
+                  std::to_string(cap), " or the RoPE table's ", std::to_string(cos_.size(0)),
+                  " positions");
       TORCH_CHECK(tokens.empty() || (tokens[n] >= 0 && tokens[n] < vocab_),
-                  "FusedLayers: token ", tokens[n], " outside the vocabulary of ", vocab_);
+                  "FusedLayers: token ", std::to_string(tokens[n]),
+                  " outside the vocabulary of ", std::to_string(vocab_));
     }
     for (int64_t r : logit_rows)
-      TORCH_CHECK(head_.numel() && r >= 0 && r < N, "FusedLayers: logits asked of row ", r,
+      TORCH_CHECK(head_.numel() && r >= 0 && r < N, "FusedLayers: logits asked of row ",
+                  std::to_string(r),
                   head_.numel() ? " of a call of " + std::to_string(N) + " tokens"
                                 : ", but no output head held");
     if (type_ == at::kBFloat16)

@@ -6,6 +6,7 @@
 // over the row take a fraction of that.
 #include <cmath>
 #include <limits>
+#include <string>
 #include <tuple>
 
 #include <ATen/Parallel.h>
@@ -79,9 +80,9 @@ std::tuple<torch::Tensor, torch::Tensor> greedy(const torch::Tensor& logits,
   const int64_t* tok = given ? tokens.data_ptr<int64_t>() : nullptr;
   int64_t* id = ids.data_ptr<int64_t>();
   float* lp = lps.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n)
-    TORCH_CHECK(!given || (tok[n] >= 0 && tok[n] < V), "greedy: token ", tok[n],
-                " outside the vocabulary of ", V);
+  for (int64_t n = 0; n < N; ++n)  // numbers as text: see check_tensor in decode_step.cpp
+    TORCH_CHECK(!given || (tok[n] >= 0 && tok[n] < V), "greedy: token ",
+                std::to_string(tok[n]), " outside the vocabulary of ", std::to_string(V));
   at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const float* row = x + n * V;
