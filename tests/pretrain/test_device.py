@@ -43,8 +43,17 @@ def test_batches_follow_the_model():
     assert all(v.device.type == "meta" and v.dtype == batch[k].dtype for k, v in moved.items())
 
 
+# A dense model eagerly; its blocks compiled (Triton kernels); an MoE model (routing, the
+# grouped expert FFNs and the selection-bias update on the GPU).
+GPU_RUNS = {"eager": {}, "compiled": {"compile": True},
+            "moe": {"moe": {"n_routed_experts": 4, "top_k": 2, "expert_ffn_dim": 16,
+                            "n_shared_experts": 1, "first_dense_layers": 1,
+                            "bias_update_speed": 0.01}}}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_whole_run_trains_on_the_gpu(tmp_path):
+@pytest.mark.parametrize("variant", list(GPU_RUNS))
+def test_a_whole_run_trains_on_the_gpu(tmp_path, variant):
     """All five stages on one GPU in bf16: each stage's batches, the teacher, the MTP modules,
     self-generation and the probe run there, and the checkpoint loads on the CPU."""
     from rich.console import Console
@@ -55,6 +64,11 @@ def test_a_whole_run_trains_on_the_gpu(tmp_path):
     from tests.pretrain.tiny_run import five_stage_config
 
     cfg = five_stage_config(tmp_path, "gpu", lr=1e-2, device="cuda", dtype="bf16")
+    extra = dict(GPU_RUNS[variant])
+    if "moe" in extra:
+        over = {**cfg.model.tiny_overrides, "n_layers": 3, "moe": extra.pop("moe")}
+        extra["tiny_overrides"] = over
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=extra)})
     torch.cuda.reset_peak_memory_stats()
     report = run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
     assert torch.cuda.max_memory_allocated() > 0
