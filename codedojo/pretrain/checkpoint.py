@@ -35,13 +35,11 @@ from torch import nn
 from codedojo.model.config import ModelConfig
 from codedojo.model.mtp import MTP, save_mtp
 from codedojo.pretrain.parallel import (
-    bare_name,
     broadcast_object,
     distributed,
     gather_object,
     is_main,
     process_rank,
-    unwrap_state_dict,
 )
 
 
@@ -99,24 +97,12 @@ def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
 
 
 def _optimizer_names(model: nn.Module, mtp: MTP | None,
-                     optimizer: torch.optim.Optimizer) -> tuple[nn.Module, dict[str, str]]:
+                     optimizer: torch.optim.Optimizer) -> tuple[nn.Module, set[str]]:
     """The module the optimizer's parameters are named from (the model under ``model.``, the
-    MTP modules under ``mtp.``), and each trained parameter's name there -> its name in the
-    file (the bare model's: a resume may change activation checkpointing)."""
+    MTP modules under ``mtp.``), and the names there of the trained parameters."""
     modules = nn.ModuleDict({"model": model, **({"mtp": mtp} if mtp is not None else {})})
     trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    names = {}
-    for name, p in modules.named_parameters():
-        if id(p) in trained:
-            kind, _, rest = name.partition(".")
-            names[name] = f"{kind}.{bare_name(rest)}" if kind == "model" else name
-    return modules, names
-
-
-def _renamed(osd: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
-    return {"state": {names[k]: v for k, v in osd["state"].items()},
-            "param_groups": [{**g, "params": [names[n] for n in g["params"]]}
-                             for g in osd["param_groups"]]}
+    return modules, {name for name, p in modules.named_parameters() if id(p) in trained}
 
 
 def optimizer_state_dict(model: nn.Module, mtp: MTP | None,
@@ -129,10 +115,9 @@ def optimizer_state_dict(model: nn.Module, mtp: MTP | None,
         get_optimizer_state_dict,
     )
 
-    modules, names = _optimizer_names(model, mtp, optimizer)
-    osd = get_optimizer_state_dict(modules, optimizer, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True))
-    return _renamed(osd, names) if osd else {}
+    modules, _ = _optimizer_names(model, mtp, optimizer)
+    return get_optimizer_state_dict(modules, optimizer, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True)) or {}
 
 
 def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: MTP | None,
@@ -152,7 +137,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: M
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        sd = unwrap_state_dict({k: v.detach().cpu().contiguous() for k, v in full.items()})
+        sd = {k: v.detach().cpu().contiguous() for k, v in full.items()}
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model_config.json").write_text(cfg.model_dump_json(indent=1))
         if mtp is not None:
@@ -178,10 +163,6 @@ def load_weights(path: str | Path, model: nn.Module, mtp: MTP | None = None) -> 
     path = Path(path)
     # under FSDP rank 0 alone reads the weights, and sends them (`load_full_state_dict`)
     sd = load_file(str(path / "model.safetensors")) if is_main() else {}
-    own = model.state_dict()
-    if set(own) != set(sd):  # wrapped (activation checkpointing) vs bare names
-        bare_to_wrapped = {bare_name(k): k for k in own}
-        sd = {bare_to_wrapped.get(k, k): v for k, v in sd.items()}
     load_full_state_dict(model, sd)
     if mtp is not None:
         # A checkpoint from before the draft vocabulary was chosen (an earlier stage, or a
@@ -215,8 +196,7 @@ def load_trainer_state(path: str | Path, model: nn.Module, mtp: MTP | None,
         if kind == "positional" and not distributed():  # written by an older version
             optimizer.load_state_dict(osd)
         elif kind == "named":
-            own = {v: k for k, v in names.items()}
-            set_optimizer_state_dict(modules, optimizer, _renamed(osd, own) if osd else {},
+            set_optimizer_state_dict(modules, optimizer, osd,
                                      options=StateDictOptions(
                                          full_state_dict=True, broadcast_from_rank0=distributed()))
         elif kind == "none":
@@ -232,7 +212,7 @@ def load_trainer_state(path: str | Path, model: nn.Module, mtp: MTP | None,
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
 
 
-def _optimizer_state_kind(osd: dict[str, Any], names: dict[str, str]) -> str:
+def _optimizer_state_kind(osd: dict[str, Any], names: set[str]) -> str:
     """"named", "positional" (an older version's), "none", or why the saved optimizer state
     does not fit an optimizer over the parameters ``names``."""
     if not osd:
@@ -242,7 +222,7 @@ def _optimizer_state_kind(osd: dict[str, Any], names: dict[str, str]) -> str:
         if distributed():
             return "an older version's optimizer state cannot be loaded by a sharded run"
         return "positional"
-    missing, unexpected = set(names.values()) - set(saved), set(saved) - set(names.values())
+    missing, unexpected = names - set(saved), set(saved) - names
     if missing or unexpected:
         return (f"the optimizer state does not match the trained parameters (missing "
                 f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")

@@ -1,7 +1,7 @@
 """Parallelism and memory wrappers, applied from outside the model (the model never knows).
 
-* `apply_activation_checkpointing`: wraps every decoder block so its activations are recomputed
-  in backward.
+* `apply_activation_checkpointing`: every decoder block's activations are recomputed in
+  backward; an MoE block recomputes the routing of its forward.
 * `apply_compile`: regional `torch.compile`, one compiled graph per block shape, for the calls
   without a KV cache (training, teacher, eval); decoding keeps its own path.
 * `apply_fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) per block, then the root; with
@@ -27,27 +27,58 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from codedojo.model.moe import MoE
 from codedojo.model.transformer import Block
 
 
-class CheckpointedBlock(nn.Module):
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, *args: object) -> torch.Tensor:
-        if not self.training:
-            return self.block(*args)
-        return checkpoint(self.block, *args, use_reentrant=False)
-
-
 def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder block's activations in backward instead of keeping them. Like
+    `apply_compile`, it wraps each block's forward in place: the model keeps its modules, its
+    parameter names and its decode path (calls with a KV cache, in eval mode or without
+    gradients run the block as it is). The recomputation of an MoE block routes as its forward
+    did: by the router, or by the indices `router_replay` gave the forward (its context has
+    closed by the time of the backward), and leaves the balancing state (expert counts, aux
+    loss, last routing) as the forward left it."""
     layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError("activation checkpointing: model has no `layers` ModuleList")
-    for i, blk in enumerate(layers):
-        if not isinstance(blk, CheckpointedBlock):
-            layers[i] = CheckpointedBlock(blk)
+    if not isinstance(layers, nn.ModuleList) or not all(isinstance(b, Block) for b in layers):
+        raise ValueError("activation checkpointing: model has no `layers` ModuleList of blocks")
+    for blk in layers:
+        if not getattr(blk, "checkpointed", False):
+            blk.forward = _recomputed(blk, blk.forward)
+            blk.checkpointed = True
+
+
+def _recomputed(blk: Block, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    moes = [m for m in blk.modules() if isinstance(m, MoE)]
+
+    def forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: object | None) -> torch.Tensor:
+        if cache is not None or not (blk.training and torch.is_grad_enabled()):
+            return inner(x, cos, sin, mask, cache)
+        # the routing the forward was given (None: its router's choice, which the
+        # recomputation repeats: same inputs, and the bias moves only after the optimizer step)
+        replayed = [m.replay_indices for m in moes]
+        calls = 0
+
+        def run(*args: object) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls == 1 or not moes:
+                return inner(*args)
+            kept = [(m.replay_indices, m.tokens_per_expert.clone(), m.aux_loss, m.last_indices)
+                    for m in moes]
+            try:
+                for m, idx in zip(moes, replayed, strict=True):
+                    m.replay_indices = idx
+                return inner(*args)
+            finally:
+                for m, (replay, counts, aux, last) in zip(moes, kept, strict=True):
+                    m.replay_indices, m.aux_loss, m.last_indices = replay, aux, last
+                    m.tokens_per_expert.copy_(counts)
+
+        return checkpoint(run, x, cos, sin, mask, cache, use_reentrant=False)
+
+    return forward
 
 
 def apply_compile(*parts: nn.Module | None) -> None:
@@ -78,17 +109,6 @@ def apply_compile(*parts: nn.Module | None) -> None:
             return (compiled if cache is None else plain)(x, cos, sin, mask, cache)
 
         blk.forward = forward
-
-
-def bare_name(name: str) -> str:
-    """A model parameter's or buffer's name as the bare model has it (checkpoint wrappers add
-    `.block`)."""
-    return name.replace(".block.", ".", 1) if name.startswith("layers.") else name
-
-
-def unwrap_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Names as the bare model has them."""
-    return {bare_name(k): v for k, v in sd.items()}
 
 
 def train_device(requested: str = "auto") -> torch.device:

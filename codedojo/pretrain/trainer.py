@@ -69,7 +69,6 @@ from codedojo.pretrain.parallel import (
     sharded,
     sum_over_ranks,
     train_device,
-    unwrap_state_dict,
     world_size,
 )
 from codedojo.pretrain.probe import passkey_probe
@@ -435,10 +434,10 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
     model.to(dev)
     if mtp is not None:
         mtp.to(dev)
-    if cfg.model.activation_checkpointing:
-        apply_activation_checkpointing(model)
     if cfg.model.compile:
         apply_compile(model, mtp)
+    if cfg.model.activation_checkpointing:  # around the compiled blocks: recomputes them
+        apply_activation_checkpointing(model)
     if world > 1:  # shard from outside the model: FSDP2 over NCCL (GPUs) or gloo (CPUs)
         if mtp is not None:
             broadcast_module(mtp)  # its random parts start alike on every rank
@@ -512,7 +511,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
         if is_main():
             from codedojo.model.hf import save_hf
 
-            save_hf(unwrap_state_dict(full), model.cfg, hf_dir)
+            save_hf(full, model.cfg, hf_dir)
             if mtp is not None:
                 save_mtp(mtp, hf_dir)
             if hasattr(tok, "save"):

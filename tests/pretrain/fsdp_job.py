@@ -17,7 +17,7 @@ from rich.console import Console
 from codedojo.model.tokenizer import load_tokenizer
 from codedojo.pretrain.checkpoint import full_state_dict
 from codedojo.pretrain.config import PretrainConfig
-from codedojo.pretrain.parallel import exit_distributed, unwrap_state_dict
+from codedojo.pretrain.parallel import exit_distributed
 from codedojo.pretrain.trainer import run
 
 
@@ -88,7 +88,7 @@ def main() -> None:
         "world": dist.get_world_size(), "report": report, "orders": orders,
         "mtp": digest(mtp.state_dict()) if mtp is not None else None,
         "model": digest(full) if full else None,
-        "untrained": sorted(n for n, w in unwrap_state_dict(full).items()  # rank 0: all of it
+        "untrained": sorted(n for n, w in full.items()  # rank 0: all of it
                             if n in captured["init"] and torch.equal(w, captured["init"][n])),
         "expert_bias": digest({n: b for n, b in model.named_buffers()  # this rank's own
                                if n.endswith("expert_bias")}),

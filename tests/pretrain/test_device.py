@@ -43,9 +43,11 @@ def test_batches_follow_the_model():
     assert all(v.device.type == "meta" and v.dtype == batch[k].dtype for k, v in moved.items())
 
 
-# A dense model eagerly; its blocks compiled (Triton kernels); an MoE model (routing, the
-# grouped expert FFNs and the selection-bias update on the GPU).
+# A dense model eagerly; its blocks compiled (Triton kernels); its blocks recomputed in backward
+# (the CUDA RNG state replayed); an MoE model (routing, the grouped expert FFNs and the
+# selection-bias update on the GPU).
 GPU_RUNS = {"eager": {}, "compiled": {"compile": True},
+            "checkpointed": {"activation_checkpointing": True},
             "moe": {"moe": {"n_routed_experts": 4, "top_k": 2, "expert_ffn_dim": 16,
                             "n_shared_experts": 1, "first_dense_layers": 1,
                             "bias_update_speed": 0.01}}}

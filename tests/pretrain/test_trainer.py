@@ -54,8 +54,9 @@ def test_resume_gives_bit_identical_losses(tmp_path, mode):
 
 
 def test_a_resume_may_change_activation_checkpointing(tmp_path):
-    """The optimizer state is saved under the bare model's parameter names, so it finds its
-    parameters whether or not the blocks are wrapped; one that fits no parameter is refused."""
+    """Activation checkpointing leaves the parameter names alone, so a run's optimizer state
+    finds its parameters whether or not it recomputes; a state that fits no parameter is
+    refused."""
     cfg = _cfg(tmp_path, mtp="joint")
     torch.manual_seed(0)
     model, mtp = build_model(cfg)
