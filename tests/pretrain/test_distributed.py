@@ -94,11 +94,13 @@ def test_two_processes_train_every_stage_with_fsdp(tmp_path):
 
 
 def test_an_moe_models_expert_biases_move_alike_on_every_rank(tmp_path):
-    """Each rank routes its own batches; the aux-loss-free bias update counts every rank's."""
+    """Each rank routes its own batches; the aux-loss-free bias update counts every rank's.
+    The sharded blocks recompute their activations in backward (FSDP2 with activation
+    checkpointing), routing as their forward did."""
     cfg = _config(tmp_path)
     moe = {"n_routed_experts": 4, "top_k": 2, "expert_ffn_dim": 16, "n_shared_experts": 1,
            "first_dense_layers": 1, "bias_update_speed": 0.01}
-    model = cfg.model.model_copy(update={"tiny_overrides": {
+    model = cfg.model.model_copy(update={"activation_checkpointing": True, "tiny_overrides": {
         **cfg.model.tiny_overrides, "n_layers": 3, "moe": moe}})
     bulk = cfg.stages[0].model_copy(update={"steps": 3})  # an odd count of ±γ steps
     cfg = cfg.model_copy(update={"model": model, "stages": [bulk, cfg.stages[1]]})
