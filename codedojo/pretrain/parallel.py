@@ -38,7 +38,9 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     gradients run the block as it is). The recomputation of an MoE block routes as its forward
     did: by the router, or by the indices `router_replay` gave the forward (its context has
     closed by the time of the backward), and leaves the balancing state (expert counts, aux
-    loss, last routing) as the forward left it."""
+    loss, last routing) as the forward left it. The new forwards are closures over the blocks
+    (here and in `apply_compile`): copy a model before wrapping it, since a `copy.deepcopy`
+    afterwards would still run the original's blocks."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not all(isinstance(b, Block) for b in layers):
         raise ValueError("activation checkpointing: model has no `layers` ModuleList of blocks")
