@@ -57,6 +57,8 @@ def _recomputed(blk: Block, inner: Callable[..., torch.Tensor]) -> Callable[...,
                 mask: torch.Tensor | None, cache: object | None) -> torch.Tensor:
         if cache is not None or not (blk.training and torch.is_grad_enabled()):
             return inner(x, cos, sin, mask, cache)
+        if not moes:
+            return checkpoint(inner, x, cos, sin, mask, cache, use_reentrant=False)
         # the routing the forward was given (None: its router's choice, which the
         # recomputation repeats: same inputs, and the bias moves only after the optimizer step)
         replayed = [m.replay_indices for m in moes]
@@ -65,7 +67,7 @@ def _recomputed(blk: Block, inner: Callable[..., torch.Tensor]) -> Callable[...,
         def run(*args: object) -> torch.Tensor:
             nonlocal calls
             calls += 1
-            if calls == 1 or not moes:
+            if calls == 1:  # the forward
                 return inner(*args)
             kept = [(m.replay_indices, m.tokens_per_expert.clone(), m.aux_loss, m.last_indices)
                     for m in moes]
