@@ -38,23 +38,21 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from safetensors.torch import load_file
-
     from codedojo.data.shards import TokenShards
     from codedojo.model.config import ModelConfig
     from codedojo.model.mtp import MTP, load_mtp
     from codedojo.model.transformer import Transformer
-    from codedojo.model.weights import build_model
+    from codedojo.model.weights import build_model, load_checkpoint_weights
     from codedojo.pretrain.selfgen import greedy_continue, prompt_windows
 
     def checkpoint(d: Path) -> tuple[dict[str, torch.Tensor], ModelConfig, MTP]:
         if not (d / "model.safetensors").exists():
             sys.exit(f"{d}: no checkpoint; run `dojo pretrain configs/cpt-smollm2.toml` first")
-        cfg = ModelConfig.model_validate_json((d / "model_config.json").read_text())
+        weights, cfg = load_checkpoint_weights(d)
         mtp = load_mtp(d, cfg)
         if mtp is None:
             sys.exit(f"{d}: checkpoint has no MTP modules")
-        return load_file(str(d / "model.safetensors")), cfg, mtp.float().eval()
+        return weights, cfg, mtp.float().eval()
 
     weights, cfg, mtp = checkpoint(Path(args.ckpt))
     base_weights, _, base_mtp = checkpoint(Path(args.base))

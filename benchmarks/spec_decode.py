@@ -47,21 +47,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from decode import TimedRequest, time_request  # benchmarks/decode.py
-    from safetensors.torch import load_file
 
     from codedojo.data.shards import TokenShards
     from codedojo.engine.engine import Engine
     from codedojo.engine.speculative import SpecStats, load_drafter
     from codedojo.engine.types import SamplingParams
-    from codedojo.model.config import ModelConfig
-    from codedojo.model.weights import build_model
+    from codedojo.model.weights import load_model
     from codedojo.ops import kernel_status
 
     ck = Path(args.ckpt)
     if not (ck / "model.safetensors").exists():
         sys.exit(f"{ck}: no checkpoint; run `dojo pretrain configs/cpt-smollm2.toml` first")
-    cfg = ModelConfig.model_validate_json((ck / "model_config.json").read_text())
-    model = build_model(load_file(str(ck / "model.safetensors")), cfg, getattr(torch, args.dtype))
+    model, cfg = load_model(ck, dtype=getattr(torch, args.dtype))
     max_len = args.prompt_len + args.new + 16  # + the drafts of the last round
     drafter = load_drafter(model, ck, max_len)
     if drafter is None:

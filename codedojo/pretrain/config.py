@@ -57,7 +57,9 @@ class SelfGenConfig(BaseModel):
     prompts: int = Field(256, ge=1)
     prompt_len: int = Field(64, ge=1, description="Tokens of code each continuation follows.")
     new_tokens: int = Field(96, ge=1, description="Greedy tokens generated per prompt.")
-    batch: int = Field(16, ge=1, description="Prompts generated together.")
+    batch: int = Field(64, ge=1, description="Prompts generated together. Decoding is bound by "
+                       "reading the weights at small batches: SmolLM2-135M on 2 CPU cores "
+                       "decodes 253 tokens/s at 16 rows, 614 at 64.")
     doc_start_frac: float = Field(0.5, ge=0, le=1, description="Share of prompts taken at the "
                                   "start of a file (the rest at random offsets).")
 

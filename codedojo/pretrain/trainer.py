@@ -506,6 +506,8 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
     full = full_state_dict(model)  # gathered once (a collective under FSDP) for both writes
     save_checkpoint(final, model, model.cfg, mtp, None,
                     TrainPosition(len(cfg.stages), 0, {}, True), full=full)
+    if is_main() and hasattr(tok, "save"):
+        tok.save(final)  # `dojo serve --model runs/<name>/final` serves it (an MoE model too)
     if cfg.export_hf and model.cfg.moe is None:
         hf_dir = run_dir / "hf"
         if is_main():

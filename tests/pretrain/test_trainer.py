@@ -9,6 +9,7 @@ import torch
 
 from codedojo.data.packing import PackedLoader, pack
 from codedojo.data.shards import TokenShards
+from codedojo.model.weights import load_model
 from codedojo.pretrain.checkpoint import load_trainer_state, load_weights
 from codedojo.pretrain.config import PretrainConfig, load_config
 from codedojo.pretrain.optim import build_adamw
@@ -178,8 +179,43 @@ def test_run_end_to_end_tiny(tmp_path):
     assert (final / "mtp.safetensors").exists()
     assert json.loads((final / "model_config.json").read_text())["rope_theta"] == 40000.0
     assert (tmp_path / "runs" / "e2e" / "hf" / "config.json").exists()
+    # `dojo serve` takes the checkpoint as it takes the HF export: same tokenizer, same logits
+    tok = load_tokenizer()
+    text = "def scale(value):\n    return value * 2\n"
+    assert load_tokenizer(str(final)).encode(text) == tok.encode(text)
+    served, served_cfg = load_model(final)
+    exported, _ = load_model(tmp_path / "runs" / "e2e" / "hf")
+    assert served_cfg.rope_theta == 40000.0
+    ids = torch.tensor([tok.encode(text)])
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids), exported(ids))
     again = run(cfg, tok=load_tokenizer(), console=Console(quiet=True))  # all stages skipped
     assert again["eval_loss"] == report["eval_loss"]
+
+
+def test_an_moe_checkpoint_loads_for_serving(tmp_path):
+    """An MoE model has no HF layout: `load_model` (so `dojo serve`) reads the training
+    checkpoint itself, the experts' selection biases included."""
+    from codedojo.model.config import ModelConfig, MoEConfig
+    from codedojo.model.moe import moe_layers
+    from codedojo.model.transformer import Transformer
+    from codedojo.pretrain.checkpoint import TrainPosition, save_checkpoint
+
+    cfg = ModelConfig.tiny(n_layers=3, moe=MoEConfig(n_routed_experts=8, top_k=2,
+                                                     expert_ffn_dim=16, first_dense_layers=1))
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    for m in moe_layers(model):
+        m.expert_bias.normal_()  # they choose the experts
+    ck = save_checkpoint(tmp_path / "ck", model, cfg, None, None, TrainPosition(0, 0, {}, True))
+    served, served_cfg = load_model(ck)
+    assert served_cfg == cfg
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids), model(ids))
+    (ck / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(ck)
 
 
 def test_distill_over_a_draft_vocabulary_of_frequent_tokens(tmp_path):
