@@ -84,6 +84,11 @@ def build_model(sd: dict[str, torch.Tensor], cfg: ModelConfig,
     return model
 
 
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    """The model config of a training checkpoint directory (RoPE scaling included)."""
+    return ModelConfig.model_validate_json((Path(path) / "model_config.json").read_text())
+
+
 def load_checkpoint_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
     """(state dict, config) of a training checkpoint directory."""
     from safetensors.torch import load_file
@@ -92,8 +97,7 @@ def load_checkpoint_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], 
     if not (d / "model.safetensors").exists():
         raise FileNotFoundError(f"{d / 'model.safetensors'} not found (a training checkpoint "
                                 "holds it beside model_config.json)")
-    cfg = ModelConfig.model_validate_json((d / "model_config.json").read_text())
-    return load_file(str(d / "model.safetensors")), cfg
+    return load_file(str(d / "model.safetensors")), checkpoint_config(d)
 
 
 def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32

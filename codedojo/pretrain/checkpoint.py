@@ -34,6 +34,7 @@ from torch import nn
 
 from codedojo.model.config import ModelConfig
 from codedojo.model.mtp import MTP, save_mtp
+from codedojo.model.weights import checkpoint_config
 from codedojo.pretrain.parallel import (
     broadcast_object,
     distributed,
@@ -171,7 +172,7 @@ def load_weights(path: str | Path, model: nn.Module, mtp: MTP | None = None) -> 
         if res.unexpected_keys or set(res.missing_keys) - {"draft_vocab"}:
             raise RuntimeError(f"{path}: MTP weights do not match the configured modules "
                                f"(missing {res.missing_keys}, unexpected {res.unexpected_keys})")
-    return ModelConfig.model_validate_json((path / "model_config.json").read_text())
+    return checkpoint_config(path)
 
 
 def load_trainer_state(path: str | Path, model: nn.Module, mtp: MTP | None,

@@ -167,7 +167,8 @@ def test_run_end_to_end_tiny(tmp_path):
     from codedojo.pretrain.trainer import run
 
     cfg = five_stage_config(tmp_path, "e2e")
-    report = run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
+    tok = load_tokenizer()
+    report = run(cfg, tok=tok, console=Console(quiet=True))
     assert set(report["eval_loss"]) == {"base", "bulk", "mtp", "long", "sft", "mtp_self"}
     assert report["eval_loss"]["mtp"] == report["eval_loss"]["bulk"]  # frozen model
     assert report["eval_loss"]["mtp_self"] == report["eval_loss"]["sft"]
@@ -180,7 +181,6 @@ def test_run_end_to_end_tiny(tmp_path):
     assert json.loads((final / "model_config.json").read_text())["rope_theta"] == 40000.0
     assert (tmp_path / "runs" / "e2e" / "hf" / "config.json").exists()
     # `dojo serve` takes the checkpoint as it takes the HF export: same tokenizer, same logits
-    tok = load_tokenizer()
     text = "def scale(value):\n    return value * 2\n"
     assert load_tokenizer(str(final)).encode(text) == tok.encode(text)
     served, served_cfg = load_model(final)
@@ -189,7 +189,7 @@ def test_run_end_to_end_tiny(tmp_path):
     ids = torch.tensor([tok.encode(text)])
     with torch.no_grad():
         torch.testing.assert_close(served(ids), exported(ids))
-    again = run(cfg, tok=load_tokenizer(), console=Console(quiet=True))  # all stages skipped
+    again = run(cfg, tok=tok, console=Console(quiet=True))  # all stages skipped
     assert again["eval_loss"] == report["eval_loss"]
 
 
