@@ -31,11 +31,12 @@ lint: setup
 bench: setup
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
 
-# On a CUDA machine: the GPU runs (skipped elsewhere), the fused loss and the CPU kernels built
-# for this CPU, then a bf16 training step against HF's on the GPU.
+# On a CUDA machine: the GPU runs and the engine on the GPU (skipped elsewhere), the fused loss
+# and the CPU kernels built for this CPU, then a bf16 training step against HF's on the GPU.
 gpu-check: setup
 	$(BIN)/python -c "import torch, sys; torch.cuda.is_available() or sys.exit('gpu-check: torch sees no CUDA device')"
-	$(BIN)/python -m pytest -q tests/pretrain/test_device.py tests/pretrain/test_loss.py tests/ops
+	$(BIN)/python -m pytest -q tests/pretrain/test_device.py tests/engine/test_engine_device.py \
+		tests/pretrain/test_loss.py tests/ops
 	$(BIN)/python benchmarks/train_throughput.py --device cuda --bf16 --random-init --batch 16 --seq 2048 --steps 10
 
 clean:

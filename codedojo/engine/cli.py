@@ -3,11 +3,39 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
+if TYPE_CHECKING:
+    import torch
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ("float32", "bfloat16")
+
+
+def serve_device(requested: str) -> torch.device:
+    """``auto`` (the first GPU when CUDA is available, else the CPU), ``cpu``, ``cuda`` or
+    ``cuda:N``, checked against this machine."""
+    import torch
+
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    named = f"{requested!r}: not one of auto, cpu, cuda, cuda:N"
+    try:
+        dev = torch.device(requested)
+    except RuntimeError:
+        raise ValueError(named) from None
+    if dev.type == "cpu" and dev.index in (None, 0):
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(named)
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    dev = torch.device("cuda", dev.index or 0)
+    if dev.index >= n:
+        raise ValueError(f"{requested!r}: this machine has {n or 'no'} CUDA device"
+                         f"{'' if n == 1 else 's'}")
+    return dev
 
 
 def serve(
@@ -18,6 +46,8 @@ def serve(
     max_batch: int = typer.Option(16, help="requests decoded together (continuous batching)"),
     served_name: str = typer.Option("", help="model name clients use (default: --model)"),
     tool_format: str = typer.Option("smollm2", help="tool-call format: smollm2, hermes or qwen3_coder"),
+    device: str = typer.Option("auto", help="where the model runs: auto (the first GPU when "
+                               "CUDA is available, else the CPU), cpu, cuda or cuda:N"),
     dtype: str = typer.Option("float32", help="weights and KV cache: float32 or bfloat16 (half "
                               "the bytes read per token: on a CPU, where decoding is bound by "
                               "memory reads, about 1.8x the tokens/s; sums stay float32)"),
@@ -47,6 +77,8 @@ def serve(
     import signal
     import threading
 
+    import torch
+
     from codedojo.engine.engine import Engine
     from codedojo.engine.server import BackgroundServer, create_app
     from codedojo.model.chat import ChatTemplate
@@ -66,6 +98,10 @@ def serve(
     if dtype not in DTYPES:
         raise typer.BadParameter(f"{dtype!r}: not one of {', '.join(DTYPES)}", param_hint="--dtype")
     try:
+        dev = serve_device(device)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--device") from None
+    try:
         tokenizer = load_tokenizer(model)
     except (FileNotFoundError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint="--model") from None
@@ -73,9 +109,8 @@ def serve(
         chat = ChatTemplate(tokenizer, tool_format=tool_format)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--tool-format") from None
-    import torch
-
     net, _ = load_model(model, dtype=getattr(torch, dtype))
+    net = net.to(dev)
     drafter = None
     if speculative and Path(model).is_dir():
         from codedojo.engine.speculative import load_drafter

@@ -179,14 +179,13 @@ class Engine:
                              f"has {max(m.n_experts for m in self._moe)} experts in a layer")
         # "dense", "recorded" or "unrecorded" (an MoE model, record_routing off)
         self.routing = "recorded" if self._moe else ("unrecorded" if moe else "dense")
-        on_cpu = next(model.parameters()).device.type == "cpu"
-        if on_cpu and load_kernel() is None:
+        self.device = next(model.parameters()).device  # where token ids go in
+        if self.device.type == "cpu" and load_kernel() is None:
             input_major_weights(model)
         self.max_batch = max_batch
         self.max_seq_len = min(max_seq_len or cfg.max_seq_len, cfg.max_seq_len)
         dtype = next(model.parameters()).dtype
-        self.cache = KVCache(cfg, max_batch, self.max_seq_len, dtype=dtype,
-                             device=next(model.parameters()).device)
+        self.cache = KVCache(cfg, max_batch, self.max_seq_len, dtype=dtype, device=self.device)
         self.weight_version = 0
         self._loads = 0  # load_weights calls (a version number may be pushed twice)
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
@@ -495,7 +494,8 @@ class Engine:
         for i, t in enumerate(rest):
             tokens[i, : lens[i]] = torch.tensor(t)
         view = self.cache.view(start, start + len(batch))
-        logits = self.model(tokens, cache=view, logits_at=torch.tensor(lens) - 1)
+        logits = self.model(tokens.to(self.device), cache=view,
+                            logits_at=torch.tensor(lens, device=self.device) - 1)
         self._record_routing(batch, lens)
         for i, r in enumerate(batch):
             self.cache.truncate(start + i, len(r.prompt_ids))
@@ -551,7 +551,8 @@ class Engine:
                 self._record_logits(req, sess)
                 return
             self._spec = None  # others joined (or it finished): plain batched decoding
-        tokens = torch.tensor([[r.token_ids[-1]] for r in live], dtype=torch.long)
+        tokens = torch.tensor([[r.token_ids[-1]] for r in live], dtype=torch.long,
+                              device=self.device)
         logits = self.model(tokens, cache=self.cache.view(0, len(live)))  # (B, 1, V)
         if self._moe:
             self._record_routing(live, [1] * len(live))

@@ -1,7 +1,8 @@
 """Turning next-token logits into tokens: temperature, top-k, top-p, seeded draws, logprobs.
 
 Each request draws from its own ``torch.Generator``, so a seed gives the same tokens whatever
-else shares the batch. The reported logprob is the log-probability of the sampled token under the
+else shares the batch. Generators live on the CPU: logits computed elsewhere are copied there to
+be sampled, so a seed draws alike on every device. The reported logprob is the log-probability of the sampled token under the
 distribution it was drawn from (after temperature and the top-k/top-p filters, renormalised);
 greedy requests report the log-softmax of the raw logits.
 """
@@ -57,4 +58,5 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     if all(p.temperature == 0 and not p.top_logprobs for p in params):
         toks, lps = greedy(logits)
         return [(t, lp, []) for t, lp in zip(toks.tolist(), lps.tolist(), strict=True)]
+    logits = logits.cpu()  # where the requests' generators draw (one copy of B rows)
     return [sample_row(logits[i], p, g) for i, (p, g) in enumerate(zip(params, gens, strict=True))]

@@ -163,6 +163,9 @@ def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def _sample(p: torch.Tensor, gen: torch.Generator | None) -> int:
+    """A draw from p (V,), on the generator's device (the requests' are on the CPU)."""
+    if gen is not None:
+        p = p.to(gen.device)
     return int(torch.multinomial(p.float() if p.dtype == torch.bfloat16 else p, 1,
                                  generator=gen))
 
@@ -479,5 +482,6 @@ def load_drafter(model: Transformer, ckpt_dir: str | Path, max_len: int | None =
     mtp = load_mtp(ckpt_dir, model.cfg)
     if mtp is None:
         return None
-    mtp = mtp.to(next(model.parameters()).dtype)
+    w = next(model.parameters())
+    mtp = mtp.to(device=w.device, dtype=w.dtype)
     return MTPDrafter(mtp, DraftHead(model, mtp.draft_vocab), max_len)
