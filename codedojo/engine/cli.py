@@ -56,8 +56,9 @@ def serve(
     spec_draft_cost: float | None = typer.Option(
         None, help="what one more draft per round costs, in plain decode steps (default: "
         "measured over the first 64 rounds; about 0.2 on a 2-core CPU): after 64 rounds, each "
-        "round drafts the number of tokens that pays best by the acceptance seen, and "
-        "speculation pauses when none does (0: always every module)"),
+        "round drafts the number of tokens that pays best by the acceptance seen (the "
+        "engine's latest rounds and the request's own), and speculation pauses when none "
+        "does (0: always every module)"),
     spec_explore_every: int = typer.Option(
         32, help="every N-th speculative round drafts with every module, so drafts that do not "
         "pay now are tested again, and paused speculation resumes when they come to pay (0: "

@@ -62,7 +62,13 @@ import torch
 
 from codedojo.engine.prefix_cache import Entry, PrefixCache, common_prefix
 from codedojo.engine.sampling import filtered_logprobs, sample_batch
-from codedojo.engine.speculative import Drafter, SpecStats, SpeculativeSession, TransformerTarget
+from codedojo.engine.speculative import (
+    Drafter,
+    SpecStats,
+    SpeculativeSession,
+    TransformerTarget,
+    best_depth,
+)
 from codedojo.engine.types import Completion, SamplingParams, TokenEvent
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.moe import moe_layers
@@ -91,6 +97,13 @@ log = logging.getLogger(__name__)
 PREFILL_TOKENS = 4096  # padded tokens per batched prefill pass
 # Shared prefixes shorter than this are prefilled again (a copy and a batch of its own do not pay).
 PREFIX_MIN_TOKENS = 32
+# Whether drafts pay is judged by the acceptance of the engine's latest rounds, so that it
+# follows the traffic and the weights (a long-lived server's totals would never move), and
+# for a request by its own rounds too: acceptance differs far more between texts than between
+# the rounds of one (SmolLM2-135M's first draft passed 0.14 to 1.0 of the time on 24 held-out
+# code prompts). The engine's rates count as this many rounds of the request's own.
+RECENT_ROUNDS = 256
+PRIOR_ROUNDS = 8
 
 
 @dataclass
@@ -154,8 +167,8 @@ class Engine:
 
         ``drafter``: MTP drafts for speculative decoding. The first ``spec_probe_rounds``
         rounds draft with every module; from then on each round drafts the number of tokens
-        that emits the most per unit of time by the acceptance seen so far
-        (`SpecStats.best_depth`), with one more draft costing ``draft_cost`` plain decode steps
+        that emits the most per unit of time by the acceptance seen (`best_depth`: of the
+        engine's latest rounds and of the request's own), with one more draft costing ``draft_cost`` plain decode steps
         (drafting it and verifying it), except every ``spec_explore_every``-th round, which
         drafts with every module so that the acceptance of every draft stays current. When no
         draft pays, rounds draft nothing but those: speculation pauses, and resumes if the
@@ -449,15 +462,20 @@ class Engine:
             self._measured_cost = cost
         return cost
 
-    def _paying_depth(self) -> int:
-        """The number of drafts a round pays for by what has been seen (every module while
-        probing)."""
+    def _paying_depth(self, own: SpecStats | None = None) -> int:
+        """The number of drafts a round pays for (every module while probing), by the
+        acceptance of the engine's latest ``RECENT_ROUNDS`` rounds; for a request, by its own
+        rounds, those counting as ``PRIOR_ROUNDS`` rounds of its own."""
         assert self.drafter is not None
+        depth = self.drafter.depth
         if self.spec_draft_cost == 0 or self._spec_steps < self.spec_probe_rounds:
-            return self.drafter.depth
-        return self.spec_stats.best_depth(self.drafter.depth, self.draft_cost)
+            return depth
+        rates = self.spec_stats.pass_rates(depth, last=RECENT_ROUNDS)
+        if own is not None:
+            rates = own.pass_rates(depth, prior=rates, prior_rounds=PRIOR_ROUNDS)
+        return best_depth(rates, depth, self.draft_cost)
 
-    def _spec_depth(self) -> int:
+    def _spec_depth(self, own: SpecStats) -> int:
         """Drafts for the next speculative round (see ``__init__``): what pays, but while
         probing every fourth round drafts nothing when the cost is to be measured, and after
         it every ``spec_explore_every``-th drafts with every module."""
@@ -467,7 +485,7 @@ class Engine:
             return 0 if self.spec_draft_cost is None and n % 4 == 3 else self.drafter.depth
         if e and (n - self.spec_probe_rounds) % e == e - 1:
             return self.drafter.depth
-        return self._paying_depth()
+        return self._paying_depth(own)
 
     def _speculates(self, req: Request) -> bool:
         if self.drafter is not None and (paused := self._paying_depth() == 0) != self._paused:
@@ -537,7 +555,7 @@ class Engine:
             if live == [req]:
                 room = min(req.params.max_tokens - len(req.token_ids),
                            self.max_seq_len - len(req.prompt_ids) - len(req.token_ids))
-                depth = self._spec_depth()
+                depth = self._spec_depth(sess.own)
                 # a request's first round also drafts over the whole prompt: not timed
                 timed = depth < room and len(req.token_ids) > 1  # and drafts what was asked
                 t = time.perf_counter()

@@ -65,6 +65,24 @@ class Drafter(Protocol):
         ...
 
 
+def expected_tokens(rates: Sequence[float], k: int) -> float:
+    """Tokens a round drafting k emits when draft j passes with probability ``rates[j-1]``
+    once drafts 1..j-1 have: 1 + the chance that drafts 1..j all pass, summed over j <= k."""
+    total, chain = 1.0, 1.0
+    for j in range(k):
+        chain *= rates[j] if j < len(rates) else 0.0
+        total += chain
+    return total
+
+
+def best_depth(rates: Sequence[float], max_depth: int, draft_cost: float) -> int:
+    """The number of drafts per round that emits the most tokens per unit of time, when a
+    round drafting k costs 1 + k * draft_cost plain decode steps (drafting one more token and
+    verifying it). 0: plain decoding is faster."""
+    rate = [expected_tokens(rates, k) / (1 + k * draft_cost) for k in range(max_depth + 1)]
+    return max(range(max_depth + 1), key=lambda k: (rate[k], -k))
+
+
 @dataclass
 class SpecStats:
     """Counts over speculative rounds (rounds with at least one draft; each is one target
@@ -74,8 +92,9 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0  # tokens emitted by verify rounds
-    # accepted drafts of the latest rounds (bounded: a server's engine keeps its stats for good)
-    recent: deque[int] = field(default_factory=lambda: deque(maxlen=4096))
+    # (drafted, accepted) of the latest rounds (bounded: a server's engine keeps its stats for
+    # good)
+    recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=4096))
     # per draft depth j (index j-1): rounds that drafted j tokens or more and accepted the
     # first j-1 (so draft j was put to the test), and those of them that accepted draft j
     reached: list[int] = field(default_factory=list)
@@ -86,7 +105,7 @@ class SpecStats:
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
-        self.recent.append(accepted)
+        self.recent.append((drafted, accepted))
         self.emitted += emitted
         while len(self.reached) < drafted:
             self.reached.append(0)
@@ -95,22 +114,28 @@ class SpecStats:
             self.reached[j] += 1
             self.passed[j] += int(j < accepted)
 
-    def expected_tokens(self, k: int) -> float:
-        """Tokens a round drafting k emits, by the acceptance seen so far: 1 + the chance that
-        drafts 1..j are all accepted, summed over j <= k."""
-        total, chain = 1.0, 1.0
-        for j in range(k):
-            tested = self.reached[j] if j < len(self.reached) else 0
-            chain *= self.passed[j] / tested if tested else 0.0
-            total += chain
-        return total
+    def counts(self, depth: int, last: int | None = None) -> tuple[list[int], list[int]]:
+        """(reached, passed) per draft depth up to ``depth``, over every round or over the
+        ``last`` ones."""
+        if last is None:
+            pad = [0] * max(0, depth - len(self.reached))
+            return (self.reached + pad)[:depth], (self.passed + pad)[:depth]
+        reached, passed = [0] * depth, [0] * depth
+        for drafted, accepted in list(self.recent)[-last:]:
+            for j in range(min(drafted, accepted + 1, depth)):
+                reached[j] += 1
+                passed[j] += int(j < accepted)
+        return reached, passed
 
-    def best_depth(self, max_depth: int, draft_cost: float) -> int:
-        """The number of drafts per round that emits the most tokens per unit of time, when a
-        round drafting k costs 1 + k * draft_cost plain decode steps (drafting one more token
-        and verifying it). 0: plain decoding is faster."""
-        rate = [self.expected_tokens(k) / (1 + k * draft_cost) for k in range(max_depth + 1)]
-        return max(range(max_depth + 1), key=lambda k: (rate[k], -k))
+    def pass_rates(self, depth: int, last: int | None = None,
+                   prior: Sequence[float] = (), prior_rounds: float = 0.0) -> list[float]:
+        """Per draft depth, the chance it passes once the drafts before it have: passed /
+        reached over every round or the ``last`` ones, with ``prior`` (rates seen elsewhere)
+        counted as ``prior_rounds`` rounds of its own; 0 where nothing tells."""
+        reached, passed = self.counts(depth, last)
+        prior = list(prior) + [0.0] * (depth - len(prior))
+        return [(p + prior_rounds * q) / (r + prior_rounds) if r + prior_rounds else 0.0
+                for r, p, q in zip(reached, passed, prior, strict=True)]
 
     @property
     def accept_rate(self) -> float:
@@ -119,7 +144,7 @@ class SpecStats:
     @property
     def accepted_per_round(self) -> list[int]:
         """Accepted drafts per round, for the latest 4096 rounds."""
-        return list(self.recent)
+        return [a for _, a in self.recent]
 
     @property
     def target_passes(self) -> int:
@@ -229,6 +254,7 @@ class SpeculativeSession:
         self.target, self.drafter = target, drafter
         self.temperature, self.gen = temperature, gen
         self.stats = SpecStats() if stats is None else stats
+        self.own = self.stats if stats is None else SpecStats()  # this sequence's rounds
         self.tokens: list[int] = []
         self.origin = 0  # the drafter sees the sequence from this position on
         self.logits: torch.Tensor | None = None  # target logits (n, V) of the last emitted
@@ -291,6 +317,8 @@ class SpeculativeSession:
         emitted = [*drafts[:n_acc], extra]
         if drafts:  # a round without drafts is a plain decode step, not counted
             self.stats.record(len(drafts), n_acc, len(emitted))
+            if self.own is not self.stats:
+                self.own.record(len(drafts), n_acc, len(emitted))
         self.logits = logits[: n_acc + 1]
         self.target.truncate(L + n_acc)  # keep positions 0 .. L-1+n_acc (the accepted ones)
         # the drafter has not seen these hiddens yet (nor, after a round without drafts, the

@@ -16,6 +16,8 @@ from codedojo.engine.speculative import (
     SpecStats,
     SpeculativeSession,
     TransformerTarget,
+    best_depth,
+    expected_tokens,
 )
 from codedojo.engine.types import SamplingParams
 from codedojo.model.config import ModelConfig
@@ -47,6 +49,10 @@ def mtp_drafter(model: Transformer, draft_vocab: int) -> MTPDrafter:
 
 def plain(model: Transformer, params: SamplingParams) -> list:
     return [Engine(model, max_batch=2).generate([PROMPT], params)[0]]
+
+
+def plain_of(model: Transformer, prompt: list[int], params: SamplingParams) -> list[int]:
+    return Engine(model, max_batch=2).generate([prompt], params)[0].token_ids
 
 
 @pytest.mark.parametrize("varied", [False, True])
@@ -158,16 +164,58 @@ def test_paused_speculation_resumes_when_drafts_come_to_pay(model: Transformer) 
     engine.generate([PROMPT], SamplingParams(max_tokens=7, temperature=0))
     assert engine._spec_steps == 6 and not engine.speculating
     req = engine.submit(PROMPT, params)  # the next request still explores
+    depths = _depths(engine, req)
+    assert req.completion().token_ids == plain(model, params)[0].token_ids
+    # its first step is an exploring round: two right drafts, which count for it as much as
+    # the engine's four wrong rounds count for it as eight, make drafting pay again
+    assert set(depths[:-1]) == {2}
+    assert engine.speculating
+
+
+def _depths(engine: Engine, req) -> list[int]:
+    """Drafts of each step until ``req`` is done."""
     depths = []
     while not req.done.is_set():
         drafted = engine.spec_stats.drafted
         engine.step()
         depths.append(engine.spec_stats.drafted - drafted)
-    assert req.completion().token_ids == plain(model, params)[0].token_ids
-    # paused but for every third round, then drafting again: the second exploring round makes
-    # two right drafts pay
-    assert depths[:4] == [2, 0, 0, 2] and set(depths[4:-1]) == {2}
-    assert engine.speculating
+    return depths
+
+
+class TextDrafter(OracleDrafter):
+    """Right on sequences that start with ``easy``, wrong on any other."""
+
+    def __init__(self, target: TransformerTarget, depth: int, easy: list[int]):
+        super().__init__(target, depth)
+        self.easy = easy
+
+    def draft(self, new_hidden, tokens, pick, k):
+        drafts, qs = super().draft(new_hidden, tokens, pick, k)
+        right = list(tokens[:len(self.easy)]) == self.easy
+        return (drafts if right else [(d + 1) % 64 for d in drafts]), qs
+
+
+def test_each_request_drafts_by_its_own_acceptance(model: Transformer) -> None:
+    """Drafts that pay on one text and not on another: after a run of easy requests, a hard
+    one soon stops drafting, though the engine's latest rounds say drafts pay; the next easy
+    one drafts at once."""
+    hard = [7, 31, 2, 9, 5]
+    engine = Engine(model, max_batch=2, drafter=TextDrafter(TransformerTarget(model), 2, PROMPT),
+                    spec_draft_cost=0.2, spec_probe_rounds=4, spec_explore_every=0)
+    params = SamplingParams(max_tokens=60, temperature=0)
+    for _ in range(3):
+        engine.generate([PROMPT], params)
+    assert engine.spec_stats.accept_rate == 1.0
+    req = engine.submit(hard, params)
+    depths = _depths(engine, req)
+    assert req.completion().token_ids == plain_of(model, hard, params)
+    # drafting while its own wrong rounds weigh less than the engine's sixty right ones (about
+    # twenty rounds), then not; by the engine's totals alone it would draft to the end
+    stop = depths.index(0)
+    assert 0 < stop < len(depths) / 2 and set(depths[stop:]) == {0}
+    assert engine.speculating  # the engine's latest rounds still pay
+    easy = engine.submit(PROMPT, params)
+    assert set(_depths(engine, easy)[:-1]) == {2}
 
 
 class SlowDrafter(OracleDrafter):
@@ -253,10 +301,19 @@ def test_spec_stats_choose_the_depth_by_cost() -> None:
         for _ in range(times):
             st.record(2, accepted, accepted + 1)
     assert (st.reached, st.passed) == ([10, 4], [4, 2])
-    assert st.expected_tokens(0) == 1 and st.expected_tokens(2) == pytest.approx(1.6)
+    rates = st.pass_rates(2)
+    assert expected_tokens(rates, 0) == 1 and expected_tokens(rates, 2) == pytest.approx(1.6)
     # 1.4 tokens per 1.2 steps > 1.6 per 1.4; cheaper drafts make depth 2 pay; dearer, none
-    assert [st.best_depth(2, c) for c in (0.2, 0.1, 0.5)] == [1, 2, 0]
+    assert [best_depth(rates, 2, c) for c in (0.2, 0.1, 0.5)] == [1, 2, 0]
     assert st.as_dict()["accept_depth2"] == 0.5
+    # the latest rounds only: (1, 2) twice, (2, 2) twice
+    assert st.counts(2, last=4) == ([4, 4], [4, 2]) and st.counts(3, last=2) == ([2, 2, 0],
+                                                                                  [2, 2, 0])
+    assert st.counts(3) == ([10, 4, 0], [4, 2, 0])
+    # a prior worth 10 rounds at (0.9, 0.0) beside the 10 and 4 rounds seen
+    assert st.pass_rates(3, prior=[0.9, 0.0], prior_rounds=10) == pytest.approx(
+        [(4 + 9) / 20, 2 / 14, 0.0])
+    assert SpecStats().pass_rates(2) == [0.0, 0.0]
 
 
 class ReferenceCheckingDrafter:
