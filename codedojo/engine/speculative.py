@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Protocol
 
@@ -121,7 +122,7 @@ class SpecStats:
             pad = [0] * max(0, depth - len(self.reached))
             return (self.reached + pad)[:depth], (self.passed + pad)[:depth]
         reached, passed = [0] * depth, [0] * depth
-        for drafted, accepted in list(self.recent)[-last:]:
+        for drafted, accepted in islice(reversed(self.recent), last):
             for j in range(min(drafted, accepted + 1, depth)):
                 reached[j] += 1
                 passed[j] += int(j < accepted)
