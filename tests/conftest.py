@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -16,6 +16,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture()
+def gpus(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """``gpus(n)``: torch sees n CUDA devices (none: no CUDA) for the rest of the test."""
+
+    def see(n: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    return see
 
 
 @pytest.fixture()

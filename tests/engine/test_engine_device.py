@@ -22,20 +22,15 @@ PROMPTS = [[5, 9, 2, 31, 7], [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47], [11]]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _gpus(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
-
-
-def test_the_serving_device_follows_the_request_and_the_machine(monkeypatch):
-    _gpus(monkeypatch, 0)
+def test_the_serving_device_follows_the_request_and_the_machine(gpus):
+    gpus(0)
     assert serve_device("auto") == serve_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="'cuda': this machine has no CUDA devices"):
         serve_device("cuda")
     for bad in ("tpu", "cuda:x", "meta", "cpu:1"):
         with pytest.raises(ValueError, match=f"'{bad}': not one of auto, cpu, cuda, cuda:N"):
             serve_device(bad)
-    _gpus(monkeypatch, 2)
+    gpus(2)
     assert serve_device("auto") == serve_device("cuda") == torch.device("cuda", 0)
     assert serve_device("cuda:1") == torch.device("cuda", 1)
     assert serve_device("cpu") == torch.device("cpu")  # a CPU server on a GPU machine

@@ -10,14 +10,9 @@ from codedojo.pretrain.parallel import train_device
 from codedojo.pretrain.trainer import on_device
 
 
-def _gpus(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
-
-
-def test_the_training_device_follows_the_config_and_the_machine(monkeypatch):
+def test_the_training_device_follows_the_config_and_the_machine(monkeypatch, gpus):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    _gpus(monkeypatch, 0)
+    gpus(0)
     assert train_device("auto") == torch.device("cpu")
     assert train_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="model.device = 'cuda'.*no CUDA device"):
@@ -25,7 +20,7 @@ def test_the_training_device_follows_the_config_and_the_machine(monkeypatch):
     with pytest.raises(ValueError, match="model.device: 'gpu'"):
         train_device("gpu")
 
-    _gpus(monkeypatch, 2)
+    gpus(2)
     assert train_device("auto") == torch.device("cuda", 0)
     assert train_device("cpu") == torch.device("cpu")  # a CPU run on a GPU machine
     monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun's second process on this node
