@@ -97,12 +97,12 @@ log = logging.getLogger(__name__)
 PREFILL_TOKENS = 4096  # padded tokens per batched prefill pass
 # Shared prefixes shorter than this are prefilled again (a copy and a batch of its own do not pay).
 PREFIX_MIN_TOKENS = 32
-# Whether drafts pay is judged by the acceptance of the engine's latest rounds, so that it
-# follows the traffic and the weights (a long-lived server's totals would never move), and
-# for a request by its own rounds too: acceptance differs far more between texts than between
-# the rounds of one (SmolLM2-135M's first draft passed 0.14 to 1.0 of the time on 24 held-out
-# code prompts). The engine's rates count as this many rounds of the request's own.
-RECENT_ROUNDS = 256
+# Whether drafts pay is judged by the acceptance of the engine's latest rounds (its
+# `SpecStats.window`), so that it follows the traffic and the weights (a long-lived server's
+# totals would never move), and for a request by its own rounds too: acceptance differs far
+# more between texts than between the rounds of one (SmolLM2-135M's first draft passed 0.14 to
+# 1.0 of the time on 24 held-out code prompts). The engine's rates count as this many rounds of
+# the request's own.
 PRIOR_ROUNDS = 8
 
 
@@ -168,8 +168,8 @@ class Engine:
         ``drafter``: MTP drafts for speculative decoding. The first ``spec_probe_rounds``
         rounds draft with every module; from then on each round drafts the number of tokens
         that emits the most per unit of time by the acceptance seen (`best_depth`: of the
-        engine's latest rounds and of the request's own), with one more draft costing ``draft_cost`` plain decode steps
-        (drafting it and verifying it), except every ``spec_explore_every``-th round, which
+        engine's latest rounds and of the request's own), with one more draft costing
+        ``draft_cost`` plain decode steps (drafting it and verifying it), except every ``spec_explore_every``-th round, which
         drafts with every module so that the acceptance of every draft stays current. When no
         draft pays, rounds draft nothing but those: speculation pauses, and resumes if the
         drafts come to pay (on text they know better). ``spec_explore_every=0``: no exploring
@@ -192,13 +192,13 @@ class Engine:
                              f"has {max(m.n_experts for m in self._moe)} experts in a layer")
         # "dense", "recorded" or "unrecorded" (an MoE model, record_routing off)
         self.routing = "recorded" if self._moe else ("unrecorded" if moe else "dense")
-        self.device = next(model.parameters()).device  # where token ids go in
+        w = next(model.parameters())
+        self.device = w.device  # where token ids go in
         if self.device.type == "cpu" and load_kernel() is None:
             input_major_weights(model)
         self.max_batch = max_batch
         self.max_seq_len = min(max_seq_len or cfg.max_seq_len, cfg.max_seq_len)
-        dtype = next(model.parameters()).dtype
-        self.cache = KVCache(cfg, max_batch, self.max_seq_len, dtype=dtype, device=self.device)
+        self.cache = KVCache(cfg, max_batch, self.max_seq_len, dtype=w.dtype, device=self.device)
         self.weight_version = 0
         self._loads = 0  # load_weights calls (a version number may be pushed twice)
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
@@ -464,13 +464,13 @@ class Engine:
 
     def _paying_depth(self, own: SpecStats | None = None) -> int:
         """The number of drafts a round pays for (every module while probing), by the
-        acceptance of the engine's latest ``RECENT_ROUNDS`` rounds; for a request, by its own
-        rounds, those counting as ``PRIOR_ROUNDS`` rounds of its own."""
+        acceptance of the engine's latest rounds; for a request, by its own rounds, those
+        counting as ``PRIOR_ROUNDS`` rounds of its own."""
         assert self.drafter is not None
         depth = self.drafter.depth
         if self.spec_draft_cost == 0 or self._spec_steps < self.spec_probe_rounds:
             return depth
-        rates = self.spec_stats.pass_rates(depth, last=RECENT_ROUNDS)
+        rates = self.spec_stats.pass_rates(depth, recent=True)
         if own is not None:
             rates = own.pass_rates(depth, prior=rates, prior_rounds=PRIOR_ROUNDS)
         return best_depth(rates, depth, self.draft_cost)

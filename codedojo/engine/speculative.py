@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Protocol
 
@@ -84,56 +83,64 @@ def best_depth(rates: Sequence[float], max_depth: int, draft_cost: float) -> int
     return max(range(max_depth + 1), key=lambda k: (rate[k], -k))
 
 
+def _tally(reached: list[int], passed: list[int], drafted: int, accepted: int,
+           sign: int = 1) -> None:
+    """Add (sign 1) or take away (-1) one round's tests of each draft depth."""
+    while len(reached) < drafted:
+        reached.append(0)
+        passed.append(0)
+    for j in range(min(drafted, accepted + 1)):
+        reached[j] += sign
+        passed[j] += sign * int(j < accepted)
+
+
 @dataclass
 class SpecStats:
     """Counts over speculative rounds (rounds with at least one draft; each is one target
-    pass)."""
+    pass): over every round, and over the latest ``window`` ones (kept up to date round by
+    round, as a decision per round reads them)."""
 
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0  # tokens emitted by verify rounds
-    # (drafted, accepted) of the latest rounds (bounded: a server's engine keeps its stats for
-    # good)
-    recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=4096))
+    window: int = 256
+    # (drafted, accepted) of the latest `window` rounds
+    recent: deque[tuple[int, int]] = field(default_factory=deque)
     # per draft depth j (index j-1): rounds that drafted j tokens or more and accepted the
-    # first j-1 (so draft j was put to the test), and those of them that accepted draft j
+    # first j-1 (so draft j was put to the test), and those of them that accepted draft j;
+    # over every round, and over the `recent` ones
     reached: list[int] = field(default_factory=list)
     passed: list[int] = field(default_factory=list)
+    recent_reached: list[int] = field(default_factory=list)
+    recent_passed: list[int] = field(default_factory=list)
 
     def record(self, drafted: int, accepted: int, emitted: int) -> None:
         """One verify round."""
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
-        self.recent.append((drafted, accepted))
         self.emitted += emitted
-        while len(self.reached) < drafted:
-            self.reached.append(0)
-            self.passed.append(0)
-        for j in range(min(drafted, accepted + 1)):
-            self.reached[j] += 1
-            self.passed[j] += int(j < accepted)
+        _tally(self.reached, self.passed, drafted, accepted)
+        self.recent.append((drafted, accepted))
+        _tally(self.recent_reached, self.recent_passed, drafted, accepted)
+        if len(self.recent) > self.window:
+            _tally(self.recent_reached, self.recent_passed, *self.recent.popleft(), sign=-1)
 
-    def counts(self, depth: int, last: int | None = None) -> tuple[list[int], list[int]]:
+    def counts(self, depth: int, recent: bool = False) -> tuple[list[int], list[int]]:
         """(reached, passed) per draft depth up to ``depth``, over every round or over the
-        ``last`` ones."""
-        if last is None:
-            pad = [0] * max(0, depth - len(self.reached))
-            return (self.reached + pad)[:depth], (self.passed + pad)[:depth]
-        reached, passed = [0] * depth, [0] * depth
-        for drafted, accepted in islice(reversed(self.recent), last):
-            for j in range(min(drafted, accepted + 1, depth)):
-                reached[j] += 1
-                passed[j] += int(j < accepted)
-        return reached, passed
+        latest ``window``."""
+        reached, passed = ((self.recent_reached, self.recent_passed) if recent
+                           else (self.reached, self.passed))
+        pad = [0] * max(0, depth - len(reached))
+        return (reached + pad)[:depth], (passed + pad)[:depth]
 
-    def pass_rates(self, depth: int, last: int | None = None,
+    def pass_rates(self, depth: int, recent: bool = False,
                    prior: Sequence[float] = (), prior_rounds: float = 0.0) -> list[float]:
         """Per draft depth, the chance it passes once the drafts before it have: passed /
-        reached over every round or the ``last`` ones, with ``prior`` (rates seen elsewhere)
-        counted as ``prior_rounds`` rounds of its own; 0 where nothing tells."""
-        reached, passed = self.counts(depth, last)
+        reached over every round or the latest ``window``, with ``prior`` (rates seen
+        elsewhere) counted as ``prior_rounds`` rounds of its own; 0 where nothing tells."""
+        reached, passed = self.counts(depth, recent)
         prior = list(prior) + [0.0] * (depth - len(prior))
         return [(p + prior_rounds * q) / (r + prior_rounds) if r + prior_rounds else 0.0
                 for r, p, q in zip(reached, passed, prior, strict=True)]
@@ -144,7 +151,7 @@ class SpecStats:
 
     @property
     def accepted_per_round(self) -> list[int]:
-        """Accepted drafts per round, for the latest 4096 rounds."""
+        """Accepted drafts per round, for the latest ``window`` rounds."""
         return [a for _, a in self.recent]
 
     @property

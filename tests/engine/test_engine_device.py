@@ -55,9 +55,9 @@ def _tiny() -> Transformer:
     return m
 
 
-def _both(engine_kw: dict, prompts: list[list[int]], params) -> tuple[list, list]:
+def _both(model: Transformer, prompts: list[list[int]], params, **engine_kw
+          ) -> tuple[list, list]:
     """The same requests on a CPU engine and a CUDA one over a copy of the model."""
-    model = engine_kw.pop("model")
     cpu = Engine(model, **engine_kw).generate(prompts, params)
     gpu = Engine(copy.deepcopy(model).cuda(), **engine_kw).generate(prompts, params)
     return cpu, gpu
@@ -66,14 +66,14 @@ def _both(engine_kw: dict, prompts: list[list[int]], params) -> tuple[list, list
 @needs_cuda
 def test_batched_and_seeded_decoding_on_the_gpu_give_the_cpus_tokens():
     greedy = SamplingParams(max_tokens=12, temperature=0, logprobs=True)
-    cpu, gpu = _both({"model": _tiny(), "max_batch": 3}, PROMPTS, greedy)  # requests queue
+    cpu, gpu = _both(_tiny(), PROMPTS, greedy, max_batch=3)  # requests queue
     for c, g in zip(cpu, gpu, strict=True):
         assert g.token_ids == c.token_ids
         assert g.logprobs == pytest.approx(c.logprobs, abs=1e-4)
     # sampled on the CPU from the GPU's logits, with each request's own generator
     sampled = [SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=i, logprobs=True,
                               top_logprobs=2) for i in range(len(PROMPTS))]
-    cpu, gpu = _both({"model": _tiny(), "max_batch": 4}, PROMPTS, sampled)
+    cpu, gpu = _both(_tiny(), PROMPTS, sampled, max_batch=4)
     for c, g in zip(cpu, gpu, strict=True):
         assert g.token_ids == c.token_ids
         assert g.logprobs == pytest.approx(c.logprobs, abs=1e-4)
@@ -128,8 +128,7 @@ def test_speculative_decoding_on_the_gpu(tmp_path, draft_vocab):
 @needs_cuda
 def test_recorded_moe_routing_on_the_gpu_is_the_cpus():
     params = SamplingParams(max_tokens=6, temperature=0)
-    cpu, gpu = _both({"model": tiny_moe(), "max_batch": 2, "record_routing": True},
-                     PROMPTS[:3], params)
+    cpu, gpu = _both(tiny_moe(), PROMPTS[:3], params, max_batch=2, record_routing=True)
     for c, g in zip(cpu, gpu, strict=True):
         assert g.token_ids == c.token_ids
         n = len(g.prompt_ids) + len(g.token_ids) - 1

@@ -306,10 +306,16 @@ def test_spec_stats_choose_the_depth_by_cost() -> None:
     # 1.4 tokens per 1.2 steps > 1.6 per 1.4; cheaper drafts make depth 2 pay; dearer, none
     assert [best_depth(rates, 2, c) for c in (0.2, 0.1, 0.5)] == [1, 2, 0]
     assert st.as_dict()["accept_depth2"] == 0.5
-    # the latest rounds only: (1, 2) twice, (2, 2) twice
-    assert st.counts(2, last=4) == ([4, 4], [4, 2]) and st.counts(3, last=2) == ([2, 2, 0],
-                                                                                  [2, 2, 0])
     assert st.counts(3) == ([10, 4, 0], [4, 2, 0])
+    # the latest rounds only: (1, 2) twice, (2, 2) twice; the last two
+    for window, depth, want in ((4, 2, ([4, 4], [4, 2])), (2, 3, ([2, 2, 0], [2, 2, 0]))):
+        latest = SpecStats(window=window)
+        for accepted, times in ((0, 6), (1, 2), (2, 2)):
+            for _ in range(times):
+                latest.record(2, accepted, accepted + 1)
+        assert latest.counts(depth, recent=True) == want
+        assert latest.counts(depth) == st.counts(depth)
+        assert latest.accepted_per_round == [1, 1, 2, 2][-window:]
     # a prior worth 10 rounds at (0.9, 0.0) beside the 10 and 4 rounds seen
     assert st.pass_rates(3, prior=[0.9, 0.0], prior_rounds=10) == pytest.approx(
         [(4 + 9) / 20, 2 / 14, 0.0])
