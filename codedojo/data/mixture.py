@@ -39,6 +39,7 @@ class MixedDoc:
     tokens: np.ndarray  # (n,) int64
     mask: np.ndarray | None  # (n,) uint8 per-token loss mask, None = train on all
     source: int
+    start: int = 0  # where the document starts in its source's token stream
 
 
 def mix(sources: list[MixtureSource], total_tokens: int, seed: int = 0,
@@ -71,4 +72,5 @@ def mix(sources: list[MixtureSource], total_tokens: int, seed: int = 0,
         toks = shards[k].doc(i)
         taken[k] += toks.size
         total += toks.size
-        yield MixedDoc(tokens=toks, mask=shards[k].mask(i), source=k)
+        yield MixedDoc(tokens=toks, mask=shards[k].mask(i), source=k,
+                       start=shards[k].doc_start(i))

@@ -11,6 +11,10 @@ id: which document of the row it belongs to. From the segment ids a batch gets
 Together these make a document's loss identical packed or alone (tested). A document longer than
 a row is split; each piece restarts its positions. Padding (only in the last row) has segment -1
 and is never trained.
+
+Packed with ``origins``, a row also records where each token came from in its source's token
+stream, so that per-token vectors stored beside a source (``features.py``: the frozen model's
+hidden states of self-generated text) reach the batch as ``hidden``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from codedojo.data.features import TokenFeatures
 from codedojo.data.mixture import MixedDoc
 
 
@@ -30,6 +35,7 @@ class Packed:
     tokens: np.ndarray  # (N, L+1) int32
     segments: np.ndarray  # (N, L+1) int32, -1 = padding
     mask: np.ndarray  # (N, L+1) uint8 per-token trainability from the source (SFT masks)
+    origin: np.ndarray | None = None  # (N, L+1) int64 position in the source's stream, -1 = pad
 
     @property
     def seq_len(self) -> int:
@@ -43,45 +49,69 @@ class Packed:
         path.mkdir(parents=True, exist_ok=True)
         np.save(path / "tokens.npy", self.tokens)
         np.save(path / "segments.npy", self.segments)
-        np.save(path / "mask.npy", self.mask)
+        if self.origin is not None:
+            np.save(path / "origin.npy", self.origin)
+        np.save(path / "mask.npy", self.mask)  # last: its presence marks a finished directory
 
     @classmethod
     def load(cls, path: str | Path) -> Packed:
         path = Path(path)
+        origin = path / "origin.npy"
         return cls(np.load(path / "tokens.npy", mmap_mode="r"),
                    np.load(path / "segments.npy", mmap_mode="r"),
-                   np.load(path / "mask.npy", mmap_mode="r"))
+                   np.load(path / "mask.npy", mmap_mode="r"),
+                   np.load(origin, mmap_mode="r") if origin.exists() else None)
+
+    def rows(self, idx: np.ndarray) -> Packed:
+        """The rows ``idx`` (a copy)."""
+        return Packed(self.tokens[idx], self.segments[idx], self.mask[idx],
+                      None if self.origin is None else self.origin[idx])
 
 
 def pack(docs: Iterable[MixedDoc | np.ndarray], seq_len: int, pad_id: int = 0,
-         max_rows: int | None = None, allow_split: bool = True) -> Packed:
+         max_rows: int | None = None, allow_split: bool = True,
+         origins: bool = False) -> Packed:
     """Greedy in-order packing: documents are concatenated and cut into rows of seq_len + 1.
     With allow_split=False a document that does not fit in the rest of a row starts a new row
-    (the rest is padding); only documents longer than a row are still split."""
+    (the rest is padding); only documents longer than a row are still split. ``origins``
+    (documents from a mixture, one source) records each token's place in that source."""
     if seq_len < 1:
         raise ValueError("seq_len must be >= 1")
     width = seq_len + 1
     rows_t: list[np.ndarray] = []
     rows_s: list[np.ndarray] = []
     rows_m: list[np.ndarray] = []
+    rows_o: list[np.ndarray] = []
     cur_t = np.full(width, pad_id, np.int32)
     cur_s = np.full(width, -1, np.int32)
     cur_m = np.zeros(width, np.uint8)
+    cur_o = np.full(width, -1, np.int64)
     fill, seg = 0, 0
 
     def flush() -> None:
-        nonlocal cur_t, cur_s, cur_m, fill, seg
+        nonlocal cur_t, cur_s, cur_m, cur_o, fill, seg
         rows_t.append(cur_t)
         rows_s.append(cur_s)
         rows_m.append(cur_m)
+        rows_o.append(cur_o)
         cur_t = np.full(width, pad_id, np.int32)
         cur_s = np.full(width, -1, np.int32)
         cur_m = np.zeros(width, np.uint8)
+        cur_o = np.full(width, -1, np.int64)
         fill, seg = 0, 0
 
+    sources: set[int] = set()
     for d in docs:
         toks = d.tokens if isinstance(d, MixedDoc) else np.asarray(d)
         m = d.mask if isinstance(d, MixedDoc) and d.mask is not None else np.ones(len(toks), np.uint8)
+        if origins:
+            if not isinstance(d, MixedDoc):
+                raise ValueError("pack: origins need documents from a mixture (MixedDoc)")
+            sources.add(d.source)
+            if len(sources) > 1:
+                raise ValueError("pack: origins name places in one source; the documents "
+                                 "come from several")
+            at = d.start + np.arange(len(toks), dtype=np.int64)
         start = 0
         if not allow_split and fill > 0 and len(toks) > width - fill:
             flush()
@@ -92,6 +122,8 @@ def pack(docs: Iterable[MixedDoc | np.ndarray], seq_len: int, pad_id: int = 0,
             cur_t[fill:fill + take] = toks[start:start + take]
             cur_s[fill:fill + take] = seg
             cur_m[fill:fill + take] = m[start:start + take]
+            if origins:
+                cur_o[fill:fill + take] = at[start:start + take]
             fill += take
             start += take
             seg += 1
@@ -105,7 +137,8 @@ def pack(docs: Iterable[MixedDoc | np.ndarray], seq_len: int, pad_id: int = 0,
         flush()
     if not rows_t:
         raise ValueError("pack: no documents")
-    return Packed(np.stack(rows_t), np.stack(rows_s), np.stack(rows_m))
+    return Packed(np.stack(rows_t), np.stack(rows_s), np.stack(rows_m),
+                  np.stack(rows_o) if origins else None)
 
 
 def positions_from_segments(seg: torch.Tensor) -> torch.Tensor:
@@ -119,8 +152,10 @@ def positions_from_segments(seg: torch.Tensor) -> torch.Tensor:
     return idx - last_start
 
 
-def make_batch(tokens: np.ndarray, segments: np.ndarray, mask: np.ndarray) -> dict[str, torch.Tensor]:
-    """Rows (B, L+1) -> model inputs and targets (each (B, L))."""
+def make_batch(tokens: np.ndarray, segments: np.ndarray, mask: np.ndarray,
+               features: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Rows (B, L+1) -> model inputs and targets (each (B, L)); ``features`` (B, L+1, D)
+    the tokens' stored vectors, given as ``hidden`` (B, L, D) for the inputs."""
     # np.array copies: rows may be read-only memmap views
     t = torch.as_tensor(np.array(tokens), dtype=torch.long)
     s = torch.as_tensor(np.array(segments), dtype=torch.long)
@@ -133,6 +168,7 @@ def make_batch(tokens: np.ndarray, segments: np.ndarray, mask: np.ndarray) -> di
         "positions": positions_from_segments(inp_s),
         "doc_ids": inp_s,
         "loss_mask": loss_mask,
+        **({} if features is None else {"hidden": features[:, :-1]}),
     }
 
 
@@ -142,14 +178,20 @@ class PackedLoader:
 
     Data parallel (``world`` ranks): every rank draws the same order and takes every
     ``world``-th row of it from its ``rank``, so in an epoch the ranks' rows are disjoint and
-    each rank has as many (the last ``len % world`` of the order wait for the next epoch)."""
+    each rank has as many (the last ``len % world`` of the order wait for the next epoch).
+
+    ``features``: vectors stored beside the rows' source (the rows packed with origins); each
+    batch then carries the inputs' vectors as ``hidden``."""
 
     def __init__(self, packed: Packed, batch_size: int, seed: int = 0, shuffle: bool = True,
-                 rank: int = 0, world: int = 1):
+                 rank: int = 0, world: int = 1, features: TokenFeatures | None = None):
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not one of {world} ranks")
+        if features is not None and packed.origin is None:
+            raise ValueError("features: the rows were packed without origins")
+        self.features = features
         if len(packed) // world < batch_size:
             raise ValueError(f"only {len(packed)} packed rows for batch_size {batch_size}"
                              + (f" on each of {world} ranks" if world > 1 else ""))
@@ -171,8 +213,12 @@ class PackedLoader:
             self._order = self._make_order()
         rows = np.sort(self._order[self.pos:self.pos + self.batch_size])
         self.pos += self.batch_size
-        p = self.packed
-        return make_batch(p.tokens[rows], p.segments[rows], p.mask[rows])
+        p = self.packed.rows(rows)
+        feats = None
+        if self.features is not None:
+            assert p.origin is not None
+            feats = self.features.gather(p.origin)
+        return make_batch(p.tokens, p.segments, p.mask, feats)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "pos": self.pos}

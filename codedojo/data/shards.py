@@ -132,6 +132,9 @@ class TokenShards:
             self._masks.append(np.load(mask_file, mmap_mode="r") if mask_file.exists() else None)
         counts = [len(o) - 1 for o in self._offsets]
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        # each shard's first token in the directory's token stream (shards back to back)
+        self._token_starts = np.concatenate(
+            [[0], np.cumsum([int(o[-1]) for o in self._offsets])]).astype(np.int64)
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -150,6 +153,11 @@ class TokenShards:
         s, j = self._locate(i)
         off = self._offsets[s]
         return np.asarray(self._data[s][off[j]:off[j + 1]], dtype=np.int64)
+
+    def doc_start(self, i: int) -> int:
+        """Where document i starts in the token stream (the shards back to back)."""
+        s, j = self._locate(i)
+        return int(self._token_starts[s] + self._offsets[s][j])
 
     def mask(self, i: int) -> np.ndarray | None:
         s, j = self._locate(i)

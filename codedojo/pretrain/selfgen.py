@@ -5,7 +5,10 @@ Distilling them on the model's own greedy continuations (Medusa-2's self-distill
 them on the text they will draft. Prompts are windows of the training code; the continuations
 come from the model as it is when the stage starts, batched over a KV cache, and are written as
 token shards (prompt + continuation, one document each) that the stage's mixture reads as
-``data = "self"``.
+``data = "self"``. Beside them (``hidden/``, ``codedojo.data.features``) go the model's last
+hidden states of every token, which the generation computes anyway: the stage trains the
+modules on them instead of running the frozen model over the text again, two thirds of a
+distillation step's time (measured by ``benchmarks/mtp_distill_step.py``).
 
 The generation loop is written here rather than taken from ``codedojo.engine.Engine``: every
 row has the same length and no stop, so it needs no scheduler, and the engine takes the model
@@ -21,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from codedojo.data.features import FeatureWriter
 from codedojo.data.shards import ShardWriter, TokenShards
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.transformer import Transformer
@@ -28,8 +32,11 @@ from codedojo.pretrain.parallel import gather_object, model_device
 
 
 @torch.no_grad()
-def greedy_continue(model: Transformer, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """prompts (B, P) -> (B, P + new_tokens): each row continued greedily, all rows at once."""
+def greedy_continue(model: Transformer, prompts: torch.Tensor, new_tokens: int,
+                    hidden: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """prompts (B, P) -> (B, P + new_tokens): each row continued greedily, all rows at once.
+    ``hidden``: a list that receives the last hidden states of all those tokens, (B, P +
+    new_tokens, D) in pieces along the sequence (the last token takes one more step)."""
     was = model.training
     model.eval()
     B, P = prompts.shape
@@ -37,12 +44,17 @@ def greedy_continue(model: Transformer, prompts: torch.Tensor, new_tokens: int) 
     cache = KVCache(model.cfg, B, P + new_tokens, dtype=w.dtype, device=w.device,
                     initial_len=P + new_tokens)
     out = [prompts]
-    logits = model(prompts, cache=cache.view(0, B), last_only=True)  # (B, 1, V)
+    view = cache.view(0, B)
+    logits, h = model(prompts, cache=view, last_only=True, return_hidden=True)  # (B, 1, V)
     for i in range(new_tokens):
+        if hidden is not None:
+            hidden.append(h)
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         out.append(nxt)
         if i + 1 < new_tokens:
-            logits = model(nxt, cache=cache.view(0, B))
+            logits, h = model(nxt, cache=view, return_hidden=True)
+        elif hidden is not None:
+            hidden.append(model.hidden(nxt, cache=view))
     model.train(was)
     return torch.cat(out, 1)
 
@@ -100,7 +112,8 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     Data parallel (``world`` ranks, every one calling): each rank continues its own share of
     the prompts, and rank 0 gathers them all and writes them in prompt order. The shares are
     padded to one length, so that every rank makes the same forward calls, as the collectives
-    of a sharded model need."""
+    of a sharded model need. The hidden states are kept by a single process only (a sharded
+    model's training runs the model's forward anyway, see ``codedojo.pretrain.trainer``)."""
     if (out_dir / "index.json").exists():
         return out_dir
     windows = prompt_windows(code, prompts, prompt_len, seed, doc_start_frac)
@@ -109,15 +122,21 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     own = len(mine)
     mine = np.concatenate([mine, np.repeat(windows[:1], share - own, axis=0)])  # the padding
     dev = model_device(model)
+    feats = FeatureWriter(out_dir / "hidden", model.cfg.dim) if world == 1 else None
     rows = []
     for i in range(0, share, batch):
         x = torch.from_numpy(mine[i:i + batch]).to(dev)
-        rows.append(greedy_continue(model, x, new_tokens).cpu().numpy())
+        h: list[torch.Tensor] | None = [] if feats is not None else None
+        rows.append(greedy_continue(model, x, new_tokens, h).cpu().numpy())
+        if feats is not None and h is not None:
+            feats.add(torch.cat(h, 1).flatten(0, 1))  # row by row: the shards' token order
         if progress is not None:
             progress(min((i + batch) * world, prompts))
     shares = gather_object(np.concatenate(rows)[:own])
     if rank != 0:
         return out_dir
+    if feats is not None:
+        feats.close()  # before the shards' index: a finished directory has both
     writer = ShardWriter(out_dir, model.cfg.vocab_size, eos_id=None)
     for r in np.concatenate(shares):
         writer.add(r)

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from codedojo.data.features import TokenFeatures
 from codedojo.data.mixture import MixtureSource, mix
 from codedojo.data.packing import Packed, PackedLoader, make_batch, pack
 from codedojo.data.shards import TokenShards
@@ -100,7 +101,8 @@ def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
     metrics: dict[str, float] = {}
     if mode == "distill":  # the main model is the frozen teacher, over the draft vocabulary
         with torch.no_grad():
-            hidden = model.hidden(tokens, **fwd)
+            # its hidden states stored with the data (self-generated text), or computed
+            hidden = batch["hidden"] if "hidden" in batch else model.hidden(tokens, **fwd)
             teacher = model.head(hidden, vocab)
         loss = teacher.new_zeros(())
     else:  # next-token loss fused with the head (`loss.py`): no full-size logits
@@ -201,15 +203,18 @@ def cache_dir_for(root: Path, stage: StageConfig, settings: dict[str, Any]) -> P
 
 
 def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData,
-                 run_dir: Path, world: int = 1) -> Packed:
+                 run_dir: Path, world: int = 1, origins: bool = False) -> Packed:
     """The stage's mixture packed at its length, cached on disk so a resume sees the same rows;
     rows without a trained position are left out. Enough rows for the stage's steps on each of
-    ``world`` data-parallel ranks (they share the rows out)."""
+    ``world`` data-parallel ranks (they share the rows out). ``origins``: the rows record
+    where their tokens are in the (one) source, for `stored_hidden`."""
     seed = cfg.seed + 1000 * si
     settings = {"seed": seed, **stage.model_dump(
         include={"seq_len", "batch_size", "grad_accum", "steps", "mix", "self_gen"})}
     if world > 1:
         settings["world"] = world
+    if origins:
+        settings["origins"] = True
     out = cache_dir_for(run_dir / "data" / "packed", stage, settings)
     if (out / "mask.npy").exists():
         return Packed.load(out)
@@ -220,15 +225,26 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
             raise ValueError(f"stages[{si}].mix: no {e.data!r} data in this run")
         srcs.append(MixtureSource(name=e.data, path=str(data.shards[e.data]), weight=e.weight,
                                   min_tokens=e.min_tokens))
-    packed = pack(mix(srcs, need, seed=seed), stage.seq_len)
+    packed = pack(mix(srcs, need, seed=seed), stage.seq_len, origins=origins)
     # A conversation longer than a row leaves rows of prompt only: nothing to learn from them.
     trained = packed.mask[:, 1:].any(axis=1)
     if not trained.any():
         raise ValueError(f"stage {stage.name!r}: its data has no trained position")
     if not trained.all():
-        packed = Packed(packed.tokens[trained], packed.segments[trained], packed.mask[trained])
+        packed = packed.rows(trained)
     packed.save(out)
     return Packed.load(out)
+
+
+def stored_hidden(stage: StageConfig, data: RunData, world: int) -> TokenFeatures | None:
+    """The frozen model's hidden states stored with the stage's data, when the stage can train
+    on them instead of running the model: a distillation stage (the model does not change) whose
+    one source is self-generated text written with them, run on one process (under FSDP the
+    embedding and head the modules share are gathered by the model's forward, so it runs)."""
+    if stage.mtp != "distill" or world > 1 or [e.data for e in stage.mix] != ["self"]:
+        return None
+    feats = data.shards["self"] / "hidden"
+    return TokenFeatures(feats) if (feats / "index.json").exists() else None
 
 
 def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data: RunData,
@@ -469,10 +485,12 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
             load_weights(ck, model, mtp)
         if st.self_gen is not None:
             data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
+        feats = stored_hidden(st, data, world)
         with main_rank_first():
-            packed = stage_packed(cfg, st, si, data, run_dir, world)
+            packed = stage_packed(cfg, st, si, data, run_dir, world, origins=feats is not None)
         # every rank its own share of the rows, in the same seeded order
-        loader = PackedLoader(packed, st.batch_size, seed=cfg.seed + si, rank=rank, world=world)
+        loader = PackedLoader(packed, st.batch_size, seed=cfg.seed + si, rank=rank, world=world,
+                              features=feats)
         probe_len = min(cfg.eval.probe_len, model.cfg.max_seq_len)
         if st.probe and pos is None:
             report["probe"][f"{st.name}/before"] = passkey_probe(

@@ -113,3 +113,60 @@ def test_pack_without_splitting():
     p = pack([np.arange(1, 4), np.arange(10, 15), np.arange(20, 22)], seq_len=5,
              allow_split=False)
     assert p.tokens.tolist() == [[1, 2, 3, 0, 0, 0], [10, 11, 12, 13, 14, 0], [20, 21, 0, 0, 0, 0]]
+
+
+def test_origins_bring_each_token_its_stored_vector(tmp_path):
+    """Packed with origins, every token knows its place in the source's token stream (across
+    shard files, documents split between rows), and a loader with features stored beside the
+    source hands each input token its own vector."""
+    from codedojo.data.features import FeatureWriter, TokenFeatures
+
+    rng = np.random.default_rng(0)
+    w = ShardWriter(tmp_path / "src", 64, eos_id=None, shard_tokens=50)
+    for n in rng.integers(3, 30, size=20):
+        w.add(rng.integers(1, 64, size=n))
+    sh = TokenShards(w.close())
+    assert len(sh.index["shards"]) > 2
+    stream = np.concatenate([sh.doc(i) for i in range(len(sh))])
+    assert [sh.doc_start(i) for i in (0, 1, len(sh) - 1)] == [
+        0, len(sh.doc(0)), len(stream) - len(sh.doc(len(sh) - 1))]
+    src = MixtureSource(name="s", path=str(tmp_path / "src"))
+    p = pack(mix([src], 300, seed=3), seq_len=16, origins=True)
+    real = p.origin >= 0
+    assert (p.segments >= 0).tolist() == real.tolist()  # padding alone has no origin
+    assert np.array_equal(p.tokens[real], stream[p.origin[real]])
+    # a vector per stream position whose first entry is the position itself
+    fw = FeatureWriter(tmp_path / "feat", dim=3, part_bytes=2 * 3 * 64)
+    pos = torch.arange(len(stream), dtype=torch.float32)
+    fw.add(torch.stack([pos, -pos, torch.ones_like(pos)], 1))
+    feats = TokenFeatures(fw.close())
+    p.save(tmp_path / "packed")
+    loader = PackedLoader(type(p).load(tmp_path / "packed"), batch_size=3, features=feats)
+    b = loader.next_batch()
+    assert b["hidden"].shape == (3, 16, 3)
+    rows = np.sort(loader._order[:3])
+    want = torch.from_numpy(p.origin[rows, :-1]).float()
+    have = torch.where(want >= 0, b["hidden"][..., 0], -1.0)
+    assert torch.equal(have, want)
+    # where the token goes, its vector goes: inputs are row[:-1]
+    assert torch.equal(b["tokens"][want >= 0],
+                       torch.from_numpy(stream[want[want >= 0].long().numpy()]))
+
+
+def test_origins_are_refused_where_they_would_mean_nothing(tmp_path):
+    from codedojo.data.features import FeatureWriter, TokenFeatures
+
+    for name in ("a", "b"):
+        w = ShardWriter(tmp_path / name, 64, eos_id=None)
+        w.add(np.arange(1, 20))
+        w.close()
+    two = [MixtureSource(name=n, path=str(tmp_path / n)) for n in ("a", "b")]
+    with pytest.raises(ValueError, match="origins name places in one source"):
+        pack(mix(two, 100), seq_len=8, origins=True)
+    with pytest.raises(ValueError, match="origins need documents from a mixture"):
+        pack([np.arange(5)], seq_len=8, origins=True)
+    fw = FeatureWriter(tmp_path / "feat", dim=2)
+    fw.add(torch.zeros(19, 2))
+    with pytest.raises(ValueError, match="packed without origins"):
+        PackedLoader(pack(mix(two[:1], 100), seq_len=8), batch_size=1,
+                     features=TokenFeatures(fw.close()))

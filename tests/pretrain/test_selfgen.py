@@ -92,3 +92,38 @@ def test_a_self_mix_needs_self_gen():
     with pytest.raises(ValueError, match="`self` mix entry and `self_gen` go together"):
         StageConfig.model_validate({**st, "mix": [{"data": "code"}], "self_gen": {}})
     StageConfig.model_validate({**st, "mix": [{"data": "self"}], "self_gen": {"prompts": 4}})
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_the_hidden_states_of_the_generation_are_kept_for_training(tmp_path, model, fuse):
+    """Beside the shards go the model's last hidden states of every token, as its forward over
+    the whole text gives them; a distillation loss on them is the one the forward gives."""
+    from codedojo.data.features import TokenFeatures
+    from codedojo.data.mixture import MixtureSource, mix
+    from codedojo.data.packing import PackedLoader, pack
+    from codedojo.model.mtp import MTP
+    from codedojo.pretrain.trainer import stage_loss
+
+    model.fuse = fuse  # the CPU kernels' pass and the op-by-op one
+    code = _code(tmp_path, [30, 40, 25])
+    out = tmp_path / "self"
+    write_self_shards(model, code, out, prompts=5, prompt_len=8, new_tokens=6, batch=2, seed=1)
+    shards, feats = TokenShards(out), TokenFeatures(out / "hidden")
+    assert len(feats) == shards.num_tokens == 5 * 14
+    model.eval()
+    with torch.no_grad():
+        full = model.hidden(torch.from_numpy(np.stack([shards.doc(i) for i in range(5)])))
+    stored = feats.gather(np.arange(70).reshape(5, 14))
+    # float16 keeps 11 significant bits of each row's largest entry (`features.py`)
+    err = (stored - full).abs() / full.abs().amax(-1, keepdim=True)
+    assert float(err.max()) <= 2**-11 * 1.01
+    # packed rows of 14 (a document each) with origins: the loss from the stored states
+    p = pack(mix([MixtureSource(name="self", path=str(out))], 70, seed=0), seq_len=13,
+             origins=True)
+    batch = PackedLoader(p, batch_size=4, features=feats).next_batch()
+    torch.manual_seed(1)
+    mtp = MTP(model.cfg, depth=2)
+    stored_loss, _ = stage_loss(model, mtp, batch, "distill", 1.0)
+    batch.pop("hidden")
+    run_loss, _ = stage_loss(model, mtp, batch, "distill", 1.0)
+    torch.testing.assert_close(stored_loss, run_loss, rtol=2e-3, atol=0)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from codedojo.data.features import TokenFeatures
 from codedojo.data.packing import PackedLoader, pack
 from codedojo.data.shards import TokenShards
 from codedojo.model.weights import load_model
@@ -175,6 +176,12 @@ def test_run_end_to_end_tiny(tmp_path):
     (own_dir,) = (tmp_path / "runs" / "e2e" / "data" / "self").glob("mtp_self-*")
     own = TokenShards(own_dir)
     assert len(own) == 4 and own.doc_lengths().tolist() == [16] * 4
+    # the stage trained on the hidden states stored with its text: rows packed with origins
+    assert len(TokenFeatures(own_dir / "hidden")) == 64
+    packed = tmp_path / "runs" / "e2e" / "data" / "packed"
+    assert [(d.name.split("-")[0], (d / "origin.npy").exists())
+            for d in sorted(packed.iterdir()) if d.name.startswith("mtp")] == [
+        ("mtp", False), ("mtp_self", True)]
     assert set(report["probe"]) == {"long/before", "long/after"}
     final = tmp_path / "runs" / "e2e" / "final"
     assert (final / "mtp.safetensors").exists()
