@@ -81,6 +81,9 @@ def test_two_processes_train_every_stage_with_fsdp(tmp_path):
     written = TokenShards(own)
     assert len(written) == 5 and written.doc_lengths().tolist() == [16] * 5
     assert [written.doc(i)[:8].tolist() for i in range(5)] == prompts.tolist()
+    # No hidden states kept: a sharded model's forward gathers the embedding and head the MTP
+    # modules share, so the stage runs it (`stored_hidden`).
+    assert not (own / "hidden").exists()
     # The final checkpoint holds the gathered weights: a single process loads them.
     model, mtp = build_model(cfg)
     load_weights(run_dir / "final", model, mtp)
