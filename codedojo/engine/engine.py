@@ -169,8 +169,9 @@ class Engine:
         rounds draft with every module; from then on each round drafts the number of tokens
         that emits the most per unit of time by the acceptance seen (`best_depth`: of the
         engine's latest rounds and of the request's own), with one more draft costing
-        ``draft_cost`` plain decode steps (drafting it and verifying it), except every ``spec_explore_every``-th round, which
-        drafts with every module so that the acceptance of every draft stays current. When no
+        ``draft_cost`` plain decode steps (drafting it and verifying it), except every
+        ``spec_explore_every``-th round, which drafts with every module so that the acceptance
+        of every draft stays current. When no
         draft pays, rounds draft nothing but those: speculation pauses, and resumes if the
         drafts come to pay (on text they know better). ``spec_explore_every=0``: no exploring
         rounds, and when no draft pays speculation stops for good.

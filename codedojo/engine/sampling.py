@@ -2,9 +2,9 @@
 
 Each request draws from its own ``torch.Generator``, so a seed gives the same tokens whatever
 else shares the batch. Generators live on the CPU: logits computed elsewhere are copied there to
-be sampled, so a seed draws alike on every device. The reported logprob is the log-probability of the sampled token under the
-distribution it was drawn from (after temperature and the top-k/top-p filters, renormalised);
-greedy requests report the log-softmax of the raw logits.
+be sampled, so a seed draws alike on every device. The reported logprob is the log-probability
+of the sampled token under the distribution it was drawn from (after temperature and the
+top-k/top-p filters, renormalised); greedy requests report the log-softmax of the raw logits.
 """
 
 from __future__ import annotations

@@ -126,9 +126,10 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     rows = []
     for i in range(0, share, batch):
         x = torch.from_numpy(mine[i:i + batch]).to(dev)
-        h: list[torch.Tensor] | None = [] if feats is not None else None
-        rows.append(greedy_continue(model, x, new_tokens, h).cpu().numpy())
-        if feats is not None and h is not None:
+        h: list[torch.Tensor] = []
+        out = greedy_continue(model, x, new_tokens, None if feats is None else h)
+        rows.append(out.cpu().numpy())
+        if feats is not None:
             feats.add(torch.cat(h, 1).flatten(0, 1))  # row by row: the shards' token order
         if progress is not None:
             progress(min((i + batch) * world, prompts))
