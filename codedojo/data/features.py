@@ -5,14 +5,17 @@ model wrote the text, so that training does not run the frozen model over it aga
 
 Layout of a feature directory::
 
-    index.json         {"dim": D, "parts": [{"file", "tokens"}]}
-    part_00000.f16     float16 (tokens, D), each row scaled by 2^-exp
-    part_00000.exp.npy int8 (tokens,): the row's exponent
+    index.json             {"dim": D, "parts": [{"file", "tokens"}]}, the parts in stream order
+    part_000_00000.f16     float16 (tokens, D), each row scaled by 2^-exp
+    part_000_00000.exp.npy int8 (tokens,): the row's exponent
 
 A row is stored as float16 after division by a power of two that brings its largest magnitude
 under 2^15: float16's 11 significant bits whatever the row's scale, and no overflow (a model's
 residual stream holds outliers in the thousands; float16 stops at 65504). Parts are appended in
-order; ``close()`` writes index.json last, so a half-written directory is never read.
+order; ``close()`` writes index.json last, so a half-written directory is never read. Several
+writers can fill one directory, each its own run of the stream (the ranks of a data-parallel
+job, each with its ``name``): each calls ``finish()``, and one writes the index over all their
+parts, in stream order (`write_index`).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ _HEADROOM = 15  # rows are scaled to a largest magnitude below 2^15
 class FeatureWriter:
     """Appends (n, D) blocks of feature vectors, one row per token in token-stream order."""
 
-    def __init__(self, out_dir: str | Path, dim: int, part_bytes: int = 1 << 28):
-        self.dir, self.dim = Path(out_dir), dim
+    def __init__(self, out_dir: str | Path, dim: int, part_bytes: int = 1 << 28,
+                 name: str = "part_000"):
+        self.dir, self.dim, self.name = Path(out_dir), dim, name
         self.part_tokens = max(1, part_bytes // (2 * dim))  # rows held in memory until written
         self.dir.mkdir(parents=True, exist_ok=True)
         self.parts: list[dict[str, object]] = []
@@ -56,18 +60,29 @@ class FeatureWriter:
     def _flush(self) -> None:
         if not self._rows:
             return
-        name = f"part_{len(self.parts):05d}"
+        name = f"{self.name}_{len(self.parts):05d}"
         rows = np.concatenate(self._rows)
         rows.tofile(self.dir / f"{name}.f16")
         np.save(self.dir / f"{name}.exp.npy", np.concatenate(self._exps))
         self.parts.append({"file": f"{name}.f16", "tokens": int(rows.shape[0])})
         self._rows, self._exps, self._n = [], [], 0
 
-    def close(self) -> Path:
+    def finish(self) -> list[dict[str, object]]:
+        """Write what is held; the parts written, for `write_index`."""
         self._flush()
-        (self.dir / "index.json").write_text(json.dumps({"dim": self.dim, "parts": self.parts},
-                                                        indent=1))
-        return self.dir
+        return self.parts
+
+    def close(self) -> Path:
+        """Finish, as the directory's one writer: its index lists this writer's parts."""
+        return write_index(self.dir, self.dim, self.finish())
+
+
+def write_index(out_dir: str | Path, dim: int, parts: list[dict[str, object]]) -> Path:
+    """Make a directory of written parts readable: ``parts`` (`FeatureWriter.finish` of each
+    writer, in stream order) become its index."""
+    out = Path(out_dir)
+    (out / "index.json").write_text(json.dumps({"dim": dim, "parts": parts}, indent=1))
+    return out
 
 
 class TokenFeatures:

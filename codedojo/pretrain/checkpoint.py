@@ -19,6 +19,7 @@ file does not depend on the number of processes: a run resumes on one process or
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -40,6 +41,7 @@ from codedojo.pretrain.parallel import (
     distributed,
     gather_object,
     is_main,
+    is_sharded,
     process_rank,
 )
 
@@ -80,6 +82,20 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                     cpu_offload=True))
     return model.state_dict()
+
+
+def weights_digest(model: nn.Module, cfg: ModelConfig) -> str:
+    """A short hash of what the model computes: its config (RoPE scaling included) and its
+    state dict (weights and MoE selection biases), the same on every rank (under FSDP2 each
+    tensor is gathered in turn, a collective: every rank calls it). It names the weights that
+    wrote data derived from them."""
+    h = hashlib.blake2b(cfg.model_dump_json().encode(), digest_size=8)
+    for name, t in sorted(model.state_dict().items()):
+        if is_sharded(t):
+            t = t.full_tensor()
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:

@@ -10,9 +10,10 @@
   `train_device` says which: the config's `model.device`, each process on its LOCAL_RANK's GPU.
 * Data parallelism around it: the MTP modules are small and stay whole on every rank
   (`broadcast_module` once, `average_gradients` every step), MoE expert loads are summed over
-  ranks before the bias update (`sum_over_ranks`), the gradient norm is taken over both
-  kinds of parameter (`clip_grad_norm`: torch's refuses the mix), and files are written by rank 0
-  (`main_rank_first`, `is_main`).
+  ranks before the bias update (`sum_over_ranks`), the root is gathered by hand where no
+  forward gathers it (`gather_root`: MTP steps on stored hidden states), the gradient norm is
+  taken over both kinds of parameter (`clip_grad_norm`: torch's refuses the mix), and files
+  are written by rank 0 (`main_rank_first`, `is_main`).
 """
 
 from __future__ import annotations
@@ -216,6 +217,17 @@ def sharded(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+
+
+def gather_root(model: nn.Module) -> None:
+    """Gather the root's own parameters (under `apply_fsdp`: the embedding, final norm and head)
+    for a step that uses them without a forward of the model to gather them: the MTP modules
+    trained on stored hidden states. They stay gathered, as after a forward, until `sharded` or
+    a checkpoint puts the shards back; a gathered root or a model not sharded is left as is."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.unshard()
 
 
 def broadcast_object(obj: object) -> object:

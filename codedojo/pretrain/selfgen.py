@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from codedojo.data.features import FeatureWriter
+from codedojo.data.features import FeatureWriter, write_index
 from codedojo.data.shards import ShardWriter, TokenShards
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.transformer import Transformer
-from codedojo.pretrain.parallel import gather_object, model_device
+from codedojo.pretrain.parallel import gather_object, gather_root, model_device
 
 
 @torch.no_grad()
@@ -40,6 +40,7 @@ def greedy_continue(model: Transformer, prompts: torch.Tensor, new_tokens: int,
     was = model.training
     model.eval()
     B, P = prompts.shape
+    gather_root(model)  # under FSDP: the cache takes the dtype of the weights computed with
     w = model.tok_embeddings.weight
     cache = KVCache(model.cfg, B, P + new_tokens, dtype=w.dtype, device=w.device,
                     initial_len=P + new_tokens)
@@ -112,8 +113,9 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     Data parallel (``world`` ranks, every one calling): each rank continues its own share of
     the prompts, and rank 0 gathers them all and writes them in prompt order. The shares are
     padded to one length, so that every rank makes the same forward calls, as the collectives
-    of a sharded model need. The hidden states are kept by a single process only (a sharded
-    model's training runs the model's forward anyway, see ``codedojo.pretrain.trainer``)."""
+    of a sharded model need. Each rank writes the hidden states of its own share into
+    ``hidden/`` itself (the run directory is shared, as it is for the shards), and rank 0
+    indexes them in the same order once all have."""
     if (out_dir / "index.json").exists():
         return out_dir
     windows = prompt_windows(code, prompts, prompt_len, seed, doc_start_frac)
@@ -122,22 +124,24 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     own = len(mine)
     mine = np.concatenate([mine, np.repeat(windows[:1], share - own, axis=0)])  # the padding
     dev = model_device(model)
-    feats = FeatureWriter(out_dir / "hidden", model.cfg.dim) if world == 1 else None
+    feats = FeatureWriter(out_dir / "hidden", model.cfg.dim, name=f"part_{rank:03d}")
     rows = []
     for i in range(0, share, batch):
         x = torch.from_numpy(mine[i:i + batch]).to(dev)
         h: list[torch.Tensor] = []
-        out = greedy_continue(model, x, new_tokens, None if feats is None else h)
+        out = greedy_continue(model, x, new_tokens, h)
         rows.append(out.cpu().numpy())
-        if feats is not None:
-            feats.add(torch.cat(h, 1).flatten(0, 1))  # row by row: the shards' token order
+        keep = min(len(x), own - i)  # the rest are padding, not written
+        if keep > 0:
+            feats.add(torch.cat(h, 1)[:keep].flatten(0, 1))  # row by row: the shards' order
         if progress is not None:
             progress(min((i + batch) * world, prompts))
     shares = gather_object(np.concatenate(rows)[:own])
+    parts = gather_object(feats.finish())
     if rank != 0:
         return out_dir
-    if feats is not None:
-        feats.close()  # before the shards' index: a finished directory has both
+    # before the shards' index: a finished directory has both
+    write_index(out_dir / "hidden", model.cfg.dim, [p for ps in parts for p in ps])
     writer = ShardWriter(out_dir, model.cfg.vocab_size, eos_id=None)
     for r in np.concatenate(shares):
         writer.add(r)

@@ -49,6 +49,7 @@ from codedojo.pretrain.checkpoint import (
     load_weights,
     read_position,
     save_checkpoint,
+    weights_digest,
 )
 from codedojo.pretrain.config import PretrainConfig, StageConfig
 from codedojo.pretrain.loss import linear_cross_entropy
@@ -61,6 +62,7 @@ from codedojo.pretrain.parallel import (
     barrier,
     broadcast_module,
     clip_grad_norm,
+    gather_root,
     init_distributed,
     is_main,
     main_rank_first,
@@ -236,12 +238,11 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
     return Packed.load(out)
 
 
-def stored_hidden(stage: StageConfig, data: RunData, world: int) -> TokenFeatures | None:
+def stored_hidden(stage: StageConfig, data: RunData) -> TokenFeatures | None:
     """The frozen model's hidden states stored with the stage's data, when the stage can train
     on them instead of running the model: a distillation stage (the model does not change) whose
-    one source is self-generated text written with them, run on one process (under FSDP the
-    embedding and head the modules share are gathered by the model's forward, so it runs)."""
-    if stage.mtp != "distill" or world > 1 or [e.data for e in stage.mix] != ["self"]:
+    one source is self-generated text written with them."""
+    if stage.mtp != "distill" or [e.data for e in stage.mix] != ["self"]:
         return None
     feats = data.shards["self"] / "hidden"
     return TokenFeatures(feats) if (feats / "index.json").exists() else None
@@ -250,14 +251,17 @@ def stored_hidden(stage: StageConfig, data: RunData, world: int) -> TokenFeature
 def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data: RunData,
               run_dir: Path, console: Any) -> Path:
     """The stage's `self` shards: the model's continuations of training-code windows, written
-    once (a resumed stage reads them back)."""
+    once (a resumed stage reads them back). They are found again by the generation settings
+    and by the weights that wrote them (`weights_digest`): a model changed since, by an
+    earlier stage run again, writes its own, as its hidden states differ."""
     g = stage.self_gen
     assert g is not None
     if "code" not in data.shards:
         raise ValueError(f"stage {stage.name!r}: self_gen needs training code, and this run "
                          "has none")
     seed = cfg.seed + 31
-    out = cache_dir_for(run_dir / "data" / "self", stage, {"seed": seed, **g.model_dump()})
+    out = cache_dir_for(run_dir / "data" / "self", stage,
+                        {"seed": seed, **g.model_dump(), "model": weights_digest(model, model.cfg)})
     barrier()  # every rank sees the shards there, or none does
     if (out / "index.json").exists():
         return out
@@ -349,6 +353,8 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
         ntok = 0
         for _ in range(st.grad_accum):
             batch = on_device(loader.next_batch(), dev)
+            if "hidden" in batch:  # no forward of the model gathers what the modules share
+                gather_root(model)
             with _autocast(cfg.model.dtype, dev):
                 loss, metrics = stage_loss(model, mtp, batch, st.mtp, st.mtp_weight)
             (loss / st.grad_accum).backward()
@@ -485,7 +491,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
             load_weights(ck, model, mtp)
         if st.self_gen is not None:
             data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
-        feats = stored_hidden(st, data, world)
+        feats = stored_hidden(st, data)
         with main_rank_first():
             packed = stage_packed(cfg, st, si, data, run_dir, world, origins=feats is not None)
         # every rank its own share of the rows, in the same seeded order

@@ -42,3 +42,21 @@ def test_bad_features_are_refused_by_name(tmp_path):
     feats = TokenFeatures(w.close())
     with pytest.raises(IndexError, match=r"outside \[0, 3\)"):
         feats.gather(np.array([3]))
+
+
+def test_writers_fill_one_directory_and_the_index_orders_their_runs(tmp_path):
+    """Each rank of a data-parallel job writes its own run of the stream; the index puts the
+    runs in stream order, whichever writer finished first."""
+    from codedojo.data.features import write_index
+
+    first, second = torch.arange(30.0).view(10, 3), -torch.arange(1.0, 19.0).view(6, 3)
+    w0 = FeatureWriter(tmp_path / "f", dim=3, part_bytes=2 * 3 * 4, name="part_000")
+    w1 = FeatureWriter(tmp_path / "f", dim=3, part_bytes=2 * 3 * 4, name="part_001")
+    w1.add(second)
+    w0.add(first[:5])
+    w0.add(first[5:])
+    parts = [w0.finish(), w1.finish()]
+    assert not (tmp_path / "f" / "index.json").exists()  # not readable until indexed
+    feats = TokenFeatures(write_index(tmp_path / "f", 3, [p for ps in parts for p in ps]))
+    assert len(feats) == 16
+    assert torch.equal(feats.gather(np.arange(16)), torch.cat([first, second]))

@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from codedojo.data.features import TokenFeatures
 from codedojo.data.shards import TokenShards
+from codedojo.model.weights import load_model
 from codedojo.pretrain.checkpoint import load_trainer_state, load_weights
 from codedojo.pretrain.config import PretrainConfig
 from codedojo.pretrain.optim import build_adamw
@@ -81,9 +84,20 @@ def test_two_processes_train_every_stage_with_fsdp(tmp_path):
     written = TokenShards(own)
     assert len(written) == 5 and written.doc_lengths().tolist() == [16] * 5
     assert [written.doc(i)[:8].tolist() for i in range(5)] == prompts.tolist()
-    # No hidden states kept: a sharded model's forward gathers the embedding and head the MTP
-    # modules share, so the stage runs it (`stored_hidden`).
-    assert not (own / "hidden").exists()
+    # Each rank kept the hidden states of its own continuations (its padding row left out),
+    # and rank 0 indexed them in the shards' order: those of the model that wrote them, which
+    # the stage trained on (rows packed with origins) with the root gathered by hand.
+    assert sorted({f.name[:8] for f in (own / "hidden").glob("*.f16")}) == [
+        "part_000", "part_001"]
+    feats = TokenFeatures(own / "hidden")
+    assert len(feats) == 80
+    model, _ = load_model(run_dir / "final")  # frozen in mtp_self: the model that wrote them
+    with torch.no_grad():
+        full = model.hidden(torch.from_numpy(np.stack([written.doc(i) for i in range(5)])))
+    got = feats.gather(np.arange(80)).view(5, 16, -1)
+    assert ((got - full).abs() <= full.abs().amax(-1, keepdim=True) * 2.0**-10).all()
+    (packed,) = (run_dir / "data" / "packed").glob("mtp_self-*")
+    assert (packed / "origin.npy").exists()
     # The final checkpoint holds the gathered weights: a single process loads them.
     model, mtp = build_model(cfg)
     load_weights(run_dir / "final", model, mtp)
@@ -121,10 +135,13 @@ def test_a_preempted_sharded_run_resumes_exactly(tmp_path):
     same losses and gradient norms, bit for bit, and ends with the same weights as a run never
     interrupted: the checkpoint holds the gathered optimizer moments (of the sharded model and
     of the MTP modules kept whole), and every rank gets its shards of them back. In bf16, as on
-    GPUs: FSDP gathers bf16 weights, computes under autocast and reduces in fp32."""
+    GPUs: FSDP gathers bf16 weights, computes under autocast and reduces in fp32. Interrupted
+    again in the distillation on stored hidden states, the resumed stage gathers the root
+    before any forward of the model has run in its process."""
     cfg = _config(tmp_path)
     bulk = cfg.stages[0].model_copy(update={"steps": 4, "checkpoint_every": 2})
-    cfg = cfg.model_copy(update={"stages": [bulk, cfg.stages[1]],
+    own = cfg.stages[4].model_copy(update={"steps": 4, "checkpoint_every": 2})
+    cfg = cfg.model_copy(update={"stages": [bulk, own],
                                  "model": cfg.model.model_copy(update={"dtype": "bf16"})})
     whole = cfg.model_copy(update={"out_dir": str(tmp_path / "whole")})
     (ref, _) = _run(whole, tmp_path, "ref")
@@ -132,6 +149,8 @@ def test_a_preempted_sharded_run_resumes_exactly(tmp_path):
     metrics = cfg.run_dir / "metrics.jsonl"
     assert len(metrics.read_text().splitlines()) == 2
     preempted = shutil.copytree(cfg.run_dir / "ckpt" / "bulk", tmp_path / "preempted")
+    assert _run(cfg, tmp_path, "second", "interrupt") == []  # bulk done, mtp_self at step 2
+    assert len(metrics.read_text().splitlines()) == 6
     (again, _) = _run(cfg, tmp_path, "again")
 
     def logged(run_dir: Path) -> list[tuple]:
@@ -139,7 +158,9 @@ def test_a_preempted_sharded_run_resumes_exactly(tmp_path):
         return [(m["stage"], m["step"], m["loss"], m["grad_norm"]) for m in lines]
 
     assert logged(cfg.run_dir) == logged(whole.run_dir)
-    assert len(logged(cfg.run_dir)) == 6
+    assert len(logged(cfg.run_dir)) == 8
+    (packed,) = (cfg.run_dir / "data" / "packed").glob("mtp_self-*")
+    assert (packed / "origin.npy").exists()  # it trained on the stored hidden states
     assert again["model"] == ref["model"] and again["mtp"] == ref["mtp"]
     assert again["report"]["eval_loss"] == ref["report"]["eval_loss"]
     assert again["gathered_dtype"] == "torch.bfloat16"  # the weights FSDP gathered

@@ -288,3 +288,33 @@ def test_packed_cache_follows_the_stage_settings(tmp_path):
     shared = stage_packed(cfg, st, 0, data, run_dir, world=2)
     assert len(shared) // 2 >= st.steps * st.batch_size and len(shared) >= 2 * len(first) - 1
     assert len(list((run_dir / "data" / "packed").glob("bulk-*"))) == 3
+
+
+def test_self_data_is_written_again_by_a_changed_model(tmp_path):
+    """The self-generated text and its hidden states are found again by the weights that wrote
+    them: the same weights read them back, and a model changed since (an earlier stage run
+    again) writes its own rather than train on another model's hidden states."""
+    from rich.console import Console
+
+    from codedojo.data.shards import ShardWriter
+    from codedojo.pretrain.trainer import RunData, self_data
+
+    w = ShardWriter(tmp_path / "code", 64, eos_id=None)
+    rng = np.random.default_rng(0)
+    for _ in range(8):
+        w.add(rng.integers(1, 64, size=40))
+    data = RunData({"code": w.close()}, None, [])  # type: ignore[arg-type]
+    cfg = _cfg(tmp_path, mtp="distill", mix=[{"data": "self"}], self_gen={
+        "prompts": 3, "prompt_len": 8, "new_tokens": 4, "batch": 2})
+    model, _ = build_model(cfg)
+    run_dir, quiet = tmp_path / "run", Console(quiet=True)
+    first = self_data(cfg, cfg.stages[0], model, data, run_dir, quiet)
+    (first / "index.json").write_text((first / "index.json").read_text() + " ")  # marked
+    assert self_data(cfg, cfg.stages[0], model, data, run_dir, quiet) == first
+    assert (first / "index.json").read_text().endswith(" ")  # read back, not written again
+    with torch.no_grad():
+        model.tok_embeddings.weight.add_(1e-2)
+    other = self_data(cfg, cfg.stages[0], model, data, run_dir, quiet)
+    assert other != first and len(TokenFeatures(other / "hidden")) == 3 * 12
+    assert not torch.equal(TokenFeatures(other / "hidden").gather(np.arange(36)),
+                           TokenFeatures(first / "hidden").gather(np.arange(36)))
