@@ -171,10 +171,10 @@ class Engine:
         engine's latest rounds and of the request's own), with one more draft costing
         ``draft_cost`` plain decode steps (drafting it and verifying it), except every
         ``spec_explore_every``-th round, which drafts with every module so that the acceptance
-        of every draft stays current. When no
-        draft pays, rounds draft nothing but those: speculation pauses, and resumes if the
-        drafts come to pay (on text they know better). ``spec_explore_every=0``: no exploring
-        rounds, and when no draft pays speculation stops for good.
+        of every draft stays current. When no draft pays, rounds draft nothing but those:
+        speculation pauses, and resumes if the drafts come to pay (on text they know better).
+        ``spec_explore_every=0``: no exploring rounds, and when no draft pays speculation stops
+        for good.
         ``spec_draft_cost``: that cost, fixed; None: measured while probing, where every
         fourth round drafts nothing to time a plain step (a draft costs about 0.2 steps on a
         2-core CPU, far less on a GPU); 0: always draft with every module."""

@@ -141,7 +141,7 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     if rank != 0:
         return out_dir
     # before the shards' index: a finished directory has both
-    write_index(out_dir / "hidden", model.cfg.dim, [p for ps in parts for p in ps])
+    write_index(feats.dir, feats.dim, [p for ps in parts for p in ps])
     writer = ShardWriter(out_dir, model.cfg.vocab_size, eos_id=None)
     for r in np.concatenate(shares):
         writer.add(r)
