@@ -103,7 +103,8 @@ def pack(docs: Iterable[MixedDoc | np.ndarray], seq_len: int, pad_id: int = 0,
     sources: set[int] = set()
     for d in docs:
         toks = d.tokens if isinstance(d, MixedDoc) else np.asarray(d)
-        m = d.mask if isinstance(d, MixedDoc) and d.mask is not None else np.ones(len(toks), np.uint8)
+        m = (d.mask if isinstance(d, MixedDoc) and d.mask is not None
+             else np.ones(len(toks), np.uint8))
         if origins:
             if not isinstance(d, MixedDoc):
                 raise ValueError("pack: origins need documents from a mixture (MixedDoc)")
@@ -205,6 +206,11 @@ class PackedLoader:
         order = (np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle
                  else np.arange(n))
         return order[: n - n % self.world][self.rank::self.world]
+
+    @property
+    def epoch_rows(self) -> np.ndarray:
+        """This rank's rows of the current epoch, in the order it reads them (a copy)."""
+        return self._order.copy()
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         if self.pos + self.batch_size > len(self._order):

@@ -85,9 +85,9 @@ def test_ranks_share_out_the_rows_of_an_epoch():
     assert len(p) == 25
     alone = PackedLoader(p, batch_size=3, seed=4)
     ranks = [PackedLoader(p, batch_size=3, seed=4, rank=r, world=3) for r in range(3)]
-    rows = [set(ld._order.tolist()) for ld in ranks]
+    rows = [set(ld.epoch_rows.tolist()) for ld in ranks]
     assert [len(r) for r in rows] == [8, 8, 8]
-    assert len(set.union(*rows)) == 24 and set.union(*rows) <= set(alone._order.tolist())
+    assert len(set.union(*rows)) == 24 and set.union(*rows) <= set(alone.epoch_rows.tolist())
     # the batches hold the rank's own rows
     for ld, own in zip(ranks, rows, strict=True):
         batch = ld.next_batch()["tokens"]
@@ -100,9 +100,9 @@ def test_ranks_share_out_the_rows_of_an_epoch():
     again.load_state_dict(ranks[1].state_dict())
     first = PackedLoader(p, batch_size=3, seed=4, rank=0, world=3)
     first.load_state_dict({"epoch": 1, "pos": 0})
-    assert np.array_equal(again._order, ranks[1]._order)
-    assert not set(again._order.tolist()) & set(first._order.tolist())
-    assert set(again._order.tolist()) != rows[1]
+    assert np.array_equal(again.epoch_rows, ranks[1].epoch_rows)
+    assert not set(again.epoch_rows.tolist()) & set(first.epoch_rows.tolist())
+    assert set(again.epoch_rows.tolist()) != rows[1]
     with pytest.raises(ValueError, match="on each of 9 ranks"):
         PackedLoader(p, batch_size=3, world=9)
     with pytest.raises(ValueError, match="rank 3 is not one of 3"):
@@ -144,7 +144,7 @@ def test_origins_bring_each_token_its_stored_vector(tmp_path):
     loader = PackedLoader(type(p).load(tmp_path / "packed"), batch_size=3, features=feats)
     b = loader.next_batch()
     assert b["hidden"].shape == (3, 16, 3)
-    rows = np.sort(loader._order[:3])
+    rows = np.sort(loader.epoch_rows[:3])
     want = torch.from_numpy(p.origin[rows, :-1]).float()
     have = torch.where(want >= 0, b["hidden"][..., 0], -1.0)
     assert torch.equal(have, want)
