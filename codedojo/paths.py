@@ -1,11 +1,45 @@
-"""Where codedojo keeps what it builds or converts once per machine."""
+"""Where codedojo keeps what it builds or converts once per machine, and how a directory is
+written so that no reader ever sees it half-written."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
 def cache_dir() -> Path:
     """``$CODEDOJO_CACHE``, else ``~/.cache/codedojo``."""
     return Path(os.environ.get("CODEDOJO_CACHE") or Path.home() / ".cache" / "codedojo")
+
+
+@contextmanager
+def staged_dir(dest: str | Path, *, replace: bool) -> Iterator[Path]:
+    """A fresh directory beside ``dest`` to write into. When the block ends without an error
+    it becomes ``dest`` whole; on an error it is removed and ``dest`` is left as it was.
+
+    ``replace=True`` (a checkpoint written again): an existing ``dest`` is moved aside, the new
+    one put in its place, and only then the old one removed, so a crash at any point leaves a
+    whole copy on disk. ``replace=False`` (a cache that many processes may fill at once): when
+    another one put ``dest`` there first, its copy stays and this one is dropped."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        yield tmp
+        if replace and dest.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}-old-", dir=dest.parent))
+            os.rename(dest, old / dest.name)
+            os.rename(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            try:
+                os.rename(tmp, dest)
+            except OSError:  # not empty: another process won the race, its copy is as good
+                if replace or not dest.is_dir():
+                    raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -19,6 +19,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from codedojo.paths import staged_dir
+
 # What a test run or an agent must never see in its tree: VCS history and build debris.
 SCRUB_NAMES = (".git", ".hg", ".svn", "__pycache__", ".pytest_cache", ".tox", ".eggs", "build", "dist")
 
@@ -60,9 +62,7 @@ def fetch_sdist(requirement: str, expect_sha256: str | None = None) -> Sdist:
     folder = cache_root() / "sdists" / f"{name.lower()}-{version}"
     archives = sorted(p for p in folder.glob("*") if p.suffix in (".gz", ".zip", ".bz2", ".tgz"))
     if not archives:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
-        try:
+        with staged_dir(folder, replace=False) as tmp:
             cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-binary", ":all:",
                    "--no-deps", "--disable-pip-version-check", "-d", str(tmp), requirement]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -70,13 +70,6 @@ def fetch_sdist(requirement: str, expect_sha256: str | None = None) -> Sdist:
                 raise RuntimeError(f"pip download {requirement} failed:\n{proc.stderr[-2000:]}")
             if not any(tmp.iterdir()):
                 raise RuntimeError(f"pip download {requirement} saved nothing")
-            try:
-                os.rename(tmp, folder)
-            except OSError:  # another process won the race; its copy is as good as ours
-                shutil.rmtree(tmp, ignore_errors=True)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
         archives = sorted(folder.glob("*"))
     archive = archives[0]
     sha = _sha256(archive)

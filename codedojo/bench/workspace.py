@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +22,7 @@ from codedojo.bench.patching import apply_patch_to_dir
 from codedojo.bench.source import cache_root, fetch_sdist, scrub, unpack
 from codedojo.bench.task import Task
 from codedojo.bench.testrun import PytestCommand, TestReport, run_pytest
+from codedojo.paths import staged_dir
 from codedojo.sandbox.base import WORKSPACE, Limits, Sandbox, SandboxError, SandboxSpec
 
 VENV = "/opt/venv"
@@ -41,9 +41,7 @@ def task_trees(task: Task) -> tuple[Path, Path]:
         return dest / "agent", dest / "grade"
     sdist = fetch_sdist(task.base, expect_sha256=task.base_sha256)
     src = unpack(sdist)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tree-", dir=dest.parent))
-    try:
+    with staged_dir(dest, replace=False) as tmp:
         grade = tmp / "grade"
         shutil.copytree(src, grade)
         apply_patch_to_dir(task.bug_patch, grade)
@@ -51,13 +49,6 @@ def task_trees(task: Task) -> tuple[Path, Path]:
         agent = tmp / "agent"
         shutil.copytree(grade, agent, ignore=_ignore_hidden(grade, task.hidden_paths))
         (tmp / "done").write_text(task.instance_id)
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            if not (dest / "done").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest / "agent", dest / "grade"
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -23,7 +21,7 @@ from codedojo.model.gguf import load_gguf
 from codedojo.model.hf import load_hf, save_hf
 from codedojo.model.transformer import Transformer
 from codedojo.ops import move_to_huge_pages
-from codedojo.paths import cache_dir
+from codedojo.paths import cache_dir, staged_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # name -> (python package holding the GGUF, file name)
@@ -56,17 +54,10 @@ def converted_dir(name: str = DEFAULT_MODEL) -> Path:
     if marker.exists() and json.loads(marker.read_text()).get("stamp") == stamp:
         return out
     sd, cfg = load_gguf(src)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Convert into a temp dir and rename, so a crash never leaves a half-written cache.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    # Converted beside the cache and swapped in, so a crash never leaves a half-written cache.
+    with staged_dir(out, replace=True) as tmp:
         save_hf(sd, cfg, tmp)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(src), "stamp": stamp}))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import shutil
-import tempfile
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +34,7 @@ from torch import nn
 from codedojo.model.config import ModelConfig
 from codedojo.model.mtp import MTP, save_mtp
 from codedojo.model.weights import checkpoint_config
+from codedojo.paths import staged_dir
 from codedojo.pretrain.parallel import (
     broadcast_object,
     distributed,
@@ -151,9 +150,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: M
     rngs = gather_object(rng_state())  # each rank's own: a rank may draw random numbers
     if not is_main():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
+    with staged_dir(path, replace=True) as tmp:
         sd = {k: v.detach().cpu().contiguous() for k, v in full.items()}
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model_config.json").write_text(cfg.model_dump_json(indent=1))
@@ -161,11 +158,6 @@ def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: M
             save_mtp(mtp, tmp)
         torch.save({"optimizer": osd, "rng_ranks": rngs}, tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps(asdict(pos)))
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

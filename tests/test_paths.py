@@ -1,0 +1,48 @@
+"""`staged_dir`: a directory appears whole or not at all, and a failed rewrite keeps the old."""
+
+from __future__ import annotations
+
+import pytest
+
+from codedojo.paths import staged_dir
+
+
+def entries(parent):
+    return sorted(p.name for p in parent.iterdir())
+
+
+def test_a_directory_appears_only_when_its_block_ends(tmp_path):
+    dest = tmp_path / "ckpt" / "final"
+    with staged_dir(dest, replace=True) as tmp:
+        (tmp / "model.safetensors").write_text("weights")
+        assert not dest.exists()  # a reader sees nothing until the block ends
+    assert (dest / "model.safetensors").read_text() == "weights"
+    assert entries(dest.parent) == ["final"]
+
+
+def test_a_rewrite_replaces_the_old_copy_and_a_failed_one_keeps_it(tmp_path):
+    dest = tmp_path / "final"
+    with staged_dir(dest, replace=True) as tmp:
+        (tmp / "a").write_text("1")
+    with staged_dir(dest, replace=True) as tmp:
+        (tmp / "b").write_text("2")
+    assert entries(dest) == ["b"]  # replaced whole, not merged
+    with pytest.raises(RuntimeError, match="disk full"), staged_dir(dest, replace=True) as tmp:
+        (tmp / "c").write_text("3")
+        raise RuntimeError("disk full")
+    assert entries(dest) == ["b"]
+    assert entries(tmp_path) == ["final"]  # no staging or old copies left behind
+
+
+def test_a_cache_filled_twice_keeps_the_first_copy(tmp_path):
+    dest = tmp_path / "sdists" / "pkg-1.0"
+    with staged_dir(dest, replace=False) as first:
+        (first / "pkg-1.0.tar.gz").write_text("first")
+        with staged_dir(dest, replace=False) as second:  # another process, finishing first
+            (second / "pkg-1.0.tar.gz").write_text("second")
+    assert (dest / "pkg-1.0.tar.gz").read_text() == "second"
+    assert entries(dest.parent) == ["pkg-1.0"]
+    (dest / "pkg-1.0.tar.gz").unlink()
+    with staged_dir(dest, replace=False) as tmp:  # an empty leftover is filled, not kept
+        (tmp / "pkg-1.0.tar.gz").write_text("third")
+    assert (dest / "pkg-1.0.tar.gz").read_text() == "third"
