@@ -3,39 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import typer
 
-if TYPE_CHECKING:
-    import torch
-
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = ("float32", "bfloat16")
-
-
-def serve_device(requested: str) -> torch.device:
-    """``auto`` (the first GPU when CUDA is available, else the CPU), ``cpu``, ``cuda`` or
-    ``cuda:N``, checked against this machine."""
-    import torch
-
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    named = f"{requested!r}: not one of auto, cpu, cuda, cuda:N"
-    try:
-        dev = torch.device(requested)
-    except RuntimeError:
-        raise ValueError(named) from None
-    if dev.type == "cpu" and dev.index in (None, 0):
-        return torch.device("cpu")
-    if dev.type != "cuda":
-        raise ValueError(named)
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    dev = torch.device("cuda", dev.index or 0)
-    if dev.index >= n:
-        raise ValueError(f"{requested!r}: this machine has {n or 'no'} CUDA device"
-                         f"{'' if n == 1 else 's'}")
-    return dev
 
 
 def serve(
@@ -80,6 +52,7 @@ def serve(
 
     import torch
 
+    from codedojo.devices import resolve_device
     from codedojo.engine.engine import Engine
     from codedojo.engine.server import BackgroundServer, create_app
     from codedojo.model.chat import ChatTemplate
@@ -99,7 +72,7 @@ def serve(
     if dtype not in DTYPES:
         raise typer.BadParameter(f"{dtype!r}: not one of {', '.join(DTYPES)}", param_hint="--dtype")
     try:
-        dev = serve_device(device)
+        dev = resolve_device(device)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--device") from None
     try:

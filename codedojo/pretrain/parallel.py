@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from codedojo.devices import resolve_device
 from codedojo.model.moe import MoE
 from codedojo.model.transformer import Block
 
@@ -121,15 +122,12 @@ def train_device(requested: str = "auto") -> torch.device:
     under torchrun), or ``auto`` (the GPU when CUDA is available, else the CPU)."""
     if requested not in ("auto", "cpu", "cuda"):
         raise ValueError(f"model.device: {requested!r} is not one of auto, cpu, cuda")
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("model.device = 'cuda', but this process sees no CUDA device")
-    index = int(os.environ.get("LOCAL_RANK", "0"))
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"LOCAL_RANK {index}: this machine has {torch.cuda.device_count()} "
-                         "CUDA devices (more processes per node than GPUs?)")
-    return torch.device("cuda", index)
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    try:
+        return resolve_device(requested, default_index=rank)
+    except ValueError as e:
+        hint = f" for LOCAL_RANK {rank} (more processes per node than GPUs?)" if rank else ""
+        raise ValueError(f"model.device = {e}{hint}") from None
 
 
 def model_device(model: nn.Module) -> torch.device:

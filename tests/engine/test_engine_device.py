@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from codedojo.engine.cli import serve_device
+from codedojo.devices import resolve_device
 from codedojo.engine.engine import Engine
 from codedojo.engine.speculative import load_drafter
 from codedojo.engine.types import SamplingParams
@@ -24,18 +24,18 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def test_the_serving_device_follows_the_request_and_the_machine(gpus):
     gpus(0)
-    assert serve_device("auto") == serve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == resolve_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="'cuda': this machine has no CUDA devices"):
-        serve_device("cuda")
+        resolve_device("cuda")
     for bad in ("tpu", "cuda:x", "meta", "cpu:1"):
         with pytest.raises(ValueError, match=f"'{bad}': not one of auto, cpu, cuda, cuda:N"):
-            serve_device(bad)
+            resolve_device(bad)
     gpus(2)
-    assert serve_device("auto") == serve_device("cuda") == torch.device("cuda", 0)
-    assert serve_device("cuda:1") == torch.device("cuda", 1)
-    assert serve_device("cpu") == torch.device("cpu")  # a CPU server on a GPU machine
-    with pytest.raises(ValueError, match="'cuda:2': this machine has 2 CUDA devices"):
-        serve_device("cuda:2")
+    assert resolve_device("auto") == resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")  # a CPU server on a GPU machine
+    with pytest.raises(ValueError, match="'cuda:2': this machine has 2 CUDA devices, so no GPU 2"):
+        resolve_device("cuda:2")
 
 
 def test_dojo_serve_names_a_bad_device():

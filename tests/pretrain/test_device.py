@@ -27,7 +27,8 @@ def test_the_training_device_follows_the_config_and_the_machine(monkeypatch, gpu
     assert train_device("auto") == torch.device("cuda", 1)
     assert train_device("cuda") == torch.device("cuda", 1)
     monkeypatch.setenv("LOCAL_RANK", "2")
-    with pytest.raises(ValueError, match="LOCAL_RANK 2: this machine has 2 CUDA devices"):
+    with pytest.raises(ValueError, match="'auto': this machine has 2 CUDA devices, so no GPU 2 "
+                                         "for LOCAL_RANK 2"):
         train_device("auto")
 
 
