@@ -76,6 +76,7 @@ from codedojo.pretrain.parallel import (
 )
 from codedojo.pretrain.probe import passkey_probe
 from codedojo.pretrain.selfgen import write_self_shards
+from codedojo.progress import progress
 
 Batch = dict[str, torch.Tensor]
 
@@ -265,11 +266,9 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
     barrier()  # every rank sees the shards there, or none does
     if (out / "index.json").exists():
         return out
-    from rich.progress import Progress
-
     # Under FSDP every rank continues its own share of the prompts (each forward gathers the
     # shards from all of them); rank 0 gathers the continuations and writes them.
-    with Progress(console=console, transient=False) as prog:
+    with progress(console) as prog:
         task = prog.add_task(f"{stage.name}: {g.new_tokens} tokens after each of {g.prompts} "
                              "prompts", total=g.prompts)
         write_self_shards(
@@ -434,7 +433,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
     """The whole job. Idempotent: finished stages are skipped, a stage with a mid-stage
     checkpoint resumes from it."""
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
     console = console or Console()
     run_dir = cfg.run_dir
@@ -501,9 +500,9 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
         if st.probe and pos is None:
             report["probe"][f"{st.name}/before"] = passkey_probe(
                 model, tok, data.probe_filler, probe_len, cfg.eval.probe_trials, cfg.seed)
-        with Progress(TextColumn(f"[cyan]{st.name}"), BarColumn(), TextColumn("{task.completed}/"
-                      "{task.total} loss {task.fields[loss]}"), TimeElapsedColumn(),
-                      console=console, transient=False) as prog:
+        with progress(console, TextColumn(f"[cyan]{st.name}"), BarColumn(),
+                      TextColumn("{task.completed}/{task.total} loss {task.fields[loss]}"),
+                      TimeElapsedColumn()) as prog:
             task = prog.add_task(st.name, total=st.steps, completed=pos.step if pos else 0,
                                  loss="-")
 
