@@ -18,10 +18,13 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,16 +43,41 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     gradients run the block as it is). The recomputation of an MoE block routes as its forward
     did: by the router, or by the indices `router_replay` gave the forward (its context has
     closed by the time of the backward), and leaves the balancing state (expert counts, aux
-    loss, last routing) as the forward left it. The new forwards are closures over the blocks
-    (here and in `apply_compile`): copy a model before wrapping it, since a `copy.deepcopy`
-    afterwards would still run the original's blocks."""
+    loss, last routing) as the forward left it. A `copy.deepcopy` of the wrapped model (a
+    reference policy, an EMA) is wrapped the same way around its own weights (`wrap_forward`)."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not all(isinstance(b, Block) for b in layers):
         raise ValueError("activation checkpointing: model has no `layers` ModuleList of blocks")
     for blk in layers:
         if not getattr(blk, "checkpointed", False):
-            blk.forward = _recomputed(blk, blk.forward)
+            wrap_forward(blk, _checkpointed)
             blk.checkpointed = True
+
+
+def wrap_forward(blk: nn.Module, wrap: Callable[[nn.Module], Callable[..., torch.Tensor]]) -> None:
+    """``blk.forward = wrap(blk)``, ``wrap`` building the new forward around ``blk.forward`` as
+    it is. The wraps are remembered in order, so that `copy.deepcopy` (which looks
+    ``__deepcopy__`` up on the instance) gives the copy the same wraps around its own layers,
+    instead of closures that would go on running the original's."""
+    blk.forward = wrap(blk)
+    blk.__dict__.setdefault("_forward_wraps", []).append(wrap)
+    blk.__deepcopy__ = functools.partial(_copy_wrapped, blk)
+
+
+def _copy_wrapped(blk: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    d = blk.__dict__
+    kept = {k: d.pop(k) for k in ("forward", "__deepcopy__", "_forward_wraps")}
+    try:
+        twin = copy.deepcopy(blk, memo)
+    finally:
+        d.update(kept)
+    for wrap in kept["_forward_wraps"]:
+        wrap_forward(twin, wrap)
+    return twin
+
+
+def _checkpointed(blk: nn.Module) -> Callable[..., torch.Tensor]:
+    return _recomputed(blk, blk.forward)
 
 
 def _recomputed(blk: Block, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -105,16 +133,18 @@ def apply_compile(*parts: nn.Module | None) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for blk in (m for part in parts if part is not None for m in part.modules()
                 if isinstance(m, Block)):
-        plain = blk.forward
-        compiled = torch.compile(plain, dynamic=True)
+        wrap_forward(blk, _compiled)
 
-        def forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    mask: torch.Tensor | None, cache: object | None,
-                    plain: Callable[..., torch.Tensor] = plain,
-                    compiled: Callable[..., torch.Tensor] = compiled) -> torch.Tensor:
-            return (compiled if cache is None else plain)(x, cos, sin, mask, cache)
 
-        blk.forward = forward
+def _compiled(blk: nn.Module) -> Callable[..., torch.Tensor]:
+    plain = blk.forward
+    compiled = torch.compile(plain, dynamic=True)
+
+    def forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, cache: object | None) -> torch.Tensor:
+        return (compiled if cache is None else plain)(x, cos, sin, mask, cache)
+
+    return forward
 
 
 def train_device(requested: str = "auto") -> torch.device:

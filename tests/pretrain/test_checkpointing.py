@@ -1,5 +1,6 @@
 """Activation checkpointing: recomputed blocks give the gradients stored ones give, the model
-keeps its names and its decode path, and an MoE block recomputes the routing of its forward."""
+keeps its names and its decode path, and an MoE block recomputes the routing of its forward. A
+copy of a wrapped model computes with its own weights."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from codedojo.model.config import ModelConfig, MoEConfig
 from codedojo.model.moe import moe_aux_loss, moe_layers, recorded_routing, router_replay
 from codedojo.model.transformer import Transformer
-from codedojo.pretrain.parallel import apply_activation_checkpointing
+from codedojo.pretrain.parallel import apply_activation_checkpointing, apply_compile
 from codedojo.pretrain.selfgen import greedy_continue
 
 MOE = MoEConfig(n_routed_experts=8, top_k=2, expert_ffn_dim=16, n_shared_experts=1,
@@ -54,6 +55,26 @@ def test_recomputed_blocks_train_alike_and_keep_names_and_decoding():
     assert recomputed.training  # greedy_continue put the training mode back
     apply_activation_checkpointing(recomputed)  # a second call leaves the blocks as they are
     _assert_same(_grads(plain, tokens), _grads(recomputed, tokens))
+
+
+def test_a_copy_of_a_wrapped_model_runs_its_own_weights():
+    """A reference policy or an EMA is often a `copy.deepcopy` of the trained model: the copy
+    must keep the wraps (checkpointing, then compile) around its own blocks, not the original's."""
+    plain, wrapped = _pair(ModelConfig.tiny())
+    apply_compile(wrapped)
+    twin = copy.deepcopy(wrapped)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(1.5)
+    fresh = copy.deepcopy(plain)  # never wrapped: the reference for the scaled weights
+    fresh.load_state_dict(twin.state_dict())
+    tokens = torch.randint(0, 256, (2, 12))
+    _assert_same(_grads(fresh, tokens), _grads(twin, tokens))
+    _assert_same(_grads(plain, tokens), _grads(wrapped, tokens))  # the original is untouched
+    for a, b in zip(wrapped.layers, twin.layers, strict=True):
+        assert b.checkpointed and len(b._forward_wraps) == len(a._forward_wraps) == 2
+    again = copy.deepcopy(twin)  # a copy of a copy
+    _assert_same(_grads(fresh, tokens), _grads(again, tokens))
 
 
 def test_an_moe_block_recomputes_its_forwards_routing_and_counts_it_once():
