@@ -9,10 +9,12 @@ later prompt, so it is never trained on.
 Storage: JSONL, appended after every step (a header line, one line per turn, an end line), so
 a crash loses at most the step in flight; and parquet (one row per trajectory) for datasets.
 
-An MoE policy's routing (router replay) is kept per turn as the rows after those it shares with
-the turn before (`Trajectory.add_turn`): each prompt of an agent episode holds the conversation
-so far, so whole rows per turn would grow with the square of the episode's length, at hundreds
-of bytes a token for a large MoE. `Trajectory.iter_routed_experts` gives them back whole.
+Each prompt of an agent episode holds the conversation so far, so anything kept whole per turn
+grows with the square of the episode's length. On disk a turn keeps only the prompt tokens after
+those it shares with the turn before (its prompt and completion), and its loss mask as run
+lengths; reading gives back whole turns. An MoE policy's routing (router replay), hundreds of
+bytes a token for a large MoE, is kept the same way in memory too (`Trajectory.add_turn`):
+`Trajectory.iter_routed_experts` gives it back whole.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ import os
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 # 2: a turn's routed_experts may leave out the rows it shares with the previous turn
 # (routed_experts_shared); version 1 turns, which never do, read as they are
-FORMAT_VERSION = 2
+# 3: a stored turn's prompt_ids leave out the prompt_shared tokens it shares with the turn
+# before, and its loss mask is stored as loss_mask_runs; older turns read as they are
+FORMAT_VERSION = 3
 
 
 @dataclass
@@ -255,16 +259,75 @@ class Trajectory:
             type="trajectory",
             messages=self.messages,
             segments=self.segments,
-            turns=[asdict(t) for t in self.turns],
+            turns=[stored_turn(t, prev) for prev, t in zip([None, *self.turns[:-1]], self.turns, strict=True)],
         )
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        _check_format(d.get("format"))
         known = {f.name for f in fields(cls)} - {"turns"}
         t = cls(**{k: v for k, v in d.items() if k in known})
-        t.turns = [Turn.from_dict(x) for x in d.get("turns", [])]
+        for rec in d.get("turns", []):
+            t.turns.append(restored_turn(rec, t.turns[-1] if t.turns else None))
         return t
+
+
+def stored_turn(turn: Turn, prev: Turn | None) -> dict[str, Any]:
+    """A turn as it is stored: the prompt tokens after the ``prompt_shared`` that begin the
+    previous turn's prompt + completion too, and the loss mask as ``loss_mask_runs`` (the lengths
+    of its runs of 0s and 1s, alternating, 0s first)."""
+    shared = 0 if prev is None else _common_prefix(prev.prompt_ids + prev.completion_ids,
+                                                   turn.prompt_ids)
+    runs = _runs(turn.loss_mask, turn.index)
+    d = asdict(replace(turn, prompt_ids=turn.prompt_ids[shared:], loss_mask=[]))
+    del d["loss_mask"]
+    return {**d, "prompt_shared": shared, "loss_mask_runs": runs}
+
+
+def restored_turn(d: dict[str, Any], prev: Turn | None) -> Turn:
+    """The whole turn from `stored_turn`'s record (or a format 1-2 record, stored whole)."""
+    d = dict(d)
+    shared = d.pop("prompt_shared", 0) or 0
+    if shared:
+        before = [] if prev is None else prev.prompt_ids + prev.completion_ids
+        if shared > len(before):
+            raise ValueError(f"turn {d.get('index')}: prompt_shared {shared} tokens, but the "
+                             f"turn before has {len(before)}")
+        d["prompt_ids"] = before[:shared] + list(d.get("prompt_ids") or [])
+    runs = d.pop("loss_mask_runs", None)
+    if runs is not None:
+        if any(not isinstance(n, int) or n < 0 for n in runs):
+            raise ValueError(f"turn {d.get('index')}: loss_mask_runs must be counts >= 0, "
+                             f"got {runs}")
+        d["loss_mask"] = [i % 2 for i, n in enumerate(runs) for _ in range(n)]
+    return Turn.from_dict(d)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    import numpy as np
+
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(differ[0]) if len(differ) else n
+
+
+def _runs(mask: list[int], index: int) -> list[int]:
+    runs, value = [0], 0
+    for m in mask:
+        if m not in (0, 1):
+            raise ValueError(f"turn {index}: loss_mask must hold 0/1 only, got {m!r}")
+        if m != value:
+            runs.append(0)
+            value = m
+        runs[-1] += 1
+    return runs
+
+
+def _check_format(version: Any) -> None:
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise ValueError(f"trajectory format {version} is newer than this codedojo reads "
+                         f"({FORMAT_VERSION}): upgrade codedojo")
 
 
 def _rows_in_common(a: Any, b: Any) -> int:
@@ -297,8 +360,9 @@ class TrajectoryWriter:
     def step(self, traj: Trajectory) -> None:
         """Write the turns and messages added since the last call."""
         new_msgs = traj.messages[self._messages_written :]
-        for t in traj.turns[self._turns_written :]:
-            self._line({"type": "turn", "turn": asdict(t)})
+        for i in range(self._turns_written, len(traj.turns)):
+            prev = traj.turns[i - 1] if i else None
+            self._line({"type": "turn", "turn": stored_turn(traj.turns[i], prev)})
         if new_msgs:
             self._line({"type": "messages", "start": self._messages_written, "messages": new_msgs, "segments": traj.segments})
         self._messages_written = len(traj.messages)
@@ -330,11 +394,14 @@ def read_jsonl(path: str | Path) -> Trajectory:
                 break
             kind = rec.get("type")
             if kind == "header":
-                traj = Trajectory.from_dict({k: v for k, v in rec.items() if k not in ("type", "format")})
+                traj = _from_record(path, n, rec)
             elif traj is None:
                 raise ValueError(f"{path}:{n}: the first record must be the header")
             elif kind == "turn":
-                traj.turns.append(Turn.from_dict(rec["turn"]))
+                try:
+                    traj.turns.append(restored_turn(rec["turn"], traj.turns[-1] if traj.turns else None))
+                except ValueError as e:
+                    raise ValueError(f"{path}:{n}: {e}") from None
             elif kind == "messages":
                 traj.messages[rec["start"] :] = rec["messages"]
                 traj.segments = list(rec["segments"])
@@ -345,10 +412,17 @@ def read_jsonl(path: str | Path) -> Trajectory:
                 traj.tool_state = rec.get("tool_state") or {}
                 traj.ended_at = rec.get("ended_at")
             elif kind == "trajectory":
-                traj = Trajectory.from_dict({k: v for k, v in rec.items() if k not in ("type", "format")})
+                traj = _from_record(path, n, rec)
     if traj is None:
         raise ValueError(f"{path}: no trajectory header")
     return traj
+
+
+def _from_record(path: str | Path, line: int, rec: dict[str, Any]) -> Trajectory:
+    try:
+        return Trajectory.from_dict({k: v for k, v in rec.items() if k != "type"})
+    except ValueError as e:
+        raise ValueError(f"{path}:{line}: {e}") from None
 
 
 # ---- parquet --------------------------------------------------------------------------------
@@ -366,7 +440,8 @@ def _turn_type() -> Any:
             ("prompt_ids", pa.list_(pa.int32())),
             ("completion_ids", pa.list_(pa.int32())),
             ("logprobs", pa.list_(pa.float32())),
-            ("loss_mask", pa.list_(pa.int8())),
+            ("prompt_shared", pa.int32()),
+            ("loss_mask_runs", pa.list_(pa.int32())),
             ("routed_experts", pa.string()),  # base64 .npy; null: no routing recorded
             ("routed_experts_shared", pa.int32()),
             ("finish_reason", pa.string()),
@@ -412,8 +487,8 @@ def write_parquet(trajs: Iterable[Trajectory], path: str | Path) -> None:
         rows["started_at"].append(t.started_at)
         rows["ended_at"].append(t.ended_at)
         turns = []
-        for u in t.turns:
-            d = asdict(u)
+        for prev, u in zip([None, *t.turns[:-1]], t.turns, strict=True):
+            d = stored_turn(u, prev)
             d["message"] = json.dumps(d["message"], ensure_ascii=False)
             d["tool_calls"] = json.dumps(d["tool_calls"])
             turns.append(d)
@@ -437,18 +512,17 @@ def write_parquet(trajs: Iterable[Trajectory], path: str | Path) -> None:
 def read_parquet(path: str | Path) -> list[Trajectory]:
     import pyarrow.parquet as pq
 
+    table = pq.read_table(str(path))
+    fmt = (table.schema.metadata or {}).get(b"codedojo.trajectory.format")
+    _check_format(int(fmt) if fmt else None)
     out = []
-    for row in pq.read_table(str(path)).to_pylist():
+    for row in table.to_pylist():
         for key in ("tool_schemas", "tool_versions", "messages", "tool_state", "metadata"):
             row[key] = json.loads(row[key])
-        turns = []
-        for d in row.pop("turns"):
+        for d in row["turns"]:
             d["message"] = json.loads(d["message"])
             d["tool_calls"] = json.loads(d["tool_calls"])
-            turns.append(d)
-        t = Trajectory.from_dict(row)
-        t.turns = [Turn.from_dict(d) for d in turns]
-        out.append(t)
+        out.append(Trajectory.from_dict(row))
     return out
 
 

@@ -7,12 +7,14 @@ import torch
 
 from codedojo.engine.types import decode_routed_experts, encode_routed_experts
 from codedojo.harness.trajectory import (
+    FORMAT_VERSION,
     ToolCallRecord,
     Trajectory,
     TrajectoryWriter,
     Turn,
     load,
     read_jsonl,
+    stored_turn,
     write_parquet,
 )
 
@@ -48,6 +50,7 @@ def test_jsonl_step_log_round_trip(tmp_path):
     w.finish(t)
     back = read_jsonl(tmp_path / "t.jsonl")
     back.validate()
+    assert back.turns == t.turns
     assert back.to_dict() == t.to_dict()
 
 
@@ -77,14 +80,74 @@ def test_parquet_round_trip(tmp_path):
     write_parquet([a, b], tmp_path / "d.parquet")
     back = load(tmp_path / "d.parquet")
     assert [x.to_dict() for x in back] == [a.to_dict(), b.to_dict()]
+    assert [x.turns for x in back] == [a.turns, b.turns]
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     table = pq.read_table(tmp_path / "d.parquet")
     turn_type = table.schema.field("turns").type.value_type
     assert turn_type.field("completion_ids").type.value_type == pa.int32()
-    # Every field of a turn has a column: none is dropped on the way to a dataset.
-    assert {turn_type.field(i).name for i in range(turn_type.num_fields)} == {f.name for f in fields(Turn)}
+    # Every field of a stored turn has a column: none is dropped on the way to a dataset.
+    stored = set(stored_turn(a.turns[0], None))
+    assert stored == {f.name for f in fields(Turn)} - {"loss_mask"} | {"prompt_shared", "loss_mask_runs"}
+    assert {turn_type.field(i).name for i in range(turn_type.num_fields)} == stored
+
+
+def _episode(turns: int, new: int) -> Trajectory:
+    """An agent episode: each prompt is the one before, its completion and `new` tokens of tool
+    output; the last turn starts a new context (a self-summary), sharing only the system prompt."""
+    t = Trajectory(task="long")
+    t.messages = [{"role": "user", "content": "go"}]
+    prompt = list(range(50))
+    for i in range(turns):
+        if i == turns - 1:
+            prompt = prompt[:10] + [7] * 30
+        completion = [1000 + i] * 20
+        t.turns.append(Turn(index=i, segment=0, kind="action", message={"role": "assistant", "content": ""},
+                            prompt_ids=list(prompt), completion_ids=completion, logprobs=[-0.25] * 20,
+                            loss_mask=[0] * len(prompt) + [1] * 20))
+        prompt = prompt + completion + [2000 + i] * new
+    return t
+
+
+def test_a_long_episode_is_stored_in_the_tokens_each_turn_adds(tmp_path):
+    t = _episode(turns=30, new=100)
+    w = TrajectoryWriter(tmp_path / "t.jsonl")
+    w.start(t)
+    w.finish(t)
+    lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    stored = [x["turn"] for x in lines if x["type"] == "turn"]
+    assert [len(x["prompt_ids"]) for x in stored] == [50] + [100] * 28 + [30]
+    assert [x["prompt_shared"] for x in stored[:3]] == [0, 70, 190]
+    assert stored[-1]["prompt_shared"] == 10  # a new context shares only its start
+    assert stored[0]["loss_mask_runs"] == [50, 20]
+    back = read_jsonl(tmp_path / "t.jsonl")
+    assert back.turns == t.turns
+    write_parquet([t], tmp_path / "d.parquet")
+    assert load(tmp_path / "d.parquet")[0].turns == t.turns
+    # a turn whose prompt_shared runs past the turn before is refused, naming the line
+    lines[3]["turn"]["prompt_shared"] = 10_000
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with pytest.raises(ValueError, match=r"bad.jsonl:4: turn 2: prompt_shared 10000 tokens, but "
+                                         r"the turn before has 190"):
+        read_jsonl(tmp_path / "bad.jsonl")
+
+
+def test_older_formats_read_and_newer_ones_are_refused(tmp_path):
+    t = _traj()
+    old = {**t.header(), "format": 2}
+    whole = {f.name: getattr(t.turns[0], f.name) for f in fields(Turn)}
+    whole["tool_calls"] = [vars(c) for c in t.turns[0].tool_calls]
+    p = tmp_path / "old.jsonl"
+    p.write_text(json.dumps(old) + "\n" + json.dumps({"type": "turn", "turn": whole}) + "\n")
+    assert read_jsonl(p).turns == t.turns  # format 2 kept turns whole
+    p.write_text(json.dumps({**t.header(), "format": FORMAT_VERSION + 1}) + "\n")
+    with pytest.raises(ValueError, match=f"old.jsonl:1: trajectory format {FORMAT_VERSION + 1} is "
+                                         "newer than this codedojo reads"):
+        read_jsonl(p)
+    with pytest.raises(ValueError, match="turn 0: loss_mask must hold 0/1 only, got 2"):
+        stored_turn(Turn(index=0, segment=0, kind="action", message={}, prompt_ids=[1],
+                         completion_ids=[2], loss_mask=[0, 2]), None)
 
 
 def _routed_turn(index: int, fed: int, routed: torch.Tensor | None) -> Turn:
