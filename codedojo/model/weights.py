@@ -63,16 +63,20 @@ def converted_dir(name: str = DEFAULT_MODEL) -> Path:
 
 def build_model(sd: dict[str, torch.Tensor], cfg: ModelConfig,
                 dtype: torch.dtype = torch.float32) -> Transformer:
-    """A Transformer holding ``sd`` (strict: every parameter must be present), its parameters
-    in huge-page memory (decode steps read them all, see ``codedojo.ops.huge_pages``)."""
+    """A Transformer holding ``sd`` (strict: every parameter must be present) in ``dtype``, its
+    parameters in huge-page memory (decode steps read them all, see ``codedojo.ops.huge_pages``).
+    Each weight is copied once, from ``sd`` straight into its place: building costs the model's
+    size beside ``sd`` (``benchmarks/load_memory.py``)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = model.to_empty(device="cpu")
+    model.load_state_dict(sd, strict=True, assign=True)  # sd's own tensors, until the move
     model.rotary = type(model.rotary)(cfg)  # buffers are computed, not loaded
-    model.load_state_dict(sd, strict=True)
-    model = model.to(dtype).eval()
-    move_to_huge_pages(model)
-    return model
+    for mod in model.modules():  # the other unsaved buffers count what training routes: zeros
+        for name, buf in list(mod.named_buffers(recurse=False)):
+            if buf.is_meta:
+                setattr(mod, name, torch.zeros_like(buf, device="cpu"))
+    move_to_huge_pages(model, dtype)
+    return model.to(dtype).eval()  # the buffers too, as the parameters
 
 
 def checkpoint_config(path: str | Path) -> ModelConfig:

@@ -47,21 +47,24 @@ def huge_page_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> 
     return torch.frombuffer(m, dtype=dtype, count=count, offset=start).view(shape)
 
 
-def move_to_huge_pages(module: torch.nn.Module) -> int:
+def move_to_huge_pages(module: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
     """Move every CPU parameter of ``module`` into one huge-page mapping, in place; returns the
-    bytes moved. Values, shapes, dtypes, ``requires_grad`` and the Parameter objects stay (an
-    optimizer holding them is unaffected); each parameter becomes contiguous, with a storage of
-    its own (it saves as before). Views taken of a parameter before the move keep the old
-    memory and no longer see in-place updates, so call this before anything holds such views
-    (``load_model`` does, as it builds the model)."""
+    bytes moved. ``dtype``: the floating-point parameters are converted on the way (one copy,
+    not a conversion and then a move). Values, shapes, ``requires_grad`` and the Parameter
+    objects stay (an optimizer holding them is unaffected); each parameter becomes contiguous,
+    with a storage of its own (it saves as before). Views taken of a parameter before the move
+    keep the old memory and no longer see in-place updates, so call this before anything holds
+    such views (``load_model`` does, as it builds the model)."""
     params = [p for p in module.parameters() if p.device.type == "cpu" and p.numel()]
     if not params:
         return 0
-    sizes = [-(-p.numel() * p.element_size() // _ALIGN) * _ALIGN for p in params]
+    dtypes = [dtype if dtype is not None and p.is_floating_point() else p.dtype for p in params]
+    sizes = [-(-p.numel() * dt.itemsize // _ALIGN) * _ALIGN
+             for p, dt in zip(params, dtypes, strict=True)]
     m, offset = huge_page_buffer(sum(sizes))
     with torch.no_grad():
-        for p, size in zip(params, sizes, strict=True):
-            t = torch.frombuffer(m, dtype=p.dtype, count=p.numel(), offset=offset)
+        for p, dt, size in zip(params, dtypes, sizes, strict=True):
+            t = torch.frombuffer(m, dtype=dt, count=p.numel(), offset=offset)
             p.data = t.view(p.shape).copy_(p.data)
             offset += size
     return sum(sizes)

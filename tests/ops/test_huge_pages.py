@@ -90,7 +90,34 @@ def test_load_model_holds_its_weights_in_huge_pages(tmp_path) -> None:
     for name, p in ours.named_parameters():
         assert torch.equal(loaded[name], p) and advised_huge(loaded[name])
     bf16, _ = load_model(tmp_path / "hf", dtype=torch.bfloat16)
-    assert all(p.dtype == torch.bfloat16 and advised_huge(p) for p in bf16.parameters())
+    halved = dict(bf16.named_parameters())
+    for name, p in ours.named_parameters():  # converted on the way into huge pages
+        assert halved[name].dtype == torch.bfloat16 and advised_huge(halved[name])
+        assert torch.equal(halved[name], p.to(torch.bfloat16))
+    assert all(b.dtype == torch.bfloat16 for b in bf16.rotary.buffers())  # as the weights
+
+
+def test_a_built_moe_model_starts_its_expert_counts_at_zero() -> None:
+    """Unsaved buffers are made, not left as whatever memory held: a trained MoE model adds its
+    routing to `tokens_per_expert` and balances on it."""
+    from codedojo.model.moe import moe_layers
+    from codedojo.model.weights import build_model
+    from tests.engine.tiny_moe import tiny_moe
+
+    ours = tiny_moe()
+    for m in moe_layers(ours):
+        m.expert_bias.uniform_(-1, 1)  # saved with the weights
+    sd = {k: v.clone() for k, v in ours.state_dict().items()}
+    built = build_model(sd, ours.cfg)
+    for a, b in zip(moe_layers(ours), moe_layers(built), strict=True):
+        assert torch.equal(a.expert_bias, b.expert_bias)
+        assert torch.equal(b.tokens_per_expert, torch.zeros_like(a.tokens_per_expert))
+    tokens = torch.randint(0, ours.cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(built(tokens), ours(tokens))
+    del sd["layers.1.attn.wo.weight"]
+    with pytest.raises(RuntimeError, match="Missing key.*layers.1.attn.wo.weight"):
+        build_model(sd, ours.cfg)
 
 
 def test_the_memory_is_backed_by_huge_pages_where_the_system_has_them() -> None:

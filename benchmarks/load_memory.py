@@ -1,0 +1,92 @@
+"""Peak memory of loading a model for serving (`codedojo.model.weights.build_model`) against the
+earlier way of building it, on the same weights in the same run: each way in a fresh process,
+whose peak resident size (``ru_maxrss``) is read after the build, less that of the process
+with the weights read (and touched, all of them resident) and nothing built.
+
+- ``build``: the model made on the meta device, the state dict's tensors assigned to it, then
+  each weight copied once into its huge-page place, converted to the dtype.
+- ``baseline``: the earlier build: the model allocated in float32 (`to_empty`), the state dict
+  copied in, converted with `.to(dtype)`, then moved into huge pages.
+
+Prints one JSON line per dtype (``extra_mb_*``: peak MB above the weights as read).
+
+    python benchmarks/load_memory.py [--model smollm2-135m-instruct]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def baseline_build(sd: dict[str, torch.Tensor], cfg: object, dtype: torch.dtype) -> object:
+    from codedojo.model.transformer import Transformer
+    from codedojo.ops import move_to_huge_pages
+
+    with torch.device("meta"):
+        model = Transformer(cfg)  # type: ignore[arg-type]
+    model = model.to_empty(device="cpu")
+    model.rotary = type(model.rotary)(cfg)
+    model.load_state_dict(sd, strict=True)
+    model = model.to(dtype).eval()
+    move_to_huge_pages(model)
+    return model
+
+
+def child(model: str, way: str, dtype: str) -> None:
+    """Runs in its own process: read the weights, build one way, print the peak MB."""
+    from codedojo.model.weights import KNOWN_MODELS, build_model, converted_dir
+    from codedojo.model.hf import load_hf
+
+    assert model.lower() in KNOWN_MODELS
+    sd, cfg = load_hf(converted_dir(model))
+    for t in sd.values():  # make them resident (safetensors may map the file)
+        t.sum()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if way == "build":
+        m = build_model(sd, cfg, DTYPES[dtype])
+    elif way == "baseline":
+        m = baseline_build(sd, cfg, DTYPES[dtype])
+    else:
+        m = None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    params = 0 if m is None else sum(p.numel() * p.element_size() for p in m.parameters())
+    print(json.dumps({"read_mb": before, "peak_mb": peak, "param_mb": params / 2**20}))
+
+
+def measure(model: str, way: str, dtype: str) -> dict[str, float]:
+    out = subprocess.run([sys.executable, __file__, "--child", way, "--dtype", dtype,
+                          "--model", model], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--child", choices=["build", "baseline", "read"])
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    args = ap.parse_args()
+    if args.child:
+        child(args.model, args.child, args.dtype)
+        return
+    for dtype in DTYPES:
+        read = measure(args.model, "read", dtype)
+        new = measure(args.model, "build", dtype)
+        old = measure(args.model, "baseline", dtype)
+        print(json.dumps({
+            "bench": "load_memory", "model": args.model, "dtype": dtype,
+            "weights_read_mb": round(read["peak_mb"]), "model_mb": round(new["param_mb"]),
+            "extra_mb_build": round(new["peak_mb"] - read["peak_mb"]),
+            "extra_mb_baseline": round(old["peak_mb"] - read["peak_mb"]),
+        }))
+
+
+if __name__ == "__main__":
+    main()
