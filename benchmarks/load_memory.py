@@ -42,10 +42,11 @@ def baseline_build(sd: dict[str, torch.Tensor], cfg: object, dtype: torch.dtype)
 
 def child(model: str, way: str, dtype: str) -> None:
     """Runs in its own process: read the weights, build one way, print the peak MB."""
-    from codedojo.model.weights import KNOWN_MODELS, build_model, converted_dir
     from codedojo.model.hf import load_hf
+    from codedojo.model.weights import KNOWN_MODELS, build_model, converted_dir
 
-    assert model.lower() in KNOWN_MODELS
+    if model.lower() not in KNOWN_MODELS:
+        sys.exit(f"--model {model!r}: not one of {sorted(KNOWN_MODELS)}")
     sd, cfg = load_hf(converted_dir(model))
     for t in sd.values():  # make them resident (safetensors may map the file)
         t.sum()
