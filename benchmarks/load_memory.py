@@ -64,7 +64,9 @@ def child(model: str, way: str, dtype: str) -> None:
 
 def measure(model: str, way: str, dtype: str) -> dict[str, float]:
     out = subprocess.run([sys.executable, __file__, "--child", way, "--dtype", dtype,
-                          "--model", model], capture_output=True, text=True, check=True)
+                          "--model", model], capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
