@@ -1,12 +1,14 @@
 """Storing a long agent episode: every turn whole (format 2) against each turn's new tokens
 (format 3: the prompt after what it shares with the turn before, the loss mask as run lengths),
-measured in the same run on the same episode.
+measured in the same run on the same episode; and what a trainer runs forward over.
 
 The episode: ``--turns`` model calls; the first prompt is ``--system`` tokens, and each later one
 is the one before plus its completion (``--reply`` tokens) and a tool output (``--tool`` tokens),
 as the agent loop sends it. ``bytes_whole`` / ``bytes_shared``: the JSONL step log's size both
 ways; ``write_ms_*`` the time to write it, ``read_ms_shared`` to read the new one back (checked to
-give the same turns). Prints one JSON line.
+give the same turns). ``train_tokens_per_turn`` / ``train_tokens_merged``: the tokens a trainer
+runs forward over, every turn whole against `training_sequences` (the turns merged into one
+sequence where each prompt continues the turn before). Prints one JSON line.
 
     python benchmarks/trajectory_store.py [--turns 40] [--system 1500] [--reply 150] [--tool 600]
 """
@@ -22,6 +24,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from codedojo.harness.sequences import training_sequences
 from codedojo.harness.trajectory import Trajectory, TrajectoryWriter, Turn, read_jsonl
 
 
@@ -83,6 +86,7 @@ def main() -> None:
         read_whole_ms, old = timed_ms(read_jsonl, whole)
         read_shared_ms, new = timed_ms(read_jsonl, shared)
         same = old.turns == t.turns and new.turns == t.turns  # type: ignore[attr-defined]
+        merged = training_sequences(t)
         print(json.dumps({
             "bench": "trajectory_store", "turns": args.turns,
             "last_prompt_tokens": len(t.turns[-1].prompt_ids),
@@ -92,6 +96,9 @@ def main() -> None:
             "write_ms_whole": round(write_whole_ms, 1), "write_ms_shared": round(write_shared_ms, 1),
             "read_ms_whole": round(read_whole_ms, 1), "read_ms_shared": round(read_shared_ms, 1),
             "same_turns": same,
+            "train_tokens_per_turn": sum(len(u.prompt_ids) + len(u.completion_ids) for u in t.turns),
+            "train_tokens_merged": sum(len(q.token_ids) for q in merged),
+            "sequences": len(merged),
         }))
 
 

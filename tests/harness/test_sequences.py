@@ -1,0 +1,75 @@
+"""Training sequences: an episode's turns merged where each prompt continues the turn before, each
+token keeping the mask, logprob and routing of the turn that added it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codedojo.engine.types import encode_routed_experts
+from codedojo.harness.sequences import training_sequences
+from codedojo.harness.trajectory import Trajectory, Turn
+
+
+def turn(i: int, prompt: list[int], completion: list[int], routing: torch.Tensor | None = None
+         ) -> Turn:
+    return Turn(index=i, segment=0, kind="action", message={"role": "assistant", "content": ""},
+                prompt_ids=prompt, completion_ids=completion,
+                logprobs=[-(i + 1) - j / 10 for j in range(len(completion))],
+                loss_mask=[0] * len(prompt) + [1] * len(completion),
+                routed_experts=None if routing is None else encode_routed_experts(routing))
+
+
+def test_a_chain_of_turns_is_one_sequence_and_a_fresh_context_starts_another():
+    t = Trajectory(task="t")
+    t.turns = [turn(0, [1, 2, 3], [10, 11]),
+               turn(1, [1, 2, 3, 10, 11, 4, 5], [12]),
+               turn(2, [1, 2, 3, 10, 11, 4, 5, 12, 6], [13, 14]),
+               turn(3, [1, 2, 7], [15])]  # a summary's fresh context: shares only [1, 2]
+    first, second = training_sequences(t)
+    assert first.token_ids == [1, 2, 3, 10, 11, 4, 5, 12, 6, 13, 14]  # the last turn's, whole
+    assert first.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1]
+    assert first.logprobs == [0, 0, 0, -1.0, -1.1, 0, 0, -2.0, 0, -3.0, -3.1]
+    assert first.turns == [0, 1, 2] and first.starts == [0, 5, 8]
+    assert [first.turn_of(p) for p in (0, 4, 5, 7, 8, 10)] == [0, 0, 1, 1, 2, 2]
+    assert second.token_ids == [1, 2, 7, 15] and second.turns == [3] and second.starts == [0]
+    # the tokens trained once each: as many as the turns sampled
+    assert sum(s.loss_mask.count(1) for s in (first, second)) == sum(
+        len(u.completion_ids) for u in t.turns)
+    with pytest.raises(IndexError, match="position 11 is outside the sequence's 11 tokens"):
+        first.turn_of(11)
+
+
+def test_a_reply_rendered_back_differently_breaks_the_chain():
+    t = Trajectory(task="t")
+    t.turns = [turn(0, [1, 2], [10, 11]), turn(1, [1, 2, 10, 99, 4], [12])]
+    assert [s.turns for s in training_sequences(t)] == [[0], [1]]
+
+
+def test_each_token_keeps_the_routing_it_was_first_fed_with():
+    """A later turn's prefill may route an earlier token differently (numerics, or a changed
+    bias): the merged rows take each fed token's experts from the turn that fed it first."""
+    def rows(n: int, offset: int = 0) -> torch.Tensor:  # (n fed tokens, 1 layer, top 2)
+        r = torch.arange(n) + offset
+        return torch.stack([r % 8, (r + 1) % 8], -1)[:, None, :]
+
+    t = Trajectory(task="t")
+    t.add_turn(turn(0, [1, 2, 3], [10, 11], rows(4)))  # feeds 1 2 3 10
+    later = rows(7)
+    later[1] = torch.tensor([[7, 6]])  # its prefill routed token 2 otherwise
+    t.add_turn(turn(1, [1, 2, 3, 10, 11, 4, 5], [12], later))  # feeds all but 12
+    (seq,) = training_sequences(t)
+    want = torch.cat([rows(4), later[4:]])
+    assert seq.routed_experts.shape == (len(seq.token_ids) - 1, 1, 2)
+    assert torch.equal(seq.routed_experts, want)
+    t.turns.append(turn(2, seq.token_ids + [6], [13]))  # a turn without routing: none for all
+    assert training_sequences(t)[0].routed_experts is None
+
+
+def test_a_turn_that_does_not_fit_its_tokens_is_named():
+    t = Trajectory(task="t")
+    bad = turn(0, [1, 2], [3])
+    bad.loss_mask = [0, 1]
+    t.turns = [bad]
+    with pytest.raises(ValueError, match="turn 0: loss_mask has 2 entries for 3 tokens"):
+        training_sequences(t)
