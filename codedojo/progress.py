@@ -1,4 +1,4 @@
-"""Progress of a long job. On a terminal, rich's live bars. Anywhere else (``nohup``, a Slurm or
+"""Progress of a long job. On a terminal (or in a notebook), rich's live bars. Anywhere else (``nohup``, a Slurm or
 torchrun log, CI) rich draws a bar only once it is finished, so a stage of hours would print
 nothing until its end: there a task prints one plain line every minute instead (every
 ``$CODEDOJO_PROGRESS_EVERY`` seconds when set), and one when it ends."""
@@ -17,8 +17,8 @@ EVERY_S = 60.0
 
 def progress(console: Any, *columns: Any) -> Any:
     """A with-block that tracks tasks (``add_task``, ``update``): `rich.progress.Progress` with
-    these columns on a terminal, `LineProgress` elsewhere."""
-    if console.is_terminal:
+    these columns on a terminal or in a notebook (live either way), `LineProgress` elsewhere."""
+    if console.is_terminal or getattr(console, "is_jupyter", False):
         from rich.progress import Progress
 
         return Progress(*columns, console=console, transient=False)

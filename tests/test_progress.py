@@ -69,6 +69,7 @@ def test_a_task_without_a_total_and_an_error_in_the_block():
 
 def test_a_terminal_gets_rich_bars_and_a_file_gets_lines(monkeypatch):
     assert isinstance(progress(Console(file=io.StringIO(), force_terminal=True)), Progress)
+    assert isinstance(progress(Console(file=io.StringIO(), force_jupyter=True)), Progress)
     monkeypatch.delenv("CODEDOJO_PROGRESS_EVERY", raising=False)
     assert progress(log_console()[0]).every == 60
     monkeypatch.setenv("CODEDOJO_PROGRESS_EVERY", "5")
