@@ -11,6 +11,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from codedojo.harness.sequences import training_sequences
 from codedojo.harness.trajectory import Trajectory
 
 ROLE_STYLE = {"system": "dim", "user": "bold cyan", "assistant": "bold green", "tool": "yellow"}
@@ -44,6 +45,14 @@ def print_trajectory(traj: Trajectory, max_chars: int | None = 1500, console: Co
     head.add_row("env", f"{traj.env} (tool set generation {traj.toolset_generation})")
     head.add_row("tools", ", ".join(f"{n}@{v}" for n, v in traj.tool_versions.items()) or "-")
     head.add_row("turns", f"{len(traj.turns)} model calls, {len(traj.segments)} context segment(s)")
+    if traj.turns:
+        whole = sum(len(t.prompt_ids) + len(t.completion_ids) for t in traj.turns)
+        try:
+            seqs = training_sequences(traj)
+            head.add_row("training", f"{len(seqs)} sequence(s), {sum(len(q.token_ids) for q in seqs)} "
+                                     f"tokens ({whole} turn by turn)")
+        except ValueError as e:  # shown all the same, to see what is wrong
+            head.add_row("training", escape(f"not trainable: {e}"))
     console.print(Panel(head, title="trajectory", expand=False))
 
     starts = set(traj.segments)

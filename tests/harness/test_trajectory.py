@@ -242,6 +242,7 @@ def test_traj_show_cli(tmp_path):
     r = CliRunner().invoke(app, ["traj", "show", str(p)], env={"COLUMNS": "160"})
     assert r.exit_code == 0, r.output
     assert "grep" in r.output and "a.py:1:x" in r.output and "all good" in r.output and "finished" in r.output
+    assert "1 sequence(s), 5 tokens (5 turn by turn)" in r.output
     # The turns table: prompt 3 tokens, 2 of them from the prefix cache, 2 sampled, 2 trained.
     lines = r.output.splitlines()
     head = next(line for line in lines if "┃ kind" in line).split("┃")[1:-1]
