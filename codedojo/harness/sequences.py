@@ -17,6 +17,7 @@ its sampling logprob and, for an MoE policy, the experts it was routed to when i
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +40,7 @@ class TrainingSequence:
         if not 0 <= position < len(self.token_ids):
             raise IndexError(f"position {position} is outside the sequence's "
                              f"{len(self.token_ids)} tokens")
-        k = max(i for i, s in enumerate(self.starts) if s <= position)
-        return self.turns[k]
+        return self.turns[bisect.bisect_right(self.starts, position) - 1]
 
 
 def training_sequences(traj: Trajectory) -> list[TrainingSequence]:

@@ -305,6 +305,8 @@ def restored_turn(d: dict[str, Any], prev: Turn | None) -> Turn:
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
+    """`codedojo.engine.prefix_cache.common_prefix` for id lists, in numpy: writing a
+    trajectory must not import torch (a second of start-up where an HTTP policy needs none)."""
     import numpy as np
 
     n = min(len(a), len(b))
