@@ -463,6 +463,22 @@ class Engine:
             self._measured_cost = cost
         return cost
 
+    def spec_report(self) -> dict[str, float | int | bool] | None:
+        """How speculative decoding is going, for `dojo serve`'s ``/health``: None for an engine
+        built without a drafter; else whether rounds draft now, the rounds so far (each one
+        target pass), the acceptance of the first draft and of all drafts, the tokens emitted
+        per target pass, the drafts per round, what a draft costs in plain steps, and the
+        acceptance of draft J once drafts 1..J-1 passed."""
+        if self._spec_max_depth == 0:
+            return None
+        st = self.spec_stats
+        stats = st.as_dict()
+        return {"modules": self._spec_max_depth, "speculating": self.speculating,
+                "rounds": st.rounds, "accept_first": stats["accept_first"],
+                "accept_rate": stats["accept_rate"], "tokens_per_pass": stats["tokens_per_pass"],
+                "drafts_per_round": st.drafted / max(1, st.rounds), "draft_cost": self.draft_cost,
+                **{k: v for k, v in stats.items() if k.startswith("accept_depth")}}
+
     def _paying_depth(self, own: SpecStats | None = None) -> int:
         """The number of drafts a round pays for (every module while probing), by the
         acceptance of the engine's latest rounds; for a request, by its own rounds, those

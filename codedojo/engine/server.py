@@ -56,7 +56,8 @@ from codedojo.model.tokenizer import Tokenizer
 class StreamingEngine(Protocol):
     """What the server needs from the engine (`codedojo.engine.engine.Engine` has it). An
     engine may also say whether it records its routing (``routing``: "dense", "recorded" or
-    "unrecorded", as the engine's); one that does not say is taken for a dense model's."""
+    "unrecorded", as the engine's); one that does not say is taken for a dense model's. One
+    with a ``spec_report()`` has ``/health`` show how its speculative decoding goes."""
 
     weight_version: int
 
@@ -225,7 +226,9 @@ def create_app(engine: StreamingEngine, tokenizer: Tokenizer, chat: ChatTemplate
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": state.model_name, "weight_version": state.engine.weight_version}
+        report = getattr(state.engine, "spec_report", None)
+        return {"status": "ok", "model": state.model_name, "weight_version": state.engine.weight_version,
+                "speculative": None if report is None else report()}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -391,3 +391,34 @@ def test_a_session_starts_after_a_prefix_the_target_holds(model: Transformer) ->
         sess.prefill(PROMPT, start=3)
     with pytest.raises(ValueError, match="at least one"):
         sess.prefill(PROMPT, start=len(PROMPT))
+
+
+def test_the_server_reports_how_speculation_goes(model: Transformer) -> None:
+    """`/health` gives the engine's acceptance and tokens per pass, counted over the requests
+    it served."""
+    import httpx
+
+    from codedojo.engine.server import BackgroundServer, create_app
+    from codedojo.model.tokenizer import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, 0), spec_draft_cost=0)
+    engine.start()
+    try:
+        with BackgroundServer(create_app(engine, tok, model_name="tiny")) as srv, \
+                httpx.Client(timeout=60) as http:
+            before = http.get(srv.url + "/health").json()["speculative"]
+            assert before["modules"] == 2 and before["rounds"] == 0
+            r = http.post(srv.url + "/v1/completions", json={
+                "model": "tiny", "prompt": PROMPT, "max_tokens": 20, "temperature": 0})
+            assert r.status_code == 200, r.text
+            after = http.get(srv.url + "/health").json()["speculative"]
+    finally:
+        engine.stop()
+    st = engine.spec_stats
+    assert after["rounds"] == st.rounds > 0 and after["speculating"] is True
+    # the peaked model repeats one token: the drafts pass, and a pass emits more than one
+    assert after["accept_first"] == st.accept_first > 0.5
+    assert 1 < after["tokens_per_pass"] == st.tokens_per_pass <= 3
+    assert after["drafts_per_round"] == 2 and after["draft_cost"] == 0
+    assert after["accept_depth1"] == after["accept_first"]

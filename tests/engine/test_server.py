@@ -64,6 +64,7 @@ def test_models_and_health(client, server, http):
     assert [m.id for m in client.models.list().data] == [MODEL]
     r = http.get(server.url + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert r.json()["speculative"] is None  # no MTP modules
 
 
 def test_plain_chat_completion(client, tok):
