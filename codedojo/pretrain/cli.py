@@ -14,9 +14,14 @@ def register(app: typer.Typer) -> None:
         config: Annotated[Path, typer.Argument(help="TOML job config, e.g. "
                                                 "configs/cpt-smollm2.toml")],
         out_dir: Annotated[str | None, typer.Option(help="Override the config's out_dir.")] = None,
+        overrides: Annotated[list[str] | None, typer.Option(
+            "--set", help="KEY=VALUE over the config, repeatable: a dotted path, list items by "
+            "name or index (stages.mtp_self.lr=3e-3, model.n_mtp=3), a TOML value or else a "
+            "string.")] = None,
     ) -> None:
         """Continued pretraining in stages (bulk, MTP distillation, long-context, SFT); reports
-        held-out code loss per stage under runs/<name>/report.json. Under `torchrun
+        held-out code loss per stage under runs/<name>/report.json, and the config it ran with
+        (overrides applied) as runs/<name>/config.json. Under `torchrun
         --nproc_per_node N` it trains data-parallel with FSDP2 (NCCL on GPUs, gloo on CPUs)."""
         import json
 
@@ -28,7 +33,7 @@ def register(app: typer.Typer) -> None:
 
         console = Console()
         try:
-            cfg = load_config(config)
+            cfg = load_config(config, overrides or ())
         except ValueError as e:
             console.print(f"[red]config error[/]: {e}")
             raise typer.Exit(2) from e

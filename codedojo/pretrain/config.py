@@ -3,9 +3,11 @@ list of stages (bulk, long-context, SFT, MTP self-distillation), all run by the 
 
 from __future__ import annotations
 
+import copy
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -147,8 +149,9 @@ class PretrainConfig(BaseModel):
         return Path(self.out_dir) / self.name
 
 
-def load_config(path: str | Path) -> PretrainConfig:
-    """TOML -> config; errors name the file and the field path."""
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PretrainConfig:
+    """TOML -> config, with ``overrides`` (`apply_overrides`) set over it; errors name the file
+    and the field path."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -156,9 +159,58 @@ def load_config(path: str | Path) -> PretrainConfig:
         raise ValueError(f"{path}: no such config file") from e
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: invalid TOML ({e})") from e
+    raw = apply_overrides(raw, overrides)
     try:
         return PretrainConfig.model_validate(raw)
     except ValidationError as e:
         errs = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
                          for err in e.errors())
-        raise ValueError(f"{path}: {errs}") from e
+        where = f"{path}" + (f" with --set {' '.join(overrides)}" if overrides else "")
+        raise ValueError(f"{where}: {errs}") from e
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of a config's TOML tables with ``KEY=VALUE`` settings applied in order. KEY is a
+    dotted path; an item of a list (``stages``, ``corpus.sources``) is named by its ``name``
+    or its index: ``stages.mtp_self.lr=3e-3``, ``model.n_mtp=3``, ``corpus.sources.0.max_files=
+    50``. VALUE is read as a TOML value (``3e-3``, ``true``, ``[1, 2]``, ``"a b"``), or else taken
+    as a bare string (``out_dir=runs/exp``). A key the config does not know is refused when the
+    result is validated; an item that is not there, here."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, KEY a dotted path such as "
+                             "stages.mtp_self.lr")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        *path, leaf = parts
+        node: Any = out
+        for i, part in enumerate(path):
+            if isinstance(node, list):
+                node = node[_list_index(node, part, ".".join(path[:i]), item)]
+            else:
+                node = node.setdefault(part, {})
+            if not isinstance(node, dict | list):
+                raise ValueError(f"--set {item!r}: {'.'.join(path[:i + 1])} is a value, not a "
+                                 "table")
+        if isinstance(node, list):
+            node[_list_index(node, leaf, ".".join(path), item)] = value
+        else:
+            node[leaf] = value
+    return out
+
+
+def _list_index(items: list[Any], part: str, path: str, item: str) -> int:
+    """The index of a list item named by its ``name`` or its position."""
+    names = [x.get("name") if isinstance(x, dict) else None for x in items]
+    if part in names:
+        return names.index(part)
+    if part.isdigit() and int(part) < len(items):
+        return int(part)
+    known = ", ".join(str(n) for n in names if n is not None)
+    raise ValueError(f"--set {item!r}: {path} has no item {part!r} ({len(items)} items"
+                     + (f": {known})" if known else ")"))

@@ -447,6 +447,8 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
     rank, world = init_distributed(dev)  # under torchrun: data parallel over `world` processes
     if rank != 0:
         console = Console(quiet=True)  # rank 0 speaks for all
+    else:  # what this run was last started with, `--set` overrides applied
+        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
     console.print(f"[bold]{cfg.name}[/]: preparing data under {run_dir / 'data'}"
                   + (f" ({world} processes)" if world > 1 else ""))
     with main_rank_first():

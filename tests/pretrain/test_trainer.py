@@ -151,6 +151,30 @@ def test_config_errors_name_the_field(tmp_path):
         load_config(bad)
 
 
+def test_overrides_set_fields_and_name_what_is_wrong(tmp_path):
+    cfg = load_config("configs/cpt-smollm2.toml", [
+        "stages.mtp_self.lr=3e-3", "stages.0.steps=7", "model.n_mtp=3", "out_dir=runs/exp",
+        "stages.mtp_self.self_gen.prompts=64", "corpus.sources.0.exts=['.py', '.pyi']",
+        "model.compile=false"])
+    assert cfg.stages[4].lr == 3e-3 and cfg.stages[0].steps == 7 and cfg.model.n_mtp == 3
+    assert cfg.out_dir == "runs/exp" and not cfg.model.compile
+    assert cfg.stages[4].self_gen is not None and cfg.stages[4].self_gen.prompts == 64
+    assert cfg.corpus.sources[0].exts == [".py", ".pyi"]
+    base = load_config("configs/cpt-smollm2.toml")
+    assert base.stages[4].lr == 5e-3 and base.model.n_mtp == 2  # the file itself is unchanged
+    with pytest.raises(ValueError, match=r"stages has no item 'mtp_slef' \(5 items: bulk, "
+                                         r"mtp, long, sft, mtp_self\)"):
+        load_config("configs/cpt-smollm2.toml", ["stages.mtp_slef.lr=1e-3"])
+    with pytest.raises(ValueError, match=r"with --set model\.n_mpt=3: model\.n_mpt: Extra"):
+        load_config("configs/cpt-smollm2.toml", ["model.n_mpt=3"])
+    with pytest.raises(ValueError, match=r"stages\.4\.lr: Input should be a valid number"):
+        load_config("configs/cpt-smollm2.toml", ["stages.mtp_self.lr=fast"])
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        load_config("configs/cpt-smollm2.toml", ["model.n_mtp"])
+    with pytest.raises(ValueError, match="model.n_mtp is a value, not a table"):
+        load_config("configs/cpt-smollm2.toml", ["model.n_mtp.x=1"])
+
+
 def test_repo_config_parses():
     cfg = load_config("configs/cpt-smollm2.toml")
     assert [s.name for s in cfg.stages] == ["bulk", "mtp", "long", "sft", "mtp_self"]
@@ -198,6 +222,9 @@ def test_run_end_to_end_tiny(tmp_path):
         torch.testing.assert_close(served(ids), exported(ids))
     again = run(cfg, tok=tok, console=Console(quiet=True))  # all stages skipped
     assert again["eval_loss"] == report["eval_loss"]
+    # the config it ran with is kept beside the report
+    kept = (tmp_path / "runs" / "e2e" / "config.json").read_text()
+    assert PretrainConfig.model_validate_json(kept) == cfg
 
 
 def test_an_moe_checkpoint_loads_for_serving(tmp_path):
