@@ -18,6 +18,10 @@ def register(app: typer.Typer) -> None:
             "--set", help="KEY=VALUE over the config, repeatable: a dotted path, list items by "
             "name or index (stages.mtp_self.lr=3e-3, model.n_mtp=3), a TOML value or else a "
             "string.")] = None,
+        branch_from: Annotated[Path | None, typer.Option(
+            "--from", help="Start a new run (give it another --out-dir or name) from this run "
+            "directory's data and its leading finished stages whose settings this config keeps; "
+            "the rest run.")] = None,
     ) -> None:
         """Continued pretraining in stages (bulk, MTP distillation, long-context, SFT); reports
         held-out code loss per stage under runs/<name>/report.json, and the config it ran with
@@ -27,6 +31,7 @@ def register(app: typer.Typer) -> None:
 
         from rich.console import Console
 
+        from codedojo.pretrain.branch import BranchError
         from codedojo.pretrain.config import load_config
         from codedojo.pretrain.parallel import exit_distributed, is_main
         from codedojo.pretrain.trainer import run
@@ -39,7 +44,11 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2) from e
         if out_dir is not None:
             cfg = cfg.model_copy(update={"out_dir": out_dir})
-        report = run(cfg, console=console)
+        try:
+            report = run(cfg, console=console, branch_from=branch_from)
+        except BranchError as e:
+            console.print(f"[red]--from[/]: {e}")
+            raise typer.Exit(2) from e
         if is_main():
             console.print_json(json.dumps({"eval_loss": report["eval_loss"],
                                            "probe": report["probe"]}))

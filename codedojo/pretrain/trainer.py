@@ -42,6 +42,7 @@ from codedojo.model.moe import moe_aux_loss, moe_layers, update_moe_biases
 from codedojo.model.mtp import MTP, distill_loss, save_mtp
 from codedojo.model.rope import Rotary
 from codedojo.model.transformer import Transformer
+from codedojo.pretrain.branch import branch_run
 from codedojo.pretrain.checkpoint import (
     TrainPosition,
     full_state_dict,
@@ -428,10 +429,11 @@ def prepare_data(cfg: PretrainConfig, tok: Any, run_dir: Path) -> RunData:
     return RunData(shards, Packed.load(ev_dir), np.load(filler_f).tolist())
 
 
-def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
-        ) -> dict[str, Any]:
+def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
+        branch_from: str | Path | None = None) -> dict[str, Any]:
     """The whole job. Idempotent: finished stages are skipped, a stage with a mid-stage
-    checkpoint resumes from it."""
+    checkpoint resumes from it. ``branch_from``: a run directory whose data and leading
+    finished stages a new run starts from (`branch_run`); a run already begun goes on."""
     from rich.console import Console
     from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
@@ -447,7 +449,15 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None
     rank, world = init_distributed(dev)  # under torchrun: data parallel over `world` processes
     if rank != 0:
         console = Console(quiet=True)  # rank 0 speaks for all
-    else:  # what this run was last started with, `--set` overrides applied
+    if branch_from is not None:
+        with main_rank_first():
+            if rank == 0 and (run_dir / "config.json").exists():
+                console.print(f"{run_dir} holds a run already: it goes on (--from not applied)")
+            elif rank == 0:
+                reused = branch_run(branch_from, cfg)
+                console.print(f"branched from {branch_from}: its data"
+                              + (f" and stages {', '.join(reused)}" if reused else ""))
+    if rank == 0:  # what this run was last started with, `--set` overrides applied
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
     console.print(f"[bold]{cfg.name}[/]: preparing data under {run_dir / 'data'}"
                   + (f" ({world} processes)" if world > 1 else ""))

@@ -1,0 +1,85 @@
+"""Branching a run: a new run directory that starts where another one's finished stages end.
+
+Tuning a late stage (the SFT mix, the MTP distillation) should not mean training the stages
+before it again. ``dojo pretrain CONFIG --from runs/a --out-dir runs/b`` fills the new run
+directory from ``runs/a``: its data (corpus shards, packed rows, self-generated text and hidden
+states: each cache is keyed by the settings that made it, so a changed stage makes its own), the
+checkpoints of the leading stages whose settings are the same in both configs, and those
+stages' report entries. The loop then finds them done and runs the rest. Files are hard links
+(copies across file systems): the loop only ever writes new files beside them, and the report,
+which it rewrites, is a copy, so the source run is never changed.
+
+Only a source that ran under the same corpus, model, seed and evaluation settings can be
+branched from: anything else would change what every stage computes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from codedojo.paths import staged_dir
+from codedojo.pretrain.config import PretrainConfig
+
+# What a branch may change outside the stages: where it goes, and whether it exports.
+_FREE = {"name", "out_dir", "stages", "export_hf"}
+
+
+class BranchError(ValueError):
+    """A run that cannot be branched from, or a place that cannot be branched into."""
+
+
+def branch_run(src: str | Path, cfg: PretrainConfig) -> list[str]:
+    """Fill ``cfg.run_dir`` (missing or empty) from the run in ``src``; returns the names of
+    the stages whose checkpoints it took. A source run records its config as ``config.json``."""
+    src, dest = Path(src), cfg.run_dir
+    if not (src / "config.json").exists():
+        raise BranchError(f"{src}: no config.json there (a run writes the config it ran with "
+                          "beside its report)")
+    if dest.exists() and any(dest.iterdir()):
+        raise BranchError(f"{dest} is not empty: branch into a new out_dir or name")
+    old = PretrainConfig.model_validate_json((src / "config.json").read_text())
+    a, b = old.model_dump(exclude=_FREE), cfg.model_dump(exclude=_FREE)
+    differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    if differ:
+        raise BranchError(f"{src}: its {', '.join(differ)} differ from this config's, so none "
+                          "of its data or stages would be the same")
+    reused = []
+    for was, now in zip(old.stages, cfg.stages, strict=False):
+        if was != now or not _done(src / "ckpt" / now.name):
+            break
+        reused.append(now.name)
+    with staged_dir(dest, replace=True) as tmp:
+        if (src / "data").is_dir():
+            shutil.copytree(src / "data", tmp / "data", copy_function=_link)
+        for name in reused:
+            shutil.copytree(src / "ckpt" / name, tmp / "ckpt" / name, copy_function=_link)
+        if (src / "report.json").exists():
+            report = _kept(json.loads((src / "report.json").read_text()), reused)
+            (tmp / "report.json").write_text(json.dumps({**report, "name": cfg.name}, indent=1))
+    return reused
+
+
+def _done(ckpt: Path) -> bool:
+    state = ckpt / "state.json"
+    return state.exists() and bool(json.loads(state.read_text()).get("done"))
+
+
+def _link(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system
+        shutil.copy2(src, dst)
+
+
+def _kept(report: dict[str, Any], stages: list[str]) -> dict[str, Any]:
+    """The report entries of the base model and of ``stages``."""
+    keep = {"base", *stages}
+    return {"name": report.get("name"),
+            "eval_loss": {k: v for k, v in report.get("eval_loss", {}).items() if k in keep},
+            "probe": {k: v for k, v in report.get("probe", {}).items()
+                      if k.split("/")[0] in keep},
+            "stages": {k: v for k, v in report.get("stages", {}).items() if k in keep}}

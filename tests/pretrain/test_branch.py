@@ -1,0 +1,74 @@
+"""`dojo pretrain --from`: a run that starts from another's data and leading finished stages,
+and leaves that run as it was."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from rich.console import Console
+
+from codedojo.model.tokenizer import load_tokenizer
+from codedojo.pretrain.branch import BranchError, branch_run
+from codedojo.pretrain.trainer import run
+from tests.pretrain.tiny_run import five_stage_config
+
+
+def _files(d):
+    return {p.relative_to(d): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_a_branch_runs_only_the_stages_its_config_changes(tmp_path):
+    tok = load_tokenizer()
+    quiet = Console(quiet=True)
+    cfg = five_stage_config(tmp_path, "a")
+    first = run(cfg, tok=tok, console=quiet)
+    src = cfg.run_dir
+    before = _files(src)
+
+    stages = [s.model_copy(update={"lr": 3e-3}) if s.name == "mtp_self" else s
+              for s in cfg.stages]
+    other = cfg.model_copy(update={"name": "b", "stages": stages})
+    second = run(other, tok=tok, console=quiet, branch_from=src)
+    dest = other.run_dir
+    for name in ("bulk", "mtp", "long", "sft"):  # taken as they were: the same files
+        assert (os.stat(dest / "ckpt" / name / "model.safetensors").st_ino
+                == os.stat(src / "ckpt" / name / "model.safetensors").st_ino)
+        assert second["eval_loss"][name] == first["eval_loss"][name]
+        assert second["stages"][name] == first["stages"][name]
+    assert set(second["probe"]) == {"long/before", "long/after"} and second["name"] == "b"
+    # the changed stage ran again, from the same start, to another end
+    ran, was = second["stages"]["mtp_self"], first["stages"]["mtp_self"]
+    assert ran["first_loss"] == pytest.approx(was["first_loss"], rel=1e-5)
+    assert ran["last_loss"] != was["last_loss"]
+    assert (os.stat(dest / "ckpt" / "mtp_self" / "model.safetensors").st_ino
+            != os.stat(src / "ckpt" / "mtp_self" / "model.safetensors").st_ino)
+    assert json.loads((dest / "config.json").read_text())["stages"][4]["lr"] == 3e-3
+    assert _files(src) == before  # the source run is untouched
+
+    # again: the branch goes on as a run of its own
+    assert run(other, tok=tok, console=quiet, branch_from=src)["eval_loss"] == second["eval_loss"]
+
+    # an earlier stage changed: the data carries over, no checkpoint does
+    bulk = [s.model_copy(update={"steps": 3}) if s.name == "bulk" else s for s in cfg.stages]
+    assert branch_run(src, cfg.model_copy(update={"name": "c", "stages": bulk})) == []
+    assert (tmp_path / "runs" / "c" / "data" / "done.json").exists()
+    assert not (tmp_path / "runs" / "c" / "ckpt").exists()
+
+
+def test_what_cannot_be_branched_is_named(tmp_path):
+    cfg = five_stage_config(tmp_path, "a")
+    src = cfg.run_dir
+    src.mkdir(parents=True)
+    with pytest.raises(BranchError, match="no config.json"):
+        branch_run(src, cfg.model_copy(update={"name": "b"}))
+    (src / "config.json").write_text(cfg.model_dump_json())
+    with pytest.raises(BranchError, match="its seed differ"):
+        branch_run(src, cfg.model_copy(update={"name": "b", "seed": 1}))
+    taken = tmp_path / "runs" / "b"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    with pytest.raises(BranchError, match="is not empty"):
+        branch_run(src, cfg.model_copy(update={"name": "b"}))
+    assert (taken / "notes.txt").read_text() == "mine"
