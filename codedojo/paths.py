@@ -43,3 +43,20 @@ def staged_dir(dest: str | Path, *, replace: bool) -> Iterator[Path]:
                     raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Replace the file's text whole: a reader, or a crash at any point, sees the old text or
+    the new, never part of it (a report rewritten after every stage, an index that says a
+    directory is finished). The file is a new one, so a hard link to the old stays as it was."""
+    path = Path(path)
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644  # mkstemp's is 0o600
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from codedojo.paths import staged_dir
+from codedojo.paths import staged_dir, write_atomic
 
 
 def entries(parent):
@@ -46,3 +46,17 @@ def test_a_cache_filled_twice_keeps_the_first_copy(tmp_path):
     with staged_dir(dest, replace=False) as tmp:  # an empty leftover is filled, not kept
         (tmp / "pkg-1.0.tar.gz").write_text("third")
     assert (dest / "pkg-1.0.tar.gz").read_text() == "third"
+
+
+def test_a_file_is_replaced_whole_and_a_failed_write_keeps_the_old(tmp_path):
+    report = tmp_path / "report.json"
+    write_atomic(report, '{"stage": 1}')
+    assert report.stat().st_mode & 0o777 == 0o644  # readable as a plain file is
+    link = tmp_path / "branch-report.json"
+    link.hardlink_to(report)  # a branch of the run shares the file
+    write_atomic(report, '{"stage": 2}')
+    assert report.read_text() == '{"stage": 2}' and link.read_text() == '{"stage": 1}'
+    with pytest.raises(TypeError):
+        write_atomic(report, None)  # the write fails part way
+    assert report.read_text() == '{"stage": 2}'
+    assert entries(tmp_path) == ["branch-report.json", "report.json"]  # no temporary left

@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from codedojo.paths import write_atomic
+
 _HEADROOM = 15  # rows are scaled to a largest magnitude below 2^15
 
 
@@ -81,7 +83,7 @@ def write_index(out_dir: str | Path, dim: int, parts: list[dict[str, object]]) -
     """Make a directory of written parts readable: ``parts`` (`FeatureWriter.finish` of each
     writer, in stream order) become its index."""
     out = Path(out_dir)
-    (out / "index.json").write_text(json.dumps({"dim": dim, "parts": parts}, indent=1))
+    write_atomic(out / "index.json", json.dumps({"dim": dim, "parts": parts}, indent=1))
     return out
 
 

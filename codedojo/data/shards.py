@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from codedojo.data.readers import Document
+from codedojo.paths import write_atomic
 
 
 class TextEncoder(Protocol):
@@ -89,7 +90,7 @@ class ShardWriter:
         self._flush()
         index = {"dtype": self.dtype.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
                  "shards": self.shards}
-        (self.dir / "index.json").write_text(json.dumps(index, indent=1))
+        write_atomic(self.dir / "index.json", json.dumps(index, indent=1))
         return self.dir
 
 

@@ -42,6 +42,7 @@ from codedojo.model.moe import moe_aux_loss, moe_layers, update_moe_biases
 from codedojo.model.mtp import MTP, distill_loss, save_mtp
 from codedojo.model.rope import Rotary
 from codedojo.model.transformer import Transformer
+from codedojo.paths import write_atomic
 from codedojo.pretrain.branch import branch_run
 from codedojo.pretrain.checkpoint import (
     TrainPosition,
@@ -410,7 +411,7 @@ def prepare_data(cfg: PretrainConfig, tok: Any, run_dir: Path) -> RunData:
                     yield from read_sft_jsonl(cfg.sft_jsonl)
 
             render_to_shards(convs(), tmpl.render_with_mask, shards["sft"], vocab, eos)
-        (d / "done.json").write_text(json.dumps({
+        write_atomic(d / "done.json", json.dumps({
             "read": stats.read, "rejected": dict(stats.rejected),
             "exact_dupes": stats.dedup.exact_dupes, "near_dupes": stats.dedup.near_dupes,
             "train_docs": stats.train_docs, "eval_docs": stats.eval_docs}))
@@ -458,7 +459,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
                 console.print(f"branched from {branch_from}: its data"
                               + (f" and stages {', '.join(reused)}" if reused else ""))
     if rank == 0:  # what this run was last started with, `--set` overrides applied
-        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
+        write_atomic(run_dir / "config.json", cfg.model_dump_json(indent=1))
     console.print(f"[bold]{cfg.name}[/]: preparing data under {run_dir / 'data'}"
                   + (f" ({world} processes)" if world > 1 else ""))
     with main_rank_first():
@@ -483,7 +484,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
 
     def save_report() -> None:
         if is_main():
-            report_path.write_text(json.dumps(report, indent=1))
+            write_atomic(report_path, json.dumps(report, indent=1))
 
     if "base" not in report["eval_loss"]:
         report["eval_loss"]["base"] = eval_loss(model, evals)
