@@ -9,10 +9,14 @@ position i. `agree_depthK` is the share of the generated tokens it predicts exac
 figure is what greedy speculative decoding accepts as its first draft, depth 2's what it accepts as
 the second once the first was right. The baseline, in the same run, is the heads of `--base` (by
 default the checkpoint before the last distillation stage) on the same continuations; the two
-checkpoints must hold the same main model. Prints one JSON line.
+checkpoints must hold the same main model. `train_agree_depthK` is the same share for our heads
+on continuations they were trained on (the run's self-generated data, spread over it): a wide gap
+between the two says more distinct prompts would raise the held-out figure, a narrow one that
+the modules need more training or capacity. Prints one JSON line.
 
     python benchmarks/mtp_agreement.py [--ckpt runs/cpt-smollm2/final]
                                        [--base runs/cpt-smollm2/ckpt/sft] [--prompts 192]
+                                       [--train runs/cpt-smollm2/data/self/<stage>-<hash>]
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ def main() -> None:
     ap.add_argument("--ckpt", default="runs/cpt-smollm2/final")
     ap.add_argument("--base", default="runs/cpt-smollm2/ckpt/sft")
     ap.add_argument("--data", default="runs/cpt-smollm2/data/eval")
+    ap.add_argument("--train", default=None,
+                    help="self-generated shards the heads trained on (default: the newest under "
+                    "the run's data/self; none there: no train_agree figures)")
     ap.add_argument("--prompts", type=int, default=192)
     ap.add_argument("--prompt-len", type=int, default=96)
     ap.add_argument("--new", type=int, default=96)
@@ -62,13 +69,18 @@ def main() -> None:
                  "must read the same hidden states")
     model: Transformer = build_model(weights, cfg, torch.float32).eval()
 
+    def hidden_of(rows: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([model.hidden(rows[i:i + 16]) for i in range(0, len(rows), 16)])
+
     windows = prompt_windows(TokenShards(args.data), args.prompts, args.prompt_len, args.seed)
     with torch.no_grad():
         rows = torch.cat([greedy_continue(model, torch.from_numpy(windows[i:i + 32]), args.new)
                           for i in range(0, len(windows), 32)])
-        hidden = torch.cat([model.hidden(rows[i:i + 16]) for i in range(0, len(rows), 16)])
+    hidden = hidden_of(rows)
 
-    def agreement(heads: MTP) -> list[float]:
+    def agreement(heads: MTP, rows: torch.Tensor, hidden: torch.Tensor) -> list[float]:
+        """The share of generated tokens (those after the prompt) each depth predicts."""
         B, T = rows.shape
         positions = torch.arange(T).expand(B, T)
         hits, seen = [0] * heads.depth, [0] * heads.depth
@@ -86,10 +98,25 @@ def main() -> None:
                     seen[k - 1] += ok.numel()
         return [h / n for h, n in zip(hits, seen, strict=True)]
 
-    ours, base = agreement(mtp), agreement(base_mtp)
+    ours, base = agreement(mtp, rows, hidden), agreement(base_mtp, rows, hidden)
+    train: list[float] = []
+    written = sorted((Path(args.data).parent / "self").glob("*/index.json"),
+                     key=lambda p: p.stat().st_mtime)
+    train_dir = Path(args.train) if args.train else written[-1].parent if written else None
+    if train_dir is not None:
+        shards = TokenShards(train_dir)
+        lens = shards.doc_lengths()
+        if (lens != args.prompt_len + args.new).any():
+            sys.exit(f"{shards.dir}: its rows are not {args.prompt_len} + {args.new} tokens long "
+                     "(--prompt-len, --new)")
+        picks = torch.linspace(0, len(lens) - 1, min(len(lens), args.prompts)).long().tolist()
+        train_rows = torch.stack([torch.from_numpy(shards.doc(i).astype("int64"))
+                                  for i in picks])
+        train = agreement(mtp, train_rows, hidden_of(train_rows))
     print(json.dumps({
         **{f"agree_depth{k}": round(a, 4) for k, a in enumerate(ours, start=1)},
         **{f"base_agree_depth{k}": round(a, 4) for k, a in enumerate(base, start=1)},
+        **{f"train_agree_depth{k}": round(a, 4) for k, a in enumerate(train, start=1)},
         "positions": len(rows) * args.new, "prompts": len(rows), "prompt_len": args.prompt_len,
         "new_tokens": args.new, "n_mtp": mtp.depth, "ckpt": args.ckpt, "base": args.base}))
 
