@@ -59,7 +59,7 @@ def branch_run(src: str | Path, cfg: PretrainConfig) -> list[str]:
             shutil.copytree(src / "ckpt" / name, tmp / "ckpt" / name, copy_function=_link)
         if (src / "report.json").exists():
             report = _kept(json.loads((src / "report.json").read_text()), reused)
-            (tmp / "report.json").write_text(json.dumps({**report, "name": cfg.name}, indent=1))
+            (tmp / "report.json").write_text(json.dumps({"name": cfg.name, **report}, indent=1))
     return reused
 
 
@@ -78,8 +78,7 @@ def _link(src: str, dst: str) -> None:
 def _kept(report: dict[str, Any], stages: list[str]) -> dict[str, Any]:
     """The report entries of the base model and of ``stages``."""
     keep = {"base", *stages}
-    return {"name": report.get("name"),
-            "eval_loss": {k: v for k, v in report.get("eval_loss", {}).items() if k in keep},
+    return {"eval_loss": {k: v for k, v in report.get("eval_loss", {}).items() if k in keep},
             "probe": {k: v for k, v in report.get("probe", {}).items()
-                      if k.split("/")[0] in keep},
+                      if k.split("/")[0] in keep},  # "<stage>/before", "<stage>/after"
             "stages": {k: v for k, v in report.get("stages", {}).items() if k in keep}}
