@@ -43,7 +43,7 @@ from codedojo.model.mtp import MTP, distill_loss, save_mtp
 from codedojo.model.rope import Rotary
 from codedojo.model.transformer import Transformer
 from codedojo.paths import write_atomic
-from codedojo.pretrain.branch import branch_run
+from codedojo.pretrain.branch import BranchError, branch_run
 from codedojo.pretrain.checkpoint import (
     TrainPosition,
     full_state_dict,
@@ -455,7 +455,12 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
             if rank == 0 and (run_dir / "config.json").exists():
                 console.print(f"{run_dir} holds a run already: it goes on (--from not applied)")
             elif rank == 0:
-                reused = branch_run(branch_from, cfg)
+                try:
+                    reused = branch_run(branch_from, cfg)
+                except BranchError:
+                    if not any(run_dir.iterdir()):
+                        run_dir.rmdir()  # made above for this run: nothing is left behind
+                    raise
                 console.print(f"branched from {branch_from}: its data"
                               + (f" and stages {', '.join(reused)}" if reused else ""))
     if rank == 0:  # what this run was last started with, `--set` overrides applied

@@ -63,6 +63,10 @@ def test_what_cannot_be_branched_is_named(tmp_path):
     src.mkdir(parents=True)
     with pytest.raises(BranchError, match="no config.json"):
         branch_run(src, cfg.model_copy(update={"name": "b"}))
+    with pytest.raises(BranchError, match="no config.json"):  # the run leaves nothing behind
+        run(cfg.model_copy(update={"name": "b"}), tok=load_tokenizer(),
+            console=Console(quiet=True), branch_from=src)
+    assert not (tmp_path / "runs" / "b").exists()
     (src / "config.json").write_text(cfg.model_dump_json())
     with pytest.raises(BranchError, match="its seed differ"):
         branch_run(src, cfg.model_copy(update={"name": "b", "seed": 1}))
