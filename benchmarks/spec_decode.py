@@ -119,7 +119,7 @@ def main() -> None:
         "modelled_speedup": round(modelled, 4),
         **{k: round(v, 4) for k, v in st.as_dict().items() if k.startswith("accept_depth")},
         "draft_cost": round(spec.draft_cost, 3), "draft_cost_measured": args.draft_cost is None,
-        "drafts_per_round": round(st.drafted / max(1, st.rounds), 3),
+        "drafts_per_round": round(st.drafts_per_round, 3),
         "speculating_at_end": spec.speculating,
         "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
         "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,

@@ -471,13 +471,8 @@ class Engine:
         acceptance of draft J once drafts 1..J-1 passed."""
         if self._spec_max_depth == 0:
             return None
-        st = self.spec_stats
-        stats = st.as_dict()
         return {"modules": self._spec_max_depth, "speculating": self.speculating,
-                "rounds": st.rounds, "accept_first": stats["accept_first"],
-                "accept_rate": stats["accept_rate"], "tokens_per_pass": stats["tokens_per_pass"],
-                "drafts_per_round": st.drafted / max(1, st.rounds), "draft_cost": self.draft_cost,
-                **{k: v for k, v in stats.items() if k.startswith("accept_depth")}}
+                "draft_cost": self.draft_cost, **self.spec_stats.as_dict()}
 
     def _paying_depth(self, own: SpecStats | None = None) -> int:
         """The number of drafts a round pays for (every module while probing), by the

@@ -175,10 +175,14 @@ class SpecStats:
     def tokens_per_pass(self) -> float:
         return self.emitted / max(1, self.target_passes)
 
+    @property
+    def drafts_per_round(self) -> float:
+        return self.drafted / max(1, self.rounds)
+
     def as_dict(self) -> dict[str, float]:
         return {"accept_rate": self.accept_rate, "accept_first": self.accept_first,
                 "mean_accepted": self.mean_accepted, "tokens_per_pass": self.tokens_per_pass,
-                "rounds": self.rounds,
+                "drafts_per_round": self.drafts_per_round, "rounds": self.rounds,
                 **{f"accept_depth{j + 1}": p / r for j, (p, r) in
                    enumerate(zip(self.passed, self.reached, strict=True)) if r}}
 

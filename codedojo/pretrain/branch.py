@@ -43,7 +43,7 @@ def branch_run(src: str | Path, cfg: PretrainConfig) -> list[str]:
         raise BranchError(f"{dest} is not empty: branch into a new out_dir or name")
     old = PretrainConfig.model_validate_json((src / "config.json").read_text())
     a, b = old.model_dump(exclude=_FREE), cfg.model_dump(exclude=_FREE)
-    differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    differ = [k for k in a if a[k] != b[k]]  # one model: the same fields
     if differ:
         raise BranchError(f"{src}: its {', '.join(differ)} differ from this config's, so none "
                           "of its data or stages would be the same")

@@ -43,7 +43,7 @@ from codedojo.model.mtp import MTP, distill_loss, save_mtp
 from codedojo.model.rope import Rotary
 from codedojo.model.transformer import Transformer
 from codedojo.paths import write_atomic
-from codedojo.pretrain.branch import BranchError, branch_run
+from codedojo.pretrain.branch import branch_run
 from codedojo.pretrain.checkpoint import (
     TrainPosition,
     full_state_dict,
@@ -440,7 +440,6 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
 
     console = console or Console()
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     if tok is None:
         from codedojo.model.tokenizer import load_tokenizer
@@ -455,14 +454,10 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
             if rank == 0 and (run_dir / "config.json").exists():
                 console.print(f"{run_dir} holds a run already: it goes on (--from not applied)")
             elif rank == 0:
-                try:
-                    reused = branch_run(branch_from, cfg)
-                except BranchError:
-                    if not any(run_dir.iterdir()):
-                        run_dir.rmdir()  # made above for this run: nothing is left behind
-                    raise
+                reused = branch_run(branch_from, cfg)
                 console.print(f"branched from {branch_from}: its data"
                               + (f" and stages {', '.join(reused)}" if reused else ""))
+    run_dir.mkdir(parents=True, exist_ok=True)  # after a branch: one refused leaves none
     if rank == 0:  # what this run was last started with, `--set` overrides applied
         write_atomic(run_dir / "config.json", cfg.model_dump_json(indent=1))
     console.print(f"[bold]{cfg.name}[/]: preparing data under {run_dir / 'data'}"
