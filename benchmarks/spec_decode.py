@@ -18,7 +18,7 @@ it depends on the checkpoint and the policy alone, not on this machine's timing 
 2-core VM the wall-clock speedup of one checkpoint read 1.08 and 1.18 in two runs).
 
     python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 24] [--new 64]
-                                    [--draft-cost C] [--dtype bfloat16]
+                                    [--draft-cost C] [--dtype bfloat16] [--draft-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="weights and KV caches (as dojo serve --dtype)")
+    ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
+                    help="the MTP drafts' type (as dojo serve --draft-dtype; default: --dtype)")
     ap.add_argument("--draft-cost", type=float, default=None,
                     help="the engine's spec_draft_cost (default: measured while probing; 0: "
                     "every round drafts with every module)")
@@ -63,7 +65,8 @@ def main() -> None:
         sys.exit(f"{ck}: no checkpoint; run `dojo pretrain configs/cpt-smollm2.toml` first")
     model, cfg = load_model(ck, dtype=getattr(torch, args.dtype))
     max_len = args.prompt_len + args.new + 16  # + the drafts of the last round
-    drafter = load_drafter(model, ck, max_len)
+    draft_dtype = args.draft_dtype or args.dtype
+    drafter = load_drafter(model, ck, max_len, dtype=getattr(torch, draft_dtype))
     if drafter is None:
         sys.exit(f"{ck}: checkpoint has no MTP modules")
     shards = TokenShards(args.data)
@@ -123,7 +126,7 @@ def main() -> None:
         "speculating_at_end": spec.speculating,
         "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
         "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,
-        "batch": 1, "dtype": args.dtype, "threads": args.threads, "kernel": kernel_status(),
+        "batch": 1, "dtype": args.dtype, "draft_dtype": draft_dtype, "threads": args.threads, "kernel": kernel_status(),
         "ckpt": str(ck)}))
 
 

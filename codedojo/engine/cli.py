@@ -25,6 +25,11 @@ def serve(
                               "memory reads, about 1.8x the tokens/s; sums stay float32)"),
     speculative: bool = typer.Option(True, help="decode with the checkpoint's MTP modules as "
                                      "drafts when it has them"),
+    draft_dtype: str = typer.Option("", help="the MTP drafts' type, float32 or bfloat16 "
+                                    "(default: --dtype). Drafts only propose, so it changes how "
+                                    "often they pass, not the output; bfloat16 drafts for a "
+                                    "float32 model read half the bytes (on a 2-core CPU 1-3% "
+                                    "more tokens/s, the same acceptance)"),
     spec_draft_cost: float | None = typer.Option(
         None, help="what one more draft per round costs, in plain decode steps (default: "
         "measured over the first 64 rounds; about 0.2 on a 2-core CPU): after 64 rounds, each "
@@ -71,6 +76,9 @@ def serve(
         raise typer.BadParameter("must be in [0, 65535]", param_hint="--port")
     if dtype not in DTYPES:
         raise typer.BadParameter(f"{dtype!r}: not one of {', '.join(DTYPES)}", param_hint="--dtype")
+    if draft_dtype not in ("", *DTYPES):
+        raise typer.BadParameter(f"{draft_dtype!r}: not one of {', '.join(DTYPES)}",
+                                 param_hint="--draft-dtype")
     try:
         dev = resolve_device(device)
     except ValueError as e:
@@ -89,9 +97,10 @@ def serve(
     if speculative and Path(model).is_dir():
         from codedojo.engine.speculative import load_drafter
 
-        drafter = load_drafter(net, model)
+        drafter = load_drafter(net, model, dtype=getattr(torch, draft_dtype or dtype))
         if drafter is not None:
-            print(f"Speculative decoding with {drafter.depth} MTP modules", flush=True)
+            print(f"Speculative decoding with {drafter.depth} MTP modules "
+                  f"({draft_dtype or dtype} drafts)", flush=True)
     engine = Engine(net, max_batch=max_batch, drafter=drafter,
                     spec_draft_cost=spec_draft_cost, spec_explore_every=spec_explore_every,
                     prefix_cache_tokens=prefix_cache_tokens, record_routing=record_routing)

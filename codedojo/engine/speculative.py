@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.mtp import MTP, load_mtp
-from codedojo.model.transformer import Transformer
+from codedojo.model.transformer import Transformer, rms_norm
 from codedojo.ops import greedy, linear
 
 
@@ -397,25 +398,37 @@ class DraftHead:
     """The main model's token embedding and output head as the drafter uses them: the head
     over the MTP draft vocabulary when there is one (a slice of it, copied once), returning
     full-size logits with -inf elsewhere so a draft distribution q is one over the whole
-    vocabulary, as exact acceptance needs."""
+    vocabulary, as exact acceptance needs. ``dtype``: the drafts' type, when it is not the
+    model's (bfloat16 drafts for a float32 model read half the bytes): the embedding table, the
+    final norm and the head are then copies in that type."""
 
-    def __init__(self, model: Transformer, vocab: torch.Tensor | None = None):
-        self.model, self.embed, self.norm, self.vocab = model, model.embed, model.norm, vocab
-        self.vocab_size = model.cfg.vocab_size
+    def __init__(self, model: Transformer, vocab: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None):
+        self.model, self.vocab = model, vocab
+        self.vocab_size, self.eps = model.cfg.vocab_size, model.norm.eps
+        self.dtype = dtype or model.output_weight.dtype
         self.refresh()
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The embedding table, the final norm's weight and the (sliced) head, as
         `MTP.draft_step` takes them."""
-        return self.model.tok_embeddings.weight, self.norm.weight, self.weight
+        return self.embed_weight, self.norm_weight, self.weight
 
     def refresh(self) -> None:
-        """Re-slice the head after the model's weights changed."""
-        w = self.model.output_weight.detach()
-        self.weight = w if self.vocab is None else w[self.vocab].contiguous()
+        """Re-slice the head (and cast the copies again) after the model's weights changed;
+        tensors already of the drafts' type are the model's own."""
+        m, dtype = self.model, self.dtype
+        w = m.output_weight.detach()
+        self.weight = (w if self.vocab is None else w[self.vocab]).to(dtype)
+        self.embed_weight = m.tok_embeddings.weight.detach().to(dtype)
+        self.norm_weight = m.norm.weight.detach().to(dtype)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.embed_weight)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.widen(linear(self.norm(hidden), self.weight, out_dtype=torch.float32))
+        h = rms_norm(hidden.to(self.dtype), self.norm_weight, self.eps)
+        return self.widen(linear(h, self.weight, out_dtype=torch.float32))
 
     def widen(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary (..., len(vocab)) -> full-size (..., V)."""
@@ -515,13 +528,14 @@ class MTPDrafter:
         return drafts, qs
 
 
-def load_drafter(model: Transformer, ckpt_dir: str | Path, max_len: int | None = None
-                 ) -> MTPDrafter | None:
+def load_drafter(model: Transformer, ckpt_dir: str | Path, max_len: int | None = None,
+                 dtype: torch.dtype | None = None) -> MTPDrafter | None:
     """The MTP drafter of a checkpoint directory, or None when it has no MTP modules: how a
-    server decides whether to decode speculatively."""
+    server decides whether to decode speculatively. ``dtype``: the drafts' (default: the
+    model's)."""
     mtp = load_mtp(ckpt_dir, model.cfg)
     if mtp is None:
         return None
     w = next(model.parameters())
-    mtp = mtp.to(device=w.device, dtype=w.dtype)
-    return MTPDrafter(mtp, DraftHead(model, mtp.draft_vocab), max_len)
+    mtp = mtp.to(device=w.device, dtype=dtype or w.dtype)
+    return MTPDrafter(mtp, DraftHead(model, mtp.draft_vocab, dtype), max_len)

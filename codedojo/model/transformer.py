@@ -41,11 +41,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Spelled out rather than F.rms_norm: at decode sizes the fused CPU kernel costs several
-        # times more (it round-trips through float copies), and this is HF's exact arithmetic.
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm` with a given weight. Spelled out rather than F.rms_norm: at decode sizes the
+    fused CPU kernel costs several times more (it round-trips through float copies), and this
+    is HF's exact arithmetic."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
 
 
 class Linear(nn.Linear):

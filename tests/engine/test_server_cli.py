@@ -1,6 +1,6 @@
 """`dojo serve` as a user runs it: a subprocess that prints its URL once ready, then answers.
-The checkpoint carries MTP modules, so it decodes speculatively (in bfloat16: the model, its
-drafts and the KV caches)."""
+The checkpoint carries MTP modules, so it decodes speculatively: the model in float32, its drafts
+in bfloat16."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_dojo_serve_prints_url_and_serves(tmp_path):
     save_mtp(mtp, tmp_path / "m")
 
     cmd = [sys.executable, "-c", "from codedojo.cli import main; main()", "serve", "--model", str(tmp_path / "m"),
-           "--port", "0", "--max-batch", "2", "--served-name", "tiny", "--dtype", "bfloat16"]
+           "--port", "0", "--max-batch", "2", "--served-name", "tiny", "--draft-dtype", "bfloat16"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: queue.Queue[str] = queue.Queue()
@@ -51,7 +51,7 @@ def test_dojo_serve_prints_url_and_serves(tmp_path):
             if line.startswith("Serving tiny at "):
                 url = line.split(" at ", 1)[1].strip()
         assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
-        assert any(ln.startswith("Speculative decoding with 2 MTP modules") for ln in seen), seen
+        assert "Speculative decoding with 2 MTP modules (bfloat16 drafts)\n" in seen, seen
         with httpx.Client(timeout=60) as http:
             r = http.post(url + "/chat/completions", json={
                 "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
@@ -72,6 +72,8 @@ def test_dojo_serve_names_a_bad_dtype():
 
     r = CliRunner().invoke(app, ["serve", "--dtype", "float16"])
     assert r.exit_code == 2 and "--dtype" in r.output and "float16" in r.output
+    r = CliRunner().invoke(app, ["serve", "--draft-dtype", "fp8"])
+    assert r.exit_code == 2 and "--draft-dtype" in r.output and "fp8" in r.output
 
 
 def test_dojo_serve_names_a_negative_prefix_cache():

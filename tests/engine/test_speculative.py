@@ -47,6 +47,43 @@ def test_greedy_speculative_equals_plain_greedy():
     assert res.stats.emitted == res.stats.accepted + res.stats.rounds
 
 
+def test_bfloat16_drafts_for_a_float32_target_keep_greedy_output():
+    """Drafts in bfloat16 (half the bytes a draft reads) verified by a float32 target: the
+    output is still plain greedy decoding, and the drafts really ran in bfloat16."""
+    target, drafter = _setup(vocab=32, seed=1)
+    model, bf16 = target.model, torch.bfloat16
+    drafter = MTPDrafter(drafter.mtp.to(bf16), DraftHead(model, dtype=bf16))
+    assert all(t.dtype == bf16 for t in drafter.head.tensors())
+    prompt = [3, 7, 1, 4]
+    res = speculative_generate(target, drafter, prompt, 40)
+    assert res.tokens == plain_generate(target, prompt, 40)
+    assert res.stats.accepted > 0
+    assert drafter.caches[0].k.dtype == bf16 and drafter.hidden[1][0:1].dtype == bf16
+
+
+def test_draft_head_copies_follow_new_weights():
+    """A head of another type holds copies: `refresh` casts the model's new weights again."""
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(vocab_size=40, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                           ffn_dim=32, max_seq_len=64)
+    model = Transformer(cfg).eval()
+    vocab = torch.tensor([1, 4, 9, 30])
+    same, half = DraftHead(model, vocab), DraftHead(model, vocab, torch.bfloat16)
+    assert same.embed_weight.data_ptr() == model.tok_embeddings.weight.data_ptr()  # no copy
+    with torch.no_grad():
+        model.tok_embeddings.weight.mul_(2.0)
+        model.norm.weight.add_(1.0)
+    half.refresh()
+    emb, norm, head = half.tensors()
+    assert torch.equal(emb, model.tok_embeddings.weight.to(torch.bfloat16))
+    assert torch.equal(norm, model.norm.weight.to(torch.bfloat16))
+    assert torch.equal(head, model.output_weight[vocab].to(torch.bfloat16))
+    h = torch.randn(1, 3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(half(h)[..., vocab], model.head(h)[..., vocab],
+                                   rtol=0.05, atol=0.05)
+
+
 class OracleDrafter:
     """Drafts the target's own greedy continuation: every draft must be accepted (given the
     whole sequence: with a reused prefix the session shows drafters only the part after it)."""
