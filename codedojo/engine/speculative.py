@@ -533,9 +533,9 @@ def load_drafter(model: Transformer, ckpt_dir: str | Path, max_len: int | None =
     """The MTP drafter of a checkpoint directory, or None when it has no MTP modules: how a
     server decides whether to decode speculatively. ``dtype``: the drafts' (default: the
     model's)."""
-    mtp = load_mtp(ckpt_dir, model.cfg)
+    w = next(model.parameters())
+    mtp = load_mtp(ckpt_dir, model.cfg, dtype or w.dtype)
     if mtp is None:
         return None
-    w = next(model.parameters())
-    mtp = mtp.to(device=w.device, dtype=dtype or w.dtype)
+    mtp = mtp.to(w.device)
     return MTPDrafter(mtp, DraftHead(model, mtp.draft_vocab, dtype), max_len)

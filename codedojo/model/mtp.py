@@ -229,8 +229,10 @@ def save_mtp(mtp: MTP, out_dir: str | Path) -> Path:
     return out
 
 
-def load_mtp(ckpt_dir: str | Path, cfg: ModelConfig) -> MTP | None:
-    """The checkpoint's MTP modules, or None when it has none (then decode without drafts)."""
+def load_mtp(ckpt_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype | None = None
+             ) -> MTP | None:
+    """The checkpoint's MTP modules (their weights converted to ``dtype`` when given), or None
+    when it has none (then decode without drafts)."""
     from safetensors.torch import load_file
 
     d = Path(ckpt_dir)
@@ -239,7 +241,7 @@ def load_mtp(ckpt_dir: str | Path, cfg: ModelConfig) -> MTP | None:
     meta = json.loads((d / "mtp.json").read_text())
     mtp = MTP(cfg, int(meta["depth"]), int(meta.get("draft_vocab", 0)))
     mtp.load_state_dict(load_file(str(d / "mtp.safetensors")))
-    move_to_huge_pages(mtp)  # every draft reads them all, as a decode step reads the model's
+    move_to_huge_pages(mtp, dtype)  # every draft reads them all, as a step reads the model's
     return mtp.eval()
 
 

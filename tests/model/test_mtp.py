@@ -36,6 +36,10 @@ def test_cached_drafting_path_matches_training_forward(tmp_path):
     assert again is not None and again.depth == 2
     assert all(torch.equal(x, y) for x, y in zip(mtp.state_dict().values(),
                                                  again.state_dict().values(), strict=True))
+    half = load_mtp(tmp_path, model.cfg, torch.bfloat16)  # drafts in another type
+    assert half is not None
+    for (name, p), q in zip(mtp.named_parameters(), half.parameters(), strict=True):
+        assert q.dtype == torch.bfloat16 and torch.equal(q, p.to(torch.bfloat16)), name
     assert load_mtp(tmp_path / "none", model.cfg) is None
 
 
