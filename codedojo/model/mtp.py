@@ -146,10 +146,13 @@ class MTP(FusedModule):
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 embed: Callable[[torch.Tensor], torch.Tensor],
-                doc_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+                doc_ids: torch.Tensor | None = None, detach: bool = False
+                ) -> list[torch.Tensor]:
         """Training forward. hidden (B, T, D) main last hidden (before the final norm), tokens
         (B, T) the inputs. Returns hidden states per depth: depth k (1-based) is (B, T-k, D);
-        row i predicts tokens[i + k + 1] (= targets[i + k])."""
+        row i predicts tokens[i + k + 1] (= targets[i + k]). ``detach``: module k+1 reads
+        module k's states without sending gradients back, so each module learns its own depth
+        only (otherwise module 1 also serves every deeper module's loss)."""
         outs = []
         h = hidden
         T = tokens.shape[1]
@@ -159,7 +162,8 @@ class MTP(FusedModule):
                 break
             cos, sin = self.rotary.tables(positions[:, : T - k])
             mask = None if doc_ids is None else document_mask(doc_ids[:, : T - k])
-            h = mod(h[:, : T - k], embed(tokens[:, k:]), cos.to(dtype), sin.to(dtype), mask)
+            prev = h[:, : T - k].detach() if detach and k > 1 else h[:, : T - k]
+            h = mod(prev, embed(tokens[:, k:]), cos.to(dtype), sin.to(dtype), mask)
             outs.append(h)
         return outs
 

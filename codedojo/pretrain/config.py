@@ -93,6 +93,9 @@ class StageConfig(BaseModel):
                                                     "model); joint: main loss + mtp_weight * MTP "
                                                     "distillation loss.")
     mtp_weight: float = Field(0.3, ge=0)
+    mtp_detach: bool = Field(False, description="Each MTP module reads the previous one's "
+                             "states without sending it gradients: every module learns its "
+                             "own depth only.")
     checkpoint_every: int = Field(0, ge=0, description="Also checkpoint every N steps (0: end).")
     self_gen: SelfGenConfig | None = Field(None, description="Generate the `self` data of this "
                                            "stage's mix.")
@@ -103,6 +106,9 @@ class StageConfig(BaseModel):
             raise ValueError(f"stage {self.name!r}: warmup_steps > steps")
         if not self.mix:
             raise ValueError(f"stage {self.name!r}: mix must list at least one entry")
+        if self.mtp_detach and self.mtp == "off":
+            raise ValueError(f"stage {self.name!r}: mtp_detach is for a stage that trains the "
+                             "MTP modules (mtp = \"distill\" or \"joint\")")
         if any(e.data == "self" for e in self.mix) != (self.self_gen is not None):
             raise ValueError(f"stage {self.name!r}: a `self` mix entry and `self_gen` go "
                              "together")

@@ -98,8 +98,9 @@ def next_token_loss(model: Transformer, hidden: torch.Tensor, targets: torch.Ten
 
 
 def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
-               mtp_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of one micro-batch, by stage kind."""
+               mtp_weight: float, mtp_detach: bool = False
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one micro-batch, by stage kind (``mtp_detach``: `MTP.forward`'s)."""
     tokens, targets, mask = batch["tokens"], batch["targets"], batch["loss_mask"]
     fwd = {"positions": batch["positions"], "doc_ids": batch["doc_ids"]}
     vocab = mtp.draft_vocab if mtp is not None else None
@@ -119,7 +120,8 @@ def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
                 teacher = model.head(hidden, vocab)
     if mode in ("distill", "joint"):
         assert mtp is not None
-        hs = mtp(hidden, tokens, batch["positions"], model.embed, batch["doc_ids"])
+        hs = mtp(hidden, tokens, batch["positions"], model.embed, batch["doc_ids"],
+                 detach=mtp_detach)
         kl = distill_loss([model.head(h, vocab) for h in hs], teacher, mask)
         metrics["mtp_kl"] = float(kl.detach())
         loss = loss + (kl if mode == "distill" else mtp_weight * kl)
@@ -357,7 +359,8 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
             if "hidden" in batch:  # no forward of the model gathers what the modules share
                 gather_root(model)
             with _autocast(cfg.model.dtype, dev):
-                loss, metrics = stage_loss(model, mtp, batch, st.mtp, st.mtp_weight)
+                loss, metrics = stage_loss(model, mtp, batch, st.mtp, st.mtp_weight,
+                                           st.mtp_detach)
             (loss / st.grad_accum).backward()
             total += float(loss.detach()) / st.grad_accum
             ntok += int(batch["loss_mask"].sum())

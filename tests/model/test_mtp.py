@@ -66,6 +66,31 @@ def test_distillation_pulls_modules_toward_main_head():
     assert losses[-1] < 0.7 * losses[0]
 
 
+def test_detached_modules_learn_their_own_depth_only():
+    """With ``detach`` the second module's loss sends module 1 no gradient (without it, it
+    does); module 2 still learns, and the states computed are the same either way."""
+    model, mtp = _model()
+    mtp.train()
+    tokens = torch.randint(0, 50, (2, 12))
+    pos = torch.arange(12).expand(2, 12)
+    with torch.no_grad():
+        _, hidden = model(tokens, return_hidden=True)
+    outs = {}
+    for detach in (False, True):
+        mtp.zero_grad(set_to_none=True)
+        hs = mtp(hidden, tokens, pos, model.embed, detach=detach)
+        hs[1].pow(2).mean().backward()  # a loss on depth 2 alone
+        first, second = mtp.layers
+        reached = [p.grad is not None and bool(p.grad.abs().sum() > 0)
+                   for p in first.parameters()]
+        assert any(reached) != detach
+        assert all(p.grad is not None and bool(p.grad.abs().sum() > 0)
+                   for p in second.proj.parameters())
+        outs[detach] = [h.detach() for h in hs]
+    for a, b in zip(outs[False], outs[True], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_draft_vocabulary_is_saved_and_bounded(tmp_path):
     cfg = ModelConfig.tiny(vocab_size=50, n_layers=2, n_mtp=2)
     mtp = MTP(cfg, 2, draft_vocab=5)

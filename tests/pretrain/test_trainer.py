@@ -12,7 +12,7 @@ from codedojo.data.packing import PackedLoader, pack
 from codedojo.data.shards import TokenShards
 from codedojo.model.weights import load_model
 from codedojo.pretrain.checkpoint import load_trainer_state, load_weights
-from codedojo.pretrain.config import PretrainConfig, load_config
+from codedojo.pretrain.config import PretrainConfig, StageConfig, load_config
 from codedojo.pretrain.optim import build_adamw
 from codedojo.pretrain.parallel import apply_activation_checkpointing
 from codedojo.pretrain.trainer import build_model, train_stage
@@ -345,3 +345,32 @@ def test_self_data_is_written_again_by_a_changed_model(tmp_path):
     assert other != first and len(TokenFeatures(other / "hidden")) == 3 * 12
     assert not torch.equal(TokenFeatures(other / "hidden").gather(np.arange(36)),
                            TokenFeatures(first / "hidden").gather(np.arange(36)))
+
+
+def test_an_mtp_distillation_step_detaches_the_modules_when_asked():
+    """`stage_loss(..., mtp_detach=True)` (a stage's ``mtp_detach``): the first module's
+    gradient is its own loss's alone, so it differs from the one that also serves module 2."""
+    from codedojo.data.packing import make_batch
+    from codedojo.model.config import ModelConfig
+    from codedojo.model.mtp import MTP
+    from codedojo.model.transformer import Transformer
+    from codedojo.pretrain.trainer import stage_loss
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(vocab_size=50, n_layers=2, n_mtp=2)
+    model, mtp = Transformer(cfg), MTP(cfg)
+    rows = np.random.default_rng(0).integers(0, 50, (2, 17))
+    batch = make_batch(rows, np.zeros_like(rows), np.ones_like(rows, dtype=bool))
+    grads, losses = [], []
+    for detach in (False, True):
+        mtp.zero_grad(set_to_none=True)
+        loss, _ = stage_loss(model, mtp, batch, "distill", 1.0, mtp_detach=detach)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(mtp.layers[0].proj.weight.grad.clone())
+    assert torch.equal(losses[0], losses[1])  # the same forward
+    assert not torch.allclose(grads[0], grads[1])
+    st = dict(name="s", seq_len=16, steps=1, mix=[{"data": "code"}], mtp_detach=True)
+    StageConfig.model_validate({**st, "mtp": "distill"})
+    with pytest.raises(ValueError, match="stage 's': mtp_detach is for a stage that trains"):
+        StageConfig.model_validate(st)  # mtp = "off"
