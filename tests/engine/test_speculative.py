@@ -61,13 +61,16 @@ def test_bfloat16_drafts_for_a_float32_target_keep_greedy_output():
     assert drafter.caches[0].k.dtype == bf16 and drafter.hidden[1][0:1].dtype == bf16
 
 
-def test_draft_head_copies_follow_new_weights():
-    """A head of another type holds copies: `refresh` casts the model's new weights again."""
+def _model_and_draft_vocab() -> tuple[Transformer, torch.Tensor]:
     torch.manual_seed(0)
     cfg = ModelConfig.tiny(vocab_size=40, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
                            ffn_dim=32, max_seq_len=64)
-    model = Transformer(cfg).eval()
-    vocab = torch.tensor([1, 4, 9, 30])
+    return Transformer(cfg).eval(), torch.tensor([1, 4, 9, 30])
+
+
+def test_draft_head_copies_follow_new_weights():
+    """A head of another type holds copies: `refresh` casts the model's new weights again."""
+    model, vocab = _model_and_draft_vocab()
     same, half = DraftHead(model, vocab), DraftHead(model, vocab, torch.bfloat16)
     assert same.embed_weight.data_ptr() == model.tok_embeddings.weight.data_ptr()  # no copy
     with torch.no_grad():
@@ -208,11 +211,7 @@ def test_speculative_sampling_matches_target_distribution(temperature, draft_voc
 
 
 def test_draft_head_over_a_draft_vocabulary():
-    torch.manual_seed(0)
-    cfg = ModelConfig.tiny(vocab_size=40, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
-                           ffn_dim=32, max_seq_len=64)
-    model = Transformer(cfg).eval()
-    vocab = torch.tensor([1, 4, 9, 30])
+    model, vocab = _model_and_draft_vocab()
     h = torch.randn(1, 3, 16)
     with torch.no_grad():
         full, sub = model.head(h), DraftHead(model, vocab)(h)
