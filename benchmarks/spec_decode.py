@@ -3,8 +3,9 @@
 Uses the checkpoint `dojo pretrain configs/cpt-smollm2.toml` writes (SmolLM2-135M after CPT, with
 MTP modules trained by self-distillation, drafting over its draft vocabulary). Both sides are the
 engine `dojo serve` runs, one request at a time, in this process, on the same prompts: plain
-(`Engine(model)`) and speculative (`Engine(model, drafter=...)`). Greedy, so both must emit
-identical tokens (checked). Prints one JSON line; besides the end-to-end figures (prefill
+(`Engine(model)`) and speculative (`Engine(model, drafter=...)`). Greedy by default, so both
+must emit identical tokens (checked; `--temperature`: sampling, seeded per request, where they
+draw different tokens and `greedy_identical` is null). Prints one JSON line; besides the end-to-end figures (prefill
 included), `plain_step_ms` / `spec_round_ms` time decoding after each prompt's first step, and
 `round_cost_in_steps` says what one step of the speculative engine (a round, or a plain step once
 speculation is off) costs in plain steps; `steady_speedup` is the tokens/s ratio over those
@@ -19,6 +20,7 @@ it depends on the checkpoint and the policy alone, not on this machine's timing 
 
     python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 24] [--new 64]
                                     [--draft-cost C] [--dtype bfloat16] [--draft-dtype bfloat16]
+                                    [--temperature 1.0]
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (the targets' setting, output checked against plain "
+                    "decoding); above 0: speculative sampling, each request seeded, where "
+                    "the two sides draw different tokens and a draft passes with probability "
+                    "min(1, p/q)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="weights and KV caches (as dojo serve --dtype)")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
@@ -80,15 +87,16 @@ def main() -> None:
     plain = Engine(model, max_batch=1, max_seq_len=max_len)
     spec = Engine(model, max_batch=1, max_seq_len=max_len, drafter=drafter,
                   spec_draft_cost=args.draft_cost)
-    params = SamplingParams(max_tokens=args.new, temperature=0)
     for eng in (plain, spec):  # warm-up
         eng.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0))
     spec.spec_stats = SpecStats()  # count the measured prompts only
     runs: dict[str, list[TimedRequest]] = {"plain": [], "spec": []}
-    for p in prompts:  # alternate, so both sides see the same machine load
+    for i, p in enumerate(prompts):  # alternate, so both sides see the same machine load
+        params = SamplingParams(max_tokens=args.new, temperature=args.temperature, seed=i)
         for side, eng in (("plain", plain), ("spec", spec)):
             runs[side].append(time_request(eng, p, params))
-    same = all(a.token_ids == b.token_ids for a, b in zip(*runs.values(), strict=True))
+    same = (all(a.token_ids == b.token_ids for a, b in zip(*runs.values(), strict=True))
+            if args.temperature == 0 else None)
 
     def tok_s(side: str) -> float:
         return (sum(len(r.token_ids) for r in runs[side])
@@ -126,7 +134,7 @@ def main() -> None:
         "speculating_at_end": spec.speculating,
         "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
         "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,
-        "batch": 1, "dtype": args.dtype, "draft_dtype": draft_dtype, "threads": args.threads, "kernel": kernel_status(),
+        "batch": 1, "temperature": args.temperature, "dtype": args.dtype, "draft_dtype": draft_dtype, "threads": args.threads, "kernel": kernel_status(),
         "ckpt": str(ck)}))
 
 
