@@ -5,8 +5,8 @@ MTP modules trained by self-distillation, drafting over its draft vocabulary). B
 engine `dojo serve` runs, one request at a time, in this process, on the same prompts: plain
 (`Engine(model)`) and speculative (`Engine(model, drafter=...)`). Greedy by default, so both
 must emit identical tokens (checked; `--temperature`: sampling, seeded per request, where they
-draw different tokens and `greedy_identical` is null). Prints one JSON line; besides the end-to-end figures (prefill
-included), `plain_step_ms` / `spec_round_ms` time decoding after each prompt's first step, and
+draw different tokens and `greedy_identical` is null). Prints one JSON line; besides the
+end-to-end figures (prefill included), `plain_step_ms` / `spec_round_ms` time decoding after each prompt's first step, and
 `round_cost_in_steps` says what one step of the speculative engine (a round, or a plain step once
 speculation is off) costs in plain steps; `steady_speedup` is the tokens/s ratio over those
 steps. The engine drafts with every module for its first 64 rounds (every fourth without
@@ -134,7 +134,8 @@ def main() -> None:
         "speculating_at_end": spec.speculating,
         "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
         "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,
-        "batch": 1, "temperature": args.temperature, "dtype": args.dtype, "draft_dtype": draft_dtype, "threads": args.threads, "kernel": kernel_status(),
+        "batch": 1, "temperature": args.temperature, "dtype": args.dtype,
+        "draft_dtype": draft_dtype, "threads": args.threads, "kernel": kernel_status(),
         "ckpt": str(ck)}))
 
 

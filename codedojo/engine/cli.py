@@ -97,10 +97,11 @@ def serve(
     if speculative and Path(model).is_dir():
         from codedojo.engine.speculative import load_drafter
 
-        drafter = load_drafter(net, model, dtype=getattr(torch, draft_dtype or dtype))
+        draft_dtype = draft_dtype or dtype
+        drafter = load_drafter(net, model, dtype=getattr(torch, draft_dtype))
         if drafter is not None:
-            print(f"Speculative decoding with {drafter.depth} MTP modules "
-                  f"({draft_dtype or dtype} drafts)", flush=True)
+            print(f"Speculative decoding with {drafter.depth} MTP modules ({draft_dtype} drafts)",
+                  flush=True)
     engine = Engine(net, max_batch=max_batch, drafter=drafter,
                     spec_draft_cost=spec_draft_cost, spec_explore_every=spec_explore_every,
                     prefix_cache_tokens=prefix_cache_tokens, record_routing=record_routing)

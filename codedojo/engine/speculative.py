@@ -534,8 +534,8 @@ def load_drafter(model: Transformer, ckpt_dir: str | Path, max_len: int | None =
     server decides whether to decode speculatively. ``dtype``: the drafts' (default: the
     model's)."""
     w = next(model.parameters())
-    mtp = load_mtp(ckpt_dir, model.cfg, dtype or w.dtype)
+    dtype = dtype or w.dtype
+    mtp = load_mtp(ckpt_dir, model.cfg, dtype)
     if mtp is None:
         return None
-    mtp = mtp.to(w.device)
-    return MTPDrafter(mtp, DraftHead(model, mtp.draft_vocab, dtype), max_len)
+    return MTPDrafter(mtp.to(w.device), DraftHead(model, mtp.draft_vocab, dtype), max_len)

@@ -10,9 +10,9 @@ predicts t_{i+k+1}:
 
 with h^0 the main model's last hidden state (before the final norm). Each module's block is the
 main model's decoder `Block` (dense, with the same RoPE/YaRN tables) with its own single-layer KV
-cache, so drafting at decode time costs one block per module per token. The modules are trained by self-distillation (their distribution at
-i pulled toward the main head's distribution at i+k, which predicts the same token); see
-`distill_loss`. The module knows nothing about training or decoding loops.
+cache, so drafting at decode time costs one block per module per token. The modules are trained
+by self-distillation (their distribution at i pulled toward the main head's distribution at
+i+k, which predicts the same token); see `distill_loss`. The module knows nothing about training or decoding loops.
 """
 
 from __future__ import annotations
