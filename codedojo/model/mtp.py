@@ -233,6 +233,22 @@ def save_mtp(mtp: MTP, out_dir: str | Path) -> Path:
     return out
 
 
+def grow_chain(state: dict[str, torch.Tensor], depth: int) -> dict[str, torch.Tensor]:
+    """An MTP state dict of ``depth`` modules from one of fewer (a chain grown on a branch of a
+    run): the missing modules start as copies of its last, which drafts the nearest depth and has
+    the same shape. A state dict of ``depth`` modules or more comes back as it is."""
+    saved = 1 + max((int(k.split(".")[1]) for k in state if k.startswith("layers.")),
+                    default=-1)
+    if not 0 < saved < depth:
+        return state
+    last = f"layers.{saved - 1}."
+    grown = dict(state)
+    for k in range(saved, depth):
+        grown.update({f"layers.{k}.{name[len(last):]}": t.clone()
+                      for name, t in state.items() if name.startswith(last)})
+    return grown
+
+
 def load_mtp(ckpt_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype | None = None
              ) -> MTP | None:
     """The checkpoint's MTP modules (their weights converted to ``dtype`` when given), or None

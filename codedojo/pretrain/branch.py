@@ -10,7 +10,11 @@ stages' report entries. The loop then finds them done and runs the rest. Files a
 which it rewrites, is a copy, so the source run is never changed.
 
 Only a source that ran under the same corpus, model, seed and evaluation settings can be
-branched from: anything else would change what every stage computes.
+branched from: anything else would change what every stage computes. How the new stages run may
+differ (the model's ``dtype``, ``device``, ``compile`` and ``activation_checkpointing``): a run
+made on a laptop in float32 branches on a GPU in bf16, as a resume on another machine would. And
+the MTP chain may grow (``model.n_mtp``): the last stage that trains MTP modules runs again (and
+those after it), the new modules starting as copies of the last one (`grow_chain`).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from typing import Any
 from codedojo.paths import staged_dir
 from codedojo.pretrain.config import PretrainConfig
 
-# What a branch may change outside the stages: where it goes, and whether it exports.
+# What a branch may change outside the stages: where it goes, whether it exports, and how the
+# model computes (not what it is).
 _FREE = {"name", "out_dir", "stages", "export_hf"}
+_FREE_MODEL = {"dtype", "device", "compile", "activation_checkpointing"}
 
 
 class BranchError(ValueError):
@@ -42,13 +48,23 @@ def branch_run(src: str | Path, cfg: PretrainConfig) -> list[str]:
     if dest.exists() and any(dest.iterdir()):
         raise BranchError(f"{dest} is not empty: branch into a new out_dir or name")
     old = PretrainConfig.model_validate_json((src / "config.json").read_text())
-    a, b = old.model_dump(exclude=_FREE), cfg.model_dump(exclude=_FREE)
+    free = {**dict.fromkeys(_FREE, True), "model": _FREE_MODEL | {"n_mtp"}}
+    a, b = old.model_dump(exclude=free), cfg.model_dump(exclude=free)
     differ = [k for k in a if a[k] != b[k]]  # one model: the same fields
     if differ:
         raise BranchError(f"{src}: its {', '.join(differ)} differ from this config's, so none "
                           "of its data or stages would be the same")
+    had, has = old.model.n_mtp, cfg.model.n_mtp
+    if has != had and not 0 < had < has:
+        raise BranchError(f"{src}: model.n_mtp {had} -> {has}: a branch may add MTP modules "
+                          "to a run that has some (the new ones start as copies of its last), "
+                          "not add the first or remove any")
+    stages = cfg.stages
+    if has > had:  # the new modules are trained by the last stage that trains modules
+        stages = stages[:max((i for i, s in enumerate(stages) if s.mtp != "off"),
+                            default=len(stages))]
     reused = []
-    for was, now in zip(old.stages, cfg.stages, strict=False):
+    for was, now in zip(old.stages, stages, strict=False):
         if was != now or not _done(src / "ckpt" / now.name):
             break
         reused.append(now.name)

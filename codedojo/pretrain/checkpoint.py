@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from codedojo.model.config import ModelConfig
-from codedojo.model.mtp import MTP, save_mtp
+from codedojo.model.mtp import MTP, grow_chain, save_mtp
 from codedojo.model.weights import checkpoint_config
 from codedojo.paths import staged_dir
 from codedojo.pretrain.parallel import (
@@ -175,8 +175,10 @@ def load_weights(path: str | Path, model: nn.Module, mtp: MTP | None = None) -> 
     load_full_state_dict(model, sd)
     if mtp is not None:
         # A checkpoint from before the draft vocabulary was chosen (an earlier stage, or a
-        # config that gained `mtp_draft_vocab`) lacks it: the MTP stage chooses it then.
-        res = mtp.load_state_dict(load_file(str(path / "mtp.safetensors")), strict=False)
+        # config that gained `mtp_draft_vocab`) lacks it: the MTP stage chooses it then. One of
+        # fewer modules (a branch that grows the chain) gives its last to the new ones.
+        sd = grow_chain(load_file(str(path / "mtp.safetensors")), mtp.depth)
+        res = mtp.load_state_dict(sd, strict=False)
         if res.unexpected_keys or set(res.missing_keys) - {"draft_vocab"}:
             raise RuntimeError(f"{path}: MTP weights do not match the configured modules "
                                f"(missing {res.missing_keys}, unexpected {res.unexpected_keys})")

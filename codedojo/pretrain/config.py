@@ -21,8 +21,9 @@ class ModelSpec(BaseModel):
     base: str = Field("smollm2-135m-instruct", description="What `load_model` accepts (a known "
                       "name, a GGUF file or an HF/safetensors directory), or `tiny` for a random "
                       "tiny model (tests).")
-    dtype: Literal["fp32", "bf16"] = Field("fp32", description="bf16 runs forward/backward under "
-                                           "autocast; master weights and optimizer stay fp32.")
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="bf16 runs forward/backward (and "
+                                           "self-generation) under autocast; master weights and "
+                                           "optimizer stay fp32.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train. auto: "
                                                    "this process's GPU (LOCAL_RANK under "
                                                    "torchrun) when CUDA is available, else the "

@@ -265,14 +265,21 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
         raise ValueError(f"stage {stage.name!r}: self_gen needs training code, and this run "
                          "has none")
     seed = cfg.seed + 31
-    out = cache_dir_for(run_dir / "data" / "self", stage,
-                        {"seed": seed, **g.model_dump(), "model": weights_digest(model, model.cfg)})
+    settings = {"seed": seed, **g.model_dump(), "model": weights_digest(model, model.cfg)}
+    if cfg.model.dtype != "fp32":  # generated under autocast, as the run trains
+        settings["dtype"] = cfg.model.dtype
+    out = cache_dir_for(run_dir / "data" / "self", stage, settings)
     barrier()  # every rank sees the shards there, or none does
     if (out / "index.json").exists():
         return out
     # Under FSDP every rank continues its own share of the prompts (each forward gathers the
-    # shards from all of them); rank 0 gathers the continuations and writes them.
-    with progress(console) as prog:
+    # shards from all of them); rank 0 gathers the continuations and writes them. A bf16 run
+    # generates under autocast: on a CPU the prefill of a batch of prompts is three times faster
+    # (SmolLM2-135M, 64 x 96 tokens, 2.3 s against 6.5 s on 2 AVX-512 BF16 cores); the CPU
+    # kernels' passes (decode steps, up to `FUSED_TOKENS` tokens) take no autocast and compute
+    # in the weights' dtype, faster there than bf16 products op by op (0.06 s a step of 64 rows
+    # against 0.12).
+    with progress(console) as prog, _autocast(cfg.model.dtype, model_device(model)):
         task = prog.add_task(f"{stage.name}: {g.new_tokens} tokens after each of {g.prompts} "
                              "prompts", total=g.prompts)
         write_self_shards(

@@ -7,11 +7,14 @@ import json
 import os
 
 import pytest
+import torch
 from rich.console import Console
 
+from codedojo.model.mtp import load_mtp
 from codedojo.model.tokenizer import load_tokenizer
 from codedojo.pretrain.branch import BranchError, branch_run
-from codedojo.pretrain.trainer import run
+from codedojo.pretrain.checkpoint import load_weights
+from codedojo.pretrain.trainer import build_model, run
 from tests.pretrain.tiny_run import five_stage_config
 
 
@@ -57,6 +60,36 @@ def test_a_branch_runs_only_the_stages_its_config_changes(tmp_path):
     assert not (tmp_path / "runs" / "c" / "ckpt").exists()
 
 
+def test_a_branch_grows_the_mtp_chain(tmp_path):
+    """`--set model.n_mtp=2` on a branch of a one-module run: the stages before the last one
+    that trains MTP modules are taken, the new module starts as a copy of the last, and that
+    stage trains both on the continuations the source generated."""
+    tok = load_tokenizer()
+    quiet = Console(quiet=True)
+    cfg = five_stage_config(tmp_path, "a")
+    assert cfg.model.n_mtp == 1
+    first = run(cfg, tok=tok, console=quiet)
+    src = cfg.run_dir
+    grown = cfg.model_copy(update={"name": "b",
+                                   "model": cfg.model.model_copy(update={"n_mtp": 2})})
+    second = run(grown, tok=tok, console=quiet, branch_from=src)
+    dest = grown.run_dir
+    for name in ("bulk", "mtp", "long", "sft"):
+        assert (os.stat(dest / "ckpt" / name / "model.safetensors").st_ino
+                == os.stat(src / "ckpt" / name / "model.safetensors").st_ino)
+    assert second["eval_loss"]["sft"] == first["eval_loss"]["sft"]
+    assert second["stages"]["mtp_self"]["first_loss"] != first["stages"]["mtp_self"]["first_loss"]
+    assert len(list((dest / "data" / "self").iterdir())) == 1  # not generated again
+    model, mtp = build_model(grown)
+    load_weights(dest / "ckpt" / "sft", model, mtp)  # where the stage started
+    start = [m.state_dict() for m in mtp.layers]
+    assert all(torch.equal(start[1][k], start[0][k]) for k in start[0])
+    end = load_mtp(dest / "final", model.cfg)
+    assert end is not None and end.depth == 2
+    for k, m in enumerate(end.layers):  # both trained from there
+        assert not torch.equal(m.proj.weight, start[k]["proj.weight"])
+
+
 def test_what_cannot_be_branched_is_named(tmp_path):
     cfg = five_stage_config(tmp_path, "a")
     src = cfg.run_dir
@@ -70,6 +103,19 @@ def test_what_cannot_be_branched_is_named(tmp_path):
     (src / "config.json").write_text(cfg.model_dump_json())
     with pytest.raises(BranchError, match="its seed differ"):
         branch_run(src, cfg.model_copy(update={"name": "b", "seed": 1}))
+    model = cfg.model
+    with pytest.raises(BranchError, match="its model differ"):  # what the model is
+        branch_run(src, cfg.model_copy(update={
+            "name": "b", "model": model.model_copy(update={"mtp_draft_vocab": 16})}))
+    with pytest.raises(BranchError, match=r"model.n_mtp 1 -> 0: a branch may add MTP modules"):
+        branch_run(src, cfg.model_copy(update={
+            "name": "b", "model": model.model_copy(update={"n_mtp": 0})}))
+    assert not (tmp_path / "runs" / "b").exists()
+    # how it computes may change: precision, device, compile, checkpointing
+    how = model.model_copy(update={"dtype": "bf16", "device": "cpu", "compile": True,
+                                   "activation_checkpointing": True})
+    assert branch_run(src, cfg.model_copy(update={"name": "d", "model": how})) == []
+    assert (tmp_path / "runs" / "d").is_dir()
     taken = tmp_path / "runs" / "b"
     taken.mkdir()
     (taken / "notes.txt").write_text("mine")

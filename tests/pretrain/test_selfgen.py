@@ -127,3 +127,44 @@ def test_the_hidden_states_of_the_generation_are_kept_for_training(tmp_path, mod
     batch.pop("hidden")
     run_loss, _ = stage_loss(model, mtp, batch, "distill", 1.0)
     torch.testing.assert_close(stored_loss, run_loss, rtol=2e-3, atol=0)
+
+
+def test_a_bf16_run_generates_its_continuations_under_autocast(tmp_path, monkeypatch):
+    """`dtype = "bf16"`: the model writes its continuations, and the hidden states kept beside
+    them, computing as the run trains (under autocast), not in float32."""
+    from rich.console import Console
+
+    from codedojo.data.features import TokenFeatures
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.model.weights import load_model
+    from codedojo.pretrain.trainer import run
+    from tests.pretrain.tiny_run import five_stage_config
+
+    # op by op, as on a GPU: the CPU kernels' passes compute in the weights' dtype
+    monkeypatch.setattr(Transformer, "fuse", False)
+    cfg = five_stage_config(tmp_path, "b", dtype="bf16")
+    run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
+    (out,) = (cfg.run_dir / "data" / "self").iterdir()
+    shards, feats = TokenShards(out), TokenFeatures(out / "hidden")
+    g = cfg.stages[-1].self_gen
+    docs = torch.from_numpy(np.stack([shards.doc(i) for i in range(len(shards))]))
+    stored = feats.gather(np.arange(docs.numel()).reshape(docs.shape))
+    model, _ = load_model(cfg.run_dir / "ckpt" / "sft")  # the model that generated them
+
+    def generate(autocast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, hidden = [], []
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            for i in range(0, len(docs), g.batch):  # in the run's batches
+                h: list[torch.Tensor] = []
+                rows.append(greedy_continue(model, docs[i:i + g.batch, :g.prompt_len],
+                                            g.new_tokens, h))
+                hidden.append(torch.cat(h, 1).float())
+        return torch.cat(rows), torch.cat(hidden)
+
+    def err(h: torch.Tensor) -> float:  # relative to each row's largest entry, as stored
+        return float(((stored - h).abs() / h.abs().amax(-1, keepdim=True)).max())
+
+    tokens, bf16 = generate(autocast=True)
+    assert torch.equal(tokens, docs)
+    assert err(bf16) <= 2**-11 * 1.01  # float16 storage
+    assert err(generate(autocast=False)[1]) > 2**-11 * 2  # a float32 generation is told apart
