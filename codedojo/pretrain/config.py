@@ -98,6 +98,10 @@ class StageConfig(BaseModel):
                              "states without sending it gradients: every module learns its "
                              "own depth only.")
     checkpoint_every: int = Field(0, ge=0, description="Also checkpoint every N steps (0: end).")
+    dtype: Literal["fp32", "bf16"] | None = Field(None, description="This stage's precision, "
+                                                  "as the model's `dtype` says it (default: "
+                                                  "that one); under FSDP the shards are "
+                                                  "gathered in the model's.")
     self_gen: SelfGenConfig | None = Field(None, description="Generate the `self` data of this "
                                            "stage's mix.")
 

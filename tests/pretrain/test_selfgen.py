@@ -129,9 +129,11 @@ def test_the_hidden_states_of_the_generation_are_kept_for_training(tmp_path, mod
     torch.testing.assert_close(stored_loss, run_loss, rtol=2e-3, atol=0)
 
 
-def test_a_bf16_run_generates_its_continuations_under_autocast(tmp_path, monkeypatch):
-    """`dtype = "bf16"`: the model writes its continuations, and the hidden states kept beside
-    them, computing as the run trains (under autocast), not in float32."""
+@pytest.mark.parametrize("where", ["model", "stage"])
+def test_a_bf16_run_generates_its_continuations_under_autocast(tmp_path, monkeypatch, where):
+    """`dtype = "bf16"` (the run's, or the stage's alone): the model writes its continuations,
+    and the hidden states kept beside them, computing as the stage trains (under autocast), not
+    in float32."""
     from rich.console import Console
 
     from codedojo.data.features import TokenFeatures
@@ -142,7 +144,11 @@ def test_a_bf16_run_generates_its_continuations_under_autocast(tmp_path, monkeyp
 
     # op by op, as on a GPU: the CPU kernels' passes compute in the weights' dtype
     monkeypatch.setattr(Transformer, "fuse", False)
-    cfg = five_stage_config(tmp_path, "b", dtype="bf16")
+    if where == "model":
+        cfg = five_stage_config(tmp_path, "b", dtype="bf16")
+    else:  # float32 up to the last stage, which alone runs in bf16
+        cfg = five_stage_config(tmp_path, "b")
+        cfg.stages[-1].dtype = "bf16"
     run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
     (out,) = (cfg.run_dir / "data" / "self").iterdir()
     shards, feats = TokenShards(out), TokenFeatures(out / "hidden")
