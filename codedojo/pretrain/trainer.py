@@ -266,7 +266,7 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
                          "has none")
     seed = cfg.seed + 31
     settings = {"seed": seed, **g.model_dump(), "model": weights_digest(model, model.cfg)}
-    dtype = stage.dtype or cfg.model.dtype
+    dtype = stage_dtype(cfg, stage)
     if dtype != "fp32":  # generated under autocast, as the stage trains
         settings["dtype"] = dtype
     out = cache_dir_for(run_dir / "data" / "self", stage, settings)
@@ -275,7 +275,7 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
         return out
     # Under FSDP every rank continues its own share of the prompts (each forward gathers the
     # shards from all of them); rank 0 gathers the continuations and writes them. A bf16 stage
-    # generates under autocast: on a CPU the prefill of a batch of prompts is three times faster
+    # generates under autocast: on a CPU the prefill of a batch of prompts is 2.8 times faster
     # (SmolLM2-135M, 64 x 96 tokens, 2.3 s against 6.5 s on 2 AVX-512 BF16 cores); the CPU
     # kernels' passes (decode steps, up to `FUSED_TOKENS` tokens) take no autocast and compute
     # in the weights' dtype, faster there than bf16 products op by op (0.06 s a step of 64 rows
@@ -299,6 +299,11 @@ def eval_batches(data: RunData, batch_size: int) -> list[Batch]:
 
 
 # ---- the loop ---------------------------------------------------------------------------------
+
+
+def stage_dtype(cfg: PretrainConfig, stage: StageConfig) -> str:
+    """The precision a stage runs in: its own, or else the model's."""
+    return stage.dtype or cfg.model.dtype
 
 
 def _autocast(dtype: str, device: torch.device) -> Any:
@@ -366,7 +371,7 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
             batch = on_device(loader.next_batch(), dev)
             if "hidden" in batch:  # no forward of the model gathers what the modules share
                 gather_root(model)
-            with _autocast(st.dtype or cfg.model.dtype, dev):
+            with _autocast(stage_dtype(cfg, st), dev):
                 loss, metrics = stage_loss(model, mtp, batch, st.mtp, st.mtp_weight,
                                            st.mtp_detach)
             (loss / st.grad_accum).backward()
