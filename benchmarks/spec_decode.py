@@ -6,8 +6,8 @@ engine `dojo serve` runs, one request at a time, in this process, on the same pr
 (`Engine(model)`) and speculative (`Engine(model, drafter=...)`). Greedy by default, so both
 must emit identical tokens (checked; `--temperature`: sampling, seeded per request, where they
 draw different tokens and `greedy_identical` is null). Prints one JSON line; besides the
-end-to-end figures (prefill included), `plain_step_ms` / `spec_round_ms` time decoding after each prompt's first step, and
-`round_cost_in_steps` says what one step of the speculative engine (a round, or a plain step once
+end-to-end figures (prefill included), `plain_step_ms` / `spec_round_ms` time decoding after
+each prompt's first step, and `round_cost_in_steps` says what one step of the speculative engine (a round, or a plain step once
 speculation is off) costs in plain steps; `steady_speedup` is the tokens/s ratio over those
 steps. The engine drafts with every module for its first 64 rounds (every fourth without
 drafts, to time a plain step), then as many tokens per round as pay by the acceptance seen and
