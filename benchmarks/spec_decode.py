@@ -3,20 +3,20 @@
 Uses the checkpoint `dojo pretrain configs/cpt-smollm2.toml` writes (SmolLM2-135M after CPT, with
 MTP modules trained by self-distillation, drafting over its draft vocabulary). Both sides are the
 engine `dojo serve` runs, one request at a time, in this process, on the same prompts: plain
-(`Engine(model)`) and speculative (`Engine(model, drafter=...)`). Greedy by default, so both
-must emit identical tokens (checked; `--temperature`: sampling, seeded per request, where they
-draw different tokens and `greedy_identical` is null). Prints one JSON line; besides the
-end-to-end figures (prefill included), `plain_step_ms` / `spec_round_ms` time decoding after
-each prompt's first step, and `round_cost_in_steps` says what one step of the speculative engine (a round, or a plain step once
-speculation is off) costs in plain steps; `steady_speedup` is the tokens/s ratio over those
-steps. The engine drafts with every module for its first 64 rounds (every fourth without
-drafts, to time a plain step), then as many tokens per round as pay by the acceptance seen and
-what a draft costs (`draft_cost`, in plain steps: measured then, or `--draft-cost`):
-`drafts_per_round` is the mean, `accept_depthJ` the acceptance of draft J when drafts 1..J-1
-passed. `modelled_speedup` prices the same decode steps by the cost model the engine decides
-by (a step drafting k tokens costs 1 + k * draft_cost plain steps): with `--draft-cost` given
-it depends on the checkpoint and the policy alone, not on this machine's timing (on a shared
-2-core VM the wall-clock speedup of one checkpoint read 1.08 and 1.18 in two runs).
+(`Engine(model)`) and speculative (`Engine(model, drafter=...)`). Greedy by default, so both must
+emit identical tokens (checked; `--temperature`: sampling, seeded per request, where they draw
+different tokens and `greedy_identical` is null). Prints one JSON line; besides the end-to-end
+figures (prefill included), `plain_step_ms` / `spec_round_ms` time decoding after each prompt's
+first step, and `round_cost_in_steps` says what one step of the speculative engine (a round, or a
+plain step once speculation is off) costs in plain steps; `steady_speedup` is the tokens/s ratio
+over those steps. The engine drafts with every module for its first 64 rounds (every fourth without
+drafts, to time a plain step), then as many tokens per round as pay by the acceptance seen and what
+a draft costs (`draft_cost`, in plain steps: measured then, or `--draft-cost`): `drafts_per_round`
+is the mean, `accept_depthJ` the acceptance of draft J when drafts 1..J-1 passed. `modelled_speedup`
+prices the same decode steps by the cost model the engine decides by (a step drafting k tokens costs
+1 + k * draft_cost plain steps): with `--draft-cost` given it depends on the checkpoint and the
+policy alone, not on this machine's timing (on a shared 2-core VM the wall-clock speedup of one
+checkpoint read 1.08 and 1.18 in two runs).
 
     python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 24] [--new 64]
                                     [--draft-cost C] [--dtype bfloat16] [--draft-dtype bfloat16]
