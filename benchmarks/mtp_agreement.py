@@ -6,13 +6,18 @@ continues held-out code windows greedily (distinct windows of the eval documents
 a file's start, as `dojo pretrain` draws its self-generated prompts), then every MTP depth k reads
 the model's hidden states and the continuation's real tokens and predicts token i+k+1 at each
 position i. `agree_depthK` is the share of the generated tokens it predicts exactly: depth 1's
-figure is what greedy speculative decoding accepts as its first draft, depth 2's what it accepts as
-the second once the first was right. The baseline, in the same run, is the heads of `--base` (by
+figure is how often a first draft would pass at a position, depth 2's how often the second would
+once the first was right. The baseline, in the same run, is the heads of `--base` (by
 default the checkpoint before the last distillation stage) on the same continuations; the two
 checkpoints must hold the same main model. `train_agree_depthK` is the same share for our heads
 on continuations they were trained on (the run's self-generated data, spread over it): a wide gap
 between the two says more distinct prompts would raise the held-out figure, a narrow one that
-the modules need more training or capacity. Prints one JSON line.
+the modules need more training or capacity. `kK_accept_first` and `kK_tokens_per_pass` replay
+the rounds greedy speculative decoding drafting K tokens each would make over the same held-out
+continuations (`replay_greedy`): a round's first draft passes less often than `agree_depth1` says
+when deep rounds skip the easy stretches they accept, so `spec_decode.py`'s `accept_first` moves
+with the number of drafts a round (a three-module checkpoint whose first module agrees 0.768 here
+replays 0.764, 0.754 and 0.731 for K = 1, 2, 3). Prints one JSON line.
 
     python benchmarks/mtp_agreement.py [--ckpt runs/cpt-smollm2/final]
                                        [--base runs/cpt-smollm2/ckpt/sft] [--prompts 192]
@@ -46,6 +51,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from codedojo.data.shards import TokenShards
+    from codedojo.engine.speculative import SpecStats, replay_greedy
     from codedojo.model.config import ModelConfig
     from codedojo.model.mtp import MTP, load_mtp
     from codedojo.model.transformer import Transformer
@@ -79,26 +85,36 @@ def main() -> None:
                           for i in range(0, len(windows), 32)])
     hidden = hidden_of(rows)
 
-    def agreement(heads: MTP, rows: torch.Tensor, hidden: torch.Tensor) -> list[float]:
-        """The share of generated tokens (those after the prompt) each depth predicts."""
+    def agreement(heads: MTP, rows: torch.Tensor, hidden: torch.Tensor
+                  ) -> tuple[list[float], list[SpecStats]]:
+        """The share of generated tokens (those after the prompt) each depth predicts; and the
+        rounds greedy speculative decoding drafting k = 1 .. depth tokens each would make over
+        these continuations (`replay_greedy`)."""
         B, T = rows.shape
         positions = torch.arange(T).expand(B, T)
         hits, seen = [0] * heads.depth, [0] * heads.depth
+        rounds = [SpecStats() for _ in range(heads.depth)]
         with torch.no_grad():
             for i in range(0, B, 32):
                 tok = rows[i:i + 32]
                 outs = heads(hidden[i:i + 32], tok, positions[i:i + 32], model.embed)
+                right = []  # per depth k, (b, T-k-1): position i predicts token i+k+1
                 for k, h in enumerate(outs, start=1):
                     vocab = heads.draft_vocab
                     pred = model.head(h, vocab).argmax(-1)  # (b, T-k); row i: token i+k+1
                     if vocab is not None:
                         pred = vocab[pred]
-                    ok = (pred[:, :T - k - 1] == tok[:, k + 1:])[:, args.prompt_len - k - 1:]
+                    right.append(pred[:, :T - k - 1] == tok[:, k + 1:])
+                    ok = right[-1][:, args.prompt_len - k - 1:]
                     hits[k - 1] += int(ok.sum())
                     seen[k - 1] += ok.numel()
-        return [h / n for h, n in zip(hits, seen, strict=True)]
+                for b in range(len(tok)):
+                    row = [r[b].tolist() for r in right]
+                    for k, stats in enumerate(rounds, start=1):
+                        replay_greedy(row, args.prompt_len, T, k, stats)
+        return [h / n for h, n in zip(hits, seen, strict=True)], rounds
 
-    ours, base = agreement(mtp, rows, hidden), agreement(base_mtp, rows, hidden)
+    (ours, replayed), (base, _) = agreement(mtp, rows, hidden), agreement(base_mtp, rows, hidden)
     train: list[float] = []
     written = sorted((Path(args.data).parent / "self").glob("*/index.json"),
                      key=lambda p: p.stat().st_mtime)
@@ -112,11 +128,13 @@ def main() -> None:
         picks = torch.linspace(0, len(lens) - 1, min(len(lens), args.prompts)).long().tolist()
         train_rows = torch.stack([torch.from_numpy(shards.doc(i).astype("int64"))
                                   for i in picks])
-        train = agreement(mtp, train_rows, hidden_of(train_rows))
+        train, _ = agreement(mtp, train_rows, hidden_of(train_rows))
     print(json.dumps({
         **{f"agree_depth{k}": round(a, 4) for k, a in enumerate(ours, start=1)},
         **{f"base_agree_depth{k}": round(a, 4) for k, a in enumerate(base, start=1)},
         **{f"train_agree_depth{k}": round(a, 4) for k, a in enumerate(train, start=1)},
+        **{f"k{k}_{name}": round(st.as_dict()[name], 4) for k, st in enumerate(replayed, start=1)
+           for name in ("accept_first", "tokens_per_pass")},
         "positions": len(rows) * args.new, "prompts": len(rows), "prompt_len": args.prompt_len,
         "new_tokens": args.new, "n_mtp": mtp.depth, "ckpt": args.ckpt, "base": args.base}))
 

@@ -12,7 +12,9 @@ plain step once speculation is off) costs in plain steps; `steady_speedup` is th
 over those steps. The engine drafts with every module for its first 64 rounds (every fourth without
 drafts, to time a plain step), then as many tokens per round as pay by the acceptance seen and what
 a draft costs (`draft_cost`, in plain steps: measured then, or `--draft-cost`): `drafts_per_round`
-is the mean, `accept_depthJ` the acceptance of draft J when drafts 1..J-1 passed. `modelled_speedup`
+is the mean, `accept_depthJ` the acceptance of draft J when drafts 1..J-1 passed. Both count
+rounds, not positions, so they move with the drafts a round: deeper rounds skip more of the easy
+stretches (`mtp_agreement.py` replays the rounds of each depth over held-out continuations). `modelled_speedup`
 prices the same decode steps by the cost model the engine decides by (a step drafting k tokens costs
 1 + k * draft_cost plain steps): with `--draft-cost` given it depends on the checkpoint and the
 policy alone, not on this machine's timing (on a shared 2-core VM the wall-clock speedup of one

@@ -188,6 +188,32 @@ class SpecStats:
                    enumerate(zip(self.passed, self.reached, strict=True)) if r}}
 
 
+def replay_greedy(hits: Sequence[Sequence[bool]], first: int, end: int, k: int,
+                  stats: SpecStats | None = None) -> SpecStats:
+    """The rounds greedy speculative decoding drafting ``k`` tokens each makes over a known
+    greedy sequence, from per-position draft correctness alone: ``hits[j-1][i]`` says whether
+    the depth-j draft read at position i (the target's state there and the tokens up to i + j)
+    is token i + j + 1. Decoding starts with tokens 0 .. ``first`` (the prompt and the token
+    the prefill picked) and emits up to position ``end`` - 1, each round capped as
+    `speculative_generate` caps it. Greedy drafts depend on the sequence only, so these are
+    the engine's rounds; `accept_first` over them differs from ``hits[0]``'s mean because
+    rounds skip what they accept: deeper rounds land more often where drafts fail."""
+    if not 1 <= k <= len(hits):
+        raise ValueError(f"k: {k} drafts a round with correctness for {len(hits)} depths")
+    stats = SpecStats() if stats is None else stats
+    L = first + 1  # tokens known: the next round drafts token L
+    while L < end:
+        drafted = min(k, end - L - 1)
+        if drafted == 0:  # the last token: a plain step
+            break
+        accepted = 0
+        while accepted < drafted and hits[accepted][L - 2]:
+            accepted += 1
+        stats.record(drafted, accepted, accepted + 1)
+        L += accepted + 1
+    return stats
+
+
 def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """(..., V) logits -> the distribution actually sampled from (float64 for exact ratios)."""
     if temperature <= 0:

@@ -13,6 +13,7 @@ from codedojo.engine.speculative import (
     TransformerTarget,
     accept_drafts,
     plain_generate,
+    replay_greedy,
     speculative_generate,
     target_probs,
 )
@@ -100,6 +101,54 @@ class OracleDrafter:
     def draft(self, new_hidden, tokens, pick, k):
         # `tokens` ends with the token the target has yet to run: the drafts follow it
         return plain_generate(self.shadow, tokens, k), [target_probs(torch.zeros(5), 0.0)] * k
+
+
+def _cycling_setup() -> tuple[TransformerTarget, MTPDrafter]:
+    """A target whose greedy text runs through a permutation of its vocabulary (24 distinct
+    tokens in 60), and drafts right about half the time: a module passes its input token's
+    embedding on, through a noisy projection, and the head maps it to the token after."""
+    torch.manual_seed(1)
+    cfg = ModelConfig.tiny(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                           ffn_dim=32, n_mtp=2, max_seq_len=128, tie_embeddings=False)
+    model = Transformer(cfg).eval()
+    assert model.output is not None
+    with torch.no_grad():
+        model.tok_embeddings.weight.mul_(2.5)
+        model.output.weight.copy_(model.tok_embeddings.weight[torch.randperm(32)])
+    mtp = MTP(cfg).eval()
+    with torch.no_grad():
+        for m in mtp.layers:
+            m.proj.weight.copy_(torch.cat([torch.zeros(16, 16), torch.eye(16)], 1)
+                                + 0.3 * torch.randn(16, 32))
+    return TransformerTarget(model), MTPDrafter(mtp, DraftHead(model))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_greedy_rounds_replay_from_teacher_forced_drafts(k):
+    """The drafter's greedy drafts are the training forward's argmax on the final sequence, so
+    the engine's rounds are replayed exactly from per-position correctness; and the rounds'
+    first-draft acceptance is not that correctness's mean (rounds skip what they accept)."""
+    target, drafter = _cycling_setup()
+    prompt, new = [3, 7, 1, 4], 60
+    res = speculative_generate(target, drafter, prompt, new, num_draft=k)
+    seq = torch.tensor([prompt + res.tokens])
+    model, mtp = target.model, drafter.mtp
+    with torch.no_grad():
+        _, hidden = model(seq, return_hidden=True)
+        states = mtp(hidden, seq, torch.arange(seq.shape[1])[None], model.embed)
+        hits = [(model.head(h)[0].argmax(-1)[:-1] == seq[0, j + 2:]).tolist()
+                for j, h in enumerate(states)]
+    replayed = replay_greedy(hits, len(prompt), seq.shape[1], k)
+    s = res.stats
+    assert len(set(res.tokens)) > 10 and 0 < s.accepted < s.drafted  # pass and fail
+    assert (replayed.rounds, replayed.drafted, replayed.accepted, replayed.emitted,
+            replayed.reached, replayed.passed) == (s.rounds, s.drafted, s.accepted, s.emitted,
+                                                   s.reached, s.passed)
+    first = hits[0][len(prompt) - 1:seq.shape[1] - 2]  # every generated token after the first
+    if k == 2:
+        assert replayed.accept_first != pytest.approx(sum(first) / len(first))
+    with pytest.raises(ValueError, match="k: 3 drafts a round"):
+        replay_greedy(hits, len(prompt), seq.shape[1], 3)
 
 
 def test_stats_with_perfect_drafts():
