@@ -14,11 +14,11 @@ drafts, to time a plain step), then as many tokens per round as pay by the accep
 a draft costs (`draft_cost`, in plain steps: measured then, or `--draft-cost`): `drafts_per_round`
 is the mean, `accept_depthJ` the acceptance of draft J when drafts 1..J-1 passed. Both count
 rounds, not positions, so they move with the drafts a round: deeper rounds skip more of the easy
-stretches (`mtp_agreement.py` replays the rounds of each depth over held-out continuations). `modelled_speedup`
-prices the same decode steps by the cost model the engine decides by (a step drafting k tokens costs
-1 + k * draft_cost plain steps): with `--draft-cost` given it depends on the checkpoint and the
-policy alone, not on this machine's timing (on a shared 2-core VM the wall-clock speedup of one
-checkpoint read 1.08 and 1.18 in two runs).
+stretches (`mtp_agreement.py` replays the rounds of each depth over held-out continuations).
+`modelled_speedup` prices the same decode steps by the cost model the engine decides by (a step
+drafting k tokens costs 1 + k * draft_cost plain steps): with `--draft-cost` given it depends on
+the checkpoint and the policy alone, not on this machine's timing (on a shared 2-core VM the
+wall-clock speedup of one checkpoint read 1.08 and 1.18 in two runs).
 
     python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 24] [--new 64]
                                     [--draft-cost C] [--dtype bfloat16] [--draft-dtype bfloat16]
