@@ -133,7 +133,7 @@ def main() -> None:
         **{f"agree_depth{k}": round(a, 4) for k, a in enumerate(ours, start=1)},
         **{f"base_agree_depth{k}": round(a, 4) for k, a in enumerate(base, start=1)},
         **{f"train_agree_depth{k}": round(a, 4) for k, a in enumerate(train, start=1)},
-        **{f"k{k}_{name}": round(st.as_dict()[name], 4) for k, st in enumerate(replayed, start=1)
+        **{f"k{k}_{name}": round(getattr(st, name), 4) for k, st in enumerate(replayed, start=1)
            for name in ("accept_first", "tokens_per_pass")},
         "positions": len(rows) * args.new, "prompts": len(rows), "prompt_len": args.prompt_len,
         "new_tokens": args.new, "n_mtp": mtp.depth, "ckpt": args.ckpt, "base": args.base}))
