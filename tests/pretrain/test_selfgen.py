@@ -130,11 +130,10 @@ def test_the_hidden_states_of_the_generation_are_kept_for_training(tmp_path, mod
 
 
 @pytest.mark.parametrize("where", ["model", "stage"])
-def test_self_data_is_generated_in_the_models_precision(tmp_path, monkeypatch, where):
-    """The model writes its continuations, and the hidden states kept beside them, in its own
-    precision, as it serves: under a bf16 autocast in a bf16 run; in float32 in a float32 run
-    whose distillation stage alone trains in bf16 (the stage's `dtype` sets how it trains, not
-    which model its drafts learn)."""
+def test_a_bf16_run_generates_its_continuations_under_autocast(tmp_path, monkeypatch, where):
+    """`dtype = "bf16"` (the run's, or the stage's alone): the model writes its continuations,
+    and the hidden states kept beside them, computing as the stage trains (under autocast), not
+    in float32."""
     from rich.console import Console
 
     from codedojo.data.features import TokenFeatures
@@ -147,7 +146,7 @@ def test_self_data_is_generated_in_the_models_precision(tmp_path, monkeypatch, w
     monkeypatch.setattr(Transformer, "fuse", False)
     if where == "model":
         cfg = five_stage_config(tmp_path, "b", dtype="bf16")
-    else:  # float32 up to the last stage, which alone trains in bf16
+    else:  # float32 up to the last stage, which alone runs in bf16
         cfg = five_stage_config(tmp_path, "b")
         cfg.stages[-1].dtype = "bf16"
     run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
@@ -171,8 +170,7 @@ def test_self_data_is_generated_in_the_models_precision(tmp_path, monkeypatch, w
     def err(h: torch.Tensor) -> float:  # relative to each row's largest entry, as stored
         return float(((stored - h).abs() / h.abs().amax(-1, keepdim=True)).max())
 
-    served = where == "model"  # generated under autocast
-    tokens, same = generate(autocast=served)
+    tokens, bf16 = generate(autocast=True)
     assert torch.equal(tokens, docs)
-    assert err(same) <= 2**-11 * 1.01  # float16 storage
-    assert err(generate(autocast=not served)[1]) > 2**-11 * 2  # the other precision is told apart
+    assert err(bf16) <= 2**-11 * 1.01  # float16 storage
+    assert err(generate(autocast=False)[1]) > 2**-11 * 2  # a float32 generation is told apart
