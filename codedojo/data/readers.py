@@ -40,7 +40,8 @@ class SourceConfig(BaseModel):
         "(a locally saved HF dataset)."
     )
     path: str = Field(description="File or folder. `stdlib` and `site-packages` are aliases for "
-                      "this interpreter's standard library and installed packages.")
+                      "this interpreter's standard library and installed packages, also as the "
+                      "start of a path (`site-packages/rich`).")
     exts: list[str] = Field(default_factory=lambda: [".py"],
                             description="File extensions kept by dir/git readers.")
     text_field: str = Field("text", description="Column/key holding the text (jsonl/parquet).")
@@ -50,13 +51,14 @@ class SourceConfig(BaseModel):
 
 
 def resolve_path(path: str) -> Path:
-    """Expand the `stdlib` / `site-packages` aliases: the real code corpora on any machine."""
+    """Expand the `stdlib` / `site-packages` aliases (alone or as a path's first part): the real
+    code corpora on any machine."""
     import sysconfig
 
-    if path == "stdlib":
-        return Path(sysconfig.get_paths()["stdlib"])
-    if path == "site-packages":
-        return Path(sysconfig.get_paths()["purelib"])
+    head, _, rest = path.partition("/")
+    alias = {"stdlib": "stdlib", "site-packages": "purelib"}.get(head)
+    if alias is not None:
+        return Path(sysconfig.get_paths()[alias]) / rest
     return Path(path).expanduser()
 
 

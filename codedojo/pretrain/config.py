@@ -9,9 +9,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from codedojo.data.corpus import CorpusConfig
+from codedojo.data.readers import SourceConfig
 from codedojo.model.config import RopeScaling
 
 
@@ -52,7 +60,7 @@ class MixEntry(BaseModel):
 
 
 class SelfGenConfig(BaseModel):
-    """The model's own continuations of training-code windows, generated when the stage starts
+    """The model's own continuations of windows of code, generated when the stage starts
     (`codedojo.pretrain.selfgen`): MTP modules distilled on them learn the text they draft."""
 
     model_config = ConfigDict(extra="forbid")
@@ -65,6 +73,21 @@ class SelfGenConfig(BaseModel):
                        "decodes 253 tokens/s at 16 rows, 614 at 64.")
     doc_start_frac: float = Field(0.5, ge=0, le=1, description="Share of prompts taken at the "
                                   "start of a file (the rest at random offsets).")
+    sources: list[SourceConfig] = Field(default_factory=list, description="Code to draw prompts "
+                                        "from besides the training code, all windows alike: the "
+                                        "code the drafts will serve, or more distinct windows "
+                                        "than the corpus holds. Filtered and deduplicated as the "
+                                        "corpus is; a file equal to a corpus document (training "
+                                        "or held out) is left out.")
+
+    @model_serializer(mode="wrap")
+    def _without_empty_sources(self, handler: Any) -> dict[str, Any]:
+        # No sources dumps as before they existed: the caches keyed by these settings (the
+        # continuations, the packed rows) stay valid for configs that name none.
+        d: dict[str, Any] = handler(self)
+        if not self.sources:
+            d.pop("sources", None)
+        return d
 
 
 class StageConfig(BaseModel):

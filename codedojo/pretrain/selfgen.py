@@ -2,13 +2,14 @@
 
 At inference the MTP modules draft continuations of the model's own output, not of human code.
 Distilling them on the model's own greedy continuations (Medusa-2's self-distillation) trains
-them on the text they will draft. Prompts are windows of the training code; the continuations
-come from the model as it is when the stage starts, batched over a KV cache, and are written as
-token shards (prompt + continuation, one document each) that the stage's mixture reads as
-``data = "self"``. Beside them (``hidden/``, ``codedojo.data.features``) go the model's last
-hidden states of every token, which the generation computes anyway: the stage trains the
-modules on them instead of running the frozen model over the text again, two thirds of a
-distillation step's time (measured by ``benchmarks/mtp_distill_step.py``).
+them on the text they will draft. Prompts are windows of the training code (and of the stage's
+``self_gen.sources``); the continuations come from the model as it is when the stage starts,
+batched over a KV cache, and are written as token shards (prompt + continuation, one document
+each) that the stage's mixture reads as ``data = "self"``. Beside them (``hidden/``,
+``codedojo.data.features``) go the model's last hidden states of every token, which the
+generation computes anyway: the stage trains the modules on them instead of running the frozen
+model over the text again, two thirds of a distillation step's time (measured by
+``benchmarks/mtp_distill_step.py``).
 
 The generation loop is written here rather than taken from ``codedojo.engine.Engine``: every
 row has the same length and no stop, so it needs no scheduler, and the engine takes the model
@@ -94,7 +95,7 @@ def prompt_windows(code: TokenShards, n: int, length: int, seed: int,
     if len(docs) < n:
         raise ValueError(f"self_gen.prompts: {n} distinct windows of {length} tokens asked for, "
                          f"and the training code holds {len(docs)}; lower self_gen.prompts "
-                         "or prompt_len, or add code to the corpus")
+                         "or prompt_len, or add code to the corpus or to self_gen.sources")
     order = rng.permutation(n)  # batches mix starts and middles
     docs, offs = docs[order], offs[order]
     out = np.empty((n, length), np.int64)

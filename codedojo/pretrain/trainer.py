@@ -26,7 +26,7 @@ import json
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +200,7 @@ class RunData:
     shards: dict[str, Path]  # "code" / "long" / "sft" -> shard dirs
     eval: Packed
     probe_filler: list[int]
+    prompts: dict[str, Path] = field(default_factory=dict)  # stage -> its `prompt_pool`
 
 
 def cache_dir_for(root: Path, stage: StageConfig, settings: dict[str, Any]) -> Path:
@@ -264,6 +265,7 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
     if "code" not in data.shards:
         raise ValueError(f"stage {stage.name!r}: self_gen needs training code, and this run "
                          "has none")
+    pool = data.prompts.get(stage.name, data.shards["code"])
     seed = cfg.seed + 31
     settings = {"seed": seed, **g.model_dump(), "model": weights_digest(model, model.cfg)}
     # Generated as the stage trains: in bf16 under autocast for a bf16 stage, the faster (below).
@@ -286,7 +288,7 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
         task = prog.add_task(f"{stage.name}: {g.new_tokens} tokens after each of {g.prompts} "
                              "prompts", total=g.prompts)
         write_self_shards(
-            model, TokenShards(data.shards["code"]), out, prompts=g.prompts,
+            model, TokenShards(pool), out, prompts=g.prompts,
             prompt_len=g.prompt_len, new_tokens=g.new_tokens, batch=g.batch,
             seed=seed, doc_start_frac=g.doc_start_frac, rank=process_rank(), world=world_size(),
             progress=lambda n: prog.update(task, completed=n))
@@ -445,7 +447,42 @@ def prepare_data(cfg: PretrainConfig, tok: Any, run_dir: Path) -> RunData:
         ev = TokenShards(d / "eval")
         np.save(filler_f, np.concatenate([ev.doc(i) for i in range(len(ev))])[: 4 * e.probe_len])
     shards = {k: v for k, v in shards.items() if (v / "index.json").exists()}
-    return RunData(shards, Packed.load(ev_dir), np.load(filler_f).tolist())
+    prompts = {st.name: prompt_pool(cfg, st, tok, d) for st in cfg.stages
+               if st.self_gen is not None and st.self_gen.sources and "code" in shards}
+    return RunData(shards, Packed.load(ev_dir), np.load(filler_f).tolist(), prompts)
+
+
+def prompt_pool(cfg: PretrainConfig, stage: StageConfig, tok: Any, d: Path) -> Path:
+    """The code a self_gen stage with `sources` draws its prompts from: the training code's
+    documents, then the sources' files, filtered and deduplicated as the corpus is. A file whose
+    tokens equal a corpus document's is left out: held-out code stays unseen by the drafts, and
+    no window is drawn twice."""
+    from codedojo.data.corpus import CorpusConfig, clean_documents
+    from codedojo.data.shards import ShardWriter
+
+    g = stage.self_gen
+    assert g is not None and g.sources
+    corpus = cfg.corpus.model_dump(include={"filters", "dedup"})
+    out = cache_dir_for(d / "prompts", stage, {"sources": g.model_dump()["sources"], **corpus})
+    if (out / "index.json").exists():
+        return out
+    train, held = TokenShards(d / "train"), TokenShards(d / "eval")
+
+    def key(ids: np.ndarray) -> bytes:
+        return hashlib.sha1(ids.astype(np.int64).tobytes()).digest()
+
+    seen = {key(s.doc(i)) for s in (train, held) for i in range(len(s))}
+    eos = [] if tok.eos_id is None else [tok.eos_id]  # as the corpus's documents end
+    w = ShardWriter(out, tok.vocab_size, tok.eos_id)
+    for i in range(len(train)):
+        w.add(train.doc(i))
+    extra = CorpusConfig(sources=g.sources, filters=cfg.corpus.filters, dedup=cfg.corpus.dedup)
+    for doc in clean_documents(extra):
+        ids = np.asarray(tok.encode(doc.text) + eos, np.int64)
+        if key(ids) not in seen:
+            seen.add(key(ids))
+            w.add(ids)
+    return w.close()
 
 
 def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,

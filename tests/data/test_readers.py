@@ -64,3 +64,9 @@ def test_read_jsonl_and_parquet(tmp_path):
 def test_stdlib_alias_reads_real_code():
     docs = list(read_source(SourceConfig(kind="dir", path="stdlib", max_files=3)))
     assert len(docs) == 3 and all(d.source.endswith(".py") for d in docs)
+
+
+def test_an_alias_starts_a_path():
+    docs = list(read_source(SourceConfig(kind="dir", path="stdlib/json")))
+    assert docs and all("/json/" in d.source for d in docs)
+    assert {d.meta["path"] for d in docs} >= {"__init__.py", "decoder.py"}

@@ -1,14 +1,17 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+from codedojo.data.readers import SourceConfig
 from codedojo.data.shards import ShardWriter, TokenShards
 from codedojo.engine.reference import greedy_reference
 from codedojo.model.config import ModelConfig
 from codedojo.model.transformer import Transformer
-from codedojo.pretrain.config import StageConfig
+from codedojo.pretrain.config import SelfGenConfig, StageConfig
 from codedojo.pretrain.selfgen import greedy_continue, prompt_windows, write_self_shards
 
 
@@ -174,3 +177,75 @@ def test_a_bf16_run_generates_its_continuations_under_autocast(tmp_path, monkeyp
     assert torch.equal(tokens, docs)
     assert err(bf16) <= 2**-11 * 1.01  # float16 storage
     assert err(generate(autocast=False)[1]) > 2**-11 * 2  # a float32 generation is told apart
+
+
+def _sources(tmp_path, corpus) -> tuple[list[str], Path]:
+    """A source folder holding a copy of every corpus file, two files of new code and one of
+    them again: the new code, as the pool should take it."""
+    import shutil
+
+    src = tmp_path / "more"
+    shutil.copytree(corpus, src)
+    new = [f"class Zebra{i}:\n" + "".join(f"    def stripe{j}(self):\n        return {i} ** {j}\n"
+                                          for j in range(30)) for i in range(2)]
+    for i, text in enumerate(new):
+        (src / f"zebra{i}.py").write_text(text)
+    (src / "zebra_again.py").write_text(new[0])
+    return new, src
+
+
+def test_prompts_are_drawn_from_the_sources_too_without_corpus_files(tmp_path):
+    """`self_gen.sources`: the pool is the training code, then the sources' new files, once
+    each; a copy of a corpus file, training or held out, is not drawn from again."""
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.pretrain.trainer import prepare_data
+    from tests.pretrain.tiny_run import five_stage_config
+
+    cfg = five_stage_config(tmp_path, "p")
+    new, src = _sources(tmp_path, tmp_path / "src")
+    cfg.stages[-1].self_gen.sources = [SourceConfig(kind="dir", path=str(src))]
+    tok = load_tokenizer()
+    data = prepare_data(cfg, tok, cfg.run_dir)
+    pool, train = TokenShards(data.prompts["mtp_self"]), TokenShards(data.shards["code"])
+    held = TokenShards(cfg.run_dir / "data" / "eval")
+    assert len(held) > 0
+    docs = [pool.doc(i).tolist() for i in range(len(pool))]
+    assert docs == [train.doc(i).tolist() for i in range(len(train))] + [
+        tok.encode(t) + [tok.eos_id] for t in new]
+    assert prepare_data(cfg, tok, cfg.run_dir).prompts == data.prompts  # found again
+    cfg.stages[-1].self_gen.sources = []
+    assert prepare_data(cfg, tok, cfg.run_dir).prompts == {}
+
+
+def test_a_run_continues_prompts_from_its_sources(tmp_path):
+    from rich.console import Console
+
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.pretrain.trainer import run
+    from tests.pretrain.tiny_run import five_stage_config
+
+    tok = load_tokenizer()
+    cfg = five_stage_config(tmp_path, "s")
+    new, src = _sources(tmp_path, tmp_path / "src")
+    g = cfg.stages[-1].self_gen
+    g.sources = [SourceConfig(kind="dir", path=str(src))]
+    g.prompts, g.batch = 32, 16  # of about 800 windows, 120 the new code's
+    run(cfg, tok=tok, console=Console(quiet=True))
+    (out,) = (cfg.run_dir / "data" / "self").iterdir()
+    shards = TokenShards(out)
+    zebra = {t for text in new for t in tok.encode(text)} - {
+        t for i in range(len(TokenShards(cfg.run_dir / "data" / "train")))
+        for t in TokenShards(cfg.run_dir / "data" / "train").doc(i).tolist()}
+    prompts = [shards.doc(i)[:g.prompt_len].tolist() for i in range(len(shards))]
+    assert any(zebra & set(p) for p in prompts)  # some prompts are the new code's
+    assert not all(zebra & set(p) for p in prompts)  # and some the training code's
+
+
+def test_no_sources_dump_as_before_they_existed():
+    """The continuations and packed rows are cached under a hash of these settings: a config
+    naming no sources keeps the key it had."""
+    g = SelfGenConfig(prompts=8)
+    assert "sources" not in g.model_dump() and "sources" not in g.model_dump_json()
+    h = SelfGenConfig(prompts=8, sources=[SourceConfig(kind="dir", path="stdlib")])
+    assert h.model_dump()["sources"][0]["path"] == "stdlib"
+    assert SelfGenConfig.model_validate_json(h.model_dump_json()) == h
