@@ -94,7 +94,7 @@ def prompt_windows(code: TokenShards, n: int, length: int, seed: int,
     offs = np.concatenate([offs, np.zeros(more, np.int64)])
     if len(docs) < n:
         raise ValueError(f"self_gen.prompts: {n} distinct windows of {length} tokens asked for, "
-                         f"and the training code holds {len(docs)}; lower self_gen.prompts "
+                         f"and the code to draw from holds {len(docs)}; lower self_gen.prompts "
                          "or prompt_len, or add code to the corpus or to self_gen.sources")
     order = rng.permutation(n)  # batches mix starts and middles
     docs, offs = docs[order], offs[order]

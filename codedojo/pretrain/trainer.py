@@ -477,11 +477,17 @@ def prompt_pool(cfg: PretrainConfig, stage: StageConfig, tok: Any, d: Path) -> P
     for i in range(len(train)):
         w.add(train.doc(i))
     extra = CorpusConfig(sources=g.sources, filters=cfg.corpus.filters, dedup=cfg.corpus.dedup)
+    kept = 0
     for doc in clean_documents(extra):
         ids = np.asarray(tok.encode(doc.text) + eos, np.int64)
         if key(ids) not in seen:
             seen.add(key(ids))
             w.add(ids)
+            kept += 1
+    if kept == 0:  # the directory stays unfinished (no index): a corrected config writes it
+        raise ValueError(f"stage {stage.name!r}: self_gen.sources hold no file that passes the "
+                         "corpus's filters and is not a corpus document already; check their "
+                         "paths, exts and exclude")
     return w.close()
 
 

@@ -67,7 +67,7 @@ def test_windows_are_distinct_slices_of_long_enough_documents(tmp_path):
     # 4 starts and 1 + 2 + 4 later windows (lengths 30, 12, 40, 64): 11 in all, not 12
     assert len(prompt_windows(code, 11, 12, seed=2)) == 11
     with pytest.raises(ValueError, match="12 distinct windows of 12 tokens asked for, and the "
-                       "training code holds 11"):
+                       "code to draw from holds 11"):
         prompt_windows(code, 12, 12, seed=2)
     with pytest.raises(ValueError, match="prompt_len: no training document has 65 tokens"):
         prompt_windows(code, 2, 65, seed=0)
@@ -215,6 +215,10 @@ def test_prompts_are_drawn_from_the_sources_too_without_corpus_files(tmp_path):
     assert prepare_data(cfg, tok, cfg.run_dir).prompts == data.prompts  # found again
     cfg.stages[-1].self_gen.sources = []
     assert prepare_data(cfg, tok, cfg.run_dir).prompts == {}
+    # sources with nothing new in them are a mistake, named
+    cfg.stages[-1].self_gen.sources = [SourceConfig(kind="dir", path=str(tmp_path / "src"))]
+    with pytest.raises(ValueError, match="self_gen.sources hold no file"):
+        prepare_data(cfg, tok, cfg.run_dir)
 
 
 def test_a_run_continues_prompts_from_its_sources(tmp_path):
