@@ -71,7 +71,7 @@ def prompt_windows(code: TokenShards, n: int, length: int, seed: int,
     lens = code.doc_lengths()
     ok = np.flatnonzero(lens >= length)
     if len(ok) == 0:
-        raise ValueError(f"self_gen.prompt_len: no training document has {length} tokens")
+        raise ValueError(f"self_gen.prompt_len: no document to draw from has {length} tokens")
     rng = np.random.default_rng(seed)
     n_starts = min(round(n * doc_start_frac), len(ok))
     starts = rng.choice(ok, size=n_starts, replace=False)
