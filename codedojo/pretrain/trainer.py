@@ -256,10 +256,11 @@ def stored_hidden(stage: StageConfig, data: RunData) -> TokenFeatures | None:
 
 def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data: RunData,
               run_dir: Path, console: Any) -> Path:
-    """The stage's `self` shards: the model's continuations of training-code windows, written
-    once (a resumed stage reads them back). They are found again by the generation settings
-    and by the weights that wrote them (`weights_digest`): a model changed since, by an
-    earlier stage run again, writes its own, as its hidden states differ."""
+    """The stage's `self` shards: the model's continuations of windows of code (its prompt
+    pool, else the training code), written once (a resumed stage reads them back). They are
+    found again by the generation settings and by the weights that wrote them
+    (`weights_digest`): a model changed since, by an earlier stage run again, writes its own,
+    as its hidden states differ."""
     g = stage.self_gen
     assert g is not None
     if "code" not in data.shards:
@@ -480,8 +481,9 @@ def prompt_pool(cfg: PretrainConfig, stage: StageConfig, tok: Any, d: Path) -> P
     kept = 0
     for doc in clean_documents(extra):
         ids = np.asarray(tok.encode(doc.text) + eos, np.int64)
-        if key(ids) not in seen:
-            seen.add(key(ids))
+        k = key(ids)
+        if k not in seen:
+            seen.add(k)
             w.add(ids)
             kept += 1
     if kept == 0:  # the directory stays unfinished (no index): a corrected config writes it

@@ -237,9 +237,9 @@ def test_a_run_continues_prompts_from_its_sources(tmp_path):
     run(cfg, tok=tok, console=Console(quiet=True))
     (out,) = (cfg.run_dir / "data" / "self").iterdir()
     shards = TokenShards(out)
+    train = TokenShards(cfg.run_dir / "data" / "train")
     zebra = {t for text in new for t in tok.encode(text)} - {
-        t for i in range(len(TokenShards(cfg.run_dir / "data" / "train")))
-        for t in TokenShards(cfg.run_dir / "data" / "train").doc(i).tolist()}
+        t for i in range(len(train)) for t in train.doc(i).tolist()}
     prompts = [shards.doc(i)[:g.prompt_len].tolist() for i in range(len(shards))]
     assert any(zebra & set(p) for p in prompts)  # some prompts are the new code's
     assert not all(zebra & set(p) for p in prompts)  # and some the training code's
