@@ -276,18 +276,31 @@ def mtp_valid_mask(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def distill_loss(mtp_logits: list[torch.Tensor], main_logits: torch.Tensor,
-                 loss_mask: torch.Tensor) -> torch.Tensor:
+                 loss_mask: torch.Tensor, greedy: float = 0.0) -> torch.Tensor:
     """Self-distillation: mean over depths of KL(p_main(. | i+k) || q_k(. | i)), masked.
-    The teacher is detached: the main head is the target, never pulled toward the drafts."""
+    The teacher is detached: the main head is the target, never pulled toward the drafts.
+
+    ``greedy`` (w in [0, 1]) gives that share of each position's loss to the cross-entropy of
+    the main head's greedy token instead, -log q_k(argmax p_main): a greedy draft passes when it
+    is that token, and a module too small to match the whole distribution then spends more of
+    itself on the top of it (as LK losses, Samarin et al. 2026, train the acceptance rate rather
+    than the KL). The gradient in the logits is q - ((1 - w) p + w onehot(argmax p)):
+    distillation toward the teacher sharpened onto its top token."""
+    if not 0.0 <= greedy <= 1.0:
+        raise ValueError(f"distill_loss: greedy {greedy} outside [0, 1]")
     teacher = F.log_softmax(main_logits.detach().float(), -1)  # (B, T, V)
+    top = teacher.argmax(-1, keepdim=True) if greedy else None  # (B, T, 1)
     losses = []
     for k, logits in enumerate(mtp_logits, start=1):
         T = main_logits.shape[1]
         t = teacher[:, k:]  # (B, T-k, V)
         s = F.log_softmax(logits.float(), -1)
-        kl = (t.exp() * (t - s)).sum(-1)  # (B, T-k)
+        loss = (t.exp() * (t - s)).sum(-1)  # (B, T-k): the KL
+        if top is not None:
+            ce = -s.gather(-1, top[:, k:]).squeeze(-1)
+            loss = (1.0 - greedy) * loss + greedy * ce
         m = mtp_valid_mask(loss_mask, k)[:, : T - k].float()
-        losses.append((kl * m).sum() / m.sum().clamp(min=1))
+        losses.append((loss * m).sum() / m.sum().clamp(min=1))
     return torch.stack(losses).mean()
 
 

@@ -120,6 +120,9 @@ class StageConfig(BaseModel):
     mtp_detach: bool = Field(False, description="Each MTP module reads the previous one's "
                              "states without sending it gradients: every module learns its "
                              "own depth only.")
+    mtp_greedy: float = Field(0.0, ge=0, le=1, description="Share of the MTP distillation "
+                              "loss given to the cross-entropy of the main head's greedy "
+                              "token (what a greedy draft must equal) instead of the KL.")
     checkpoint_every: int = Field(0, ge=0, description="Also checkpoint every N steps (0: end).")
     dtype: Literal["fp32", "bf16"] | None = Field(None, description="This stage's precision, "
                                                   "as the model's `dtype` says it (default: "
@@ -134,9 +137,10 @@ class StageConfig(BaseModel):
             raise ValueError(f"stage {self.name!r}: warmup_steps > steps")
         if not self.mix:
             raise ValueError(f"stage {self.name!r}: mix must list at least one entry")
-        if self.mtp_detach and self.mtp == "off":
-            raise ValueError(f"stage {self.name!r}: mtp_detach is for a stage that trains the "
-                             "MTP modules (mtp = \"distill\" or \"joint\")")
+        for knob in ("mtp_detach", "mtp_greedy"):
+            if getattr(self, knob) and self.mtp == "off":
+                raise ValueError(f"stage {self.name!r}: {knob} is for a stage that trains the "
+                                 "MTP modules (mtp = \"distill\" or \"joint\")")
         if any(e.data == "self" for e in self.mix) != (self.self_gen is not None):
             raise ValueError(f"stage {self.name!r}: a `self` mix entry and `self_gen` go "
                              "together")

@@ -98,9 +98,10 @@ def next_token_loss(model: Transformer, hidden: torch.Tensor, targets: torch.Ten
 
 
 def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
-               mtp_weight: float, mtp_detach: bool = False
+               mtp_weight: float, mtp_detach: bool = False, mtp_greedy: float = 0.0
                ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of one micro-batch, by stage kind (``mtp_detach``: `MTP.forward`'s)."""
+    """The loss of one micro-batch, by stage kind (``mtp_detach``: `MTP.forward`'s,
+    ``mtp_greedy``: `distill_loss`'s ``greedy``)."""
     tokens, targets, mask = batch["tokens"], batch["targets"], batch["loss_mask"]
     fwd = {"positions": batch["positions"], "doc_ids": batch["doc_ids"]}
     vocab = mtp.draft_vocab if mtp is not None else None
@@ -122,9 +123,9 @@ def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
         assert mtp is not None
         hs = mtp(hidden, tokens, batch["positions"], model.embed, batch["doc_ids"],
                  detach=mtp_detach)
-        kl = distill_loss([model.head(h, vocab) for h in hs], teacher, mask)
-        metrics["mtp_kl"] = float(kl.detach())
-        loss = loss + (kl if mode == "distill" else mtp_weight * kl)
+        dl = distill_loss([model.head(h, vocab) for h in hs], teacher, mask, mtp_greedy)
+        metrics["mtp_loss"] = float(dl.detach())
+        loss = loss + (dl if mode == "distill" else mtp_weight * dl)
     aux = moe_aux_loss(model)
     if aux is not None and mode != "distill":
         loss = loss + aux
@@ -378,7 +379,7 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
                 gather_root(model)
             with _autocast(stage_dtype(cfg, st), dev):
                 loss, metrics = stage_loss(model, mtp, batch, st.mtp, st.mtp_weight,
-                                           st.mtp_detach)
+                                           st.mtp_detach, st.mtp_greedy)
             (loss / st.grad_accum).backward()
             total += float(loss.detach()) / st.grad_accum
             ntok += int(batch["loss_mask"].sum())

@@ -66,6 +66,38 @@ def test_distillation_pulls_modules_toward_main_head():
     assert losses[-1] < 0.7 * losses[0]
 
 
+def test_greedy_share_moves_the_loss_toward_the_teachers_top_token():
+    """``greedy`` w: per position (1 - w) KL + w cross-entropy of the teacher's argmax, so the
+    logits' gradient is q - ((1 - w) p + w onehot(argmax p)) at every trained position."""
+    torch.manual_seed(1)
+    B, T, V = 2, 9, 13
+    teacher = torch.randn(B, T, V) * 3
+    drafts = [torch.randn(B, T - k, V, requires_grad=True) for k in (1, 2)]
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 4] = False  # a boundary: rows whose targets cross it are not trained
+    kl = distill_loss(drafts, teacher, mask)
+    assert torch.equal(distill_loss(drafts, teacher, mask, 0.0), kl)
+    ces = []
+    for k, d in enumerate(drafts, start=1):
+        m = mtp_valid_mask(mask, k)
+        ce = torch.nn.functional.cross_entropy(d[m], teacher[:, k:][m].argmax(-1))
+        ces.append(ce)
+    ce = torch.stack(ces).mean()
+    torch.testing.assert_close(distill_loss(drafts, teacher, mask, 1.0), ce)
+    half = distill_loss(drafts, teacher, mask, 0.5)
+    torch.testing.assert_close(half, 0.5 * kl + 0.5 * ce)
+    half.backward()
+    d = drafts[0]
+    m = mtp_valid_mask(mask, 1)
+    p = teacher[:, 1:].softmax(-1)
+    target = 0.5 * p + 0.5 * torch.nn.functional.one_hot(p.argmax(-1), V)
+    # the mean over depths (2) and over the depth's trained positions
+    want = (d.softmax(-1) - target) * m[..., None] / (2 * m.sum())
+    torch.testing.assert_close(d.grad, want.detach())
+    with pytest.raises(ValueError, match="greedy 1.5 outside"):
+        distill_loss(drafts, teacher, mask, 1.5)
+
+
 def test_detached_modules_learn_their_own_depth_only():
     """With ``detach`` the second module's loss sends module 1 no gradient (without it, it
     does); module 2 still learns, and the states computed are the same either way."""

@@ -125,6 +125,25 @@ def test_a_distill_stage_leaves_no_expert_counts_behind(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(biases(model), biases(fresh), strict=True))
 
 
+def test_a_stage_trains_its_modules_on_its_greedy_share(tmp_path):
+    """A stage's ``mtp_greedy`` reaches the loss: its first step's loss is `stage_loss`'s with
+    that share, on the loader's first batch, before any update (a joint stage: a first
+    distillation stage would calibrate the modules first)."""
+    from codedojo.pretrain.trainer import stage_loss
+
+    first = {}
+    for greedy in (0.0, 1.0):
+        cfg = _cfg(tmp_path, mtp="joint", steps=1, checkpoint_every=0, mtp_greedy=greedy)
+        torch.manual_seed(0)
+        model, mtp = build_model(cfg)
+        with torch.no_grad():
+            want, _ = stage_loss(model, mtp, _loader().next_batch(), "joint",
+                                 cfg.stages[0].mtp_weight, mtp_greedy=greedy)
+        first[greedy] = train_stage(cfg, 0, model, mtp, _loader(), tmp_path / str(greedy))[0]
+        assert first[greedy] == pytest.approx(float(want), rel=1e-5)
+    assert first[0.0] != pytest.approx(first[1.0], rel=1e-3)
+
+
 def test_distill_trains_only_mtp(tmp_path):
     cfg = _cfg(tmp_path, mtp="distill", steps=3, lr=3e-3)
     model, mtp = build_model(cfg)
@@ -370,7 +389,10 @@ def test_an_mtp_distillation_step_detaches_the_modules_when_asked():
         grads.append(mtp.layers[0].proj.weight.grad.clone())
     assert torch.equal(losses[0], losses[1])  # the same forward
     assert not torch.allclose(grads[0], grads[1])
-    st = dict(name="s", seq_len=16, steps=1, mix=[{"data": "code"}], mtp_detach=True)
-    StageConfig.model_validate({**st, "mtp": "distill"})
-    with pytest.raises(ValueError, match="stage 's': mtp_detach is for a stage that trains"):
-        StageConfig.model_validate(st)  # mtp = "off"
+    st = dict(name="s", seq_len=16, steps=1, mix=[{"data": "code"}])
+    for knob, on in (("mtp_detach", True), ("mtp_greedy", 0.5)):
+        StageConfig.model_validate({**st, knob: on, "mtp": "distill"})
+        with pytest.raises(ValueError, match=f"stage 's': {knob} is for a stage that trains"):
+            StageConfig.model_validate({**st, knob: on})  # mtp = "off"
+    with pytest.raises(ValueError, match="mtp_greedy"):
+        StageConfig.model_validate({**st, "mtp_greedy": 1.5, "mtp": "distill"})
