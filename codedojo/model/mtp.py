@@ -290,9 +290,9 @@ def distill_loss(mtp_logits: list[torch.Tensor], main_logits: torch.Tensor,
         raise ValueError(f"distill_loss: greedy {greedy} outside [0, 1]")
     teacher = F.log_softmax(main_logits.detach().float(), -1)  # (B, T, V)
     top = teacher.argmax(-1, keepdim=True) if greedy else None  # (B, T, 1)
+    T = main_logits.shape[1]
     losses = []
     for k, logits in enumerate(mtp_logits, start=1):
-        T = main_logits.shape[1]
         t = teacher[:, k:]  # (B, T-k, V)
         s = F.log_softmax(logits.float(), -1)
         loss = (t.exp() * (t - s)).sum(-1)  # (B, T-k): the KL
@@ -301,16 +301,4 @@ def distill_loss(mtp_logits: list[torch.Tensor], main_logits: torch.Tensor,
             loss = (1.0 - greedy) * loss + greedy * ce
         m = mtp_valid_mask(loss_mask, k)[:, : T - k].float()
         losses.append((loss * m).sum() / m.sum().clamp(min=1))
-    return torch.stack(losses).mean()
-
-
-def mtp_ce_loss(mtp_logits: list[torch.Tensor], targets: torch.Tensor,
-                loss_mask: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3's original MTP objective (cross-entropy on the true tokens), for comparison."""
-    losses = []
-    for k, logits in enumerate(mtp_logits, start=1):
-        m = mtp_valid_mask(loss_mask, k)
-        ce = F.cross_entropy(logits.float().flatten(0, 1), targets[:, k:].flatten(),
-                             reduction="none").view_as(m)
-        losses.append((ce * m).sum() / m.sum().clamp(min=1))
     return torch.stack(losses).mean()
