@@ -12,7 +12,8 @@ plain step once speculation is off) costs in plain steps; `steady_speedup` is th
 over those steps. The engine drafts with every module for its first 64 rounds (every fourth without
 drafts, to time a plain step), then as many tokens per round as pay by the acceptance seen and what
 a draft costs (`draft_cost`, in plain steps: measured then, or `--draft-cost`): `drafts_per_round`
-is the mean, `accept_depthJ` the acceptance of draft J when drafts 1..J-1 passed. Both count
+is the mean, `accept_depthJ` the acceptance of draft J when drafts 1..J-1 passed (with `--tree`,
+of any node at depth J, while `accept_first` stays the most likely first draft's). Both count
 rounds, not positions, so they move with the drafts a round: deeper rounds skip more of the easy
 stretches (`mtp_agreement.py` replays the rounds of each depth over held-out continuations).
 `modelled_speedup` prices the same decode steps by the cost model the engine decides by (a step
@@ -22,7 +23,7 @@ wall-clock speedup of one checkpoint read 1.08 and 1.18 in two runs).
 
     python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 24] [--new 64]
                                     [--draft-cost C] [--dtype bfloat16] [--draft-dtype bfloat16]
-                                    [--temperature 1.0]
+                                    [--temperature 1.0] [--tree 7]
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def main() -> None:
                     help="weights and KV caches (as dojo serve --dtype)")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
                     help="the MTP drafts' type (as dojo serve --draft-dtype; default: --dtype)")
+    ap.add_argument("--tree", type=int, default=0,
+                    help="nodes of the greedy rounds' draft tree (the engine's spec_tree, as "
+                    "dojo serve --spec-tree; 0: chains)")
     ap.add_argument("--draft-cost", type=float, default=None,
                     help="the engine's spec_draft_cost (default: measured while probing; 0: "
                     "every round drafts with every module)")
@@ -88,7 +92,7 @@ def main() -> None:
             break
     plain = Engine(model, max_batch=1, max_seq_len=max_len)
     spec = Engine(model, max_batch=1, max_seq_len=max_len, drafter=drafter,
-                  spec_draft_cost=args.draft_cost)
+                  spec_draft_cost=args.draft_cost, spec_tree=args.tree)
     for eng in (plain, spec):  # warm-up
         eng.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0))
     spec.spec_stats = SpecStats()  # count the measured prompts only
@@ -134,6 +138,7 @@ def main() -> None:
         "draft_cost": round(spec.draft_cost, 3), "draft_cost_measured": args.draft_cost is None,
         "drafts_per_round": round(st.drafts_per_round, 3),
         "speculating_at_end": spec.speculating,
+        "tree": None if spec.spec_tree is None else len(spec.spec_tree),
         "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
         "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,
         "batch": 1, "temperature": args.temperature, "dtype": args.dtype,

@@ -7,13 +7,40 @@ sequences packed at the front (``move`` fills a hole when one finishes), so a de
 ``k[:, :n]`` as a plain slice: no gather copies per layer. Positions beyond a slot's length hold
 stale values; the per-row mask hides them, which also makes ``truncate`` (speculative rollback)
 free.
+
+A pass can also hold a tree of new tokens in one slot (``parents``: several continuations of
+the sequence, as speculative decoding drafts them): they are stored one after another, and each
+is placed and masked as if its ancestors among them were the only tokens after the slot's
+past. ``keep`` then moves the branch that was accepted down over the others.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from codedojo.model.config import ModelConfig
+
+
+def tree_positions(past: int, parents: Sequence[int]) -> list[int]:
+    """The positions of a tree of new tokens after ``past`` stored ones: ``parents[i]`` is the
+    index of token i's parent among them (before i), or -1 for a token that follows the past
+    directly; each token sits one position after its parent."""
+    pos: list[int] = []
+    for i, up in enumerate(parents):
+        if not -1 <= up < i:
+            raise ValueError(f"parents: token {i}'s parent {up} is not an earlier token or -1")
+        pos.append(past if up < 0 else pos[up] + 1)
+    return pos
+
+
+def check_tree(parents: Sequence[int], T: int, rows: int) -> None:
+    """Refuse ``parents`` that do not make a tree of a pass's T new tokens in one row."""
+    if rows != 1 or len(parents) != T:
+        raise ValueError(f"parents: {len(parents)} for {T} new tokens in {rows} rows (a tree "
+                         "lives in one row)")
+    tree_positions(0, parents)
 
 
 class KVCache:
@@ -94,6 +121,21 @@ class KVCache:
         self.v[:, slot, :, :n] = v
         self.lengths[slot] = n
 
+    def keep(self, slot: int, start: int, positions: Sequence[int]) -> None:
+        """Make ``slot`` hold its first ``start`` tokens followed by the tokens stored at
+        ``positions`` (increasing, each at ``start`` or after), and nothing after them: the
+        branch of a tree pass that was accepted, moved down over the rest."""
+        n = self.lengths[slot]
+        if not 0 <= start <= n or any(not start <= p < n for p in positions) or any(
+                a >= b for a, b in zip(positions, positions[1:], strict=False)):
+            raise ValueError(f"keep: positions {list(positions)} must increase within "
+                             f"[{start}, {n}) of slot {slot}")
+        for i, p in enumerate(positions):
+            if p != start + i:
+                self.k[:, slot, :, start + i] = self.k[:, slot, :, p]
+                self.v[:, slot, :, start + i] = self.v[:, slot, :, p]
+        self.lengths[slot] = start + len(positions)
+
     def move(self, src: int, dst: int) -> None:
         """Copy slot ``src`` into ``dst`` (used to keep live slots contiguous)."""
         if src == dst:
@@ -123,21 +165,37 @@ class CacheView:
             c.lengths[self.start + i] = n + T
         return past
 
-    def prepare(self, T: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``advance``, then the new tokens' storage positions (B, T) and the attention mask
+    def prepare(self, T: int, parents: Sequence[int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``advance``, then the new tokens' positions (B, T) and the attention mask
         (B, 1, T, S) for the layers run op by op. None where no mask is needed: one new token
         a slot at the same position (every key visible), or several in slots that were empty
         (plain causal attention, which ``scaled_dot_product_attention`` runs without a mask:
         a 4096-token prompt of SmolLM2-135M spends 0.17 s a layer in attention instead of 0.4
-        with the mask)."""
+        with the mask). ``parents`` (one slot): the new tokens are a tree (`tree_positions`);
+        they are stored one after another, and the positions returned are their places in
+        the tree, each seeing the past before its first ancestor here, its ancestors and
+        itself."""
+        if parents is not None:
+            check_tree(parents, T, self.stop - self.start)
         past = self.advance(T)
         dev = self.cache.device
         pos = torch.tensor(past, device=dev)[:, None] + torch.arange(T, device=dev)[None, :]
+        self._write = pos
+        keys = torch.arange(self._extent, device=dev)
+        if parents is not None:
+            place = tree_positions(past[0], parents)
+            seen = torch.zeros(T, self._extent, dtype=torch.bool, device=dev)
+            for i, up in enumerate(parents):
+                if up < 0:
+                    seen[i, :place[i]] = True
+                else:
+                    seen[i] = seen[up]
+                seen[i, past[0] + i] = True
+            return torch.tensor([place], device=dev), seen[None, None]
         mask: torch.Tensor | None = None
         if (T > 1 and max(past) > 0) or min(past) != max(past):
-            keys = torch.arange(self._extent, device=dev)
             mask = (keys[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # (B, 1, T, S)
-        self._write = pos
         return pos, mask
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor

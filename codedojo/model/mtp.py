@@ -18,7 +18,7 @@ i+k, which predicts the same token); see `distill_loss`. The module knows nothin
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -173,28 +173,30 @@ class MTP(FusedModule):
         dev = next(self.parameters()).device
         return [KVCache(bc, 1, max_len, dtype=dtype, device=dev) for _ in self.layers]
 
-    def step(self, k: int, h_prev: torch.Tensor, emb_next: torch.Tensor, cache: KVCache
-             ) -> torch.Tensor:
+    def step(self, k: int, h_prev: torch.Tensor, emb_next: torch.Tensor, cache: KVCache,
+             parents: Sequence[int] | None = None) -> torch.Tensor:
         """Decode-time forward of module k (1-based), op by op: h_prev, emb_next (1, T, D) for
         the T positions following those already in `cache` (a cache position is a token
-        position). `draft_step` does the same in one C++ call where the kernels take it."""
+        position; ``parents``: the T are a tree, as `Transformer.forward` takes them).
+        `draft_step` does the same in one C++ call where the kernels take it."""
         view = cache.view(0)
         module = self.layers[k - 1]
         x = module.combine(h_prev, emb_next)
-        positions, mask = view.prepare(x.shape[1])  # (1, T); advances the cache length
+        positions, mask = view.prepare(x.shape[1], parents)  # (1, T); advances the length
         cos, sin = self.rotary.tables(positions)
         cos, sin = cos.to(h_prev.dtype), sin.to(h_prev.dtype)
         return module.block(x, cos, sin, mask, view)
 
     def draft_step(self, k: int, h_prev: torch.Tensor, tokens: list[int], cache: KVCache,
-                   embed: torch.Tensor, norm: torch.Tensor, head: torch.Tensor
+                   embed: torch.Tensor, norm: torch.Tensor, head: torch.Tensor,
+                   rows: Sequence[int] | None = None, parents: Sequence[int] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`step` of module k fed token ids, with the logits of its last position: the
-        embedding (``embed``, the main model's table), the module's input projection, its
-        block, and the shared head (``norm``, ``head`` (V, D): the final norm and output
-        projection, or a slice of it) in one C++ call. h_prev (T, D), T = len(tokens).
-        Returns h (T, D) and the logits (V,); None where the kernels do not take it (then
-        `step`)."""
+        """`step` of module k fed token ids, with the logits of its positions ``rows``
+        (default: the last): the embedding (``embed``, the main model's table), the module's
+        input projection, its block, and the shared head (``norm``, ``head`` (V, D): the final
+        norm and output projection, or a slice of it) in one C++ call. h_prev (T, D), T =
+        len(tokens); ``parents`` as `step` takes them. Returns h (T, D) and the logits
+        (len(rows), V); None where the kernels do not take it (then `step`)."""
         module = self.layers[k - 1]
         fused = self.fused_layers(k, lambda: self._build_fused(module, embed, norm, head),
                                   embed, norm, head)
@@ -202,12 +204,12 @@ class MTP(FusedModule):
             return None
         T = len(tokens)
         out = fused_pass(fused, cache.view(0), 1, T, tokens=[tokens], x=h_prev[None],
-                         logits=[T - 1])
+                         logits=[T - 1] if rows is None else rows, parents=parents)
         if out is None:
             return None
         h, logits = out
         assert logits is not None
-        return h[0], logits[0, 0]
+        return h[0], logits[0]
 
     def _build_fused(self, module: MTPModule, embed: torch.Tensor, norm: torch.Tensor,
                      head: torch.Tensor) -> FusedLayers | None:

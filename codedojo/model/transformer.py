@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from codedojo.model.config import ModelConfig
+from codedojo.model.kv_cache import check_tree, tree_positions
 from codedojo.model.rope import Rotary, apply_rotary
 from codedojo.ops import FusedLayers, linear
 
@@ -144,31 +145,40 @@ FUSED_TOKENS = 512
 
 def fused_pass(layers: FusedLayers, view: CacheView, B: int, T: int, *,
                tokens: list[list[int]] | None = None, x: torch.Tensor | None = None,
-               logits: Literal["all"] | Sequence[int] | None = None
+               logits: Literal["all"] | Sequence[int] | None = None,
+               parents: Sequence[int] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """T new tokens for each of the B slots of ``view`` through ``layers``, in one C++ call,
     given as ids ``tokens`` (B lists of T) or embedded, x (B, T, D). Advances the view's
     lengths. Returns the hidden states (B, T, D) and the logits: of every token (B, T, V) for
-    ``logits="all"``, of the token at ``logits[b]`` of each row (B, 1, V), or None. None (the
+    ``logits="all"``, of the token at ``logits[b]`` of each row (B, 1, V) (with one row, of
+    each token it lists: (1, len(logits), V)), or None. None (the
     view untouched) for passes of more than ``FUSED_TOKENS`` tokens or ones the kernels do not
-    take; the caller then runs the layers op by op."""
+    take; the caller then runs the layers op by op. ``parents`` (B = 1): the T tokens are a
+    tree (``kv_cache.tree_positions``)."""
     if not (0 < B * T <= FUSED_TOKENS and layers.takes(view.cache.k)):
         return None
+    if parents is not None:
+        check_tree(parents, T, B)
     past = view.advance(T)
+    tree = {} if parents is None else {"parents": parents,
+                                       "rope": tree_positions(past[0], parents)}
     cells = [(b, t) for b in range(B) for t in range(T)]
     rows: Sequence[int] = ()
     if logits == "all":
         rows = range(B * T)
+    elif logits is not None and B == 1:  # one row: any of its tokens
+        rows = list(logits)
     elif logits is not None:
         rows = [b * T + t for b, t in enumerate(logits)]
     h, lg = layers(view.cache.k, view.cache.v, [view.start + b for b, _ in cells],
                    [past[b] + t for b, t in cells],
                    x=None if x is None else x.reshape(B * T, -1),
                    tokens=() if tokens is None else [tokens[b][t] for b, t in cells],
-                   logit_rows=rows)
+                   logit_rows=rows, **tree)
     if logits is None:
         return h.view(B, T, -1), None
-    return h.view(B, T, -1), lg.view(B, T if logits == "all" else 1, -1)
+    return h.view(B, T, -1), lg.view(B, T if logits == "all" else len(rows) // B, -1)
 
 
 class FusedModule(nn.Module):
@@ -265,7 +275,7 @@ class Transformer(FusedModule):
     def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                 cache: CacheView | None = None, doc_ids: torch.Tensor | None = None,
                 return_hidden: bool = False, last_only: bool = False,
-                logits_at: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None, parents: Sequence[int] | None = None,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens (B, T) -> logits (B, T, V) float32, or (logits, hidden before the final norm).
 
@@ -273,7 +283,9 @@ class Transformer(FusedModule):
         stored before them (positions default to the stored lengths). ``doc_ids`` (no cache)
         restricts attention to the same packed document. ``last_only`` computes logits for the
         last position only (prefill needs nothing else); ``logits_at`` (B,) for one chosen
-        position per row (prefill of right-padded prompts), giving (B, 1, V).
+        position per row (prefill of right-padded prompts), giving (B, 1, V). ``parents``
+        (with a cache, one row): the new tokens are a tree, each one's parent given by its index
+        among them or -1 (``kv_cache.tree_positions``): several continuations in one pass.
         """
         if cache is not None and positions is None and doc_ids is None:
             B, T = tokens.shape
@@ -282,11 +294,12 @@ class Transformer(FusedModule):
                 at = logits_at.tolist()
             elif last_only:
                 at = [T - 1] * B
-            fused = self._fused_pass(tokens, cache, at)
+            fused = self._fused_pass(tokens, cache, at, parents)
             if fused is not None:
                 x, logits = fused
                 return (logits, x) if return_hidden else logits  # type: ignore[return-value]
-        x = self.hidden(tokens, positions=positions, cache=cache, doc_ids=doc_ids)
+        x = self.hidden(tokens, positions=positions, cache=cache, doc_ids=doc_ids,
+                        parents=parents)
         B = x.shape[0]
         if logits_at is not None:
             h = x[torch.arange(B, device=x.device), logits_at].unsqueeze(1)
@@ -296,19 +309,23 @@ class Transformer(FusedModule):
         return (logits, x) if return_hidden else logits
 
     def _fused_pass(self, tokens: torch.Tensor, cache: CacheView,
-                    logits: Literal["all"] | Sequence[int] | None
+                    logits: Literal["all"] | Sequence[int] | None,
+                    parents: Sequence[int] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``fused_pass`` over every layer, from the token ids to the logits asked for; None
         where the kernels do not take it."""
         layers = self.fused_layers(0, self._build_fused)
         if layers is None:
             return None
-        T = tokens.shape[1]
-        end = max(cache.cache.lengths[cache.start : cache.stop]) + T
+        B, T = tokens.shape
+        if parents is not None:
+            check_tree(parents, T, B)
+        depth = T if parents is None else max(tree_positions(0, parents)) + 1
+        end = max(cache.cache.lengths[cache.start : cache.stop]) + depth
         if end > self.cfg.max_seq_len:
             raise ValueError(f"positions: {end - 1} >= max_seq_len {self.cfg.max_seq_len}")
         return fused_pass(layers, cache, tokens.shape[0], T, tokens=tokens.tolist(),
-                          logits=logits)
+                          logits=logits, parents=parents)
 
     def _build_fused(self) -> FusedLayers | None:
         per_layer = [layer.decode_weights() for layer in self.layers]
@@ -321,18 +338,22 @@ class Transformer(FusedModule):
                                  norm=self.norm.weight, head=self.output_weight)
 
     def hidden(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
-               cache: CacheView | None = None, doc_ids: torch.Tensor | None = None
-               ) -> torch.Tensor:
+               cache: CacheView | None = None, doc_ids: torch.Tensor | None = None,
+               parents: Sequence[int] | None = None) -> torch.Tensor:
         """The last hidden states (B, T, dim), before the final norm (``forward`` without the
         head; arguments as there)."""
         B, T = tokens.shape
         mask: torch.Tensor | None = None
+        if parents is not None and (cache is None or positions is not None):
+            raise ValueError("parents: a tree of new tokens goes with a cache, positions "
+                             "left to it")
         if cache is not None:
             if doc_ids is not None:
                 raise ValueError("doc_ids: packed-document masking is not supported with a cache")
-            if positions is None and (fused := self._fused_pass(tokens, cache, None)) is not None:
+            if positions is None and (
+                    fused := self._fused_pass(tokens, cache, None, parents)) is not None:
                 return fused[0]
-            store_pos, mask = cache.prepare(T)
+            store_pos, mask = cache.prepare(T, parents)
             if positions is None:
                 positions = store_pos
         elif doc_ids is not None:

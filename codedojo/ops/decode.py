@@ -71,7 +71,8 @@ class FusedLayers:
 
     def __call__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: Sequence[int],
                  positions: Sequence[int], *, x: torch.Tensor | None = None,
-                 tokens: Sequence[int] = (), logit_rows: Sequence[int] = ()
+                 tokens: Sequence[int] = (), logit_rows: Sequence[int] = (),
+                 rope: Sequence[int] = (), parents: Sequence[int] = ()
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """The new tokens as x (N, D) embedded, or as ids ``tokens`` (with ``mix``, both: x the
         previous depth's hidden states). Token i's key and value
@@ -79,8 +80,14 @@ class FusedLayers:
         slots, kv_heads, capacity, head_dim), as ``takes``) and it attends to positions
         ``[0, positions[i]]`` of that slot, tokens of this call included. Returns the hidden
         states after the last layer (N, D) in the weights' type and float32 logits
-        (len(logit_rows), V) of the rows ``logit_rows``."""
+        (len(logit_rows), V) of the rows ``logit_rows``.
+
+        A tree of tokens (``parents``: each one's parent's index in this call, or -1; ``rope``:
+        their RoPE positions, a parent's plus one): token i is rotated as at ``rope[i]`` and
+        attends to positions ``[0, rope[r])`` of its slot, r its first ancestor in the call,
+        then to its ancestors' positions and its own, as if they were the whole sequence."""
         x32 = _EMPTY if x is None else x.to(torch.float32)
         h, logits = self._handle.run(x32, list(tokens), k_cache, v_cache, list(slots),
-                                     list(positions), list(logit_rows))
+                                     list(positions), list(logit_rows), list(rope),
+                                     list(parents))
         return h.to(self.dtype), logits

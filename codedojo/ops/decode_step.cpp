@@ -55,7 +55,7 @@ void rms_norm(const float* x, const W* w, float* y, int64_t N, int64_t D, float 
 
 // Rotate-half RoPE in place on one head: x * cos + [x2, x1] * sin (sin carries the sign of the
 // rotation, as rope.py's table does).
-void rope(float* v, const float* cos, const float* sin, int64_t hd) {
+void rotate(float* v, const float* cos, const float* sin, int64_t hd) {
   const int64_t half = hd / 2;
   for (int64_t i = 0; i < half; ++i) {
     const float a = v[i], b = v[i + half];
@@ -64,17 +64,22 @@ void rope(float* v, const float* cos, const float* sin, int64_t hd) {
   }
 }
 
-// softmax(q . k_t / sqrt(hd)) . v_t over the S cached positions of one head (cache entries
-// float32 or bfloat16, computed in float32).
+// softmax(q . k_t / sqrt(hd)) . v_t over S cached positions of one head (cache entries
+// float32 or bfloat16, computed in float32): positions 0 .. S-1, or, given `path`, positions
+// 0 .. S-1-len(path) followed by those `path` lists (a token of a draft tree sees the cache
+// before the tree and its own ancestors in it). The sums run over the same values in the same
+// order either way, so a tree's node computes what the same tokens decoded as a chain would.
 template <typename W>
 void attend(const float* q, const W* k, const W* v, float* out, int64_t S, int64_t hd,
-            std::vector<float>& p) {
+            std::vector<float>& p, const std::vector<int64_t>* path = nullptr) {
   const float scale = 1.f / std::sqrt(float(hd));
   p.resize(S);
   const bool vec = hd % kLanes == 0;
+  const int64_t before = path ? S - int64_t(path->size()) : S;
+  auto at = [&](int64_t t) { return t < before ? t : (*path)[t - before]; };
   float mx = -INFINITY;
   for (int64_t t = 0; t < S; ++t) {
-    const W* kt = k + t * hd;
+    const W* kt = k + at(t) * hd;
     float s = 0.f;
     if (vec) {  // a float sum is not reassociated by the compiler: spell the vectors out
       vf a = {};
@@ -96,7 +101,7 @@ void attend(const float* q, const W* k, const W* v, float* out, int64_t S, int64
   for (; t < S; ++t) sum += (p[t] = std::exp(p[t] - mx));
   for (int64_t i = 0; i < hd; ++i) out[i] = 0.f;
   for (int64_t t = 0; t < S; ++t) {
-    const W* vt = v + t * hd;
+    const W* vt = v + at(t) * hd;
     const float w = p[t] / sum;
     for (int64_t i = 0; i < hd; ++i) out[i] += w * float(vt[i]);
   }
@@ -228,13 +233,20 @@ class FusedLayers {
   // tokens of this call included (every token's key is written before any attends). Returns
   // the hidden states after the last layer (N, D) float32 and, for the rows `logit_rows`, the
   // logits (final norm and output projection; (R, V) float32, (0, V) when none is asked).
+  // A tree of tokens (draft trees: several continuations of one sequence in one pass): with
+  // `parent` (N entries, the index in this call of a token's parent, or -1) and `rope` (N
+  // RoPE positions, a parent's plus one), token n is rotated as at position rope[n] and
+  // attends to positions [0, rope[r]) of its slot, r the first of its ancestors in the call,
+  // and then to the positions of those ancestors and its own.
   std::tuple<torch::Tensor, torch::Tensor> run(const torch::Tensor& x,
                                                const std::vector<int64_t>& tokens,
                                                const torch::Tensor& k_cache,
                                                const torch::Tensor& v_cache,
                                                const std::vector<int64_t>& slot,
                                                const std::vector<int64_t>& pos,
-                                               const std::vector<int64_t>& logit_rows) {
+                                               const std::vector<int64_t>& logit_rows,
+                                               const std::vector<int64_t>& rope,
+                                               const std::vector<int64_t>& parent) {
     const bool embedded = x.numel() > 0, mixed = !mix_.empty();
     TORCH_CHECK(mixed ? embedded && x.size(0) == int64_t(tokens.size())
                       : embedded != !tokens.empty(),
@@ -258,10 +270,11 @@ class FusedLayers {
     TORCH_CHECK(k_cache.size(0) >= L_ && k_cache.size(2) == K_ && k_cache.size(4) == hd_,
                 "FusedLayers: cache shape does not match the layers and heads");
     const int64_t slots = k_cache.size(1), cap = k_cache.size(3);
+    const bool tree = !parent.empty();  // positions in the cache, and RoPE positions apart
     for (int64_t n = 0; n < N; ++n) {
       TORCH_CHECK(slot[n] >= 0 && slot[n] < slots, "FusedLayers: slot ",
                   std::to_string(slot[n]), " outside the cache's ", std::to_string(slots), " slots");
-      TORCH_CHECK(pos[n] >= 0 && pos[n] < cap && pos[n] < cos_.size(0),
+      TORCH_CHECK(pos[n] >= 0 && pos[n] < cap && (tree || pos[n] < cos_.size(0)),
                   "FusedLayers: position ", std::to_string(pos[n]), " outside the cache capacity ",
                   std::to_string(cap), " or the RoPE table's ", std::to_string(cos_.size(0)),
                   " positions");
@@ -269,15 +282,33 @@ class FusedLayers {
                   "FusedLayers: token ", std::to_string(tokens[n]),
                   " outside the vocabulary of ", std::to_string(vocab_));
     }
+    TORCH_CHECK(rope.size() == parent.size() && (!tree || int64_t(parent.size()) == N),
+                "FusedLayers: a tree needs a parent and a RoPE position for each of the ",
+                std::to_string(N), " tokens");
+    std::vector<std::vector<int64_t>> paths(tree ? N : 0);  // each token's ancestors' positions
+    for (int64_t n = 0; tree && n < N; ++n) {
+      const int64_t up = parent[n];
+      TORCH_CHECK(up >= -1 && up < n &&
+                      (up < 0 || (slot[up] == slot[n] && rope[up] + 1 == rope[n])),
+                  "FusedLayers: token ", std::to_string(n), "'s parent ", std::to_string(up),
+                  " must come before it, in its slot, one RoPE position earlier");
+      TORCH_CHECK(rope[n] >= 0 && rope[n] < cos_.size(0) && (up >= 0 || rope[n] <= pos[n]),
+                  "FusedLayers: RoPE position ", std::to_string(rope[n]), " of token ",
+                  std::to_string(n), " outside the table or after the cache it sees");
+      if (up >= 0) paths[n] = paths[up];
+      paths[n].push_back(pos[n]);
+    }
     for (int64_t r : logit_rows)
       TORCH_CHECK(head_.numel() && r >= 0 && r < N, "FusedLayers: logits asked of row ",
                   std::to_string(r),
                   head_.numel() ? " of a call of " + std::to_string(N) + " tokens"
                                 : ", but no output head held");
     if (type_ == at::kBFloat16)
-      return run_typed<at::BFloat16>(x, tokens, k_cache, v_cache, slot, pos, logit_rows);
+      return run_typed<at::BFloat16>(x, tokens, k_cache, v_cache, slot, tree ? rope : pos,
+                                     logit_rows, paths);
     for (Panels& p : panels_) p.refresh();  // weights changed in place since the last call
-    return run_typed<float>(x, tokens, k_cache, v_cache, slot, pos, logit_rows);
+    return run_typed<float>(x, tokens, k_cache, v_cache, slot, tree ? rope : pos, logit_rows,
+                            paths);
   }
 
  private:
@@ -285,7 +316,10 @@ class FusedLayers {
   std::tuple<torch::Tensor, torch::Tensor> run_typed(
       const torch::Tensor& x_in, const std::vector<int64_t>& tokens, const torch::Tensor& k_cache,
       const torch::Tensor& v_cache, const std::vector<int64_t>& slot,
-      const std::vector<int64_t>& pos, const std::vector<int64_t>& logit_rows) const {
+      const std::vector<int64_t>& rope, const std::vector<int64_t>& logit_rows,
+      const std::vector<std::vector<int64_t>>& paths) const {
+    // rope[n]: token n's RoPE position; its cache position is rope[n] too, or, in a tree, the
+    // last of paths[n] (the positions of its ancestors and its own)
     const int64_t B = x_in.numel() ? x_in.size(0) : int64_t(tokens.size());
     const bool mixed = !mix_.empty();
     const int64_t D = D_, H = H_, K = K_, hd = hd_, QKV = QKV_, F = F_, L = L_, V = V_;
@@ -382,10 +416,10 @@ class FusedLayers {
           for (int64_t i = i0; i < i1; ++i) {
             const int64_t b = i / (H + K), h = i % (H + K);
             float* r = qp + b * QKV;
-            rope(r + h * hd, cp + pos[b] * hd, sp + pos[b] * hd, hd);
+            rotate(r + h * hd, cp + rope[b] * hd, sp + rope[b] * hd, hd);
             if (h >= H) {
-              const int64_t g = h - H;
-              const int64_t at = (((l * slots + slot[b]) * K + g) * cap + pos[b]) * hd;
+              const int64_t g = h - H, stored = paths.empty() ? rope[b] : paths[b].back();
+              const int64_t at = (((l * slots + slot[b]) * K + g) * cap + stored) * hd;
               std::copy(r + h * hd, r + (h + 1) * hd, kc + at);
               std::copy(r + (H + K + g) * hd, r + (H + K + g + 1) * hd, vc + at);
             }
@@ -398,7 +432,7 @@ class FusedLayers {
             const int64_t b = i / H, h = i % H, g = h / (H / K);
             const int64_t base = ((l * slots + slot[b]) * K + g) * cap * hd;
             attend(qp + b * QKV + h * hd, kc + base, vc + base, ap + b * H * hd + h * hd,
-                   pos[b] + 1, hd, p);
+                   rope[b] + 1, hd, p, paths.empty() ? nullptr : &paths[b]);
           }
         }
 #pragma omp barrier

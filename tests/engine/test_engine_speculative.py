@@ -56,18 +56,22 @@ def plain_of(model: Transformer, prompt: list[int], params: SamplingParams) -> l
 
 
 @pytest.mark.parametrize("varied", [False, True])
-@pytest.mark.parametrize(("draft_vocab", "dtype"), [(0, torch.float32), (24, torch.float32),
-                                                   (24, torch.bfloat16)])
+@pytest.mark.parametrize(("draft_vocab", "dtype", "tree"), [
+    (0, torch.float32, 0), (24, torch.float32, 0), (24, torch.bfloat16, 0),
+    (24, torch.float32, 7), (24, torch.bfloat16, 7)])
 def test_greedy_tokens_and_logprobs_equal_plain_decoding(model: Transformer, draft_vocab: int,
-                                                         dtype: torch.dtype, varied: bool) -> None:
+                                                         dtype: torch.dtype, tree: int,
+                                                         varied: bool) -> None:
     """On the peaked model (one token repeated) the drafts are accepted; on the varied one
     (weights at std 0.5: a different token nearly every step) they are rejected, but for the
-    odd one that matches by chance."""
+    odd one that matches by chance. With draft trees too."""
     if varied:
         model.init_weights(std=0.5)
     model = model.to(dtype)
     params = SamplingParams(max_tokens=30, temperature=0)
-    engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, draft_vocab))
+    engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, draft_vocab),
+                    spec_tree=tree)
+    assert (engine.spec_tree is None) == (tree == 0)
     got = engine.generate([PROMPT], params)[0]
     ref = plain(model, params)[0]
     assert (len(set(ref.token_ids)) > 10) == varied
@@ -362,7 +366,8 @@ def test_changing_depth_between_rounds_keeps_drafts_exact(model: Transformer) ->
 
 
 @pytest.mark.parametrize(("kw", "field"), [({"spec_draft_cost": -0.1}, "spec_draft_cost"),
-                                           ({"spec_explore_every": -1}, "spec_explore_every")])
+                                           ({"spec_explore_every": -1}, "spec_explore_every"),
+                                           ({"spec_tree": -1}, "spec_tree")])
 def test_bad_speculation_settings_are_named(model: Transformer, kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"{field} must be >= 0"):
         Engine(model, drafter=OracleDrafter(TransformerTarget(model), 2), **kw)

@@ -15,7 +15,12 @@ import torch
 
 from codedojo.engine.engine import Engine
 from codedojo.engine.server import BackgroundServer, create_app
-from codedojo.engine.speculative import DraftHead, MTPDrafter, TransformerTarget
+from codedojo.engine.speculative import (
+    DraftHead,
+    MTPDrafter,
+    TransformerTarget,
+    plain_generate,
+)
 from codedojo.engine.types import (
     Completion,
     SamplingParams,
@@ -156,6 +161,33 @@ def test_speculative_rounds_keep_the_rows_of_the_tokens_they_keep(moe_model, sto
         fresh = recording(moe_model, prefix_cache_tokens=0).generate([turn], GREEDY)[0]
         assert again.cached_tokens >= len(prompt) and again.token_ids == fresh.token_ids
         assert torch.equal(again.routed_experts, fresh.routed_experts)  # type: ignore[arg-type]
+
+
+class SecondRankOracle(OracleDrafter):
+    """Drafts trees whose second first node is the target's next token and whose other nodes
+    are wrong: a round accepts one token through a node the kept rows skip over to."""
+
+    def draft_tree(self, new_hidden, tokens, tree):
+        truth = plain_generate(self.shadow, tokens, 1)[0]
+        vocab = self.shadow.model.cfg.vocab_size
+        return [truth if p == (1,) else (truth + 1 + sum(p) + len(p)) % vocab
+                for p in tree.nodes]
+
+
+def test_tree_rounds_keep_the_rows_of_the_branch_they_accept(moe_model):
+    """A greedy tree round routes every node; the rows kept are the last token's and the
+    accepted branch's, not the first ones of the pass: the result is plain decoding's."""
+    prompt = list(range(5, 45))
+    params = SamplingParams(max_tokens=10, temperature=0)
+    plain = recording(moe_model).generate([prompt], params)[0]
+    engine = recording(moe_model, drafter=SecondRankOracle(TransformerTarget(moe_model), 2),
+                       spec_draft_cost=0, spec_tree=7)
+    c, rows = run(engine, prompt, params)
+    st = engine.spec_stats
+    assert st.rounds > 0 and st.accept_first == 0.0 and st.passed[0] == st.rounds
+    assert c.token_ids == plain.token_ids
+    assert torch.equal(c.routed_experts, plain.routed_experts)  # type: ignore[arg-type]
+    assert torch.equal(torch.cat(rows), c.routed_experts)  # type: ignore[arg-type]
 
 
 def test_a_request_joining_a_speculating_one_takes_its_rows(moe_model):

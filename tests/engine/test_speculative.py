@@ -8,8 +8,10 @@ from scipy.stats import chisquare
 
 from codedojo.engine.speculative import (
     DraftHead,
+    DraftTree,
     HiddenHistory,
     MTPDrafter,
+    SpeculativeSession,
     TransformerTarget,
     accept_drafts,
     plain_generate,
@@ -60,6 +62,58 @@ def test_bfloat16_drafts_for_a_float32_target_keep_greedy_output():
     assert res.tokens == plain_generate(target, prompt, 40)
     assert res.stats.accepted > 0
     assert drafter.caches[0].k.dtype == bf16 and drafter.hidden[1][0:1].dtype == bf16
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_greedy_tree_speculation_equals_plain_greedy(fuse: bool):
+    """Rounds over a draft tree emit plain greedy decoding's tokens, through the kernels and
+    op by op, and catch the target's token among the lower-ranked drafts where the top one
+    misses (any first node passes more often than the top one). Near the end of the cache
+    (46 tokens) a tree would not fit beside the sequence: those rounds draft chains."""
+    target, drafter = _setup(vocab=32, seed=6)  # its top drafts miss, its second ones pass
+    target.model.fuse = drafter.mtp.fuse = fuse
+    prompt = [3, 7, 1, 4]
+    plain = plain_generate(target, prompt, 40)
+    target = TransformerTarget(target.model, max_len=len(prompt) + 40 + 2)
+    sess = SpeculativeSession(target, drafter, tree=DraftTree.best(2, 7))
+    out = [sess.prefill(prompt)]
+    while len(out) < 40:
+        out += sess.round(40 - len(out))
+    st = sess.stats
+    assert out[:40] == plain
+    assert st.top_first < st.passed[0] and st.emitted > st.rounds
+    assert st.emitted == st.accepted + st.rounds
+    target.model.fuse = drafter.mtp.fuse = True
+
+
+def test_a_trees_top_branch_is_the_chain():
+    """The rank-0 branch of a tree is the chain the same modules draft; the nodes under one
+    parent are its distinct most likely drafts, by rank."""
+    target, drafter = _setup(vocab=32, seed=2)
+    _, twin = _setup(vocab=32, seed=2)
+    tokens = [3, 7, 1, 4, 9, 2]
+    with torch.no_grad():
+        _, hidden = target.extend(tokens[:-1])
+        tree = DraftTree.best(2, 7)
+        nodes = drafter.draft_tree(hidden, tokens, tree)
+        chain, q = twin.draft(hidden, tokens, lambda lg: (int(lg.argmax()), lg), 2)
+    assert [nodes[tree.nodes.index((0,))], nodes[tree.nodes.index((0, 0))]] == chain
+    first = [nodes[i] for i in tree.children(-1)]
+    assert first == q[0].topk(len(first)).indices.tolist()
+
+
+def test_draft_trees_are_the_likeliest_nodes_and_refuse_orphans():
+    tree = DraftTree.best(2, 5, rank_acceptance=(0.6, 0.3, 0.05))
+    # chances: (0,) .6, (0,0) .36, (1,) .3, (0,1) .18, (1,0) .18 (shallower first)
+    assert tree.nodes == [(0,), (1,), (0, 0), (0, 1), (1, 0)]
+    assert tree.parents == [-1, -1, 0, 0, 1] and tree.depth == 2
+    assert tree.children(0) == [2, 3] and tree.upto(1).nodes == [(0,), (1,)]
+    with pytest.raises(ValueError, match=r"node \(1, 0\) has no parent"):
+        DraftTree([(0,), (1, 0)])
+    with pytest.raises(ValueError, match="ranks >= 0"):
+        DraftTree([(-1,)])
+    sess = SpeculativeSession(*_setup(), temperature=0.7, tree=tree)
+    assert sess.tree is None  # sampling rounds draft chains
 
 
 def _model_and_draft_vocab() -> tuple[Transformer, torch.Tensor]:

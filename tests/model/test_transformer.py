@@ -56,6 +56,52 @@ def test_truncate_and_move_keep_the_cache_consistent(tiny: Transformer) -> None:
         cache.truncate(0, 99)
 
 
+# A tree after a 5-token prefix: the last real token (0), three continuations of it (1-3), two
+# after the first (4, 5) and one after the second (6).
+TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2]
+
+
+def test_a_tree_pass_gives_each_node_what_its_branch_gives_alone(tiny: Transformer) -> None:
+    """Each node of a tree pass (op by op here; `tests/ops` for the kernels) gets the logits
+    its branch would decoded as the whole sequence, though the nodes are stored one after
+    another; `keep` then leaves the cache the accepted branch alone would."""
+    tiny.fuse = False
+    try:
+        prefix = torch.randint(0, 256, (1, 5))
+        nodes = torch.randint(0, 256, (1, len(TREE_PARENTS)))
+        cache = KVCache(tiny.cfg, n_slots=1, max_len=32)
+        tiny(prefix, cache=cache.view(0))
+        tree = tiny(nodes, cache=cache.view(0), parents=TREE_PARENTS)[0]
+        assert cache.lengths == [5 + len(TREE_PARENTS)]
+        for i in range(len(TREE_PARENTS)):
+            branch = [i]
+            while TREE_PARENTS[branch[0]] >= 0:
+                branch.insert(0, TREE_PARENTS[branch[0]])
+            alone = tiny(torch.cat([prefix, nodes[:, branch]], 1))[0, -1]
+            assert torch.allclose(tree[i], alone, atol=1e-5), i
+        cache.keep(0, 5, [5, 6, 10])  # the branch 0 -> 1 -> 5
+        assert cache.lengths == [8]
+        nxt = torch.randint(0, 256, (1, 1))
+        got = tiny(nxt, cache=cache.view(0))[0, -1]
+        want = tiny(torch.cat([prefix, nodes[:, [0, 1, 5]], nxt], 1))[0, -1]
+        assert torch.allclose(got, want, atol=1e-5)
+    finally:
+        tiny.fuse = True
+
+
+def test_tree_passes_refuse_what_they_cannot_place(tiny: Transformer) -> None:
+    cache = KVCache(tiny.cfg, n_slots=2, max_len=32)
+    tiny(torch.randint(0, 256, (1, 4)), cache=cache.view(0))
+    with pytest.raises(ValueError, match="parent 2 is not an earlier token"):
+        tiny(torch.randint(0, 256, (1, 3)), cache=cache.view(0), parents=[-1, 2, 0])
+    with pytest.raises(ValueError, match="parents: 2 for 3 new tokens"):
+        tiny(torch.randint(0, 256, (1, 3)), cache=cache.view(0), parents=[-1, 0])
+    with pytest.raises(ValueError, match="must increase within"):
+        cache.keep(0, 2, [3, 3])
+    with pytest.raises(ValueError, match="must increase within"):
+        cache.keep(0, 2, [1])
+
+
 def test_doc_ids_block_attention_across_documents(tiny: Transformer) -> None:
     a, b = torch.randint(0, 256, (1, 5)), torch.randint(0, 256, (1, 7))
     packed = torch.cat([a, b], 1)

@@ -158,6 +158,42 @@ def test_a_pass_over_several_tokens_equals_one_token_steps_bit_for_bit(dtype: to
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tree_pass_gives_each_node_its_branchs_states_bit_for_bit(dtype: torch.dtype) -> None:
+    """A tree of new tokens in one call (a draft tree's verification): each node's hidden
+    state is exactly what decoding its branch alone gives, and what the layers run op by op
+    give up to rounding; `keep` then leaves the cache entries the branch alone writes. So a
+    greedy tree round accepts exactly the tokens plain greedy decoding emits."""
+    from tests.model.test_transformer import TREE_PARENTS
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(attn_bias=True, dim=96, n_heads=4, n_kv_heads=2, ffn_dim=200)
+    model = Transformer(cfg).eval().to(dtype)
+    nodes = torch.randint(0, cfg.vocab_size, (1, len(TREE_PARENTS)))
+    branch = [0, 1, 5]  # node 5's ancestors and itself
+    with torch.no_grad():
+        tree, alone = KVCache(cfg, 1, 64, dtype=dtype), KVCache(cfg, 1, 64, dtype=dtype)
+        _prefill(model, tree, [7], 0)
+        _prefill(model, alone, [7], 0)
+        ref = KVCache(cfg, 1, 64, dtype=dtype)
+        _prefill(model, ref, [7], 0)
+        got = model.hidden(nodes, cache=tree.view(0), parents=TREE_PARENTS)[0]
+        want = _decode(model, alone, nodes[:, branch], 0)[0]
+        model.fuse = False
+        try:
+            layers = model.hidden(nodes, cache=ref.view(0), parents=TREE_PARENTS)[0]
+        finally:
+            model.fuse = True
+    assert torch.equal(got[branch], want)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, layers, rtol=tol, atol=tol)
+    tree.keep(0, 7, [7 + i for i in branch])
+    assert tree.lengths == alone.lengths == [10]
+    assert torch.equal(tree.k[:, :, :, :10], alone.k[:, :, :, :10])
+    assert torch.equal(tree.v[:, :, :, :10], alone.v[:, :, :, :10])
+
+
+@needs_kernel
 def test_fused_decode_steps_aside(monkeypatch: pytest.MonkeyPatch) -> None:
     """Training, MoE layers, passes too long for the kernel and caches of another type than the
     weights run the layers op by op (or, the last, not at all)."""
