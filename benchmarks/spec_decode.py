@@ -55,9 +55,10 @@ def main() -> None:
                     help="weights and KV caches (as dojo serve --dtype)")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
                     help="the MTP drafts' type (as dojo serve --draft-dtype; default: --dtype)")
-    ap.add_argument("--tree", type=int, default=0,
+    ap.add_argument("--tree", type=int, default=7,
                     help="nodes of the greedy rounds' draft tree (the engine's spec_tree, as "
-                    "dojo serve --spec-tree; 0: chains)")
+                    "dojo serve --spec-tree: probed against chains, kept if it pays; 0: "
+                    "chains)")
     ap.add_argument("--draft-cost", type=float, default=None,
                     help="the engine's spec_draft_cost (default: measured while probing; 0: "
                     "every round drafts with every module)")
@@ -139,6 +140,7 @@ def main() -> None:
         "drafts_per_round": round(st.drafts_per_round, 3),
         "speculating_at_end": spec.speculating,
         "tree": None if spec.spec_tree is None else len(spec.spec_tree),
+        "tree_pays": spec.tree_pays,  # after probing: whether greedy rounds drafted it
         "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
         "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,
         "batch": 1, "temperature": args.temperature, "dtype": args.dtype,

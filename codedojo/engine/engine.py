@@ -69,6 +69,7 @@ from codedojo.engine.speculative import (
     SpeculativeSession,
     TransformerTarget,
     best_depth,
+    tree_gain_and_cost,
 )
 from codedojo.engine.types import Completion, SamplingParams, TokenEvent
 from codedojo.model.kv_cache import KVCache
@@ -156,7 +157,7 @@ class Engine:
     def __init__(self, model: Transformer, *, max_batch: int = 16,
                  max_seq_len: int | None = None, drafter: Drafter | None = None,
                  spec_draft_cost: float | None = None, spec_probe_rounds: int = 64,
-                 spec_explore_every: int = 32, spec_tree: int = 0,
+                 spec_explore_every: int = 32, spec_tree: int = 7,
                  prefix_cache_tokens: int = 16384, record_routing: bool = False) -> None:
         """``prefix_cache_tokens``: finished sequences' keys and values kept for reuse, in
         tokens (SmolLM2-135M: 46 KB a token in float32); 0 turns prefix reuse off (live
@@ -179,10 +180,12 @@ class Engine:
         ``spec_draft_cost``: that cost, fixed; None: measured while probing, where every
         fourth round drafts nothing to time a plain step (a draft costs about 0.2 steps on a
         2-core CPU, far less on a GPU); 0: always draft with every module.
-        ``spec_tree``: greedy rounds draft a tree of this many nodes (`DraftTree.best`, cut
-        to the round's depth) where the drafter drafts trees (``draft_tree``); 0: chains. A
-        tree emits more tokens a pass (SmolLM2-135M: 2.43 against 2.08 with 7 nodes) for a
-        wider pass, which costs little on a GPU but about as much more on a 2-core CPU."""
+        ``spec_tree``: greedy rounds may draft a tree of this many nodes (`DraftTree.best`,
+        cut to the round's depth) where the drafter drafts trees (``draft_tree``); 0: chains.
+        A tree emits more tokens a pass (SmolLM2-135M: 2.43 against 2.08 with 7 nodes) for a
+        wider pass, which costs little on a GPU but about as much more on a 2-core CPU. So
+        probing drafts the tree in every fourth round, and from then on greedy rounds draft
+        it if it pays (``tree_pays``; the draft cost is measured on chains either way)."""
         if spec_draft_cost is not None and spec_draft_cost < 0:
             raise ValueError(f"spec_draft_cost must be >= 0, got {spec_draft_cost}")
         if spec_explore_every < 0:
@@ -222,6 +225,11 @@ class Engine:
         self._spec_max_depth = 0 if drafter is None else drafter.depth
         self.spec_tree = (DraftTree.best(drafter.depth, spec_tree) if drafter is not None
                           and spec_tree and hasattr(drafter, "draft_tree") else None)
+        # timed full-depth probing rounds: seconds of tree and of chain rounds; the tokens the
+        # tree rounds emitted and those their top chains alone would have
+        self._tree_probe: dict[str, list[float]] = {"tree_s": [], "chain_s": [],
+                                                    "tree_tokens": [], "chain_tokens": []}
+        self._tree_pays: bool | None = None  # decided once probing is over
         self._spec: tuple[Request, SpeculativeSession] | None = None
         self._paused = False  # no draft paid at the last admission
         self._waiting: deque[Request] = deque()
@@ -472,6 +480,27 @@ class Engine:
             self._measured_cost = cost
         return cost
 
+    @property
+    def tree_pays(self) -> bool:
+        """Whether greedy rounds draft the tree now: in a fourth of the probing rounds; after
+        them, if the tree's rounds emitted more tokens than their top chains alone would have
+        by a larger factor than their time exceeded a chain round's. (Each tree round holds
+        its own chain, so the gain is read on the same text: the emitted tokens of rounds on
+        different text differ by far more.)"""
+        if self.spec_tree is None:
+            return False
+        if self._spec_steps < self.spec_probe_rounds:
+            return self._spec_steps % 4 == 1
+        if self._tree_pays is None:
+            p = self._tree_probe
+            gain, cost = tree_gain_and_cost(p["tree_tokens"], p["chain_tokens"], p["tree_s"],
+                                            p["chain_s"])
+            self._tree_pays = gain > cost
+            log.info("draft tree of %d nodes: %.3f times the tokens of its top chain for %.3f "
+                     "times a chain round's time: %s", len(self.spec_tree), gain, cost,
+                     "on" if self._tree_pays else "off")
+        return self._tree_pays
+
     def spec_report(self) -> dict[str, float | int | bool] | None:
         """How speculative decoding is going, for `dojo serve`'s ``/health``: None for an engine
         built without a drafter; else whether rounds draft now, the rounds so far (each one
@@ -481,7 +510,9 @@ class Engine:
         if self._spec_max_depth == 0:
             return None
         return {"modules": self._spec_max_depth, "speculating": self.speculating,
-                "draft_cost": self.draft_cost, **self.spec_stats.as_dict()}
+                "draft_cost": self.draft_cost,
+                "tree_nodes": len(self.spec_tree) if self.tree_pays else 0,  # type: ignore[arg-type]
+                **self.spec_stats.as_dict()}
 
     def _paying_depth(self, own: SpecStats | None = None) -> int:
         """The number of drafts a round pays for (every module while probing), by the
@@ -580,9 +611,17 @@ class Engine:
                 # a request's first round also drafts over the whole prompt: not timed
                 timed = depth < room and len(req.token_ids) > 1  # and drafts what was asked
                 t = time.perf_counter()
-                sess.round(max_tokens=room, depth=depth)
+                emitted = len(sess.round(max_tokens=room, depth=depth, tree=self.tree_pays))
                 if timed and self._spec_steps < self.spec_probe_rounds:
-                    self._round_s.setdefault(depth, []).append(time.perf_counter() - t)
+                    seconds = time.perf_counter() - t
+                    if depth == self._spec_max_depth and sess.tree_round:
+                        self._tree_probe["tree_s"].append(seconds)
+                        self._tree_probe["tree_tokens"].append(emitted)
+                        self._tree_probe["chain_tokens"].append(sess.chain_emitted)
+                    elif depth == self._spec_max_depth:
+                        self._tree_probe["chain_s"].append(seconds)
+                    if not sess.tree_round:  # the draft cost is a chain's
+                        self._round_s.setdefault(depth, []).append(seconds)
                 self._spec_steps += 1
                 # the verify pass's rows of the positions kept, one per token emitted
                 self._record_routing([req], [sess.kept_rows])

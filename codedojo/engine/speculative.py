@@ -31,6 +31,7 @@ about tokenization or HTTP.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -175,6 +176,19 @@ def best_depth(rates: Sequence[float], max_depth: int, draft_cost: float) -> int
     verifying it). 0: plain decoding is faster."""
     rate = [expected_tokens(rates, k) / (1 + k * draft_cost) for k in range(max_depth + 1)]
     return max(range(max_depth + 1), key=lambda k: (rate[k], -k))
+
+
+def tree_gain_and_cost(tree_tokens: Sequence[float], chain_tokens: Sequence[float],
+                       tree_s: Sequence[float], chain_s: Sequence[float]
+                       ) -> tuple[float, float]:
+    """Whether a draft tree pays, from timed rounds: the tokens tree rounds emitted over
+    those their top chains alone would have (the same rounds, so the same text), and a
+    tree round's median time over a chain round's. The tree pays when the first is the
+    larger; the cost is infinite until both kinds of round are timed."""
+    gain = sum(tree_tokens) / max(1.0, sum(chain_tokens))
+    cost = (statistics.median(tree_s) / statistics.median(chain_s) if tree_s and chain_s
+            else float("inf"))
+    return gain, cost
 
 
 def _tally(reached: list[int], passed: list[int], drafted: int, accepted: int,
@@ -392,6 +406,8 @@ class SpeculativeSession:
         self.target, self.drafter = target, drafter
         self.temperature, self.gen = temperature, gen
         self.tree = tree if temperature <= 0 else None
+        self.tree_round = False  # whether the last round drafted the tree
+        self.chain_emitted = 0  # a tree round's tokens had it drafted its top chain alone
         self.kept_rows: list[int] = []  # the last target pass's rows of the tokens kept
         self.stats = SpecStats() if stats is None else stats
         self.own = self.stats if stats is None else SpecStats()  # this sequence's rounds
@@ -438,17 +454,21 @@ class SpeculativeSession:
         return first
 
     @torch.no_grad()
-    def round(self, max_tokens: int | None = None, depth: int | None = None) -> list[int]:
+    def round(self, max_tokens: int | None = None, depth: int | None = None,
+              tree: bool = True) -> list[int]:
         """Draft, verify in one target pass, accept. Returns 1 .. k+1 new tokens, k the drafts:
         ``depth`` (default: every module), capped so at most `max_tokens` come out. With k = 0
-        this is a plain decode step."""
+        this is a plain decode step. ``tree``: draft the session's tree, if it has one and
+        the target has room for it beside the sequence (`tree_round` says whether it did)."""
+        self.tree_round = False
         assert self._new_hidden, "prefill first"
         k = self.drafter.depth if depth is None else max(0, min(self.drafter.depth, depth))
         if max_tokens is not None:
             k = max(0, min(k, max_tokens - 1))
-        tree = None if self.tree is None or k == 0 else self.tree.upto(k)
-        if tree is not None and self.target.length + 1 + len(tree) <= self.target.capacity:
-            return self._tree_round(tree)  # else (the sequence's last few tokens): a chain
+        cut = None if self.tree is None or not tree or k == 0 else self.tree.upto(k)
+        if cut is not None and self.target.length + 1 + len(cut) <= self.target.capacity:
+            self.tree_round = True
+            return self._tree_round(cut)  # else (the sequence's last few tokens): a chain
         drafts: list[int] = []
         q: list[torch.Tensor] = []
         if k > 0:
@@ -491,6 +511,10 @@ class SpeculativeSession:
             path.append(nxt)
             at = nxt
         emitted = [nodes[i] for i in path] + [best[at + 1]]
+        top = 0  # what the chain of the top drafts alone would have emitted, less one
+        while top < len(path) and tree.nodes[path[top]][-1] == 0:
+            top += 1
+        self.chain_emitted = top + 1
         first = tree.children(-1)[0]  # the most likely first draft
         self.stats.record(tree.depth, len(path), len(emitted), nodes[first] == best[0])
         if self.own is not self.stats:

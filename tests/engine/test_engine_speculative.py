@@ -18,6 +18,8 @@ from codedojo.engine.speculative import (
     TransformerTarget,
     best_depth,
     expected_tokens,
+    plain_generate,
+    tree_gain_and_cost,
 )
 from codedojo.engine.types import SamplingParams
 from codedojo.model.config import ModelConfig
@@ -363,6 +365,49 @@ def test_changing_depth_between_rounds_keeps_drafts_exact(model: Transformer) ->
         out += sess.round(depth=depth)
     ref = plain(model, SamplingParams(max_tokens=len(out), temperature=0))[0].token_ids
     assert out == ref
+
+
+class TreeOrChainDrafter(OracleDrafter):
+    """Chains of the target's own tokens (every draft passes), or trees whose top first node
+    is wrong and whose second is right (one passes); the slow one of the two sleeps."""
+
+    def __init__(self, target: TransformerTarget, depth: int, slow_tree: bool):
+        super().__init__(target, depth)
+        self.slow_tree = slow_tree
+
+    def draft(self, new_hidden, tokens, pick, k):
+        time.sleep(0 if self.slow_tree else 0.05)
+        return super().draft(new_hidden, tokens, pick, k)
+
+    def draft_tree(self, new_hidden, tokens, tree):
+        time.sleep(0.05 if self.slow_tree else 0)
+        truth = plain_generate(self.shadow, tokens, 1)[0]
+        return [truth if p == (1,) else (truth + 1 + sum(p) + len(p)) % 64 for p in tree.nodes]
+
+
+def test_a_tree_pays_when_its_gain_on_the_same_rounds_beats_its_cost() -> None:
+    # four tree rounds emitted 10 tokens where their top chains would have emitted 8: 1.25
+    gain, cost = tree_gain_and_cost([3, 2, 3, 2], [2, 2, 3, 1], [0.024, 0.022, 0.023],
+                                    [0.020, 0.019, 0.021])
+    assert gain == 1.25 and cost == pytest.approx(0.023 / 0.020)
+    assert tree_gain_and_cost([2, 2], [2, 2], [0.01], [0.02]) == (1.0, 0.5)
+    assert tree_gain_and_cost([3], [2], [0.02], [])[1] == float("inf")  # chains not timed
+
+
+@pytest.mark.parametrize("slow_tree", [True, False])
+def test_probing_keeps_the_tree_only_where_it_emits_more_a_second(model: Transformer,
+                                                                  slow_tree: bool) -> None:
+    """Probing drafts the tree in some rounds and chains in the others, and keeps whichever
+    emitted more tokens a second: here the chains pass every draft but one kind sleeps."""
+    drafter = TreeOrChainDrafter(TransformerTarget(model), 2, slow_tree)
+    engine = Engine(model, max_batch=2, drafter=drafter, spec_tree=7, spec_probe_rounds=16)
+    params = SamplingParams(max_tokens=60, temperature=0)
+    got = engine.generate([PROMPT], params)[0]
+    assert got.token_ids == plain(model, params)[0].token_ids
+    assert engine._spec_steps > 16 and engine._tree_probe["tree_s"]
+    assert engine.tree_pays is not slow_tree
+    report = engine.spec_report()
+    assert report is not None and report["tree_nodes"] == (0 if slow_tree else 7)
 
 
 @pytest.mark.parametrize(("kw", "field"), [({"spec_draft_cost": -0.1}, "spec_draft_cost"),

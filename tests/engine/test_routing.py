@@ -176,7 +176,8 @@ class SecondRankOracle(OracleDrafter):
 
 def test_tree_rounds_keep_the_rows_of_the_branch_they_accept(moe_model):
     """A greedy tree round routes every node; the rows kept are the last token's and the
-    accepted branch's, not the first ones of the pass: the result is plain decoding's."""
+    accepted branch's, not the first ones of the pass: the result is plain decoding's. (While
+    probing, every fourth round drafts the tree: there the top first draft fails.)"""
     prompt = list(range(5, 45))
     params = SamplingParams(max_tokens=10, temperature=0)
     plain = recording(moe_model).generate([prompt], params)[0]
@@ -184,7 +185,7 @@ def test_tree_rounds_keep_the_rows_of_the_branch_they_accept(moe_model):
                        spec_draft_cost=0, spec_tree=7)
     c, rows = run(engine, prompt, params)
     st = engine.spec_stats
-    assert st.rounds > 0 and st.accept_first == 0.0 and st.passed[0] == st.rounds
+    assert 0 < st.top_first < st.rounds and st.passed[0] == st.rounds
     assert c.token_ids == plain.token_ids
     assert torch.equal(c.routed_experts, plain.routed_experts)  # type: ignore[arg-type]
     assert torch.equal(torch.cat(rows), c.routed_experts)  # type: ignore[arg-type]
