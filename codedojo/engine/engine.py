@@ -511,7 +511,7 @@ class Engine:
             return None
         return {"modules": self._spec_max_depth, "speculating": self.speculating,
                 "draft_cost": self.draft_cost,
-                "tree_nodes": len(self.spec_tree) if self.tree_pays else 0,  # type: ignore[arg-type]
+                "tree_nodes": len(self.spec_tree) if self.spec_tree and self.tree_pays else 0,
                 **self.spec_stats.as_dict()}
 
     def _paying_depth(self, own: SpecStats | None = None) -> int:

@@ -108,6 +108,7 @@ def test_draft_trees_are_the_likeliest_nodes_and_refuse_orphans():
     assert tree.nodes == [(0,), (1,), (0, 0), (0, 1), (1, 0)]
     assert tree.parents == [-1, -1, 0, 0, 1] and tree.depth == 2
     assert tree.children(0) == [2, 3] and tree.upto(1).nodes == [(0,), (1,)]
+    assert tree.ancestors(4) == [1] and tree.ancestors(1) == []
     with pytest.raises(ValueError, match=r"node \(1, 0\) has no parent"):
         DraftTree([(0,), (1, 0)])
     with pytest.raises(ValueError, match="ranks >= 0"):
