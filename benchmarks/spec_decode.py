@@ -23,7 +23,7 @@ wall-clock speedup of one checkpoint read 1.08 and 1.18 in two runs).
 
     python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 24] [--new 64]
                                     [--draft-cost C] [--dtype bfloat16] [--draft-dtype bfloat16]
-                                    [--temperature 1.0] [--tree 7]
+                                    [--temperature 1.0] [--tree 5]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main() -> None:
                     help="weights and KV caches (as dojo serve --dtype)")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
                     help="the MTP drafts' type (as dojo serve --draft-dtype; default: --dtype)")
-    ap.add_argument("--tree", type=int, default=7,
+    ap.add_argument("--tree", type=int, default=5,
                     help="nodes of the greedy rounds' draft tree (the engine's spec_tree, as "
                     "dojo serve --spec-tree: probed against chains, kept if it pays; 0: "
                     "chains)")

@@ -99,6 +99,10 @@ log = logging.getLogger(__name__)
 PREFILL_TOKENS = 4096  # padded tokens per batched prefill pass
 # Shared prefixes shorter than this are prefilled again (a copy and a batch of its own do not pay).
 PREFIX_MIN_TOKENS = 32
+# Whether a draft tree pays is judged on the tree rounds of probing (32 of the first 64), with
+# the gain the rank model expects counted as this many rounds besides: enough that a stretch of
+# easy text, where every top draft passes, does not switch the tree off on its own.
+TREE_PRIOR_ROUNDS = 16
 # Whether drafts pay is judged by the acceptance of the engine's latest rounds (its
 # `SpecStats.window`), so that it follows the traffic and the weights (a long-lived server's
 # totals would never move), and for a request by its own rounds too: acceptance differs far
@@ -157,7 +161,7 @@ class Engine:
     def __init__(self, model: Transformer, *, max_batch: int = 16,
                  max_seq_len: int | None = None, drafter: Drafter | None = None,
                  spec_draft_cost: float | None = None, spec_probe_rounds: int = 64,
-                 spec_explore_every: int = 32, spec_tree: int = 7,
+                 spec_explore_every: int = 32, spec_tree: int = 5,
                  prefix_cache_tokens: int = 16384, record_routing: bool = False) -> None:
         """``prefix_cache_tokens``: finished sequences' keys and values kept for reuse, in
         tokens (SmolLM2-135M: 46 KB a token in float32); 0 turns prefix reuse off (live
@@ -182,9 +186,10 @@ class Engine:
         2-core CPU, far less on a GPU); 0: always draft with every module.
         ``spec_tree``: greedy rounds may draft a tree of this many nodes (`DraftTree.best`,
         cut to the round's depth) where the drafter drafts trees (``draft_tree``); 0: chains.
-        A tree emits more tokens a pass (SmolLM2-135M: 2.43 against 2.08 with 7 nodes) for a
-        wider pass, which costs little on a GPU but about as much more on a 2-core CPU. So
-        probing drafts the tree in every fourth round, and from then on greedy rounds draft
+        A tree emits more tokens a pass (SmolLM2-135M: 2.37 against 2.08 with 5 nodes) for a
+        wider pass, which costs little on a GPU and a round 1.09 times a chain's on a 2-core
+        CPU. So
+        probing drafts the tree in half its rounds, and from then on greedy rounds draft
         it if it pays (``tree_pays``; the draft cost is measured on chains either way)."""
         if spec_draft_cost is not None and spec_draft_cost < 0:
             raise ValueError(f"spec_draft_cost must be >= 0, got {spec_draft_cost}")
@@ -482,19 +487,23 @@ class Engine:
 
     @property
     def tree_pays(self) -> bool:
-        """Whether greedy rounds draft the tree now: in a fourth of the probing rounds; after
-        them, if the tree's rounds emitted more tokens than their top chains alone would have
-        by a larger factor than their time exceeded a chain round's. (Each tree round holds
-        its own chain, so the gain is read on the same text: the emitted tokens of rounds on
-        different text differ by far more.)"""
-        if self.spec_tree is None:
+        """Whether greedy rounds draft the tree now: in half the probing rounds; after them, if
+        the tree's rounds emitted more tokens than their top chains alone would have by a
+        larger factor than their time exceeded a chain round's. (Each tree round holds its own
+        chain, so the gain is read on the same text: the emitted tokens of rounds on different
+        text differ by far more.) The gain the rank model expects (`DraftTree.
+        expected_tokens`) counts as ``TREE_PRIOR_ROUNDS`` rounds of its own."""
+        tree = self.spec_tree
+        if tree is None:
             return False
         if self._spec_steps < self.spec_probe_rounds:
-            return self._spec_steps % 4 == 1
+            return self._spec_steps % 4 in (1, 2)
         if self._tree_pays is None:
-            p = self._tree_probe
-            gain, cost = tree_gain_and_cost(p["tree_tokens"], p["chain_tokens"], p["tree_s"],
-                                            p["chain_s"])
+            p, chain = self._tree_probe, tree.top_chain().expected_tokens()
+            gain, cost = tree_gain_and_cost(
+                p["tree_tokens"], p["chain_tokens"], p["tree_s"], p["chain_s"],
+                prior_gain=tree.expected_tokens() / chain,
+                prior_tokens=TREE_PRIOR_ROUNDS * chain)
             self._tree_pays = gain > cost
             log.info("draft tree of %d nodes: %.3f times the tokens of its top chain for %.3f "
                      "times a chain round's time: %s", len(self.spec_tree), gain, cost,

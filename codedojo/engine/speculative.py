@@ -18,10 +18,10 @@ module j drafts its few most likely tokens after each node of depth j-1, and the
 every node in the same single pass, each node seeing only its ancestors (``parents``); the
 longest branch that matches the target's argmax at every node is accepted, and the cache keeps
 that branch alone. The extra nodes catch the target's token where the top draft misses it
-(SmolLM2-135M's held-out code: 2.43 tokens a pass with 7 nodes, 2.08 with the chain), for a
-wider pass: on a GPU at batch 1 the weights are read once either way and it costs little,
-on a 2-core CPU the arithmetic shows (a pass over 8 tokens took 1.1-1.2 times one over 3), so
-the engine probes the tree against chains before it keeps it. The accepted tokens are those
+(SmolLM2-135M's held-out code: 2.37 tokens a pass with 5 nodes, 2.46 with 7, 2.08 with the
+chain), for a wider pass: on a GPU at batch 1 the weights are read once either way and it
+costs little, on a 2-core CPU the arithmetic shows (a round took 1.09 times a chain's with 5
+nodes, 1.19 with 7), so the engine probes the tree against chains before it keeps it. The accepted tokens are those
 greedy decoding emits, as with a chain.
 
 The engine's batch-1 decode
@@ -157,6 +157,22 @@ class DraftTree:
         return self if depth >= self.depth else DraftTree(
             [p for p in self.nodes if len(p) <= depth])
 
+    def expected_tokens(self, rank_acceptance: Sequence[float] = RANK_ACCEPTANCE) -> float:
+        """Tokens a round emits when the draft of rank r passes with probability
+        ``rank_acceptance[r]`` once its parent has: 1 + each node's chance that its whole path
+        passes."""
+        chance = [0.0] * len(self)
+        for i, p in enumerate(self.nodes):
+            up = self.parents[i]
+            r = p[-1]
+            chance[i] = (1.0 if up < 0 else chance[up]) * (
+                rank_acceptance[r] if r < len(rank_acceptance) else 0.0)
+        return 1.0 + sum(chance)
+
+    def top_chain(self) -> DraftTree:
+        """The nodes of rank 0 all the way down: the chain a round without the tree drafts."""
+        return DraftTree([(0,) * d for d in range(1, self.depth + 1)])
+
     def ancestors(self, node: int) -> list[int]:
         """The indices of a node's parent, its parent's, ... up to depth 1."""
         up: list[int] = []
@@ -188,13 +204,17 @@ def best_depth(rates: Sequence[float], max_depth: int, draft_cost: float) -> int
 
 
 def tree_gain_and_cost(tree_tokens: Sequence[float], chain_tokens: Sequence[float],
-                       tree_s: Sequence[float], chain_s: Sequence[float]
+                       tree_s: Sequence[float], chain_s: Sequence[float],
+                       prior_gain: float = 1.0, prior_tokens: float = 0.0
                        ) -> tuple[float, float]:
     """Whether a draft tree pays, from timed rounds: the tokens tree rounds emitted over
     those their top chains alone would have (the same rounds, so the same text), and a
     tree round's median time over a chain round's. The tree pays when the first is the
-    larger; the cost is infinite until both kinds of round are timed."""
-    gain = sum(tree_tokens) / max(1.0, sum(chain_tokens))
+    larger; the cost is infinite until both kinds of round are timed. ``prior_gain`` (the
+    gain expected elsewhere) counts as ``prior_tokens`` of the chains' tokens: a few dozen
+    rounds on easy text can show no gain at all (every top draft passing)."""
+    gain = ((sum(tree_tokens) + prior_gain * prior_tokens)
+            / max(1.0, sum(chain_tokens) + prior_tokens))
     cost = (statistics.median(tree_s) / statistics.median(chain_s) if tree_s and chain_s
             else float("inf"))
     return gain, cost

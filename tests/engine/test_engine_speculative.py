@@ -392,6 +392,8 @@ def test_a_tree_pays_when_its_gain_on_the_same_rounds_beats_its_cost() -> None:
     assert gain == 1.25 and cost == pytest.approx(0.023 / 0.020)
     assert tree_gain_and_cost([2, 2], [2, 2], [0.01], [0.02]) == (1.0, 0.5)
     assert tree_gain_and_cost([3], [2], [0.02], [])[1] == float("inf")  # chains not timed
+    # no gain seen on 8 tokens of easy text, an expected 1.2 counted as 8 tokens more: 1.1
+    assert tree_gain_and_cost([4, 4], [4, 4], [0.02], [0.02], 1.2, 8.0)[0] == pytest.approx(1.1)
 
 
 @pytest.mark.parametrize("slow_tree", [True, False])

@@ -177,7 +177,7 @@ class SecondRankOracle(OracleDrafter):
 def test_tree_rounds_keep_the_rows_of_the_branch_they_accept(moe_model):
     """A greedy tree round routes every node; the rows kept are the last token's and the
     accepted branch's, not the first ones of the pass: the result is plain decoding's. (While
-    probing, every fourth round drafts the tree: there the top first draft fails.)"""
+    probing, half the rounds draft the tree: there the top first draft fails.)"""
     prompt = list(range(5, 45))
     params = SamplingParams(max_tokens=10, temperature=0)
     plain = recording(moe_model).generate([prompt], params)[0]

@@ -109,6 +109,10 @@ def test_draft_trees_are_the_likeliest_nodes_and_refuse_orphans():
     assert tree.parents == [-1, -1, 0, 0, 1] and tree.depth == 2
     assert tree.children(0) == [2, 3] and tree.upto(1).nodes == [(0,), (1,)]
     assert tree.ancestors(4) == [1] and tree.ancestors(1) == []
+    rates = (0.6, 0.3, 0.05)
+    assert tree.expected_tokens(rates) == pytest.approx(1 + 0.6 + 0.3 + 0.36 + 0.18 + 0.18)
+    assert tree.top_chain().nodes == [(0,), (0, 0)]
+    assert tree.top_chain().expected_tokens(rates) == pytest.approx(1.96)
     with pytest.raises(ValueError, match=r"node \(1, 0\) has no parent"):
         DraftTree([(0,), (1, 0)])
     with pytest.raises(ValueError, match="ranks >= 0"):
