@@ -188,9 +188,9 @@ class Engine:
         cut to the round's depth) where the drafter drafts trees (``draft_tree``); 0: chains.
         A tree emits more tokens a pass (SmolLM2-135M: 2.37 against 2.08 with 5 nodes) for a
         wider pass, which costs little on a GPU and a round 1.09 times a chain's on a 2-core
-        CPU. So
-        probing drafts the tree in half its rounds, and from then on greedy rounds draft
-        it if it pays (``tree_pays``; the draft cost is measured on chains either way)."""
+        CPU. So probing drafts the tree in half its rounds, and from then on greedy rounds
+        draft it if it pays (``tree_pays``; the draft cost is measured on chains either
+        way)."""
         if spec_draft_cost is not None and spec_draft_cost < 0:
             raise ValueError(f"spec_draft_cost must be >= 0, got {spec_draft_cost}")
         if spec_explore_every < 0:

@@ -182,7 +182,6 @@ class CacheView:
         dev = self.cache.device
         pos = torch.tensor(past, device=dev)[:, None] + torch.arange(T, device=dev)[None, :]
         self._write = pos
-        keys = torch.arange(self._extent, device=dev)
         if parents is not None:
             place = tree_positions(past[0], parents)
             seen = torch.zeros(T, self._extent, dtype=torch.bool, device=dev)
@@ -195,6 +194,7 @@ class CacheView:
             return torch.tensor([place], device=dev), seen[None, None]
         mask: torch.Tensor | None = None
         if (T > 1 and max(past) > 0) or min(past) != max(past):
+            keys = torch.arange(self._extent, device=dev)
             mask = (keys[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # (B, 1, T, S)
         return pos, mask
 
