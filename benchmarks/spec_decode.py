@@ -55,10 +55,10 @@ def main() -> None:
                     help="weights and KV caches (as dojo serve --dtype)")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
                     help="the MTP drafts' type (as dojo serve --draft-dtype; default: --dtype)")
-    ap.add_argument("--tree", type=int, default=5,
+    ap.add_argument("--tree", type=int, default=None,
                     help="nodes of the greedy rounds' draft tree (the engine's spec_tree, as "
                     "dojo serve --spec-tree: probed against chains, kept if it pays; 0: "
-                    "chains)")
+                    "chains; default: the engine's, chains on a CPU)")
     ap.add_argument("--draft-cost", type=float, default=None,
                     help="the engine's spec_draft_cost (default: measured while probing; 0: "
                     "every round drafts with every module)")

@@ -40,13 +40,13 @@ def serve(
         32, help="every N-th speculative round drafts with every module, so drafts that do not "
         "pay now are tested again, and paused speculation resumes when they come to pay (0: "
         "never, and speculation stops for good when no draft pays)"),
-    spec_tree: int = typer.Option(
-        5, help="greedy rounds may draft a tree of this many nodes (the likeliest drafts "
+    spec_tree: int | None = typer.Option(
+        None, help="greedy rounds may draft a tree of this many nodes (the likeliest drafts "
         "after each node, all verified in one pass) instead of a chain: probed against chains "
-        "over the first 64 rounds and kept if it pays (0: chains). On SmolLM2-135M's held-out "
-        "code 5 nodes raised the tokens per pass from 2.08 to 2.37 (7: 2.46), and on a 2-core "
-        "CPU the wider pass cost a round 1.09 times as much (7: 1.19); on a GPU at batch 1 it "
-        "costs little"),
+        "over the first 64 rounds and kept if it pays (0: chains; default: 5 on a GPU, chains "
+        "on a CPU). On SmolLM2-135M's held-out code 5 nodes raised the tokens per pass from "
+        "2.08 to 2.37 (7: 2.46), but on a 2-core CPU the wider pass cost a round 1.09 times as "
+        "much (7: 1.19); on a GPU at batch 1 it costs little"),
     prefix_cache_tokens: int = typer.Option(
         16384, help="finished conversations' keys and values kept, in tokens, so a request "
         "that starts with one (the next turn of an agent loop) or with a running request's "
@@ -77,7 +77,7 @@ def serve(
         raise typer.BadParameter("must be >= 0", param_hint="--spec-draft-cost")
     if spec_explore_every < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--spec-explore-every")
-    if spec_tree < 0:
+    if spec_tree is not None and spec_tree < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--spec-tree")
     if prefix_cache_tokens < 0:
         raise typer.BadParameter("must be >= 0", param_hint="--prefix-cache-tokens")

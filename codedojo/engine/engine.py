@@ -103,6 +103,7 @@ PREFIX_MIN_TOKENS = 32
 # the gain the rank model expects counted as this many rounds besides: enough that a stretch of
 # easy text, where every top draft passes, does not switch the tree off on its own.
 TREE_PRIOR_ROUNDS = 16
+DEFAULT_TREE = 5  # nodes of a GPU engine's draft tree, unless told otherwise
 # Whether drafts pay is judged by the acceptance of the engine's latest rounds (its
 # `SpecStats.window`), so that it follows the traffic and the weights (a long-lived server's
 # totals would never move), and for a request by its own rounds too: acceptance differs far
@@ -161,7 +162,7 @@ class Engine:
     def __init__(self, model: Transformer, *, max_batch: int = 16,
                  max_seq_len: int | None = None, drafter: Drafter | None = None,
                  spec_draft_cost: float | None = None, spec_probe_rounds: int = 64,
-                 spec_explore_every: int = 32, spec_tree: int = 5,
+                 spec_explore_every: int = 32, spec_tree: int | None = None,
                  prefix_cache_tokens: int = 16384, record_routing: bool = False) -> None:
         """``prefix_cache_tokens``: finished sequences' keys and values kept for reuse, in
         tokens (SmolLM2-135M: 46 KB a token in float32); 0 turns prefix reuse off (live
@@ -185,17 +186,18 @@ class Engine:
         fourth round drafts nothing to time a plain step (a draft costs about 0.2 steps on a
         2-core CPU, far less on a GPU); 0: always draft with every module.
         ``spec_tree``: greedy rounds may draft a tree of this many nodes (`DraftTree.best`,
-        cut to the round's depth) where the drafter drafts trees (``draft_tree``); 0: chains.
-        A tree emits more tokens a pass (SmolLM2-135M: 2.37 against 2.08 with 5 nodes) for a
-        wider pass, which costs little on a GPU and a round 1.09 times a chain's on a 2-core
-        CPU. So probing drafts the tree in half its rounds, and from then on greedy rounds
-        draft it if it pays (``tree_pays``; the draft cost is measured on chains either
-        way)."""
+        cut to the round's depth) where the drafter drafts trees (``draft_tree``); 0: chains;
+        None: ``DEFAULT_TREE`` on a GPU, chains on a CPU. A tree emits more tokens a pass
+        (SmolLM2-135M: 2.37 against 2.08 with 5 nodes) for a wider pass, which costs little on
+        a GPU at batch 1 and a round 1.09 times a chain's on a 2-core CPU (where, with the
+        probing below, `spec_decode.py` ran 3% behind chains). Probing drafts the tree in half
+        its rounds, and from then on greedy rounds draft it if it pays (``tree_pays``; the
+        draft cost is measured on chains either way)."""
         if spec_draft_cost is not None and spec_draft_cost < 0:
             raise ValueError(f"spec_draft_cost must be >= 0, got {spec_draft_cost}")
         if spec_explore_every < 0:
             raise ValueError(f"spec_explore_every must be >= 0, got {spec_explore_every}")
-        if spec_tree < 0:
+        if spec_tree is not None and spec_tree < 0:
             raise ValueError(f"spec_tree must be >= 0 nodes, got {spec_tree}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -228,6 +230,8 @@ class Engine:
         self._measured_cost: float | None = None  # draft_cost, once probing is over
         # drafter.depth, kept for draft_cost after speculation is switched off (drafter None)
         self._spec_max_depth = 0 if drafter is None else drafter.depth
+        if spec_tree is None:
+            spec_tree = DEFAULT_TREE if self.device.type == "cuda" else 0
         self.spec_tree = (DraftTree.best(drafter.depth, spec_tree) if drafter is not None
                           and spec_tree and hasattr(drafter, "draft_tree") else None)
         # timed full-depth probing rounds: seconds of tree and of chain rounds; the tokens the

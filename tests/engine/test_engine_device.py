@@ -100,11 +100,11 @@ def test_prefix_reuse_and_weight_pushes_on_the_gpu():
 
 
 @needs_cuda
-@pytest.mark.parametrize(("draft_vocab", "tree"), [(0, 0), (32, 0), (32, 7)])
+@pytest.mark.parametrize(("draft_vocab", "tree"), [(0, 0), (32, 0), (32, None)])
 def test_speculative_decoding_on_the_gpu(tmp_path, draft_vocab, tree):
     """A checkpoint's MTP modules load beside the model on the GPU; greedy output equals plain
-    decoding (with draft trees too: their masks built on the GPU), and a sampled request draws
-    its drafts and corrections on the CPU."""
+    decoding (with draft trees too, a GPU engine's default: their masks built on the GPU), and
+    a sampled request draws its drafts and corrections on the CPU."""
     model = _tiny()
     mtp = MTP(model.cfg, 2, draft_vocab)
     mtp.init_from_model(model)
@@ -117,6 +117,7 @@ def test_speculative_decoding_on_the_gpu(tmp_path, draft_vocab, tree):
     greedy = SamplingParams(max_tokens=24, temperature=0, logprobs=True)
     plain = Engine(gpu, max_batch=2).generate([PROMPTS[0]], greedy)[0]
     engine = Engine(gpu, max_batch=2, drafter=drafter, spec_draft_cost=0, spec_tree=tree)
+    assert (engine.spec_tree is None) == (tree == 0)
     spec = engine.generate([PROMPTS[0]], greedy)[0]
     assert spec.token_ids == plain.token_ids
     assert spec.logprobs == pytest.approx(plain.logprobs, abs=1e-4)

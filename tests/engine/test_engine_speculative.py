@@ -412,6 +412,14 @@ def test_probing_keeps_the_tree_only_where_it_emits_more_a_second(model: Transfo
     assert report is not None and report["tree_nodes"] == (0 if slow_tree else 7)
 
 
+def test_a_cpu_engine_drafts_chains_unless_told_to_draft_trees(model: Transformer) -> None:
+    """On a 2-core CPU a tree's wider pass costs about what its extra tokens gain, so a CPU
+    engine drafts chains by default (a GPU one, trees: `test_engine_device.py`)."""
+    assert Engine(model, drafter=mtp_drafter(model, 0)).spec_tree is None
+    tree = Engine(model, drafter=mtp_drafter(model, 0), spec_tree=5).spec_tree
+    assert tree is not None and len(tree) == 5 and tree.depth == 2
+
+
 @pytest.mark.parametrize(("kw", "field"), [({"spec_draft_cost": -0.1}, "spec_draft_cost"),
                                            ({"spec_explore_every": -1}, "spec_explore_every"),
                                            ({"spec_tree": -1}, "spec_tree")])
