@@ -124,6 +124,12 @@ class DraftTree:
         self.nodes = nodes
         self.parents = [index[p[:-1]] if len(p) > 1 else -1 for p in nodes]
         self.depth = len(nodes[-1])
+        # what a round asks of the tree, worked out once: children by parent (-1: depth 1),
+        # and the tree cut to each depth
+        self._children: dict[int, list[int]] = {}
+        for i, up in enumerate(self.parents):
+            self._children.setdefault(up, []).append(i)
+        self._cut: dict[int, DraftTree] = {}
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -154,8 +160,11 @@ class DraftTree:
 
     def upto(self, depth: int) -> DraftTree:
         """The nodes of depth at most ``depth``."""
-        return self if depth >= self.depth else DraftTree(
-            [p for p in self.nodes if len(p) <= depth])
+        if depth >= self.depth:
+            return self
+        if depth not in self._cut:
+            self._cut[depth] = DraftTree([p for p in self.nodes if len(p) <= depth])
+        return self._cut[depth]
 
     def expected_tokens(self, rank_acceptance: Sequence[float] = RANK_ACCEPTANCE) -> float:
         """Tokens a round emits when the draft of rank r passes with probability
@@ -182,7 +191,7 @@ class DraftTree:
 
     def children(self, parent: int) -> list[int]:
         """Node indices whose parent is ``parent`` (-1: depth 1), by rank."""
-        return [i for i, up in enumerate(self.parents) if up == parent]
+        return self._children.get(parent, [])
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -509,9 +518,7 @@ class SpeculativeSession:
         n_acc, extra = accept_drafts(drafts, q, p, self.temperature, self.gen)
         emitted = [*drafts[:n_acc], extra]
         if drafts:  # a round without drafts is a plain decode step, not counted
-            self.stats.record(len(drafts), n_acc, len(emitted))
-            if self.own is not self.stats:
-                self.own.record(len(drafts), n_acc, len(emitted))
+            self._count(len(drafts), n_acc, len(emitted))
         self.logits = logits[: n_acc + 1]
         self.kept_rows = list(range(n_acc + 1))
         self.target.truncate(L + n_acc)  # keep positions 0 .. L-1+n_acc (the accepted ones)
@@ -522,6 +529,13 @@ class SpeculativeSession:
         self._new_hidden.append(hidden[: n_acc + 1])
         self.tokens += emitted
         return emitted
+
+    def _count(self, drafted: int, accepted: int, emitted: int,
+               top_first: bool | None = None) -> None:
+        """A verify round, in the shared stats and in this sequence's own."""
+        self.stats.record(drafted, accepted, emitted, top_first)
+        if self.own is not self.stats:
+            self.own.record(drafted, accepted, emitted, top_first)
 
     def _tree_round(self, tree: DraftTree) -> list[int]:
         """A greedy round over a draft tree: the target reads the last token and every node in
@@ -545,9 +559,7 @@ class SpeculativeSession:
             top += 1
         self.chain_emitted = top + 1
         first = tree.children(-1)[0]  # the most likely first draft
-        self.stats.record(tree.depth, len(path), len(emitted), nodes[first] == best[0])
-        if self.own is not self.stats:
-            self.own.record(tree.depth, len(path), len(emitted), nodes[first] == best[0])
+        self._count(tree.depth, len(path), len(emitted), nodes[first] == best[0])
         self.kept_rows = [0, *(i + 1 for i in path)]
         self.logits = logits[self.kept_rows]
         self.target.keep(L, [L + i for i in path])  # the last token's at L - 1, nodes after it
@@ -721,8 +733,7 @@ class MTPDrafter:
         if not 1 <= k <= self.depth:
             raise ValueError(f"k: {k} drafts asked of {self.depth} MTP modules")
         L = len(tokens)
-        h0 = new_hidden.reshape(-1, new_hidden.shape[-1]).to(self.dtype)
-        self.hidden[0].write(L - 1 - h0.shape[0], h0)
+        self._take(new_hidden, L)
         ext = list(tokens)
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
@@ -732,16 +743,10 @@ class MTPDrafter:
             assert start < L - 1
             ids = ext[start + j: L - 1 + j]
             prev = self.hidden[j - 1][start:L - 1]  # (n, D)
-            fused = self.mtp.draft_step(j, prev, ids, cache, *self.head.tensors())
-            if fused is not None:  # one C++ call: embedding, module, head
-                h, logits = fused[0], self.head.widen(fused[1][0])
-            else:  # op by op (no kernels, another device)
-                tok = torch.tensor([ids], device=h0.device)  # (1, n)
-                h = self.mtp.step(j, prev[None], self.head.embed(tok), cache)[0]  # (n, D)
-                logits = self.head(h[-1:]).reshape(-1)  # float32
+            h, logits = self._module(j, prev, ids, [len(ids) - 1])
             self.hidden[j].write(start, h)
             cache.truncate(0, max(0, L - j))
-            d, q = pick(logits)
+            d, q = pick(logits[0])
             drafts.append(d)
             qs.append(q)
             ext.append(d)
@@ -760,8 +765,7 @@ class MTPDrafter:
             raise ValueError(f"draft_tree: a tree of depth {tree.depth} asked of "
                              f"{self.depth} MTP modules")
         L = len(tokens)
-        h0 = new_hidden.reshape(-1, new_hidden.shape[-1]).to(self.dtype)
-        self.hidden[0].write(L - 1 - h0.shape[0], h0)
+        self._take(new_hidden, L)
         nodes = [0] * len(tree)
         state: dict[int, torch.Tensor] = {}  # module j-1's state at its nodes (depth < j-1)
         for j in range(1, tree.depth + 1):
@@ -781,14 +785,7 @@ class MTPDrafter:
             grow = [-1] if j == 1 else [i for i in inner if len(tree.nodes[i]) == j - 1
                                           and tree.children(i)]
             rows = [real - 1 if g < 0 else at[g] for g in grow]
-            fused = self.mtp.draft_step(j, prev, ids, cache, *self.head.tensors(), rows=rows,
-                                        parents=parents)
-            if fused is not None:
-                h, logits = fused[0], self.head.widen(fused[1])
-            else:
-                tok = torch.tensor([ids], device=h0.device)
-                h = self.mtp.step(j, prev[None], self.head.embed(tok), cache, parents)[0]
-                logits = self.head(h[rows])
+            h, logits = self._module(j, prev, ids, rows, parents)
             self.hidden[j].write(start, h[:real])
             cache.truncate(0, L - j)
             state = {i: h[r] for i, r in at.items()}
@@ -798,6 +795,27 @@ class MTPDrafter:
                 for i in kids:
                     nodes[i] = top[tree.nodes[i][-1]]
         return nodes
+
+    def _take(self, new_hidden: torch.Tensor, L: int) -> None:
+        """Record the target's hidden states the drafter has not been given, which end at
+        position L - 2 (L tokens known)."""
+        h0 = new_hidden.reshape(-1, new_hidden.shape[-1]).to(self.dtype)
+        self.hidden[0].write(L - 1 - h0.shape[0], h0)
+
+    def _module(self, j: int, prev: torch.Tensor, ids: list[int], rows: Sequence[int],
+                parents: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Module j over the positions after those in its cache (``prev`` (n, D) the previous
+        depth's states, ``ids`` the tokens they read, a tree with ``parents``): its states
+        (n, D) and the full-size float32 logits (len(rows), V) at ``rows``. One C++ call where
+        the kernels take it (embedding, module, head), else op by op (another device)."""
+        cache = self.caches[j - 1]
+        fused = self.mtp.draft_step(j, prev, ids, cache, *self.head.tensors(), rows=rows,
+                                    parents=parents)
+        if fused is not None:
+            return fused[0], self.head.widen(fused[1])
+        tok = torch.tensor([ids], device=prev.device)  # (1, n)
+        h = self.mtp.step(j, prev[None], self.head.embed(tok), cache, parents)[0]
+        return h, self.head(h[list(rows)])
 
 
 def load_drafter(model: Transformer, ckpt_dir: str | Path, max_len: int | None = None,

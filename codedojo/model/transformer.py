@@ -317,9 +317,8 @@ class Transformer(FusedModule):
         layers = self.fused_layers(0, self._build_fused)
         if layers is None:
             return None
-        B, T = tokens.shape
-        if parents is not None:
-            check_tree(parents, T, B)
+        T = tokens.shape[1]
+        # (`fused_pass` checks the tree before it touches the cache)
         depth = T if parents is None else max(tree_positions(0, parents)) + 1
         end = max(cache.cache.lengths[cache.start : cache.stop]) + depth
         if end > self.cfg.max_seq_len:
