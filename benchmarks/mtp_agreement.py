@@ -33,39 +33,85 @@ from pathlib import Path
 
 import torch
 
+from codedojo.data.shards import TokenShards
+from codedojo.model.config import ModelConfig
+from codedojo.model.mtp import MTP, load_mtp
+from codedojo.model.transformer import Transformer
+from codedojo.model.weights import load_checkpoint_weights
+from codedojo.pretrain.selfgen import greedy_continue, prompt_windows
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", default="runs/cpt-smollm2/final")
-    ap.add_argument("--base", default="runs/cpt-smollm2/ckpt/sft")
+
+def checkpoint(d: Path) -> tuple[dict[str, torch.Tensor], ModelConfig, MTP]:
+    """A checkpoint's main weights, config and MTP modules (float32); exits naming what is
+    missing."""
+    if not (d / "model.safetensors").exists():
+        sys.exit(f"{d}: no checkpoint; run `dojo pretrain configs/cpt-smollm2.toml` first")
+    weights, cfg = load_checkpoint_weights(d)
+    mtp = load_mtp(d, cfg)
+    if mtp is None:
+        sys.exit(f"{d}: checkpoint has no MTP modules")
+    return weights, cfg, mtp.float().eval()
+
+
+def parse_held_out(ap: argparse.ArgumentParser, prompts: int) -> argparse.Namespace:
+    """Parse ``ap`` with the held-out text's arguments added (`held_out`'s) and the threads
+    set."""
     ap.add_argument("--data", default="runs/cpt-smollm2/data/eval")
-    ap.add_argument("--train", default=None,
-                    help="self-generated shards the heads trained on (default: the newest under "
-                    "the run's data/self; none there: no train_agree figures)")
-    ap.add_argument("--prompts", type=int, default=192)
+    ap.add_argument("--prompts", type=int, default=prompts)
     ap.add_argument("--prompt-len", type=int, default=96)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--seed", type=int, default=123)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    return args
 
-    from codedojo.data.shards import TokenShards
+
+def held_out(model: Transformer, data: str | Path, prompts: int, prompt_len: int, new: int,
+             seed: int) -> torch.Tensor:
+    """(prompts, prompt_len + new): distinct windows of the eval documents, continued greedily
+    by ``model`` (the text the drafts will follow when serving)."""
+    windows = prompt_windows(TokenShards(data), prompts, prompt_len, seed)
+    with torch.no_grad():
+        return torch.cat([greedy_continue(model, torch.from_numpy(windows[i:i + 32]), new)
+                          for i in range(0, len(windows), 32)])
+
+
+def newest_self(data: str | Path) -> Path | None:
+    """The newest self-generated shards beside the run's eval data, or None."""
+    written = sorted((Path(data).parent / "self").glob("*/index.json"),
+                     key=lambda p: p.stat().st_mtime)
+    return written[-1].parent if written else None
+
+
+def draft_hits(model: Transformer, heads: MTP, tokens: torch.Tensor, hidden: torch.Tensor
+               ) -> list[torch.Tensor]:
+    """Whether each depth's greedy draft is the next token: per depth k, (B, T-k-1), row i
+    true when the draft read at position i is tokens[i + k + 1]. ``hidden`` (B, T, D) is what
+    the first module reads (the main model's last hidden states)."""
+    B, T = tokens.shape
+    with torch.no_grad():
+        outs = heads(hidden, tokens, torch.arange(T).expand(B, T), model.embed)
+        right = []
+        for k, h in enumerate(outs, start=1):
+            pred = model.head(h, heads.draft_vocab).argmax(-1)  # (B, T-k); row i: token i+k+1
+            if heads.draft_vocab is not None:
+                pred = heads.draft_vocab[pred]
+            right.append(pred[:, :T - k - 1] == tokens[:, k + 1:])
+    return right
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", default="runs/cpt-smollm2/final")
+    ap.add_argument("--base", default="runs/cpt-smollm2/ckpt/sft")
+    ap.add_argument("--train", default=None,
+                    help="self-generated shards the heads trained on (default: the newest under "
+                    "the run's data/self; none there: no train_agree figures)")
+    args = parse_held_out(ap, prompts=192)
+
     from codedojo.engine.speculative import SpecStats, replay_greedy
-    from codedojo.model.config import ModelConfig
-    from codedojo.model.mtp import MTP, load_mtp
-    from codedojo.model.transformer import Transformer
-    from codedojo.model.weights import build_model, load_checkpoint_weights
-    from codedojo.pretrain.selfgen import greedy_continue, prompt_windows
-
-    def checkpoint(d: Path) -> tuple[dict[str, torch.Tensor], ModelConfig, MTP]:
-        if not (d / "model.safetensors").exists():
-            sys.exit(f"{d}: no checkpoint; run `dojo pretrain configs/cpt-smollm2.toml` first")
-        weights, cfg = load_checkpoint_weights(d)
-        mtp = load_mtp(d, cfg)
-        if mtp is None:
-            sys.exit(f"{d}: checkpoint has no MTP modules")
-        return weights, cfg, mtp.float().eval()
+    from codedojo.model.weights import build_model
 
     weights, cfg, mtp = checkpoint(Path(args.ckpt))
     base_weights, _, base_mtp = checkpoint(Path(args.base))
@@ -79,10 +125,7 @@ def main() -> None:
         with torch.no_grad():
             return torch.cat([model.hidden(rows[i:i + 16]) for i in range(0, len(rows), 16)])
 
-    windows = prompt_windows(TokenShards(args.data), args.prompts, args.prompt_len, args.seed)
-    with torch.no_grad():
-        rows = torch.cat([greedy_continue(model, torch.from_numpy(windows[i:i + 32]), args.new)
-                          for i in range(0, len(windows), 32)])
+    rows = held_out(model, args.data, args.prompts, args.prompt_len, args.new, args.seed)
     hidden = hidden_of(rows)
 
     def agreement(heads: MTP, rows: torch.Tensor, hidden: torch.Tensor
@@ -91,21 +134,14 @@ def main() -> None:
         rounds greedy speculative decoding drafting k = 1 .. depth tokens each would make over
         these continuations (`replay_greedy`)."""
         B, T = rows.shape
-        positions = torch.arange(T).expand(B, T)
         hits, seen = [0] * heads.depth, [0] * heads.depth
         rounds = [SpecStats() for _ in range(heads.depth)]
         with torch.no_grad():
             for i in range(0, B, 32):
                 tok = rows[i:i + 32]
-                outs = heads(hidden[i:i + 32], tok, positions[i:i + 32], model.embed)
-                right = []  # per depth k, (b, T-k-1): position i predicts token i+k+1
-                for k, h in enumerate(outs, start=1):
-                    vocab = heads.draft_vocab
-                    pred = model.head(h, vocab).argmax(-1)  # (b, T-k); row i: token i+k+1
-                    if vocab is not None:
-                        pred = vocab[pred]
-                    right.append(pred[:, :T - k - 1] == tok[:, k + 1:])
-                    ok = right[-1][:, args.prompt_len - k - 1:]
+                right = draft_hits(model, heads, tok, hidden[i:i + 32])
+                for k, r in enumerate(right, start=1):
+                    ok = r[:, args.prompt_len - k - 1:]
                     hits[k - 1] += int(ok.sum())
                     seen[k - 1] += ok.numel()
                 for b in range(len(tok)):
@@ -116,9 +152,7 @@ def main() -> None:
 
     (ours, replayed), (base, _) = agreement(mtp, rows, hidden), agreement(base_mtp, rows, hidden)
     train: list[float] = []
-    written = sorted((Path(args.data).parent / "self").glob("*/index.json"),
-                     key=lambda p: p.stat().st_mtime)
-    train_dir = Path(args.train) if args.train else written[-1].parent if written else None
+    train_dir = Path(args.train) if args.train else newest_self(args.data)
     if train_dir is not None:
         shards = TokenShards(train_dir)
         lens = shards.doc_lengths()
