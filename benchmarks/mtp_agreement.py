@@ -34,10 +34,11 @@ from pathlib import Path
 import torch
 
 from codedojo.data.shards import TokenShards
+from codedojo.engine.speculative import SpecStats, replay_greedy
 from codedojo.model.config import ModelConfig
 from codedojo.model.mtp import MTP, load_mtp
 from codedojo.model.transformer import Transformer
-from codedojo.model.weights import load_checkpoint_weights
+from codedojo.model.weights import build_model, load_checkpoint_weights
 from codedojo.pretrain.selfgen import greedy_continue, prompt_windows
 
 
@@ -101,6 +102,27 @@ def draft_hits(model: Transformer, heads: MTP, tokens: torch.Tensor, hidden: tor
     return right
 
 
+def agreement(model: Transformer, heads: MTP, rows: torch.Tensor, hidden: torch.Tensor,
+              prompt_len: int) -> tuple[list[float], list[SpecStats]]:
+    """The share of generated tokens (those after the first ``prompt_len``) each depth
+    predicts; and the rounds greedy speculative decoding drafting k = 1 .. depth tokens each
+    would make over these continuations (`replay_greedy`). ``hidden`` as `draft_hits`."""
+    B, T = rows.shape
+    hits, seen = [0] * heads.depth, [0] * heads.depth
+    rounds = [SpecStats() for _ in range(heads.depth)]
+    for i in range(0, B, 32):
+        right = draft_hits(model, heads, rows[i:i + 32], hidden[i:i + 32])
+        for k, r in enumerate(right, start=1):
+            ok = r[:, prompt_len - k - 1:]
+            hits[k - 1] += int(ok.sum())
+            seen[k - 1] += ok.numel()
+        for b in range(len(right[0])):
+            row = [r[b].tolist() for r in right]
+            for k, stats in enumerate(rounds, start=1):
+                replay_greedy(row, prompt_len, T, k, stats)
+    return [h / n for h, n in zip(hits, seen, strict=True)], rounds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", default="runs/cpt-smollm2/final")
@@ -109,9 +131,6 @@ def main() -> None:
                     help="self-generated shards the heads trained on (default: the newest under "
                     "the run's data/self; none there: no train_agree figures)")
     args = parse_held_out(ap, prompts=192)
-
-    from codedojo.engine.speculative import SpecStats, replay_greedy
-    from codedojo.model.weights import build_model
 
     weights, cfg, mtp = checkpoint(Path(args.ckpt))
     base_weights, _, base_mtp = checkpoint(Path(args.base))
@@ -128,29 +147,8 @@ def main() -> None:
     rows = held_out(model, args.data, args.prompts, args.prompt_len, args.new, args.seed)
     hidden = hidden_of(rows)
 
-    def agreement(heads: MTP, rows: torch.Tensor, hidden: torch.Tensor
-                  ) -> tuple[list[float], list[SpecStats]]:
-        """The share of generated tokens (those after the prompt) each depth predicts; and the
-        rounds greedy speculative decoding drafting k = 1 .. depth tokens each would make over
-        these continuations (`replay_greedy`)."""
-        B, T = rows.shape
-        hits, seen = [0] * heads.depth, [0] * heads.depth
-        rounds = [SpecStats() for _ in range(heads.depth)]
-        with torch.no_grad():
-            for i in range(0, B, 32):
-                tok = rows[i:i + 32]
-                right = draft_hits(model, heads, tok, hidden[i:i + 32])
-                for k, r in enumerate(right, start=1):
-                    ok = r[:, args.prompt_len - k - 1:]
-                    hits[k - 1] += int(ok.sum())
-                    seen[k - 1] += ok.numel()
-                for b in range(len(tok)):
-                    row = [r[b].tolist() for r in right]
-                    for k, stats in enumerate(rounds, start=1):
-                        replay_greedy(row, args.prompt_len, T, k, stats)
-        return [h / n for h, n in zip(hits, seen, strict=True)], rounds
-
-    (ours, replayed), (base, _) = agreement(mtp, rows, hidden), agreement(base_mtp, rows, hidden)
+    (ours, replayed), (base, _) = [agreement(model, heads, rows, hidden, args.prompt_len)
+                                  for heads in (mtp, base_mtp)]
     train: list[float] = []
     train_dir = Path(args.train) if args.train else newest_self(args.data)
     if train_dir is not None:
@@ -162,7 +160,7 @@ def main() -> None:
         picks = torch.linspace(0, len(lens) - 1, min(len(lens), args.prompts)).long().tolist()
         train_rows = torch.stack([torch.from_numpy(shards.doc(i).astype("int64"))
                                   for i in picks])
-        train, _ = agreement(mtp, train_rows, hidden_of(train_rows))
+        train, _ = agreement(model, mtp, train_rows, hidden_of(train_rows), args.prompt_len)
     print(json.dumps({
         **{f"agree_depth{k}": round(a, 4) for k, a in enumerate(ours, start=1)},
         **{f"base_agree_depth{k}": round(a, 4) for k, a in enumerate(base, start=1)},
