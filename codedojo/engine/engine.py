@@ -627,12 +627,12 @@ class Engine:
                 emitted = len(sess.round(max_tokens=room, depth=depth, tree=self.tree_pays))
                 if timed and self._spec_steps < self.spec_probe_rounds:
                     seconds = time.perf_counter() - t
-                    if depth == self._spec_max_depth and sess.tree_round:
-                        self._tree_probe["tree_s"].append(seconds)
-                        self._tree_probe["tree_tokens"].append(emitted)
-                        self._tree_probe["chain_tokens"].append(sess.chain_emitted)
-                    elif depth == self._spec_max_depth:
-                        self._tree_probe["chain_s"].append(seconds)
+                    if depth == self._spec_max_depth:  # full depth: the tree's probe
+                        probe = self._tree_probe
+                        probe["tree_s" if sess.tree_round else "chain_s"].append(seconds)
+                        if sess.tree_round:
+                            probe["tree_tokens"].append(emitted)
+                            probe["chain_tokens"].append(sess.chain_emitted)
                     if not sess.tree_round:  # the draft cost is a chain's
                         self._round_s.setdefault(depth, []).append(seconds)
                 self._spec_steps += 1

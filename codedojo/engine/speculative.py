@@ -21,12 +21,11 @@ that branch alone. The extra nodes catch the target's token where the top draft 
 (SmolLM2-135M's held-out code: 2.37 tokens a pass with 5 nodes, 2.46 with 7, 2.08 with the
 chain), for a wider pass: on a GPU at batch 1 the weights are read once either way and it
 costs little, on a 2-core CPU the arithmetic shows (a round took 1.09 times a chain's with 5
-nodes, 1.19 with 7), so the engine probes the tree against chains before it keeps it. The accepted tokens are those
-greedy decoding emits, as with a chain.
+nodes, 1.19 with 7), so the engine probes the tree against chains before it keeps it. The
+accepted tokens are those greedy decoding emits, as with a chain.
 
-The engine's batch-1 decode
-runs a `SpeculativeSession` (`speculative_generate` is the same loop on its own); `Target` and
-`Drafter` are the two small interfaces they need, with
+The engine's batch-1 decode runs a `SpeculativeSession` (`speculative_generate` is the same loop
+on its own); `Target` and `Drafter` are the two small interfaces they need, with
 `TransformerTarget` / `MTPDrafter` as the concrete kinds over our model. The module knows nothing
 about tokenization or HTTP.
 """
