@@ -85,6 +85,25 @@ def newest_self(data: str | Path) -> Path | None:
     return written[-1].parent if written else None
 
 
+def layer_states(model: Transformer, rows: torch.Tensor, layers: list[int], bf16: bool
+                 ) -> torch.Tensor:
+    """(len(layers) + 1, B, T, D): the outputs of ``layers`` and the last hidden state."""
+    out: dict[int, torch.Tensor] = {}
+    hooks = [model.layers[i].register_forward_hook(
+        lambda _m, _a, y, i=i: out.__setitem__(i, y)) for i in layers]
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    pieces = []
+    try:
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            for i in range(0, len(rows), 16):
+                h = model.hidden(rows[i:i + 16])
+                pieces.append(torch.stack([out[j].to(dtype) for j in layers] + [h.to(dtype)]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.cat(pieces, 1)
+
+
 def draft_hits(model: Transformer, heads: MTP, tokens: torch.Tensor, hidden: torch.Tensor
                ) -> list[torch.Tensor]:
     """Whether each depth's greedy draft is the next token: per depth k, (B, T-k-1), row i
@@ -140,12 +159,8 @@ def main() -> None:
                  "must read the same hidden states")
     model: Transformer = build_model(weights, cfg, torch.float32).eval()
 
-    def hidden_of(rows: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return torch.cat([model.hidden(rows[i:i + 16]) for i in range(0, len(rows), 16)])
-
     rows = held_out(model, args.data, args.prompts, args.prompt_len, args.new, args.seed)
-    hidden = hidden_of(rows)
+    hidden = layer_states(model, rows, [], bf16=False)[-1]
 
     (ours, replayed), (base, _) = [agreement(model, heads, rows, hidden, args.prompt_len)
                                   for heads in (mtp, base_mtp)]
@@ -160,7 +175,9 @@ def main() -> None:
         picks = torch.linspace(0, len(lens) - 1, min(len(lens), args.prompts)).long().tolist()
         train_rows = torch.stack([torch.from_numpy(shards.doc(i).astype("int64"))
                                   for i in picks])
-        train, _ = agreement(model, mtp, train_rows, hidden_of(train_rows), args.prompt_len)
+        train, _ = agreement(model, mtp, train_rows,
+                             layer_states(model, train_rows, [], bf16=False)[-1],
+                             args.prompt_len)
     print(json.dumps({
         **{f"agree_depth{k}": round(a, 4) for k, a in enumerate(ours, start=1)},
         **{f"base_agree_depth{k}": round(a, 4) for k, a in enumerate(base, start=1)},

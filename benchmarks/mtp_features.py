@@ -45,6 +45,7 @@ from mtp_agreement import (  # benchmarks/
     agreement,
     checkpoint,
     held_out,
+    layer_states,
     newest_self,
     parse_held_out,
 )
@@ -52,7 +53,6 @@ from torch import nn
 
 from codedojo.data.shards import TokenShards
 from codedojo.model.mtp import MTP, distill_loss
-from codedojo.model.transformer import Transformer
 from codedojo.model.weights import build_model
 
 
@@ -67,25 +67,6 @@ class Fused(nn.Module):
     def forward(self, h: torch.Tensor, taps: list[torch.Tensor]) -> torch.Tensor:
         x = torch.cat([F.rms_norm(t.float(), (t.shape[-1],)) for t in taps], -1)
         return h + self.proj(x.to(h.dtype))
-
-
-def layer_states(model: Transformer, rows: torch.Tensor, layers: list[int], bf16: bool
-                 ) -> torch.Tensor:
-    """(len(layers) + 1, B, T, D): the outputs of ``layers`` and the last hidden state."""
-    out: dict[int, torch.Tensor] = {}
-    hooks = [model.layers[i].register_forward_hook(
-        lambda _m, _a, y, i=i: out.__setitem__(i, y)) for i in layers]
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    pieces = []
-    try:
-        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            for i in range(0, len(rows), 16):
-                h = model.hidden(rows[i:i + 16])
-                pieces.append(torch.stack([out[j].to(dtype) for j in layers] + [h.to(dtype)]))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return torch.cat(pieces, 1)
 
 
 def main() -> None:
