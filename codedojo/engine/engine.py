@@ -589,7 +589,8 @@ class Engine:
     def _prefill_speculative(self, req: Request) -> None:
         assert self.drafter is not None and not self._live
         self._take_prefix(0, req)
-        target = TransformerTarget(self.model, cache=self.cache, slot=0)
+        target = TransformerTarget(self.model, cache=self.cache, slot=0,
+                                   taps=getattr(self.drafter, "taps", ()))
         sess = SpeculativeSession(target, self.drafter, req.params.temperature, req.generator,
                                   stats=self.spec_stats, tree=self.spec_tree)
         sess.prefill(req.prompt_ids, start=req.cached_tokens)

@@ -79,6 +79,9 @@ class Target(Protocol):
 
 class Drafter(Protocol):
     depth: int
+    # Optional: the target layers whose states it reads beside the last (MTP modules' fused
+    # features): the target's hidden states then carry them (`TransformerTarget`'s ``taps``).
+    taps: tuple[int, ...]
 
     def reset(self) -> None: ...
 
@@ -86,7 +89,7 @@ class Drafter(Protocol):
               pick: Callable[[torch.Tensor], tuple[int, torch.Tensor]], k: int
               ) -> tuple[list[int], list[torch.Tensor]]:
         """new_hidden (n, D): target hiddens of positions not yet given, ending at position
-        len(tokens) - 2. Returns k drafts (1 <= k <= depth) and each draft's distribution
+        len(tokens) - 2 (with ``taps``, (n, (1 + len(taps)) D)). Returns k drafts (1 <= k <= depth) and each draft's distribution
         q_j (V,), as ``pick`` (draft logits -> token, distribution) gave them."""
         ...
 
@@ -588,11 +591,12 @@ def speculative_generate(target: Target, drafter: Drafter, prompt: Sequence[int]
 
 class TransformerTarget:
     """Our decoder over one slot of a KV cache, as a `Target`. By default it owns a one-slot
-    cache; the engine can pass its own cache and the request's slot instead."""
+    cache; the engine can pass its own cache and the request's slot instead. ``taps``: the
+    hidden states it returns carry those layers' after the last (a drafter's ``taps``)."""
 
     def __init__(self, model: Transformer, max_len: int | None = None,
-                 cache: KVCache | None = None, slot: int = 0):
-        self.model = model
+                 cache: KVCache | None = None, slot: int = 0, taps: Sequence[int] = ()):
+        self.model, self.taps = model, tuple(taps)
         dtype = next(model.parameters()).dtype
         dev = next(model.parameters()).device
         self.cache = cache if cache is not None else KVCache(
@@ -615,7 +619,7 @@ class TransformerTarget:
         dev = self.cache.device
         logits, hidden = self.model(torch.tensor([list(ids)], device=dev),
                                     cache=self.cache.view(self.slot), return_hidden=True,
-                                    last_only=last_only, parents=parents)
+                                    last_only=last_only, parents=parents, taps=self.taps)
         return logits[0], hidden[0]
 
     def truncate(self, length: int) -> None:
@@ -708,7 +712,7 @@ class MTPDrafter:
         """`head`: the main model's embedding and head the modules share (over the draft
         vocabulary when it has one)."""
         self.mtp, self.head = mtp, head
-        self.depth = mtp.depth
+        self.depth, self.taps = mtp.depth, mtp.taps
         self.max_len = max_len or mtp.cfg.max_seq_len
         self.dtype = next(mtp.parameters()).dtype
         self.caches = mtp.new_caches(self.max_len, self.dtype)
@@ -719,7 +723,8 @@ class MTPDrafter:
         self.head.refresh()
 
     def reset(self) -> None:
-        # per depth (0: the target's), the states of positions 0 .. len(tokens) - 2
+        # per depth (0: the target's, with its tapped layers'), the states of positions
+        # 0 .. len(tokens) - 2
         self.hidden = [HiddenHistory() for _ in range(self.depth + 1)]
         for c in self.caches:
             c.reset(0)
@@ -742,7 +747,7 @@ class MTPDrafter:
             assert start < L - 1
             ids = ext[start + j: L - 1 + j]
             prev = self.hidden[j - 1][start:L - 1]  # (n, D)
-            h, logits = self._module(j, prev, ids, [len(ids) - 1])
+            h, logits = self._module(j, prev, ids, [len(ids) - 1], range(start, L - 1))
             self.hidden[j].write(start, h)
             cache.truncate(0, max(0, L - j))
             d, q = pick(logits[0])
@@ -778,13 +783,15 @@ class MTPDrafter:
             prev = torch.cat([self.hidden[j - 1][start:L - j],
                               *(state[tree.parents[i]][None] if tree.parents[i] >= 0
                                 else self.hidden[j - 1][L - j:L - j + 1] for i in inner)])
+            # a node of depth d sits at position L - 1 - j + d (the tapped states' there)
+            where = [*range(start, L - j), *(L - 1 - j + len(tree.nodes[i]) for i in inner)]
             at = {i: real + n for n, i in enumerate(inner)}  # node -> row of this call
             parents = [r - 1 for r in range(real)] + [
                 real - 1 if tree.parents[i] < 0 else at[tree.parents[i]] for i in inner]
             grow = [-1] if j == 1 else [i for i in inner if len(tree.nodes[i]) == j - 1
                                           and tree.children(i)]
             rows = [real - 1 if g < 0 else at[g] for g in grow]
-            h, logits = self._module(j, prev, ids, rows, parents)
+            h, logits = self._module(j, prev, ids, rows, where, parents)
             self.hidden[j].write(start, h[:real])
             cache.truncate(0, L - j)
             state = {i: h[r] for i, r in at.items()}
@@ -799,21 +806,30 @@ class MTPDrafter:
         """Record the target's hidden states the drafter has not been given, which end at
         position L - 2 (L tokens known)."""
         h0 = new_hidden.reshape(-1, new_hidden.shape[-1]).to(self.dtype)
+        self.mtp.split(h0)  # the width the modules read, or a clear error
         self.hidden[0].write(L - 1 - h0.shape[0], h0)
 
     def _module(self, j: int, prev: torch.Tensor, ids: list[int], rows: Sequence[int],
-                parents: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                where: Sequence[int], parents: Sequence[int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Module j over the positions after those in its cache (``prev`` (n, D) the previous
-        depth's states, ``ids`` the tokens they read, a tree with ``parents``): its states
-        (n, D) and the full-size float32 logits (len(rows), V) at ``rows``. One C++ call where
-        the kernels take it (embedding, module, head), else op by op (another device)."""
-        cache = self.caches[j - 1]
+        depth's states, ``ids`` the tokens they read, ``where`` their positions, a tree with
+        ``parents``): its states (n, D) and the full-size float32 logits (len(rows), V) at
+        ``rows``. One C++ call where the kernels take it (embedding, module, head), else op by
+        op (another device)."""
+        cache, D = self.caches[j - 1], self.mtp.cfg.dim
+        prev = prev[:, :D]  # depth 0's rows carry the tapped layers' states after the last
+        tapped = None
+        if self.taps:
+            buf = self.hidden[0][0:self.hidden[0].length]
+            tapped = buf[torch.as_tensor(list(where), device=buf.device), D:]
         fused = self.mtp.draft_step(j, prev, ids, cache, *self.head.tensors(), rows=rows,
-                                    parents=parents)
+                                    parents=parents, tapped=tapped)
         if fused is not None:
             return fused[0], self.head.widen(fused[1])
         tok = torch.tensor([ids], device=prev.device)  # (1, n)
-        h = self.mtp.step(j, prev[None], self.head.embed(tok), cache, parents)[0]
+        h = self.mtp.step(j, prev[None], self.head.embed(tok), cache, parents,
+                          None if tapped is None else tapped[None])[0]
         return h, self.head(h[list(rows)])
 
 

@@ -146,7 +146,7 @@ FUSED_TOKENS = 512
 def fused_pass(layers: FusedLayers, view: CacheView, B: int, T: int, *,
                tokens: list[list[int]] | None = None, x: torch.Tensor | None = None,
                logits: Literal["all"] | Sequence[int] | None = None,
-               parents: Sequence[int] | None = None
+               parents: Sequence[int] | None = None, taps: Sequence[int] = ()
                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """T new tokens for each of the B slots of ``view`` through ``layers``, in one C++ call,
     given as ids ``tokens`` (B lists of T) or embedded, x (B, T, D). Advances the view's
@@ -155,7 +155,8 @@ def fused_pass(layers: FusedLayers, view: CacheView, B: int, T: int, *,
     each token it lists: (1, len(logits), V)), or None. None (the
     view untouched) for passes of more than ``FUSED_TOKENS`` tokens or ones the kernels do not
     take; the caller then runs the layers op by op. ``parents`` (B = 1): the T tokens are a
-    tree (``kv_cache.tree_positions``)."""
+    tree (``kv_cache.tree_positions``). ``taps``: the states after those layers follow the last
+    ones, (B, T, (1 + len(taps)) D) (`Transformer.hidden`)."""
     if not (0 < B * T <= FUSED_TOKENS and layers.takes(view.cache.k)):
         return None
     if parents is not None:
@@ -175,7 +176,7 @@ def fused_pass(layers: FusedLayers, view: CacheView, B: int, T: int, *,
                    [past[b] + t for b, t in cells],
                    x=None if x is None else x.reshape(B * T, -1),
                    tokens=() if tokens is None else [tokens[b][t] for b, t in cells],
-                   logit_rows=rows, **tree)
+                   logit_rows=rows, taps=taps, **tree)
     if logits is None:
         return h.view(B, T, -1), None
     return h.view(B, T, -1), lg.view(B, T if logits == "all" else len(rows) // B, -1)
@@ -217,6 +218,13 @@ class FusedModule(nn.Module):
                 a is not b for a, b in zip(hit[0], held, strict=True)):
             hit = self._fused[key] = (held, build())
         return hit[1]
+
+
+def check_taps(taps: Sequence[int], n_layers: int) -> None:
+    """Layers whose outputs are tapped: increasing indexes of the ``n_layers``."""
+    if any(not 0 <= t < n_layers for t in taps) or list(taps) != sorted(set(taps)):
+        raise ValueError(f"taps: {list(taps)} must be increasing layer indexes in "
+                         f"[0, {n_layers})")
 
 
 def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -276,7 +284,7 @@ class Transformer(FusedModule):
                 cache: CacheView | None = None, doc_ids: torch.Tensor | None = None,
                 return_hidden: bool = False, last_only: bool = False,
                 logits_at: torch.Tensor | None = None, parents: Sequence[int] | None = None,
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                taps: Sequence[int] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens (B, T) -> logits (B, T, V) float32, or (logits, hidden before the final norm).
 
         ``cache`` appends this call's keys/values to a KV cache view and attends to everything
@@ -286,6 +294,7 @@ class Transformer(FusedModule):
         position per row (prefill of right-padded prompts), giving (B, 1, V). ``parents``
         (with a cache, one row): the new tokens are a tree, each one's parent given by its index
         among them or -1 (``kv_cache.tree_positions``): several continuations in one pass.
+        ``taps``: the hidden states returned carry those layers' outputs too (`hidden`).
         """
         if cache is not None and positions is None and doc_ids is None:
             B, T = tokens.shape
@@ -294,29 +303,30 @@ class Transformer(FusedModule):
                 at = logits_at.tolist()
             elif last_only:
                 at = [T - 1] * B
-            fused = self._fused_pass(tokens, cache, at, parents)
+            fused = self._fused_pass(tokens, cache, at, parents, taps)
             if fused is not None:
                 x, logits = fused
                 return (logits, x) if return_hidden else logits  # type: ignore[return-value]
         x = self.hidden(tokens, positions=positions, cache=cache, doc_ids=doc_ids,
-                        parents=parents)
-        B = x.shape[0]
+                        parents=parents, taps=taps)
+        B, last = x.shape[0], x[..., : self.cfg.dim]
         if logits_at is not None:
-            h = x[torch.arange(B, device=x.device), logits_at].unsqueeze(1)
+            h = last[torch.arange(B, device=x.device), logits_at].unsqueeze(1)
         else:
-            h = x[:, -1:] if last_only else x
+            h = last[:, -1:] if last_only else last
         logits = self.head(h)
         return (logits, x) if return_hidden else logits
 
     def _fused_pass(self, tokens: torch.Tensor, cache: CacheView,
                     logits: Literal["all"] | Sequence[int] | None,
-                    parents: Sequence[int] | None = None
+                    parents: Sequence[int] | None = None, taps: Sequence[int] = ()
                     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``fused_pass`` over every layer, from the token ids to the logits asked for; None
         where the kernels do not take it."""
         layers = self.fused_layers(0, self._build_fused)
         if layers is None:
             return None
+        check_taps(taps, self.cfg.n_layers)
         T = tokens.shape[1]
         # (`fused_pass` checks the tree before it touches the cache)
         depth = T if parents is None else max(tree_positions(0, parents)) + 1
@@ -324,7 +334,7 @@ class Transformer(FusedModule):
         if end > self.cfg.max_seq_len:
             raise ValueError(f"positions: {end - 1} >= max_seq_len {self.cfg.max_seq_len}")
         return fused_pass(layers, cache, tokens.shape[0], T, tokens=tokens.tolist(),
-                          logits=logits, parents=parents)
+                          logits=logits, parents=parents, taps=taps)
 
     def _build_fused(self) -> FusedLayers | None:
         per_layer = [layer.decode_weights() for layer in self.layers]
@@ -338,9 +348,13 @@ class Transformer(FusedModule):
 
     def hidden(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                cache: CacheView | None = None, doc_ids: torch.Tensor | None = None,
-               parents: Sequence[int] | None = None) -> torch.Tensor:
+               parents: Sequence[int] | None = None, taps: Sequence[int] = ()
+               ) -> torch.Tensor:
         """The last hidden states (B, T, dim), before the final norm (``forward`` without the
-        head; arguments as there)."""
+        head; arguments as there). ``taps`` (increasing layer indexes, 0-based): the outputs of
+        those layers follow the last states, (B, T, (1 + len(taps)) dim): the fused features an
+        MTP module may read (EAGLE-3)."""
+        check_taps(taps, self.cfg.n_layers)
         B, T = tokens.shape
         mask: torch.Tensor | None = None
         if parents is not None and (cache is None or positions is not None):
@@ -350,7 +364,7 @@ class Transformer(FusedModule):
             if doc_ids is not None:
                 raise ValueError("doc_ids: packed-document masking is not supported with a cache")
             if positions is None and (
-                    fused := self._fused_pass(tokens, cache, None, parents)) is not None:
+                    fused := self._fused_pass(tokens, cache, None, parents, taps)) is not None:
                 return fused[0]
             store_pos, mask = cache.prepare(T, parents)
             if positions is None:
@@ -372,6 +386,9 @@ class Transformer(FusedModule):
         cos, sin = self.rotary.tables(positions)
         cos, sin = cos.to(self.tok_embeddings.weight.dtype), sin.to(self.tok_embeddings.weight.dtype)
         x = self.embed(tokens)
-        for layer in self.layers:
+        tapped = []
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache)
-        return x
+            if i in taps:
+                tapped.append(x)
+        return torch.cat([x, *tapped], -1) if tapped else x

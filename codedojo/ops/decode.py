@@ -72,15 +72,16 @@ class FusedLayers:
     def __call__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: Sequence[int],
                  positions: Sequence[int], *, x: torch.Tensor | None = None,
                  tokens: Sequence[int] = (), logit_rows: Sequence[int] = (),
-                 rope: Sequence[int] = (), parents: Sequence[int] = ()
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 rope: Sequence[int] = (), parents: Sequence[int] = (),
+                 taps: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """The new tokens as x (N, D) embedded, or as ids ``tokens`` (with ``mix``, both: x the
         previous depth's hidden states). Token i's key and value
         go to position ``positions[i]`` of cache slot ``slots[i]`` (caches laid out (layers,
         slots, kv_heads, capacity, head_dim), as ``takes``) and it attends to positions
         ``[0, positions[i]]`` of that slot, tokens of this call included. Returns the hidden
         states after the last layer (N, D) in the weights' type and float32 logits
-        (len(logit_rows), V) of the rows ``logit_rows``.
+        (len(logit_rows), V) of the rows ``logit_rows``. ``taps`` (increasing layer indexes):
+        the states after those layers follow the last ones in each row, (N, (1 + len(taps)) D).
 
         A tree of tokens (``parents``: each one's parent's index in this call, or -1; ``rope``:
         their RoPE positions, a parent's plus one): token i is rotated as at ``rope[i]`` and
@@ -89,5 +90,5 @@ class FusedLayers:
         x32 = _EMPTY if x is None else x.to(torch.float32)
         h, logits = self._handle.run(x32, list(tokens), k_cache, v_cache, list(slots),
                                      list(positions), list(logit_rows), list(rope),
-                                     list(parents))
+                                     list(parents), list(taps))
         return h.to(self.dtype), logits

@@ -25,6 +25,7 @@
 #include <omp.h>
 #include <pybind11/functional.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <string>
@@ -233,6 +234,9 @@ class FusedLayers {
   // tokens of this call included (every token's key is written before any attends). Returns
   // the hidden states after the last layer (N, D) float32 and, for the rows `logit_rows`, the
   // logits (final norm and output projection; (R, V) float32, (0, V) when none is asked).
+  // `taps` (layer indexes, increasing): the states after those layers too, each (N, D) beside
+  // the last ones: (N, (1 + taps) D), [last, taps[0], taps[1], ...] (an MTP module's fused
+  // features).
   // A tree of tokens (draft trees: several continuations of one sequence in one pass): with
   // `parent` (N entries, the index in this call of a token's parent, or -1) and `rope` (N
   // RoPE positions, a parent's plus one), token n is rotated as at position rope[n] and
@@ -246,7 +250,8 @@ class FusedLayers {
                                                const std::vector<int64_t>& pos,
                                                const std::vector<int64_t>& logit_rows,
                                                const std::vector<int64_t>& rope,
-                                               const std::vector<int64_t>& parent) {
+                                               const std::vector<int64_t>& parent,
+                                               const std::vector<int64_t>& taps) {
     const bool embedded = x.numel() > 0, mixed = !mix_.empty();
     TORCH_CHECK(mixed ? embedded && x.size(0) == int64_t(tokens.size())
                       : embedded != !tokens.empty(),
@@ -303,12 +308,17 @@ class FusedLayers {
                   std::to_string(r),
                   head_.numel() ? " of a call of " + std::to_string(N) + " tokens"
                                 : ", but no output head held");
+    for (size_t j = 0; j < taps.size(); ++j)
+      TORCH_CHECK(taps[j] >= 0 && taps[j] < L_ && (j == 0 || taps[j - 1] < taps[j]),
+                  "FusedLayers: taps must be increasing layer indexes below ",
+                  std::to_string(L_), "; got ", std::to_string(taps[j]), " at ",
+                  std::to_string(j));
     if (type_ == at::kBFloat16)
       return run_typed<at::BFloat16>(x, tokens, k_cache, v_cache, slot, tree ? rope : pos,
-                                     logit_rows, paths);
+                                     logit_rows, paths, taps);
     for (Panels& p : panels_) p.refresh();  // weights changed in place since the last call
     return run_typed<float>(x, tokens, k_cache, v_cache, slot, tree ? rope : pos, logit_rows,
-                            paths);
+                            paths, taps);
   }
 
  private:
@@ -317,7 +327,7 @@ class FusedLayers {
       const torch::Tensor& x_in, const std::vector<int64_t>& tokens, const torch::Tensor& k_cache,
       const torch::Tensor& v_cache, const std::vector<int64_t>& slot,
       const std::vector<int64_t>& rope, const std::vector<int64_t>& logit_rows,
-      const std::vector<std::vector<int64_t>>& paths) const {
+      const std::vector<std::vector<int64_t>>& paths, const std::vector<int64_t>& taps) const {
     // rope[n]: token n's RoPE position; its cache position is rope[n] too, or, in a tree, the
     // last of paths[n] (the positions of its ancestors and its own)
     const int64_t B = x_in.numel() ? x_in.size(0) : int64_t(tokens.size());
@@ -360,6 +370,9 @@ class FusedLayers {
     torch::Tensor act = torch::empty({B, F}, opts);
     torch::Tensor out = torch::empty({B, D}, opts);
     torch::Tensor logits = torch::empty({R, V}, opts);
+    const int64_t NT = taps.size(), FD = (1 + NT) * D;  // the tapped states' row width
+    torch::Tensor feat = NT ? torch::empty({B, FD}, opts) : x;
+    float* fp = feat.data_ptr<float>();
     float *xp = x.data_ptr<float>(), *qp = qkv.data_ptr<float>(), *ap = att.data_ptr<float>();
     float *gp = gu.data_ptr<float>(), *hp = act.data_ptr<float>(), *op = out.data_ptr<float>();
     float* lp = logits.data_ptr<float>();
@@ -456,6 +469,13 @@ class FusedLayers {
           residual(m0, m1);
         }
 #pragma omp barrier
+        // a tapped layer's states: this thread's rows (x is next written after a barrier)
+        if (const auto j = std::find(taps.begin(), taps.end(), l); j != taps.end()) {
+          const int64_t at = (1 + (j - taps.begin())) * D;
+          const auto [b0, b1] = share(B, t, nt);
+          for (int64_t b = b0; b < b1; ++b)
+            std::copy(xp + b * D, xp + (b + 1) * D, fp + b * FD + at);
+        }
       }
       if (R) {  // final norm of the rows asked for; this thread's band of the vocabulary
         for (int64_t r = 0; r < R; ++r)
@@ -463,7 +483,9 @@ class FusedLayers {
         band(normed.data(), head, head_panels, lp, V, R, D, V);
       }
     }
-    return {x, logits};
+    if (NT)
+      for (int64_t b = 0; b < B; ++b) std::copy(xp + b * D, xp + (b + 1) * D, fp + b * FD);
+    return {feat, logits};
   }
 
   std::vector<torch::Tensor> weights_;

@@ -13,8 +13,9 @@ Only a source that ran under the same corpus, model, seed and evaluation setting
 branched from: anything else would change what every stage computes. How the new stages run may
 differ (the model's ``dtype``, ``device``, ``compile`` and ``activation_checkpointing``): a run
 made on a laptop in float32 branches on a GPU in bf16, as a resume on another machine would. And
-the MTP chain may grow (``model.n_mtp``): the last stage that trains MTP modules runs again (and
-those after it), the new modules starting as copies of the last one (`grow_chain`).
+the MTP chain may grow (``model.n_mtp``), or its modules start reading tapped layers
+(``model.mtp_taps``): the last stage that trains MTP modules runs again (and those after it), the
+new modules starting as copies of the last one (`grow_chain`), the new projections at zero.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def branch_run(src: str | Path, cfg: PretrainConfig) -> list[str]:
     if dest.exists() and any(dest.iterdir()):
         raise BranchError(f"{dest} is not empty: branch into a new out_dir or name")
     old = PretrainConfig.model_validate_json((src / "config.json").read_text())
-    free = {**dict.fromkeys(_FREE, True), "model": _FREE_MODEL | {"n_mtp"}}
+    free = {**dict.fromkeys(_FREE, True), "model": _FREE_MODEL | {"n_mtp", "mtp_taps"}}
     a, b = old.model_dump(exclude=free), cfg.model_dump(exclude=free)
     differ = [k for k in a if a[k] != b[k]]  # one model: the same fields
     if differ:
@@ -59,8 +60,15 @@ def branch_run(src: str | Path, cfg: PretrainConfig) -> list[str]:
         raise BranchError(f"{src}: model.n_mtp {had} -> {has}: a branch may add MTP modules "
                           "to a run that has some (the new ones start as copies of its last), "
                           "not add the first or remove any")
+    taps_had, taps_has = old.model.mtp_taps, cfg.model.mtp_taps
+    if taps_has != taps_had and not (had and not taps_had):
+        raise BranchError(f"{src}: model.mtp_taps {taps_had} -> {taps_has}: a branch may "
+                          "give MTP modules that read no tapped layers some (their "
+                          "projections start at zero), not change or remove them")
     stages = cfg.stages
-    if has > had:  # the new modules are trained by the last stage that trains modules
+    if has > had or taps_has != taps_had:
+        # the new modules, or the modules' new projections, are trained by the last stage
+        # that trains modules
         stages = stages[:max((i for i, s in enumerate(stages) if s.mtp != "off"),
                             default=len(stages))]
     reused = []

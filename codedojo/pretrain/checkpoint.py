@@ -176,10 +176,14 @@ def load_weights(path: str | Path, model: nn.Module, mtp: MTP | None = None) -> 
     if mtp is not None:
         # A checkpoint from before the draft vocabulary was chosen (an earlier stage, or a
         # config that gained `mtp_draft_vocab`) lacks it: the MTP stage chooses it then. One of
-        # fewer modules (a branch that grows the chain) gives its last to the new ones.
+        # fewer modules (a branch that grows the chain) gives its last to the new ones. One of
+        # modules that read no tapped layers (a branch that adds `mtp_taps`) leaves their
+        # projections at zero: the modules draft as they did.
         sd = grow_chain(load_file(str(path / "mtp.safetensors")), mtp.depth)
         res = mtp.load_state_dict(sd, strict=False)
-        if res.unexpected_keys or set(res.missing_keys) - {"draft_vocab"}:
+        fresh = {"draft_vocab"} | ({n for n in res.missing_keys if ".fuse." in n}
+                                   if not any(".fuse." in n for n in sd) else set())
+        if res.unexpected_keys or set(res.missing_keys) - fresh:
             raise RuntimeError(f"{path}: MTP weights do not match the configured modules "
                                f"(missing {res.missing_keys}, unexpected {res.unexpected_keys})")
     return checkpoint_config(path)

@@ -44,6 +44,9 @@ class ModelSpec(BaseModel):
     n_mtp: int = Field(0, ge=0, description="MTP modules to attach (0: none).")
     mtp_draft_vocab: int = Field(0, ge=0, description="Draft (and distil) MTP over the N most "
                                  "frequent tokens of the training data (0: the full vocab).")
+    mtp_taps: list[int] = Field(default_factory=list, description="Layers (0-based, increasing) "
+                                "whose states every MTP module reads beside the previous "
+                                "depth's (EAGLE-3's fused features; `codedojo.model.mtp`).")
     tiny_overrides: dict[str, object] = Field(default_factory=dict,
                                               description="ModelConfig fields for base = tiny.")
 
@@ -123,6 +126,10 @@ class StageConfig(BaseModel):
     mtp_greedy: float = Field(0.0, ge=0, le=1, description="Share of the MTP distillation "
                               "loss given to the cross-entropy of the main head's greedy "
                               "token (what a greedy draft must equal) instead of the KL.")
+    mtp_taps_lr_mult: float = Field(10.0, gt=0, description="The learning rate of the MTP "
+                                    "modules' projections of the tapped layers (`model."
+                                    "mtp_taps`), as a multiple of the stage's: they start at "
+                                    "zero and must reach the residual stream's scale.")
     checkpoint_every: int = Field(0, ge=0, description="Also checkpoint every N steps (0: end).")
     dtype: Literal["fp32", "bf16"] | None = Field(None, description="This stage's precision, "
                                                   "as the model's `dtype` says it (default: "
@@ -180,6 +187,9 @@ class PretrainConfig(BaseModel):
             raise ValueError(f"stages: names must be unique, got {names}")
         if any(s.mtp != "off" for s in self.stages) and self.model.n_mtp == 0:
             raise ValueError("model.n_mtp must be > 0 when a stage trains MTP modules")
+        taps = self.model.mtp_taps
+        if any(t < 0 for t in taps) or taps != sorted(set(taps)):
+            raise ValueError(f"model.mtp_taps: {taps} must be increasing layer indexes >= 0")
         return self
 
     @property

@@ -8,6 +8,7 @@ parameters: matrices only; norms, biases and the MoE selection bias (a buffer) a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -30,15 +31,29 @@ def wsd_lr(step: int, *, peak: float, total: int, warmup: int, decay_frac: float
 
 
 def build_adamw(params: list[tuple[str, nn.Parameter]], lr: float, weight_decay: float,
-                betas: tuple[float, float]) -> torch.optim.AdamW:
+                betas: tuple[float, float], lr_mult: Callable[[str], float] = lambda _: 1.0
+                ) -> torch.optim.AdamW:
+    """``lr_mult(name)``: a parameter's learning rate as a multiple of the schedule's (each
+    group's ``lr_mult``; `set_lr` applies it)."""
     groups = []
     # FSDP-sharded parameters (DTensors) and parameters kept whole on every rank (the MTP
     # modules) go in groups of their own: the fused kernel takes one kind at a time.
+    mults = sorted({lr_mult(n) for n, _ in params})
     for sharded in (False, True):
-        kind = [p for _, p in params if p.requires_grad and is_sharded(p) == sharded]
-        groups += [{"params": [p for p in kind if p.ndim >= 2], "weight_decay": weight_decay},
-                   {"params": [p for p in kind if p.ndim < 2], "weight_decay": 0.0}]
+        for m in mults:
+            kind = [p for n, p in params
+                    if p.requires_grad and is_sharded(p) == sharded and lr_mult(n) == m]
+            groups += [{"params": [p for p in kind if p.ndim >= 2], "lr_mult": m,
+                        "weight_decay": weight_decay},
+                       {"params": [p for p in kind if p.ndim < 2], "lr_mult": m,
+                        "weight_decay": 0.0}]
     # The fused kernel: one pass over each parameter's state per step, and deterministic, so a
     # resumed run stays bit-identical.
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas,
                              fused=True)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's learning rate, times each group's ``lr_mult``."""
+    for g in optimizer.param_groups:
+        g["lr"] = lr * g.get("lr_mult", 1.0)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +55,7 @@ from codedojo.pretrain.checkpoint import (
 )
 from codedojo.pretrain.config import PretrainConfig, StageConfig
 from codedojo.pretrain.loss import linear_cross_entropy
-from codedojo.pretrain.optim import build_adamw, wsd_lr
+from codedojo.pretrain.optim import build_adamw, set_lr, wsd_lr
 from codedojo.pretrain.parallel import (
     apply_activation_checkpointing,
     apply_compile,
@@ -103,22 +103,25 @@ def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
     """The loss of one micro-batch, by stage kind (``mtp_detach``: `MTP.forward`'s,
     ``mtp_greedy``: `distill_loss`'s ``greedy``)."""
     tokens, targets, mask = batch["tokens"], batch["targets"], batch["loss_mask"]
-    fwd = {"positions": batch["positions"], "doc_ids": batch["doc_ids"]}
+    # the modules read the last hidden states, and the tapped layers' after them
+    fwd = {"positions": batch["positions"], "doc_ids": batch["doc_ids"],
+           "taps": mtp.taps if mtp is not None and mode != "off" else ()}
     vocab = mtp.draft_vocab if mtp is not None else None
+    D = model.cfg.dim
     metrics: dict[str, float] = {}
     if mode == "distill":  # the main model is the frozen teacher, over the draft vocabulary
         with torch.no_grad():
             # its hidden states stored with the data (self-generated text), or computed
             hidden = batch["hidden"] if "hidden" in batch else model.hidden(tokens, **fwd)
-            teacher = model.head(hidden, vocab)
+            teacher = model.head(hidden[..., :D], vocab)
         loss = teacher.new_zeros(())
     else:  # next-token loss fused with the head (`loss.py`): no full-size logits
         hidden = model.hidden(tokens, **fwd)
-        loss = next_token_loss(model, hidden, targets, mask)
+        loss = next_token_loss(model, hidden[..., :D], targets, mask)
         metrics["ce"] = float(loss.detach())
         if mode == "joint":
             with torch.no_grad():
-                teacher = model.head(hidden, vocab)
+                teacher = model.head(hidden[..., :D], vocab)
     if mode in ("distill", "joint"):
         assert mtp is not None
         hs = mtp(hidden, tokens, batch["positions"], model.embed, batch["doc_ids"],
@@ -184,7 +187,7 @@ def build_model(cfg: PretrainConfig) -> tuple[Transformer, MTP | None]:
     model.train()
     mtp = None
     if cfg.model.n_mtp > 0:
-        mtp = MTP(model.cfg, cfg.model.n_mtp, cfg.model.mtp_draft_vocab)
+        mtp = MTP(model.cfg, cfg.model.n_mtp, cfg.model.mtp_draft_vocab, cfg.model.mtp_taps)
         try:
             mtp.init_from_model(model)
         except ValueError:
@@ -245,11 +248,13 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
     return Packed.load(out)
 
 
-def stored_hidden(stage: StageConfig, data: RunData) -> TokenFeatures | None:
+def stored_hidden(stage: StageConfig, data: RunData, taps: Sequence[int] = ()
+                  ) -> TokenFeatures | None:
     """The frozen model's hidden states stored with the stage's data, when the stage can train
     on them instead of running the model: a distillation stage (the model does not change) whose
-    one source is self-generated text written with them."""
-    if stage.mtp != "distill" or [e.data for e in stage.mix] != ["self"]:
+    one source is self-generated text written with them. They are the last layer's alone, so
+    modules that read tapped layers (``taps``) run the model."""
+    if stage.mtp != "distill" or [e.data for e in stage.mix] != ["self"] or taps:
         return None
     feats = data.shards["self"] / "hidden"
     return TokenFeatures(feats) if (feats / "index.json").exists() else None
@@ -341,7 +346,8 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
         params = list(model.named_parameters())
         if mtp is not None and st.mtp == "joint":
             params += [(f"mtp.{n}", p) for n, p in mtp.named_parameters()]
-    opt = build_adamw(params, st.lr, st.weight_decay, st.betas)
+    opt = build_adamw(params, st.lr, st.weight_decay, st.betas,
+                      lambda name: st.mtp_taps_lr_mult if ".fuse." in name else 1.0)
     start = 0
     if resume_from is not None:
         pos = read_position(resume_from)
@@ -368,8 +374,7 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
     for step in range(start, st.steps):
         lr = wsd_lr(step, peak=st.lr, total=st.steps, warmup=st.warmup_steps,
                     decay_frac=st.decay_frac, min_ratio=st.min_lr_ratio)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        set_lr(opt, lr)
         t0 = time.perf_counter()
         total, metrics = 0.0, {}
         ntok = 0
@@ -567,7 +572,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
             load_weights(ck, model, mtp)
         if st.self_gen is not None:
             data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
-        feats = stored_hidden(st, data)
+        feats = stored_hidden(st, data, cfg.model.mtp_taps)
         with main_rank_first():
             packed = stage_packed(cfg, st, si, data, run_dir, world, origins=feats is not None)
         # every rank its own share of the rows, in the same seeded order
