@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -85,30 +86,21 @@ def newest_self(data: str | Path) -> Path | None:
     return written[-1].parent if written else None
 
 
-def layer_states(model: Transformer, rows: torch.Tensor, layers: list[int], bf16: bool
-                 ) -> torch.Tensor:
-    """(len(layers) + 1, B, T, D): the outputs of ``layers`` and the last hidden state."""
-    out: dict[int, torch.Tensor] = {}
-    hooks = [model.layers[i].register_forward_hook(
-        lambda _m, _a, y, i=i: out.__setitem__(i, y)) for i in layers]
+def hidden_states(model: Transformer, rows: torch.Tensor, taps: Sequence[int] = (),
+                  bf16: bool = False) -> torch.Tensor:
+    """(B, T, (1 + len(taps)) D): the last hidden states, the tapped layers' after them
+    (`Transformer.hidden`), as MTP modules reading ``taps`` take them; 16 rows a pass."""
     dtype = torch.bfloat16 if bf16 else torch.float32
-    pieces = []
-    try:
-        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-            for i in range(0, len(rows), 16):
-                h = model.hidden(rows[i:i + 16])
-                pieces.append(torch.stack([out[j].to(dtype) for j in layers] + [h.to(dtype)]))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return torch.cat(pieces, 1)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        return torch.cat([model.hidden(rows[i:i + 16], taps=taps).to(dtype)
+                          for i in range(0, len(rows), 16)])
 
 
 def draft_hits(model: Transformer, heads: MTP, tokens: torch.Tensor, hidden: torch.Tensor
                ) -> list[torch.Tensor]:
     """Whether each depth's greedy draft is the next token: per depth k, (B, T-k-1), row i
-    true when the draft read at position i is tokens[i + k + 1]. ``hidden`` (B, T, D) is what
-    the first module reads (the main model's last hidden states)."""
+    true when the draft read at position i is tokens[i + k + 1]. ``hidden`` is what the modules
+    read of the main model (`hidden_states` with their ``taps``)."""
     B, T = tokens.shape
     with torch.no_grad():
         outs = heads(hidden, tokens, torch.arange(T).expand(B, T), model.embed)
@@ -160,10 +152,9 @@ def main() -> None:
     model: Transformer = build_model(weights, cfg, torch.float32).eval()
 
     rows = held_out(model, args.data, args.prompts, args.prompt_len, args.new, args.seed)
-    hidden = layer_states(model, rows, [], bf16=False)[-1]
-
-    (ours, replayed), (base, _) = [agreement(model, heads, rows, hidden, args.prompt_len)
-                                  for heads in (mtp, base_mtp)]
+    (ours, replayed), (base, _) = [
+        agreement(model, heads, rows, hidden_states(model, rows, heads.taps), args.prompt_len)
+        for heads in (mtp, base_mtp)]
     train: list[float] = []
     train_dir = Path(args.train) if args.train else newest_self(args.data)
     if train_dir is not None:
@@ -175,8 +166,7 @@ def main() -> None:
         picks = torch.linspace(0, len(lens) - 1, min(len(lens), args.prompts)).long().tolist()
         train_rows = torch.stack([torch.from_numpy(shards.doc(i).astype("int64"))
                                   for i in picks])
-        train, _ = agreement(model, mtp, train_rows,
-                             layer_states(model, train_rows, [], bf16=False)[-1],
+        train, _ = agreement(model, mtp, train_rows, hidden_states(model, train_rows, mtp.taps),
                              args.prompt_len)
     print(json.dumps({
         **{f"agree_depth{k}": round(a, 4) for k, a in enumerate(ours, start=1)},

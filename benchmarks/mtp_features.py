@@ -7,66 +7,55 @@ from the checkpoint's modules and trains on the same self-generated rows (the ru
 loss (`distill_loss` toward the main head over the draft vocabulary, bf16 autocast, the model
 frozen):
 - ``baseline``: the modules as they are, reading the last hidden state h;
-- ``fused``: the first module reads h + W [RMSNorm(h_a); RMSNorm(h_b); ...], h_a the output of
-  layer a (0-based) and so on for ``--layers``, W starting at zero (so it starts from the
-  baseline's drafts) and trained at ``--fuse-lr``;
-- ``control``: the same projection of the last hidden state itself: as many new weights and no
-  new information, so a gain of ``fused`` over it is the lower layers' information, not their
-  parameters.
+- ``fused``: module k reads h^{k-1} + F_k [RMSNorm(h_a); RMSNorm(h_b); ...], h_a the output of
+  layer a (0-based) and so on for ``--layers`` (the MTP modules' ``taps``), F_k starting at zero
+  (so they start from the baseline's drafts) and trained at ``--fuse-lr``;
+- ``control``: the same projections of the last hidden state itself (the last layer tapped): as
+  many new weights and no new information, so a gain of ``fused`` over it is the lower layers'
+  information, not their parameters.
 Then each variant's drafts are checked against held-out greedy continuations of the eval
 documents (`mtp_agreement.py`'s measure): ``agree_depthK`` is the share of generated tokens
 depth K predicts; ``accept_first`` and ``tokens_per_pass`` are those of the rounds greedy
 speculative decoding drafting every depth would make over the same text (`replay_greedy`: the
 engine's chain rounds, as `spec_decode.py` counts them, without its timing).
 
-On SmolLM2-135M with heads distilled on 12,800 prompts for one pass (2400 rows, 600 steps), the
-first depth's agreement rose from 0.720 to 0.732 (baseline), 0.730 (control) and 0.757 reading
-layers 8 and 20; the replayed rounds' accept_first from 0.685 to 0.703, 0.700 and 0.729 (2.21,
-2.20 and 2.25 tokens a pass). On another draw of rows, layers 3 and 14 gave 0.751, and 3, 8, 14,
-20 and 24 gave 0.758, against a baseline of 0.731. About 20 minutes on 2 CPU cores. Prints one
-JSON line.
+On SmolLM2-135M with heads distilled on 12,800 prompts for one pass (2400 rows, 600 steps), with
+the first module alone reading the taps, the first depth's agreement rose from 0.720 to 0.732
+(baseline), 0.730 (control) and 0.757 reading layers 8 and 20; the replayed rounds'
+accept_first from 0.685 to 0.703, 0.700 and 0.729 (2.21, 2.20 and 2.25 tokens a pass). On
+another draw of rows, layers 3 and 14 gave 0.751, and 3, 8, 14, 20 and 24 gave 0.758, against a
+baseline of 0.731; the second module reading them too raised depth 2 from 0.732 to 0.746. About
+20 minutes on 2 CPU cores. Prints one JSON line. ``--save DIR``: the fused variant as a
+checkpoint (the main model's files linked, the new modules beside them), for `spec_decode.py`.
 
     python benchmarks/mtp_features.py [--ckpt runs/cpt-smollm2/final] [--layers 8,20]
-                                      [--rows 2400] [--steps 600] [--train DIR]
+                                      [--rows 2400] [--steps 600] [--train DIR] [--save DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
+import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from mtp_agreement import (  # benchmarks/
     agreement,
     checkpoint,
     held_out,
-    layer_states,
+    hidden_states,
     newest_self,
     parse_held_out,
 )
 from torch import nn
 
 from codedojo.data.shards import TokenShards
-from codedojo.model.mtp import MTP, distill_loss
+from codedojo.model.mtp import MTP, distill_loss, save_mtp
 from codedojo.model.weights import build_model
-
-
-class Fused(nn.Module):
-    """h + W [RMSNorm(h_l) for the tapped layers l], W (D, n D) starting at zero."""
-
-    def __init__(self, dim: int, taps: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(taps * dim, dim, bias=False)
-        nn.init.zeros_(self.proj.weight)
-
-    def forward(self, h: torch.Tensor, taps: list[torch.Tensor]) -> torch.Tensor:
-        x = torch.cat([F.rms_norm(t.float(), (t.shape[-1],)) for t in taps], -1)
-        return h + self.proj(x.to(h.dtype))
 
 
 def main() -> None:
@@ -80,7 +69,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3, help="the modules' peak learning rate")
-    ap.add_argument("--fuse-lr", type=float, default=1e-2, help="the projection's")
+    ap.add_argument("--fuse-lr", type=float, default=1e-2, help="the projections'")
+    ap.add_argument("--save", default=None, help="write the fused variant's checkpoint here")
     args = parse_held_out(ap, prompts=128)
     if args.rows < args.batch * args.steps:
         sys.exit(f"--rows {args.rows}: fewer than --batch x --steps ({args.batch * args.steps}); "
@@ -89,10 +79,12 @@ def main() -> None:
     weights, cfg, mtp0 = checkpoint(Path(args.ckpt))
     model = build_model(weights, cfg, torch.float32).eval().requires_grad_(False)
     layers = [int(x) for x in args.layers.split(",") if x.strip().lstrip("-").isdigit()]
-    if (len(layers) != len(args.layers.split(",")) or len(set(layers)) != len(layers)
+    if (len(layers) != len(args.layers.split(",")) or layers != sorted(set(layers))
             or any(not 0 <= i < cfg.n_layers - 1 for i in layers)):
-        sys.exit(f"--layers {args.layers}: distinct layer indexes below the last, of 0 .. "
+        sys.exit(f"--layers {args.layers}: increasing layer indexes below the last, of 0 .. "
                  f"{cfg.n_layers - 2}, separated by commas")
+    if args.save and Path(args.save).exists():
+        sys.exit(f"--save {args.save}: exists; name a new directory")
     train_dir = Path(args.train) if args.train else newest_self(args.data)
     if train_dir is None:
         sys.exit(f"{args.data}: no self-generated shards beside it; pass --train")
@@ -105,30 +97,43 @@ def main() -> None:
         sys.exit(f"{train_dir}: rows of several lengths; self-generated rows (prompt and "
                  "continuation, one length) expected")
     train = torch.stack([torch.from_numpy(shards.doc(i).astype("int64")) for i in picks])
-    train_states = layer_states(model, train, layers, bf16=True)  # as the stage trains
     rows = held_out(model, args.data, args.prompts, args.prompt_len, args.new, args.seed)
-    states = layer_states(model, rows, layers, bf16=False)  # as a float32 engine serves
+    last = cfg.n_layers - 1
+    # every tapped layer once, then each variant's columns of them: D wide blocks, the last
+    # hidden state first (as `Transformer.hidden` gives them)
+    every = sorted({*layers, last})
+    train_states = hidden_states(model, train, every, bf16=True)  # as the stage trains
+    states = hidden_states(model, rows, every, bf16=False)  # as a float32 engine serves
     vocab = mtp0.draft_vocab
 
-    def measure(heads: MTP, fuse: Fused | None = None, taps: Sequence[int] = ()
-                ) -> dict[str, float]:
+    def columns(h: torch.Tensor, taps: Sequence[int]) -> torch.Tensor:
+        """The last state and the states of ``taps`` of `every`'s, as modules reading them
+        take them."""
+        D = cfg.dim
+        return torch.cat([h[..., :D], *(h[..., (1 + every.index(t)) * D:(2 + every.index(t)) * D]
+                                        for t in taps)], -1)
+
+    def measure(heads: MTP) -> dict[str, float]:
         """Held-out agreement of each depth, and the acceptance and tokens a pass of the greedy
         rounds drafting every depth would make over the same text (`replay_greedy`)."""
-        with torch.no_grad():
-            h = states[-1] if fuse is None else fuse(states[-1], [states[j] for j in taps])
-        agree, rounds = agreement(model, heads, rows, h, args.prompt_len)
+        agree, rounds = agreement(model, heads, rows, columns(states, heads.taps),
+                                  args.prompt_len)
         return {**{f"agree_depth{k}": round(a, 4) for k, a in enumerate(agree, start=1)},
                 "accept_first": round(rounds[-1].accept_first, 4),
                 "tokens_per_pass": round(rounds[-1].tokens_per_pass, 4)}
 
-    def fine_tune(taps: list[int] | None) -> dict[str, float]:
-        """The checkpoint's modules trained on the rows, with a projection of the states
-        ``taps`` (indexes into the stacked states) added to h, or without one (None)."""
-        heads = copy.deepcopy(mtp0).train()
-        fuse = None if taps is None else Fused(cfg.dim, len(taps))
-        groups = [{"params": list(heads.parameters()), "peak": args.lr}]
-        if fuse is not None:
-            groups.append({"params": list(fuse.parameters()), "peak": args.fuse_lr})
+    def fine_tune(taps: Sequence[int]) -> MTP:
+        """The checkpoint's modules trained on the rows, reading the layers ``taps`` besides
+        (their projections new, at zero)."""
+        heads = MTP(cfg, mtp0.depth, 0 if vocab is None else len(vocab), taps)
+        missing = heads.load_state_dict(mtp0.state_dict(), strict=False).missing_keys
+        assert all(".fuse." in n for n in missing), missing
+        heads.train()
+        fuse = [p for n, p in heads.named_parameters() if ".fuse." in n]
+        groups = [{"params": [p for n, p in heads.named_parameters() if ".fuse." not in n],
+                   "peak": args.lr}]
+        if fuse:
+            groups.append({"params": fuse, "peak": args.fuse_lr})
         opt = torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0)
         B, T = args.batch, train.shape[1]
         positions, mask = torch.arange(T).expand(B, T), torch.ones(B, T, dtype=torch.bool)
@@ -137,21 +142,23 @@ def main() -> None:
             scale = min(1.0, (step + 1) / warmup, (args.steps - step) / decay)
             for g in opt.param_groups:
                 g["lr"] = g["peak"] * scale
-            tok, s = train[step * B:(step + 1) * B], train_states[:, step * B:(step + 1) * B]
+            tok, s = train[step * B:(step + 1) * B], train_states[step * B:(step + 1) * B]
             with torch.autocast("cpu", torch.bfloat16):
-                teacher = model.head(s[-1], vocab)
-                h = s[-1] if fuse is None else fuse(s[-1], [s[j] for j in taps or []])
-                outs = heads(h, tok, positions, model.embed, detach=True)
+                teacher = model.head(s[..., :cfg.dim], vocab)
+                outs = heads(columns(s, taps), tok, positions, model.embed, detach=True)
                 loss = distill_loss([model.head(o, vocab) for o in outs], teacher, mask)
             opt.zero_grad()
             loss.backward()
             nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
             opt.step()
-        return measure(heads.eval(), fuse, taps or [])
+        return heads.eval()
 
-    results = {"start": measure(mtp0), "baseline": fine_tune(None),
-               "fused": fine_tune(list(range(len(layers)))),
-               "control": fine_tune([len(layers)])}  # the last hidden state, projected again
+    fused = fine_tune(layers)
+    results = {"start": measure(mtp0), "baseline": measure(fine_tune(())),
+               "fused": measure(fused),
+               "control": measure(fine_tune([last]))}  # the last hidden state, projected again
+    if args.save:
+        save_fused(Path(args.ckpt), Path(args.save), fused)
     print(json.dumps({
         **{f"{name}_{k}": v for name, r in results.items() for k, v in r.items()},
         "gain_depth1": round(results["fused"]["agree_depth1"]
@@ -160,7 +167,20 @@ def main() -> None:
                                           - results["control"]["agree_depth1"], 4),
         "layers": layers, "rows": args.rows, "steps": args.steps, "lr": args.lr,
         "fuse_lr": args.fuse_lr, "positions": len(rows) * args.new, "n_mtp": mtp0.depth,
-        "ckpt": args.ckpt, "train": str(train_dir)}))
+        "ckpt": args.ckpt, "train": str(train_dir), "saved": args.save}))
+
+
+def save_fused(ckpt: Path, out: Path, heads: MTP) -> None:
+    """A checkpoint of ``ckpt``'s main model (its files linked, or copied across file
+    systems) with ``heads`` as its MTP modules."""
+    out.mkdir(parents=True)
+    for f in ckpt.iterdir():
+        if f.is_file() and not f.name.startswith("mtp.") and f.name != "trainer.pt":
+            try:
+                os.link(f, out / f.name)
+            except OSError:
+                shutil.copy2(f, out / f.name)
+    save_mtp(heads, out)
 
 
 if __name__ == "__main__":

@@ -25,18 +25,20 @@ from codedojo.model.transformer import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-def _setup(vocab: int = 5, seed: int = 0, scale: float = 3.0):
+def _setup(vocab: int = 5, seed: int = 0, scale: float = 3.0, taps: tuple[int, ...] = ()):
+    """A one-layer model and its drafter; with ``taps``, a two-layer one whose drafter's
+    modules read those layers (their projections away from zero too)."""
     torch.manual_seed(seed)
-    cfg = ModelConfig.tiny(vocab_size=vocab, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
-                           ffn_dim=32, n_mtp=2, max_seq_len=64)
+    cfg = ModelConfig.tiny(vocab_size=vocab, dim=16, n_layers=2 if taps else 1, n_heads=2,
+                           n_kv_heads=1, ffn_dim=32, n_mtp=2, max_seq_len=64)
     model = Transformer(cfg).eval()
     with torch.no_grad():  # peakier, but not degenerate, next-token distributions
         model.tok_embeddings.weight.mul_(scale / 0.02 * 0.05)
-    mtp = MTP(cfg).eval()
+    mtp = MTP(cfg, taps=taps).eval()
     with torch.no_grad():  # make the drafts disagree often
         for p in mtp.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    target = TransformerTarget(model)
+    target = TransformerTarget(model, taps=taps)
     return target, MTPDrafter(mtp, DraftHead(model))
 
 
@@ -86,11 +88,49 @@ def test_greedy_tree_speculation_equals_plain_greedy(fuse: bool):
     target.model.fuse = drafter.mtp.fuse = True
 
 
-def test_a_trees_top_branch_is_the_chain():
+@pytest.mark.parametrize("fuse", [True, False])
+def test_drafts_read_the_tapped_layers_at_their_positions(fuse: bool):
+    """Modules that read a lower layer draft, round after round, what their training forward
+    over the whole sequence gives (module k at position i reads the layer's state at i), through
+    the kernels and op by op; the tapped states change the drafts, and a target that does not
+    return them is refused by name."""
+    target, drafter = _setup(vocab=32, seed=1, taps=(0,))
+    model, mtp = target.model, drafter.mtp
+    model.fuse = mtp.fuse = fuse
+    tokens = [3, 7, 1, 4, 9, 2]
+    pick = lambda lg: (int(lg.argmax()), lg)  # noqa: E731
+    with torch.no_grad():
+        _, hidden = target.extend(tokens[:-1])
+        assert hidden.shape == (5, 2 * model.cfg.dim)
+        for _ in range(2):  # a second round catches up on the positions the first left out
+            L = len(tokens)
+            drafts, q = drafter.draft(hidden, tokens, pick, 2)
+            seq = torch.tensor([tokens + drafts[:1]])
+            outs = mtp(model.hidden(seq, taps=(0,)), seq, torch.arange(L + 1)[None], model.embed)
+            for k, logits in enumerate(q):
+                torch.testing.assert_close(logits, model.head(outs[k][0, L - 2]),
+                                           rtol=1e-4, atol=1e-4)
+            target.truncate(L - 1)
+            tokens = tokens + [drafts[0], 5]
+            _, hidden = target.extend(tokens[L - 1:-1])
+        blind = MTPDrafter(mtp, DraftHead(model))
+        _, hidden = TransformerTarget(model, taps=(0,)).extend(tokens[:-1])
+        hidden[:, model.cfg.dim:] = 0  # the tapped layer's states gone
+        _, q_blind = blind.draft(hidden, tokens, pick, 2)
+        assert not torch.allclose(q_blind[0], q[0])
+        _, last = TransformerTarget(model).extend(tokens[:-1])
+        with pytest.raises(ValueError, match=r"layers \[0\]"):
+            MTPDrafter(mtp, DraftHead(model)).draft(last, tokens, pick, 2)
+    model.fuse = mtp.fuse = True
+
+
+@pytest.mark.parametrize("taps", [(), (0,)])
+def test_a_trees_top_branch_is_the_chain(taps: tuple[int, ...]):
     """The rank-0 branch of a tree is the chain the same modules draft; the nodes under one
-    parent are its distinct most likely drafts, by rank."""
-    target, drafter = _setup(vocab=32, seed=2)
-    _, twin = _setup(vocab=32, seed=2)
+    parent are its distinct most likely drafts, by rank. With modules that read a lower layer
+    too: a node reads that layer's state at its position, as the chain does."""
+    target, drafter = _setup(vocab=32, seed=2, taps=taps)
+    _, twin = _setup(vocab=32, seed=2, taps=taps)
     tokens = [3, 7, 1, 4, 9, 2]
     with torch.no_grad():
         _, hidden = target.extend(tokens[:-1])

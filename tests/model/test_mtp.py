@@ -137,3 +137,45 @@ def test_draft_vocabulary_is_saved_and_bounded(tmp_path):
         MTP(cfg, 2, draft_vocab=51)
     with pytest.raises(ValueError, match="without a draft vocabulary"):
         MTP(cfg, 2).set_draft_vocab(counts)
+
+
+def test_modules_read_tapped_layers_through_projections_that_start_at_zero(tmp_path):
+    """``taps``: each module adds a projection of the tapped layers' states (normed) to what it
+    reads of the previous depth. It starts at zero, so new modules draft as they did without
+    them; trained, it changes the drafts, the cached drafting path reads the states at its
+    positions as the training forward does, and the checkpoint keeps the taps."""
+    model, plain = _model()
+    mtp = MTP(model.cfg, taps=(0,)).eval()
+    missing = mtp.load_state_dict(plain.state_dict(), strict=False).missing_keys
+    assert sorted(missing) == ["layers.0.fuse.weight", "layers.1.fuse.weight"]
+    tokens = torch.randint(0, 50, (1, 12))
+    pos = torch.arange(12)[None]
+    with torch.no_grad():
+        hidden = model.hidden(tokens, taps=(0,))
+        assert hidden.shape == (1, 12, 2 * model.cfg.dim)
+        for a, b in zip(mtp(hidden, tokens, pos, model.embed),
+                        plain(hidden[..., :model.cfg.dim], tokens, pos, model.embed),
+                        strict=True):
+            assert torch.equal(a, b)
+        for layer in mtp.layers:
+            layer.fuse.weight.normal_(std=0.5)
+        full = mtp(hidden, tokens, pos, model.embed)
+        assert not torch.allclose(full[0], plain(hidden[..., :64], tokens, pos, model.embed)[0])
+        caches = mtp.new_caches(64)
+        D = model.cfg.dim
+        h, tapped = hidden[..., :D], hidden[..., D:]
+        a = mtp.step(1, h[:, :5], model.embed(tokens[:, 1:6]), caches[0], tapped=tapped[:, :5])
+        b = mtp.step(1, h[:, 5:11], model.embed(tokens[:, 6:12]), caches[0],
+                     tapped=tapped[:, 5:11])
+        torch.testing.assert_close(torch.cat([a, b], 1), full[0], rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match=r"layers \[0\]' expected, 128 wide"):
+            mtp(h, tokens, pos, model.embed)
+        with pytest.raises(ValueError, match="tapped layers' states"):
+            mtp.step(2, full[0][:, :10], model.embed(tokens[:, 2:12]), caches[1])
+    save_mtp(mtp, tmp_path)
+    again = load_mtp(tmp_path, model.cfg)
+    assert again is not None and again.taps == (0,)
+    assert all(torch.equal(x, y) for x, y in zip(mtp.state_dict().values(),
+                                                 again.state_dict().values(), strict=True))
+    with pytest.raises(ValueError, match="taps"):
+        MTP(model.cfg, taps=(2,))  # the model has layers 0 and 1

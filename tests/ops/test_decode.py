@@ -194,6 +194,50 @@ def test_a_tree_pass_gives_each_node_its_branchs_states_bit_for_bit(dtype: torch
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parents", [None, [-1, 0, 0, 1]], ids=["chain", "tree"])
+def test_fused_passes_return_the_tapped_layers_states(dtype: torch.dtype,
+                                                     parents: list[int] | None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``taps``, a pass returns the outputs of those layers after the last hidden states
+    (what MTP modules reading lower layers take): in one C++ call, equal to the layers' outputs
+    op by op, the last states and logits unchanged, and bad taps refused by name."""
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(dim=96, n_heads=4, n_kv_heads=2, ffn_dim=200, n_layers=4)
+    model = Transformer(cfg).eval().to(dtype)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 4))
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [model.layers[i].register_forward_hook(
+        lambda _m, _a, y, i=i: seen.__setitem__(i, y)) for i in range(cfg.n_layers)]
+    calls = _count_calls(monkeypatch)
+    out = {}
+    with torch.no_grad():
+        for fuse, taps in ((True, (0, 2)), (True, ()), (False, (0, 2))):
+            model.fuse = fuse
+            cache = KVCache(cfg, 1, 64, dtype=dtype)
+            _prefill(model, cache, [5], 0)
+            out[fuse, taps] = model(tokens, cache=cache.view(0), return_hidden=True,
+                                    parents=parents, taps=taps)
+    for h in hooks:
+        h.remove()
+    assert len(calls) == 4  # the fused passes and their prefills
+    (logits, feats), (plain_logits, last) = out[True, (0, 2)], out[True, ()]
+    D = cfg.dim
+    assert feats.shape == (1, 4, 3 * D)
+    assert torch.equal(feats[..., :D], last) and torch.equal(logits, plain_logits)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    by_op = out[False, (0, 2)][1]
+    torch.testing.assert_close(feats, by_op, rtol=tol, atol=tol)
+    assert torch.equal(by_op[..., D:2 * D], seen[0]) and torch.equal(by_op[..., 2 * D:], seen[2])
+    model.fuse = True
+    for bad in ((2, 0), (1, 1), (4,)):
+        with pytest.raises(ValueError, match="taps"):
+            model(tokens, cache=KVCache(cfg, 1, 64, dtype=dtype).view(0), taps=bad)
+        with pytest.raises(ValueError, match="taps"):
+            model.hidden(tokens, taps=bad)
+
+
+@needs_kernel
 def test_fused_decode_steps_aside(monkeypatch: pytest.MonkeyPatch) -> None:
     """Training, MoE layers, passes too long for the kernel and caches of another type than the
     weights run the layers op by op (or, the last, not at all)."""
@@ -347,16 +391,18 @@ def test_fused_layers_follow_replaced_parameters_and_rope_tables() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize(("draft_vocab", "dtype"), [
-    (None, torch.float32), ([1, 4, 9, 30, 33], torch.float32),
-    ([1, 4, 9, 30, 33], torch.bfloat16)])
+@pytest.mark.parametrize(("draft_vocab", "dtype", "taps"), [
+    (None, torch.float32, ()), ([1, 4, 9, 30, 33], torch.float32, ()),
+    ([1, 4, 9, 30, 33], torch.bfloat16, ()), (None, torch.float32, (0,)),
+    ([1, 4, 9, 30, 33], torch.bfloat16, (0,))])
 def test_fused_mtp_drafts_equal_drafts_op_by_op(draft_vocab: list[int] | None,
-                                                dtype: torch.dtype,
+                                                dtype: torch.dtype, taps: tuple[int, ...],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """An MTP module's draft step in one C++ call (embedding, input projection, block, shared
     head): the same drafts and draft logits as the module run op by op, over two rounds (the
     second catching up on positions the first left out). Bfloat16 drafts for a float32 model
-    too (the module and the head's copies in bfloat16)."""
+    too (the module and the head's copies in bfloat16); modules reading a tapped layer too
+    (the target's states then carry it)."""
     from codedojo.engine.speculative import DraftHead, MTPDrafter
     from codedojo.model.mtp import MTP
 
@@ -364,13 +410,14 @@ def test_fused_mtp_drafts_equal_drafts_op_by_op(draft_vocab: list[int] | None,
     cfg = ModelConfig.tiny(vocab_size=40, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=48,
                            n_mtp=2, max_seq_len=64)
     model = Transformer(cfg).eval()
-    mtp = MTP(cfg).eval()
+    mtp = MTP(cfg, taps=taps).eval()
     with torch.no_grad():
-        for p in mtp.parameters():
+        for p in mtp.parameters():  # the taps' projections away from zero too
             p.add_(0.3 * torch.randn_like(p))
     mtp = mtp.to(dtype)
     vocab = None if draft_vocab is None else torch.tensor(draft_vocab)
-    hidden = [torch.randn(6, cfg.dim), torch.randn(2, cfg.dim)]
+    width = (1 + len(taps)) * cfg.dim
+    hidden = [torch.randn(6, width), torch.randn(2, width)]
     tokens = [3, 7, 1, 4, 22, 9, 5]
     out = []
     calls = _count_calls(monkeypatch)

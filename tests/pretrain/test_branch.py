@@ -90,6 +90,35 @@ def test_a_branch_grows_the_mtp_chain(tmp_path):
         assert not torch.equal(m.proj.weight, start[k]["proj.weight"])
 
 
+def test_a_branch_gives_the_modules_tapped_layers(tmp_path):
+    """`--set model.mtp_taps=[0]` on a branch of a run whose modules read none: the last stage
+    that trains them runs again, from the source's modules with their new projections at zero,
+    on the continuations the source generated."""
+    tok = load_tokenizer()
+    quiet = Console(quiet=True)
+    cfg = five_stage_config(tmp_path, "a")
+    first = run(cfg, tok=tok, console=quiet)
+    tapped = cfg.model_copy(update={"name": "b",
+                                    "model": cfg.model.model_copy(update={"mtp_taps": [0]})})
+    second = run(tapped, tok=tok, console=quiet, branch_from=cfg.run_dir)
+    dest = tapped.run_dir
+    for name in ("bulk", "mtp", "long", "sft"):
+        assert (os.stat(dest / "ckpt" / name / "model.safetensors").st_ino
+                == os.stat(cfg.run_dir / "ckpt" / name / "model.safetensors").st_ino)
+    assert second["stages"]["mtp_self"]["steps"] == first["stages"]["mtp_self"]["steps"]
+    assert len(list((dest / "data" / "self").iterdir())) == 1  # not generated again
+    model, mtp = build_model(tapped)
+    load_weights(dest / "ckpt" / "sft", model, mtp)  # where the stage started: the source's
+    source = load_mtp(cfg.run_dir / "ckpt" / "sft", model.cfg)  # modules, reading no taps yet
+    assert source is not None and source.taps == ()
+    for name, t in source.state_dict().items():
+        assert torch.equal(mtp.state_dict()[name], t)
+    assert all(not m.fuse.weight.any() for m in mtp.layers)
+    end = load_mtp(dest / "final", model.cfg)
+    assert end is not None and end.taps == (0,)
+    assert all(m.fuse.weight.any() for m in end.layers)  # trained from there
+
+
 def test_what_cannot_be_branched_is_named(tmp_path):
     cfg = five_stage_config(tmp_path, "a")
     src = cfg.run_dir
@@ -122,3 +151,9 @@ def test_what_cannot_be_branched_is_named(tmp_path):
     with pytest.raises(BranchError, match="is not empty"):
         branch_run(src, cfg.model_copy(update={"name": "b"}))
     assert (taken / "notes.txt").read_text() == "mine"
+    # the modules' taps may be given, not changed
+    (src / "config.json").write_text(cfg.model_copy(update={"model": model.model_copy(
+        update={"mtp_taps": [0]})}).model_dump_json())
+    with pytest.raises(BranchError, match=r"model.mtp_taps \[0\] -> \[1\]"):
+        branch_run(src, cfg.model_copy(update={
+            "name": "e", "model": model.model_copy(update={"mtp_taps": [1]})}))

@@ -144,6 +144,43 @@ def test_a_stage_trains_its_modules_on_its_greedy_share(tmp_path):
     assert first[0.0] != pytest.approx(first[1.0], rel=1e-3)
 
 
+@pytest.mark.parametrize("mode", ["distill", "joint"])
+def test_a_stage_trains_modules_that_read_tapped_layers(tmp_path, mode):
+    """`model.mtp_taps`: the modules' projections of the tapped layers start at zero (the
+    loss is that of the same modules without them), are trained at the stage's
+    `mtp_taps_lr_mult` times its learning rate, and the checkpoint keeps them."""
+    import copy
+
+    from codedojo.model.mtp import load_mtp
+    from codedojo.pretrain.trainer import stage_loss
+
+    moved = {}
+    for mult in (10.0, 1.0):
+        cfg = _cfg(tmp_path, mtp=mode, steps=3, lr=3e-3, checkpoint_every=0,
+                   mtp_taps_lr_mult=mult)
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"mtp_taps": [0]})})
+        torch.manual_seed(0)
+        model, mtp = build_model(cfg)
+        plain = copy.deepcopy(mtp)
+        for layer in plain.layers:
+            layer.fuse = None
+        plain.taps = ()
+        with torch.no_grad():
+            tapped, untapped = (stage_loss(model, m, _loader().next_batch(), mode, 0.3)[0]
+                                for m in (mtp, plain))
+        assert torch.equal(tapped, untapped)
+        out = tmp_path / str(mult)
+        train_stage(cfg, 0, model, mtp, _loader(), out)
+        moved[mult] = float(mtp.layers[0].fuse.weight.detach().abs().max())
+        saved = load_mtp(out / "ckpt" / "bulk", model.cfg)
+        assert saved is not None and saved.taps == (0,)
+        assert torch.equal(saved.layers[0].fuse.weight, mtp.layers[0].fuse.weight)
+    assert 0 < 3 * moved[1.0] < moved[10.0]
+    with pytest.raises(ValueError, match="model.mtp_taps"):
+        PretrainConfig.model_validate({**cfg.model_dump(), "model": {
+            **cfg.model.model_dump(), "mtp_taps": [1, 0]}})
+
+
 def test_distill_trains_only_mtp(tmp_path):
     cfg = _cfg(tmp_path, mtp="distill", steps=3, lr=3e-3)
     model, mtp = build_model(cfg)
