@@ -142,6 +142,7 @@ def main() -> None:
         "tree": None if spec.spec_tree is None else len(spec.spec_tree),
         "tree_pays": spec.tree_pays,  # after probing: whether greedy rounds drafted it
         "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
+        "mtp_taps": list(drafter.taps),
         "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,
         "batch": 1, "temperature": args.temperature, "dtype": args.dtype,
         "draft_dtype": draft_dtype, "threads": args.threads, "kernel": kernel_status(),

@@ -7,8 +7,9 @@ them on the text they will draft. Prompts are windows of the training code (and 
 batched over a KV cache, and are written as token shards (prompt + continuation, one document
 each) that the stage's mixture reads as ``data = "self"``. Beside them (``hidden/``,
 ``codedojo.data.features``) go the model's last hidden states of every token, which the
-generation computes anyway: the stage trains the modules on them instead of running the frozen
-model over the text again, two thirds of a distillation step's time (measured by
+generation computes anyway (with the states of the layers the modules read, ``model.mtp_taps``,
+after them): the stage trains the modules on them instead of running the frozen model over the
+text again, two thirds of a distillation step's time (measured by
 ``benchmarks/mtp_distill_step.py``).
 
 The generation loop is written here rather than taken from ``codedojo.engine.Engine``: every
@@ -19,7 +20,7 @@ its weights in place), which a model in the middle of training must not undergo.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +35,12 @@ from codedojo.pretrain.parallel import gather_object, gather_root, model_device
 
 @torch.no_grad()
 def greedy_continue(model: Transformer, prompts: torch.Tensor, new_tokens: int,
-                    hidden: list[torch.Tensor] | None = None) -> torch.Tensor:
+                    hidden: list[torch.Tensor] | None = None, taps: Sequence[int] = ()
+                    ) -> torch.Tensor:
     """prompts (B, P) -> (B, P + new_tokens): each row continued greedily, all rows at once.
     ``hidden``: a list that receives the last hidden states of all those tokens, (B, P +
-    new_tokens, D) in pieces along the sequence (the last token takes one more step)."""
+    new_tokens, D) in pieces along the sequence (the last token takes one more step); with
+    ``taps``, those layers' states after them (`Transformer.hidden`)."""
     was = model.training
     model.eval()
     B, P = prompts.shape
@@ -47,16 +50,17 @@ def greedy_continue(model: Transformer, prompts: torch.Tensor, new_tokens: int,
                     initial_len=P + new_tokens)
     out = [prompts]
     view = cache.view(0, B)
-    logits, h = model(prompts, cache=view, last_only=True, return_hidden=True)  # (B, 1, V)
+    logits, h = model(prompts, cache=view, last_only=True, return_hidden=True,
+                      taps=taps)  # (B, 1, V)
     for i in range(new_tokens):
         if hidden is not None:
             hidden.append(h)
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         out.append(nxt)
         if i + 1 < new_tokens:
-            logits, h = model(nxt, cache=view, return_hidden=True)
+            logits, h = model(nxt, cache=view, return_hidden=True, taps=taps)
         elif hidden is not None:
-            hidden.append(model.hidden(nxt, cache=view))
+            hidden.append(model.hidden(nxt, cache=view, taps=taps))
     model.train(was)
     return torch.cat(out, 1)
 
@@ -107,9 +111,11 @@ def prompt_windows(code: TokenShards, n: int, length: int, seed: int,
 def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, prompts: int,
                       prompt_len: int, new_tokens: int, batch: int, seed: int,
                       doc_start_frac: float = 0.5, rank: int = 0, world: int = 1,
-                      progress: Callable[[int], None] | None = None) -> Path:
+                      taps: Sequence[int] = (), progress: Callable[[int], None] | None = None
+                      ) -> Path:
     """Generate and write the shards (skipped when `out_dir` is already finished);
-    ``progress(n)`` after each batch, n about the continuations made so far.
+    ``progress(n)`` after each batch, n about the continuations made so far; ``taps``: the
+    hidden states kept carry those layers' after the last.
 
     Data parallel (``world`` ranks, every one calling): each rank continues its own share of
     the prompts, and rank 0 gathers them all and writes them in prompt order. The shares are
@@ -125,12 +131,13 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     own = len(mine)
     mine = np.concatenate([mine, np.repeat(windows[:1], share - own, axis=0)])  # the padding
     dev = model_device(model)
-    feats = FeatureWriter(out_dir / "hidden", model.cfg.dim, name=f"part_{rank:03d}")
+    feats = FeatureWriter(out_dir / "hidden", (1 + len(taps)) * model.cfg.dim,
+                          name=f"part_{rank:03d}")
     rows = []
     for i in range(0, share, batch):
         x = torch.from_numpy(mine[i:i + batch]).to(dev)
         h: list[torch.Tensor] = []
-        out = greedy_continue(model, x, new_tokens, h)
+        out = greedy_continue(model, x, new_tokens, h, taps)
         rows.append(out.cpu().numpy())
         keep = min(len(x), own - i)  # the rest are padding, not written
         if keep > 0:

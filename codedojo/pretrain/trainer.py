@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,16 +248,18 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
     return Packed.load(out)
 
 
-def stored_hidden(stage: StageConfig, data: RunData, taps: Sequence[int] = ()
-                  ) -> TokenFeatures | None:
+def stored_hidden(stage: StageConfig, data: RunData, width: int) -> TokenFeatures | None:
     """The frozen model's hidden states stored with the stage's data, when the stage can train
     on them instead of running the model: a distillation stage (the model does not change) whose
-    one source is self-generated text written with them. They are the last layer's alone, so
-    modules that read tapped layers (``taps``) run the model."""
-    if stage.mtp != "distill" or [e.data for e in stage.mix] != ["self"] or taps:
+    one source is self-generated text written with them, each token's ``width`` wide (the last
+    layer's, and the tapped layers' the modules read)."""
+    if stage.mtp != "distill" or [e.data for e in stage.mix] != ["self"]:
         return None
     feats = data.shards["self"] / "hidden"
-    return TokenFeatures(feats) if (feats / "index.json").exists() else None
+    if not (feats / "index.json").exists():
+        return None
+    stored = TokenFeatures(feats)
+    return stored if stored.dim == width else None
 
 
 def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data: RunData,
@@ -275,6 +277,9 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
     pool = data.prompts.get(stage.name, data.shards["code"])
     seed = cfg.seed + 31
     settings = {"seed": seed, **g.model_dump(), "model": weights_digest(model, model.cfg)}
+    taps = cfg.model.mtp_taps  # their states are kept beside the last ones
+    if taps:
+        settings["taps"] = taps
     # Generated as the stage trains: in bf16 under autocast for a bf16 stage, the faster (below).
     # A float32 generation gave no consistent gain to the drafts (`configs/cpt-smollm2.toml`).
     dtype = stage_dtype(cfg, stage)
@@ -298,7 +303,7 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
             model, TokenShards(pool), out, prompts=g.prompts,
             prompt_len=g.prompt_len, new_tokens=g.new_tokens, batch=g.batch,
             seed=seed, doc_start_frac=g.doc_start_frac, rank=process_rank(), world=world_size(),
-            progress=lambda n: prog.update(task, completed=n))
+            taps=taps, progress=lambda n: prog.update(task, completed=n))
     barrier()
     return out
 
@@ -572,7 +577,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
             load_weights(ck, model, mtp)
         if st.self_gen is not None:
             data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
-        feats = stored_hidden(st, data, cfg.model.mtp_taps)
+        feats = stored_hidden(st, data, (1 + len(cfg.model.mtp_taps)) * model.cfg.dim)
         with main_rank_first():
             packed = stage_packed(cfg, st, si, data, run_dir, world, origins=feats is not None)
         # every rank its own share of the rows, in the same seeded order

@@ -97,10 +97,12 @@ def test_a_self_mix_needs_self_gen():
     StageConfig.model_validate({**st, "mix": [{"data": "self"}], "self_gen": {"prompts": 4}})
 
 
+@pytest.mark.parametrize("taps", [(), (0,)])
 @pytest.mark.parametrize("fuse", [True, False])
-def test_the_hidden_states_of_the_generation_are_kept_for_training(tmp_path, model, fuse):
-    """Beside the shards go the model's last hidden states of every token, as its forward over
-    the whole text gives them; a distillation loss on them is the one the forward gives."""
+def test_the_hidden_states_of_the_generation_are_kept_for_training(tmp_path, model, fuse, taps):
+    """Beside the shards go the model's last hidden states of every token (and the tapped
+    layers' the MTP modules read), as its forward over the whole text gives them; a
+    distillation loss on them is the one the forward gives."""
     from codedojo.data.features import TokenFeatures
     from codedojo.data.mixture import MixtureSource, mix
     from codedojo.data.packing import PackedLoader, pack
@@ -110,12 +112,15 @@ def test_the_hidden_states_of_the_generation_are_kept_for_training(tmp_path, mod
     model.fuse = fuse  # the CPU kernels' pass and the op-by-op one
     code = _code(tmp_path, [30, 40, 25])
     out = tmp_path / "self"
-    write_self_shards(model, code, out, prompts=5, prompt_len=8, new_tokens=6, batch=2, seed=1)
+    write_self_shards(model, code, out, prompts=5, prompt_len=8, new_tokens=6, batch=2, seed=1,
+                      taps=taps)
     shards, feats = TokenShards(out), TokenFeatures(out / "hidden")
     assert len(feats) == shards.num_tokens == 5 * 14
+    assert feats.dim == (1 + len(taps)) * model.cfg.dim
     model.eval()
     with torch.no_grad():
-        full = model.hidden(torch.from_numpy(np.stack([shards.doc(i) for i in range(5)])))
+        full = model.hidden(torch.from_numpy(np.stack([shards.doc(i) for i in range(5)])),
+                            taps=taps)
     stored = feats.gather(np.arange(70).reshape(5, 14))
     # float16 keeps 11 significant bits of each row's largest entry (`features.py`)
     err = (stored - full).abs() / full.abs().amax(-1, keepdim=True)
@@ -125,7 +130,11 @@ def test_the_hidden_states_of_the_generation_are_kept_for_training(tmp_path, mod
              origins=True)
     batch = PackedLoader(p, batch_size=4, features=feats).next_batch()
     torch.manual_seed(1)
-    mtp = MTP(model.cfg, depth=2)
+    mtp = MTP(model.cfg, depth=2, taps=taps)
+    with torch.no_grad():
+        for layer in mtp.layers:  # the tapped states read
+            if layer.fuse is not None:
+                layer.fuse.weight.normal_(std=0.5)
     stored_loss, _ = stage_loss(model, mtp, batch, "distill", 1.0)
     batch.pop("hidden")
     run_loss, _ = stage_loss(model, mtp, batch, "distill", 1.0)
