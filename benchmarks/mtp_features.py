@@ -19,13 +19,13 @@ depth K predicts; ``accept_first`` and ``tokens_per_pass`` are those of the roun
 speculative decoding drafting every depth would make over the same text (`replay_greedy`: the
 engine's chain rounds, as `spec_decode.py` counts them, without its timing).
 
-On SmolLM2-135M with heads distilled on 12,800 prompts for one pass (2400 rows, 600 steps), with
-the first module alone reading the taps, the first depth's agreement rose from 0.720 to 0.732
-(baseline), 0.730 (control) and 0.757 reading layers 8 and 20; the replayed rounds'
-accept_first from 0.685 to 0.703, 0.700 and 0.729 (2.21, 2.20 and 2.25 tokens a pass). On
-another draw of rows, layers 3 and 14 gave 0.751, and 3, 8, 14, 20 and 24 gave 0.758, against a
-baseline of 0.731; the second module reading them too raised depth 2 from 0.732 to 0.746. About
-20 minutes on 2 CPU cores. Prints one JSON line. ``--save DIR``: the fused variant as a
+On SmolLM2-135M with heads distilled on 12,800 prompts for one pass (2400 rows, 600 steps), the
+first depth's agreement rose from 0.720 to 0.732 (baseline), 0.729 (control) and 0.757 reading
+layers 8 and 20, the second depth's from 0.715 to 0.723, 0.724 and 0.740; the replayed rounds'
+accept_first from 0.685 to 0.703, 0.700 and 0.730 (2.21, 2.21 and 2.27 tokens a pass). With the
+first module alone reading the taps, depth 2 reached 0.725. On another draw of rows, layers 3
+and 14 gave 0.751 at depth 1, and 3, 8, 14, 20 and 24 gave 0.758, against a baseline of 0.731.
+About 25 minutes on 2 CPU cores. Prints one JSON line. ``--save DIR``: the fused variant as a
 checkpoint (the main model's files linked, the new modules beside them), for `spec_decode.py`.
 
     python benchmarks/mtp_features.py [--ckpt runs/cpt-smollm2/final] [--layers 8,20]
