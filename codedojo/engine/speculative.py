@@ -89,8 +89,9 @@ class Drafter(Protocol):
               pick: Callable[[torch.Tensor], tuple[int, torch.Tensor]], k: int
               ) -> tuple[list[int], list[torch.Tensor]]:
         """new_hidden (n, D): target hiddens of positions not yet given, ending at position
-        len(tokens) - 2 (with ``taps``, (n, (1 + len(taps)) D)). Returns k drafts (1 <= k <= depth) and each draft's distribution
-        q_j (V,), as ``pick`` (draft logits -> token, distribution) gave them."""
+        len(tokens) - 2 (with ``taps``, (n, (1 + len(taps)) D)). Returns k drafts (1 <= k <=
+        depth) and each draft's distribution q_j (V,), as ``pick`` (draft logits -> token,
+        distribution) gave them."""
         ...
 
     def draft_tree(self, new_hidden: torch.Tensor, tokens: Sequence[int], tree: DraftTree
