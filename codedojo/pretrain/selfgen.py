@@ -7,10 +7,13 @@ them on the text they will draft. Prompts are windows of the training code (and 
 batched over a KV cache, and are written as token shards (prompt + continuation, one document
 each) that the stage's mixture reads as ``data = "self"``. Beside them (``hidden/``,
 ``codedojo.data.features``) go the model's last hidden states of every token, which the
-generation computes anyway (with the states of the layers the modules read, ``model.mtp_taps``,
-after them): the stage trains the modules on them instead of running the frozen model over the
-text again, two thirds of a distillation step's time (measured by
-``benchmarks/mtp_distill_step.py``).
+generation computes anyway: the stage trains the modules on them instead of running the frozen
+model over the text again, two thirds of a distillation step's time (measured by
+``benchmarks/mtp_distill_step.py``). Modules that read lower layers' states too
+(``model.mtp_taps``) have them kept after the last ones, in a directory named by the layers
+(`features_dir`); for text generated without them (a branch that gives the modules taps),
+`write_features` computes them in one forward pass over the rows, far cheaper than generating
+the text again.
 
 The generation loop is written here rather than taken from ``codedojo.engine.Engine``: every
 row has the same length and no stop, so it needs no scheduler, and the engine takes the model
@@ -108,6 +111,50 @@ def prompt_windows(code: TokenShards, n: int, length: int, seed: int,
     return out
 
 
+def features_dir(self_dir: Path, taps: Sequence[int] = ()) -> Path:
+    """Where the hidden states kept beside self-generated shards are: ``hidden`` (the last
+    layer's), or ``hidden-taps-8-20`` (with the states of layers 8 and 20 after them)."""
+    return self_dir / ("hidden-taps-" + "-".join(map(str, taps)) if taps else "hidden")
+
+
+@torch.no_grad()
+def write_features(model: Transformer, rows: TokenShards, out: Path, taps: Sequence[int],
+                   batch: int, rank: int = 0, world: int = 1,
+                   progress: Callable[[int], None] | None = None) -> Path:
+    """The hidden states of every token of ``rows`` (documents of one length, as
+    `write_self_shards` writes them) with those of ``taps`` after them, by a forward pass over
+    them, into the feature directory ``out`` (skipped when it is finished); ``progress(n)``
+    after each batch. Data parallel as `write_self_shards`: each rank its share, rank 0 the
+    index."""
+    if (out / "index.json").exists():
+        return out
+    lens = rows.doc_lengths()
+    if len(set(lens.tolist())) != 1:
+        raise ValueError(f"{rows.dir}: documents of several lengths; self-generated rows "
+                         "(prompt and continuation, one length) expected")
+    n = len(lens)
+    share = -(-n // world)
+    was = model.training
+    model.eval()
+    gather_root(model)
+    dev = model_device(model)
+    writer = FeatureWriter(out, (1 + len(taps)) * model.cfg.dim, name=f"part_{rank:03d}")
+    for i in range(0, share, batch):  # every rank the same calls (the padding: row 0)
+        at = [rank * share + j for j in range(i, min(i + batch, share))]
+        x = torch.from_numpy(np.stack([rows.doc(j if j < n else 0) for j in at]).astype(np.int64))
+        h = model.hidden(x.to(dev), taps=taps)
+        keep = sum(j < n for j in at)
+        if keep:
+            writer.add(h[:keep].flatten(0, 1))
+        if progress is not None:
+            progress(min((i + batch) * world, n))
+    model.train(was)
+    parts = gather_object(writer.finish())
+    if rank == 0:
+        write_index(out, writer.dim, [p for ps in parts for p in ps])
+    return out
+
+
 def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, prompts: int,
                       prompt_len: int, new_tokens: int, batch: int, seed: int,
                       doc_start_frac: float = 0.5, rank: int = 0, world: int = 1,
@@ -115,7 +162,7 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
                       ) -> Path:
     """Generate and write the shards (skipped when `out_dir` is already finished);
     ``progress(n)`` after each batch, n about the continuations made so far; ``taps``: the
-    hidden states kept carry those layers' after the last.
+    hidden states kept carry those layers' after the last (in `features_dir`).
 
     Data parallel (``world`` ranks, every one calling): each rank continues its own share of
     the prompts, and rank 0 gathers them all and writes them in prompt order. The shares are
@@ -131,7 +178,7 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     own = len(mine)
     mine = np.concatenate([mine, np.repeat(windows[:1], share - own, axis=0)])  # the padding
     dev = model_device(model)
-    feats = FeatureWriter(out_dir / "hidden", (1 + len(taps)) * model.cfg.dim,
+    feats = FeatureWriter(features_dir(out_dir, taps), (1 + len(taps)) * model.cfg.dim,
                           name=f"part_{rank:03d}")
     rows = []
     for i in range(0, share, batch):

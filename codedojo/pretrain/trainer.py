@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +77,7 @@ from codedojo.pretrain.parallel import (
     world_size,
 )
 from codedojo.pretrain.probe import passkey_probe
-from codedojo.pretrain.selfgen import write_self_shards
+from codedojo.pretrain.selfgen import features_dir, write_features, write_self_shards
 from codedojo.progress import progress
 
 Batch = dict[str, torch.Tensor]
@@ -248,18 +248,21 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
     return Packed.load(out)
 
 
-def stored_hidden(stage: StageConfig, data: RunData, width: int) -> TokenFeatures | None:
+def stored_hidden(stage: StageConfig, data: RunData, taps: Sequence[int] = ()
+                  ) -> TokenFeatures | None:
     """The frozen model's hidden states stored with the stage's data, when the stage can train
     on them instead of running the model: a distillation stage (the model does not change) whose
-    one source is self-generated text written with them, each token's ``width`` wide (the last
-    layer's, and the tapped layers' the modules read)."""
-    if stage.mtp != "distill" or [e.data for e in stage.mix] != ["self"]:
+    one source is self-generated text with them stored beside it (the last layer's, and those
+    of the ``taps`` the modules read)."""
+    if not trains_on_stored(stage):
         return None
-    feats = data.shards["self"] / "hidden"
-    if not (feats / "index.json").exists():
-        return None
-    stored = TokenFeatures(feats)
-    return stored if stored.dim == width else None
+    feats = features_dir(data.shards["self"], taps)
+    return TokenFeatures(feats) if (feats / "index.json").exists() else None
+
+
+def trains_on_stored(stage: StageConfig) -> bool:
+    """Whether the stage trains on stored hidden states (`stored_hidden`)."""
+    return stage.mtp == "distill" and [e.data for e in stage.mix] == ["self"]
 
 
 def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data: RunData,
@@ -278,8 +281,6 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
     seed = cfg.seed + 31
     settings = {"seed": seed, **g.model_dump(), "model": weights_digest(model, model.cfg)}
     taps = cfg.model.mtp_taps  # their states are kept beside the last ones
-    if taps:
-        settings["taps"] = taps
     # Generated as the stage trains: in bf16 under autocast for a bf16 stage, the faster (below).
     # A float32 generation gave no consistent gain to the drafts (`configs/cpt-smollm2.toml`).
     dtype = stage_dtype(cfg, stage)
@@ -288,6 +289,16 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
     out = cache_dir_for(run_dir / "data" / "self", stage, settings)
     barrier()  # every rank sees the shards there, or none does
     if (out / "index.json").exists():
+        feats = features_dir(out, taps)
+        if trains_on_stored(stage) and not (feats / "index.json").exists():
+            # text written before the modules read these layers: their states, from it
+            rows = TokenShards(out)
+            with progress(console) as prog, _autocast(dtype, model_device(model)):
+                task = prog.add_task(f"{stage.name}: the states of layers {taps} of "
+                                     f"{len(rows)} continuations", total=len(rows))
+                write_features(model, rows, feats, taps, g.batch, process_rank(), world_size(),
+                               lambda n: prog.update(task, completed=n))
+            barrier()
         return out
     # Under FSDP every rank continues its own share of the prompts (each forward gathers the
     # shards from all of them); rank 0 gathers the continuations and writes them. A bf16 stage
@@ -577,7 +588,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
             load_weights(ck, model, mtp)
         if st.self_gen is not None:
             data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
-        feats = stored_hidden(st, data, (1 + len(cfg.model.mtp_taps)) * model.cfg.dim)
+        feats = stored_hidden(st, data, cfg.model.mtp_taps)
         with main_rank_first():
             packed = stage_packed(cfg, st, si, data, run_dir, world, origins=feats is not None)
         # every rank its own share of the rows, in the same seeded order

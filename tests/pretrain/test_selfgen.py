@@ -12,7 +12,13 @@ from codedojo.engine.reference import greedy_reference
 from codedojo.model.config import ModelConfig
 from codedojo.model.transformer import Transformer
 from codedojo.pretrain.config import SelfGenConfig, StageConfig
-from codedojo.pretrain.selfgen import greedy_continue, prompt_windows, write_self_shards
+from codedojo.pretrain.selfgen import (
+    features_dir,
+    greedy_continue,
+    prompt_windows,
+    write_features,
+    write_self_shards,
+)
 
 
 @pytest.fixture()
@@ -102,7 +108,8 @@ def test_a_self_mix_needs_self_gen():
 def test_the_hidden_states_of_the_generation_are_kept_for_training(tmp_path, model, fuse, taps):
     """Beside the shards go the model's last hidden states of every token (and the tapped
     layers' the MTP modules read), as its forward over the whole text gives them; a
-    distillation loss on them is the one the forward gives."""
+    distillation loss on them is the one the forward gives. Text written without the taps has
+    their states computed from it (`write_features`), as the generation would keep them."""
     from codedojo.data.features import TokenFeatures
     from codedojo.data.mixture import MixtureSource, mix
     from codedojo.data.packing import PackedLoader, pack
@@ -114,17 +121,23 @@ def test_the_hidden_states_of_the_generation_are_kept_for_training(tmp_path, mod
     out = tmp_path / "self"
     write_self_shards(model, code, out, prompts=5, prompt_len=8, new_tokens=6, batch=2, seed=1,
                       taps=taps)
-    shards, feats = TokenShards(out), TokenFeatures(out / "hidden")
+    shards, feats = TokenShards(out), TokenFeatures(features_dir(out, taps))
     assert len(feats) == shards.num_tokens == 5 * 14
     assert feats.dim == (1 + len(taps)) * model.cfg.dim
+    seen: list[int] = []
+    later = write_features(model, shards, features_dir(out, (1,)), (1,), batch=2,
+                           progress=seen.append)
+    assert later.name == "hidden-taps-1" and seen == [2, 4, 5] and model.training
+    computed = TokenFeatures(later).gather(np.arange(70).reshape(5, 14))
     model.eval()
+    rows = torch.from_numpy(np.stack([shards.doc(i) for i in range(5)]))
     with torch.no_grad():
-        full = model.hidden(torch.from_numpy(np.stack([shards.doc(i) for i in range(5)])),
-                            taps=taps)
+        full, with_1 = model.hidden(rows, taps=taps), model.hidden(rows, taps=(1,))
     stored = feats.gather(np.arange(70).reshape(5, 14))
     # float16 keeps 11 significant bits of each row's largest entry (`features.py`)
-    err = (stored - full).abs() / full.abs().amax(-1, keepdim=True)
-    assert float(err.max()) <= 2**-11 * 1.01
+    for got, want in ((stored, full), (computed, with_1)):
+        err = (got - want).abs() / want.abs().amax(-1, keepdim=True)
+        assert float(err.max()) <= 2**-11 * 1.01
     # packed rows of 14 (a document each) with origins: the loss from the stored states
     p = pack(mix([MixtureSource(name="self", path=str(out))], 70, seed=0), seq_len=13,
              origins=True)
