@@ -15,8 +15,8 @@ differ (the model's ``dtype``, ``device``, ``compile`` and ``activation_checkpoi
 made on a laptop in float32 branches on a GPU in bf16, as a resume on another machine would. And
 the MTP chain may grow (``model.n_mtp``), or its modules start reading tapped layers
 (``model.mtp_taps``): the last stage that trains MTP modules runs again (and those after it), the
-new modules starting as copies of the last one (`grow_chain`), the new projections at zero (and
-its continuations are generated again, to keep the tapped layers' states beside them).
+new modules starting as copies of the last one (`grow_chain`), the new projections at zero, on
+the source's continuations (the tapped layers' states computed from them, `write_features`).
 """
 
 from __future__ import annotations
