@@ -271,7 +271,8 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
     pool, else the training code), written once (a resumed stage reads them back). They are
     found again by the generation settings and by the weights that wrote them
     (`weights_digest`): a model changed since, by an earlier stage run again, writes its own,
-    as its hidden states differ."""
+    as its hidden states differ. Modules that read tapped layers find those layers' states
+    beside the text too: kept by the generation, or computed from text written without them."""
     g = stage.self_gen
     assert g is not None
     if "code" not in data.shards:
