@@ -96,6 +96,14 @@ def hidden_states(model: Transformer, rows: torch.Tensor, taps: Sequence[int] = 
                           for i in range(0, len(rows), 16)])
 
 
+def read_by(states: torch.Tensor, layers: Sequence[int], taps: Sequence[int], dim: int
+            ) -> torch.Tensor:
+    """What modules reading ``taps`` take of `hidden_states` computed with ``layers`` (which
+    hold them): the last states, then the columns of each of the taps."""
+    at = [1 + list(layers).index(t) for t in taps]
+    return torch.cat([states[..., :dim], *(states[..., i * dim:(i + 1) * dim] for i in at)], -1)
+
+
 def draft_hits(model: Transformer, heads: MTP, tokens: torch.Tensor, hidden: torch.Tensor
                ) -> list[torch.Tensor]:
     """Whether each depth's greedy draft is the next token: per depth k, (B, T-k-1), row i
@@ -152,8 +160,11 @@ def main() -> None:
     model: Transformer = build_model(weights, cfg, torch.float32).eval()
 
     rows = held_out(model, args.data, args.prompts, args.prompt_len, args.new, args.seed)
+    layers = sorted({*mtp.taps, *base_mtp.taps})  # one pass serves both sets of heads
+    states = hidden_states(model, rows, layers)
     (ours, replayed), (base, _) = [
-        agreement(model, heads, rows, hidden_states(model, rows, heads.taps), args.prompt_len)
+        agreement(model, heads, rows, read_by(states, layers, heads.taps, cfg.dim),
+                  args.prompt_len)
         for heads in (mtp, base_mtp)]
     train: list[float] = []
     train_dir = Path(args.train) if args.train else newest_self(args.data)

@@ -50,6 +50,7 @@ from mtp_agreement import (  # benchmarks/
     hidden_states,
     newest_self,
     parse_held_out,
+    read_by,
 )
 from torch import nn
 
@@ -106,17 +107,10 @@ def main() -> None:
     states = hidden_states(model, rows, every, bf16=False)  # as a float32 engine serves
     vocab = mtp0.draft_vocab
 
-    def columns(h: torch.Tensor, taps: Sequence[int]) -> torch.Tensor:
-        """The last state and the states of ``taps`` of `every`'s, as modules reading them
-        take them."""
-        D = cfg.dim
-        return torch.cat([h[..., :D], *(h[..., (1 + every.index(t)) * D:(2 + every.index(t)) * D]
-                                        for t in taps)], -1)
-
     def measure(heads: MTP) -> dict[str, float]:
         """Held-out agreement of each depth, and the acceptance and tokens a pass of the greedy
         rounds drafting every depth would make over the same text (`replay_greedy`)."""
-        agree, rounds = agreement(model, heads, rows, columns(states, heads.taps),
+        agree, rounds = agreement(model, heads, rows, read_by(states, every, heads.taps, cfg.dim),
                                   args.prompt_len)
         return {**{f"agree_depth{k}": round(a, 4) for k, a in enumerate(agree, start=1)},
                 "accept_first": round(rounds[-1].accept_first, 4),
@@ -145,7 +139,7 @@ def main() -> None:
             tok, s = train[step * B:(step + 1) * B], train_states[step * B:(step + 1) * B]
             with torch.autocast("cpu", torch.bfloat16):
                 teacher = model.head(s[..., :cfg.dim], vocab)
-                outs = heads(columns(s, taps), tok, positions, model.embed, detach=True)
+                outs = heads(read_by(s, every, taps, cfg.dim), tok, positions, model.embed, detach=True)
                 loss = distill_loss([model.head(o, vocab) for o in outs], teacher, mask)
             opt.zero_grad()
             loss.backward()

@@ -698,10 +698,14 @@ class HiddenHistory:
         self.buf[start:end] = h
         self.length = end
 
-    def __getitem__(self, span: slice) -> torch.Tensor:
-        """States of the positions ``span`` (a view)."""
-        assert self.buf is not None and (span.stop or 0) <= self.length
-        return self.buf[span]
+    def __getitem__(self, span: slice | Sequence[int]) -> torch.Tensor:
+        """States of the positions ``span``: a slice (a view), or a list of them (a copy)."""
+        assert self.buf is not None
+        if isinstance(span, slice):
+            assert (span.stop or 0) <= self.length
+            return self.buf[span]
+        assert max(span) < self.length
+        return self.buf[torch.as_tensor(span, device=self.buf.device)]
 
 
 class MTPDrafter:
@@ -820,10 +824,7 @@ class MTPDrafter:
         op (another device)."""
         cache, D = self.caches[j - 1], self.mtp.cfg.dim
         prev = prev[:, :D]  # depth 0's rows carry the tapped layers' states after the last
-        tapped = None
-        if self.taps:
-            buf = self.hidden[0][0:self.hidden[0].length]
-            tapped = buf[torch.as_tensor(list(where), device=buf.device), D:]
+        tapped = self.hidden[0][list(where)][:, D:] if self.taps else None
         fused = self.mtp.draft_step(j, prev, ids, cache, *self.head.tensors(), rows=rows,
                                     parents=parents, tapped=tapped)
         if fused is not None:
