@@ -15,11 +15,14 @@ gradients take the ``F.linear`` path.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -63,13 +66,36 @@ def load_kernel(verbose: bool = False) -> ModuleType | None:
         build.mkdir(parents=True, exist_ok=True)
         flags = ["-O3", "-march=native", "-fopenmp"]
         try:
-            _kernel = load("codedojo_kernels", [str(s) for s in SOURCES], extra_cflags=flags,
-                           extra_ldflags=["-fopenmp"], build_directory=str(build),
-                           extra_include_paths=[str(SOURCES[0].parent)], verbose=verbose)
+            with build_lock(build):
+                _kernel = load("codedojo_kernels", [str(s) for s in SOURCES],
+                               extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                               build_directory=str(build),
+                               extra_include_paths=[str(SOURCES[0].parent)], verbose=verbose)
         except Exception as e:  # no compiler, no ninja, an unsupported platform
             _error = build_error(e)
             log.warning("CPU kernels unavailable (%s); using F.linear", _error)
         return _kernel
+
+
+@contextmanager
+def build_lock(build: Path) -> Iterator[None]:
+    """Hold the build directory against other processes for one build.
+
+    torch's own lock is a file that its holder deletes when done (``build/lock``): a build
+    killed midway leaves it behind, and every later build then waits on it forever. This lock
+    is the kernel's (``flock`` on ``build/build.lock``), so it goes with the process that holds
+    it. Every build here takes it first, so a torch lock found while holding it was left by a
+    build that no longer runs, and is removed."""
+    with open(build / "build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a kernel build that was stopped", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def cpu_kind() -> str:

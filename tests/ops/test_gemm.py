@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import threading
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,9 +23,18 @@ def test_the_kernels_build(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not gemm._enabled()
 
 
+def _in_thread(fn, timeout: float) -> list:
+    """Run ``fn`` in a thread; its result in a list (empty while it has not returned)."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return out
+
+
 def test_a_failed_build_names_the_compilers_error(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The build directory is per CPU kind, and a build that fails says why, not only which
-    command failed."""
+    command failed. A lock left by a build that was killed midway does not stop it."""
     assert gemm.cpu_kind() == gemm.cpu_kind() and len(gemm.cpu_kind()) == 12
     monkeypatch.setenv("CODEDOJO_CACHE", str(tmp_path))
     monkeypatch.setattr(gemm, "_kernel", None)
@@ -28,10 +42,45 @@ def test_a_failed_build_names_the_compilers_error(tmp_path, monkeypatch: pytest.
     bad = tmp_path / "bad.cpp"
     bad.write_text("int f() { return undeclared_name; }\n")
     monkeypatch.setattr(gemm, "SOURCES", [bad])
-    assert gemm.load_kernel() is None
+    build = tmp_path / "kernels" / f"torch-{torch.__version__}-{gemm.cpu_kind()}"
+    build.mkdir(parents=True)
+    (build / "lock").touch()  # torch's own lock, as a killed build leaves it
+    assert _in_thread(gemm.load_kernel, timeout=120) == [None], "waited on the stale lock"
     assert "undeclared_name" in gemm._error and "error:" in gemm._error, gemm._error
-    assert (tmp_path / "kernels" / f"torch-{torch.__version__}-{gemm.cpu_kind()}").is_dir()
+    assert not (build / "lock").exists()
     assert gemm.build_error(ImportError("ninja is required")) == "ImportError: ninja is required"
+
+
+def test_a_running_build_is_waited_for(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process's build in progress holds the build lock: its torch lock is left alone
+    and this load waits, then loads once that build is done."""
+    from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
+
+    monkeypatch.setenv("CODEDOJO_CACHE", str(tmp_path))
+    monkeypatch.setattr(gemm, "_kernel", None)
+    monkeypatch.setattr(gemm, "_error", None)
+    built = types.ModuleType("codedojo_kernels")
+
+    def load(name, sources, *, build_directory, **kw):  # torch's protocol around a build
+        baton = FileBaton(os.path.join(build_directory, "lock"))
+        if baton.try_acquire():
+            baton.release()
+        else:
+            baton.wait()
+        return built
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    build = tmp_path / "kernels" / f"torch-{torch.__version__}-{gemm.cpu_kind()}"
+    build.mkdir(parents=True)
+    with open(build / "build.lock", "w") as other:  # the other build, under way
+        fcntl.flock(other, fcntl.LOCK_EX)
+        (build / "lock").touch()
+        out = _in_thread(gemm.load_kernel, timeout=1.0)
+        assert out == [] and (build / "lock").exists()
+        (build / "lock").unlink()  # the other build ends
+    out = _in_thread(gemm.load_kernel, timeout=30)
+    assert out == [built] and gemm._kernel is built
 
 
 @needs_kernel
