@@ -68,7 +68,9 @@ def test_serve_attach_over_control_socket_and_clean_exit(tmp_path, provider, cli
         up.server.shutdown()
     assert proc.returncode == 0, out
     assert "egress proxy stopped" in out
-    assert _chains() == before  # its iptables chains are gone
+    # its iptables chains are gone (and those of proxies that died before it, which its start
+    # removes: a proxy killed midway leaves its chains behind)
+    assert _chains() <= before
 
 
 def test_check_policy_command(tmp_path):
