@@ -699,8 +699,11 @@ class HiddenHistory:
         self.length = end
 
     def __getitem__(self, span: slice | Sequence[int]) -> torch.Tensor:
-        """States of the positions ``span``: a slice (a view), or a list of them (a copy)."""
+        """States of the positions ``span``: a slice or a range of step 1 (a view), or a list
+        of them (a copy)."""
         assert self.buf is not None
+        if isinstance(span, range) and span.step == 1:
+            span = slice(span.start, span.stop)
         if isinstance(span, slice):
             assert (span.stop or 0) <= self.length
             return self.buf[span]
@@ -824,7 +827,7 @@ class MTPDrafter:
         op (another device)."""
         cache, D = self.caches[j - 1], self.mtp.cfg.dim
         prev = prev[:, :D]  # depth 0's rows carry the tapped layers' states after the last
-        tapped = self.hidden[0][list(where)][:, D:] if self.taps else None
+        tapped = self.hidden[0][where][:, D:] if self.taps else None
         fused = self.mtp.draft_step(j, prev, ids, cache, *self.head.tensors(), rows=rows,
                                     parents=parents, tapped=tapped)
         if fused is not None:

@@ -383,5 +383,10 @@ def test_hidden_history_grows_in_place_and_keeps_every_position():
     assert torch.equal(hist[0:300], rows)
     hist.write(100, rows[:1] - 1)  # a rewrite drops the positions after it
     assert hist.length == 101 and float(hist[100:101][0, 0]) == -1
+    # a range of step 1 is a view, like a slice; a list of positions is a copy
+    assert hist[range(90, 100)].data_ptr() == hist[90:100].data_ptr() == hist.buf[90].data_ptr()
+    assert torch.equal(hist[range(90, 100)], rows[90:100])
+    assert torch.equal(hist[[99, 3, 3]], rows[[99, 3, 3]])
+    assert hist[[5]].data_ptr() != hist.buf[5].data_ptr()
     with pytest.raises(ValueError, match="gap"):
         hist.write(102, rows[:1])
