@@ -100,20 +100,27 @@ def test_prefix_reuse_and_weight_pushes_on_the_gpu():
 
 
 @needs_cuda
-@pytest.mark.parametrize(("draft_vocab", "tree"), [(0, 0), (32, 0), (32, None)])
-def test_speculative_decoding_on_the_gpu(tmp_path, draft_vocab, tree):
+@pytest.mark.parametrize(("draft_vocab", "tree", "taps"),
+                         [(0, 0, ()), (32, 0, ()), (32, None, ()), (0, 0, (0,)), (32, None, (0,))])
+def test_speculative_decoding_on_the_gpu(tmp_path, draft_vocab, tree, taps):
     """A checkpoint's MTP modules load beside the model on the GPU; greedy output equals plain
-    decoding (with draft trees too, a GPU engine's default: their masks built on the GPU), and
-    a sampled request draws its drafts and corrections on the CPU."""
+    decoding (with draft trees too, a GPU engine's default: their masks built on the GPU; and
+    with modules that read a lower layer's states, op by op there), and a sampled request draws
+    its drafts and corrections on the CPU."""
     model = _tiny()
-    mtp = MTP(model.cfg, 2, draft_vocab)
+    mtp = MTP(model.cfg, 2, draft_vocab, taps)
     mtp.init_from_model(model)
+    with torch.no_grad():
+        for layer in mtp.layers:
+            if layer.fuse is not None:  # away from zero, so the drafts depend on the taps
+                layer.fuse.weight.normal_(std=0.02)
     if draft_vocab:
         mtp.set_draft_vocab(torch.arange(model.cfg.vocab_size).flip(0))
     save_mtp(mtp, tmp_path)
     gpu = copy.deepcopy(model).cuda()
     drafter = load_drafter(gpu, tmp_path)
     assert drafter is not None and next(drafter.mtp.parameters()).is_cuda
+    assert drafter.taps == taps
     greedy = SamplingParams(max_tokens=24, temperature=0, logprobs=True)
     plain = Engine(gpu, max_batch=2).generate([PROMPTS[0]], greedy)[0]
     engine = Engine(gpu, max_batch=2, drafter=drafter, spec_draft_cost=0, spec_tree=tree)
