@@ -77,13 +77,20 @@ class MTPModule(nn.Module):
         last) when it has taps."""
         if self.fuse is None:
             return h_prev
+        tapped = self.check_tapped(tapped)
+        D = h_prev.shape[-1]
+        normed = F.rms_norm(tapped.unflatten(-1, (-1, D)), (D,), eps=self.eps).flatten(-2)
+        return h_prev + self.fuse(normed.to(h_prev.dtype))
+
+    def check_tapped(self, tapped: torch.Tensor | None) -> torch.Tensor:
+        """The tapped layers' states, or a clear error when they are missing or of the wrong
+        width."""
+        assert self.fuse is not None
         if tapped is None or tapped.shape[-1] != self.fuse.in_features:
             raise ValueError(f"MTP module: the tapped layers' states must be "
                              f"(..., {self.fuse.in_features}); got "
                              f"{None if tapped is None else tuple(tapped.shape)}")
-        D = h_prev.shape[-1]
-        normed = F.rms_norm(tapped.unflatten(-1, (-1, D)), (D,), eps=self.eps).flatten(-2)
-        return h_prev + self.fuse(normed.to(h_prev.dtype))
+        return tapped
 
     def forward(self, h_prev: torch.Tensor, emb_next: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, mask: torch.Tensor | None = None,
@@ -250,8 +257,9 @@ class MTP(FusedModule):
         """`step` of module k fed token ids, with the logits of its positions ``rows``
         (default: the last): the embedding (``embed``, the main model's table), the module's
         input projection, its block, and the shared head (``norm``, ``head`` (V, D): the final
-        norm and output projection, or a slice of it) in one C++ call. h_prev (T, D), T =
-        len(tokens); ``parents`` as `step` takes them, ``tapped`` (T, len(taps) D). Returns h
+        norm and output projection, or a slice of it) in one C++ call, the projection of the
+        tapped layers' states too. h_prev (T, D), T = len(tokens); ``parents`` as `step` takes
+        them, ``tapped`` (T, len(taps) D). Returns h
         (T, D) and the logits (len(rows), V); None where the kernels do not take it (then
         `step`)."""
         module = self.layers[k - 1]
@@ -260,8 +268,9 @@ class MTP(FusedModule):
         if fused is None:
             return None
         T = len(tokens)
-        x = module.reads(h_prev, tapped)
-        out = fused_pass(fused, cache.view(0), 1, T, tokens=[tokens], x=x[None],
+        if module.fuse is not None:  # the kernel adds F_k of them, as `MTPModule.reads` does
+            h_prev = torch.cat([h_prev, module.check_tapped(tapped).to(h_prev.dtype)], -1)
+        out = fused_pass(fused, cache.view(0), 1, T, tokens=[tokens], x=h_prev[None],
                          logits=[T - 1] if rows is None else rows, parents=parents)
         if out is None:
             return None
@@ -277,7 +286,9 @@ class MTP(FusedModule):
         return FusedLayers.build(weights, self.rotary.cos, self.rotary.sin, cfg.n_heads,
                                  cfg.n_kv_heads, cfg.norm_eps, embed=embed, norm=norm,
                                  head=head, mix=(module.norm_h.weight, module.norm_e.weight,
-                                                 module.proj.weight))
+                                                 module.proj.weight,
+                                                 *(() if module.fuse is None
+                                                   else (module.fuse.weight,))))
 
 
 def save_mtp(mtp: MTP, out_dir: str | Path) -> Path:

@@ -44,6 +44,9 @@ class FusedLayers:
         ``norm`` and ``head`` (V, D) let them ask for logits. ``mix`` (an MTP module's
         ``norm_h``, ``norm_e`` and ``proj`` weights): calls pass the previous depth's hidden
         states and token ids, and the layers' input is proj [norm_h(x); norm_e(embed[ids])].
+        With a fourth, ``fuse`` (D, n D): x's rows are [h, t_1, ..., t_n] (the tapped layers'
+        states beside the previous depth's), and the module reads h + fuse [RMSNorm(t_1); ...]
+        (norms without weights) in place of x, as `MTPModule.reads` computes it.
         Weights are float32, or all bfloat16 (read at half the bytes; sums in float32, the
         activations rounded to bfloat16 for the products where the CPU multiplies bfloat16
         pairs, AVX512-BF16), every tensor of one type. None when the kernels are unavailable
@@ -75,7 +78,8 @@ class FusedLayers:
                  rope: Sequence[int] = (), parents: Sequence[int] = (),
                  taps: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """The new tokens as x (N, D) embedded, or as ids ``tokens`` (with ``mix``, both: x the
-        previous depth's hidden states). Token i's key and value
+        previous depth's hidden states; with its ``fuse``, (N, D + n D), the tapped layers'
+        states beside them). Token i's key and value
         go to position ``positions[i]`` of cache slot ``slots[i]`` (caches laid out (layers,
         slots, kv_heads, capacity, head_dim), as ``takes``) and it attends to positions
         ``[0, positions[i]]`` of that slot, tokens of this call included. Returns the hidden

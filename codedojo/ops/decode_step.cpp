@@ -152,7 +152,10 @@ class FusedLayers {
   // embed (vocab, D): the token embeddings, or an empty tensor (callers then pass x). norm (D)
   // and head (V, D): the final norm and output projection, or empty tensors (no logits).
   // mix: an MTP module's input, [norm_h (D), norm_e (D), proj (D, 2D)]: the first layer's input
-  // is then proj [RMSNorm_h(x); RMSNorm_e(embed[token])], or empty. memory(n): n uninitialised
+  // is then proj [RMSNorm_h(x); RMSNorm_e(embed[token])], or empty. With a fourth tensor, fuse
+  // (D, n D), x's rows are [h, t_1, ..., t_n] (the tapped layers' states after the previous
+  // depth's), and the module reads h + fuse [RMSNorm(t_1); ...; RMSNorm(t_n)] (norms without
+  // weights) in place of x. memory(n): n uninitialised
   // float32 values, where float32 matrices are laid out in panels (panels.h; the caller gives
   // 2 MB pages); not called for bfloat16 weights.
   FusedLayers(std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
@@ -195,12 +198,21 @@ class FusedLayers {
       check_tensor(head_, type_, V_ * D_, "head");
       check_tensor(norm_, type_, D_, "norm");
     }
-    TORCH_CHECK(mix_.empty() || (mix_.size() == 3 && embed_.numel()),
-                "FusedLayers: mix is [norm_h, norm_e, proj], with an embedding table");
+    TORCH_CHECK(mix_.empty() || ((mix_.size() == 3 || mix_.size() == 4) && embed_.numel()),
+                "FusedLayers: mix is [norm_h, norm_e, proj] or [norm_h, norm_e, proj, fuse], "
+                "with an embedding table");
     if (!mix_.empty()) {
       check_tensor(mix_[0], type_, D_, "mix norm_h");
       check_tensor(mix_[1], type_, D_, "mix norm_e");
       check_tensor(mix_[2], type_, 2 * D_ * D_, "mix proj");
+    }
+    if (mix_.size() == 4) {
+      TORCH_CHECK(mix_[3].dim() == 2 && mix_[3].size(0) == D_ && mix_[3].size(1) > 0 &&
+                      mix_[3].size(1) % D_ == 0,
+                  "FusedLayers: mix fuse must be (", std::to_string(D_), ", n * ",
+                  std::to_string(D_), ")");
+      check_tensor(mix_[3], type_, mix_[3].numel(), "mix fuse");
+      FI_ = mix_[3].size(1);
     }
     if (type_ == at::kFloat) {  // bfloat16 matrices are read as they are, row by row
       for (int64_t l = 0; l < L_; ++l) {
@@ -213,6 +225,7 @@ class FusedLayers {
       }
       if (V_) panels_.emplace_back(head_, 0, V_);
       if (!mix_.empty()) panels_.emplace_back(mix_[2], 0, D_);
+      if (FI_) panels_.emplace_back(mix_[3], 0, D_);
       int64_t total = 0;  // each matrix 64-byte aligned
       for (const Panels& p : panels_) total += (p.floats() + 15) / 16 * 16;
       panel_memory_ = memory(total);
@@ -259,8 +272,9 @@ class FusedLayers {
                       : "FusedLayers: pass either x or tokens");
     const int64_t N = embedded ? x.size(0) : int64_t(tokens.size());
     if (embedded) {
-      TORCH_CHECK(x.dim() == 2 && x.size(1) == D_ && x.scalar_type() == at::kFloat,
-                  "FusedLayers: x must be (N, ", std::to_string(D_), ") float32");
+      const int64_t width = D_ + (mixed ? FI_ : 0);  // with fuse, [h, tapped states]
+      TORCH_CHECK(x.dim() == 2 && x.size(1) == width && x.scalar_type() == at::kFloat,
+                  "FusedLayers: x must be (N, ", std::to_string(width), ") float32");
     } else {
       TORCH_CHECK(embed_.numel(), "FusedLayers: token ids given, but no embedding table held");
     }
@@ -356,11 +370,30 @@ class FusedLayers {
       for (int64_t b = 0; b < B; ++b)
         for (int64_t i = 0; i < D; ++i) xe[b * stride + at + i] = float(table[tokens[b] * D + i]);
     }
-    if (mixed) {  // [RMSNorm_h(x); RMSNorm_e(e)] row by row, in place
-      const torch::Tensor h = x_in.contiguous();
+    // with fuse: the tapped states normed (B, FI), and what the module reads of the previous
+    // depth, h + fuse [them] (B, D), which the parallel region computes
+    const int64_t FI = FI_, XW = D + (mixed ? FI : 0);
+    torch::Tensor h_in, tapped, h_read;
+    if (mixed) {  // [RMSNorm_h(x); RMSNorm_e(e)] row by row, in place (with fuse, the first
+                  // half once h_read is known)
+      h_in = x_in.contiguous();
       float* m = mixin.data_ptr<float>();
+      const float* h = h_in.data_ptr<float>();
+      if (FI) {
+        tapped = torch::empty({B, FI}, opts);
+        h_read = torch::empty({B, D}, opts);
+        float* tp = tapped.data_ptr<float>();
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t j = 0; j < FI; j += D) {
+            const float* t = h + b * XW + D + j;
+            double ss = 0.0;
+            for (int64_t i = 0; i < D; ++i) ss += double(t[i]) * t[i];
+            const float r = 1.f / std::sqrt(float(ss / D) + eps_);
+            for (int64_t i = 0; i < D; ++i) tp[b * FI + j + i] = t[i] * r;
+          }
+      }
       for (int64_t b = 0; b < B; ++b) {
-        rms_norm(h.data_ptr<float>() + b * D, mix_[0].data_ptr<W>(), m + b * 2 * D, 1, D, eps_);
+        if (!FI) rms_norm(h + b * D, mix_[0].data_ptr<W>(), m + b * 2 * D, 1, D, eps_);
         rms_norm(m + b * 2 * D + D, mix_[1].data_ptr<W>(), m + b * 2 * D + D, 1, D, eps_);
       }
     }
@@ -384,6 +417,7 @@ class FusedLayers {
 
     const Panels* head_panels = panel(L * kPanelsPerLayer);  // the head's, then mix proj's
     const Panels* mix_panels = mixed ? panel(L * kPanelsPerLayer + (V ? 1 : 0)) : nullptr;
+    const Panels* fuse_panels = FI ? panel(L * kPanelsPerLayer + (V ? 1 : 0) + 1) : nullptr;
     const int threads = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(threads)
     {
@@ -408,6 +442,20 @@ class FusedLayers {
         for (int64_t b = 0; b < B; ++b)
           for (int64_t i = m0; i < m1; ++i) xp[b * D + i] += op[b * D + i];
       };
+      if (FI) {  // h_read = h + fuse [tapped], then its norm into the first half of mixin
+        float* rp = h_read.data_ptr<float>();
+        const float* h = h_in.data_ptr<float>();
+        const auto [m0, m1] = band(tapped.data_ptr<float>(), mix_[3].data_ptr<W>(),
+                                   fuse_panels, rp, D, B, FI, D);
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t i = m0; i < m1; ++i) rp[b * D + i] += h[b * XW + i];
+#pragma omp barrier
+        const auto [b0, b1] = share(B, t, nt);
+        for (int64_t b = b0; b < b1; ++b)
+          rms_norm(rp + b * D, mix_[0].data_ptr<W>(), mixin.data_ptr<float>() + b * 2 * D, 1,
+                   D, eps);
+#pragma omp barrier
+      }
       if (mixed) {  // the MTP module's projection of its two inputs
         band(mixin.data_ptr<float>(), mix_[2].data_ptr<W>(), mix_panels, xp, D, B, 2 * D, D);
 #pragma omp barrier
@@ -500,6 +548,7 @@ class FusedLayers {
   float eps_;
   at::ScalarType type_;
   int64_t L_, D_, hd_, QKV_, F_, V_, vocab_;
+  int64_t FI_ = 0;  // the width of mix's fuse input (n D), or 0
 };
 
 void bind_fused_layers(pybind11::module& m) {
