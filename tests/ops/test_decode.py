@@ -308,6 +308,18 @@ def test_fused_decode_rejects_bad_input() -> None:
             no_head(*kv, [0], [0], x=torch.randn(1, cfg.dim), logit_rows=[0])
         with pytest.raises(RuntimeError, match="no embedding table"):
             no_head(*kv, [0], [0], tokens=[1])
+    # an MTP module's mix, with the projection of two tapped layers' states
+    D, tok = cfg.dim, model.tok_embeddings.weight
+    mix = [torch.ones(D), torch.ones(D), torch.randn(D, 2 * D)]
+    with pytest.raises(RuntimeError, match=r"mix fuse must be \("):
+        FusedLayers.build(weights, *rope, embed=tok, mix=[*mix, torch.randn(D, 2 * D + 1)])
+    mixed = FusedLayers.build(weights, *rope, embed=tok, mix=[*mix, torch.randn(D, 2 * D)])
+    assert mixed is not None
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match=rf"x must be \(N, {3 * D}\)"):
+            mixed(*kv, [0], [0], x=torch.randn(1, D), tokens=[1])  # the tapped states missing
+        h, _ = mixed(*kv, [0], [0], x=torch.randn(1, 3 * D), tokens=[1])
+    assert h.shape == (1, D)
 
 
 _GREEDY = """
