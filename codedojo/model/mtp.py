@@ -259,9 +259,8 @@ class MTP(FusedModule):
         input projection, its block, and the shared head (``norm``, ``head`` (V, D): the final
         norm and output projection, or a slice of it) in one C++ call, the projection of the
         tapped layers' states too. h_prev (T, D), T = len(tokens); ``parents`` as `step` takes
-        them, ``tapped`` (T, len(taps) D). Returns h
-        (T, D) and the logits (len(rows), V); None where the kernels do not take it (then
-        `step`)."""
+        them, ``tapped`` (T, len(taps) D). Returns h (T, D) and the logits (len(rows), V); None
+        where the kernels do not take it (then `step`)."""
         module = self.layers[k - 1]
         fused = self.fused_layers(k, lambda: self._build_fused(module, embed, norm, head),
                                   embed, norm, head)

@@ -155,9 +155,9 @@ class FusedLayers {
   // is then proj [RMSNorm_h(x); RMSNorm_e(embed[token])], or empty. With a fourth tensor, fuse
   // (D, n D), x's rows are [h, t_1, ..., t_n] (the tapped layers' states after the previous
   // depth's), and the module reads h + fuse [RMSNorm(t_1); ...; RMSNorm(t_n)] (norms without
-  // weights) in place of x. memory(n): n uninitialised
-  // float32 values, where float32 matrices are laid out in panels (panels.h; the caller gives
-  // 2 MB pages); not called for bfloat16 weights.
+  // weights) in place of x. memory(n): n uninitialised float32 values, where float32 matrices
+  // are laid out in panels (panels.h; the caller gives 2 MB pages); not called for bfloat16
+  // weights.
   FusedLayers(std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
               int64_t H, int64_t K, double eps, torch::Tensor embed, torch::Tensor norm,
               torch::Tensor head, std::vector<torch::Tensor> mix,
