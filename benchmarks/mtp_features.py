@@ -139,7 +139,8 @@ def main() -> None:
             tok, s = train[step * B:(step + 1) * B], train_states[step * B:(step + 1) * B]
             with torch.autocast("cpu", torch.bfloat16):
                 teacher = model.head(s[..., :cfg.dim], vocab)
-                outs = heads(read_by(s, every, taps, cfg.dim), tok, positions, model.embed, detach=True)
+                outs = heads(read_by(s, every, taps, cfg.dim), tok, positions, model.embed,
+                             detach=True)
                 loss = distill_loss([model.head(o, vocab) for o in outs], teacher, mask)
             opt.zero_grad()
             loss.backward()

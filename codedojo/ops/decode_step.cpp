@@ -42,7 +42,7 @@ constexpr int kPerLayer = 7;  // attn_norm, wqkv, bqkv, wo, mlp_norm, w_gate_up,
 // w_gate_up, w_down.
 constexpr int kPanelsPerLayer = 5;
 
-// y = w * (x / sqrt(mean(x^2) + eps)) for each of N rows of length D.
+// y = w * (x / sqrt(mean(x^2) + eps)) for each of N rows of length D (w null: no weight).
 template <typename W>
 void rms_norm(const float* x, const W* w, float* y, int64_t N, int64_t D, float eps) {
   for (int64_t n = 0; n < N; ++n) {
@@ -50,7 +50,10 @@ void rms_norm(const float* x, const W* w, float* y, int64_t N, int64_t D, float 
     double ss = 0.0;
     for (int64_t i = 0; i < D; ++i) ss += double(xr[i]) * xr[i];
     const float r = 1.f / std::sqrt(float(ss / D) + eps);
-    for (int64_t i = 0; i < D; ++i) y[n * D + i] = float(w[i]) * (xr[i] * r);
+    if (w == nullptr)
+      for (int64_t i = 0; i < D; ++i) y[n * D + i] = xr[i] * r;
+    else
+      for (int64_t i = 0; i < D; ++i) y[n * D + i] = float(w[i]) * (xr[i] * r);
   }
 }
 
@@ -382,15 +385,9 @@ class FusedLayers {
       if (FI) {
         tapped = torch::empty({B, FI}, opts);
         h_read = torch::empty({B, D}, opts);
-        float* tp = tapped.data_ptr<float>();
-        for (int64_t b = 0; b < B; ++b)
-          for (int64_t j = 0; j < FI; j += D) {
-            const float* t = h + b * XW + D + j;
-            double ss = 0.0;
-            for (int64_t i = 0; i < D; ++i) ss += double(t[i]) * t[i];
-            const float r = 1.f / std::sqrt(float(ss / D) + eps_);
-            for (int64_t i = 0; i < D; ++i) tp[b * FI + j + i] = t[i] * r;
-          }
+        for (int64_t b = 0; b < B; ++b)  // the row's FI / D tapped states, each normed
+          rms_norm<W>(h + b * XW + D, nullptr, tapped.data_ptr<float>() + b * FI, FI / D, D,
+                      eps_);
       }
       for (int64_t b = 0; b < B; ++b) {
         if (!FI) rms_norm(h + b * D, mix_[0].data_ptr<W>(), m + b * 2 * D, 1, D, eps_);

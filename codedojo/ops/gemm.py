@@ -86,16 +86,13 @@ def build_lock(build: Path) -> Iterator[None]:
     is the kernel's (``flock`` on ``build/build.lock``), so it goes with the process that holds
     it. Every build here takes it first, so a torch lock found while holding it was left by a
     build that no longer runs, and is removed."""
-    with open(build / "build.lock", "w") as held:
+    with open(build / "build.lock", "w") as held:  # closing it releases the lock
         fcntl.flock(held, fcntl.LOCK_EX)
         stale = build / "lock"
         if stale.exists():
             log.warning("removing %s, left by a kernel build that was stopped", stale)
             stale.unlink(missing_ok=True)
-        try:
-            yield
-        finally:
-            fcntl.flock(held, fcntl.LOCK_UN)
+        yield
 
 
 def cpu_kind() -> str:
