@@ -109,16 +109,10 @@ def draft_hits(model: Transformer, heads: MTP, tokens: torch.Tensor, hidden: tor
     """Whether each depth's greedy draft is the next token: per depth k, (B, T-k-1), row i
     true when the draft read at position i is tokens[i + k + 1]. ``hidden`` is what the modules
     read of the main model (`hidden_states` with their ``taps``)."""
-    B, T = tokens.shape
-    with torch.no_grad():
-        outs = heads(hidden, tokens, torch.arange(T).expand(B, T), model.embed)
-        right = []
-        for k, h in enumerate(outs, start=1):
-            pred = model.head(h, heads.draft_vocab).argmax(-1)  # (B, T-k); row i: token i+k+1
-            if heads.draft_vocab is not None:
-                pred = heads.draft_vocab[pred]
-            right.append(pred[:, :T - k - 1] == tokens[:, k + 1:])
-    return right
+    T = tokens.shape[1]
+    drafts = heads.drafts(hidden, tokens, torch.arange(T).expand_as(tokens), model.embed,
+                          model.head)  # depth k: (B, T-k), row i: token i+k+1
+    return [d[:, :T - k - 1] == tokens[:, k + 1:] for k, d in enumerate(drafts, start=1)]
 
 
 def agreement(model: Transformer, heads: MTP, rows: torch.Tensor, hidden: torch.Tensor,

@@ -217,6 +217,20 @@ class MTP(FusedModule):
             outs.append(h)
         return outs
 
+    @torch.no_grad()
+    def drafts(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+               embed: Callable[[torch.Tensor], torch.Tensor],
+               head: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+               doc_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Each depth's greedy draft at every position, as ids of the whole vocabulary:
+        depth k (B, T-k), row i the draft of tokens[i + k + 1] (arguments as `forward`'s;
+        ``head`` is the main model's, `Transformer.head`)."""
+        out = []
+        for h in self(hidden, tokens, positions, embed, doc_ids):
+            pick = head(h, self.draft_vocab).argmax(-1)
+            out.append(pick if self.draft_vocab is None else self.draft_vocab[pick])
+        return out
+
     def split(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The main model's states as the modules take them, (..., (1 + len(taps)) D) -> the
         last (..., D) and the tapped layers' (..., len(taps) D) (None without taps)."""

@@ -103,7 +103,7 @@ def _link(src: str, dst: str) -> None:
 def _kept(report: dict[str, Any], stages: list[str]) -> dict[str, Any]:
     """The report entries of the base model and of ``stages``."""
     keep = {"base", *stages}
-    return {"eval_loss": {k: v for k, v in report.get("eval_loss", {}).items() if k in keep},
+    return {**{key: {k: v for k, v in report.get(key, {}).items() if k in keep}
+               for key in ("eval_loss", "mtp_agree", "stages")},
             "probe": {k: v for k, v in report.get("probe", {}).items()
-                      if k.split("/")[0] in keep},  # "<stage>/before", "<stage>/after"
-            "stages": {k: v for k, v in report.get("stages", {}).items() if k in keep}}
+                      if k.split("/")[0] in keep}}  # "<stage>/before", "<stage>/after"

@@ -160,6 +160,8 @@ class EvalConfig(BaseModel):
     seq_len: int = Field(256, ge=8)
     batch_size: int = Field(4, ge=1)
     batches: int = Field(4, ge=1, description="Held-out batches per evaluation (fixed set).")
+    every: int = Field(0, ge=0, description="Also evaluate every this many steps of a stage, "
+                       "logged with the step in metrics.jsonl (0: after each stage only).")
     probe_len: int = Field(512, ge=32, description="Tokens of code around the passkey.")
     probe_trials: int = Field(4, ge=1)
 

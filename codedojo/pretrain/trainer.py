@@ -39,7 +39,7 @@ from codedojo.data.packing import Packed, PackedLoader, make_batch, pack
 from codedojo.data.shards import TokenShards
 from codedojo.model.config import ModelConfig
 from codedojo.model.moe import moe_aux_loss, moe_layers, update_moe_biases
-from codedojo.model.mtp import MTP, distill_loss, save_mtp
+from codedojo.model.mtp import MTP, distill_loss, mtp_valid_mask, save_mtp
 from codedojo.model.rope import Rotary
 from codedojo.model.transformer import Transformer
 from codedojo.paths import write_atomic
@@ -137,21 +137,47 @@ def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
 
 
 @torch.no_grad()
-def eval_loss(model: Transformer, batches: list[Batch]) -> float:
-    """Token-weighted held-out loss over a fixed set of batches."""
-    was = model.training
-    model.eval()
+def evaluate(model: Transformer, mtp: MTP | None, batches: list[Batch]) -> dict[str, Any]:
+    """The held-out figures over a fixed set of batches: ``loss``, the token-weighted
+    next-token loss; with ``mtp``, ``mtp_agree`` too: per depth k, the share of positions
+    (all k + 1 targets in the document) where the module's greedy draft is the main head's
+    greedy token there, i.e. where greedy speculative decoding would accept it. The drafts
+    read the held-out text's own tokens rather than the model's continuations
+    (`benchmarks/mtp_agreement.py` reads those)."""
+    modes = [(m, m.training) for m in (model, mtp) if m is not None]
+    for m, _ in modes:
+        m.eval()
     tot, n = 0.0, 0
+    depth = mtp.depth if mtp is not None else 0
+    hits, seen = [0] * depth, [0] * depth
     dev = model_device(model)
+    taps = mtp.taps if mtp is not None else ()
+    D = model.cfg.dim
     for b in batches:
         b = on_device(b, dev)
-        hidden = model.hidden(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"])
+        hidden = model.hidden(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"],
+                              taps=taps)
         m = b["loss_mask"]
-        mean = next_token_loss(model, hidden, b["targets"], m)
+        mean = next_token_loss(model, hidden[..., :D], b["targets"], m)
         tot += float(mean) * int(m.sum())
         n += int(m.sum())
-    model.train(was)
-    return tot / max(1, n)
+        if mtp is None:
+            continue
+        greedy = model.head(hidden[..., :D]).argmax(-1)  # (B, T): its pick for token i + 1
+        # float32 modules on the states of a model sharded in bf16 (FSDP): as in training
+        with torch.autocast(dev.type, hidden.dtype, enabled=hidden.dtype != torch.float32):
+            drafts = mtp.drafts(hidden, b["tokens"], b["positions"], model.embed, model.head,
+                                b["doc_ids"])
+        for k, d in enumerate(drafts, start=1):  # d[:, i] drafts what greedy[:, i + k] picks
+            valid = mtp_valid_mask(m, k)
+            hits[k - 1] += int((d == greedy[:, k:])[valid].sum())
+            seen[k - 1] += int(valid.sum())
+    for m, was in modes:
+        m.train(was)
+    out: dict[str, Any] = {"loss": tot / max(1, n)}
+    if mtp is not None:
+        out["mtp_agree"] = [h / max(1, s) for h, s in zip(hits, seen, strict=True)]
+    return out
 
 
 # ---- model setup ------------------------------------------------------------------------------
@@ -347,9 +373,11 @@ def _first_mtp(cfg: PretrainConfig) -> int:
 def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | None,
                 loader: PackedLoader, run_dir: Path, resume_from: Path | None = None,
                 log: Callable[[dict[str, Any]], None] | None = None,
-                stop_after: int | None = None) -> list[float]:
+                stop_after: int | None = None,
+                held_out: Callable[[], dict[str, Any]] | None = None) -> list[float]:
     """Run stage `si` (from its start or from a mid-stage checkpoint). Returns per-step losses.
-    `stop_after` ends early after that many steps of this call (tests)."""
+    `stop_after` ends early after that many steps of this call (tests). ``held_out``: the
+    figures (`evaluate`'s) logged as ``eval_<name>`` with every ``cfg.eval.every``-th step."""
     st = cfg.stages[si]
     sharded(model)  # under FSDP2: the parameters to freeze or train are the shards
     dev = model_device(model)
@@ -417,6 +445,9 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
         total, tok_s = mean_over_ranks(total, ntok / (time.perf_counter() - t0))
         tok_s *= world_size()
         losses.append(total)
+        every = cfg.eval.every
+        if held_out is not None and every and (step + 1) % every == 0:
+            metrics.update({f"eval_{k}": v for k, v in held_out().items()})
         if log is not None:
             log({"stage": st.name, "step": step + 1, "loss": total, "lr": lr,
                  "grad_norm": float(gnorm), "tok_s": tok_s, **metrics})
@@ -573,7 +604,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
             write_atomic(report_path, json.dumps(report, indent=1))
 
     if "base" not in report["eval_loss"]:
-        report["eval_loss"]["base"] = eval_loss(model, evals)
+        report["eval_loss"]["base"] = evaluate(model, None, evals)["loss"]
         save_report()
     console.print(f"eval loss (base): {report['eval_loss']['base']:.4f}")
     for si, st in enumerate(cfg.stages):
@@ -611,9 +642,19 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
                     metrics_f.flush()
                 prog.update(task, completed=m["step"], loss=f"{m['loss']:.3f}")
 
+            # the modules, once a stage has trained them (a later stage may move the model)
+            heads = mtp if 0 <= _first_mtp(cfg) <= si else None
+
+            def held_out(heads: MTP | None = heads) -> dict[str, Any]:
+                return evaluate(model, heads, evals)
+
             losses = train_stage(cfg, si, model, mtp, loader, run_dir,
-                                 resume_from=ck if pos is not None else None, log=log)
-        report["eval_loss"][st.name] = eval_loss(model, evals)
+                                 resume_from=ck if pos is not None else None, log=log,
+                                 held_out=held_out)
+        figures = held_out()
+        report["eval_loss"][st.name] = figures["loss"]
+        if "mtp_agree" in figures:
+            report.setdefault("mtp_agree", {})[st.name] = figures["mtp_agree"]
         report["stages"][st.name] = {"first_loss": losses[0] if losses else None,
                                      "last_loss": losses[-1] if losses else None,
                                      "seq_len": st.seq_len, "steps": st.steps, "mtp": st.mtp}
@@ -621,7 +662,9 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
             report["probe"][f"{st.name}/after"] = passkey_probe(
                 model, tok, data.probe_filler, probe_len, cfg.eval.probe_trials, cfg.seed)
         save_report()
-        console.print(f"eval loss after {st.name}: {report['eval_loss'][st.name]:.4f}")
+        console.print(f"eval loss after {st.name}: {figures['loss']:.4f}" + (
+            "; drafts agree " + " ".join(f"{a:.3f}" for a in figures["mtp_agree"])
+            if "mtp_agree" in figures else ""))
     if metrics_f is not None:
         metrics_f.close()
     final = run_dir / "final"

@@ -40,6 +40,8 @@ def test_a_branch_runs_only_the_stages_its_config_changes(tmp_path):
                 == os.stat(src / "ckpt" / name / "model.safetensors").st_ino)
         assert second["eval_loss"][name] == first["eval_loss"][name]
         assert second["stages"][name] == first["stages"][name]
+        assert second["mtp_agree"].get(name) == first["mtp_agree"].get(name)
+    assert set(second["mtp_agree"]) == {"mtp", "long", "sft", "mtp_self"}
     assert set(second["probe"]) == {"long/before", "long/after"} and second["name"] == "b"
     # the changed stage ran again, from the same start, to another end
     ran, was = second["stages"]["mtp_self"], first["stages"]["mtp_self"]

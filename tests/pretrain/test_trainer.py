@@ -248,11 +248,24 @@ def test_run_end_to_end_tiny(tmp_path):
     from codedojo.pretrain.trainer import run
 
     cfg = five_stage_config(tmp_path, "e2e")
+    cfg.eval.every = 1  # held-out figures with every step too
     tok = load_tokenizer()
     report = run(cfg, tok=tok, console=Console(quiet=True))
     assert set(report["eval_loss"]) == {"base", "bulk", "mtp", "long", "sft", "mtp_self"}
     assert report["eval_loss"]["mtp"] == report["eval_loss"]["bulk"]  # frozen model
     assert report["eval_loss"]["mtp_self"] == report["eval_loss"]["sft"]
+    # the modules' held-out agreement after the first stage that trains them and every later
+    # one (SFT moves the model without them)
+    assert set(report["mtp_agree"]) == {"mtp", "long", "sft", "mtp_self"}
+    assert all(len(a) == 1 and 0 <= a[0] <= 1 for a in report["mtp_agree"].values())
+    logged = [json.loads(line) for line in
+              (tmp_path / "runs" / "e2e" / "metrics.jsonl").read_text().splitlines()]
+    assert len(logged) == 10 and all("eval_loss" in m for m in logged)
+    assert [m["stage"] for m in logged if "eval_mtp_agree" in m] == [
+        "mtp", "mtp", "long", "long", "sft", "sft", "mtp_self", "mtp_self"]
+    last = {m["stage"]: m for m in logged}  # each stage's last step: its end's figures
+    assert all(last[s]["eval_loss"] == report["eval_loss"][s] for s in last)
+    assert all(last[s]["eval_mtp_agree"] == report["mtp_agree"][s] for s in report["mtp_agree"])
     (own_dir,) = (tmp_path / "runs" / "e2e" / "data" / "self").glob("mtp_self-*")
     own = TokenShards(own_dir)
     assert len(own) == 4 and own.doc_lengths().tolist() == [16] * 4
@@ -278,6 +291,7 @@ def test_run_end_to_end_tiny(tmp_path):
         torch.testing.assert_close(served(ids), exported(ids))
     again = run(cfg, tok=tok, console=Console(quiet=True))  # all stages skipped
     assert again["eval_loss"] == report["eval_loss"]
+    assert again["mtp_agree"] == report["mtp_agree"]
     # the config it ran with is kept beside the report
     kept = (tmp_path / "runs" / "e2e" / "config.json").read_text()
     assert PretrainConfig.model_validate_json(kept) == cfg
@@ -433,3 +447,53 @@ def test_an_mtp_distillation_step_detaches_the_modules_when_asked():
             StageConfig.model_validate({**st, knob: on})  # mtp = "off"
     with pytest.raises(ValueError, match="mtp_greedy"):
         StageConfig.model_validate({**st, "mtp_greedy": 1.5, "mtp": "distill"})
+
+
+def test_held_out_agreement_counts_drafts_equal_to_the_greedy_token_in_the_document():
+    """`evaluate`'s ``mtp_agree``: per depth k, the share of positions i where module k's draft
+    is what the main head picks greedily at i + k, over positions whose k + 1 next tokens are
+    in the document. Checked against each document scored alone, on packed rows of two
+    documents and modules distilled a few steps (so they agree part of the time)."""
+    from codedojo.data.packing import make_batch
+    from codedojo.model.config import ModelConfig
+    from codedojo.model.mtp import MTP
+    from codedojo.model.transformer import Transformer
+    from codedojo.pretrain.trainer import evaluate, stage_loss
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(n_layers=3, n_mtp=2)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # larger embeddings: the greedy picks vary with the input
+        model.tok_embeddings.weight.mul_(8)
+    mtp = MTP(cfg, taps=(1,), draft_vocab=128)
+    rows = np.random.default_rng(0).integers(0, 16, (4, 49))  # draftable ids only
+    sizes = (20, 29)  # two documents a row
+    batch = make_batch(rows, np.repeat([[0] * sizes[0] + [1] * sizes[1]], 4, 0),
+                       np.ones(rows.shape, dtype=bool))
+    assert evaluate(model, None, [batch]).keys() == {"loss"}
+    opt = torch.optim.AdamW(mtp.parameters(), 3e-3)
+    for _ in range(12):
+        loss, _ = stage_loss(model, mtp, batch, "distill", 1.0, mtp_greedy=1.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    got = evaluate(model, mtp, [batch])
+    assert mtp.training  # left as it was
+
+    hits, seen = [0, 0], [0, 0]
+    with torch.no_grad():
+        for row in torch.from_numpy(rows):
+            for doc in row.split(sizes):
+                doc = doc[None]
+                n = doc.shape[1]
+                hidden = model.hidden(doc, taps=(1,))
+                greedy = model.head(hidden[..., :cfg.dim]).argmax(-1)[0]
+                drafts = mtp.drafts(hidden, doc, torch.arange(n)[None], model.embed, model.head)
+                for k in (1, 2):
+                    for i in range(n - k - 1):  # token i + k + 1 is the document's
+                        hits[k - 1] += int(drafts[k - 1][0, i] == greedy[i + k])
+                        seen[k - 1] += 1
+    want = [h / s for h, s in zip(hits, seen, strict=True)]
+    assert all(0.2 < w < 1.0 for w in want), want  # neither all nor none
+    assert got["mtp_agree"] == pytest.approx(want, abs=1e-9)
+    assert got["loss"] == evaluate(model, None, [batch])["loss"]
