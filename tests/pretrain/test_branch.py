@@ -150,6 +150,12 @@ def test_what_cannot_be_branched_is_named(tmp_path):
                                    "activation_checkpointing": True})
     assert branch_run(src, cfg.model_copy(update={"name": "d", "model": how})) == []
     assert (tmp_path / "runs" / "d").is_dir()
+    # and how often it evaluates, not on what
+    often = cfg.eval.model_copy(update={"every": 5})
+    assert branch_run(src, cfg.model_copy(update={"name": "f", "eval": often})) == []
+    with pytest.raises(BranchError, match="its eval differ"):
+        branch_run(src, cfg.model_copy(update={
+            "name": "g", "eval": often.model_copy(update={"batches": 2})}))
     taken = tmp_path / "runs" / "b"
     taken.mkdir()
     (taken / "notes.txt").write_text("mine")
