@@ -1,5 +1,9 @@
 """Speculative decoding with MTP drafts vs plain decoding, batch 1, on held-out code prompts.
 
+The prompts are the held-out files' first tokens (`--prompts` files, in order); with
+`--mid-file S`, a share S of them are distinct windows inside the files instead (code
+completion mid-way through a file, as the modules' training prompts are half of the time).
+
 Uses the checkpoint `dojo pretrain configs/cpt-smollm2.toml` writes (SmolLM2-135M after CPT, with
 MTP modules trained by self-distillation, drafting over its draft vocabulary). Both sides are the
 engine `dojo serve` runs, one request at a time, in this process, on the same prompts: plain
@@ -22,6 +26,7 @@ the checkpoint and the policy alone, not on this machine's timing (on a shared 2
 wall-clock speedup of one checkpoint read 1.08 and 1.18 in two runs).
 
     python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 24] [--new 64]
+                                    [--mid-file 0.5 --seed 123]
                                     [--draft-cost C] [--dtype bfloat16] [--draft-dtype bfloat16]
                                     [--temperature 1.0] [--tree 5]
 """
@@ -44,6 +49,12 @@ def main() -> None:
                     help="held-out prompts (with 6, the acceptance of one checkpoint "
                     "read 0.17 in one run and 0.41 with 24)")
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--mid-file", type=float, default=0.0,
+                    help="share of the prompts taken mid-file, at distinct windows of the "
+                    "held-out files drawn with --seed, the rest at files' starts (0: each "
+                    "held-out file's first tokens, in order, the targets' setting; 0.5: as "
+                    "the modules' training prompts are drawn and mtp_agreement.py reads)")
+    ap.add_argument("--seed", type=int, default=123, help="the --mid-file windows' draw")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -63,6 +74,8 @@ def main() -> None:
                     help="the engine's spec_draft_cost (default: measured while probing; 0: "
                     "every round drafts with every module)")
     args = ap.parse_args()
+    if not 0.0 <= args.mid_file <= 1.0:
+        sys.exit(f"--mid-file {args.mid_file}: a share, in [0, 1]")
     torch.set_num_threads(args.threads)
 
     from decode import TimedRequest, time_request  # benchmarks/decode.py
@@ -73,6 +86,7 @@ def main() -> None:
     from codedojo.engine.types import SamplingParams
     from codedojo.model.weights import load_model
     from codedojo.ops import kernel_status
+    from codedojo.pretrain.selfgen import prompt_windows
 
     ck = Path(args.ckpt)
     if not (ck / "model.safetensors").exists():
@@ -84,13 +98,16 @@ def main() -> None:
     if drafter is None:
         sys.exit(f"{ck}: checkpoint has no MTP modules")
     shards = TokenShards(args.data)
-    prompts = []
-    for i in range(len(shards)):
-        d = shards.doc(i)
-        if len(d) >= args.prompt_len:
-            prompts.append(d[: args.prompt_len].tolist())
-        if len(prompts) == args.prompts:
-            break
+    if args.mid_file:
+        try:
+            prompts = prompt_windows(shards, args.prompts, args.prompt_len, args.seed,
+                                     doc_start_frac=1.0 - args.mid_file).tolist()
+        except ValueError as e:
+            sys.exit(f"--prompts {args.prompts}, --prompt-len {args.prompt_len}: {e}")
+    else:
+        starts = (shards.doc(i) for i in range(len(shards)))
+        prompts = [d[:args.prompt_len].tolist() for d in starts
+                   if len(d) >= args.prompt_len][:args.prompts]
     plain = Engine(model, max_batch=1, max_seq_len=max_len)
     spec = Engine(model, max_batch=1, max_seq_len=max_len, drafter=drafter,
                   spec_draft_cost=args.draft_cost, spec_tree=args.tree)
@@ -144,6 +161,7 @@ def main() -> None:
         "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
         "mtp_taps": list(drafter.taps),
         "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,
+        "mid_file": args.mid_file,
         "batch": 1, "temperature": args.temperature, "dtype": args.dtype,
         "draft_dtype": draft_dtype, "threads": args.threads, "kernel": kernel_status(),
         "ckpt": str(ck)}))
