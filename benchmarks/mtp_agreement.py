@@ -17,7 +17,8 @@ the rounds greedy speculative decoding drafting K tokens each would make over th
 continuations (`replay_greedy`): a round's first draft passes less often than `agree_depth1` says
 when deep rounds skip the easy stretches they accept, so `spec_decode.py`'s `accept_first` moves
 with the number of drafts a round (a three-module checkpoint whose first module agrees 0.768 here
-replays 0.764, 0.754 and 0.731 for K = 1, 2, 3). Prints one JSON line.
+replays 0.764, 0.754 and 0.731 for K = 1, 2, 3). `dojo pretrain` reports the depths' figure after
+each stage as `mtp_agree`, on fewer windows (`eval.continuations`). Prints one JSON line.
 
     python benchmarks/mtp_agreement.py [--ckpt runs/cpt-smollm2/final]
                                        [--base runs/cpt-smollm2/ckpt/sft] [--prompts 192]

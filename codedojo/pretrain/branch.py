@@ -9,14 +9,15 @@ stages' report entries. The loop then finds them done and runs the rest. Files a
 (copies across file systems): the loop only ever writes new files beside them, and the report,
 which it rewrites, is a copy, so the source run is never changed.
 
-Only a source that ran under the same corpus, model, seed and evaluation settings (how often
-it evaluates aside) can be branched from: anything else would change what every stage computes.
-How the new stages run may differ (the model's ``dtype``, ``device``, ``compile`` and
-``activation_checkpointing``): a run made on a laptop in float32 branches on a GPU in bf16, as a resume on another machine would. And
-the MTP chain may grow (``model.n_mtp``), or its modules start reading tapped layers
-(``model.mtp_taps``): the last stage that trains MTP modules runs again (and those after it), the
-new modules starting as copies of the last one (`grow_chain`), the new projections at zero, on
-the source's continuations (the tapped layers' states computed from them, `write_features`).
+Only a source that ran under the same corpus, model, seed and evaluation settings (how often, and
+on how many continuations, it evaluates aside) can be branched from: anything else would change
+what every stage computes. How the new stages run may differ (the model's ``dtype``, ``device``,
+``compile`` and ``activation_checkpointing``): a run made on a laptop in float32 branches on a GPU
+in bf16, as a resume on another machine would. And the MTP chain may grow (``model.n_mtp``), or its
+modules start reading tapped layers (``model.mtp_taps``): the last stage that trains MTP modules
+runs again (and those after it), the new modules starting as copies of the last one (`grow_chain`),
+the new projections at zero, on the source's continuations (the tapped layers' states computed from
+them, `write_features`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def branch_run(src: str | Path, cfg: PretrainConfig) -> list[str]:
         raise BranchError(f"{dest} is not empty: branch into a new out_dir or name")
     old = PretrainConfig.model_validate_json((src / "config.json").read_text())
     free = {**dict.fromkeys(_FREE, True), "model": _FREE_MODEL | {"n_mtp", "mtp_taps"},
-            "eval": {"every"}}  # how often to log the same figures
+            "eval": {"every", "continuations"}}  # what is reported, not what runs
     a, b = old.model_dump(exclude=free), cfg.model_dump(exclude=free)
     differ = [k for k in a if a[k] != b[k]]  # one model: the same fields
     if differ:
@@ -105,6 +106,6 @@ def _kept(report: dict[str, Any], stages: list[str]) -> dict[str, Any]:
     """The report entries of the base model and of ``stages``."""
     keep = {"base", *stages}
     return {**{key: {k: v for k, v in report.get(key, {}).items() if k in keep}
-               for key in ("eval_loss", "mtp_agree", "stages")},
+               for key in ("eval_loss", "mtp_agree", "mtp_agree_text", "stages")},
             "probe": {k: v for k, v in report.get("probe", {}).items()
                       if k.split("/")[0] in keep}}  # "<stage>/before", "<stage>/after"

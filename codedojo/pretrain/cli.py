@@ -50,6 +50,6 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]--from[/]: {e}")
             raise typer.Exit(2) from e
         if is_main():
-            console.print_json(json.dumps({k: report[k] for k in ("eval_loss", "mtp_agree",
-                                                                  "probe") if k in report}))
+            keys = ("eval_loss", "mtp_agree", "mtp_agree_text", "probe")
+            console.print_json(json.dumps({k: report[k] for k in keys if k in report}))
         exit_distributed()  # under torchrun; after a failure torchrun stops the others

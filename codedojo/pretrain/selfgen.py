@@ -78,7 +78,7 @@ def prompt_windows(code: TokenShards, n: int, length: int, seed: int,
     lens = code.doc_lengths()
     ok = np.flatnonzero(lens >= length)
     if len(ok) == 0:
-        raise ValueError(f"self_gen.prompt_len: no document to draw from has {length} tokens")
+        raise ValueError(f"no document to draw from has {length} tokens")
     rng = np.random.default_rng(seed)
     n_starts = min(round(n * doc_start_frac), len(ok))
     starts = rng.choice(ok, size=n_starts, replace=False)
@@ -100,9 +100,8 @@ def prompt_windows(code: TokenShards, n: int, length: int, seed: int,
     docs = np.concatenate([docs, rng.choice(unused, size=more, replace=False)])
     offs = np.concatenate([offs, np.zeros(more, np.int64)])
     if len(docs) < n:
-        raise ValueError(f"self_gen.prompts: {n} distinct windows of {length} tokens asked for, "
-                         f"and the code to draw from holds {len(docs)}; lower self_gen.prompts "
-                         "or prompt_len, or add code to the corpus or to self_gen.sources")
+        raise ValueError(f"{n} distinct windows of {length} tokens asked for, and the code "
+                         f"to draw from holds {len(docs)}")
     order = rng.permutation(n)  # batches mix starts and middles
     docs, offs = docs[order], offs[order]
     out = np.empty((n, length), np.int64)
@@ -172,7 +171,11 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     indexes them in the same order once all have."""
     if (out_dir / "index.json").exists():
         return out_dir
-    windows = prompt_windows(code, prompts, prompt_len, seed, doc_start_frac)
+    try:
+        windows = prompt_windows(code, prompts, prompt_len, seed, doc_start_frac)
+    except ValueError as e:
+        raise ValueError(f"self_gen.prompts, self_gen.prompt_len: {e}; ask for fewer or "
+                         "shorter, or add code to the corpus or to self_gen.sources") from e
     share = -(-prompts // world)
     mine = windows[rank * share:(rank + 1) * share]
     own = len(mine)

@@ -77,7 +77,13 @@ from codedojo.pretrain.parallel import (
     world_size,
 )
 from codedojo.pretrain.probe import passkey_probe
-from codedojo.pretrain.selfgen import features_dir, write_features, write_self_shards
+from codedojo.pretrain.selfgen import (
+    features_dir,
+    greedy_continue,
+    prompt_windows,
+    write_features,
+    write_self_shards,
+)
 from codedojo.progress import progress
 
 Batch = dict[str, torch.Tensor]
@@ -137,47 +143,75 @@ def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, mtp: MTP | None, batches: list[Batch]) -> dict[str, Any]:
-    """The held-out figures over a fixed set of batches: ``loss``, the token-weighted
-    next-token loss; with ``mtp``, ``mtp_agree`` too: per depth k, the share of positions
-    (all k + 1 targets in the document) where the module's greedy draft is the main head's
-    greedy token there, i.e. where greedy speculative decoding would accept it. The drafts
-    read the held-out text's own tokens rather than the model's continuations
-    (`benchmarks/mtp_agreement.py` reads those)."""
+def evaluate(model: Transformer, mtp: MTP | None, batches: list[Batch],
+             continued: Sequence[Batch] = ()) -> dict[str, Any]:
+    """The held-out figures: ``loss``, the token-weighted next-token loss over ``batches``;
+    with ``mtp``, per depth k the share of positions where module k's greedy draft is the main
+    head's greedy token at i + k (where greedy speculative decoding accepts it), over positions
+    whose k + 1 next tokens are trained: ``mtp_agree_text`` on ``batches`` (the held-out code
+    as written), ``mtp_agree`` on ``continued`` (`continuations`: the model's own text, as the
+    drafts meet it when serving, and as the modules train on it in a self-distillation
+    stage)."""
     modes = [(m, m.training) for m in (model, mtp) if m is not None]
     for m, _ in modes:
         m.eval()
-    tot, n = 0.0, 0
-    depth = mtp.depth if mtp is not None else 0
-    hits, seen = [0] * depth, [0] * depth
     dev = model_device(model)
     taps = mtp.taps if mtp is not None else ()
     D = model.cfg.dim
+
+    def states(b: Batch) -> torch.Tensor:
+        return model.hidden(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"],
+                            taps=taps)
+
+    def agreement(mtp: MTP, pairs: Any) -> list[float]:
+        hits, seen = [0] * mtp.depth, [0] * mtp.depth
+        for b, hidden in pairs:
+            greedy = model.head(hidden[..., :D]).argmax(-1)  # (B, T): its pick for i + 1
+            # float32 modules on the states of a model sharded in bf16 (FSDP): as in training
+            with torch.autocast(dev.type, hidden.dtype, enabled=hidden.dtype != torch.float32):
+                drafts = mtp.drafts(hidden, b["tokens"], b["positions"], model.embed,
+                                    model.head, b["doc_ids"])
+            for k, d in enumerate(drafts, start=1):  # d[:, i] drafts greedy[:, i + k]'s pick
+                valid = mtp_valid_mask(b["loss_mask"], k)
+                hits[k - 1] += int((d == greedy[:, k:])[valid].sum())
+                seen[k - 1] += int(valid.sum())
+        return [h / max(1, n) for h, n in zip(hits, seen, strict=True)]
+
+    tot, n = 0.0, 0
+    text = []
     for b in batches:
         b = on_device(b, dev)
-        hidden = model.hidden(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"],
-                              taps=taps)
+        hidden = states(b)
         m = b["loss_mask"]
-        mean = next_token_loss(model, hidden[..., :D], b["targets"], m)
-        tot += float(mean) * int(m.sum())
+        tot += float(next_token_loss(model, hidden[..., :D], b["targets"], m)) * int(m.sum())
         n += int(m.sum())
-        if mtp is None:
-            continue
-        greedy = model.head(hidden[..., :D]).argmax(-1)  # (B, T): its pick for token i + 1
-        # float32 modules on the states of a model sharded in bf16 (FSDP): as in training
-        with torch.autocast(dev.type, hidden.dtype, enabled=hidden.dtype != torch.float32):
-            drafts = mtp.drafts(hidden, b["tokens"], b["positions"], model.embed, model.head,
-                                b["doc_ids"])
-        for k, d in enumerate(drafts, start=1):  # d[:, i] drafts what greedy[:, i + k] picks
-            valid = mtp_valid_mask(m, k)
-            hits[k - 1] += int((d == greedy[:, k:])[valid].sum())
-            seen[k - 1] += int(valid.sum())
-    for m, was in modes:
-        m.train(was)
+        text.append((b, hidden))
     out: dict[str, Any] = {"loss": tot / max(1, n)}
     if mtp is not None:
-        out["mtp_agree"] = [h / max(1, s) for h, s in zip(hits, seen, strict=True)]
+        out["mtp_agree_text"] = agreement(mtp, text)
+        if continued:
+            out["mtp_agree"] = agreement(mtp, ((b, states(b)) for b in
+                                               (on_device(c, dev) for c in continued)))
+    for m, was in modes:
+        m.train(was)
     return out
+
+
+def continuations(model: Transformer, held_out: TokenShards, n: int, length: int, seed: int
+                  ) -> list[Batch]:
+    """``n`` distinct windows of ``length`` tokens of the held-out documents (half at a file's
+    start, as `self_gen` draws its prompts), each continued greedily by ``model`` for as many
+    tokens: `evaluate`'s ``continued`` rows, trained on the generated tokens only."""
+    try:
+        windows = prompt_windows(held_out, n, length, seed)
+    except ValueError as e:
+        raise ValueError(f"eval.continuations, eval.seq_len (windows of half its length) of "
+                         f"the held-out code: {e}") from e
+    rows = [greedy_continue(model, torch.from_numpy(windows[i:i + 32]).to(model_device(model)),
+                            length).cpu().numpy() for i in range(0, n, 32)]
+    mask = np.zeros((min(32, n), 2 * length), dtype=bool)
+    mask[:, length:] = True
+    return [make_batch(r, np.zeros_like(r), mask[:len(r)]) for r in rows]
 
 
 # ---- model setup ------------------------------------------------------------------------------
@@ -630,6 +664,18 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
         if st.probe and pos is None:
             report["probe"][f"{st.name}/before"] = passkey_probe(
                 model, tok, data.probe_filler, probe_len, cfg.eval.probe_trials, cfg.seed)
+        # the modules, once a stage has trained them (a later stage may move the model), on
+        # the held-out code and on the model's own continuations of it (as it is now: a
+        # distillation stage's model does not change)
+        heads = mtp if 0 <= _first_mtp(cfg) <= si else None
+        continued = continuations(
+            model, TokenShards(run_dir / "data" / "eval"), cfg.eval.continuations,
+            cfg.eval.seq_len // 2, cfg.seed + 77) if heads and cfg.eval.continuations else []
+
+        def held_out(heads: MTP | None = heads, continued: list[Batch] = continued
+                     ) -> dict[str, Any]:
+            return evaluate(model, heads, evals, continued)
+
         with progress(console, TextColumn(f"[cyan]{st.name}"), BarColumn(),
                       TextColumn("{task.completed}/{task.total} loss {task.fields[loss]}"),
                       TimeElapsedColumn()) as prog:
@@ -642,19 +688,14 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
                     metrics_f.flush()
                 prog.update(task, completed=m["step"], loss=f"{m['loss']:.3f}")
 
-            # the modules, once a stage has trained them (a later stage may move the model)
-            heads = mtp if 0 <= _first_mtp(cfg) <= si else None
-
-            def held_out(heads: MTP | None = heads) -> dict[str, Any]:
-                return evaluate(model, heads, evals)
-
             losses = train_stage(cfg, si, model, mtp, loader, run_dir,
                                  resume_from=ck if pos is not None else None, log=log,
                                  held_out=held_out)
         figures = held_out()
         report["eval_loss"][st.name] = figures["loss"]
-        if "mtp_agree" in figures:
-            report.setdefault("mtp_agree", {})[st.name] = figures["mtp_agree"]
+        for key in ("mtp_agree", "mtp_agree_text"):
+            if key in figures:
+                report.setdefault(key, {})[st.name] = figures[key]
         report["stages"][st.name] = {"first_loss": losses[0] if losses else None,
                                      "last_loss": losses[-1] if losses else None,
                                      "seq_len": st.seq_len, "steps": st.steps, "mtp": st.mtp}
@@ -662,9 +703,12 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
             report["probe"][f"{st.name}/after"] = passkey_probe(
                 model, tok, data.probe_filler, probe_len, cfg.eval.probe_trials, cfg.seed)
         save_report()
-        console.print(f"eval loss after {st.name}: {figures['loss']:.4f}" + (
-            "; drafts agree " + " ".join(f"{a:.3f}" for a in figures["mtp_agree"])
-            if "mtp_agree" in figures else ""))
+        agree = {k: " ".join(f"{a:.3f}" for a in v) for k, v in figures.items()
+                 if k.startswith("mtp_agree")}
+        console.print(f"eval loss after {st.name}: {figures['loss']:.4f}" + "".join(
+            f"; drafts agree {agree[k]} {where}" for k, where in (
+                ("mtp_agree", "on its continuations"), ("mtp_agree_text", "on the code"))
+            if k in agree))
     if metrics_f is not None:
         metrics_f.close()
     final = run_dir / "final"

@@ -40,8 +40,8 @@ def test_a_branch_runs_only_the_stages_its_config_changes(tmp_path):
                 == os.stat(src / "ckpt" / name / "model.safetensors").st_ino)
         assert second["eval_loss"][name] == first["eval_loss"][name]
         assert second["stages"][name] == first["stages"][name]
-        assert second["mtp_agree"].get(name) == first["mtp_agree"].get(name)
-    assert set(second["mtp_agree"]) == {"mtp", "long", "sft", "mtp_self"}
+        assert second["mtp_agree_text"].get(name) == first["mtp_agree_text"].get(name)
+    assert set(second["mtp_agree_text"]) == {"mtp", "long", "sft", "mtp_self"}
     assert set(second["probe"]) == {"long/before", "long/after"} and second["name"] == "b"
     # the changed stage ran again, from the same start, to another end
     ran, was = second["stages"]["mtp_self"], first["stages"]["mtp_self"]
@@ -150,8 +150,8 @@ def test_what_cannot_be_branched_is_named(tmp_path):
                                    "activation_checkpointing": True})
     assert branch_run(src, cfg.model_copy(update={"name": "d", "model": how})) == []
     assert (tmp_path / "runs" / "d").is_dir()
-    # and how often it evaluates, not on what
-    often = cfg.eval.model_copy(update={"every": 5})
+    # and how often it evaluates and on how many continuations, not on what
+    often = cfg.eval.model_copy(update={"every": 5, "continuations": 8})
     assert branch_run(src, cfg.model_copy(update={"name": "f", "eval": often})) == []
     with pytest.raises(BranchError, match="its eval differ"):
         branch_run(src, cfg.model_copy(update={

@@ -75,7 +75,7 @@ def test_windows_are_distinct_slices_of_long_enough_documents(tmp_path):
     with pytest.raises(ValueError, match="12 distinct windows of 12 tokens asked for, and the "
                        "code to draw from holds 11"):
         prompt_windows(code, 12, 12, seed=2)
-    with pytest.raises(ValueError, match="prompt_len: no document to draw from has 65 tokens"):
+    with pytest.raises(ValueError, match="no document to draw from has 65 tokens"):
         prompt_windows(code, 2, 65, seed=0)
 
 

@@ -249,6 +249,7 @@ def test_run_end_to_end_tiny(tmp_path):
 
     cfg = five_stage_config(tmp_path, "e2e")
     cfg.eval.every = 1  # held-out figures with every step too
+    cfg.eval.continuations = 2  # and the drafts' agreement on the model's own text
     tok = load_tokenizer()
     report = run(cfg, tok=tok, console=Console(quiet=True))
     assert set(report["eval_loss"]) == {"base", "bulk", "mtp", "long", "sft", "mtp_self"}
@@ -256,8 +257,9 @@ def test_run_end_to_end_tiny(tmp_path):
     assert report["eval_loss"]["mtp_self"] == report["eval_loss"]["sft"]
     # the modules' held-out agreement after the first stage that trains them and every later
     # one (SFT moves the model without them)
-    assert set(report["mtp_agree"]) == {"mtp", "long", "sft", "mtp_self"}
-    assert all(len(a) == 1 and 0 <= a[0] <= 1 for a in report["mtp_agree"].values())
+    for key in ("mtp_agree", "mtp_agree_text"):
+        assert set(report[key]) == {"mtp", "long", "sft", "mtp_self"}
+        assert all(len(a) == 1 and 0 <= a[0] <= 1 for a in report[key].values())
     logged = [json.loads(line) for line in
               (tmp_path / "runs" / "e2e" / "metrics.jsonl").read_text().splitlines()]
     assert len(logged) == 10 and all("eval_loss" in m for m in logged)
@@ -265,7 +267,8 @@ def test_run_end_to_end_tiny(tmp_path):
         "mtp", "mtp", "long", "long", "sft", "sft", "mtp_self", "mtp_self"]
     last = {m["stage"]: m for m in logged}  # each stage's last step: its end's figures
     assert all(last[s]["eval_loss"] == report["eval_loss"][s] for s in last)
-    assert all(last[s]["eval_mtp_agree"] == report["mtp_agree"][s] for s in report["mtp_agree"])
+    assert all(last[s][f"eval_{key}"] == report[key][s] for key in ("mtp_agree", "mtp_agree_text")
+               for s in report[key])
     (own_dir,) = (tmp_path / "runs" / "e2e" / "data" / "self").glob("mtp_self-*")
     own = TokenShards(own_dir)
     assert len(own) == 4 and own.doc_lengths().tolist() == [16] * 4
@@ -292,6 +295,7 @@ def test_run_end_to_end_tiny(tmp_path):
     again = run(cfg, tok=tok, console=Console(quiet=True))  # all stages skipped
     assert again["eval_loss"] == report["eval_loss"]
     assert again["mtp_agree"] == report["mtp_agree"]
+    assert again["mtp_agree_text"] == report["mtp_agree_text"]
     # the config it ran with is kept beside the report
     kept = (tmp_path / "runs" / "e2e" / "config.json").read_text()
     assert PretrainConfig.model_validate_json(kept) == cfg
@@ -449,16 +453,20 @@ def test_an_mtp_distillation_step_detaches_the_modules_when_asked():
         StageConfig.model_validate({**st, "mtp_greedy": 1.5, "mtp": "distill"})
 
 
-def test_held_out_agreement_counts_drafts_equal_to_the_greedy_token_in_the_document():
-    """`evaluate`'s ``mtp_agree``: per depth k, the share of positions i where module k's draft
+def test_held_out_agreement_counts_drafts_equal_to_the_greedy_token_in_the_document(tmp_path):
+    """`evaluate`'s agreement: per depth k, the share of positions i where module k's draft
     is what the main head picks greedily at i + k, over positions whose k + 1 next tokens are
-    in the document. Checked against each document scored alone, on packed rows of two
-    documents and modules distilled a few steps (so they agree part of the time)."""
+    in the document. On the held-out text (``mtp_agree_text``), checked against each document
+    scored alone, on packed rows of two documents and modules distilled a few steps (so they
+    agree part of the time); on the model's continuations (``mtp_agree``), against the text's
+    next tokens."""
     from codedojo.data.packing import make_batch
+    from codedojo.data.shards import ShardWriter
     from codedojo.model.config import ModelConfig
     from codedojo.model.mtp import MTP
     from codedojo.model.transformer import Transformer
-    from codedojo.pretrain.trainer import evaluate, stage_loss
+    from codedojo.pretrain.selfgen import greedy_continue, prompt_windows
+    from codedojo.pretrain.trainer import continuations, evaluate, stage_loss
 
     torch.manual_seed(0)
     cfg = ModelConfig.tiny(n_layers=3, n_mtp=2)
@@ -479,6 +487,7 @@ def test_held_out_agreement_counts_drafts_equal_to_the_greedy_token_in_the_docum
         opt.zero_grad()
     got = evaluate(model, mtp, [batch])
     assert mtp.training  # left as it was
+    assert "mtp_agree" not in got  # no continuations given
 
     hits, seen = [0, 0], [0, 0]
     with torch.no_grad():
@@ -493,7 +502,28 @@ def test_held_out_agreement_counts_drafts_equal_to_the_greedy_token_in_the_docum
                     for i in range(n - k - 1):  # token i + k + 1 is the document's
                         hits[k - 1] += int(drafts[k - 1][0, i] == greedy[i + k])
                         seen[k - 1] += 1
-    want = [h / s for h, s in zip(hits, seen, strict=True)]
-    assert all(0.2 < w < 1.0 for w in want), want  # neither all nor none
-    assert got["mtp_agree"] == pytest.approx(want, abs=1e-9)
+    on_text = [h / s for h, s in zip(hits, seen, strict=True)]
+    assert all(0.2 < w < 1.0 for w in on_text), on_text  # neither all nor none
+    assert got["mtp_agree_text"] == pytest.approx(on_text, abs=1e-9)
     assert got["loss"] == evaluate(model, None, [batch])["loss"]
+
+    # On the model's own continuations the main head's greedy token is the text's next token:
+    # a draft passes when it is that token, over the generated tokens only.
+    writer = ShardWriter(tmp_path / "held", cfg.vocab_size, None)
+    for doc in (rows[0, :20], rows[1], rows[2, 5:]):
+        writer.add(doc)
+    held = TokenShards(writer.close())
+    continued = continuations(model, held, 3, 6, seed=0)
+    windows = prompt_windows(held, 3, 6, seed=0)
+    (b,) = continued
+    whole = torch.cat([b["tokens"], b["targets"][:, -1:]], 1)
+    assert torch.equal(whole, greedy_continue(model, torch.from_numpy(windows), 6))
+    assert b["loss_mask"].tolist() == [[False] * 5 + [True] * 6] * 3  # targets 6..11
+    with torch.no_grad():
+        hidden = model.hidden(whole, taps=(1,))
+        drafts = mtp.drafts(hidden, whole, torch.arange(12)[None], model.embed, model.head)
+    right = [d[:, 5:12 - k - 1] == whole[:, 6 + k:] for k, d in enumerate(drafts, start=1)]
+    want = [int(r.sum()) / r.numel() for r in right]
+    got = evaluate(model, mtp, [batch], continued)
+    assert got["mtp_agree"] == pytest.approx(want, abs=1e-9)
+    assert got["mtp_agree_text"] == pytest.approx(on_text, abs=1e-9)
