@@ -163,10 +163,10 @@ class EvalConfig(BaseModel):
     every: int = Field(0, ge=0, description="Also evaluate every this many steps of a stage, "
                        "logged with the step in metrics.jsonl (0: after each stage only).")
     continuations: int = Field(0, ge=0, description="Windows of the held-out code (seq_len // 2 "
-                               "tokens) the model continues greedily by as many tokens at the "
-                               "start of each stage once MTP modules are trained: the drafts' "
-                               "agreement on them (mtp_agree) is what greedy speculative "
-                               "decoding meets. 0: on the code as written only "
+                               "tokens) the model continues greedily by as many tokens as "
+                               "each stage starts (or resumes) once MTP modules are trained: "
+                               "the drafts' agreement on them (mtp_agree) is what greedy "
+                               "speculative decoding meets. 0: on the code as written only "
                                "(mtp_agree_text).")
     probe_len: int = Field(512, ge=32, description="Tokens of code around the passkey.")
     probe_trials: int = Field(4, ge=1)

@@ -158,43 +158,42 @@ def evaluate(model: Transformer, mtp: MTP | None, batches: list[Batch],
     dev = model_device(model)
     taps = mtp.taps if mtp is not None else ()
     D = model.cfg.dim
+    tallies: dict[str, tuple[list[int], list[int]]] = {}  # figure -> hits, positions per depth
 
     def states(b: Batch) -> torch.Tensor:
         return model.hidden(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"],
                             taps=taps)
 
-    def agreement(mtp: MTP, pairs: Any) -> list[float]:
-        hits, seen = [0] * mtp.depth, [0] * mtp.depth
-        for b, hidden in pairs:
-            greedy = model.head(hidden[..., :D]).argmax(-1)  # (B, T): its pick for i + 1
-            # float32 modules on the states of a model sharded in bf16 (FSDP): as in training
-            with torch.autocast(dev.type, hidden.dtype, enabled=hidden.dtype != torch.float32):
-                drafts = mtp.drafts(hidden, b["tokens"], b["positions"], model.embed,
-                                    model.head, b["doc_ids"])
-            for k, d in enumerate(drafts, start=1):  # d[:, i] drafts greedy[:, i + k]'s pick
-                valid = mtp_valid_mask(b["loss_mask"], k)
-                hits[k - 1] += int((d == greedy[:, k:])[valid].sum())
-                seen[k - 1] += int(valid.sum())
-        return [h / max(1, n) for h, n in zip(hits, seen, strict=True)]
+    def agreement(mtp: MTP, b: Batch, hidden: torch.Tensor, figure: str) -> None:
+        hits, seen = tallies.setdefault(figure, ([0] * mtp.depth, [0] * mtp.depth))
+        greedy = model.head(hidden[..., :D]).argmax(-1)  # (B, T): its pick for token i + 1
+        # float32 modules on the states of a model sharded in bf16 (FSDP): as in training
+        with torch.autocast(dev.type, hidden.dtype, enabled=hidden.dtype != torch.float32):
+            drafts = mtp.drafts(hidden, b["tokens"], b["positions"], model.embed, model.head,
+                                b["doc_ids"])
+        for k, d in enumerate(drafts, start=1):  # d[:, i] drafts what greedy[:, i + k] picks
+            valid = mtp_valid_mask(b["loss_mask"], k)
+            hits[k - 1] += int((d == greedy[:, k:])[valid].sum())
+            seen[k - 1] += int(valid.sum())
 
     tot, n = 0.0, 0
-    text = []
     for b in batches:
         b = on_device(b, dev)
         hidden = states(b)
         m = b["loss_mask"]
         tot += float(next_token_loss(model, hidden[..., :D], b["targets"], m)) * int(m.sum())
         n += int(m.sum())
-        text.append((b, hidden))
-    out: dict[str, Any] = {"loss": tot / max(1, n)}
-    if mtp is not None:
-        out["mtp_agree_text"] = agreement(mtp, text)
-        if continued:
-            out["mtp_agree"] = agreement(mtp, ((b, states(b)) for b in
-                                               (on_device(c, dev) for c in continued)))
+        if mtp is not None:
+            agreement(mtp, b, hidden, "mtp_agree_text")
+    for b in continued:
+        if mtp is not None:
+            b = on_device(b, dev)
+            agreement(mtp, b, states(b), "mtp_agree")
     for m, was in modes:
         m.train(was)
-    return out
+    return {"loss": tot / max(1, n),
+            **{figure: [h / max(1, s) for h, s in zip(hits, seen, strict=True)]
+               for figure, (hits, seen) in tallies.items()}}
 
 
 def continuations(model: Transformer, held_out: TokenShards, n: int, length: int, seed: int
@@ -668,9 +667,9 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
         # the held-out code and on the model's own continuations of it (as it is now: a
         # distillation stage's model does not change)
         heads = mtp if 0 <= _first_mtp(cfg) <= si else None
-        continued = continuations(
+        continued = [] if heads is None or not cfg.eval.continuations else continuations(
             model, TokenShards(run_dir / "data" / "eval"), cfg.eval.continuations,
-            cfg.eval.seq_len // 2, cfg.seed + 77) if heads and cfg.eval.continuations else []
+            cfg.eval.seq_len // 2, cfg.seed + 77)
 
         def held_out(heads: MTP | None = heads, continued: list[Batch] = continued
                      ) -> dict[str, Any]:
