@@ -112,7 +112,7 @@ def draft_hits(model: Transformer, heads: MTP, tokens: torch.Tensor, hidden: tor
     read of the main model (`hidden_states` with their ``taps``)."""
     T = tokens.shape[1]
     drafts = heads.drafts(hidden, tokens, torch.arange(T).expand_as(tokens), model.embed,
-                          model.head)  # depth k: (B, T-k), row i: token i+k+1
+                          model.greedy)  # depth k: (B, T-k), row i: token i+k+1
     return [d[:, :T - k - 1] == tokens[:, k + 1:] for k, d in enumerate(drafts, start=1)]
 
 

@@ -220,14 +220,14 @@ class MTP(FusedModule):
     @torch.no_grad()
     def drafts(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                embed: Callable[[torch.Tensor], torch.Tensor],
-               head: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+               greedy: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
                doc_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Each depth's greedy draft at every position, as ids of the whole vocabulary:
         depth k (B, T-k), row i the draft of tokens[i + k + 1] (arguments as `forward`'s;
-        ``head`` is the main model's, `Transformer.head`)."""
+        ``greedy`` is the main head's argmax over a vocabulary, `Transformer.greedy`)."""
         out = []
         for h in self(hidden, tokens, positions, embed, doc_ids):
-            pick = head(h, self.draft_vocab).argmax(-1)
+            pick = greedy(h, self.draft_vocab)
             out.append(pick if self.draft_vocab is None else self.draft_vocab[pick])
         return out
 

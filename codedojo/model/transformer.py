@@ -280,6 +280,14 @@ class Transformer(FusedModule):
         w = self.output_weight if vocab is None else self.output_weight[vocab]
         return linear(self.norm(hidden), w, out_dtype=torch.float32)
 
+    def greedy(self, hidden: torch.Tensor, vocab: torch.Tensor | None = None,
+               chunk: int = 1024) -> torch.Tensor:
+        """The head's greedy picks: (..., dim) -> (...) indices into the vocabulary (or into
+        ``vocab``), ``chunk`` positions at a time, so a long batch's logits never exist whole."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        picks = [self.head(c, vocab).argmax(-1) for c in flat.split(chunk)]
+        return torch.cat(picks).view(hidden.shape[:-1])
+
     def forward(self, tokens: torch.Tensor, *, positions: torch.Tensor | None = None,
                 cache: CacheView | None = None, doc_ids: torch.Tensor | None = None,
                 return_hidden: bool = False, last_only: bool = False,

@@ -152,9 +152,9 @@ def evaluate(model: Transformer, mtp: MTP | None, batches: list[Batch],
     as written), ``mtp_agree`` on ``continued`` (`continuations`: the model's own text, as the
     drafts meet it when serving, and as the modules train on it in a self-distillation
     stage)."""
-    modes = [(m, m.training) for m in (model, mtp) if m is not None]
-    for m, _ in modes:
-        m.eval()
+    modes = [(mod, mod.training) for mod in (model, mtp) if mod is not None]
+    for mod, _ in modes:
+        mod.eval()
     dev = model_device(model)
     taps = mtp.taps if mtp is not None else ()
     D = model.cfg.dim
@@ -166,10 +166,10 @@ def evaluate(model: Transformer, mtp: MTP | None, batches: list[Batch],
 
     def agreement(mtp: MTP, b: Batch, hidden: torch.Tensor, figure: str) -> None:
         hits, seen = tallies.setdefault(figure, ([0] * mtp.depth, [0] * mtp.depth))
-        greedy = model.head(hidden[..., :D]).argmax(-1)  # (B, T): its pick for token i + 1
+        greedy = model.greedy(hidden[..., :D])  # (B, T): its pick for token i + 1
         # float32 modules on the states of a model sharded in bf16 (FSDP): as in training
         with torch.autocast(dev.type, hidden.dtype, enabled=hidden.dtype != torch.float32):
-            drafts = mtp.drafts(hidden, b["tokens"], b["positions"], model.embed, model.head,
+            drafts = mtp.drafts(hidden, b["tokens"], b["positions"], model.embed, model.greedy,
                                 b["doc_ids"])
         for k, d in enumerate(drafts, start=1):  # d[:, i] drafts what greedy[:, i + k] picks
             valid = mtp_valid_mask(b["loss_mask"], k)
@@ -189,8 +189,8 @@ def evaluate(model: Transformer, mtp: MTP | None, batches: list[Batch],
         if mtp is not None:
             b = on_device(b, dev)
             agreement(mtp, b, states(b), "mtp_agree")
-    for m, was in modes:
-        m.train(was)
+    for mod, was in modes:
+        mod.train(was)
     return {"loss": tot / max(1, n),
             **{figure: [h / max(1, s) for h, s in zip(hits, seen, strict=True)]
                for figure, (hits, seen) in tallies.items()}}

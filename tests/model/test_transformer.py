@@ -121,6 +121,10 @@ def test_return_hidden_and_head_compose_to_logits(tiny: Transformer) -> None:
     assert hidden.shape == (2, 6, 64)
     assert torch.allclose(tiny.head(hidden), logits)
     assert torch.allclose(tiny(tokens, last_only=True), logits[:, -1:])
+    # greedy picks, a few positions at a time: the logits' argmax, over a sub-vocabulary too
+    assert torch.equal(tiny.greedy(hidden, chunk=5), logits.argmax(-1))
+    sub = torch.tensor([3, 17, 40, 41, 200])
+    assert torch.equal(tiny.greedy(hidden, sub, chunk=4), logits[..., sub].argmax(-1))
 
 
 def test_untied_model_with_attention_bias_runs_and_trains() -> None:

@@ -497,7 +497,7 @@ def test_held_out_agreement_counts_drafts_equal_to_the_greedy_token_in_the_docum
                 n = doc.shape[1]
                 hidden = model.hidden(doc, taps=(1,))
                 greedy = model.head(hidden[..., :cfg.dim]).argmax(-1)[0]
-                drafts = mtp.drafts(hidden, doc, torch.arange(n)[None], model.embed, model.head)
+                drafts = mtp.drafts(hidden, doc, torch.arange(n)[None], model.embed, model.greedy)
                 for k in (1, 2):
                     for i in range(n - k - 1):  # token i + k + 1 is the document's
                         hits[k - 1] += int(drafts[k - 1][0, i] == greedy[i + k])
@@ -521,7 +521,7 @@ def test_held_out_agreement_counts_drafts_equal_to_the_greedy_token_in_the_docum
     assert b["loss_mask"].tolist() == [[False] * 5 + [True] * 6] * 3  # targets 6..11
     with torch.no_grad():
         hidden = model.hidden(whole, taps=(1,))
-        drafts = mtp.drafts(hidden, whole, torch.arange(12)[None], model.embed, model.head)
+        drafts = mtp.drafts(hidden, whole, torch.arange(12)[None], model.embed, model.greedy)
     right = [d[:, 5:12 - k - 1] == whole[:, 6 + k:] for k, d in enumerate(drafts, start=1)]
     want = [int(r.sum()) / r.numel() for r in right]
     got = evaluate(model, mtp, [batch], continued)
