@@ -41,7 +41,7 @@ from codedojo.model.config import ModelConfig
 from codedojo.model.mtp import MTP, load_mtp
 from codedojo.model.transformer import Transformer
 from codedojo.model.weights import build_model, load_checkpoint_weights
-from codedojo.pretrain.selfgen import greedy_continue, prompt_windows
+from codedojo.pretrain.selfgen import continue_windows
 
 
 def checkpoint(d: Path) -> tuple[dict[str, torch.Tensor], ModelConfig, MTP]:
@@ -74,10 +74,7 @@ def held_out(model: Transformer, data: str | Path, prompts: int, prompt_len: int
              seed: int) -> torch.Tensor:
     """(prompts, prompt_len + new): distinct windows of the eval documents, continued greedily
     by ``model`` (the text the drafts will follow when serving)."""
-    windows = prompt_windows(TokenShards(data), prompts, prompt_len, seed)
-    with torch.no_grad():
-        return torch.cat([greedy_continue(model, torch.from_numpy(windows[i:i + 32]), new)
-                          for i in range(0, len(windows), 32)])
+    return continue_windows(model, TokenShards(data), prompts, prompt_len, new, seed)
 
 
 def newest_self(data: str | Path) -> Path | None:

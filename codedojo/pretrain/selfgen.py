@@ -154,6 +154,17 @@ def write_features(model: Transformer, rows: TokenShards, out: Path, taps: Seque
     return out
 
 
+def continue_windows(model: Transformer, code: TokenShards, n: int, prompt_len: int,
+                     new_tokens: int, seed: int, batch: int = 32) -> torch.Tensor:
+    """(n, prompt_len + new_tokens) on the CPU: n distinct windows of ``code`` (`prompt_windows`,
+    half at a file's start), each continued greedily by ``model``, ``batch`` rows at a time."""
+    windows = torch.from_numpy(prompt_windows(code, n, prompt_len, seed))
+    dev = model_device(model)
+    with torch.no_grad():
+        return torch.cat([greedy_continue(model, windows[i:i + batch].to(dev), new_tokens).cpu()
+                          for i in range(0, n, batch)])
+
+
 def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, prompts: int,
                       prompt_len: int, new_tokens: int, batch: int, seed: int,
                       doc_start_frac: float = 0.5, rank: int = 0, world: int = 1,

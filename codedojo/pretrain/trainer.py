@@ -78,9 +78,8 @@ from codedojo.pretrain.parallel import (
 )
 from codedojo.pretrain.probe import passkey_probe
 from codedojo.pretrain.selfgen import (
+    continue_windows,
     features_dir,
-    greedy_continue,
-    prompt_windows,
     write_features,
     write_self_shards,
 )
@@ -202,15 +201,14 @@ def continuations(model: Transformer, held_out: TokenShards, n: int, length: int
     start, as `self_gen` draws its prompts), each continued greedily by ``model`` for as many
     tokens: `evaluate`'s ``continued`` rows, trained on the generated tokens only."""
     try:
-        windows = prompt_windows(held_out, n, length, seed)
+        rows = continue_windows(model, held_out, n, length, length, seed).numpy()
     except ValueError as e:
         raise ValueError(f"eval.continuations, eval.seq_len (windows of half its length) of "
                          f"the held-out code: {e}") from e
-    rows = [greedy_continue(model, torch.from_numpy(windows[i:i + 32]).to(model_device(model)),
-                            length).cpu().numpy() for i in range(0, n, 32)]
-    mask = np.zeros((min(32, n), 2 * length), dtype=bool)
+    mask = np.zeros(rows.shape, dtype=bool)
     mask[:, length:] = True
-    return [make_batch(r, np.zeros_like(r), mask[:len(r)]) for r in rows]
+    docs = np.zeros_like(rows)  # one document a row
+    return [make_batch(rows[i:i + 32], docs[i:i + 32], mask[i:i + 32]) for i in range(0, n, 32)]
 
 
 # ---- model setup ------------------------------------------------------------------------------
