@@ -24,7 +24,7 @@ def mapping(t: torch.Tensor) -> dict[str, str]:
                 if found is not None:
                     return found
                 lo, hi = (int(v, 16) for v in head.split("-"))
-                found = {"perms": rest[0]} if lo <= addr < hi else None
+                found = {"perms": rest[0], "range": head} if lo <= addr < hi else None
             elif found is not None:
                 found[head.rstrip(":")] = " ".join(rest)
     if found is None:
@@ -57,11 +57,16 @@ def test_move_keeps_values_and_parameters_and_training_updates_the_new_memory() 
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 7))
     with torch.no_grad():
         logits = model(tokens)
-    assert not any(advised_huge(p) for p in params.values())
+    # Where they were: the heap, or whatever the process's earlier allocations left there (a
+    # region may already carry the advice, so the test asks for a new mapping, not a change of
+    # advice).
+    was = {mapping(p)["range"] for p in params.values()}
 
     moved = move_to_huge_pages(model)
 
     assert moved >= sum(p.numel() * p.element_size() for p in params.values())
+    now = {mapping(p)["range"] for p in params.values()}
+    assert len(now) == 1 and not now & was  # one new mapping holds them all
     for name, p in model.named_parameters():
         assert p is params[name] and p.requires_grad
         assert torch.equal(p, before[name]) and advised_huge(p)
