@@ -55,7 +55,14 @@ def main() -> None:
                     "held-out file's first tokens, in order, the targets' setting; 0.5: as "
                     "the modules' training prompts are drawn and mtp_agreement.py reads)")
     ap.add_argument("--seed", type=int, default=123, help="the --mid-file windows' draw")
-    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--new", type=int, default=64,
+                    help="tokens generated a prompt (64: the targets' setting). The small "
+                         "model's greedy text soon repeats itself, which the drafts follow "
+                         "easily: of its continuations of held-out code, 0.28 of the first 64 "
+                         "tokens end an 8-gram seen earlier in the row, 0.79 of the next 64 and "
+                         "0.90 of the 128 after (0.03 in the code as written), and one set of "
+                         "heads read accept_first 0.736 and speedup 1.58-1.72 at 64, 0.865 and 2.00 "
+                         "at 256. Longer runs measure the loops more than the drafts.")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy (the targets' setting, output checked against plain "
