@@ -166,7 +166,7 @@ def main() -> None:
         "tree": None if spec.spec_tree is None else len(spec.spec_tree),
         "tree_pays": spec.tree_pays,  # after probing: whether greedy rounds drafted it
         "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
-        "mtp_taps": list(drafter.taps),
+        "mtp_taps": list(drafter.taps), "mtp_blocks": drafter.mtp.blocks,
         "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,
         "mid_file": args.mid_file,
         "batch": 1, "temperature": args.temperature, "dtype": args.dtype,

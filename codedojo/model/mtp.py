@@ -23,9 +23,13 @@ against 0.675 (``configs/cpt-smollm2.toml``).
 
 Each module's block is the main model's decoder `Block` (dense, with the same RoPE/YaRN tables)
 with its own single-layer KV cache, so drafting at decode time costs one block per module per
-token. The modules are trained by self-distillation (their distribution at i pulled toward the
-main head's distribution at i+k, which predicts the same token); see `distill_loss`. The module
-knows nothing about training or decoding loops.
+token. A module may stack more blocks (``blocks``, and as many cache layers): a larger draft
+model at the price of a block more per draft. The first starts as a copy of the main model's last
+block, the others as the identity (their output projections at zero), so that a module given
+more blocks drafts as it did until they are trained. The modules are trained by
+self-distillation (their distribution at i pulled toward the main head's distribution at i+k,
+which predicts the same token); see `distill_loss`. The module knows nothing about training or
+decoding loops.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from codedojo.model.config import ModelConfig
 from codedojo.model.kv_cache import CacheView, KVCache
 from codedojo.model.rope import Rotary
 from codedojo.model.transformer import (
+    MLP,
     Block,
     FusedModule,
     Linear,
@@ -54,19 +59,22 @@ from codedojo.model.transformer import (
 from codedojo.ops import FusedLayers, move_to_huge_pages
 
 
-def mtp_block_config(cfg: ModelConfig) -> ModelConfig:
-    """The MTP blocks are dense even in an MoE model (a draft block should be cheap), and are
-    single-layer as far as their KV caches are concerned."""
-    return cfg.model_copy(update={"moe": None, "n_layers": 1, "n_mtp": 0})
+def mtp_block_config(cfg: ModelConfig, blocks: int = 1) -> ModelConfig:
+    """The MTP blocks are dense even in an MoE model (a draft block should be cheap), and a
+    module's KV cache has a layer per block."""
+    return cfg.model_copy(update={"moe": None, "n_layers": blocks, "n_mtp": 0})
 
 
 class MTPModule(nn.Module):
-    def __init__(self, cfg: ModelConfig, taps: int = 0):
+    def __init__(self, cfg: ModelConfig, taps: int = 0, blocks: int = 1):
         super().__init__()
         self.norm_h = RMSNorm(cfg.dim, cfg.norm_eps)
         self.norm_e = RMSNorm(cfg.dim, cfg.norm_eps)
         self.proj = Linear(2 * cfg.dim, cfg.dim, bias=False)
-        self.block = Block(mtp_block_config(cfg), 0)
+        bc = mtp_block_config(cfg, blocks)
+        self.block = Block(bc, 0)
+        # stacked after it (each with its own layer of the module's KV cache)
+        self.extra_blocks = nn.ModuleList(Block(bc, i) for i in range(1, blocks))
         self.eps = cfg.norm_eps
         # F_k, over the states of `taps` lower layers (see the top of this file)
         self.fuse = Linear(taps * cfg.dim, cfg.dim, bias=False) if taps else None
@@ -96,11 +104,19 @@ class MTPModule(nn.Module):
                 sin: torch.Tensor, mask: torch.Tensor | None = None,
                 cache: CacheView | None = None) -> torch.Tensor:
         """h_prev, emb_next (B, T, D) -> h (B, T, D). cos/sin from `MTP.rotary`."""
-        return self.block(self.combine(h_prev, emb_next), cos, sin, mask, cache)
+        x = self.combine(h_prev, emb_next)
+        for block in self.blocks:
+            x = block(x, cos, sin, mask, cache)
+        return x
 
     def combine(self, h_prev: torch.Tensor, emb_next: torch.Tensor) -> torch.Tensor:
         """h'^k: the block's input."""
         return self.proj(torch.cat([self.norm_h(h_prev), self.norm_e(emb_next)], -1))
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        """The block, then the extra ones, in the order they run."""
+        return [self.block, *self.extra_blocks]
 
 
 class MTP(FusedModule):
@@ -109,10 +125,11 @@ class MTP(FusedModule):
     draft_vocab: torch.Tensor | None
 
     def __init__(self, cfg: ModelConfig, depth: int | None = None, draft_vocab: int = 0,
-                 taps: Sequence[int] = ()):
+                 taps: Sequence[int] = (), blocks: int = 1):
         """``taps``: the main model's layers (0-based, increasing) whose states every module
         reads beside the previous depth's (the module header); the hidden states passed in
-        then carry them after the last (`Transformer.hidden`'s ``taps``)."""
+        then carry them after the last (`Transformer.hidden`'s ``taps``). ``blocks``: each
+        module's stacked blocks."""
         super().__init__()
         depth = cfg.n_mtp if depth is None else depth
         if depth < 1:
@@ -120,10 +137,13 @@ class MTP(FusedModule):
         if not 0 <= draft_vocab <= cfg.vocab_size:
             raise ValueError(f"draft_vocab: {draft_vocab} outside [0, {cfg.vocab_size}]")
         check_taps(taps, cfg.n_layers)
+        if blocks < 1:
+            raise ValueError(f"MTP: blocks {blocks}: a module needs at least one")
         self.cfg = cfg
         self.depth = depth
         self.taps = tuple(taps)
-        self.layers = nn.ModuleList(MTPModule(cfg, len(taps)) for _ in range(depth))
+        self.blocks = blocks
+        self.layers = nn.ModuleList(MTPModule(cfg, len(taps), blocks) for _ in range(depth))
         self.rotary = Rotary(cfg)
         # The draft vocabulary (FR-Spec, Zhao et al. 2025): the ids of the most frequent
         # tokens. The modules draft, and are distilled, over these only, so a draft costs a
@@ -153,16 +173,19 @@ class MTP(FusedModule):
         # an untrained module then predicts about what the main head does, a far better start
         # for distillation than noise.
         # F_k starts at zero: the module first drafts as it would without the lower layers.
+        # Blocks after the first start as the identity: it first drafts as with one block.
         D = self.cfg.dim
         for mod in self.layers:
             mod.proj.weight[:, :D].copy_(torch.eye(D))
             if mod.fuse is not None:
                 nn.init.zeros_(mod.fuse.weight)
+            for block in mod.extra_blocks:
+                identity_block(block)
 
     @torch.no_grad()
     def init_from_model(self, model: Transformer) -> None:
-        """Copy the main model's last block into every module's block (same shapes when the
-        last layer is dense): a trained block is a much better start than a random one."""
+        """Copy the main model's last block into every module's first block (same shapes when
+        the last layer is dense): a trained block is a much better start than a random one."""
         last = model.layers[-1]
         src = {k: v for k, v in last.state_dict().items()}
         for mod in self.layers:
@@ -242,8 +265,8 @@ class MTP(FusedModule):
         return hidden[..., :D], (hidden[..., D:] if n else None)
 
     def new_caches(self, max_len: int, dtype: torch.dtype = torch.float32) -> list[KVCache]:
-        """One single-slot, single-layer KV cache per module (decode-time drafting)."""
-        bc = mtp_block_config(self.cfg)
+        """One single-slot KV cache per module, a layer per block (decode-time drafting)."""
+        bc = mtp_block_config(self.cfg, self.blocks)
         dev = next(self.parameters()).device
         return [KVCache(bc, 1, max_len, dtype=dtype, device=dev) for _ in self.layers]
 
@@ -261,7 +284,9 @@ class MTP(FusedModule):
         positions, mask = view.prepare(x.shape[1], parents)  # (1, T); advances the length
         cos, sin = self.rotary.tables(positions)
         cos, sin = cos.to(h_prev.dtype), sin.to(h_prev.dtype)
-        return module.block(x, cos, sin, mask, view)
+        for block in module.blocks:
+            x = block(x, cos, sin, mask, view)
+        return x
 
     def draft_step(self, k: int, h_prev: torch.Tensor, tokens: list[int], cache: KVCache,
                    embed: torch.Tensor, norm: torch.Tensor, head: torch.Tensor,
@@ -293,8 +318,8 @@ class MTP(FusedModule):
 
     def _build_fused(self, module: MTPModule, embed: torch.Tensor, norm: torch.Tensor,
                      head: torch.Tensor) -> FusedLayers | None:
-        weights = module.block.decode_weights()
-        assert weights is not None  # MTP blocks are dense
+        weights = [w for block in module.blocks for w in block.decode_weights() or ()]
+        assert weights  # MTP blocks are dense
         cfg = self.cfg
         return FusedLayers.build(weights, self.rotary.cos, self.rotary.sin, cfg.n_heads,
                                  cfg.n_kv_heads, cfg.norm_eps, embed=embed, norm=norm,
@@ -314,7 +339,7 @@ def save_mtp(mtp: MTP, out_dir: str | Path) -> Path:
     save_file(sd, str(out / "mtp.safetensors"), metadata={"format": "pt"})
     vocab = 0 if mtp.draft_vocab is None else len(mtp.draft_vocab)
     (out / "mtp.json").write_text(json.dumps({"depth": mtp.depth, "draft_vocab": vocab,
-                                              "taps": list(mtp.taps)}))
+                                              "taps": list(mtp.taps), "blocks": mtp.blocks}))
     return out
 
 
@@ -344,10 +369,20 @@ def load_mtp(ckpt_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype | None =
     if not (d / "mtp.safetensors").exists():
         return None
     meta = json.loads((d / "mtp.json").read_text())
-    mtp = MTP(cfg, int(meta["depth"]), int(meta.get("draft_vocab", 0)), meta.get("taps", ()))
+    mtp = MTP(cfg, int(meta["depth"]), int(meta.get("draft_vocab", 0)), meta.get("taps", ()),
+              int(meta.get("blocks", 1)))
     mtp.load_state_dict(load_file(str(d / "mtp.safetensors")))
     move_to_huge_pages(mtp, dtype)  # every draft reads them all, as a step reads the model's
     return mtp.eval()
+
+
+@torch.no_grad()
+def identity_block(block: Block) -> None:
+    """Zero a block's output projections: x + 0 + 0, whatever its other weights."""
+    nn.init.zeros_(block.attn.wo.weight)
+    mlp = block.mlp
+    assert isinstance(mlp, MLP)
+    nn.init.zeros_(mlp.w_down.weight)
 
 
 def mtp_valid_mask(loss_mask: torch.Tensor, k: int) -> torch.Tensor:

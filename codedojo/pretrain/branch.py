@@ -13,11 +13,12 @@ Only a source that ran under the same corpus, model, seed and evaluation setting
 on how many continuations, it evaluates aside) can be branched from: anything else would change
 what every stage computes. How the new stages run may differ (the model's ``dtype``, ``device``,
 ``compile`` and ``activation_checkpointing``): a run made on a laptop in float32 branches on a GPU
-in bf16, as a resume on another machine would. And the MTP chain may grow (``model.n_mtp``), or its
-modules start reading tapped layers (``model.mtp_taps``): the last stage that trains MTP modules
-runs again (and those after it), the new modules starting as copies of the last one (`grow_chain`),
-the new projections at zero, on the source's continuations (the tapped layers' states computed from
-them, `write_features`).
+in bf16, as a resume on another machine would. And the MTP chain may grow (``model.n_mtp``), its
+modules start reading tapped layers (``model.mtp_taps``), or stack more blocks
+(``model.mtp_blocks``): the last stage that trains MTP modules runs again (and those after it),
+the new modules starting as copies of the last one (`grow_chain`), the new projections at zero,
+the new blocks as the identity, on the source's continuations (the tapped layers' states computed
+from them, `write_features`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def branch_run(src: str | Path, cfg: PretrainConfig) -> list[str]:
     if dest.exists() and any(dest.iterdir()):
         raise BranchError(f"{dest} is not empty: branch into a new out_dir or name")
     old = PretrainConfig.model_validate_json((src / "config.json").read_text())
-    free = {**dict.fromkeys(_FREE, True), "model": _FREE_MODEL | {"n_mtp", "mtp_taps"},
+    free = {**dict.fromkeys(_FREE, True), "model": _FREE_MODEL | {"n_mtp", "mtp_taps", "mtp_blocks"},
             "eval": {"every", "continuations"}}  # what is reported, not what runs
     a, b = old.model_dump(exclude=free), cfg.model_dump(exclude=free)
     differ = [k for k in a if a[k] != b[k]]  # one model: the same fields
@@ -68,10 +69,15 @@ def branch_run(src: str | Path, cfg: PretrainConfig) -> list[str]:
         raise BranchError(f"{src}: model.mtp_taps {taps_had} -> {taps_has}: a branch may "
                           "give MTP modules that read no tapped layers some (their "
                           "projections start at zero), not change or remove them")
+    blocks_had, blocks_has = old.model.mtp_blocks, cfg.model.mtp_blocks
+    if blocks_has != blocks_had and not (had and blocks_has > blocks_had):
+        raise BranchError(f"{src}: model.mtp_blocks {blocks_had} -> {blocks_has}: a branch "
+                          "may stack more blocks in MTP modules (the new ones start as the "
+                          "identity), not remove any")
     stages = cfg.stages
-    if has > had or taps_has != taps_had:
-        # the new modules, or the modules' new projections, are trained by the last stage
-        # that trains modules
+    if has > had or taps_has != taps_had or blocks_has != blocks_had:
+        # the new modules, or the modules' new projections or blocks, are trained by the last
+        # stage that trains modules
         stages = stages[:max((i for i, s in enumerate(stages) if s.mtp != "off"),
                             default=len(stages))]
     reused = []

@@ -178,11 +178,15 @@ def load_weights(path: str | Path, model: nn.Module, mtp: MTP | None = None) -> 
         # config that gained `mtp_draft_vocab`) lacks it: the MTP stage chooses it then. One of
         # fewer modules (a branch that grows the chain) gives its last to the new ones. One of
         # modules that read no tapped layers (a branch that adds `mtp_taps`) leaves their
-        # projections at zero: the modules draft as they did.
+        # projections at zero, one of fewer blocks (a branch that raises `mtp_blocks`) the
+        # further blocks as the identity: the modules draft as they did.
         sd = grow_chain(load_file(str(path / "mtp.safetensors")), mtp.depth)
         res = mtp.load_state_dict(sd, strict=False)
-        fresh = {"draft_vocab"} | ({n for n in res.missing_keys if ".fuse." in n}
-                                   if not any(".fuse." in n for n in sd) else set())
+        extra = 1 + max((int(k.split(".")[3]) for k in sd if ".extra_blocks." in k),
+                        default=-1)
+        fresh = {"draft_vocab"} | {n for n in res.missing_keys
+                                   if (".fuse." in n and not any(".fuse." in k for k in sd))
+                                   or (".extra_blocks." in n and int(n.split(".")[3]) >= extra)}
         if res.unexpected_keys or set(res.missing_keys) - fresh:
             raise RuntimeError(f"{path}: MTP weights do not match the configured modules "
                                f"(missing {res.missing_keys}, unexpected {res.unexpected_keys})")

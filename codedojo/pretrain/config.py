@@ -47,6 +47,9 @@ class ModelSpec(BaseModel):
     mtp_taps: list[int] = Field(default_factory=list, description="Layers (0-based, increasing) "
                                 "whose states every MTP module reads beside the previous "
                                 "depth's (EAGLE-3's fused features; `codedojo.model.mtp`).")
+    mtp_blocks: int = Field(1, ge=1, description="Transformer blocks stacked in each MTP "
+                            "module (the first starts as the main model's last, the others as "
+                            "the identity).")
     tiny_overrides: dict[str, object] = Field(default_factory=dict,
                                               description="ModelConfig fields for base = tiny.")
 

@@ -244,7 +244,8 @@ def build_model(cfg: PretrainConfig) -> tuple[Transformer, MTP | None]:
     model.train()
     mtp = None
     if cfg.model.n_mtp > 0:
-        mtp = MTP(model.cfg, cfg.model.n_mtp, cfg.model.mtp_draft_vocab, cfg.model.mtp_taps)
+        mtp = MTP(model.cfg, cfg.model.n_mtp, cfg.model.mtp_draft_vocab, cfg.model.mtp_taps,
+                  cfg.model.mtp_blocks)
         try:
             mtp.init_from_model(model)
         except ValueError:

@@ -40,16 +40,20 @@ def model() -> Transformer:
     return m
 
 
-def mtp_drafter(model: Transformer, draft_vocab: int, taps: tuple[int, ...] = ()
-                ) -> MTPDrafter:
+def mtp_drafter(model: Transformer, draft_vocab: int, taps: tuple[int, ...] = (),
+                blocks: int = 1) -> MTPDrafter:
     """With ``taps``, modules that read those layers too (projections a little away from
-    zero, so the drafts depend on them)."""
-    mtp = MTP(model.cfg, 2, draft_vocab, taps)
+    zero, so the drafts depend on them); with ``blocks``, modules of that many blocks (the
+    further blocks' output projections a little away from zero)."""
+    mtp = MTP(model.cfg, 2, draft_vocab, taps, blocks)
     mtp.init_from_model(model)
     with torch.no_grad():
         for layer in mtp.layers:
             if layer.fuse is not None:
                 layer.fuse.weight.normal_(std=0.02)
+            for block in layer.extra_blocks:
+                block.attn.wo.weight.normal_(std=0.02)
+                block.mlp.w_down.weight.normal_(std=0.02)
     mtp = mtp.to(next(model.parameters()).dtype)
     if draft_vocab:
         mtp.set_draft_vocab(torch.arange(model.cfg.vocab_size).flip(0))
@@ -65,23 +69,25 @@ def plain_of(model: Transformer, prompt: list[int], params: SamplingParams) -> l
 
 
 @pytest.mark.parametrize("varied", [False, True])
-@pytest.mark.parametrize(("draft_vocab", "dtype", "tree", "taps"), [
-    (0, torch.float32, 0, ()), (24, torch.float32, 0, ()), (24, torch.bfloat16, 0, ()),
-    (24, torch.float32, 7, ()), (24, torch.bfloat16, 7, ()), (24, torch.float32, 0, (0,)),
-    (24, torch.bfloat16, 7, (0,))])
+@pytest.mark.parametrize(("draft_vocab", "dtype", "tree", "taps", "blocks"), [
+    (0, torch.float32, 0, (), 1), (24, torch.float32, 0, (), 1),
+    (24, torch.bfloat16, 0, (), 1), (24, torch.float32, 7, (), 1),
+    (24, torch.bfloat16, 7, (), 1), (24, torch.float32, 0, (0,), 1),
+    (24, torch.bfloat16, 7, (0,), 1), (24, torch.float32, 0, (), 2),
+    (24, torch.float32, 7, (0,), 2)])
 def test_greedy_tokens_and_logprobs_equal_plain_decoding(model: Transformer, draft_vocab: int,
                                                          dtype: torch.dtype, tree: int,
-                                                         taps: tuple[int, ...],
+                                                         taps: tuple[int, ...], blocks: int,
                                                          varied: bool) -> None:
     """On the peaked model (one token repeated) the drafts are accepted; on the varied one
     (weights at std 0.5: a different token nearly every step) they are rejected, but for the
-    odd one that matches by chance. With draft trees too, and with modules that read a lower
-    layer (the engine's target then returns its states)."""
+    odd one that matches by chance. With draft trees too, with modules that read a lower
+    layer (the engine's target then returns its states), and with modules of two blocks."""
     if varied:
         model.init_weights(std=0.5)
     model = model.to(dtype)
     params = SamplingParams(max_tokens=30, temperature=0)
-    engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, draft_vocab, taps),
+    engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, draft_vocab, taps, blocks),
                     spec_tree=tree)
     assert (engine.spec_tree is None) == (tree == 0)
     got = engine.generate([PROMPT], params)[0]

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -10,14 +12,20 @@ from codedojo.model.transformer import Transformer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _model():
+def _model(blocks: int = 1):
     torch.manual_seed(0)
     cfg = ModelConfig.tiny(vocab_size=50, n_layers=2, n_mtp=2)
-    return Transformer(cfg).eval(), MTP(cfg).eval()
+    return Transformer(cfg).eval(), MTP(cfg, blocks=blocks).eval()
 
 
-def test_cached_drafting_path_matches_training_forward(tmp_path):
-    model, mtp = _model()
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_cached_drafting_path_matches_training_forward(tmp_path, blocks):
+    """Each module fed through its KV cache (a layer per block) in chunks equals the training
+    forward; saved and loaded with its blocks."""
+    model, mtp = _model(blocks)
+    with torch.no_grad():  # the further blocks away from the identity, so that they count
+        for p in mtp.parameters():
+            p.add_(0.02 * torch.randn_like(p))
     tokens = torch.randint(0, 50, (1, 12))
     with torch.no_grad():
         _, hidden = model(tokens, return_hidden=True)
@@ -33,7 +41,7 @@ def test_cached_drafting_path_matches_training_forward(tmp_path):
         torch.testing.assert_close(c, full[1], rtol=1e-5, atol=1e-5)
     save_mtp(mtp, tmp_path)
     again = load_mtp(tmp_path, model.cfg)
-    assert again is not None and again.depth == 2
+    assert again is not None and again.depth == 2 and again.blocks == blocks
     assert all(torch.equal(x, y) for x, y in zip(mtp.state_dict().values(),
                                                  again.state_dict().values(), strict=True))
     half = load_mtp(tmp_path, model.cfg, torch.bfloat16)  # drafts in another type
@@ -179,3 +187,35 @@ def test_modules_read_tapped_layers_through_projections_that_start_at_zero(tmp_p
                                                  again.state_dict().values(), strict=True))
     with pytest.raises(ValueError, match="taps"):
         MTP(model.cfg, taps=(2,))  # the model has layers 0 and 1
+
+
+def test_further_blocks_start_as_the_identity(tmp_path):
+    """Modules given a second block draft exactly as their one-block selves did, from the
+    one-block modules' weights (`mtp.json` without ``blocks``, as before modules stacked them,
+    reads as one); once the new block's weights move, the drafts do too."""
+    model, one = _model()
+    with torch.no_grad():
+        for p in one.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    save_mtp(one, tmp_path)
+    meta = json.loads((tmp_path / "mtp.json").read_text())
+    (tmp_path / "mtp.json").write_text(json.dumps({k: v for k, v in meta.items()
+                                                   if k != "blocks"}))
+    loaded = load_mtp(tmp_path, model.cfg)
+    assert loaded is not None and loaded.blocks == 1
+    two = MTP(model.cfg, blocks=2).eval()
+    res = two.load_state_dict(one.state_dict(), strict=False)
+    assert res.unexpected_keys == [] and res.missing_keys
+    assert all(".extra_blocks.0." in k for k in res.missing_keys)
+    tokens = torch.randint(0, 50, (1, 12))
+    with torch.no_grad():
+        _, hidden = model(tokens, return_hidden=True)
+        pos = torch.arange(12)[None]
+        want = one(hidden, tokens, pos, model.embed)
+        for m in (loaded, two):
+            for a, b in zip(m(hidden, tokens, pos, model.embed), want, strict=True):
+                assert torch.equal(a, b)
+        two.layers[0].extra_blocks[0].mlp.w_down.weight.normal_(std=0.1)
+        assert not torch.equal(two(hidden, tokens, pos, model.embed)[0], want[0])
+    with pytest.raises(ValueError, match="blocks 0"):
+        MTP(model.cfg, blocks=0)

@@ -403,18 +403,20 @@ def test_fused_layers_follow_replaced_parameters_and_rope_tables() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize(("draft_vocab", "dtype", "taps"), [
-    (None, torch.float32, ()), ([1, 4, 9, 30, 33], torch.float32, ()),
-    ([1, 4, 9, 30, 33], torch.bfloat16, ()), (None, torch.float32, (0,)),
-    ([1, 4, 9, 30, 33], torch.bfloat16, (0,))])
+@pytest.mark.parametrize(("draft_vocab", "dtype", "taps", "blocks"), [
+    (None, torch.float32, (), 1), ([1, 4, 9, 30, 33], torch.float32, (), 1),
+    ([1, 4, 9, 30, 33], torch.bfloat16, (), 1), (None, torch.float32, (0,), 1),
+    ([1, 4, 9, 30, 33], torch.bfloat16, (0,), 1), (None, torch.float32, (), 2),
+    ([1, 4, 9, 30, 33], torch.bfloat16, (0,), 2)])
 def test_fused_mtp_drafts_equal_drafts_op_by_op(draft_vocab: list[int] | None,
                                                 dtype: torch.dtype, taps: tuple[int, ...],
+                                                blocks: int,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """An MTP module's draft step in one C++ call (embedding, input projection, block, shared
+    """An MTP module's draft step in one C++ call (embedding, input projection, blocks, shared
     head): the same drafts and draft logits as the module run op by op, over two rounds (the
     second catching up on positions the first left out). Bfloat16 drafts for a float32 model
     too (the module and the head's copies in bfloat16); modules reading a tapped layer too
-    (the target's states then carry it)."""
+    (the target's states then carry it); modules of two blocks too."""
     from codedojo.engine.speculative import DraftHead, MTPDrafter
     from codedojo.model.mtp import MTP
 
@@ -422,9 +424,10 @@ def test_fused_mtp_drafts_equal_drafts_op_by_op(draft_vocab: list[int] | None,
     cfg = ModelConfig.tiny(vocab_size=40, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=48,
                            n_mtp=2, max_seq_len=64)
     model = Transformer(cfg).eval()
-    mtp = MTP(cfg, taps=taps).eval()
+    mtp = MTP(cfg, taps=taps, blocks=blocks).eval()
     with torch.no_grad():
-        for p in mtp.parameters():  # the taps' projections away from zero too
+        for p in mtp.parameters():  # the taps' projections away from zero too, the blocks
+            # after the first away from the identity
             p.add_(0.3 * torch.randn_like(p))
     mtp = mtp.to(dtype)
     vocab = None if draft_vocab is None else torch.tensor(draft_vocab)

@@ -124,6 +124,34 @@ def test_a_branch_gives_the_modules_tapped_layers(tmp_path):
     assert all(m.fuse.weight.any() for m in end.layers)  # trained from there
 
 
+def test_a_branch_stacks_more_blocks_in_the_modules(tmp_path):
+    """`--set model.mtp_blocks=2` on a branch: the last stage that trains the modules runs
+    again from the source's modules, their second blocks starting as the identity (the modules
+    draft as they did), and trains them."""
+    tok = load_tokenizer()
+    quiet = Console(quiet=True)
+    cfg = five_stage_config(tmp_path, "a")
+    run(cfg, tok=tok, console=quiet)
+    deeper = cfg.model_copy(update={"name": "b",
+                                    "model": cfg.model.model_copy(update={"mtp_blocks": 2})})
+    run(deeper, tok=tok, console=quiet, branch_from=cfg.run_dir)
+    dest = deeper.run_dir
+    assert (os.stat(dest / "ckpt" / "sft" / "model.safetensors").st_ino
+            == os.stat(cfg.run_dir / "ckpt" / "sft" / "model.safetensors").st_ino)
+    model, mtp = build_model(deeper)
+    assert mtp is not None and mtp.blocks == 2
+    load_weights(dest / "ckpt" / "sft", model, mtp)  # where the stage started
+    source = load_mtp(cfg.run_dir / "ckpt" / "sft", model.cfg)
+    assert source is not None and source.blocks == 1
+    for name, t in source.state_dict().items():
+        assert torch.equal(mtp.state_dict()[name], t)
+    new = [m.extra_blocks[0] for m in mtp.layers]
+    assert all(not b.attn.wo.weight.any() and not b.mlp.w_down.weight.any() for b in new)
+    end = load_mtp(dest / "final", model.cfg)
+    assert end is not None and end.blocks == 2
+    assert all(m.extra_blocks[0].mlp.w_down.weight.any() for m in end.layers)  # trained
+
+
 def test_what_cannot_be_branched_is_named(tmp_path):
     cfg = five_stage_config(tmp_path, "a")
     src = cfg.run_dir
@@ -144,6 +172,11 @@ def test_what_cannot_be_branched_is_named(tmp_path):
     with pytest.raises(BranchError, match=r"model.n_mtp 1 -> 0: a branch may add MTP modules"):
         branch_run(src, cfg.model_copy(update={
             "name": "b", "model": model.model_copy(update={"n_mtp": 0})}))
+    (src / "config.json").write_text(cfg.model_copy(update={"model": model.model_copy(
+        update={"mtp_blocks": 2})}).model_dump_json())
+    with pytest.raises(BranchError, match=r"model.mtp_blocks 2 -> 1: a branch may stack more"):
+        branch_run(src, cfg.model_copy(update={"name": "b"}))
+    (src / "config.json").write_text(cfg.model_dump_json())
     assert not (tmp_path / "runs" / "b").exists()
     # how it computes may change: precision, device, compile, checkpointing
     how = model.model_copy(update={"dtype": "bf16", "device": "cpu", "compile": True,
