@@ -61,8 +61,8 @@ def main() -> None:
                          "easily: of its continuations of held-out code, 0.28 of the first 64 "
                          "tokens end an 8-gram seen earlier in the row, 0.79 of the next 64 and "
                          "0.90 of the 128 after (0.03 in the code as written), and one set of "
-                         "heads read accept_first 0.736 and speedup 1.58-1.72 at 64, 0.865 and 2.00 "
-                         "at 256. Longer runs measure the loops more than the drafts.")
+                         "heads read accept_first 0.736 and speedup 1.58-1.72 at 64, 0.865 and "
+                         "2.00 at 256. Longer runs measure the loops more than the drafts.")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy (the targets' setting, output checked against plain "
@@ -166,7 +166,7 @@ def main() -> None:
         "tree": None if spec.spec_tree is None else len(spec.spec_tree),
         "tree_pays": spec.tree_pays,  # after probing: whether greedy rounds drafted it
         "n_mtp": drafter.depth, "draft_vocab": cfg.vocab_size if vocab is None else len(vocab),
-        "mtp_taps": list(drafter.taps), "mtp_blocks": drafter.mtp.blocks,
+        "mtp_taps": list(drafter.taps), "mtp_blocks": drafter.mtp.n_blocks,
         "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new,
         "mid_file": args.mid_file,
         "batch": 1, "temperature": args.temperature, "dtype": args.dtype,

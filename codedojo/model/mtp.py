@@ -142,7 +142,7 @@ class MTP(FusedModule):
         self.cfg = cfg
         self.depth = depth
         self.taps = tuple(taps)
-        self.blocks = blocks
+        self.n_blocks = blocks
         self.layers = nn.ModuleList(MTPModule(cfg, len(taps), blocks) for _ in range(depth))
         self.rotary = Rotary(cfg)
         # The draft vocabulary (FR-Spec, Zhao et al. 2025): the ids of the most frequent
@@ -266,7 +266,7 @@ class MTP(FusedModule):
 
     def new_caches(self, max_len: int, dtype: torch.dtype = torch.float32) -> list[KVCache]:
         """One single-slot KV cache per module, a layer per block (decode-time drafting)."""
-        bc = mtp_block_config(self.cfg, self.blocks)
+        bc = mtp_block_config(self.cfg, self.n_blocks)
         dev = next(self.parameters()).device
         return [KVCache(bc, 1, max_len, dtype=dtype, device=dev) for _ in self.layers]
 
@@ -339,7 +339,7 @@ def save_mtp(mtp: MTP, out_dir: str | Path) -> Path:
     save_file(sd, str(out / "mtp.safetensors"), metadata={"format": "pt"})
     vocab = 0 if mtp.draft_vocab is None else len(mtp.draft_vocab)
     (out / "mtp.json").write_text(json.dumps({"depth": mtp.depth, "draft_vocab": vocab,
-                                              "taps": list(mtp.taps), "blocks": mtp.blocks}))
+                                              "taps": list(mtp.taps), "blocks": mtp.n_blocks}))
     return out
 
 

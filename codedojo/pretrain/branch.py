@@ -52,7 +52,8 @@ def branch_run(src: str | Path, cfg: PretrainConfig) -> list[str]:
     if dest.exists() and any(dest.iterdir()):
         raise BranchError(f"{dest} is not empty: branch into a new out_dir or name")
     old = PretrainConfig.model_validate_json((src / "config.json").read_text())
-    free = {**dict.fromkeys(_FREE, True), "model": _FREE_MODEL | {"n_mtp", "mtp_taps", "mtp_blocks"},
+    free = {**dict.fromkeys(_FREE, True),
+            "model": _FREE_MODEL | {"n_mtp", "mtp_taps", "mtp_blocks"},
             "eval": {"every", "continuations"}}  # what is reported, not what runs
     a, b = old.model_dump(exclude=free), cfg.model_dump(exclude=free)
     differ = [k for k in a if a[k] != b[k]]  # one model: the same fields

@@ -100,20 +100,24 @@ def test_prefix_reuse_and_weight_pushes_on_the_gpu():
 
 
 @needs_cuda
-@pytest.mark.parametrize(("draft_vocab", "tree", "taps"),
-                         [(0, 0, ()), (32, 0, ()), (32, None, ()), (0, 0, (0,)), (32, None, (0,))])
-def test_speculative_decoding_on_the_gpu(tmp_path, draft_vocab, tree, taps):
+@pytest.mark.parametrize(("draft_vocab", "tree", "taps", "blocks"),
+                         [(0, 0, (), 1), (32, 0, (), 1), (32, None, (), 1), (0, 0, (0,), 1),
+                          (32, None, (0,), 1), (32, None, (0,), 2)])
+def test_speculative_decoding_on_the_gpu(tmp_path, draft_vocab, tree, taps, blocks):
     """A checkpoint's MTP modules load beside the model on the GPU; greedy output equals plain
-    decoding (with draft trees too, a GPU engine's default: their masks built on the GPU; and
-    with modules that read a lower layer's states, op by op there), and a sampled request draws
-    its drafts and corrections on the CPU."""
+    decoding (with draft trees too, a GPU engine's default: their masks built on the GPU; with
+    modules that read a lower layer's states, op by op there; and with modules of two blocks,
+    a cache layer each), and a sampled request draws its drafts and corrections on the CPU."""
     model = _tiny()
-    mtp = MTP(model.cfg, 2, draft_vocab, taps)
+    mtp = MTP(model.cfg, 2, draft_vocab, taps, blocks)
     mtp.init_from_model(model)
     with torch.no_grad():
         for layer in mtp.layers:
             if layer.fuse is not None:  # away from zero, so the drafts depend on the taps
                 layer.fuse.weight.normal_(std=0.02)
+            for block in layer.extra_blocks:  # away from the identity, so that they count
+                block.attn.wo.weight.normal_(std=0.02)
+                block.mlp.w_down.weight.normal_(std=0.02)
     if draft_vocab:
         mtp.set_draft_vocab(torch.arange(model.cfg.vocab_size).flip(0))
     save_mtp(mtp, tmp_path)

@@ -41,7 +41,7 @@ def test_cached_drafting_path_matches_training_forward(tmp_path, blocks):
         torch.testing.assert_close(c, full[1], rtol=1e-5, atol=1e-5)
     save_mtp(mtp, tmp_path)
     again = load_mtp(tmp_path, model.cfg)
-    assert again is not None and again.depth == 2 and again.blocks == blocks
+    assert again is not None and again.depth == 2 and again.n_blocks == blocks
     assert all(torch.equal(x, y) for x, y in zip(mtp.state_dict().values(),
                                                  again.state_dict().values(), strict=True))
     half = load_mtp(tmp_path, model.cfg, torch.bfloat16)  # drafts in another type
@@ -202,7 +202,7 @@ def test_further_blocks_start_as_the_identity(tmp_path):
     (tmp_path / "mtp.json").write_text(json.dumps({k: v for k, v in meta.items()
                                                    if k != "blocks"}))
     loaded = load_mtp(tmp_path, model.cfg)
-    assert loaded is not None and loaded.blocks == 1
+    assert loaded is not None and loaded.n_blocks == 1
     two = MTP(model.cfg, blocks=2).eval()
     res = two.load_state_dict(one.state_dict(), strict=False)
     assert res.unexpected_keys == [] and res.missing_keys

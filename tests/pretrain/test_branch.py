@@ -139,16 +139,16 @@ def test_a_branch_stacks_more_blocks_in_the_modules(tmp_path):
     assert (os.stat(dest / "ckpt" / "sft" / "model.safetensors").st_ino
             == os.stat(cfg.run_dir / "ckpt" / "sft" / "model.safetensors").st_ino)
     model, mtp = build_model(deeper)
-    assert mtp is not None and mtp.blocks == 2
+    assert mtp is not None and mtp.n_blocks == 2
     load_weights(dest / "ckpt" / "sft", model, mtp)  # where the stage started
     source = load_mtp(cfg.run_dir / "ckpt" / "sft", model.cfg)
-    assert source is not None and source.blocks == 1
+    assert source is not None and source.n_blocks == 1
     for name, t in source.state_dict().items():
         assert torch.equal(mtp.state_dict()[name], t)
     new = [m.extra_blocks[0] for m in mtp.layers]
     assert all(not b.attn.wo.weight.any() and not b.mlp.w_down.weight.any() for b in new)
     end = load_mtp(dest / "final", model.cfg)
-    assert end is not None and end.blocks == 2
+    assert end is not None and end.n_blocks == 2
     assert all(m.extra_blocks[0].mlp.w_down.weight.any() for m in end.layers)  # trained
 
 
