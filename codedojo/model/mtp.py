@@ -280,13 +280,10 @@ class MTP(FusedModule):
         `draft_step` does the same in one C++ call where the kernels take it."""
         view = cache.view(0)
         module = self.layers[k - 1]
-        x = module.combine(module.reads(h_prev, tapped), emb_next)
-        positions, mask = view.prepare(x.shape[1], parents)  # (1, T); advances the length
+        prev = module.reads(h_prev, tapped)
+        positions, mask = view.prepare(prev.shape[1], parents)  # (1, T); advances the length
         cos, sin = self.rotary.tables(positions)
-        cos, sin = cos.to(h_prev.dtype), sin.to(h_prev.dtype)
-        for block in module.blocks:
-            x = block(x, cos, sin, mask, view)
-        return x
+        return module(prev, emb_next, cos.to(h_prev.dtype), sin.to(h_prev.dtype), mask, view)
 
     def draft_step(self, k: int, h_prev: torch.Tensor, tokens: list[int], cache: KVCache,
                    embed: torch.Tensor, norm: torch.Tensor, head: torch.Tensor,
@@ -318,8 +315,9 @@ class MTP(FusedModule):
 
     def _build_fused(self, module: MTPModule, embed: torch.Tensor, norm: torch.Tensor,
                      head: torch.Tensor) -> FusedLayers | None:
-        weights = [w for block in module.blocks for w in block.decode_weights() or ()]
-        assert weights  # MTP blocks are dense
+        parts = [block.decode_weights() for block in module.blocks]
+        assert all(parts)  # MTP blocks are dense
+        weights = [w for part in parts for w in part or ()]
         cfg = self.cfg
         return FusedLayers.build(weights, self.rotary.cos, self.rotary.sin, cfg.n_heads,
                                  cfg.n_kv_heads, cfg.norm_eps, embed=embed, norm=norm,
