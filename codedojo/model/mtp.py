@@ -317,7 +317,7 @@ class MTP(FusedModule):
                      head: torch.Tensor) -> FusedLayers | None:
         parts = [block.decode_weights() for block in module.blocks]
         assert all(parts)  # MTP blocks are dense
-        weights = [w for part in parts for w in part or ()]
+        weights = [w for part in parts for w in part]  # type: ignore[union-attr]
         cfg = self.cfg
         return FusedLayers.build(weights, self.rotary.cos, self.rotary.sin, cfg.n_heads,
                                  cfg.n_kv_heads, cfg.norm_eps, embed=embed, norm=norm,

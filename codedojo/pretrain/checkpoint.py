@@ -182,15 +182,23 @@ def load_weights(path: str | Path, model: nn.Module, mtp: MTP | None = None) -> 
         # further blocks as the identity: the modules draft as they did.
         sd = grow_chain(load_file(str(path / "mtp.safetensors")), mtp.depth)
         res = mtp.load_state_dict(sd, strict=False)
-        extra = 1 + max((int(k.split(".")[3]) for k in sd if ".extra_blocks." in k),
-                        default=-1)
         fresh = {"draft_vocab"} | {n for n in res.missing_keys
-                                   if (".fuse." in n and not any(".fuse." in k for k in sd))
-                                   or (".extra_blocks." in n and int(n.split(".")[3]) >= extra)}
+                                   if (part := _added_part(n)) and not any(part in k for k in sd)}
         if res.unexpected_keys or set(res.missing_keys) - fresh:
             raise RuntimeError(f"{path}: MTP weights do not match the configured modules "
                                f"(missing {res.missing_keys}, unexpected {res.unexpected_keys})")
     return checkpoint_config(path)
+
+
+def _added_part(name: str) -> str | None:
+    """The part of the MTP modules that a branch may add and that weight ``name`` belongs to
+    (``.fuse.``, or ``.extra_blocks.J.``), or None. A checkpoint with none of a part leaves
+    it as the modules start it: a projection at zero, a block as the identity."""
+    if ".fuse." in name:
+        return ".fuse."
+    if ".extra_blocks." in name:  # layers.K.extra_blocks.J....
+        return f".extra_blocks.{name.split('.')[3]}."
+    return None
 
 
 def load_trainer_state(path: str | Path, model: nn.Module, mtp: MTP | None,

@@ -181,6 +181,44 @@ def test_a_stage_trains_modules_that_read_tapped_layers(tmp_path, mode):
             **cfg.model.model_dump(), "mtp_taps": [1, 0]}})
 
 
+def test_modules_load_with_the_parts_a_branch_adds_and_nothing_else_missing(tmp_path):
+    """A checkpoint of one-block modules that read no tapped layers loads into modules of two
+    blocks that read one, the new parts as the modules start them (the block the identity, the
+    projection at zero). A weight missing from a part the checkpoint has, or one it has that
+    the modules lack, is an error that names it."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = _cfg(tmp_path, mtp="joint", steps=1, checkpoint_every=0)
+    model, mtp = build_model(cfg)
+    train_stage(cfg, 0, model, mtp, _loader(), tmp_path / "run")
+    ck = tmp_path / "run" / "ckpt" / "bulk"
+    grown = cfg.model_copy(update={"model": cfg.model.model_copy(
+        update={"mtp_blocks": 2, "mtp_taps": [0]})})
+    model2, mtp2 = build_model(grown)
+    load_weights(ck, model2, mtp2)
+    for name, t in mtp.state_dict().items():  # what the checkpoint has, as it has it
+        assert torch.equal(mtp2.state_dict()[name], t), name
+    new = mtp2.layers[0].extra_blocks[0]
+    assert not new.attn.wo.weight.any() and not new.mlp.w_down.weight.any()
+    assert not mtp2.layers[0].fuse.weight.any()
+
+    files = ck / "mtp.safetensors"
+    saved = load_file(str(files))
+    save_file({k: v for k, v in saved.items() if k != "layers.0.proj.weight"}, str(files))
+    with pytest.raises(RuntimeError, match=r"missing \['layers.0.proj.weight'\]"):
+        load_weights(ck, model, mtp)
+    # a checkpoint of two-block modules, one weight of the extra block gone
+    two = {k: v.clone() for k, v in mtp2.state_dict().items() if ".fuse." not in k}
+    del two["layers.0.extra_blocks.0.attn.wo.weight"]
+    save_file(two, str(files))
+    plain2 = build_model(cfg.model_copy(update={"model": cfg.model.model_copy(
+        update={"mtp_blocks": 2})}))[1]
+    with pytest.raises(RuntimeError, match="extra_blocks.0.attn.wo.weight"):
+        load_weights(ck, model, plain2)
+    with pytest.raises(RuntimeError, match="unexpected"):  # into one-block modules
+        load_weights(ck, model, mtp)
+
+
 def test_distill_trains_only_mtp(tmp_path):
     cfg = _cfg(tmp_path, mtp="distill", steps=3, lr=3e-3)
     model, mtp = build_model(cfg)
