@@ -25,6 +25,9 @@ class MixtureSource(BaseModel):
     weight: float = Field(1.0, gt=0, description="Relative share of tokens drawn from here.")
     min_tokens: int = Field(0, ge=0, description="Skip documents shorter than this (e.g. the "
                             "long-document side of a long-context mix).")
+    context_tokens: int = Field(0, ge=0, description="Leading tokens of each document that are "
+                                "context only: never a trained target (the prompt of a "
+                                "self-generated continuation).")
 
     @field_validator("path")
     @classmethod
@@ -72,5 +75,8 @@ def mix(sources: list[MixtureSource], total_tokens: int, seed: int = 0,
         toks = shards[k].doc(i)
         taken[k] += toks.size
         total += toks.size
-        yield MixedDoc(tokens=toks, mask=shards[k].mask(i), source=k,
-                       start=shards[k].doc_start(i))
+        mask = shards[k].mask(i)
+        if sources[k].context_tokens:
+            mask = np.ones(toks.size, np.uint8) if mask is None else mask.copy()
+            mask[: sources[k].context_tokens] = 0
+        yield MixedDoc(tokens=toks, mask=mask, source=k, start=shards[k].doc_start(i))

@@ -85,14 +85,20 @@ class SelfGenConfig(BaseModel):
                                         "than the corpus holds. Filtered and deduplicated as the "
                                         "corpus is; a file equal to a corpus document (training "
                                         "or held out) is left out.")
+    prompt_loss: bool = Field(True, description="Whether the modules also learn where the next "
+                              "token is the prompt's (code as written). False: only where it is "
+                              "the model's own, the text they draft when serving; the prompt "
+                              "is then context only.")
 
     @model_serializer(mode="wrap")
-    def _without_empty_sources(self, handler: Any) -> dict[str, Any]:
-        # No sources dumps as before they existed: the caches keyed by these settings (the
-        # continuations, the packed rows) stay valid for configs that name none.
+    def _as_before(self, handler: Any) -> dict[str, Any]:
+        # Fields at the defaults they were added with dump as before they existed: the caches
+        # keyed by these settings (the continuations, the packed rows) stay valid.
         d: dict[str, Any] = handler(self)
         if not self.sources:
             d.pop("sources", None)
+        if self.prompt_loss:
+            d.pop("prompt_loss", None)
         return d
 
 

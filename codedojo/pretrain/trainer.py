@@ -293,8 +293,10 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
     for e in stage.mix:
         if e.data not in data.shards:
             raise ValueError(f"stages[{si}].mix: no {e.data!r} data in this run")
+        g = stage.self_gen
+        context = g.prompt_len if e.data == "self" and g is not None and not g.prompt_loss else 0
         srcs.append(MixtureSource(name=e.data, path=str(data.shards[e.data]), weight=e.weight,
-                                  min_tokens=e.min_tokens))
+                                  min_tokens=e.min_tokens, context_tokens=context))
     packed = pack(mix(srcs, need, seed=seed), stage.seq_len, origins=origins)
     # A conversation longer than a row leaves rows of prompt only: nothing to learn from them.
     trained = packed.mask[:, 1:].any(axis=1)
@@ -338,7 +340,8 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
                          "has none")
     pool = data.prompts.get(stage.name, data.shards["code"])
     seed = cfg.seed + 31
-    settings = {"seed": seed, **g.model_dump(), "model": weights_digest(model, model.cfg)}
+    settings = {"seed": seed, **g.model_dump(exclude={"prompt_loss"}),  # not what is written
+                "model": weights_digest(model, model.cfg)}
     taps = cfg.model.mtp_taps  # their states are kept beside the last ones
     # Generated as the stage trains: in bf16 under autocast for a bf16 stage, the faster (below).
     # A float32 generation gave no consistent gain to the drafts (`configs/cpt-smollm2.toml`).

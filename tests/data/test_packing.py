@@ -52,6 +52,31 @@ def test_sft_mask_survives_packing(tmp_path):
     assert trained == {(6, 7), (7, 8), (9, 10), (10, 11)}
 
 
+def test_context_tokens_are_never_trained_targets(tmp_path):
+    """A source's ``context_tokens``: the first n tokens of each document are read, never
+    learnt; with a mask of its own (SFT), both apply, and the stored mask is left as it was."""
+    w = ShardWriter(tmp_path / "plain", 100, None)
+    w.add([5, 6, 7, 8, 9])
+    w.add([20, 21, 22])
+    w.close()
+    w = ShardWriter(tmp_path / "masked", 100, None)
+    w.add([5, 6, 7, 8, 9], [1, 1, 1, 0, 1])
+    w.close()
+
+    def trained(name: str, context: int) -> set[tuple[int, int]]:
+        src = MixtureSource(name=name, path=str(tmp_path / name), context_tokens=context)
+        p = pack(mix([src], total_tokens=8, seed=0), seq_len=16, allow_split=False)
+        b = make_batch(p.tokens, p.segments, p.mask)
+        return {(int(x), int(y)) for x, y, m in zip(b["tokens"].flatten(), b["targets"].flatten(),
+                                                    b["loss_mask"].flatten(), strict=True) if m}
+
+    assert trained("plain", 0) == {(5, 6), (6, 7), (7, 8), (8, 9), (20, 21), (21, 22)}
+    assert trained("plain", 2) == {(6, 7), (7, 8), (8, 9), (21, 22)}
+    assert trained("plain", 3) == {(7, 8), (8, 9)}  # a document of only context: nothing
+    assert trained("masked", 2) == {(6, 7), (8, 9)}
+    assert TokenShards(tmp_path / "masked").mask(0).tolist() == [1, 1, 1, 0, 1]
+
+
 def test_mixture_tracks_token_weights(tmp_path):
     for name, n in (("a", 3), ("b", 50)):
         w = ShardWriter(tmp_path / name, 100, None)

@@ -267,11 +267,14 @@ def test_a_run_continues_prompts_from_its_sources(tmp_path):
     assert not all(zebra & set(p) for p in prompts)  # and some the training code's
 
 
-def test_no_sources_dump_as_before_they_existed():
+def test_fields_at_their_first_defaults_dump_as_before_they_existed():
     """The continuations and packed rows are cached under a hash of these settings: a config
-    naming no sources keeps the key it had."""
+    naming no sources, and keeping the prompt's loss, keeps the key it had."""
     g = SelfGenConfig(prompts=8)
-    assert "sources" not in g.model_dump() and "sources" not in g.model_dump_json()
-    h = SelfGenConfig(prompts=8, sources=[SourceConfig(kind="dir", path="stdlib")])
+    for field in ("sources", "prompt_loss"):
+        assert field not in g.model_dump() and field not in g.model_dump_json()
+    h = SelfGenConfig(prompts=8, sources=[SourceConfig(kind="dir", path="stdlib")],
+                      prompt_loss=False)
     assert h.model_dump()["sources"][0]["path"] == "stdlib"
+    assert h.model_dump()["prompt_loss"] is False
     assert SelfGenConfig.model_validate_json(h.model_dump_json()) == h

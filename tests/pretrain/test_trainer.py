@@ -459,6 +459,41 @@ def test_self_data_is_written_again_by_a_changed_model(tmp_path):
                            TokenFeatures(first / "hidden").gather(np.arange(36)))
 
 
+def test_without_prompt_loss_the_modules_learn_only_where_the_next_token_is_generated(
+        tmp_path):
+    """``self_gen.prompt_loss = false`` reads the same continuations (nothing is generated
+    again) and packs the same rows, trained only where the target is a generated token."""
+    from rich.console import Console
+
+    from codedojo.data.shards import ShardWriter
+    from codedojo.pretrain.trainer import RunData, self_data, stage_packed
+
+    w = ShardWriter(tmp_path / "code", 64, eos_id=None)
+    rng = np.random.default_rng(0)
+    for _ in range(8):
+        w.add(rng.integers(1, 64, size=40))
+    data = RunData({"code": w.close()}, None, [])  # type: ignore[arg-type]
+    gen = {"prompts": 6, "prompt_len": 8, "new_tokens": 4, "batch": 3}
+    cfgs = [_cfg(tmp_path, mtp="distill", mix=[{"data": "self"}], steps=2,
+                 self_gen={**gen, "prompt_loss": flag}) for flag in (True, False)]
+    model, _ = build_model(cfgs[0])
+    run_dir, quiet = tmp_path / "run", Console(quiet=True)
+    dirs = [self_data(c, c.stages[0], model, data, run_dir, quiet) for c in cfgs]
+    assert dirs[0] == dirs[1] and len(list((run_dir / "data" / "self").iterdir())) == 1
+    data.shards["self"] = dirs[0]
+    every, generated = (stage_packed(c, c.stages[0], 0, data, run_dir, origins=True)
+                        for c in cfgs)
+    np.testing.assert_array_equal(generated.tokens, every.tokens)
+    np.testing.assert_array_equal(generated.origin, every.origin)
+    starts = np.array([TokenShards(dirs[0]).doc_start(i) for i in range(6)])
+    o = every.origin
+    in_doc = o - starts[np.searchsorted(starts, o, side="right") - 1]  # a token's place
+    real = o >= 0
+    assert (every.mask[real] == 1).all()
+    np.testing.assert_array_equal(generated.mask[real], (in_doc[real] >= 8).astype(np.uint8))
+    assert 0 < generated.mask[real].sum() < real.sum()
+
+
 def test_an_mtp_distillation_step_detaches_the_modules_when_asked():
     """`stage_loss(..., mtp_detach=True)` (a stage's ``mtp_detach``): the first module's
     gradient is its own loss's alone, so it differs from the one that also serves module 2."""
