@@ -289,14 +289,15 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
     if (out / "mask.npy").exists():
         return Packed.load(out)
     need = world * stage.steps * stage.grad_accum * stage.batch_size * (stage.seq_len + 1)
+    g = stage.self_gen  # without the prompt's loss, its tokens are context only
+    context = {"self": g.prompt_len} if g is not None and not g.prompt_loss else {}
     srcs = []
     for e in stage.mix:
         if e.data not in data.shards:
             raise ValueError(f"stages[{si}].mix: no {e.data!r} data in this run")
-        g = stage.self_gen
-        context = g.prompt_len if e.data == "self" and g is not None and not g.prompt_loss else 0
         srcs.append(MixtureSource(name=e.data, path=str(data.shards[e.data]), weight=e.weight,
-                                  min_tokens=e.min_tokens, context_tokens=context))
+                                  min_tokens=e.min_tokens,
+                                  context_tokens=context.get(e.data, 0)))
     packed = pack(mix(srcs, need, seed=seed), stage.seq_len, origins=origins)
     # A conversation longer than a row leaves rows of prompt only: nothing to learn from them.
     trained = packed.mask[:, 1:].any(axis=1)

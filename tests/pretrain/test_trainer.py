@@ -429,20 +429,27 @@ def test_packed_cache_follows_the_stage_settings(tmp_path):
     assert len(list((run_dir / "data" / "packed").glob("bulk-*"))) == 3
 
 
+def _code_data(tmp_path):
+    """A run's data of eight random 40-token documents of training code, for `self_data`."""
+    from codedojo.data.shards import ShardWriter
+    from codedojo.pretrain.trainer import RunData
+
+    w = ShardWriter(tmp_path / "code", 64, eos_id=None)
+    rng = np.random.default_rng(0)
+    for _ in range(8):
+        w.add(rng.integers(1, 64, size=40))
+    return RunData({"code": w.close()}, None, [])  # type: ignore[arg-type]
+
+
 def test_self_data_is_written_again_by_a_changed_model(tmp_path):
     """The self-generated text and its hidden states are found again by the weights that wrote
     them: the same weights read them back, and a model changed since (an earlier stage run
     again) writes its own rather than train on another model's hidden states."""
     from rich.console import Console
 
-    from codedojo.data.shards import ShardWriter
-    from codedojo.pretrain.trainer import RunData, self_data
+    from codedojo.pretrain.trainer import self_data
 
-    w = ShardWriter(tmp_path / "code", 64, eos_id=None)
-    rng = np.random.default_rng(0)
-    for _ in range(8):
-        w.add(rng.integers(1, 64, size=40))
-    data = RunData({"code": w.close()}, None, [])  # type: ignore[arg-type]
+    data = _code_data(tmp_path)
     cfg = _cfg(tmp_path, mtp="distill", mix=[{"data": "self"}], self_gen={
         "prompts": 3, "prompt_len": 8, "new_tokens": 4, "batch": 2})
     model, _ = build_model(cfg)
@@ -465,14 +472,9 @@ def test_without_prompt_loss_the_modules_learn_only_where_the_next_token_is_gene
     again) and packs the same rows, trained only where the target is a generated token."""
     from rich.console import Console
 
-    from codedojo.data.shards import ShardWriter
-    from codedojo.pretrain.trainer import RunData, self_data, stage_packed
+    from codedojo.pretrain.trainer import self_data, stage_packed
 
-    w = ShardWriter(tmp_path / "code", 64, eos_id=None)
-    rng = np.random.default_rng(0)
-    for _ in range(8):
-        w.add(rng.integers(1, 64, size=40))
-    data = RunData({"code": w.close()}, None, [])  # type: ignore[arg-type]
+    data = _code_data(tmp_path)
     gen = {"prompts": 6, "prompt_len": 8, "new_tokens": 4, "batch": 3}
     cfgs = [_cfg(tmp_path, mtp="distill", mix=[{"data": "self"}], steps=2,
                  self_gen={**gen, "prompt_loss": flag}) for flag in (True, False)]
