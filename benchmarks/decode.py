@@ -156,8 +156,9 @@ def main() -> None:
     n, p1 = a.new_tokens, PROMPTS[: a.batch1_prompts]
     from codedojo.ops import kernel_status
 
-    res: dict[str, object] = {"model": "smollm2-135m-instruct", "new_tokens": n,
-                              "threads": torch.get_num_threads(), "kernel": kernel_status()}
+    res: dict[str, object] = {"bench": "decode", "model": "smollm2-135m-instruct",
+                              "new_tokens": n, "threads": torch.get_num_threads(),
+                              "kernel": kernel_status()}
     rate = ReadRate()
     rate.sample(reps=5)
 

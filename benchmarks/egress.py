@@ -211,7 +211,7 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "benchmark": "egress",
+                "bench": "egress",
                 "rate_rps": args.rate,
                 "added_ms_p50": round(tr["p50_ms"] - direct["p50_ms"], 3),
                 "added_ms_p95": round(tr["p95_ms"] - direct["p95_ms"], 3),

@@ -117,7 +117,7 @@ def main() -> None:
 
         both = proc_read + proc_true
         print(json.dumps({
-            "benchmark": "harness_tool_rpc",
+            "bench": "harness",
             "n_per_kind": n,
             "tool_rpc_ms_p50": p50(both),
             "tool_rpc_ms_p90": p90(both),

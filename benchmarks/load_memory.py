@@ -10,7 +10,7 @@ with the weights read (and touched, all of them resident) and nothing built.
 
 Prints one JSON line per dtype (``extra_mb_*``: peak MB above the weights as read).
 
-    python benchmarks/load_memory.py [--model smollm2-135m-instruct]
+    python benchmarks/load_memory.py [--model smollm2-135m-instruct | FILE.gguf | DIR]
 """
 
 from __future__ import annotations
@@ -42,12 +42,12 @@ def baseline_build(sd: dict[str, torch.Tensor], cfg: object, dtype: torch.dtype)
 
 def child(model: str, way: str, dtype: str) -> None:
     """Runs in its own process: read the weights, build one way, print the peak MB."""
-    from codedojo.model.hf import load_hf
-    from codedojo.model.weights import KNOWN_MODELS, build_model, converted_dir
+    from codedojo.model.weights import build_model, read_weights
 
-    if model.lower() not in KNOWN_MODELS:
-        sys.exit(f"--model {model!r}: not one of {sorted(KNOWN_MODELS)}")
-    sd, cfg = load_hf(converted_dir(model))
+    try:
+        sd, cfg = read_weights(model)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(str(e))
     for t in sd.values():  # make them resident (safetensors may map the file)
         t.sum()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -72,7 +72,8 @@ def measure(model: str, way: str, dtype: str) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="a known name, a .gguf file, an HF directory or a training checkpoint")
     ap.add_argument("--child", choices=["build", "baseline", "read"])
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = ap.parse_args()

@@ -172,6 +172,7 @@ def main() -> None:
         train, _ = agreement(model, mtp, train_rows, hidden_states(model, train_rows, mtp.taps),
                              args.prompt_len)
     print(json.dumps({
+        "bench": "mtp_agreement",
         **{f"agree_depth{k}": round(a, 4) for k, a in enumerate(ours, start=1)},
         **{f"base_agree_depth{k}": round(a, 4) for k, a in enumerate(base, start=1)},
         **{f"train_agree_depth{k}": round(a, 4) for k, a in enumerate(train, start=1)},

@@ -2,15 +2,16 @@
 beside the text (as the `mtp_self` stage of `configs/cpt-smollm2.toml` trains) against running
 the frozen model over it (as it trains on human code, and as it trained before they were kept).
 
-Both sides take SmolLM2-135M-Instruct with two MTP modules over an 8192-token draft vocabulary
-and run the config's step: batch 4 of 256-token rows packed from documents of 192 tokens,
+Both sides take SmolLM2-135M-Instruct with two MTP modules over an 8192-token draft vocabulary and
+run the config's step (the defaults): batch 4 of 256-token rows packed from documents of 192 tokens,
 blocks compiled (`apply_compile`), `stage_loss(..., "distill")`, backward, AdamW. A step is timed
 from the loader's batch (the stored side reads its states from the memory-mapped float16 files
-there) to the optimizer's step. The two kinds of step alternate, so a change in the machine's
-load falls on both. Token values do not change the time of a step: the text is random, the
-stored states are the model's own states of it. Prints one JSON line.
+there) to the optimizer's step. The two kinds of step alternate, so a change in the machine's load
+falls on both. Token values do not change the time of a step: the text is random, the stored states
+are the model's own states of it. Prints one JSON line.
 
     python benchmarks/mtp_distill_step.py [--steps 6] [--no-compile] [--random-init]
+                                          [--batch 4] [--seq-len 256]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,10 +32,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6, help="timed steps of each kind")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=4, help="rows a step (the config's 4)")
+    ap.add_argument("--seq-len", type=int, default=256,
+                    help="tokens a row (the config's 256), packed from documents 3/4 as long")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--random-init", action="store_true",
                     help="SmolLM2-135M's shapes with random weights (no GGUF needed)")
     args = ap.parse_args()
+    if args.batch < 1 or args.seq_len < 8:
+        sys.exit(f"--batch {args.batch}, --seq-len {args.seq_len}: at least 1 row of 8 tokens")
     torch.set_num_threads(args.threads)
 
     from codedojo.data.features import FeatureWriter, TokenFeatures
@@ -57,7 +64,8 @@ def main() -> None:
     model.train().requires_grad_(False)
     mtp = MTP(cfg, draft_vocab=8192)
     mtp.init_from_model(model)
-    batch, seq, doc_len = 4, 256, 192
+    batch, seq = args.batch, args.seq_len
+    doc_len = seq * 3 // 4
     docs = (args.steps + 2) * 2 * batch * (seq + 1) // doc_len + 2
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:

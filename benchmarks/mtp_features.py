@@ -155,6 +155,7 @@ def main() -> None:
     if args.save:
         save_fused(Path(args.ckpt), Path(args.save), fused)
     print(json.dumps({
+        "bench": "mtp_features",
         **{f"{name}_{k}": v for name, r in results.items() for k, v in r.items()},
         "gain_depth1": round(results["fused"]["agree_depth1"]
                              - results["baseline"]["agree_depth1"], 4),

@@ -90,6 +90,7 @@ def main() -> None:
     group_cached, g1 = group(cached, prompt, args.group)
     identical = all(x.token_ids == y.token_ids for x, y in zip(a1 + g1, a2 + g2, strict=True))
     print(json.dumps({
+        "bench": "prefix_cache",
         "agent_s_cached": round(agent_cached, 3), "agent_s_fresh": round(agent_fresh, 3),
         "agent_speedup": round(agent_fresh / agent_cached, 3),
         "agent_prompt_tokens": sum(len(c.prompt_ids) for c in a1),

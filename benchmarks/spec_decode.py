@@ -148,6 +148,7 @@ def main() -> None:
     spec_round, spec_steady = after_first("spec")
     vocab = drafter.mtp.draft_vocab
     print(json.dumps({
+        "bench": "spec_decode",
         "accept_first": round(st.accept_first, 4),
         "mean_accepted": round(st.mean_accepted, 4),
         "accept_rate": round(st.accept_rate, 4),

@@ -125,7 +125,8 @@ def main() -> None:
     ntok = args.batch * args.seq * args.steps
     if args.no_compile:
         elapsed["ours"] = elapsed["ours_eager"]
-    print(json.dumps({"ours_tok_s": round(ntok / elapsed["ours"], 1),
+    print(json.dumps({"bench": "train_throughput",
+                      "ours_tok_s": round(ntok / elapsed["ours"], 1),
                       "hf_tok_s": round(ntok / elapsed["hf"], 1),
                       "ratio": round(elapsed["hf"] / elapsed["ours"], 3),
                       "ours_eager_tok_s": round(ntok / elapsed["ours_eager"], 1),

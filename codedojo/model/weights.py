@@ -95,22 +95,27 @@ def load_checkpoint_weights(path: str | Path) -> tuple[dict[str, torch.Tensor], 
     return load_file(str(d / "model.safetensors")), checkpoint_config(d)
 
 
-def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32
-               ) -> tuple[Transformer, ModelConfig]:
-    """(model in eval mode, config) from a known name, a .gguf file, an HF directory or a
-    training checkpoint."""
+def read_weights(name_or_path: str | Path = DEFAULT_MODEL
+                 ) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """(state dict, config) from a known name, a .gguf file, an HF directory or a training
+    checkpoint."""
     s = str(name_or_path)
     if s.lower() in KNOWN_MODELS:
-        sd, cfg = load_hf(converted_dir(s))
-    elif s.endswith(".gguf"):
+        return load_hf(converted_dir(s))
+    if s.endswith(".gguf"):
         if not Path(s).exists():
             raise FileNotFoundError(f"model: {s} not found")
-        sd, cfg = load_gguf(s)
-    elif (Path(s) / "model_config.json").exists():
-        sd, cfg = load_checkpoint_weights(s)
-    elif Path(s).is_dir():
-        sd, cfg = load_hf(s)
-    else:
-        raise ValueError(f"model: {s!r} is neither a known name ({sorted(KNOWN_MODELS)}), "
-                         f"a .gguf file, an HF directory nor a training checkpoint")
+        return load_gguf(s)
+    if (Path(s) / "model_config.json").exists():
+        return load_checkpoint_weights(s)
+    if Path(s).is_dir():
+        return load_hf(s)
+    raise ValueError(f"model: {s!r} is neither a known name ({sorted(KNOWN_MODELS)}), "
+                     f"a .gguf file, an HF directory nor a training checkpoint")
+
+
+def load_model(name_or_path: str | Path = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32
+               ) -> tuple[Transformer, ModelConfig]:
+    """(model in eval mode, config) from whatever `read_weights` reads."""
+    sd, cfg = read_weights(name_or_path)
     return build_model(sd, cfg, dtype), cfg

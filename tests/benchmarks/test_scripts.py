@@ -1,0 +1,96 @@
+"""Every script under `benchmarks/` runs at its smallest size and prints what the README says it
+prints: JSON lines, each naming its script (``bench``), with the figures its readers look for,
+and the checks it makes of itself holding (identical output, the same turns read back). The
+figures' values are timings of a busy test machine and are not judged here. The scripts that
+read a trained checkpoint read one from a whole pretraining run of a tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "benchmarks"
+RUN = "{run}"  # the tiny run's directory, filled in for the scripts that read a checkpoint
+
+# script -> (its smallest arguments, keys every line it prints has, checks that must read true)
+SMOKE: dict[str, tuple[list[str], set[str], set[str]]] = {
+    "trajectory_store.py": (["--turns", "4", "--system", "50", "--reply", "10", "--tool", "20"],
+                            {"ratio", "bytes_whole", "bytes_shared"}, {"same_turns"}),
+    "harness.py": (["--n", "3"], {"tool_rpc_ms_p50", "baseline_inprocess_ms_p50"}, set()),
+    "routing.py": (["--layers", "2", "--dim", "32", "--experts", "4", "--top-k", "2",
+                    "--batch", "2", "--prompt", "16", "--new", "4", "--repeats", "1",
+                    "--turns", "2", "--tool", "8"],
+                   {"plain_tok_s", "record_tok_s", "wire_b64_bytes"}, {"identical"}),
+    "egress.py": (["--rate", "20", "--seconds", "0.3", "--concurrency", "2"],
+                  {"added_ms_p50", "direct_p50_ms", "proxied_p50_ms"}, set()),
+    "sandbox.py": (["--n", "2", "--concurrent", "2"], {"create_ms_p50", "fork_ms_p50"},
+                   {"venv_works", "restore_ok"}),
+    "bench_runner.py": (["--reps", "1"], {"tasks_per_hour_1", "setup_ms_p50"}, set()),
+    "decode.py": (["--new-tokens", "2", "--batch1-prompts", "1", "--skip-bf16", "--skip-hf"],
+                  {"batch1_tok_s", "bound_tok_s"}, set()),
+    "load_memory.py": (["--model", f"{RUN}/final"],
+                       {"model_mb", "extra_mb_build", "extra_mb_baseline"}, set()),
+    "prefix_cache.py": (["--turns", "2", "--tool-tokens", "16", "--reply", "2", "--group", "2",
+                         "--group-prompt", "48"],
+                        {"agent_speedup", "group_speedup"}, {"identical"}),
+    "train_throughput.py": (["--batch", "1", "--seq", "16", "--steps", "1", "--no-compile",
+                             "--random-init"], {"ours_tok_s", "hf_tok_s", "ratio"}, set()),
+    "mtp_distill_step.py": (["--steps", "1", "--no-compile", "--random-init", "--batch", "1",
+                             "--seq-len", "32"],
+                            {"forward_step_s", "stored_step_s", "speedup"}, set()),
+    "spec_decode.py": (["--ckpt", f"{RUN}/final", "--data", f"{RUN}/data/eval",
+                        "--prompts", "2", "--prompt-len", "8", "--new", "8"],
+                       {"accept_first", "mean_accepted", "spec_tok_s", "plain_tok_s", "speedup",
+                        "tokens_per_pass"}, {"greedy_identical"}),
+    "mtp_agreement.py": (["--ckpt", f"{RUN}/final", "--base", f"{RUN}/ckpt/sft",
+                          "--data", f"{RUN}/data/eval", "--prompts", "2", "--prompt-len", "8",
+                          "--new", "8"],
+                         {"agree_depth1", "agree_depth2", "base_agree_depth1",
+                          "train_agree_depth1", "k2_accept_first"}, set()),
+    "mtp_features.py": (["--ckpt", f"{RUN}/final", "--data", f"{RUN}/data/eval", "--layers",
+                         "0", "--rows", "4", "--steps", "2", "--batch", "2", "--prompts", "2",
+                         "--prompt-len", "8", "--new", "8"],
+                        {"fused_agree_depth1", "baseline_agree_depth1", "gain_depth1"}, set()),
+}
+
+
+def test_every_benchmark_script_has_a_smoke_run():
+    assert {p.name for p in SCRIPTS.glob("*.py")} == set(SMOKE)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """A whole pretraining run of a tiny model with two MTP modules (all five stages)."""
+    from rich.console import Console
+
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.pretrain.trainer import run
+    from tests.pretrain.tiny_run import five_stage_config
+
+    cfg = five_stage_config(tmp_path_factory.mktemp("bench"), "tiny", n_mtp=2)
+    run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
+    return Path(cfg.out_dir) / cfg.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_a_benchmark_runs_at_its_smallest_and_prints_its_figures(script, request):
+    args, keys, checks = SMOKE[script]
+    if any(RUN in a for a in args):
+        run_dir = str(request.getfixturevalue("tiny_run"))
+        args = [a.replace(RUN, run_dir) for a in args]
+    done = subprocess.run([sys.executable, str(SCRIPTS / script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    assert lines, f"{script} printed nothing"
+    for line in lines:
+        assert line.get("bench") == script.removesuffix(".py"), line  # a line names its script
+        assert keys <= set(line), f"{script}: {sorted(keys - set(line))} missing from {line}"
+        for check in checks:
+            assert line[check] is True, f"{script}: {check} is {line[check]!r}"
