@@ -13,17 +13,19 @@ different tokens and `greedy_identical` is null). Prints one JSON line; besides 
 figures (prefill included), `plain_step_ms` / `spec_round_ms` time decoding after each prompt's
 first step, and `round_cost_in_steps` says what one step of the speculative engine (a round, or a
 plain step once speculation is off) costs in plain steps; `steady_speedup` is the tokens/s ratio
-over those steps. The engine drafts with every module for its first 64 rounds (every fourth without
-drafts, to time a plain step), then as many tokens per round as pay by the acceptance seen and what
-a draft costs (`draft_cost`, in plain steps: measured then, or `--draft-cost`): `drafts_per_round`
-is the mean, `accept_depthJ` the acceptance of draft J when drafts 1..J-1 passed (with `--tree`,
-of any node at depth J, while `accept_first` stays the most likely first draft's). Both count
-rounds, not positions, so they move with the drafts a round: deeper rounds skip more of the easy
-stretches (`mtp_agreement.py` replays the rounds of each depth over held-out continuations).
-`modelled_speedup` prices the same decode steps by the cost model the engine decides by (a step
-drafting k tokens costs 1 + k * draft_cost plain steps): with `--draft-cost` given it depends on
-the checkpoint and the policy alone, not on this machine's timing (on a shared 2-core VM the
-wall-clock speedup of one checkpoint read 1.08 and 1.18 in two runs).
+over those steps. `plain_step_ms_range` is the plain step of the fastest and the slowest prompt;
+when they differ by more than a quarter, `steady_machine` is false and a warning says so (a shared
+VM changes pace between stretches). The engine drafts with every module for its first 64 rounds
+(every fourth without drafts, to time a plain step), then as many tokens per round as pay by the
+acceptance seen and what a draft costs (`draft_cost`, in plain steps: measured then, or
+`--draft-cost`): `drafts_per_round` is the mean, `accept_depthJ` the acceptance of draft J when
+drafts 1..J-1 passed (with `--tree`, of any node at depth J, while `accept_first` stays the most
+likely first draft's). Both count rounds, not positions, so they move with the drafts a round:
+deeper rounds skip more of the easy stretches (`mtp_agreement.py` replays the rounds of each depth
+over held-out continuations). `modelled_speedup` prices the same decode steps by the cost model the
+engine decides by (a step drafting k tokens costs 1 + k * draft_cost plain steps): with
+`--draft-cost` given it depends on the checkpoint and the policy alone, not on this machine's timing
+(on a shared 2-core VM the wall-clock speedup of one checkpoint read 1.08 and 1.18 in two runs).
 
     python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 24] [--new 64]
                                     [--mid-file 0.5 --seed 123]
@@ -39,6 +41,10 @@ import sys
 from pathlib import Path
 
 import torch
+
+# A plain step's time may range this much over the prompts before the run reads as unsteady
+# (the prompts' lengths do not differ: the range is the machine's).
+STEADY_SPREAD = 1.25
 
 
 def main() -> None:
@@ -139,6 +145,16 @@ def main() -> None:
         steps = max(1, sum(r.decode_steps for r in rs))
         return seconds / steps, sum(r.decoded for r in rs) / seconds
 
+    # The machine's pace over the run: a shared VM moves between modes (a plain step of 11 ms
+    # in one stretch, 14-18 in another). The two sides alternate prompt by prompt, so the
+    # speedup sees both alike, but the engine timed its draft cost once, in its first rounds.
+    paces = [r.decode_s / r.decode_steps * 1e3 for r in runs["plain"] if r.decode_steps]
+    spread = max(paces) / min(paces) if paces else 1.0
+    if spread > STEADY_SPREAD:
+        print(f"spec_decode: the plain step ranged {min(paces):.1f}-{max(paces):.1f} ms over "
+              f"the run, {spread:.2f}x: the machine's pace moved; the measured draft_cost and "
+              "the speedup read from an unsteady machine (pass --draft-cost to fix the first)",
+              file=sys.stderr)
     st = spec.spec_stats
     # drafts happen in decode steps only (a first step prefills and samples)
     priced = sum(r.decode_steps for r in runs["spec"]) + spec.draft_cost * st.drafted
@@ -157,6 +173,8 @@ def main() -> None:
         "speedup": round(spec_tok_s / plain_tok_s, 3), "greedy_identical": same,
         # Without the prompt: a plain step, a speculative round, and what they give.
         "plain_step_ms": round(plain_step * 1e3, 2), "spec_round_ms": round(spec_round * 1e3, 2),
+        "plain_step_ms_range": [round(min(paces), 2), round(max(paces), 2)] if paces else None,
+        "steady_machine": spread <= STEADY_SPREAD,
         "round_cost_in_steps": round(spec_round / plain_step, 3),
         "steady_speedup": round(spec_steady / plain_steady, 3),
         "modelled_speedup": round(modelled, 4),

@@ -46,7 +46,7 @@ SMOKE: dict[str, tuple[list[str], set[str], set[str]]] = {
     "spec_decode.py": (["--ckpt", f"{RUN}/final", "--data", f"{RUN}/data/eval",
                         "--prompts", "2", "--prompt-len", "8", "--new", "8"],
                        {"accept_first", "mean_accepted", "spec_tok_s", "plain_tok_s", "speedup",
-                        "tokens_per_pass"}, {"greedy_identical"}),
+                        "tokens_per_pass", "steady_machine"}, {"greedy_identical"}),
     "mtp_agreement.py": (["--ckpt", f"{RUN}/final", "--base", f"{RUN}/ckpt/sft",
                           "--data", f"{RUN}/data/eval", "--prompts", "2", "--prompt-len", "8",
                           "--new", "8"],
