@@ -12,13 +12,15 @@ default the checkpoint before the last distillation stage) on the same continuat
 checkpoints must hold the same main model. `train_agree_depthK` is the same share for our heads
 on continuations they were trained on (the run's self-generated data, spread over it): a wide gap
 between the two says more distinct prompts would raise the held-out figure, a narrow one that
-the modules need more training or capacity. `kK_accept_first` and `kK_tokens_per_pass` replay
-the rounds greedy speculative decoding drafting K tokens each would make over the same held-out
+the modules need more training or capacity. `kK_accept_first` and `kK_tokens_per_pass` replay the
+rounds greedy speculative decoding drafting K tokens each would make over the same held-out
 continuations (`replay_greedy`): a round's first draft passes less often than `agree_depth1` says
 when deep rounds skip the easy stretches they accept, so `spec_decode.py`'s `accept_first` moves
 with the number of drafts a round (a three-module checkpoint whose first module agrees 0.768 here
-replays 0.764, 0.754 and 0.731 for K = 1, 2, 3). `dojo pretrain` reports the depths' figure after
-each stage as `mtp_agree`, on fewer windows (`eval.continuations`). Prints one JSON line.
+replays 0.764, 0.754 and 0.731 for K = 1, 2, 3). `outside_draft_vocab` is the share of the generated
+tokens outside the heads' draft vocabulary, which no draft can be (every depth's agreement is at
+most one minus it). `dojo pretrain` reports the depths' figure after each stage as `mtp_agree`, on
+fewer windows (`eval.continuations`). Prints one JSON line.
 
     python benchmarks/mtp_agreement.py [--ckpt runs/cpt-smollm2/final]
                                        [--base runs/cpt-smollm2/ckpt/sft] [--prompts 192]
@@ -158,6 +160,9 @@ def main() -> None:
         agreement(model, heads, rows, read_by(states, layers, heads.taps, cfg.dim),
                   args.prompt_len)
         for heads in (mtp, base_mtp)]
+    generated = rows[:, args.prompt_len:]
+    outside = (0.0 if mtp.draft_vocab is None
+               else float((~torch.isin(generated, mtp.draft_vocab)).float().mean()))
     train: list[float] = []
     train_dir = Path(args.train) if args.train else newest_self(args.data)
     if train_dir is not None:
@@ -178,6 +183,7 @@ def main() -> None:
         **{f"train_agree_depth{k}": round(a, 4) for k, a in enumerate(train, start=1)},
         **{f"k{k}_{name}": round(getattr(st, name), 4) for k, st in enumerate(replayed, start=1)
            for name in ("accept_first", "tokens_per_pass")},
+        "outside_draft_vocab": round(outside, 4),
         "positions": len(rows) * args.new, "prompts": len(rows), "prompt_len": args.prompt_len,
         "new_tokens": args.new, "n_mtp": mtp.depth, "ckpt": args.ckpt, "base": args.base}))
 

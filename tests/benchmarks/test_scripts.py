@@ -51,7 +51,7 @@ SMOKE: dict[str, tuple[list[str], set[str], set[str]]] = {
                           "--data", f"{RUN}/data/eval", "--prompts", "2", "--prompt-len", "8",
                           "--new", "8"],
                          {"agree_depth1", "agree_depth2", "base_agree_depth1",
-                          "train_agree_depth1", "k2_accept_first"}, set()),
+                          "outside_draft_vocab", "train_agree_depth1", "k2_accept_first"}, set()),
     "mtp_features.py": (["--ckpt", f"{RUN}/final", "--data", f"{RUN}/data/eval", "--layers",
                          "0", "--rows", "4", "--steps", "2", "--batch", "2", "--prompts", "2",
                          "--prompt-len", "8", "--new", "8"],
@@ -65,14 +65,16 @@ def test_every_benchmark_script_has_a_smoke_run():
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
-    """A whole pretraining run of a tiny model with two MTP modules (all five stages)."""
+    """A whole pretraining run of a tiny model (all five stages) with MTP modules as the
+    recipe's: two, reading a lower layer's states too, drafting over a draft vocabulary."""
     from rich.console import Console
 
     from codedojo.model.tokenizer import load_tokenizer
     from codedojo.pretrain.trainer import run
     from tests.pretrain.tiny_run import five_stage_config
 
-    cfg = five_stage_config(tmp_path_factory.mktemp("bench"), "tiny", n_mtp=2)
+    cfg = five_stage_config(tmp_path_factory.mktemp("bench"), "tiny", n_mtp=2, mtp_taps=[0],
+                            mtp_draft_vocab=512)
     run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
     return Path(cfg.out_dir) / cfg.name
 
