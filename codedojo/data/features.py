@@ -35,11 +35,13 @@ class FeatureWriter:
     """Appends (n, D) blocks of feature vectors, one row per token in token-stream order."""
 
     def __init__(self, out_dir: str | Path, dim: int, part_bytes: int = 1 << 28,
-                 name: str = "part_000"):
+                 name: str = "part_000", parts: list[dict[str, object]] | None = None):
+        """``parts``: this writer's parts already on disk (`finish`'s list of a writer that
+        stopped), to append after: a resumed writer."""
         self.dir, self.dim, self.name = Path(out_dir), dim, name
         self.part_tokens = max(1, part_bytes // (2 * dim))  # rows held in memory until written
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.parts: list[dict[str, object]] = []
+        self.parts: list[dict[str, object]] = list(parts or [])
         self._rows: list[np.ndarray] = []
         self._exps: list[np.ndarray] = []
         self._n = 0
@@ -57,9 +59,10 @@ class FeatureWriter:
         self._exps.append(exp.numpy())
         self._n += x.shape[0]
         if self._n >= self.part_tokens:
-            self._flush()
+            self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Write the rows held as a part (none held: nothing)."""
         if not self._rows:
             return
         name = f"{self.name}_{len(self.parts):05d}"
@@ -71,7 +74,7 @@ class FeatureWriter:
 
     def finish(self) -> list[dict[str, object]]:
         """Write what is held; the parts written, for `write_index`."""
-        self._flush()
+        self.flush()
         return self.parts
 
     def close(self) -> Path:

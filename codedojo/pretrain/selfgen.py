@@ -23,8 +23,11 @@ its weights in place), which a model in the middle of training must not undergo.
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +36,7 @@ from codedojo.data.features import FeatureWriter, write_index
 from codedojo.data.shards import ShardWriter, TokenShards
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.transformer import Transformer
+from codedojo.paths import write_atomic
 from codedojo.pretrain.parallel import gather_object, gather_root, model_device
 
 
@@ -168,8 +172,8 @@ def continue_windows(model: Transformer, code: TokenShards, n: int, prompt_len: 
 def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, prompts: int,
                       prompt_len: int, new_tokens: int, batch: int, seed: int,
                       doc_start_frac: float = 0.5, rank: int = 0, world: int = 1,
-                      taps: Sequence[int] = (), progress: Callable[[int], None] | None = None
-                      ) -> Path:
+                      taps: Sequence[int] = (), progress: Callable[[int], None] | None = None,
+                      part_bytes: int = 1 << 28) -> Path:
     """Generate and write the shards (skipped when `out_dir` is already finished);
     ``progress(n)`` after each batch, n about the continuations made so far; ``taps``: the
     hidden states kept carry those layers' after the last (in `features_dir`).
@@ -179,7 +183,13 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     padded to one length, so that every rank makes the same forward calls, as the collectives
     of a sharded model need. Each rank writes the hidden states of its own share into
     ``hidden/`` itself (the run directory is shared, as it is for the shards), and rank 0
-    indexes them in the same order once all have."""
+    indexes them in the same order once all have.
+
+    Resumable: the batches go in stretches of about ``part_bytes`` of hidden states. After
+    each, the stretch's states are written as a part and its continuations beside them
+    (`GenerationLog`), so a run stopped part-way (killed, preempted) and started again goes
+    on from the last stretch every rank finished, in the same batches: what it writes is what
+    an unstopped run writes."""
     if (out_dir / "index.json").exists():
         return out_dir
     try:
@@ -192,20 +202,37 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     own = len(mine)
     mine = np.concatenate([mine, np.repeat(windows[:1], share - own, axis=0)])  # the padding
     dev = model_device(model)
-    feats = FeatureWriter(features_dir(out_dir, taps), (1 + len(taps)) * model.cfg.dim,
-                          name=f"part_{rank:03d}")
-    rows = []
-    for i in range(0, share, batch):
+    dim = (1 + len(taps)) * model.cfg.dim
+    row_len = prompt_len + new_tokens
+    every = max(1, part_bytes // (2 * dim * row_len * batch))  # batches a stretch
+    log = GenerationLog(out_dir, rank, {
+        "prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens, "seed": seed,
+        "doc_start_frac": doc_start_frac, "world": world, "batch": batch, "every": every,
+        "taps": list(taps)})
+    done, parts, rows = log.resume()
+    feats = FeatureWriter(features_dir(out_dir, taps), dim, part_bytes,
+                          name=f"part_{rank:03d}", parts=parts)
+    if done and progress is not None:
+        progress(min(done * world, prompts))
+    stretch: list[np.ndarray] = []
+    for i in range(done, share, batch):
         x = torch.from_numpy(mine[i:i + batch]).to(dev)
         h: list[torch.Tensor] = []
         out = greedy_continue(model, x, new_tokens, h, taps)
-        rows.append(out.cpu().numpy())
         keep = min(len(x), own - i)  # the rest are padding, not written
         if keep > 0:
             feats.add(torch.cat(h, 1)[:keep].flatten(0, 1))  # row by row: the shards' order
+            stretch.append(out[:keep].cpu().numpy())
+        end = i + len(x)
+        if (i // batch + 1) % every == 0 or end == share:
+            feats.flush()
+            rows.append(np.concatenate(stretch) if stretch
+                        else np.empty((0, row_len), np.int64))
+            log.save(end, feats.parts, rows[-1])
+            stretch = []
         if progress is not None:
-            progress(min((i + batch) * world, prompts))
-    shares = gather_object(np.concatenate(rows)[:own])
+            progress(min(end * world, prompts))
+    shares = gather_object(np.concatenate(rows))
     parts = gather_object(feats.finish())
     if rank != 0:
         return out_dir
@@ -214,4 +241,49 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     writer = ShardWriter(out_dir, model.cfg.vocab_size, eos_id=None)
     for r in np.concatenate(shares):
         writer.add(r)
-    return writer.close()
+    writer.close()
+    log.clear()
+    return out_dir
+
+
+class GenerationLog:
+    """How far one rank's generation has come, beside its output (``progress/``): for each
+    finished stretch of batches, where it ended, the hidden-state parts written up to it, and
+    its continuations (``rows_<rank>_<k>.npy``). The settings it was made with go with it; a
+    log made with others (another number of ranks, another batch) is not resumed from."""
+
+    def __init__(self, out_dir: Path, rank: int, settings: dict[str, object]):
+        self.dir, self.rank, self.settings = out_dir / "progress", rank, settings
+        self.file = self.dir / f"rank_{rank:03d}.json"
+        self.stretches: list[dict[str, Any]] = []
+
+    def _rows_file(self, k: int) -> Path:
+        return self.dir / f"rows_{self.rank:03d}_{k:05d}.npy"
+
+    def resume(self) -> tuple[int, list[dict[str, Any]], list[np.ndarray]]:
+        """Where to go on from: the batch index, this rank's hidden-state parts up to there
+        and its continuations. Every rank calls it: they go on from the last stretch all of
+        them finished (they make the same forward calls), so a rank that got further writes
+        its later stretches again."""
+        saved = json.loads(self.file.read_text()) if self.file.exists() else {}
+        mine = saved.get("stretches", []) if saved.get("settings") == self.settings else []
+        ends: list[Any] = gather_object(mine[-1]["end"] if mine else 0)
+        start = min(ends)
+        self.stretches = [s for s in mine if s["end"] <= start]
+        if not self.stretches:
+            return 0, [], []
+        rows = [np.load(self._rows_file(k)) for k in range(len(self.stretches))]
+        return start, list(self.stretches[-1]["parts"]), rows
+
+    def save(self, end: int, parts: list[dict[str, Any]], rows: np.ndarray) -> None:
+        """A stretch is finished: its continuations ``rows`` written, up to batch index ``end``,
+        the hidden-state parts ``parts`` on disk."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        np.save(self._rows_file(len(self.stretches)), rows)
+        self.stretches.append({"end": end, "parts": list(parts)})
+        write_atomic(self.file, json.dumps({"settings": self.settings,
+                                            "stretches": self.stretches}))
+
+    def clear(self) -> None:
+        """The output is finished: the log of every rank goes."""
+        shutil.rmtree(self.dir, ignore_errors=True)

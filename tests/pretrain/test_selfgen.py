@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,84 @@ def test_shards_are_written_once_and_the_model_is_left_training(tmp_path, model)
     first = (out / "index.json").stat().st_mtime_ns
     write_self_shards(model, code, out, prompts=5, prompt_len=8, new_tokens=6, batch=2, seed=1)
     assert (out / "index.json").stat().st_mtime_ns == first
+
+
+class _Stopped(Exception):
+    pass
+
+
+def test_a_stopped_generation_goes_on_from_its_last_stretch_and_writes_the_same(tmp_path, model,
+                                                                                 monkeypatch):
+    """A generation stopped part-way (killed, preempted) and started again goes on from the
+    last finished stretch of batches (here two batches of two rows), not from the first
+    prompt, and writes the continuations and hidden states an unstopped run writes; a start
+    with other settings begins again."""
+    from codedojo.data.features import TokenFeatures
+    from codedojo.pretrain import selfgen
+
+    code = _code(tmp_path, [30, 40, 25])
+    taps = (0,)
+    batch_bytes = 2 * (1 + len(taps)) * model.cfg.dim * 14 * 2  # float16 states of 2 rows
+    kw = dict(prompts=11, prompt_len=8, new_tokens=6, batch=2, seed=1, taps=taps,
+              part_bytes=5 * batch_bytes // 2)  # stretches of 2 batches, each its own part
+    calls: list[int] = []
+    real = selfgen.greedy_continue
+    monkeypatch.setattr(selfgen, "greedy_continue",
+                        lambda m, x, *a, **k: calls.append(len(x)) or real(m, x, *a, **k))
+
+    def stop_at(n: int, seen: list[int]) -> Callable[[int], None]:
+        def progress(done: int) -> None:
+            seen.append(done)
+            if done == n:
+                raise _Stopped
+        return progress
+
+    whole = write_self_shards(model, code, tmp_path / "whole", **kw)
+    out = tmp_path / "self"
+    seen: list[int] = []
+    with pytest.raises(_Stopped):  # in the second stretch: the first (4 rows) is kept
+        write_self_shards(model, code, out, **kw, progress=stop_at(6, seen))
+    assert seen == [2, 4, 6] and not (out / "index.json").exists()
+    calls.clear()
+    seen.clear()
+    write_self_shards(model, code, out, **kw, progress=seen.append)
+    assert seen == [4, 6, 8, 10, 11] and calls == [2, 2, 2, 1]  # from the 5th prompt on
+    assert not (out / "progress").exists()  # the log goes once the output is finished
+    a, b = TokenShards(whole), TokenShards(out)
+    assert [a.doc(i).tolist() for i in range(11)] == [b.doc(i).tolist() for i in range(11)]
+    at = np.arange(11 * 14)
+    assert torch.equal(TokenFeatures(features_dir(whole, taps)).gather(at),
+                       TokenFeatures(features_dir(out, taps)).gather(at))
+
+    again = tmp_path / "again"
+    with pytest.raises(_Stopped):
+        write_self_shards(model, code, again, **kw, progress=stop_at(8, []))
+    seen.clear()
+    write_self_shards(model, code, again, **{**kw, "batch": 3}, progress=seen.append)
+    assert seen[0] == 3  # another batch: from the start
+    assert [TokenShards(again).doc(i).tolist() for i in range(11)] == [
+        a.doc(i).tolist() for i in range(11)]
+
+
+def test_a_rank_that_got_further_goes_on_from_where_every_rank_was(tmp_path, monkeypatch):
+    """Ranks stopped at once may have finished different numbers of stretches; they all go on
+    from the last one every rank finished (they must make the same forward calls), the
+    further rank writing its later stretches again."""
+    from codedojo.pretrain import selfgen
+
+    log = selfgen.GenerationLog(tmp_path, 0, {"batch": 2})
+    first, second = np.arange(8).reshape(2, 4), np.arange(8, 16).reshape(2, 4)
+    log.save(2, [{"file": "a", "tokens": 8}], first)
+    log.save(4, [{"file": "a", "tokens": 8}, {"file": "b", "tokens": 8}], second)
+    for others, start, parts, kept in [(4, 4, ["a", "b"], [first, second]),
+                                       (2, 2, ["a"], [first]), (0, 0, [], [])]:
+        monkeypatch.setattr(selfgen, "gather_object", lambda end, o=others: [end, o])
+        again = selfgen.GenerationLog(tmp_path, 0, {"batch": 2})
+        done, got, rows = again.resume()
+        assert done == start and [p["file"] for p in got] == parts
+        assert len(rows) == len(kept) and all(map(np.array_equal, rows, kept))
+    monkeypatch.setattr(selfgen, "gather_object", lambda end: [end])
+    assert selfgen.GenerationLog(tmp_path, 0, {"batch": 3}).resume() == (0, [], [])
 
 
 def test_a_self_mix_needs_self_gen():
