@@ -84,6 +84,14 @@ class LineProgress:
         elif self.clock() - t.printed >= self.every:
             self._print(t)
 
+    def reset(self, task_id: int, *, completed: float = 0) -> None:
+        """The task starts again at ``completed``, now (as rich's ``Progress.reset``): a job that
+        goes on from where it stopped counts its time left from what it does from here."""
+        t = self.tasks[task_id]
+        t.completed = t.start_completed = completed
+        t.started = self.clock()
+        t.ended = False
+
     def _print(self, t: _Task) -> None:
         now = self.clock()
         t.printed = now

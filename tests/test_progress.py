@@ -54,6 +54,23 @@ def test_a_resumed_task_counts_its_rate_from_where_it_resumed():
                      "sft: 920/1000 (92%), 0:00:35 elapsed, about 0:02:20 left"]
 
 
+def test_a_reset_task_counts_its_time_left_from_where_it_was_reset():
+    """A job that learns only once started that it goes on from where it stopped (a resumed
+    generation) resets its task there, as rich's ``Progress.reset``: the time already spent
+    and the jump do not enter its rate."""
+    console, out = log_console()
+    clock = Clock()
+    with LineProgress(console, every=30, clock=clock) as prog:
+        task = prog.add_task("gen", total=1000)
+        clock.now += 20  # reading what was done
+        prog.reset(task, completed=600)
+        clock.now += 40
+        prog.update(task, completed=640)
+    # 40 in 40 s since the reset: the 360 left take 360 s (a line then, one at the end)
+    assert out.getvalue().splitlines() == [
+        "gen: 640/1000 (64%), 0:00:40 elapsed, about 0:06:00 left"] * 2
+
+
 def test_a_task_without_a_total_and_an_error_in_the_block():
     console, out = log_console()
     clock = Clock()

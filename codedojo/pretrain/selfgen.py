@@ -173,10 +173,12 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
                       prompt_len: int, new_tokens: int, batch: int, seed: int,
                       doc_start_frac: float = 0.5, rank: int = 0, world: int = 1,
                       taps: Sequence[int] = (), progress: Callable[[int], None] | None = None,
-                      part_bytes: int = 1 << 28) -> Path:
+                      resumed: Callable[[int], None] | None = None, part_bytes: int = 1 << 28
+                      ) -> Path:
     """Generate and write the shards (skipped when `out_dir` is already finished);
-    ``progress(n)`` after each batch, n about the continuations made so far; ``taps``: the
-    hidden states kept carry those layers' after the last (in `features_dir`).
+    ``progress(n)`` after each batch, n about the continuations made so far (``resumed(n)``
+    first, when it goes on from a stopped run's n); ``taps``: the hidden states kept carry
+    those layers' after the last (in `features_dir`).
 
     Data parallel (``world`` ranks, every one calling): each rank continues its own share of
     the prompts, and rank 0 gathers them all and writes them in prompt order. The shares are
@@ -212,8 +214,8 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     done, parts, rows = log.resume()
     feats = FeatureWriter(features_dir(out_dir, taps), dim, part_bytes,
                           name=f"part_{rank:03d}", parts=parts)
-    if done and progress is not None:
-        progress(min(done * world, prompts))
+    if done and resumed is not None:
+        resumed(min(done * world, prompts))
     stretch: list[np.ndarray] = []
     for i in range(done, share, batch):
         x = torch.from_numpy(mine[i:i + batch]).to(dev)

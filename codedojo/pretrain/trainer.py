@@ -377,7 +377,8 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
             model, TokenShards(pool), out, prompts=g.prompts,
             prompt_len=g.prompt_len, new_tokens=g.new_tokens, batch=g.batch,
             seed=seed, doc_start_frac=g.doc_start_frac, rank=process_rank(), world=world_size(),
-            taps=taps, progress=lambda n: prog.update(task, completed=n))
+            taps=taps, progress=lambda n: prog.update(task, completed=n),
+            resumed=lambda n: prog.reset(task, completed=n))
     barrier()
     return out
 

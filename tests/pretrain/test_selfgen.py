@@ -133,8 +133,10 @@ def test_a_stopped_generation_goes_on_from_its_last_stretch_and_writes_the_same(
     assert seen == [2, 4, 6] and not (out / "index.json").exists()
     calls.clear()
     seen.clear()
-    write_self_shards(model, code, out, **kw, progress=seen.append)
-    assert seen == [4, 6, 8, 10, 11] and calls == [2, 2, 2, 1]  # from the 5th prompt on
+    resumed: list[int] = []
+    write_self_shards(model, code, out, **kw, progress=seen.append, resumed=resumed.append)
+    assert resumed == [4] and seen == [6, 8, 10, 11]  # from the 5th prompt on
+    assert calls == [2, 2, 2, 1]
     assert not (out / "progress").exists()  # the log goes once the output is finished
     a, b = TokenShards(whole), TokenShards(out)
     assert [a.doc(i).tolist() for i in range(11)] == [b.doc(i).tolist() for i in range(11)]
@@ -146,8 +148,10 @@ def test_a_stopped_generation_goes_on_from_its_last_stretch_and_writes_the_same(
     with pytest.raises(_Stopped):
         write_self_shards(model, code, again, **kw, progress=stop_at(8, []))
     seen.clear()
-    write_self_shards(model, code, again, **{**kw, "batch": 3}, progress=seen.append)
-    assert seen[0] == 3  # another batch: from the start
+    resumed.clear()
+    write_self_shards(model, code, again, **{**kw, "batch": 3}, progress=seen.append,
+                      resumed=resumed.append)
+    assert seen[0] == 3 and resumed == []  # another batch: from the start
     assert [TokenShards(again).doc(i).tolist() for i in range(11)] == [
         a.doc(i).tolist() for i in range(11)]
 
