@@ -249,23 +249,24 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
 
 
 class GenerationLog:
-    """How far one rank's generation has come, beside its output (``progress/``): for each
-    finished stretch of batches, where it ended, the hidden-state parts written up to it, and
-    its continuations (``rows_<rank>_<k>.npy``). The settings it was made with go with it; a
-    log made with others (another number of ranks, another batch) is not resumed from."""
+    """How far one rank's generation has come, beside its output (``progress/``): the
+    hidden-state parts it has written, and for each finished stretch of batches where it ended
+    in the rank's share, how many of those parts it filled, and its continuations
+    (``rows_<rank>_<k>.npy``). The settings it was made with go with it; a log made with others
+    (another number of ranks, another batch) is not resumed from."""
 
     def __init__(self, out_dir: Path, rank: int, settings: dict[str, object]):
         self.dir, self.rank, self.settings = out_dir / "progress", rank, settings
         self.file = self.dir / f"rank_{rank:03d}.json"
-        self.stretches: list[dict[str, Any]] = []
+        self.stretches: list[dict[str, int]] = []
 
     def _rows_file(self, k: int) -> Path:
         return self.dir / f"rows_{self.rank:03d}_{k:05d}.npy"
 
     def resume(self) -> tuple[int, list[dict[str, Any]], list[np.ndarray]]:
-        """Where to go on from: the batch index, this rank's hidden-state parts up to there
-        and its continuations. Every rank calls it: they go on from the last stretch all of
-        them finished (they make the same forward calls), so a rank that got further writes
+        """Where to go on from: the row of the rank's share, its hidden-state parts up to
+        there and its continuations. Every rank calls it: they go on from the last stretch all
+        of them finished (they make the same forward calls), so a rank that got further writes
         its later stretches again."""
         saved = json.loads(self.file.read_text()) if self.file.exists() else {}
         mine = saved.get("stretches", []) if saved.get("settings") == self.settings else []
@@ -275,15 +276,15 @@ class GenerationLog:
         if not self.stretches:
             return 0, [], []
         rows = [np.load(self._rows_file(k)) for k in range(len(self.stretches))]
-        return start, list(self.stretches[-1]["parts"]), rows
+        return start, saved["parts"][:self.stretches[-1]["parts"]], rows
 
     def save(self, end: int, parts: list[dict[str, Any]], rows: np.ndarray) -> None:
-        """A stretch is finished: its continuations ``rows`` written, up to batch index ``end``,
-        the hidden-state parts ``parts`` on disk."""
+        """A stretch is finished, up to row ``end`` of the rank's share: its continuations
+        ``rows``, and with them the hidden-state parts on disk, ``parts``."""
         self.dir.mkdir(parents=True, exist_ok=True)
         np.save(self._rows_file(len(self.stretches)), rows)
-        self.stretches.append({"end": end, "parts": list(parts)})
-        write_atomic(self.file, json.dumps({"settings": self.settings,
+        self.stretches.append({"end": end, "parts": len(parts)})
+        write_atomic(self.file, json.dumps({"settings": self.settings, "parts": parts,
                                             "stretches": self.stretches}))
 
     def clear(self) -> None:
