@@ -36,6 +36,7 @@ from codedojo.pretrain.config import PretrainConfig
 # model computes (not what it is).
 _FREE = {"name", "out_dir", "stages", "export_hf"}
 _FREE_MODEL = {"dtype", "device", "compile", "activation_checkpointing"}
+_FREE_STAGE = {"checkpoint_every"}  # how often a stage is saved, not what it computes
 
 
 class BranchError(ValueError):
@@ -83,7 +84,8 @@ def branch_run(src: str | Path, cfg: PretrainConfig) -> list[str]:
                             default=len(stages))]
     reused = []
     for was, now in zip(old.stages, stages, strict=False):
-        if was != now or not _done(src / "ckpt" / now.name):
+        if (was.model_dump(exclude=_FREE_STAGE) != now.model_dump(exclude=_FREE_STAGE)
+                or not _done(src / "ckpt" / now.name)):
             break
         reused.append(now.name)
     with staged_dir(dest, replace=True) as tmp:
