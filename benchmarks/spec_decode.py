@@ -152,9 +152,9 @@ def main() -> None:
     spread = max(paces) / min(paces) if paces else 1.0
     if spread > STEADY_SPREAD:
         print(f"spec_decode: the plain step ranged {min(paces):.1f}-{max(paces):.1f} ms over "
-              f"the run, {spread:.2f}x: the machine's pace moved; the measured draft_cost and "
-              "the speedup read from an unsteady machine (pass --draft-cost to fix the first)",
-              file=sys.stderr)
+              f"the prompts ({spread:.2f}x): the machine changed pace during the run, so the "
+              "draft cost the engine measured and the speedup come from an unsteady machine "
+              "(--draft-cost fixes the first)", file=sys.stderr)
     st = spec.spec_stats
     # drafts happen in decode steps only (a first step prefills and samples)
     priced = sum(r.decode_steps for r in runs["spec"]) + spec.draft_cost * st.drafted

@@ -8,7 +8,7 @@ over. ``small_gemm.cpp`` streams each weight matrix once per call whatever the r
 bytes, their products summed in float32 (see ``small_gemm.h``). The kernels (this one and
 ``decode_step.cpp``) are compiled once per machine with the system C++ compiler (``python -m
 codedojo.ops`` builds them ahead of time; ``make setup`` does) into
-``$CODEDOJO_CACHE/kernels``; where they cannot be built, or with ``CODEDOJO_KERNELS=0``,
+``$CODEDOJO_CACHE/kernels`` (`build_dir`); where they cannot be built, or with ``CODEDOJO_KERNELS=0``,
 everything goes through ``F.linear``. Training never uses them: inputs or weights that need
 gradients take the ``F.linear`` path.
 """
@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,21 +61,53 @@ def load_kernel(verbose: bool = False) -> ModuleType | None:
             return None
         from torch.utils.cpp_extension import load
 
-        # -march=native: a build serves only CPUs with the same instruction sets, so a cache
-        # shared between machines (a home directory over NFS) keeps one build per CPU kind
-        build = cache_dir() / "kernels" / f"torch-{torch.__version__}-{cpu_kind()}"
+        build = build_dir()
         build.mkdir(parents=True, exist_ok=True)
         flags = ["-O3", "-march=native", "-fopenmp"]
         try:
             with build_lock(build):
-                _kernel = load("codedojo_kernels", [str(s) for s in SOURCES],
+                sources = staged_sources(build)
+                _kernel = load("codedojo_kernels", [str(s) for s in sources],
                                extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                build_directory=str(build),
-                               extra_include_paths=[str(SOURCES[0].parent)], verbose=verbose)
+                               extra_include_paths=[str(sources[0].parent)], verbose=verbose)
         except Exception as e:  # no compiler, no ninja, an unsupported platform
             _error = build_error(e)
             log.warning("CPU kernels unavailable (%s); using F.linear", _error)
         return _kernel
+
+
+def _source_files() -> list[Path]:
+    """The sources, then the headers beside them."""
+    return [*SOURCES, *sorted(SOURCES[0].parent.glob("*.h"))]
+
+
+def build_dir() -> Path:
+    """Where the kernels are built: a directory per torch version, CPU kind and sources.
+    ``-march=native`` makes a build serve only CPUs with the same instruction sets, so a
+    cache shared between machines (a home directory over NFS) keeps one build per CPU kind.
+    The sources count by their content: checkouts of the same sources share one build, and
+    checkouts of different ones (a CI clone beside a working tree) never rebuild each other's.
+    torch rebuilds when the sources' paths change, so the build reads copies of them kept in
+    it (`staged_sources`)."""
+    digest = hashlib.sha256()
+    for f in _source_files():
+        digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return (cache_dir() / "kernels"
+            / f"torch-{torch.__version__}-{cpu_kind()}-{digest.hexdigest()[:12]}")
+
+
+def staged_sources(build: Path) -> list[Path]:
+    """The sources' copies in ``build/src`` (headers too), made once; the caller holds the
+    build lock. Each is written whole before it takes its name, so a copy stopped midway is
+    never built from."""
+    src = build / "src"
+    src.mkdir(exist_ok=True)
+    for f in _source_files():
+        if not (src / f.name).exists():
+            shutil.copyfile(f, src / f".{f.name}.part")
+            os.replace(src / f".{f.name}.part", src / f.name)
+    return [src / f.name for f in SOURCES]
 
 
 @contextmanager

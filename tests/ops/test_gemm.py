@@ -42,13 +42,40 @@ def test_a_failed_build_names_the_compilers_error(tmp_path, monkeypatch: pytest.
     bad = tmp_path / "bad.cpp"
     bad.write_text("int f() { return undeclared_name; }\n")
     monkeypatch.setattr(gemm, "SOURCES", [bad])
-    build = tmp_path / "kernels" / f"torch-{torch.__version__}-{gemm.cpu_kind()}"
+    build = gemm.build_dir()
     build.mkdir(parents=True)
     (build / "lock").touch()  # torch's own lock, as a killed build leaves it
     assert _in_thread(gemm.load_kernel, timeout=120) == [None], "waited on the stale lock"
     assert "undeclared_name" in gemm._error and "error:" in gemm._error, gemm._error
     assert not (build / "lock").exists()
     assert gemm.build_error(ImportError("ninja is required")) == "ImportError: ninja is required"
+
+
+def test_checkouts_of_the_same_sources_share_a_build(tmp_path, monkeypatch) -> None:
+    """The build directory follows the sources' content, not where they lie: a second copy of
+    them builds nowhere new, a changed byte (a source or a header) builds elsewhere, and the
+    build reads copies kept in its directory (torch rebuilds when the paths change)."""
+    monkeypatch.setenv("CODEDOJO_CACHE", str(tmp_path / "cache"))
+    here = gemm.build_dir()
+    assert here.parent == tmp_path / "cache" / "kernels"
+    assert here.name.startswith(f"torch-{torch.__version__}-{gemm.cpu_kind()}-")
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for f in gemm._source_files():
+            (tmp_path / name / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(gemm, "SOURCES", [tmp_path / "a" / f.name for f in gemm.SOURCES])
+    assert gemm.build_dir() == here
+    (here.parent / "x").mkdir(parents=True)  # a fresh build directory
+    staged = gemm.staged_sources(here.parent / "x")
+    assert [p.name for p in staged] == [f.name for f in gemm.SOURCES]
+    assert all(p.read_bytes() == (tmp_path / "a" / p.name).read_bytes() for p in staged)
+    assert {p.name for p in (here.parent / "x" / "src").iterdir()} == {
+        f.name for f in gemm._source_files()}
+    header = next(f for f in gemm._source_files() if f.suffix == ".h")
+    header.write_text(header.read_text() + "// changed\n")
+    assert gemm.build_dir() != here
+    monkeypatch.setattr(gemm, "SOURCES", [tmp_path / "b" / f.name for f in gemm.SOURCES])
+    assert gemm.build_dir() == here
 
 
 def test_a_running_build_is_waited_for(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,7 +98,7 @@ def test_a_running_build_is_waited_for(tmp_path, monkeypatch: pytest.MonkeyPatch
         return built
 
     monkeypatch.setattr(cpp_extension, "load", load)
-    build = tmp_path / "kernels" / f"torch-{torch.__version__}-{gemm.cpu_kind()}"
+    build = gemm.build_dir()
     build.mkdir(parents=True)
     with open(build / "build.lock", "w") as other:  # the other build, under way
         fcntl.flock(other, fcntl.LOCK_EX)
