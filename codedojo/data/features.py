@@ -35,13 +35,13 @@ class FeatureWriter:
     """Appends (n, D) blocks of feature vectors, one row per token in token-stream order."""
 
     def __init__(self, out_dir: str | Path, dim: int, part_bytes: int = 1 << 28,
-                 name: str = "part_000", parts: list[dict[str, object]] | None = None):
-        """``parts``: this writer's parts already on disk (`finish`'s list of a writer that
-        stopped), to append after: a resumed writer."""
+                 name: str = "part_000"):
         self.dir, self.dim, self.name = Path(out_dir), dim, name
         self.part_tokens = max(1, part_bytes // (2 * dim))  # rows held in memory until written
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.parts: list[dict[str, object]] = list(parts or [])
+        # the parts written, in order; a writer that goes on after another one stopped is
+        # given that one's (the next part is numbered after them)
+        self.parts: list[dict[str, object]] = []
         self._rows: list[np.ndarray] = []
         self._exps: list[np.ndarray] = []
         self._n = 0

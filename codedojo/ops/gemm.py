@@ -7,9 +7,9 @@ over. ``small_gemm.cpp`` streams each weight matrix once per call whatever the r
 ``benchmarks/decode.py`` for the figures); bfloat16 weights are read as they are, at half the
 bytes, their products summed in float32 (see ``small_gemm.h``). The kernels (this one and
 ``decode_step.cpp``) are compiled once per machine with the system C++ compiler (``python -m
-codedojo.ops`` builds them ahead of time; ``make setup`` does) into
-``$CODEDOJO_CACHE/kernels`` (`build_dir`); where they cannot be built, or with ``CODEDOJO_KERNELS=0``,
-everything goes through ``F.linear``. Training never uses them: inputs or weights that need
+codedojo.ops`` builds them ahead of time; ``make setup`` does) into ``$CODEDOJO_CACHE/kernels``
+(`build_dir`); where they cannot be built, or with ``CODEDOJO_KERNELS=0``, everything goes
+through ``F.linear``. Training never uses them: inputs or weights that need
 gradients take the ``F.linear`` path.
 """
 

@@ -206,14 +206,13 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     dev = model_device(model)
     dim = (1 + len(taps)) * model.cfg.dim
     row_len = prompt_len + new_tokens
-    every = max(1, part_bytes // (2 * dim * row_len * batch))  # batches a stretch
+    feats = FeatureWriter(features_dir(out_dir, taps), dim, part_bytes, name=f"part_{rank:03d}")
+    every = max(1, feats.part_tokens // (row_len * batch))  # batches a stretch: a part's worth
     log = GenerationLog(out_dir, rank, {
         "prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens, "seed": seed,
         "doc_start_frac": doc_start_frac, "world": world, "batch": batch, "every": every,
         "taps": list(taps)})
-    done, parts, rows = log.resume()
-    feats = FeatureWriter(features_dir(out_dir, taps), dim, part_bytes,
-                          name=f"part_{rank:03d}", parts=parts)
+    done, feats.parts, rows = log.resume()  # the writer goes on after the parts logged
     if done and resumed is not None:
         resumed(min(done * world, prompts))
     stretch: list[np.ndarray] = []
