@@ -373,12 +373,18 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
     with progress(console) as prog, _autocast(dtype, model_device(model)):
         task = prog.add_task(f"{stage.name}: {g.new_tokens} tokens after each of {g.prompts} "
                              "prompts", total=g.prompts)
+
+        def resumed(n: int) -> None:
+            console.print(f"{stage.name}: going on from the {n} of {g.prompts} continuations "
+                          f"a stopped run wrote (under {out.name}/progress)")
+            prog.reset(task, completed=n)
+
         write_self_shards(
             model, TokenShards(pool), out, prompts=g.prompts,
             prompt_len=g.prompt_len, new_tokens=g.new_tokens, batch=g.batch,
             seed=seed, doc_start_frac=g.doc_start_frac, rank=process_rank(), world=world_size(),
             taps=taps, progress=lambda n: prog.update(task, completed=n),
-            resumed=lambda n: prog.reset(task, completed=n))
+            resumed=resumed)
     barrier()
     return out
 

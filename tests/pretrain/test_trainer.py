@@ -602,3 +602,53 @@ def test_held_out_agreement_counts_drafts_equal_to_the_greedy_token_in_the_docum
     got = evaluate(model, mtp, [batch], continued)
     assert got["mtp_agree"] == pytest.approx(want, abs=1e-9)
     assert got["mtp_agree_text"] == pytest.approx(on_text, abs=1e-9)
+
+
+def test_a_run_stopped_in_its_generation_goes_on_from_there(tmp_path, monkeypatch):
+    """`dojo pretrain` stopped while it writes a stage's continuations (killed, preempted) and
+    started again says so, writes only the continuations it had not, and ends as an unstopped
+    run ends."""
+    import functools
+    import io
+
+    from rich.console import Console
+
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.pretrain import selfgen, trainer
+
+    five = five_stage_config(tmp_path, "whole")
+    (stage,) = [s.model_copy(update={"self_gen": s.self_gen.model_copy(update={"prompts": 8})})
+                for s in five.stages if s.name == "mtp_self"]
+    cfg = five.model_copy(update={"stages": [stage]})  # the modules distilled from the start
+    tok, quiet = load_tokenizer(), Console(quiet=True)
+    # stretches of two batches (of two rows): the part a hidden state of 32 floats in float16
+    # fills with 2 x 2 rows of 16 tokens
+    monkeypatch.setattr(trainer, "write_self_shards",
+                        functools.partial(selfgen.write_self_shards, part_bytes=2 * 2 * 16 * 64))
+    whole = trainer.run(cfg, tok=tok, console=quiet)
+    calls: list[int] = []
+    real = selfgen.greedy_continue
+
+    def stopping(m, x, *a, **k):
+        calls.append(len(x))
+        if len(calls) == 3:  # in the second stretch
+            raise KeyboardInterrupt
+        return real(m, x, *a, **k)
+
+    monkeypatch.setattr(selfgen, "greedy_continue", stopping)
+    stopped = cfg.model_copy(update={"name": "stopped"})
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(stopped, tok=tok, console=quiet)
+    calls.clear()
+    out = io.StringIO()
+    again = trainer.run(stopped, tok=tok, console=Console(file=out, width=200))
+    assert calls == [2, 2]  # the second stretch's batches only
+    assert "mtp_self: going on from the 4 of 8 continuations a stopped run wrote" in (
+        out.getvalue())
+    assert again["eval_loss"] == whole["eval_loss"]
+    assert ((stopped.run_dir / "final" / "mtp.safetensors").read_bytes()
+            == (cfg.run_dir / "final" / "mtp.safetensors").read_bytes())  # trained alike
+    (a,) = (cfg.run_dir / "data" / "self").glob("mtp_self-*")
+    (b,) = (stopped.run_dir / "data" / "self").glob("mtp_self-*")
+    assert (a / "shard_00000.bin").read_bytes() == (b / "shard_00000.bin").read_bytes()
+    assert not (b / "progress").exists()
