@@ -48,8 +48,10 @@ def branch_run(src: str | Path, cfg: PretrainConfig) -> list[str]:
     the stages whose checkpoints it took. A source run records its config as ``config.json``."""
     src, dest = Path(src), cfg.run_dir
     if not (src / "config.json").exists():
+        runs = sorted(d for d in src.glob("*/config.json")) if src.is_dir() else []
+        hint = f"; runs under it: {', '.join(str(r.parent) for r in runs)}" if runs else ""
         raise BranchError(f"{src}: no config.json there (a run writes the config it ran with "
-                          "beside its report)")
+                          f"beside its report){hint}")
     if dest.exists() and any(dest.iterdir()):
         raise BranchError(f"{dest} is not empty: branch into a new out_dir or name")
     old = PretrainConfig.model_validate_json((src / "config.json").read_text())

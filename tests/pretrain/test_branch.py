@@ -165,6 +165,8 @@ def test_what_cannot_be_branched_is_named(tmp_path):
             console=Console(quiet=True), branch_from=src)
     assert not (tmp_path / "runs" / "b").exists()
     (src / "config.json").write_text(cfg.model_dump_json())
+    with pytest.raises(BranchError, match=f"runs under it: {src}$"):  # its out_dir given
+        branch_run(src.parent, cfg.model_copy(update={"name": "b"}))
     with pytest.raises(BranchError, match="its seed differ"):
         branch_run(src, cfg.model_copy(update={"name": "b", "seed": 1}))
     model = cfg.model
