@@ -1,13 +1,19 @@
 """The job `test_distributed.py` launches under torchrun: the pretraining loop on a config (a
 JSON file), then what each rank holds, written to ``<out>/rank<r>.json`` for the test to
-compare. With a third argument, ``interrupt``, every rank stops right after the first
-mid-stage checkpoint, as a preempted job would."""
+compare. Further arguments: ``interrupt``, every rank stops right after the first mid-stage
+checkpoint, as a preempted job would; ``stretches``, a generation of continuations is logged
+after every batch (`write_self_shards`' resumable stretches); ``kill``, with it, rank 1 dies
+(`os._exit`) as it logs its second stretch, once rank 0 has logged its own second: the ranks of
+a job killed part-way have logged different numbers of stretches."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -66,7 +72,29 @@ def main() -> None:
             return order
 
     trainer.PackedLoader = Loader
-    if sys.argv[3:] == ["interrupt"]:
+    from codedojo.pretrain import selfgen
+
+    generated = []  # this rank's batches of continuations
+    continue_ = selfgen.greedy_continue
+    selfgen.greedy_continue = lambda m, x, *a, **k: generated.append(len(x)) or continue_(
+        m, x, *a, **k)
+    modes = sys.argv[3:]
+    if "stretches" in modes:  # the hidden states of one batch (2 rows of 16 tokens) a part
+        part = 2 * 16 * cfg.model.tiny_overrides["dim"] * 2
+        trainer.write_self_shards = functools.partial(selfgen.write_self_shards, part_bytes=part)
+    if "kill" in modes:
+        save = selfgen.GenerationLog.save
+
+        def save_or_die(log, *args):
+            if log.rank == 1 and len(log.stretches) == 1:
+                theirs = log.dir / "rank_000.json"
+                while len(json.loads(theirs.read_text())["stretches"]) < 2:
+                    time.sleep(0.05)
+                os._exit(1)
+            save(log, *args)
+
+        selfgen.GenerationLog.save = save_or_die
+    if "interrupt" in modes:
         save = trainer.save_checkpoint
 
         def save_then_stop(*args, **kw):
@@ -92,7 +120,7 @@ def main() -> None:
                             if n in captured["init"] and torch.equal(w, captured["init"][n])),
         "expert_bias": digest({n: b for n, b in model.named_buffers()  # this rank's own
                                if n.endswith("expert_bias")}),
-        "sharded": type(next(model.parameters())).__name__,
+        "sharded": type(next(model.parameters())).__name__, "generated": generated,
         "gathered_dtype": captured.get("gathered_dtype")}))  # None: no forward ran
     exit_distributed()
 

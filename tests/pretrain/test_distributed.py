@@ -31,7 +31,7 @@ def _config(tmp_path: Path) -> PretrainConfig:
     return five_stage_config(tmp_path, "fsdp", lr=1e-2, bulk_mtp="joint", compile=False)
 
 
-def _torchrun(cfg_file: Path, out: Path, *extra: str) -> list[dict]:
+def _torchrun(cfg_file: Path, out: Path, *extra: str, fails: bool = False) -> list[dict]:
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "PYTHONFAULTHANDLER": "1"}  # a rank that aborts prints its Python stack
@@ -39,14 +39,15 @@ def _torchrun(cfg_file: Path, out: Path, *extra: str) -> list[dict]:
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(ROOT / "tests/pretrain/fsdp_job.py"), str(cfg_file), str(out), *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (proc.returncode != 0) == fails, proc.stderr[-4000:]
     return [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
 
 
-def _run(cfg: PretrainConfig, tmp_path: Path, name: str, *extra: str) -> list[dict]:
+def _run(cfg: PretrainConfig, tmp_path: Path, name: str, *extra: str,
+         fails: bool = False) -> list[dict]:
     cfg_file = tmp_path / f"{name}.json"
     cfg_file.write_text(cfg.model_dump_json())
-    return _torchrun(cfg_file, tmp_path / name, *extra)
+    return _torchrun(cfg_file, tmp_path / name, *extra, fails=fails)
 
 
 def test_two_processes_train_every_stage_with_fsdp(tmp_path):
@@ -175,3 +176,34 @@ def test_a_preempted_sharded_run_resumes_exactly(tmp_path):
     # A finished stage is never resumed: its checkpoint holds no optimizer state.
     assert torch.load(cfg.run_dir / "ckpt" / "bulk" / "trainer.pt",
                       weights_only=False)["optimizer"] is None
+
+
+def test_a_job_killed_in_its_generation_goes_on_from_where_every_rank_was(tmp_path):
+    """A two-process job killed while its ranks continue their shares of the prompts, one of
+    them a stretch further than the other, goes on from the last stretch both finished, and
+    writes the continuations and hidden states, and trains the modules, as a job never
+    killed."""
+    cfg = _config(tmp_path)
+    own = cfg.stages[4]  # 9 prompts: shares of 5 and 4 (+1 padding), batches of 2, 2 and 1
+    own = own.model_copy(update={"self_gen": own.self_gen.model_copy(update={"prompts": 9})})
+    cfg = cfg.model_copy(update={"stages": [own]})
+    whole = cfg.model_copy(update={"out_dir": str(tmp_path / "whole")})
+    (ref, _) = _run(whole, tmp_path, "ref", "stretches")
+    assert ref["generated"] == [2, 2, 1]
+    assert _run(cfg, tmp_path, "killed", "stretches", "kill", fails=True) == []
+    (out,) = (cfg.run_dir / "data" / "self").glob("mtp_self-*")
+    logged = [len(json.loads((out / "progress" / f"rank_{r:03d}.json").read_text())["stretches"])
+              for r in (0, 1)]
+    assert logged == [2, 1]
+    (r0, r1) = _run(cfg, tmp_path, "again", "stretches")
+    assert r0["generated"] == r1["generated"] == [2, 1]  # both from the first stretch's end
+    (ref_out,) = (whole.run_dir / "data" / "self").glob("mtp_self-*")
+    assert not (out / "progress").exists()
+
+    def files(d: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*"))
+                if p.is_file()}
+
+    assert files(out) == files(ref_out)
+    assert r0["mtp"] == r1["mtp"] == ref["mtp"] and r0["model"] == ref["model"]
+    assert r0["report"]["eval_loss"] == ref["report"]["eval_loss"]
