@@ -123,12 +123,15 @@ def features_dir(self_dir: Path, taps: Sequence[int] = ()) -> Path:
 @torch.no_grad()
 def write_features(model: Transformer, rows: TokenShards, out: Path, taps: Sequence[int],
                    batch: int, rank: int = 0, world: int = 1,
-                   progress: Callable[[int], None] | None = None) -> Path:
+                   progress: Callable[[int], None] | None = None,
+                   resumed: Callable[[int], None] | None = None, part_bytes: int = 1 << 28
+                   ) -> Path:
     """The hidden states of every token of ``rows`` (documents of one length, as
     `write_self_shards` writes them) with those of ``taps`` after them, by a forward pass over
     them, into the feature directory ``out`` (skipped when it is finished); ``progress(n)``
     after each batch. Data parallel as `write_self_shards`: each rank its share, rank 0 the
-    index."""
+    index. Resumable as it is: a pass stopped part-way goes on from the last stretch of
+    batches every rank logged (``resumed(n)`` first)."""
     if (out / "index.json").exists():
         return out
     lens = rows.doc_lengths()
@@ -141,20 +144,32 @@ def write_features(model: Transformer, rows: TokenShards, out: Path, taps: Seque
     model.eval()
     gather_root(model)
     dev = model_device(model)
-    writer = FeatureWriter(out, (1 + len(taps)) * model.cfg.dim, name=f"part_{rank:03d}")
-    for i in range(0, share, batch):  # every rank the same calls (the padding: row 0)
+    writer = FeatureWriter(out, (1 + len(taps)) * model.cfg.dim, part_bytes,
+                           name=f"part_{rank:03d}")
+    every = max(1, writer.part_tokens // (int(lens[0]) * batch))  # batches a stretch
+    log = ProgressLog(out, rank, {"rows": n, "world": world, "batch": batch, "every": every,
+                                  "taps": list(taps)})
+    done, writer.parts, _ = log.resume()
+    if done and resumed is not None:
+        resumed(min(done * world, n))
+    for i in range(done, share, batch):  # every rank the same calls (the padding: row 0)
         at = [rank * share + j for j in range(i, min(i + batch, share))]
         x = torch.from_numpy(np.stack([rows.doc(j if j < n else 0) for j in at]).astype(np.int64))
         h = model.hidden(x.to(dev), taps=taps)
         keep = sum(j < n for j in at)
         if keep:
             writer.add(h[:keep].flatten(0, 1))
+        end = i + len(at)
+        if (i // batch + 1) % every == 0 or end == share:
+            writer.flush()
+            log.save(end, writer.parts)
         if progress is not None:
-            progress(min((i + batch) * world, n))
+            progress(min(end * world, n))
     model.train(was)
     parts = gather_object(writer.finish())
     if rank == 0:
         write_index(out, writer.dim, [p for ps in parts for p in ps])
+        log.clear()
     return out
 
 
@@ -189,7 +204,7 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
 
     Resumable: the batches go in stretches of about ``part_bytes`` of hidden states. After
     each, the stretch's states are written as a part and its continuations beside them
-    (`GenerationLog`), so a run stopped part-way (killed, preempted) and started again goes
+    (`ProgressLog`), so a run stopped part-way (killed, preempted) and started again goes
     on from the last stretch every rank finished, in the same batches: what it writes is what
     an unstopped run writes."""
     if (out_dir / "index.json").exists():
@@ -208,7 +223,7 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     row_len = prompt_len + new_tokens
     feats = FeatureWriter(features_dir(out_dir, taps), dim, part_bytes, name=f"part_{rank:03d}")
     every = max(1, feats.part_tokens // (row_len * batch))  # batches a stretch: a part's worth
-    log = GenerationLog(out_dir, rank, {
+    log = ProgressLog(out_dir, rank, {
         "prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens, "seed": seed,
         "doc_start_frac": doc_start_frac, "world": world, "batch": batch, "every": every,
         "taps": list(taps)})
@@ -247,12 +262,13 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     return out_dir
 
 
-class GenerationLog:
-    """How far one rank's generation has come, beside its output (``progress/``): the
-    hidden-state parts it has written, and for each finished stretch of batches where it ended
-    in the rank's share, how many of those parts it filled, and its continuations
-    (``rows_<rank>_<k>.npy``). The settings it was made with go with it; a log made with others
-    (another number of ranks, another batch) is not resumed from."""
+class ProgressLog:
+    """How far one rank's pass over its share of rows has come, beside its output
+    (``progress/``): the feature parts it has written, and for each finished stretch of
+    batches where it ended in the rank's share and how many of those parts it filled; a
+    generation's stretches keep their continuations too (``rows_<rank>_<k>.npy``). The
+    settings it was made with go with it; a log made with others (another number of ranks,
+    another batch) is not resumed from."""
 
     def __init__(self, out_dir: Path, rank: int, settings: dict[str, object]):
         self.dir, self.rank, self.settings = out_dir / "progress", rank, settings
@@ -263,8 +279,8 @@ class GenerationLog:
         return self.dir / f"rows_{self.rank:03d}_{k:05d}.npy"
 
     def resume(self) -> tuple[int, list[dict[str, Any]], list[np.ndarray]]:
-        """Where to go on from: the row of the rank's share, its hidden-state parts up to
-        there and its continuations. Every rank calls it: they go on from the last stretch all
+        """Where to go on from: the row of the rank's share, its feature parts up to there and
+        the rows its stretches kept. Every rank calls it: they go on from the last stretch all
         of them finished (they make the same forward calls), so a rank that got further writes
         its later stretches again."""
         saved = json.loads(self.file.read_text()) if self.file.exists() else {}
@@ -274,15 +290,18 @@ class GenerationLog:
         self.stretches = [s for s in mine if s["end"] <= start]
         if not self.stretches:
             return 0, [], []
-        rows = [np.load(self._rows_file(k)) for k in range(len(self.stretches))]
+        rows = [np.load(self._rows_file(k)) for k, s in enumerate(self.stretches)
+                if s.get("rows", True)]  # (a generation's log before the key was written)
         return start, saved["parts"][:self.stretches[-1]["parts"]], rows
 
-    def save(self, end: int, parts: list[dict[str, Any]], rows: np.ndarray) -> None:
-        """A stretch is finished, up to row ``end`` of the rank's share: its continuations
-        ``rows``, and with them the hidden-state parts on disk, ``parts``."""
+    def save(self, end: int, parts: list[dict[str, Any]], rows: np.ndarray | None = None
+             ) -> None:
+        """A stretch is finished, up to row ``end`` of the rank's share: with it the feature
+        parts on disk, ``parts``, and the rows it made to keep, if any."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        np.save(self._rows_file(len(self.stretches)), rows)
-        self.stretches.append({"end": end, "parts": len(parts)})
+        if rows is not None:
+            np.save(self._rows_file(len(self.stretches)), rows)
+        self.stretches.append({"end": end, "parts": len(parts), "rows": rows is not None})
         write_atomic(self.file, json.dumps({"settings": self.settings, "parts": parts,
                                             "stretches": self.stretches}))
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -356,11 +356,11 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
         if trains_on_stored(stage) and not (feats / "index.json").exists():
             # text written before the modules read these layers: their states, from it
             rows = TokenShards(out)
-            with progress(console) as prog, _autocast(dtype, model_device(model)):
-                task = prog.add_task(f"{stage.name}: the states of layers {taps} of "
-                                     f"{len(rows)} continuations", total=len(rows))
+            what = f"{stage.name}: the states of layers {taps} of {len(rows)} continuations"
+            with _pass_progress(console, what, len(rows), feats) as (advance, resumed), \
+                    _autocast(dtype, model_device(model)):
                 write_features(model, rows, feats, taps, g.batch, process_rank(), world_size(),
-                               lambda n: prog.update(task, completed=n))
+                               advance, resumed)
             barrier()
         return out
     # Under FSDP every rank continues its own share of the prompts (each forward gathers the
@@ -370,23 +370,32 @@ def self_data(cfg: PretrainConfig, stage: StageConfig, model: Transformer, data:
     # kernels' passes (decode steps, up to `FUSED_TOKENS` tokens) take no autocast and compute
     # in the weights' dtype, faster there than bf16 products op by op (0.06 s a step of 64 rows
     # against 0.12).
-    with progress(console) as prog, _autocast(dtype, model_device(model)):
-        task = prog.add_task(f"{stage.name}: {g.new_tokens} tokens after each of {g.prompts} "
-                             "prompts", total=g.prompts)
-
-        def resumed(n: int) -> None:
-            console.print(f"{stage.name}: going on from the {n} of {g.prompts} continuations "
-                          f"a stopped run wrote (under {out.name}/progress)")
-            prog.reset(task, completed=n)
-
+    what = f"{stage.name}: {g.new_tokens} tokens after each of {g.prompts} prompts"
+    with _pass_progress(console, what, g.prompts, out) as (advance, resumed), \
+            _autocast(dtype, model_device(model)):
         write_self_shards(
             model, TokenShards(pool), out, prompts=g.prompts,
             prompt_len=g.prompt_len, new_tokens=g.new_tokens, batch=g.batch,
             seed=seed, doc_start_frac=g.doc_start_frac, rank=process_rank(), world=world_size(),
-            taps=taps, progress=lambda n: prog.update(task, completed=n),
-            resumed=resumed)
+            taps=taps, progress=advance, resumed=resumed)
     barrier()
     return out
+
+
+@contextmanager
+def _pass_progress(console: Any, what: str, total: int, out: Path) -> Iterator[
+        tuple[Callable[[int], None], Callable[[int], None]]]:
+    """A progress bar for a resumable pass over ``total`` rows into ``out``, and the pass's
+    two callbacks: it has made n rows, and it goes on from a stopped run's n (which it says)."""
+    with progress(console) as prog:
+        task = prog.add_task(what, total=total)
+
+        def resumed(n: int) -> None:
+            console.print(f"{what}: going on from {n}/{total}, where a stopped run got to "
+                          f"(its log: {out / 'progress'})")
+            prog.reset(task, completed=n)
+
+        yield (lambda n: prog.update(task, completed=n)), resumed
 
 
 def eval_batches(data: RunData, batch_size: int) -> list[Batch]:

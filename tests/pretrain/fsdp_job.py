@@ -83,7 +83,7 @@ def main() -> None:
         part = 2 * 16 * cfg.model.tiny_overrides["dim"] * 2
         trainer.write_self_shards = functools.partial(selfgen.write_self_shards, part_bytes=part)
     if "kill" in modes:
-        save = selfgen.GenerationLog.save
+        save = selfgen.ProgressLog.save
 
         def save_or_die(log, *args):
             if log.rank == 1 and len(log.stretches) == 1:
@@ -93,7 +93,7 @@ def main() -> None:
                 os._exit(1)
             save(log, *args)
 
-        selfgen.GenerationLog.save = save_or_die
+        selfgen.ProgressLog.save = save_or_die
     if "interrupt" in modes:
         save = trainer.save_checkpoint
 

@@ -99,6 +99,15 @@ class _Stopped(Exception):
     pass
 
 
+def stop_at(n: int, seen: list[int]) -> Callable[[int], None]:
+    """A progress callback that notes the rows done and stops the pass once they reach n."""
+    def progress(done: int) -> None:
+        seen.append(done)
+        if done == n:
+            raise _Stopped
+    return progress
+
+
 def test_a_stopped_generation_goes_on_from_its_last_stretch_and_writes_the_same(tmp_path, model,
                                                                                  monkeypatch):
     """A generation stopped part-way (killed, preempted) and started again goes on from the
@@ -117,13 +126,6 @@ def test_a_stopped_generation_goes_on_from_its_last_stretch_and_writes_the_same(
     real = selfgen.greedy_continue
     monkeypatch.setattr(selfgen, "greedy_continue",
                         lambda m, x, *a, **k: calls.append(len(x)) or real(m, x, *a, **k))
-
-    def stop_at(n: int, seen: list[int]) -> Callable[[int], None]:
-        def progress(done: int) -> None:
-            seen.append(done)
-            if done == n:
-                raise _Stopped
-        return progress
 
     whole = write_self_shards(model, code, tmp_path / "whole", **kw)
     out = tmp_path / "self"
@@ -156,25 +158,53 @@ def test_a_stopped_generation_goes_on_from_its_last_stretch_and_writes_the_same(
         a.doc(i).tolist() for i in range(11)]
 
 
+def test_a_stopped_pass_over_written_text_goes_on_and_writes_the_same(tmp_path, model):
+    """The states of newly tapped layers for text already written (`write_features`), a pass
+    stopped part-way: started again it goes on from its last logged stretch, and writes what an
+    unstopped pass writes."""
+    from codedojo.data.features import TokenFeatures
+
+    code = _code(tmp_path, [30, 40, 25])
+    out = write_self_shards(model, code, tmp_path / "self", prompts=7, prompt_len=8,
+                            new_tokens=6, batch=2, seed=1)
+    rows = TokenShards(out)
+    dim = 2 * model.cfg.dim  # the last layer's states and layer 0's, in float16
+    kw = dict(taps=(0,), batch=2, part_bytes=2 * 2 * 14 * dim * 2)  # 2 batches a part
+    whole = write_features(model, rows, tmp_path / "whole", **kw)
+    seen: list[int] = []
+    with pytest.raises(_Stopped):  # in the second stretch: the first (4 rows) is kept
+        write_features(model, rows, tmp_path / "feats", **kw,
+                       progress=stop_at(6, seen))
+    assert seen == [2, 4, 6] and (tmp_path / "feats" / "progress").exists()
+    seen.clear()
+    resumed: list[int] = []
+    again = write_features(model, rows, tmp_path / "feats", **kw, progress=seen.append,
+                           resumed=resumed.append)
+    assert resumed == [4] and seen == [6, 7]
+    assert not (again / "progress").exists()
+    at = np.arange(7 * 14)
+    assert torch.equal(TokenFeatures(whole).gather(at), TokenFeatures(again).gather(at))
+
+
 def test_a_rank_that_got_further_goes_on_from_where_every_rank_was(tmp_path, monkeypatch):
     """Ranks stopped at once may have finished different numbers of stretches; they all go on
     from the last one every rank finished (they must make the same forward calls), the
     further rank writing its later stretches again."""
     from codedojo.pretrain import selfgen
 
-    log = selfgen.GenerationLog(tmp_path, 0, {"batch": 2})
+    log = selfgen.ProgressLog(tmp_path, 0, {"batch": 2})
     first, second = np.arange(8).reshape(2, 4), np.arange(8, 16).reshape(2, 4)
     log.save(2, [{"file": "a", "tokens": 8}], first)
     log.save(4, [{"file": "a", "tokens": 8}, {"file": "b", "tokens": 8}], second)
     for others, start, parts, kept in [(4, 4, ["a", "b"], [first, second]),
                                        (2, 2, ["a"], [first]), (0, 0, [], [])]:
         monkeypatch.setattr(selfgen, "gather_object", lambda end, o=others: [end, o])
-        again = selfgen.GenerationLog(tmp_path, 0, {"batch": 2})
+        again = selfgen.ProgressLog(tmp_path, 0, {"batch": 2})
         done, got, rows = again.resume()
         assert done == start and [p["file"] for p in got] == parts
         assert len(rows) == len(kept) and all(map(np.array_equal, rows, kept))
     monkeypatch.setattr(selfgen, "gather_object", lambda end: [end])
-    assert selfgen.GenerationLog(tmp_path, 0, {"batch": 3}).resume() == (0, [], [])
+    assert selfgen.ProgressLog(tmp_path, 0, {"batch": 3}).resume() == (0, [], [])
 
 
 def test_a_self_mix_needs_self_gen():

@@ -643,8 +643,8 @@ def test_a_run_stopped_in_its_generation_goes_on_from_there(tmp_path, monkeypatc
     out = io.StringIO()
     again = trainer.run(stopped, tok=tok, console=Console(file=out, width=200))
     assert calls == [2, 2]  # the second stretch's batches only
-    assert "mtp_self: going on from the 4 of 8 continuations a stopped run wrote" in (
-        out.getvalue())
+    assert "mtp_self: 8 tokens after each of 8 prompts: going on from 4/8, where a stopped run" \
+        " got to" in out.getvalue()
     assert again["eval_loss"] == whole["eval_loss"]
     assert ((stopped.run_dir / "final" / "mtp.safetensors").read_bytes()
             == (cfg.run_dir / "final" / "mtp.safetensors").read_bytes())  # trained alike
