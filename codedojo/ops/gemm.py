@@ -22,6 +22,7 @@ import os
 import platform
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,7 +63,13 @@ def load_kernel(verbose: bool = False) -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         build = build_dir()
-        build.mkdir(parents=True, exist_ok=True)
+        try:
+            build.mkdir(parents=True)
+        except FileExistsError:  # built before, or being built now
+            pass
+        else:  # a new build: the old ones nobody loads go
+            for old in prune_builds(build):
+                log.info("removed %s: not loaded for %d days", old, UNUSED_DAYS)
         flags = ["-O3", "-march=native", "-fopenmp"]
         try:
             with build_lock(build):
@@ -83,18 +90,44 @@ def _source_files() -> list[Path]:
 
 
 def build_dir() -> Path:
-    """Where the kernels are built: a directory per torch version, CPU kind and sources.
+    """Where the kernels are built: a directory per torch installation, CPU kind and sources.
     ``-march=native`` makes a build serve only CPUs with the same instruction sets, so a
     cache shared between machines (a home directory over NFS) keeps one build per CPU kind.
     The sources count by their content: checkouts of the same sources share one build, and
-    checkouts of different ones (a CI clone beside a working tree) never rebuild each other's.
-    torch rebuilds when the sources' paths change, so the build reads copies of them kept in
-    it (`staged_sources`)."""
-    digest = hashlib.sha256()
+    checkouts of different ones never rebuild each other's. torch rebuilds when the compiler's
+    command changes, and that names the sources' paths and torch's headers and libraries: so
+    the build reads copies of the sources kept in it (`staged_sources`), and two environments
+    (a CI clone's own beside a working tree's) build apart."""
+    digest = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode() + b"\0")
     for f in _source_files():
         digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
     return (cache_dir() / "kernels"
             / f"torch-{torch.__version__}-{cpu_kind()}-{digest.hexdigest()[:12]}")
+
+
+# A build not loaded for this long is removed when another is made (a build is a few MB; each
+# change of the sources, torch or environment leaves one behind).
+UNUSED_DAYS = 30
+
+
+def prune_builds(keep: Path, unused_days: float = UNUSED_DAYS) -> list[Path]:
+    """Remove the builds beside ``keep`` that no process has loaded for ``unused_days`` (a
+    load takes a build's lock, which marks its lock file: `build_lock`), skipping any another
+    process holds; the ones removed."""
+    removed = []
+    cutoff = time.time() - unused_days * 86400
+    for d in sorted(keep.parent.iterdir()):
+        lock = d / "build.lock"
+        if d == keep or not d.is_dir() or not lock.exists() or lock.stat().st_mtime > cutoff:
+            continue
+        with open(lock, "a") as held:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # building or loading now
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
 
 
 def staged_sources(build: Path) -> list[Path]:

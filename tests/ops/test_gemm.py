@@ -76,6 +76,9 @@ def test_checkouts_of_the_same_sources_share_a_build(tmp_path, monkeypatch) -> N
     assert gemm.build_dir() != here
     monkeypatch.setattr(gemm, "SOURCES", [tmp_path / "b" / f.name for f in gemm.SOURCES])
     assert gemm.build_dir() == here
+    # another environment's torch (its headers' paths are in the compiler's command): apart
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv" / "torch" / "__init__.py"))
+    assert gemm.build_dir() != here
 
 
 def test_a_running_build_is_waited_for(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -175,3 +178,27 @@ def test_training_and_large_inputs_take_f_linear() -> None:
         assert not gemm._kernel_applies(torch.randn(gemm.MAX_ROWS + 1, 16), w)
         assert not gemm._kernel_applies(x, w.bfloat16())  # mixed types: F.linear's error
         assert not gemm._kernel_applies(x, w.detach().t().contiguous().t())  # input-major
+
+
+def test_builds_nobody_loads_are_removed_when_another_is_made(tmp_path) -> None:
+    """A build whose lock nobody has taken for `UNUSED_DAYS` goes when a new one is made,
+    unless a process holds it now; recently loaded builds stay."""
+    import fcntl
+    import os
+    import time
+
+    kernels = tmp_path / "kernels"
+    old = time.time() - (gemm.UNUSED_DAYS + 1) * 86400
+    for name in ("unused", "held", "recent", "new"):
+        (kernels / name).mkdir(parents=True)
+        (kernels / name / "codedojo_kernels.so").write_bytes(b"\0")
+        (kernels / name / "build.lock").touch()
+        if name != "recent":
+            os.utime(kernels / name / "build.lock", (old, old))
+    with open(kernels / "held" / "build.lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process loading it
+        assert gemm.prune_builds(kernels / "new") == [kernels / "unused"]
+    assert sorted(p.name for p in kernels.iterdir()) == ["held", "new", "recent"]
+    assert gemm.prune_builds(kernels / "new", unused_days=0.0) == [
+        kernels / "held", kernels / "recent"]
+    assert [p.name for p in kernels.iterdir()] == ["new"]
