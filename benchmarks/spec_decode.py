@@ -92,6 +92,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from decode import TimedRequest, time_request  # benchmarks/decode.py
+    from mtp_agreement import require_checkpoint  # benchmarks/
 
     from codedojo.data.shards import TokenShards
     from codedojo.engine.engine import Engine
@@ -102,8 +103,7 @@ def main() -> None:
     from codedojo.pretrain.selfgen import prompt_windows
 
     ck = Path(args.ckpt)
-    if not (ck / "model.safetensors").exists():
-        sys.exit(f"{ck}: no checkpoint; run `dojo pretrain configs/cpt-smollm2.toml` first")
+    require_checkpoint(ck)
     model, cfg = load_model(ck, dtype=getattr(torch, args.dtype))
     max_len = args.prompt_len + args.new + 16  # + the drafts of the last round
     draft_dtype = args.draft_dtype or args.dtype

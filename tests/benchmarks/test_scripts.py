@@ -96,3 +96,13 @@ def test_a_benchmark_runs_at_its_smallest_and_prints_its_figures(script, request
         assert keys <= set(line), f"{script}: {sorted(keys - set(line))} missing from {line}"
         for check in checks:
             assert line[check] is True, f"{script}: {check} is {line[check]!r}"
+
+
+@pytest.mark.parametrize("script", ["spec_decode.py", "mtp_agreement.py", "mtp_features.py"])
+def test_a_benchmark_without_its_checkpoint_is_skipped_and_says_what_makes_one(script, tmp_path):
+    """Exit status 77 (`make bench` goes on past it), and the command that writes one."""
+    done = subprocess.run([sys.executable, str(SCRIPTS / script), "--ckpt", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 77 and done.stdout == ""
+    assert done.stderr.strip() == (f"{tmp_path}: no checkpoint; run `dojo pretrain "
+                                   "configs/cpt-smollm2.toml` first")
