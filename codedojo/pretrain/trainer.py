@@ -670,6 +670,8 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
             continue
         if pos is not None:
             load_weights(ck, model, mtp)
+            console.print(f"stage {st.name}: going on from step {pos.step}/{st.steps} "
+                          "(checkpoint)")
         if st.self_gen is not None:
             data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
         feats = stored_hidden(st, data, cfg.model.mtp_taps)

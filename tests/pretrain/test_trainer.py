@@ -604,9 +604,10 @@ def test_held_out_agreement_counts_drafts_equal_to_the_greedy_token_in_the_docum
     assert got["mtp_agree_text"] == pytest.approx(on_text, abs=1e-9)
 
 
-def test_a_run_stopped_in_its_generation_goes_on_from_there(tmp_path, monkeypatch):
-    """`dojo pretrain` stopped while it writes a stage's continuations (killed, preempted) and
-    started again says so, writes only the continuations it had not, and ends as an unstopped
+def test_a_stopped_run_goes_on_from_its_generation_and_from_its_stage(tmp_path, monkeypatch):
+    """`dojo pretrain` stopped (killed, preempted) while it writes a stage's continuations, and
+    again in the stage, after its first mid-stage checkpoint: started again each time, it says
+    where it goes on from, writes only the continuations it had not, and ends as an unstopped
     run ends."""
     import functools
     import io
@@ -617,7 +618,8 @@ def test_a_run_stopped_in_its_generation_goes_on_from_there(tmp_path, monkeypatc
     from codedojo.pretrain import selfgen, trainer
 
     five = five_stage_config(tmp_path, "whole")
-    (stage,) = [s.model_copy(update={"self_gen": s.self_gen.model_copy(update={"prompts": 8})})
+    (stage,) = [s.model_copy(update={"steps": 4, "checkpoint_every": 2, "self_gen":
+                                     s.self_gen.model_copy(update={"prompts": 8})})
                 for s in five.stages if s.name == "mtp_self"]
     cfg = five.model_copy(update={"stages": [stage]})  # the modules distilled from the start
     tok, quiet = load_tokenizer(), Console(quiet=True)
@@ -636,19 +638,34 @@ def test_a_run_stopped_in_its_generation_goes_on_from_there(tmp_path, monkeypatc
         return real(m, x, *a, **k)
 
     monkeypatch.setattr(selfgen, "greedy_continue", stopping)
+    save = trainer.save_checkpoint
+
+    def save_then_stop(*args, **kw):
+        path = save(*args, **kw)
+        if not args[5].done:  # the position: mid-stage
+            raise KeyboardInterrupt
+        return path
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_stop)
     stopped = cfg.model_copy(update={"name": "stopped"})
     with pytest.raises(KeyboardInterrupt):
         trainer.run(stopped, tok=tok, console=quiet)
     calls.clear()
     out = io.StringIO()
-    again = trainer.run(stopped, tok=tok, console=Console(file=out, width=200))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(stopped, tok=tok, console=Console(file=out, width=200))
     assert calls == [2, 2]  # the second stretch's batches only
     assert "mtp_self: 8 tokens after each of 8 prompts: going on from 4/8, where a stopped run" \
         " got to" in out.getvalue()
-    assert again["eval_loss"] == whole["eval_loss"]
-    assert ((stopped.run_dir / "final" / "mtp.safetensors").read_bytes()
-            == (cfg.run_dir / "final" / "mtp.safetensors").read_bytes())  # trained alike
     (a,) = (cfg.run_dir / "data" / "self").glob("mtp_self-*")
     (b,) = (stopped.run_dir / "data" / "self").glob("mtp_self-*")
     assert (a / "shard_00000.bin").read_bytes() == (b / "shard_00000.bin").read_bytes()
     assert not (b / "progress").exists()
+    monkeypatch.setattr(trainer, "save_checkpoint", save)
+    out = io.StringIO()
+    again = trainer.run(stopped, tok=tok, console=Console(file=out, width=200))
+    assert "stage mtp_self: going on from step 2/4 (checkpoint)" in out.getvalue()
+    assert calls == [2, 2]  # the continuations written: none made again
+    assert again["eval_loss"] == whole["eval_loss"]
+    assert ((stopped.run_dir / "final" / "mtp.safetensors").read_bytes()
+            == (cfg.run_dir / "final" / "mtp.safetensors").read_bytes())  # trained alike
