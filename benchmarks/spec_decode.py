@@ -26,6 +26,8 @@ over held-out continuations). `modelled_speedup` prices the same decode steps by
 engine decides by (a step drafting k tokens costs 1 + k * draft_cost plain steps): with
 `--draft-cost` given it depends on the checkpoint and the policy alone, not on this machine's timing
 (on a shared 2-core VM the wall-clock speedup of one checkpoint read 1.08 and 1.18 in two runs).
+`accept_first_ci95` and `speedup_ci95` are 95% intervals over the prompts (a bootstrap): how far
+the figures would move with as many other prompts of the same kind.
 
     python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 24] [--new 64]
                                     [--mid-file 0.5 --seed 123]
@@ -101,6 +103,7 @@ def main() -> None:
     from codedojo.model.weights import load_model
     from codedojo.ops import kernel_status
     from codedojo.pretrain.selfgen import prompt_windows
+    from codedojo.stats import ratio_interval
 
     ck = Path(args.ckpt)
     require_checkpoint(ck)
@@ -126,12 +129,15 @@ def main() -> None:
                   spec_draft_cost=args.draft_cost, spec_tree=args.tree)
     for eng in (plain, spec):  # warm-up
         eng.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0))
-    spec.spec_stats = SpecStats()  # count the measured prompts only
+    st = spec.spec_stats = SpecStats()  # count the measured prompts only
     runs: dict[str, list[TimedRequest]] = {"plain": [], "spec": []}
+    firsts: list[tuple[int, int]] = []  # each prompt's rounds, and those its first draft passed
     for i, p in enumerate(prompts):  # alternate, so both sides see the same machine load
         params = SamplingParams(max_tokens=args.new, temperature=args.temperature, seed=i)
+        rounds, top = st.rounds, st.top_first
         for side, eng in (("plain", plain), ("spec", spec)):
             runs[side].append(time_request(eng, p, params))
+        firsts.append((st.top_first - top, st.rounds - rounds))
     same = (all(a.token_ids == b.token_ids for a, b in zip(*runs.values(), strict=True))
             if args.temperature == 0 else None)
 
@@ -155,7 +161,12 @@ def main() -> None:
               f"the prompts ({spread:.2f}x): the machine changed pace during the run, so the "
               "draft cost the engine measured and the speedup come from an unsteady machine "
               "(--draft-cost fixes the first)", file=sys.stderr)
-    st = spec.spec_stats
+    # How far the figures would move with other prompts of the same kind (their spread): the
+    # speedup's where both sides emit the same tokens (greedy), as plain seconds over
+    # speculative seconds.
+    accept_ci = ratio_interval(*zip(*firsts, strict=True)) if st.rounds else None
+    speedup_ci = ratio_interval([r.first_s + r.decode_s for r in runs["plain"]],
+                                [r.first_s + r.decode_s for r in runs["spec"]]) if same else None
     # drafts happen in decode steps only (a first step prefills and samples)
     priced = sum(r.decode_steps for r in runs["spec"]) + spec.draft_cost * st.drafted
     modelled = sum(r.decoded for r in runs["spec"]) / priced
@@ -171,6 +182,9 @@ def main() -> None:
         "tokens_per_pass": round(st.tokens_per_pass, 4),
         "spec_tok_s": round(spec_tok_s, 2), "plain_tok_s": round(plain_tok_s, 2),
         "speedup": round(spec_tok_s / plain_tok_s, 3), "greedy_identical": same,
+        # 95% intervals over the prompts (a bootstrap: `codedojo.stats.ratio_interval`)
+        "accept_first_ci95": accept_ci and [round(x, 4) for x in accept_ci],
+        "speedup_ci95": speedup_ci and [round(x, 3) for x in speedup_ci],
         # Without the prompt: a plain step, a speculative round, and what they give.
         "plain_step_ms": round(plain_step * 1e3, 2), "spec_round_ms": round(spec_round * 1e3, 2),
         "plain_step_ms_range": [round(min(paces), 2), round(max(paces), 2)] if paces else None,
