@@ -8,6 +8,7 @@ from pathlib import Path
 from statistics import median
 
 from codedojo.bench.runner import RunResult, TaskResult
+from codedojo.stats import ratio_interval, wilson_interval
 
 CATEGORY_ORDER = ("bugfix", "feature", "log-investigation", "refactor", "multi-file")
 
@@ -19,6 +20,23 @@ def _by_category(results: list[TaskResult]) -> dict[str, list[TaskResult]]:
     return dict(sorted(groups.items(), key=lambda kv: (CATEGORY_ORDER.index(kv[0]) if kv[0] in CATEGORY_ORDER else 99, kv[0])))
 
 
+def rate_interval(rs: list[TaskResult]) -> list[float] | None:
+    """The resolved rate's 95% interval: Wilson's over the episodes when each task ran once;
+    with several samples of a task (episodes of one task are not independent trials), a
+    bootstrap over the tasks. None without episodes."""
+    if not rs:
+        return None
+    by_task: dict[str, list[bool]] = defaultdict(list)
+    for r in rs:
+        by_task[r.instance_id].append(r.status == "resolved")
+    if all(len(v) == 1 for v in by_task.values()):
+        lo, hi = wilson_interval(sum(r.status == "resolved" for r in rs), len(rs))
+    else:
+        lo, hi = ratio_interval([sum(v) for v in by_task.values()],
+                                [len(v) for v in by_task.values()])
+    return [round(lo, 4), round(hi, 4)]
+
+
 def summary(run: RunResult) -> dict:
     def stats(rs: list[TaskResult]) -> dict:
         n = len(rs)
@@ -26,6 +44,7 @@ def summary(run: RunResult) -> dict:
         return {
             "samples": n, **c,
             "resolved_rate": round(c["resolved"] / n, 4) if n else 0.0,
+            "resolved_rate_ci95": rate_interval(rs),
             "turns_mean": round(sum(r.turns for r in rs) / n, 2) if n else 0.0,
             "tokens_total": sum(r.prompt_tokens + r.completion_tokens for r in rs),
             "completion_tokens_total": sum(r.completion_tokens for r in rs),
@@ -53,13 +72,14 @@ def markdown(run: RunResult, data: dict | None = None) -> str:
         f"Resolved **{o['resolved']}**, unresolved {o['unresolved']}, infra failures "
         f"{o['infra_failure']} ({pk}).",
         "",
-        "| category | episodes | resolved | unresolved | infra | rate | turns (mean) | tokens | time p50 (s) |",
+        "| category | episodes | resolved | unresolved | infra | rate (95% interval) "
+        "| turns (mean) | tokens | time p50 (s) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for cat, s in [*data["by_category"].items(), ("**all**", o)]:
         lines.append(
-            f"| {cat} | {s['samples']} | {s['resolved']} | {s['unresolved']} | {s['infra_failure']} | "
-            f"{s['resolved_rate']:.0%} | {s['turns_mean']} | {s['tokens_total']} | {s['time_s_median']} |"
+            f"| {cat} | {s['samples']} | {s['resolved']} | {s['unresolved']} "
+            f"| {s['infra_failure']} | {_rate(s)} | {s['turns_mean']} | {s['tokens_total']} | {s['time_s_median']} |"
         )
     lines += ["", "| task | sample | status | F2P | P2P | turns | tokens | time (s) | note |",
               "|---|---:|---|---:|---:|---:|---:|---:|---|"]
@@ -71,6 +91,11 @@ def markdown(run: RunResult, data: dict | None = None) -> str:
             f"{r.total_s:.1f} | {note} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _rate(s: dict) -> str:
+    ci = s["resolved_rate_ci95"]
+    return f"{s['resolved_rate']:.0%}" + (f" ({ci[0]:.0%}-{ci[1]:.0%})" if ci else "")
 
 
 def plot(run: RunResult, path: Path, data: dict | None = None) -> Path:

@@ -1,0 +1,29 @@
+"""The run report's figures from results alone (no sandbox)."""
+
+from codedojo.bench.report import markdown, summary
+from codedojo.bench.runner import RunResult, TaskResult
+
+
+def _run(statuses: dict[str, list[str]]) -> RunResult:
+    results = [TaskResult(task, "bugfix", i, status) for task, ss in statuses.items()
+               for i, status in enumerate(ss)]
+    return RunResult("r", "agent", "v0", max(map(len, statuses.values())), 1, 1.0, results)
+
+
+def test_the_resolved_rate_comes_with_its_interval():
+    # one episode a task: Wilson's interval over them, not empty where none resolved
+    none = summary(_run({f"t{i}": ["unresolved"] for i in range(20)}))["overall"]
+    assert none["resolved_rate"] == 0.0 and none["resolved_rate_ci95"][0] < 1e-9
+    assert 0.15 < none["resolved_rate_ci95"][1] < 0.17
+    five = _run({f"t{i}": ["resolved" if i < 5 else "unresolved"] for i in range(20)})
+    lo, hi = summary(five)["overall"]["resolved_rate_ci95"]
+    assert lo < 0.25 < hi and "| **all** | 20 | 5 | 15 | 0 | 25% (11%-47%) |" in markdown(five)
+    # several samples of a task: the tasks are the units, so a task always resolved and one
+    # never are two trials, not eight
+    tasks = summary(_run({"a": ["resolved"] * 4, "b": ["unresolved"] * 4}))["overall"]
+    episodes = summary(_run({f"t{i}": ["resolved" if i < 4 else "unresolved"]
+                             for i in range(8)}))["overall"]
+    assert tasks["resolved_rate"] == episodes["resolved_rate"] == 0.5
+    assert tasks["resolved_rate_ci95"] == [0.0, 1.0]
+    assert episodes["resolved_rate_ci95"][1] - episodes["resolved_rate_ci95"][0] < 0.7
+    assert summary(_run({"a": ["resolved"]}))["by_category"]["bugfix"]["resolved_rate_ci95"]
