@@ -19,8 +19,10 @@ when deep rounds skip the easy stretches they accept, so `spec_decode.py`'s `acc
 with the number of drafts a round (a three-module checkpoint whose first module agrees 0.768 here
 replays 0.764, 0.754 and 0.731 for K = 1, 2, 3). `outside_draft_vocab` is the share of the generated
 tokens outside the heads' draft vocabulary, which no draft can be (every depth's agreement is at
-most one minus it). `dojo pretrain` reports the depths' figure after each stage as `mtp_agree`, on
-fewer windows (`eval.continuations`). Prints one JSON line.
+most one minus it). `agree_depthK_ci95` is the 95% interval of `agree_depthK` over the prompts (a
+bootstrap): how far it would move with as many other prompts. `dojo pretrain` reports the
+depths' figure after each stage as `mtp_agree`, on fewer windows (`eval.continuations`). Prints
+one JSON line.
 
     python benchmarks/mtp_agreement.py [--ckpt runs/cpt-smollm2/final]
                                        [--base runs/cpt-smollm2/ckpt/sft] [--prompts 192]
@@ -44,6 +46,7 @@ from codedojo.model.mtp import MTP, load_mtp
 from codedojo.model.transformer import Transformer
 from codedojo.model.weights import build_model, load_checkpoint_weights
 from codedojo.pretrain.selfgen import continue_windows
+from codedojo.stats import ratio_interval
 
 # The exit status of a benchmark that cannot run here yet (automake's "skipped"): `make bench`
 # goes on past it.
@@ -127,24 +130,29 @@ def draft_hits(model: Transformer, heads: MTP, tokens: torch.Tensor, hidden: tor
 
 
 def agreement(model: Transformer, heads: MTP, rows: torch.Tensor, hidden: torch.Tensor,
-              prompt_len: int) -> tuple[list[float], list[SpecStats]]:
+              prompt_len: int) -> tuple[list[float], list[SpecStats], list[list[float]]]:
     """The share of generated tokens (those after the first ``prompt_len``) each depth
-    predicts; and the rounds greedy speculative decoding drafting k = 1 .. depth tokens each
-    would make over these continuations (`replay_greedy`). ``hidden`` as `draft_hits`."""
+    predicts; the rounds greedy speculative decoding drafting k = 1 .. depth tokens each
+    would make over these continuations (`replay_greedy`); and per depth the 95% interval of
+    the share over the rows (`ratio_interval`: how far it would move with other prompts).
+    ``hidden`` as `draft_hits`."""
     B, T = rows.shape
-    hits, seen = [0] * heads.depth, [0] * heads.depth
+    hits: list[list[int]] = [[] for _ in range(heads.depth)]  # per depth, per row
+    seen = [0] * heads.depth  # per depth, a row's positions
     rounds = [SpecStats() for _ in range(heads.depth)]
     for i in range(0, B, 32):
         right = draft_hits(model, heads, rows[i:i + 32], hidden[i:i + 32])
         for k, r in enumerate(right, start=1):
             ok = r[:, prompt_len - k - 1:]
-            hits[k - 1] += int(ok.sum())
-            seen[k - 1] += ok.numel()
+            hits[k - 1] += ok.sum(1).tolist()
+            seen[k - 1] = ok.shape[1]
         for b in range(len(right[0])):
             row = [r[b].tolist() for r in right]
             for k, stats in enumerate(rounds, start=1):
                 replay_greedy(row, prompt_len, T, k, stats)
-    return [h / n for h, n in zip(hits, seen, strict=True)], rounds
+    shares = [sum(h) / (n * B) for h, n in zip(hits, seen, strict=True)]
+    spread = [list(ratio_interval(h, [n] * B)) for h, n in zip(hits, seen, strict=True)]
+    return shares, rounds, spread
 
 
 def main() -> None:
@@ -167,7 +175,7 @@ def main() -> None:
     rows = held_out(model, args.data, args.prompts, args.prompt_len, args.new, args.seed)
     layers = sorted({*mtp.taps, *base_mtp.taps})  # one pass serves both sets of heads
     states = hidden_states(model, rows, layers)
-    (ours, replayed), (base, _) = [
+    (ours, replayed, spread), (base, _, _) = [
         agreement(model, heads, rows, read_by(states, layers, heads.taps, cfg.dim),
                   args.prompt_len)
         for heads in (mtp, base_mtp)]
@@ -185,11 +193,13 @@ def main() -> None:
         picks = torch.linspace(0, len(lens) - 1, min(len(lens), args.prompts)).long().tolist()
         train_rows = torch.stack([torch.from_numpy(shards.doc(i).astype("int64"))
                                   for i in picks])
-        train, _ = agreement(model, mtp, train_rows, hidden_states(model, train_rows, mtp.taps),
+        train, _, _ = agreement(model, mtp, train_rows, hidden_states(model, train_rows, mtp.taps),
                              args.prompt_len)
     print(json.dumps({
         "bench": "mtp_agreement",
         **{f"agree_depth{k}": round(a, 4) for k, a in enumerate(ours, start=1)},
+        **{f"agree_depth{k}_ci95": [round(x, 4) for x in ci]
+           for k, ci in enumerate(spread, start=1)},
         **{f"base_agree_depth{k}": round(a, 4) for k, a in enumerate(base, start=1)},
         **{f"train_agree_depth{k}": round(a, 4) for k, a in enumerate(train, start=1)},
         **{f"k{k}_{name}": round(getattr(st, name), 4) for k, st in enumerate(replayed, start=1)

@@ -51,7 +51,7 @@ SMOKE: dict[str, tuple[list[str], set[str], set[str]]] = {
     "mtp_agreement.py": (["--ckpt", f"{RUN}/final", "--base", f"{RUN}/ckpt/sft",
                           "--data", f"{RUN}/data/eval", "--prompts", "2", "--prompt-len", "8",
                           "--new", "8"],
-                         {"agree_depth1", "agree_depth2", "base_agree_depth1",
+                         {"agree_depth1", "agree_depth2", "base_agree_depth1", "agree_depth1_ci95",
                           "outside_draft_vocab", "train_agree_depth1", "k2_accept_first"}, set()),
     "mtp_features.py": (["--ckpt", f"{RUN}/final", "--data", f"{RUN}/data/eval", "--layers",
                          "0", "--rows", "4", "--steps", "2", "--batch", "2", "--prompts", "2",
