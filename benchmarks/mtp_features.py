@@ -110,8 +110,8 @@ def main() -> None:
     def measure(heads: MTP) -> dict[str, float]:
         """Held-out agreement of each depth, and the acceptance and tokens a pass of the greedy
         rounds drafting every depth would make over the same text (`replay_greedy`)."""
-        agree, rounds, _ = agreement(model, heads, rows, read_by(states, every, heads.taps, cfg.dim),
-                                  args.prompt_len)
+        agree, rounds, _ = agreement(model, heads, rows,
+                                     read_by(states, every, heads.taps, cfg.dim), args.prompt_len)
         return {**{f"agree_depth{k}": round(a, 4) for k, a in enumerate(agree, start=1)},
                 "accept_first": round(rounds[-1].accept_first, 4),
                 "tokens_per_pass": round(rounds[-1].tokens_per_pass, 4)}

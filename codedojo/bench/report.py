@@ -79,7 +79,8 @@ def markdown(run: RunResult, data: dict | None = None) -> str:
     for cat, s in [*data["by_category"].items(), ("**all**", o)]:
         lines.append(
             f"| {cat} | {s['samples']} | {s['resolved']} | {s['unresolved']} "
-            f"| {s['infra_failure']} | {_rate(s)} | {s['turns_mean']} | {s['tokens_total']} | {s['time_s_median']} |"
+            f"| {s['infra_failure']} | {_rate(s)} | {s['turns_mean']} | {s['tokens_total']} "
+            f"| {s['time_s_median']} |"
         )
     lines += ["", "| task | sample | status | F2P | P2P | turns | tokens | time (s) | note |",
               "|---|---:|---|---:|---:|---:|---:|---:|---|"]
