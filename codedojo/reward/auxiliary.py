@@ -4,7 +4,7 @@ delta); composition gives them negative weights.
 - unfinished_todos:  share of the agent's own todo items not completed or cancelled at the end
 - comment_reasoning: long reasoning left in code comments, from the added lines of the diff
 - tool_collapse:     how far one tool's share of the calls exceeds a threshold
-- lint_delta:        ruff diagnostics after minus before, on the changed Python files
+- lint_delta:        ruff diagnostics added, per changed Python file (after minus before, if more)
 """
 
 from __future__ import annotations
@@ -111,21 +111,24 @@ def tool_collapse(ctx: RewardContext, *, threshold: float = 0.7, min_calls: int 
     return (share - threshold) / (1.0 - threshold)
 
 
-def _lint_count(files: dict[str, str], configs: dict[str, str] | None = None) -> int:
-    return len(ruff_check(files, configs)) if files else 0
+def _lint_counts(files: dict[str, str]) -> Counter[str]:
+    """Ruff diagnostics per file."""
+    return Counter(d.path for d in ruff_check(files)) if files else Counter()
 
 
 @reward("lint_delta")
 def lint_delta(ctx: RewardContext, *, normalize: bool = False) -> float:
-    """Ruff diagnostics on the changed Python files after the episode minus before it
-    (positive = the agent added lint). normalize: divide by the number of files."""
+    """Ruff diagnostics the agent added: per changed Python file, those after the episode
+    minus those before, where more (normalize: divided by the number of files). A cost only:
+    lint removed from a file earns nothing, or deleting or rewriting files full of it, which
+    no test asks for, would pay more than solving the task."""
     py = [c for c in ctx.changes if c.path.endswith((".py", ".pyi"))]
     if not py:
         return 0.0
-    before = {c.path: c.before for c in py if c.before is not None}
-    after = {c.path: c.after for c in py if c.after is not None}
-    delta = float(_lint_count(after) - _lint_count(before))  # type: ignore[arg-type]
-    return delta / len(py) if normalize else delta
+    before = _lint_counts({c.path: c.before for c in py if c.before is not None})
+    after = _lint_counts({c.path: c.after for c in py if c.after is not None})
+    added = float(sum(max(0, after[c.path] - before[c.path]) for c in py))
+    return added / len(py) if normalize else added
 
 
 def aux_params_doc() -> dict[str, Any]:

@@ -14,17 +14,22 @@ from collections.abc import Sequence
 from codedojo.reward.base import RewardContext, TestReport, reward
 from codedojo.sandbox.base import Sandbox
 
-_RESULT = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL|SKIPPED)\s+(\S+)")
+_RESULT = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL|SKIPPED)\s+(.+)$")
 
 
-def parse_pytest_summary(output: str) -> dict[str, bool]:
-    """node id -> passed, from `pytest -rA` output (XFAIL counts as passing, as SWE-bench does)."""
+def parse_pytest_summary(output: str, tests: Sequence[str] = ()) -> dict[str, bool]:
+    """node id -> passed, from `pytest -rA` output (XFAIL counts as passing, as SWE-bench does).
+    A line is the status, the node id, then maybe " - " and a reason; a parametrised test's id
+    may hold spaces (``test_a[hello world]``), so each of ``tests`` is looked for as written
+    (the whole rest of a line, or its start before " - "), any other id read up to a space."""
     results: dict[str, bool] = {}
     for line in output.splitlines():
         m = _RESULT.match(line.strip())
         if not m:
             continue
-        status, node = m.groups()
+        status, rest = m.groups()
+        node = next((t for t in tests if rest == t or rest.startswith(t + " - ")),
+                    rest.split()[0])
         results[node] = status in ("PASSED", "XFAIL", "XPASS")
     return results
 
@@ -42,7 +47,7 @@ def run_tests(
         return {}
     line = f"{command} -rA -q -p no:cacheprovider " + " ".join(shlex.quote(t) for t in tests)
     r = sandbox.exec(line, cwd=cwd, timeout=timeout)
-    found = parse_pytest_summary(r.stdout + "\n" + r.stderr)
+    found = parse_pytest_summary(r.stdout + "\n" + r.stderr, tests)
     return {t: found.get(t, False) for t in tests}
 
 

@@ -79,8 +79,16 @@ def test_lint_delta_on_changed_files():
     dirty = "import os\nimport sys\n\nprint(os.sep)\n"  # F401 unused import
     worse = RewardContext(_traj([]), changes=[FileChange("/workspace/m.py", clean, dirty)])
     assert lint_delta(worse) == 1.0
+    # lint removed earns nothing: not in the file cleaned, not against lint added elsewhere,
+    # not by deleting a file full of it
     better = RewardContext(_traj([]), changes=[FileChange("/workspace/m.py", dirty, clean)])
-    assert lint_delta(better) == -1.0
+    assert lint_delta(better) == 0.0
+    trade = RewardContext(_traj([]), changes=[FileChange("/workspace/m.py", dirty, clean),
+                                              FileChange("/workspace/k.py", clean, dirty)])
+    assert lint_delta(trade) == 1.0
+    full = "".join(f"import m{i}\n" for i in range(60))  # 60 unused imports
+    gone = RewardContext(_traj([]), changes=[FileChange("/workspace/old.py", full, None)])
+    assert lint_delta(gone) == 0.0
     new_file = RewardContext(_traj([]), changes=[FileChange("/workspace/n.py", None, dirty),
                                                   FileChange("/workspace/README.md", None, "x")])
     assert lint_delta(new_file) == 1.0
