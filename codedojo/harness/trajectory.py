@@ -242,7 +242,7 @@ class Trajectory:
         for i, m in enumerate(self.messages):
             if m.get("role") == "tool" and m.get("tool_call_id") not in ids:
                 raise ValueError(f"messages[{i}].tool_call_id: {m.get('tool_call_id')!r} answers no call")
-        for prev, t in zip([None, *self.turns[:-1]], self.turns, strict=True):
+        for prev, t in with_previous(self.turns):
             t.validate()
             if t.routed_experts_shared:
                 fed = 0 if prev is None or prev.routed_experts is None else (
@@ -259,7 +259,7 @@ class Trajectory:
             type="trajectory",
             messages=self.messages,
             segments=self.segments,
-            turns=[stored_turn(t, prev) for prev, t in zip([None, *self.turns[:-1]], self.turns, strict=True)],
+            turns=[stored_turn(t, prev) for prev, t in with_previous(self.turns)],
         )
         return d
 
@@ -271,6 +271,12 @@ class Trajectory:
         for rec in d.get("turns", []):
             t.turns.append(restored_turn(rec, t.turns[-1] if t.turns else None))
         return t
+
+
+def with_previous(turns: list[Turn]) -> Iterator[tuple[Turn | None, Turn]]:
+    """Each turn with the one before it (None for the first); none for no turns (an episode
+    whose model failed at once)."""
+    return zip([None, *turns], turns, strict=False)  # one longer: zip stops at the last turn
 
 
 def stored_turn(turn: Turn, prev: Turn | None) -> dict[str, Any]:
@@ -489,7 +495,7 @@ def write_parquet(trajs: Iterable[Trajectory], path: str | Path) -> None:
         rows["started_at"].append(t.started_at)
         rows["ended_at"].append(t.ended_at)
         turns = []
-        for prev, u in zip([None, *t.turns[:-1]], t.turns, strict=True):
+        for prev, u in with_previous(t.turns):
             d = stored_turn(u, prev)
             d["message"] = json.dumps(d["message"], ensure_ascii=False)
             d["tool_calls"] = json.dumps(d["tool_calls"])

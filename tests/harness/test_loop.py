@@ -7,7 +7,7 @@ import pytest
 from codedojo.harness.loop import SUMMARY_PREFIX, Agent, LoopConfig
 from codedojo.harness.policy import PolicyOutput, ScriptedPolicy
 from codedojo.harness.rpc import ToolClient, ToolServer, serve_in_thread
-from codedojo.harness.trajectory import read_jsonl
+from codedojo.harness.trajectory import read_jsonl, read_parquet, write_parquet
 from codedojo.model.toolcalls import ToolCall, ToolCallError
 from codedojo.reward import RewardContext, compute_reward
 from codedojo.reward.changes import collect_changes
@@ -135,6 +135,12 @@ def test_policy_failure_is_terminal(session, tmp_path):
     traj = Agent(Broken()).run("t", session, out=tmp_path / "t.jsonl")
     assert traj.status == "error" and "endpoint down" in traj.error
     assert read_jsonl(tmp_path / "t.jsonl").status == "error"
+    # no turn at all: it still checks, converts and exports with the rest of a batch
+    assert traj.turns == []
+    traj.validate()
+    assert traj.to_dict()["turns"] == []
+    write_parquet([traj], tmp_path / "t.parquet")
+    assert [t.status for t in read_parquet(tmp_path / "t.parquet")] == ["error"]
 
 
 def test_self_summary_continues_in_a_fresh_context_as_one_trajectory(session, tmp_path):
