@@ -71,7 +71,7 @@ from codedojo.engine.speculative import (
     best_depth,
     tree_gain_and_cost,
 )
-from codedojo.engine.types import Completion, SamplingParams, TokenEvent
+from codedojo.engine.types import Completion, GenerationError, SamplingParams, TokenEvent
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.moe import moe_layers
 from codedojo.model.transformer import Transformer
@@ -125,6 +125,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # why it failed (finish_reason "error")
     weight_version: int = -1
     loads: int = -1  # the engine's `load_weights` calls before its prefill
     cancelled: bool = False
@@ -243,6 +244,7 @@ class Engine:
         self._paused = False  # no draft paid at the last admission
         self._waiting: deque[Request] = deque()
         self._live: list[Request] = []  # request i lives in cache slot i
+        self._admitting: list[Request] = []  # the batch being prefilled
         self._step_lock = threading.Lock()  # one scheduler iteration (or weight swap) at a time
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -252,15 +254,7 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                on_event: Callable[[TokenEvent], None] | None = None) -> Request:
         """Queue one request (validated now, so bad input fails in the caller's thread)."""
-        params.validate()
-        if not prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
-        vocab = self.model.cfg.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"prompt_ids: token ids must be in [0, {vocab})")
-        if len(prompt_ids) >= self.max_seq_len:
-            raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens leave no room to generate "
-                             f"(max_seq_len {self.max_seq_len})")
+        self._check(prompt_ids, params)
         gen = None
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed)
@@ -270,12 +264,29 @@ class Engine:
             self._wake.notify()
         return req
 
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming what is wrong with a request."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        vocab = self.model.cfg.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt_ids: token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens leave no room to generate "
+                             f"(max_seq_len {self.max_seq_len})")
+
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[Completion]:
         """Generate for every prompt (batched); returns completions in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} entries for {len(prompts)} prompts")
+        for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):  # all, before any runs
+            try:
+                self._check(p, sp)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
         reqs = [self.submit(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         if self._running:
             for r in reqs:
@@ -283,6 +294,9 @@ class Engine:
         else:
             while not all(r.done.is_set() for r in reqs):
                 self.step()
+        failed = next((r for r in reqs if r.finish_reason == "error"), None)
+        if failed is not None:
+            raise GenerationError(f"generation failed: {failed.error}")
         return [r.completion() for r in reqs]
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams
@@ -375,14 +389,35 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """One scheduler iteration: admit, decode once, retire."""
+        """One scheduler iteration: admit, decode once, retire. Should it fail (an error in the
+        model or in sampling), the requests it was running end with finish reason "error" and
+        what went wrong, their slots are emptied, and the engine goes on with the rest."""
         with self._step_lock:
-            self._retire()
-            self._admit()
-            self._retire()
-            if self._live:
-                self._decode_step(self._live)
-            self._retire()
+            try:
+                self._retire()
+                self._admit()
+                self._retire()
+                if self._live:
+                    self._decode_step(self._live)
+                self._retire()
+            except Exception as e:
+                log.exception("an engine step failed; its requests end with an error")
+                self._fail_step(f"{type(e).__name__}: {e}")
+
+    def _fail_step(self, error: str) -> None:
+        """End the requests of a failed step (live, and those being prefilled) with ``error``;
+        the cache's slots are emptied (a failed pass may have written some of them)."""
+        for r in [*self._live, *self._admitting]:
+            if r.finish_reason is None:
+                r.finish_reason, r.error = "error", error
+                if r.on_event is not None:
+                    r.on_event(TokenEvent(-1, 0.0, [], "error", r.cached_tokens, error=error))
+            r.done.set()
+        for slot in range(self.max_batch):
+            self.cache.reset(slot)
+        self._live.clear()
+        self._admitting = []
+        self._spec = None
 
     def _admit(self) -> None:
         """Move waiting requests into free slots and prefill them together: prompts are
@@ -414,7 +449,9 @@ class Engine:
                     self._waiting.popleft()
                     batch.append(req)
             if batch:
+                self._admitting = batch  # ended with the step, should it fail
                 self._prefill(batch)
+                self._admitting = []
 
     def _find_reuse(self, req: Request) -> None:
         """Choose where the prompt's leading keys/values come from: the live sequence (of the
@@ -562,10 +599,15 @@ class Engine:
                         st.tokens_per_pass, st.rounds, st.accept_first, self.draft_cost)
             if paused and not self.spec_explore_every:
                 self.drafter = None
+                self._spec = None  # a lone speculating request goes on decoding plainly
         p = req.params
         alone = not self._live and not self._waiting
+        # A seeded sampled request decodes plainly: speculative rounds draw from its generator
+        # as often as the engine's state (probing, timings, acceptance) has them draft, so its
+        # seed would not give the same tokens twice.
+        seeded = p.temperature > 0 and p.seed is not None
         return (self.drafter is not None and alone and p.top_k == 0 and p.top_p == 1.0
-                and not p.top_logprobs)
+                and not p.top_logprobs and not seeded)
 
     def _prefill(self, batch: list[Request]) -> None:
         if len(batch) == 1 and self._speculates(batch[0]):

@@ -118,7 +118,8 @@ class _Sampling(_Request):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="extension; 0 or -1 = off")
-    seed: int | None = None
+    # what a generator takes, with room for the n choices' seed + index
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1 - 64)
     n: int = Field(1, ge=1, le=64)
     stop: str | list[str] | None = None
     stream: bool = False

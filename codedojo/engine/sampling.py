@@ -20,7 +20,8 @@ def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     (-inf outside the top-k / top-p set). Greedy (temperature 0) -> plain log-softmax."""
     if params.temperature == 0:
         return torch.log_softmax(logits, dim=-1)
-    x = logits / params.temperature
+    # from the largest logit down: a temperature near 0 sends the rest to -inf, never to NaN
+    x = (logits - logits.max()) / params.temperature
     V = x.shape[-1]
     if 0 < params.top_k < V:
         kth = torch.topk(x, params.top_k).values[-1]

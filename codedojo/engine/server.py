@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
@@ -52,6 +53,8 @@ from codedojo.engine.types import SamplingParams, TokenEvent, encode_routed_expe
 from codedojo.model.chat import ChatFormatError, ChatTemplate
 from codedojo.model.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 
 class StreamingEngine(Protocol):
     """What the server needs from the engine (`codedojo.engine.engine.Engine` has it). An
@@ -62,6 +65,32 @@ class StreamingEngine(Protocol):
     weight_version: int
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]: ...
+
+
+class _InternalErrors:
+    """Any other exception a request raises before its response starts becomes a 500 that
+    names it. (Starlette's own handler for `Exception` answers, then raises again for the
+    server to log, and uvicorn drops the connection: the client's next request on it fails.)"""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        started = False
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:
+            if started or scope["type"] != "http":
+                raise
+            log.exception("request failed")
+            body = error_body(f"internal error: {type(e).__name__}: {e}", None, "server_error")
+            await JSONResponse(body, status_code=500)(scope, receive, send)
 
 
 class APIError(Exception):
@@ -220,9 +249,7 @@ def create_app(engine: StreamingEngine, tokenizer: Tokenizer, chat: ChatTemplate
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(e.detail), None, kind), status_code=e.status_code)
 
-    @app.exception_handler(Exception)
-    async def _crash(_: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", None, "server_error"), 500)
+    app.add_middleware(_InternalErrors)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -313,6 +340,8 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
     agen = state.engine.stream(prompt_ids, params)
     try:
         async for ev in agen:
+            if ev.finish_reason == "error":  # a failed step: the client hears what went wrong
+                raise APIError(500, f"generation failed: {ev.error}", None, "server_error")
             if ev.token_id < 0:  # the engine ended the request without a token (cancelled)
                 finish = "stop" if ev.finish_reason == "cancelled" else (ev.finish_reason or finish)
                 break

@@ -47,6 +47,10 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs!r}")
 
 
+class GenerationError(RuntimeError):
+    """A request the engine could not finish: a step over it failed (the engine goes on)."""
+
+
 @dataclass
 class TokenEvent:
     """One generated token, as streamed."""
@@ -54,12 +58,14 @@ class TokenEvent:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]]
-    finish_reason: str | None  # None while running, then "stop" | "length" | "cancelled"
+    # None while running, then "stop" | "length" | "cancelled" | "error" (`error` says what)
+    finish_reason: str | None
     cached_tokens: int = 0  # the request's prompt tokens taken from an earlier sequence
     # Routing recorded (`Engine(record_routing=True)`, an MoE model): (tokens, MoE layers,
     # top_k), the prompt's rows with the first token, then the row of the token just before
     # it (one pass may feed several: a verify pass); else None
     routed_experts: torch.Tensor | None = None
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 @dataclass

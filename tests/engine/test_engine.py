@@ -162,3 +162,53 @@ def test_bad_requests_name_the_field(model: Transformer) -> None:
         engine.generate([[1] * 16], SamplingParams())
     with pytest.raises(ValueError, match="prompt_ids"):
         engine.generate([[999]], SamplingParams())
+
+
+def test_a_failed_step_ends_its_requests_with_the_error_and_the_engine_goes_on(
+        model: Transformer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error in a step (the model, sampling) ends the requests it ran with finish reason
+    "error" and what went wrong, empties their slots, and leaves the engine serving: inline,
+    `generate` raises it; on the scheduler thread, the other requests and later ones go on."""
+    from codedojo.engine import engine as engine_mod
+    from codedojo.engine.types import GenerationError
+
+    real = engine_mod.sample_batch
+    fail = {"left": 1}
+
+    def flaky(*args, **kw):
+        if fail["left"]:
+            fail["left"] -= 1
+            raise RuntimeError("boom")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine_mod, "sample_batch", flaky)
+    params = SamplingParams(max_tokens=6, temperature=0)
+    want = [greedy_reference(model, p, 6) for p in PROMPTS[:2]]
+    engine = Engine(model, max_batch=4)
+    with pytest.raises(GenerationError, match="generation failed: RuntimeError: boom"):
+        engine.generate(PROMPTS[:2], params)
+    assert engine.n_live == 0 and list(engine.cache.lengths) == [0] * 4
+    assert [c.token_ids for c in engine.generate(PROMPTS[:2], params)] == want
+
+    fail["left"] = 1
+    engine.start()
+    try:
+        events: list = []
+        doomed = engine.submit(PROMPTS[0], params, on_event=events.append)
+        assert doomed.done.wait(10)
+        assert doomed.finish_reason == "error" and doomed.error == "RuntimeError: boom"
+        assert events[-1].finish_reason == "error" and events[-1].error == "RuntimeError: boom"
+        assert [c.token_ids for c in engine.generate(PROMPTS[:2], params)] == want
+    finally:
+        engine.stop()
+
+
+def test_a_temperature_near_zero_samples_the_greedy_tokens(model: Transformer) -> None:
+    """The logits divided by 1e-40 overflow; from the largest down, the rest go to -inf, not
+    NaN: the draw is the argmax."""
+    engine = Engine(model, max_batch=2)
+    greedy = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0))
+    cold = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=1e-40,
+                                                        seed=3, logprobs=True))
+    assert cold[0].token_ids == greedy[0].token_ids
+    assert all(lp == 0.0 for lp in cold[0].logprobs)  # all the mass on the token drawn

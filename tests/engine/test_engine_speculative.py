@@ -124,12 +124,28 @@ def test_oracle_drafts_stop_and_limit_inside_a_round() -> None:
 
 def test_sampled_logprobs_are_the_target_distributions(model: Transformer) -> None:
     engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, 0))
-    for seed in (1, 2):
-        out = engine.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0.8,
-                                                       seed=seed))[0]
+    torch.manual_seed(1)  # unseeded requests (a seeded one decodes plainly: below)
+    for _ in range(2):
+        out = engine.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0.8))[0]
         ref = sequence_logprobs(model, PROMPT, out.token_ids, temperature=0.8)
         assert max(abs(a - b) for a, b in zip(ref, out.logprobs, strict=True)) < 1e-4
     assert engine.spec_stats.rounds > 0
+
+
+def test_a_seed_gives_the_same_sampled_tokens_with_a_drafter() -> None:
+    """Speculative rounds would draw from the request's generator as often as the engine's
+    state has them draft: a seeded sampled request decodes plainly, so its seed gives the
+    tokens an engine without a drafter gives, every time."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(vocab_size=64, max_seq_len=128)).eval()  # flat: draws
+    plain = Engine(model, max_batch=2)  # decide the tokens
+    spec = Engine(model, max_batch=2, drafter=mtp_drafter(model, 0), spec_probe_rounds=8)
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=11)
+    want = plain.generate([PROMPT], seeded)[0].token_ids
+    for _ in range(3):  # through the probing rounds and after
+        assert spec.generate([PROMPT], seeded)[0].token_ids == want
+        spec.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0))  # speculates
+    assert spec.spec_stats.rounds > 0
 
 
 def test_a_joining_request_switches_to_plain_batching(model: Transformer) -> None:
@@ -498,3 +514,22 @@ def test_the_server_reports_how_speculation_goes(model: Transformer) -> None:
     assert 1 < after["tokens_per_pass"] == st.tokens_per_pass <= 3
     assert after["drafts_per_round"] == 2 and after["draft_cost"] == 0
     assert after["accept_depth1"] == after["accept_first"]
+
+
+def test_drafts_switched_off_while_a_request_speculates_leave_it_decoding(
+        model: Transformer) -> None:
+    """With no exploring rounds, drafts that stop paying switch the drafter off at the next
+    admission; a request speculating then (alone again once the newcomer is done) goes on
+    with plain steps, to the tokens plain decoding gives."""
+    engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, 0), spec_draft_cost=5.0,
+                    spec_probe_rounds=8, spec_explore_every=0)
+    params = SamplingParams(max_tokens=60, temperature=0)
+    first = engine.submit(PROMPT, params)
+    while engine._spec_steps < 8:
+        engine.step()
+    brief = engine.submit([3, 4], SamplingParams(max_tokens=1, temperature=0))
+    while not first.done.is_set():
+        engine.step()
+    assert engine.drafter is None and brief.finish_reason == "length"
+    assert first.finish_reason == "length"
+    assert first.completion().token_ids == plain_of(model, PROMPT, params)

@@ -209,6 +209,7 @@ def test_openai_client_sees_bad_request_error(client):
     ({"model": MODEL, "prompt": []}, "prompt"),
     ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
     ({"model": MODEL, "prompt": {"a": 1}}, "prompt"),
+    ({"model": MODEL, "prompt": "x", "seed": 2**64}, "seed"),  # more than a generator takes
 ])
 def test_bad_completion_requests(server, http, body, param):
     r = http.post(server.url + "/v1/completions", json=body)
@@ -410,3 +411,34 @@ def test_usage_counts_prompt_tokens_taken_from_an_earlier_turn(client):
     assert a.usage.prompt_tokens_details.cached_tokens == 0
     b = client.completions.create(model=MODEL, prompt=raw, max_tokens=4, n=2)
     assert b.usage.prompt_tokens_details.cached_tokens == b.usage.prompt_tokens - 1
+
+
+def test_a_failed_generation_is_a_server_error_that_says_why(server, http, monkeypatch):
+    """A step of the engine fails (here sampling, once): the request gets a 500 naming the
+    error, in-band for a stream; the server and its engine serve the next one."""
+    from codedojo.engine import engine as engine_mod
+
+    real, fail = engine_mod.sample_batch, {"left": 1}
+
+    def flaky(*args, **kw):
+        if fail["left"]:
+            fail["left"] -= 1
+            raise RuntimeError("boom")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine_mod, "sample_batch", flaky)
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 8, "temperature": 0}
+    r = http.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 500
+    assert "generation failed: RuntimeError: boom" in r.json()["error"]["message"]
+    fail["left"] = 1
+    streamed = http.post(server.url + "/v1/chat/completions", json={**body, "stream": True})
+    assert streamed.status_code == 200 and "generation failed: RuntimeError: boom" in streamed.text
+    assert http.post(server.url + "/v1/chat/completions", json=body).status_code == 200
+    # any other error before a response starts: a 500 naming it, and the connection kept
+    monkeypatch.setattr(engine_mod.Engine, "submit", lambda *a, **k: 1 / 0)
+    r = http.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 500
+    assert r.json()["error"]["message"] == "internal error: ZeroDivisionError: division by zero"
+    monkeypatch.undo()
+    assert http.post(server.url + "/v1/chat/completions", json=body).status_code == 200
