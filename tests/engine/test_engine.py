@@ -162,6 +162,10 @@ def test_bad_requests_name_the_field(model: Transformer) -> None:
         engine.generate([[1] * 16], SamplingParams())
     with pytest.raises(ValueError, match="prompt_ids"):
         engine.generate([[999]], SamplingParams())
+    # a bad prompt after good ones: named, and none of them left queued to run unasked
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt_ids must not be empty"):
+        engine.generate([[1, 2], []], SamplingParams(max_tokens=2))
+    assert not engine._waiting and engine.n_live == 0
 
 
 def test_a_failed_step_ends_its_requests_with_the_error_and_the_engine_goes_on(
