@@ -728,7 +728,8 @@ class Engine:
         n = len(req.token_ids)
         routed = req.routed[n - 1] if n <= len(req.routed) else None  # the rows it followed
         if req.on_event is not None:
-            req.on_event(TokenEvent(tok, lp, top, reason, req.cached_tokens, routed))
+            req.on_event(TokenEvent(tok, lp, top, reason, req.cached_tokens, routed,
+                                    weight_version=req.weight_version))
         if reason is not None:
             req.done.set()
 

@@ -113,6 +113,7 @@ class Piece:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    weight_version: int = -1  # of the weights that made the token (-1: text, no token)
 
 
 @dataclass
@@ -124,6 +125,7 @@ class ChoiceResult:
     finish_reason: str = "stop"
     cached_tokens: int = 0  # prompt tokens the engine took from an earlier sequence
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # recorded: pieces, in order
+    weight_version: int = -1  # of the weights that made it (-1: no token came)
 
     def routed_for(self, req: ChatCompletionRequest | CompletionRequest) -> str | None:
         """The response's ``routed_experts`` (vLLM's encoding): when asked for and recorded."""
@@ -346,13 +348,13 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
                 finish = "stop" if ev.finish_reason == "cancelled" else (ev.finish_reason or finish)
                 break
             result.token_ids.append(ev.token_id)
-            result.cached_tokens = ev.cached_tokens
+            result.cached_tokens, result.weight_version = ev.cached_tokens, ev.weight_version
             if ev.routed_experts is not None:
                 result.routed_experts.append(ev.routed_experts)
             result.logprobs.append(ev.logprob)
             result.top_logprobs.append(list(ev.top_logprobs or []))
             text = asm.push(ev.token_id)
-            yield Piece(text, ev.token_id, ev.logprob, list(ev.top_logprobs or []))
+            yield Piece(text, ev.token_id, ev.logprob, list(ev.top_logprobs or []), ev.weight_version)
             if asm.stopped:
                 finish = "stop"
                 break
@@ -370,6 +372,18 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
     result.text = prefix + asm.text
     result.finish_reason = finish
     yield result
+
+
+def _version_of(item: Piece | ChoiceResult) -> dict[str, int]:
+    """A stream chunk's ``weight_version``, where its token says which weights made it."""
+    return {"weight_version": item.weight_version} if item.weight_version >= 0 else {}
+
+
+def _made_by(results: Sequence[ChoiceResult], asked: int) -> int:
+    """A response's ``weight_version``: that of the weights its choices came from (the oldest,
+    should a push fall between them), not the engine's when the request came in (it may wait
+    in the queue across a push); ``asked`` when no token came."""
+    return min((r.weight_version for r in results if r.weight_version >= 0), default=asked)
 
 
 async def _collect(gen: AsyncIterator[Piece | ChoiceResult]) -> ChoiceResult:
@@ -507,6 +521,7 @@ async def _chat(state: ServerState, req: ChatCompletionRequest) -> Any:
                                   token_ids=r.token_ids if req.return_token_ids else None,
                                   routed_experts=r.routed_for(req)))
     completion_tokens = sum(len(r.token_ids) for r in results)
+    version = _made_by(results, version)
     resp = ChatCompletion(id=rid, created=created, model=req.model, choices=choices,
                           usage=Usage.of(len(prompt_ids), completion_tokens,
                                          _cached_tokens([r.cached_tokens for r in results], len(results))),
@@ -552,7 +567,7 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
                 if item.token_id >= 0 and req.return_token_ids:
                     choice["token_ids"] = [item.token_id]
                 if delta or len(choice) > 3:
-                    yield _sse({**base, "choices": [choice]})
+                    yield _sse({**base, **_version_of(item), "choices": [choice]})
                 continue
             # The choice is finished.
             result: ChoiceResult = item
@@ -572,7 +587,7 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
             last: dict[str, Any] = {"index": i, "delta": delta_out, "finish_reason": finish}
             if (routed := result.routed_for(req)) is not None:
                 last["routed_experts"] = routed
-            chunk: dict[str, Any] = {**base, "choices": [last]}
+            chunk: dict[str, Any] = {**base, **_version_of(result), "choices": [last]}
             finished += 1
             usage = Usage.of(len(prompt_ids), completion_tokens, _cached_tokens(cached, len(gens)))
             for out in _with_usage(chunk, finished == len(gens), include_usage, usage):
@@ -646,6 +661,7 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Any:
                                         routed_experts=r.routed_for(req)))
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(r.token_ids) for r in results)
+    version = _made_by(results, version)
     resp = TextCompletion(id=rid, created=created, model=req.model, choices=choices,
                           usage=Usage.of(prompt_tokens, completion_tokens,
                                          _cached_tokens([r.cached_tokens for r in results], req.n)),
@@ -662,11 +678,14 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     prompt_tokens = sum(len(p) for _, p, _ in jobs[:: req.n])
     cached = [0 for _ in jobs]
+    tok = state.tokenizer
+    offset = [0 for _ in jobs]  # where the next token's text starts in the choice's text
     try:
         if req.echo:
             for idx, (_, p, _) in enumerate(jobs):
-                yield _sse({**base, "choices": [{"index": idx, "text": state.tokenizer.decode(p),
-                                                 "finish_reason": None}]})
+                echoed = tok.decode(p)
+                offset[idx] = len(echoed)
+                yield _sse({**base, "choices": [{"index": idx, "text": echoed, "finish_reason": None}]})
         async for idx, item in _merge(gens):
             if isinstance(item, Piece):
                 choice: dict[str, Any] = {"index": idx, "text": item.text, "finish_reason": None}
@@ -674,18 +693,23 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
                     completion_tokens += 1
                     if req.return_token_ids:
                         choice["token_ids"] = [item.token_id]
-                    if req.logprobs is not None:
-                        choice["logprobs"] = {"tokens": [state.tokenizer.token_text(item.token_id)],
-                                              "token_logprobs": [item.logprob]}
+                    if req.logprobs is not None:  # as the whole response's, one token's worth
+                        text = tok.token_text(item.token_id)
+                        choice["logprobs"] = {
+                            "tokens": [text], "token_logprobs": [item.logprob],
+                            "top_logprobs": [{tok.token_text(i): v for i, v in item.top}]
+                            if req.logprobs else None,
+                            "text_offset": [offset[idx]]}
+                        offset[idx] += len(text)
                 if item.text or len(choice) > 3:
-                    yield _sse({**base, "choices": [choice]})
+                    yield _sse({**base, **_version_of(item), "choices": [choice]})
             else:
                 finished += 1
                 cached[idx] = item.cached_tokens
                 last: dict[str, Any] = {"index": idx, "text": "", "finish_reason": item.finish_reason}
                 if (routed := item.routed_for(req)) is not None:
                     last["routed_experts"] = routed
-                chunk = {**base, "choices": [last]}
+                chunk = {**base, **_version_of(item), "choices": [last]}
                 usage = Usage.of(prompt_tokens, completion_tokens, _cached_tokens(cached, req.n))
                 for out in _with_usage(chunk, finished == len(gens), include_usage, usage):
                     yield out

@@ -66,6 +66,7 @@ class TokenEvent:
     # it (one pass may feed several: a verify pass); else None
     routed_experts: torch.Tensor | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
+    weight_version: int = -1  # the weights it came from (the request's, at its prefill)
 
 
 @dataclass
