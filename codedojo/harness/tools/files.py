@@ -61,7 +61,8 @@ def _read_file(ctx: ToolContext, args: dict[str, Any]) -> str:
     lines = text.splitlines()
     offset = args.get("offset")
     limit = args.get("limit")
-    start = 1 if offset is None else (offset if offset > 0 else max(1, len(lines) + offset + 1))
+    # 1-based, negative from the end; 0 (a 0-based habit) is the first line too
+    start = 1 if not offset else (offset if offset > 0 else max(1, len(lines) + offset + 1))
     if start > len(lines):
         raise ToolError(f"offset {offset} is past the end of the file ({len(lines)} lines)")
     end = len(lines) if limit is None else min(len(lines), start - 1 + limit)
@@ -148,13 +149,18 @@ def _glob_file_search(ctx: ToolContext, args: dict[str, Any]) -> str:
     pattern = args["glob_pattern"].strip()
     if not pattern:
         raise ToolError("glob_pattern is empty")
-    # A bare pattern matches at any depth, as in an IDE's file search.
-    if not pattern.startswith(("**/", "/")):
-        pattern = "**/" + pattern
     root = resolve(args.get("target_directory") or WORKSPACE)
+    # A pattern matches at any depth, as in an IDE's file search, unless it starts with "/":
+    # ripgrep anchors that at the directory it runs in (here the search root, as a .gitignore
+    # does), and an absolute path under the root is made that.
+    base = root.rstrip("/") + "/"
+    if pattern.startswith(base):
+        pattern = "/" + pattern[len(base):]
+    elif not pattern.startswith(("**/", "/")):
+        pattern = "**/" + pattern
     r = ctx.sandbox.exec(
         ["rg", "--files", "--hidden", "--glob", "!.git", "--glob", pattern, "--sort", "path", root],
-        timeout=ctx.timeout_s,
+        cwd=root, timeout=ctx.timeout_s,
     )
     if r.exit_code not in (0, 1):
         raise ToolError(r.stderr.strip() or f"rg failed with exit code {r.exit_code}")

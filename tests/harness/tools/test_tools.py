@@ -28,6 +28,9 @@ def test_read_file(session):
     part = ok(session, "read_file", target_file="/workspace/inventory/stock.py", offset=18, limit=2)
     assert part.splitlines()[0].startswith("    18|") and "[lines 18-19 of 27]" in part
     assert "    27|" in ok(session, "read_file", target_file="inventory/stock.py", offset=-1)
+    # 0, as a 0-based habit has it: the first line
+    assert ok(session, "read_file", target_file="inventory/stock.py", offset=0, limit=2) == \
+        ok(session, "read_file", target_file="inventory/stock.py", offset=1, limit=2)
     assert "file not found" in err(session, "read_file", target_file="nope.py")
     assert "binary file" in err(session, "read_file", target_file="data.bin")
     assert "past the end" in err(session, "read_file", target_file="README.md", offset=100)
@@ -52,6 +55,13 @@ def test_glob_file_search(session):
     assert ok(session, "glob_file_search", glob_pattern="test_*.py", target_directory="tests") == \
         "/workspace/tests/test_stock.py"
     assert "No files matching" in ok(session, "glob_file_search", glob_pattern="*.rs")
+    # absolute patterns: under the search root, anchored there
+    assert ok(session, "glob_file_search", glob_pattern="/workspace/inventory/*.py").splitlines() == [
+        "/workspace/inventory/__init__.py", "/workspace/inventory/stock.py"]
+    assert ok(session, "glob_file_search", glob_pattern="/workspace/tests/test_*.py",
+              target_directory="tests") == "/workspace/tests/test_stock.py"
+    assert ok(session, "glob_file_search", glob_pattern="/workspace/**/stock.py") == \
+        "/workspace/inventory/stock.py"
 
 
 def test_grep(session):
