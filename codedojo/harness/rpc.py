@@ -4,7 +4,8 @@ One `ToolServer` serves the episodes of the sandboxes it can reach (its own sand
 sandbox its `SandboxProvider` knows). Heavy tools run here, outside the sandbox: the
 `codebase_search` index lives in this process. Methods:
 
-    episode.open   {env, sandbox_id?}        -> {episode_id, generation, versions, schemas}
+    episode.open   {env, sandbox_id?}        -> {episode_id, generation, versions, schemas,
+                                                  time_limits}
     tool.call      {episode_id, name, arguments} -> ToolResult
     episode.state  {episode_id}              -> the episode's tool state (todos, originals)
     episode.close  {episode_id}              -> {}
@@ -126,11 +127,14 @@ class ToolServer:
             return self.session(_req(p, "episode_id")).call(p["name"], p.get("arguments")).to_dict()
         if method == "episode.open":
             s = self.open_episode(p.get("env", "default"), p.get("sandbox_id"))
+            cfg = s.toolset.config
             return {
                 "episode_id": s.episode_id,
                 "generation": s.toolset.generation,
                 "versions": s.versions,
                 "schemas": s.schemas,
+                # each tool's time limit in this episode: how long a call may take to answer
+                "time_limits": {n: cfg.timeouts.get(n, cfg.default_timeout_s) for n in s.toolset.tools},
             }
         if method == "episode.state":
             return self.session(_req(p, "episode_id")).state()
@@ -277,6 +281,11 @@ class _TCPHTTPConnection(http.client.HTTPConnection):
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+# What a tool call may take beyond its tool's time limit before the client gives up on it: the
+# service's own work around the call (a sandbox's command is killed at the limit).
+ANSWER_MARGIN_S = 30.0
+
+
 class ToolClient:
     """JSON-RPC client of a `ToolServer` over one kept-alive connection.
 
@@ -303,10 +312,15 @@ class ToolClient:
                 self._conn = _TCPHTTPConnection(self._host, self._port, timeout=self._timeout)
         return self._conn
 
-    def _post(self, payload: bytes) -> bytes:
+    def _post(self, payload: bytes, wait: float | None = None) -> bytes:
         with self._lock:
             for attempt in (0, 1):
                 conn = self._connect()
+                # how long the answer may take: this call's own limit when longer than the
+                # client's (a tool allowed ten minutes is not cut off at five)
+                conn.timeout = self._timeout if wait is None else max(self._timeout, wait)
+                if conn.sock is not None:
+                    conn.sock.settimeout(conn.timeout)
                 try:
                     conn.request("POST", "/rpc", body=payload, headers={"Content-Type": "application/json"})
                 except OSError:
@@ -337,11 +351,13 @@ class ToolClient:
             self._conn.close()
             self._conn = None
 
-    def request(self, method: str, **params: Any) -> Any:
+    def request(self, method: str, *, wait: float | None = None, **params: Any) -> Any:
+        """Call ``method``; ``wait``: how long its answer may take, when longer than the
+        client's timeout."""
         payload = json.dumps(
             {"jsonrpc": "2.0", "id": next(self._ids), "method": method, "params": params}, ensure_ascii=False
         ).encode()
-        body = json.loads(self._post(payload))
+        body = json.loads(self._post(payload, wait))
         if "error" in body:
             raise RPCError(body["error"]["code"], body["error"]["message"])
         return body["result"]
@@ -372,13 +388,15 @@ class RemoteEpisode:
         self.generation: int = opened["generation"]
         self.versions: dict[str, str] = opened["versions"]
         self.schemas: list[dict[str, Any]] = opened["schemas"]
+        self.time_limits: dict[str, float] = opened.get("time_limits", {})
 
     def call(self, name: str, arguments: Any) -> ToolResult:
         """Tool failures come back as error results; a failing service (unreachable, unknown
         episode) raises, and the agent loop ends the episode."""
-        return ToolResult.from_dict(
-            self.client.request("tool.call", episode_id=self.episode_id, name=name, arguments=arguments)
-        )
+        limit = self.time_limits.get(name)  # the tool's own, and the service's time to answer
+        return ToolResult.from_dict(self.client.request(
+            "tool.call", wait=None if limit is None else limit + ANSWER_MARGIN_S,
+            episode_id=self.episode_id, name=name, arguments=arguments))
 
     def state(self) -> dict[str, Any]:
         return self.client.request("episode.state", episode_id=self.episode_id)

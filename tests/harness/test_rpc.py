@@ -154,3 +154,23 @@ def test_episodes_run_concurrently(service):
     assert not r.is_error and not done.is_set() and time.monotonic() - t0 < 1.5
     t.join()
     slow_client.close()
+
+
+def test_a_tool_allowed_longer_than_the_clients_timeout_is_waited_for(sandbox):
+    """A call answers within its tool's time limit (the environment's), which may be longer
+    than the client's own timeout: the client waits for it rather than ending the episode."""
+    server = ToolServer(sandbox=sandbox, envs={"default": EnvToolConfig(timeouts={"run_terminal_cmd": 600})})
+    running = serve_in_thread(server)
+    client = ToolClient(running.url, timeout=1.0)
+    try:
+        ep = client.open_episode()
+        assert ep.time_limits["run_terminal_cmd"] == 600 and ep.time_limits["read_file"] == 60
+        r = ep.call("run_terminal_cmd", {"command": "sleep 2; echo done"})
+        assert not r.is_error and r.content.endswith("done")
+        with pytest.raises(TimeoutError):  # asked without the tool's limit: the client's own
+            client.request("tool.call", episode_id=ep.episode_id, name="run_terminal_cmd",
+                           arguments={"command": "sleep 2"})
+    finally:
+        client.close()
+        running.stop()
+        server.close()
