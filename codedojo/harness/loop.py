@@ -123,6 +123,7 @@ class Agent:
             writer.step(traj)
         used_tokens = 0
         acting_turns = 0
+        acted = False  # since the start or the last summary: a summary follows some action
         next_prompt_estimate = sum(_estimate(str(m.get("content") or "")) for m in context)
         try:
             while True:
@@ -136,9 +137,10 @@ class Agent:
                 if (
                     next_prompt_estimate + budget > cfg.summary_threshold * cfg.context_window
                     and len(traj.segments) - 1 < cfg.max_summaries
-                    and acting_turns > 0
+                    and acted
                 ):
                     context, used = self._summarise(traj, context, budget)
+                    acted = False  # a context still over the threshold waits for the next turn
                     used_tokens += used
                     next_prompt_estimate = sum(_estimate(str(m.get("content") or "")) for m in context)
                     if writer:
@@ -151,6 +153,7 @@ class Agent:
                 gen_s = time.perf_counter() - g0
                 used_tokens += out_.completion_tokens or len(out_.completion_ids)
                 acting_turns += 1
+                acted = True
                 msg = out_.message()
                 context.append(msg)
                 traj.messages.append(msg)

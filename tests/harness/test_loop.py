@@ -194,3 +194,22 @@ def test_collect_changes_uses_tool_originals_then_git(session, sandbox):
     assert "Stock keeping" in readme.before and "Inventory helpers" in readme.after
     assert changes["/workspace/inventory/extra.py"].before is None
     assert changes["/workspace/pyproject.toml"].after is None and "[tool.ruff]" in changes["/workspace/pyproject.toml"].before
+
+
+def test_a_long_task_is_not_summarised_again_before_any_action(session):
+    """A task long enough that the fresh context (system, task, summary) is still over the
+    threshold: after a summary the model acts before the next one, instead of the loop spending
+    every summary back to back on summaries of summaries."""
+
+    class Summarising(ScriptedPolicy):
+        def generate(self, messages, tools, max_tokens):
+            if not tools:
+                return PolicyOutput(content="Read the task; next: run the tests.", completion_tokens=9)
+            return super().generate(messages, tools, max_tokens)
+
+    steps = [[("run_terminal_cmd", {"command": f"echo step {i}"})] for i in range(4)]
+    cfg = LoopConfig(context_window=2000, summary_threshold=0.6, max_tokens_per_turn=200, max_turns=20)
+    traj = Agent(Summarising([*steps, "done"]), cfg).run("x" * 21000, session)
+    kinds = [t.kind for t in traj.turns]
+    assert traj.status == "finished" and "summary" in kinds
+    assert "summary, summary" not in ", ".join(kinds)
