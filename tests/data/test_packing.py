@@ -52,6 +52,34 @@ def test_sft_mask_survives_packing(tmp_path):
     assert trained == {(6, 7), (7, 8), (9, 10), (10, 11)}
 
 
+def test_a_conversation_is_not_cut_to_fill_a_row(tmp_path):
+    """Masked documents (conversations) that do not fit the rest of a row start the next one
+    whole, so an answer is learnt with its prompt and its end token is a target; only one
+    longer than a row is split. Unmasked text still fills every row."""
+    w = ShardWriter(tmp_path / "chats", 100, None)
+    w.add([11, 12, 13, 14, 15, 99], [0, 0, 0, 1, 1, 1])
+    w.add([21, 22, 23, 24, 25, 99], [0, 0, 0, 1, 1, 1])
+    w.close()
+    chats = MixtureSource(name="chats", path=str(tmp_path / "chats"))
+    p = pack(mix([chats], total_tokens=12, seed=0), seq_len=9)  # rows of 10
+    b = make_batch(p.tokens, p.segments, p.mask)
+    for row in range(2):
+        trained = [int(y) for y, m in zip(b["targets"][row], b["loss_mask"][row], strict=True)
+                   if m]
+        assert trained in ([14, 15, 99], [24, 25, 99])  # each answer whole, in its own row
+        assert p.tokens[row].tolist()[6:] == [0] * 4  # the rest of the row: padding
+    long = pack(mix([chats], total_tokens=12, seed=0), seq_len=3)  # longer than a row: split
+    assert sorted(t for t in long.tokens.flatten().tolist() if t) == sorted(
+        [11, 12, 13, 14, 15, 99, 21, 22, 23, 24, 25, 99])
+    w = ShardWriter(tmp_path / "text", 100, None)
+    w.add([1, 2, 3, 4, 5, 6])
+    w.add([7, 8, 9, 10, 11, 12])
+    w.close()
+    text = pack(mix([MixtureSource(name="t", path=str(tmp_path / "text"))], 12, seed=0),
+                seq_len=9)
+    assert 0 not in text.tokens[0].tolist()  # split to fill the row
+
+
 def test_context_tokens_are_never_trained_targets(tmp_path):
     """A source's ``context_tokens``: the first n tokens of each document are read, never
     learnt; with a mask of its own (SFT), both apply, and the stored mask is left as it was."""

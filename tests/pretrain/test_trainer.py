@@ -469,7 +469,9 @@ def test_self_data_is_written_again_by_a_changed_model(tmp_path):
 def test_without_prompt_loss_the_modules_learn_only_where_the_next_token_is_generated(
         tmp_path):
     """``self_gen.prompt_loss = false`` reads the same continuations (nothing is generated
-    again) and packs the same rows, trained only where the target is a generated token."""
+    again), trained only where the target is a generated token; its rows hold whole rows of
+    the generation (a continuation is never cut from its prompt, as `pack` keeps a masked
+    document whole)."""
     from rich.console import Console
 
     from codedojo.pretrain.trainer import self_data, stage_packed
@@ -485,15 +487,21 @@ def test_without_prompt_loss_the_modules_learn_only_where_the_next_token_is_gene
     data.shards["self"] = dirs[0]
     every, generated = (stage_packed(c, c.stages[0], 0, data, run_dir, origins=True)
                         for c in cfgs)
-    np.testing.assert_array_equal(generated.tokens, every.tokens)
-    np.testing.assert_array_equal(generated.origin, every.origin)
     starts = np.array([TokenShards(dirs[0]).doc_start(i) for i in range(6)])
-    o = every.origin
-    in_doc = o - starts[np.searchsorted(starts, o, side="right") - 1]  # a token's place
-    real = o >= 0
-    assert (every.mask[real] == 1).all()
+
+    def places(p):  # each real token's place in its document, and which are real
+        o = p.origin
+        return o - starts[np.searchsorted(starts, o, side="right") - 1], o >= 0
+
+    in_doc, real = places(every)
+    assert (every.mask[real] == 1).all() and (in_doc[real] > 0).any()
+    in_doc, real = places(generated)
     np.testing.assert_array_equal(generated.mask[real], (in_doc[real] >= 8).astype(np.uint8))
     assert 0 < generated.mask[real].sum() < real.sum()
+    segs = generated.segments
+    first = np.ones_like(segs, dtype=bool)
+    first[:, 1:] = segs[:, 1:] != segs[:, :-1]
+    assert (in_doc[first & real] == 0).all()  # every piece of a row starts its document
 
 
 def test_an_mtp_distillation_step_detaches_the_modules_when_asked():
