@@ -33,6 +33,7 @@ import errno
 import hashlib
 import json
 import os
+import posixpath
 import selectors
 import shutil
 import signal
@@ -80,6 +81,10 @@ from codedojo.sandbox.syscalls import (
 
 DEFAULT_ROOT = "/var/lib/codedojo/sandbox"
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The kernel's own file systems, whose files the host-side file calls never serve
+_KERNEL_FS = {"proc", "sysfs", "devtmpfs", "devpts", "mqueue", "cgroup", "cgroup2", "debugfs",
+              "tracefs", "securityfs", "bpf", "binfmt_misc", "configfs", "pstore", "hugetlbfs",
+              "fusectl", "autofs"}
 # After a command exits, how long to keep reading output that a background child still holds.
 EXIT_GRACE_S = 0.05
 
@@ -391,6 +396,7 @@ class LocalSandbox:
         self._waiter: subprocess.Popen | None = None
         self.init_pid = 0
         self._root_fd = -1
+        self._kernel_devs: set[int] | None = None  # `_kernel_devices`, read once
         self.cgroup: Cgroup | None = None
         self._shells: list[LocalShell] = []
         self._lock = threading.RLock()
@@ -444,7 +450,9 @@ class LocalSandbox:
         else:
             for d in self.image.binds:
                 args += ["--bind", f"/{d}:/{d}"]
-        self._waiter = subprocess.Popen(args, pass_fds=(fd,),
+        # init's own environment is the only one it keeps (commands get theirs with each
+        # request): nothing of the host's (API keys) for /proc/1/environ to show
+        self._waiter = subprocess.Popen(args, pass_fds=(fd,), env={"PATH": "/usr/bin:/bin"},
                                         stdin=subprocess.PIPE if wait_go else subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self._listener.close()  # init holds its own copy; ours would keep the address alive
@@ -472,6 +480,7 @@ class LocalSandbox:
         if ready_line == "R":
             self._waiter.stdout.close()
             self._root_fd = os.open(f"/proc/{self.init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            self._kernel_devs = None  # a new init: its mount table is read again
 
     def _go(self) -> None:
         """Finish a pooled sandbox: its filesystem is mounted; tell init to enter it."""
@@ -534,18 +543,28 @@ class LocalSandbox:
             self._mount_fs()
             self._go()
             # state.json from the blank already names the init, cgroups and owner (all gc needs)
-            if self.spec.egress is not None:
-                self.binding = self.spec.egress.attach(self.id, self.init_pid)
-                self._place_binding_files()
+            self._attach_egress()
         except BaseException:
             self._teardown(keep_dir=False)
             raise
 
     def _finish_start(self) -> None:
         self._write_state()
-        if self.spec.egress is not None:
-            self.binding = self.spec.egress.attach(self.id, self.init_pid)
+        self._attach_egress()
+
+    def _attach_egress(self) -> None:
+        """Join the egress proxy and place its files (CA, resolver); should the files fail,
+        the attachment is undone (its address, rules and log would outlive the sandbox)."""
+        if self.spec.egress is None:
+            return
+        self.binding = self.spec.egress.attach(self.id, self.init_pid)
+        try:
             self._place_binding_files()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.spec.egress.detach(self.id)
+            self.binding = EgressBinding()
+            raise
 
     def _place_binding_files(self) -> None:
         for path, data in self.binding.files.items():
@@ -700,12 +719,50 @@ class LocalSandbox:
             return
         raise SandboxError(f"path: {path}: permission denied (not writable by the sandbox user)")
 
+    def _kernel_devices(self) -> set[int]:
+        """The devices of the sandbox's kernel file systems (/proc, /sys, /dev and the like),
+        from its init's mount table: the host-side file calls serve none of them. Their files
+        are the host kernel's (a sysctl written through /proc/sys is written for the host), or
+        never end (/dev/zero)."""
+        if self._kernel_devs is None:
+            devs = set()
+            with open(f"/proc/{self.init_pid}/mountinfo") as f:
+                for line in f:
+                    fields, _, rest = line.partition(" - ")
+                    parts = fields.split()
+                    major, minor = parts[2].split(":")
+                    where, fstype = parts[4], rest.split()[0]
+                    if fstype in _KERNEL_FS or where.startswith(("/proc", "/sys", "/dev")):
+                        devs.add(os.makedev(int(major), int(minor)))
+            self._kernel_devs = devs
+        return self._kernel_devs
+
+    def _served(self, fd: int, path: str) -> os.stat_result:
+        """``fd``'s stat, when it is a file the host-side calls serve: on the sandbox's own
+        file systems, not its kernel's (reached through a symlink or named outright)."""
+        st = os.fstat(fd)
+        if st.st_dev in self._kernel_devices():
+            raise SandboxError(f"path: {path}: a kernel file system's (/proc, /sys, /dev); "
+                               "read or write it with a command")
+        return st
+
+    @staticmethod
+    def _check_readable(st: os.stat_result, path: str) -> None:
+        if (st.st_mode & 0o004 or (st.st_uid == SANDBOX_UID and st.st_mode & 0o400)
+                or (st.st_gid == SANDBOX_GID and st.st_mode & 0o040)):
+            return
+        raise SandboxError(f"path: {path}: permission denied (not readable by the sandbox user)")
+
     def read_file(self, path: str) -> bytes:
         p = sandbox_path(path)
-        fd = self._open(p, os.O_RDONLY)
+        fd = self._open(p, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens, and is refused below
         try:
-            if stat.S_ISDIR(os.fstat(fd).st_mode):
+            st = self._served(fd, p)
+            if stat.S_ISDIR(st.st_mode):
                 raise SandboxError(f"path: {p} is a directory")
+            if not stat.S_ISREG(st.st_mode):
+                raise SandboxError(f"path: {p} is not a regular file")
+            self._check_readable(st, p)
             chunks = []
             while chunk := os.read(fd, 1 << 20):
                 chunks.append(chunk)
@@ -713,7 +770,7 @@ class LocalSandbox:
         finally:
             os.close(fd)
 
-    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644, _hops: int = 0) -> None:
         p = sandbox_path(path)
         if isinstance(data, str):
             data = data.encode()
@@ -724,22 +781,39 @@ class LocalSandbox:
         mode &= 0o777  # never setuid/setgid: the host writes as root
         pfd, name = self._parent(p, create=True)
         try:
+            self._served(pfd, p)
             try:
                 existing = os.stat(name, dir_fd=pfd, follow_symlinks=False)
             except FileNotFoundError:
                 existing = None
+            if existing is not None and stat.S_ISLNK(existing.st_mode):
+                # written where it points, with the checks of that place (as the sandbox user
+                # writing through it would be)
+                if _hops >= 40:
+                    raise SandboxError(f"path: {p}: too many levels of symbolic links")
+                target = posixpath.join(posixpath.dirname(p), os.readlink(name, dir_fd=pfd))
+                return self.write_file(posixpath.normpath(target), data, mode, _hops + 1)
             if existing is not None and stat.S_ISDIR(existing.st_mode):
                 raise SandboxError(f"path: {p} is a directory")
-            if existing is None or stat.S_ISLNK(existing.st_mode):
+            if existing is not None and not stat.S_ISREG(existing.st_mode):
+                raise SandboxError(f"path: {p} is not a regular file")
+            if existing is None:
                 self._check_writable(pfd, p)
             else:
                 self._check_writable(pfd, p, name)
-            fd = self._open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            # no following a symlink put there since, and no blocking on a FIFO
+            fd = self._open(p, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
             try:
-                st = os.fstat(fd)
-                if existing is None:
+                st = self._served(fd, p)
+                if not stat.S_ISREG(st.st_mode):
+                    raise SandboxError(f"path: {p} is not a regular file")
+                created = existing is None and st.st_uid == 0 and st.st_size == 0
+                if not created:  # the file opened: the one checked, or one the sandbox's
+                    self._check_writable(fd, p)
+                os.ftruncate(fd, 0)
+                if created:
                     os.fchown(fd, SANDBOX_UID, SANDBOX_GID)
-                if st.st_uid in (SANDBOX_UID, 0) and existing is None or st.st_uid == SANDBOX_UID:
+                if created or st.st_uid == SANDBOX_UID:
                     os.fchmod(fd, mode)
                 view = memoryview(data)
                 while view:
@@ -757,10 +831,17 @@ class LocalSandbox:
             os.close(pfd)
 
     def _write_as_root(self, path: str, data: bytes) -> None:
-        """Place a file (the egress CA) owned by root, readable by all; parents are created."""
-        pfd, _ = self._parent(path, create=True, as_root=True)
-        os.close(pfd)
-        fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        """Place a file (the egress CA) owned by root, readable by all; parents are created.
+        What is there already and is not a regular file (a resolv.conf that links to a file of
+        the host's systemd) is replaced, never followed."""
+        pfd, name = self._parent(path, create=True, as_root=True)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                if not stat.S_ISREG(os.stat(name, dir_fd=pfd, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=pfd)
+        finally:
+            os.close(pfd)
+        fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         try:
             os.fchown(fd, 0, 0)
             os.fchmod(fd, 0o644)
@@ -811,6 +892,7 @@ class LocalSandbox:
         p = sandbox_path(path)
         fd = self._open(p, os.O_RDONLY | os.O_DIRECTORY)
         try:
+            self._check_readable(self._served(fd, p), p)
             out = []
             for name in sorted(os.listdir(fd)):
                 with contextlib.suppress(FileNotFoundError):
@@ -928,9 +1010,9 @@ class LocalSandbox:
                 self._mount_fs()
                 self._start_init(new_netns=False)
                 self._write_state()
-                self._place_binding_files()
+                self._place_binding_files()  # the attachment stays: the same network namespace
             except BaseException:
-                self.destroy()
+                self.destroy()  # detaches it
                 raise
 
 

@@ -7,7 +7,15 @@ import subprocess
 
 import pytest
 
-from codedojo.sandbox.base import Change, ExecResult, Limits, Sandbox, SandboxError, SandboxSpec
+from codedojo.sandbox.base import (
+    Change,
+    EgressBinding,
+    ExecResult,
+    Limits,
+    Sandbox,
+    SandboxError,
+    SandboxSpec,
+)
 from tests.sandbox.conftest import SMALL
 
 
@@ -310,3 +318,69 @@ def test_deep_layer_stack_beyond_the_mount_option_limit(provider, project):
         assert r.stdout == "120\n0119VALUE = 41\n", r
     finally:
         sb.destroy()
+
+
+def test_host_file_calls_serve_only_the_sandboxs_own_files(sandbox):
+    """The host-side calls act as the sandbox user would, on the sandbox's own file systems:
+    a symlink the sandbox planted leads nowhere it could not write itself, and never into its
+    kernel's file systems (/proc/sys is the host's kernel's); devices and FIFOs are refused
+    instead of read forever; init carries none of the host's environment."""
+    before = sandbox.exec("cat /etc/hostname").stdout
+    sandbox.exec("ln -s /etc/hostname h && ln -s /proc/sys/kernel/core_pattern core "
+                 "&& ln -s /proc/sys/kernel k && mkfifo fifo && ln -s own.txt alias")
+    with pytest.raises(SandboxError, match="permission denied"):
+        sandbox.write_file("h", "evil")  # a root-owned file of the image, through a link
+    assert sandbox.exec("cat /etc/hostname").stdout == before
+    for path in ("core", "k/core_pattern", "/proc/sys/kernel/core_pattern"):
+        with pytest.raises(SandboxError, match="kernel file system"):
+            sandbox.read_file(path)
+        with pytest.raises(SandboxError, match="kernel file system"):
+            sandbox.write_file(path, "|/tmp/x")
+    for path in ("/dev/zero", "fifo"):
+        with pytest.raises(SandboxError, match="kernel file system|not a regular file"):
+            sandbox.read_file(path)
+    with pytest.raises(SandboxError, match="not a regular file"):
+        sandbox.write_file("fifo", "x")
+    with pytest.raises(SandboxError, match="kernel file system"):
+        sandbox.list_dir("/proc/1")
+    with pytest.raises(SandboxError, match="not readable"):
+        sandbox.list_dir("/root")
+    sandbox.write_file("alias", "through a link of its own")  # where the sandbox may write
+    assert sandbox.read_file("own.txt") == b"through a link of its own"
+    assert sandbox.exec("readlink alias").stdout == "own.txt\n"
+    init_env = open(f"/proc/{sandbox.init_pid}/environ", "rb").read().split(b"\0")
+    assert [e for e in init_env if e and not e.startswith(b"PATH=")] == []
+
+
+class _Recorder:
+    """An egress attachment that records its calls and hands the sandbox files to place."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files, self.calls = files, []
+
+    def attach(self, sandbox_id: str, netns_pid: int) -> EgressBinding:
+        self.calls.append("attach")
+        return EgressBinding(env={"HTTPS_PROXY": "http://10.0.0.1:1"}, files=self.files)
+
+    def detach(self, sandbox_id: str) -> None:
+        self.calls.append("detach")
+
+
+def test_egress_files_replace_a_link_and_a_failed_attachment_is_undone(provider, project):
+    """The binding's files replace what lies there without following it (a resolv.conf that
+    links to the host's systemd, which does not exist inside); a sandbox whose files cannot be
+    placed is not created, and its attachment is undone."""
+    ok = _Recorder({"/etc/resolv.conf": b"nameserver 10.0.0.1\n"})
+    sb = provider.create(SandboxSpec(image=project, limits=SMALL, egress=ok))
+    try:
+        assert sb.read_file("/etc/resolv.conf") == b"nameserver 10.0.0.1\n"
+        sb.exec("ln -s ../run/nowhere/stub-resolv.conf /tmp/r")  # dangling, as on systemd hosts
+        sb._write_as_root("/tmp/r", b"nameserver 10.0.0.1\n")
+        assert sb.exec("test -L /tmp/r || cat /tmp/r").stdout == "nameserver 10.0.0.1\n"
+    finally:
+        sb.destroy()
+    assert ok.calls == ["attach", "detach"]
+    bad = _Recorder({"/proc/sys/kernel/nope": b"x"})  # a place no file can go
+    with pytest.raises(SandboxError):
+        provider.create(SandboxSpec(image=project, limits=SMALL, egress=bad))
+    assert bad.calls == ["attach", "detach"]
