@@ -233,6 +233,11 @@ class EgressAddon:
         flow.metadata["egress"] = meta
         try:
             name, port = self._destination(flow)
+            if sc.secrets:  # never resolved, never sent as SNI, never logged
+                shown, found = sc.secrets.redact_str(name)
+                if found:
+                    meta.update(name=shown, port=port)
+                    raise Blocked(403, f"host name {shown} holds a registered secret")
             meta.update(name=name, port=port)
             if req.method.upper() not in sc.policy.allow_methods:
                 raise Blocked(403, f"method {req.method} is not allowed (allowed: "
@@ -272,6 +277,10 @@ class EgressAddon:
         req.headers.fields = tuple(
             strip_headers(list(req.headers.fields), sc.policy, sc.secrets, report)
         )
+        if req.trailers:  # HTTP/2 and chunked trailers are headers too
+            req.trailers.fields = tuple(
+                strip_headers(list(req.trailers.fields), sc.policy, sc.secrets, report)
+            )
         if sc.secrets:
             path, found = sc.secrets.redact_str(req.path)
             report.found(found, "url")

@@ -1,9 +1,11 @@
 """Removing what must not leave a sandbox: sensitive headers and registered secret values.
 
 A secret is registered by the environment as `name -> value`. It is looked for in every header
-value, in the URL (path and query) and in the body, in the forms it is commonly sent in: as is,
-URL-encoded (`quote`, `quote_plus`), JSON-escaped and base64 (Basic auth, tokens in blobs). Each
-occurrence becomes the marker `__REDACTED_<NAME>__`, which is safe in every one of those places.
+and trailer value, in the URL (path and query) and in the body, in the forms it is commonly sent
+in: as is, URL-encoded (`quote`, `quote_plus`, with "/" kept or not, hex digits in either case),
+JSON-escaped and base64 (Basic auth, tokens in blobs: at whichever of the three byte offsets the
+secret starts in the encoded data). Each occurrence becomes the marker `__REDACTED_<NAME>__`,
+which is safe in every one of those places.
 """
 
 from __future__ import annotations
@@ -24,11 +26,35 @@ def redaction_marker(name: str) -> str:
     return f"__REDACTED_{re.sub(r'[^A-Za-z0-9]', '_', name).upper()}__"
 
 
+def _pattern(needle: bytes) -> re.Pattern[bytes]:
+    """``needle`` as a pattern, its percent escapes' hex digits matching in either case (%2f
+    and %2F are one character to a URL's reader)."""
+    parts = re.split(rb"(%[0-9A-F]{2})", needle)
+    return re.compile(b"".join(
+        b"%" + b"".join(b"[%s%s]" % (c, c.lower()) if c.isalpha() else c
+                        for c in (p[1:2], p[2:3]))
+        if i % 2 else re.escape(p) for i, p in enumerate(parts)))
+
+
+def _base64_cores(raw: bytes) -> list[bytes]:
+    """What base64 makes of ``raw`` wherever it starts in the encoded data: at each of the
+    three byte offsets, the characters its bytes alone decide (those shared with the bytes
+    before or after depend on them, and are left out), in both alphabets."""
+    cores = []
+    for k in range(3):
+        enc = base64.b64encode(b"\0" * k + raw)
+        start, end = -(-8 * k // 6), 8 * (k + len(raw)) // 6  # wholly inside the secret
+        core = enc[start:end]
+        cores += [core, core.replace(b"+", b"-").replace(b"/", b"_")]
+    return cores
+
+
 @dataclass
 class SecretSet:
     """Registered secrets, with every encoded form precomputed (longest first)."""
 
-    forms: list[tuple[bytes, bytes, str]] = field(default_factory=list)  # (needle, marker, name)
+    # (the form, as a pattern: its percent escapes' hex in either case; marker; name)
+    forms: list[tuple[re.Pattern[bytes], bytes, str]] = field(default_factory=list)
 
     @classmethod
     def from_mapping(cls, secrets: Mapping[str, str]) -> SecretSet:
@@ -41,18 +67,20 @@ class SecretSet:
                 )
             marker = redaction_marker(name).encode()
             raw = value.encode()
+            quoted = {quote(value, safe=""), quote(value), quote_plus(value, safe=""),
+                      quote_plus(value, safe="/")}
             variants = {
                 raw,
-                quote(value, safe="").encode(),
-                quote_plus(value, safe="").encode(),
+                *(q.encode() for q in quoted),
                 json.dumps(value)[1:-1].encode(),
                 base64.b64encode(raw),
                 base64.urlsafe_b64encode(raw).rstrip(b"="),
+                *_base64_cores(raw),
             }
             for v in variants:
                 forms[v] = (marker, name)
         ordered = sorted(forms.items(), key=lambda kv: -len(kv[0]))
-        return cls([(needle, marker, name) for needle, (marker, name) in ordered])
+        return cls([(_pattern(needle), marker, name) for needle, (marker, name) in ordered])
 
     def __bool__(self) -> bool:
         return bool(self.forms)
@@ -60,9 +88,9 @@ class SecretSet:
     def redact(self, data: bytes) -> tuple[bytes, set[str]]:
         """`data` with every secret form replaced; and the names of the secrets found."""
         found: set[str] = set()
-        for needle, marker, name in self.forms:
-            if needle in data:
-                data = data.replace(needle, marker)
+        for pattern, marker, name in self.forms:
+            data, n = pattern.subn(marker, data)
+            if n:
                 found.add(name)
         return data, found
 

@@ -142,3 +142,38 @@ def test_secrets_in_compressed_bodies_are_redacted_and_opaque_bodies_refused(set
     addon.request(g)
     assert g.response is not None and g.response.status_code == 400
     assert b"cannot decode request body" in g.response.content
+
+
+def test_a_secret_in_the_host_name_is_never_looked_up_or_logged(setup, monkeypatch):
+    """An allowed wildcard (*.example.org) would carry tok-123456.example.org to the resolver,
+    the TLS SNI and the audit log: the request is refused before any of them, and the log
+    shows the name redacted."""
+    addon, sc, audit = setup
+    looked_up: list[str] = []
+
+    async def resolve(policy, host, port):
+        looked_up.append(host)
+        return [ipaddress.ip_address("93.184.216.34")]
+
+    monkeypatch.setattr(addon, "_resolve", resolve)
+    f = _flow("tok-123456.example.org")
+    asyncio.run(addon.requestheaders(f))
+    assert f.response is not None and f.response.status_code == 403
+    assert b"holds a registered secret" in f.response.content and b"tok-123456" not in f.response.content
+    assert looked_up == [] and not sc.sni
+    addon.response(f)
+    assert read_audit(audit)[-1]["host"] == "__REDACTED_TOKEN__.example.org"
+
+
+def test_secrets_in_trailers_are_stripped_and_redacted(setup):
+    from mitmproxy.http import Headers
+
+    addon, _, _ = setup
+    f = _flow()
+    f.request.method = "POST"
+    f.request.trailers = Headers(authorization="Bearer tok-123456", **{"x-sum": "tok-123456"})
+    addon.request(f)
+    assert "authorization" not in f.request.trailers
+    assert f.request.trailers["x-sum"] == "__REDACTED_TOKEN__"
+    report = f.metadata["egress"]["report"]
+    assert "authorization" in report.headers and report.secrets == {"TOKEN": ["header:x-sum"]}

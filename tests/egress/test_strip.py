@@ -25,6 +25,37 @@ def test_every_encoding_of_a_secret_is_redacted():
         assert form.encode() not in out and marker in out and found == {"hf token"}, form
 
 
+def test_a_secret_inside_base64_or_lower_case_escapes_is_redacted():
+    """Base64 of a blob holding the secret at any byte offset (Basic auth's "user:secret",
+    a JSON object), in either alphabet; percent escapes in lower case or with "/" kept."""
+    s = SecretSet.from_mapping({"k": SECRET})
+    blobs = [f"user:{SECRET}", f'{{"token": "{SECRET}", "n": 1}}', f"ab{SECRET}xyz"]
+    forms = [encode(b.encode()).decode() for b in blobs
+             for encode in (base64.b64encode, base64.urlsafe_b64encode)]
+    forms += [quote(SECRET, safe="").lower(), quote(SECRET), quote_plus(SECRET).replace("%2F", "%2f")]
+    for form in forms:
+        out, found = s.redact(f"x={form}&y=1".encode())
+        assert found == {"k"}, form
+        assert SECRET.encode() not in _decoded(out), form
+
+
+def _decoded(data: bytes) -> bytes:
+    """Whatever base64 or URL decoding of the parts of ``data`` gives back (to show the secret
+    no longer comes back out of it)."""
+    from urllib.parse import unquote_to_bytes
+
+    out = [data, unquote_to_bytes(data)]
+    for part in data.replace(b"=", b" ").replace(b"&", b" ").split():
+        for alt in (base64.b64decode, base64.urlsafe_b64decode):
+            for cut in range(4):
+                piece = part[cut:]
+                try:
+                    out.append(alt(piece + b"=" * (-len(piece) % 4)))
+                except ValueError:
+                    pass
+    return b"|".join(out)
+
+
 def test_json_escaped_secret():
     secret = 'quote"inside'
     s = SecretSet.from_mapping({"k": secret})
