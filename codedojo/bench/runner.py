@@ -175,9 +175,14 @@ def run_one(images: TaskImages, agent: BenchAgent, task: Task, sample: int, out_
         sb = None
         t0 = time.perf_counter()
         ok, report = grade_changes(images, task, changes)
+        if report.infra_error:  # the environment's fault, or the agent's change's?
+            if not changes:
+                raise RuntimeError(f"grading: {report.infra_error}")
+            _, unchanged = grade_changes(images, task, {})
+            if unchanged.infra_error:  # not the change's: the same on the task as it came
+                raise RuntimeError(f"grading, with and without the agent's changes: "
+                                   f"{unchanged.infra_error}")
         res.grade_s = time.perf_counter() - t0
-        if report.timed_out and not changes:
-            raise RuntimeError("hidden tests timed out on an unchanged tree")
         passed = report.passed()
         res.f2p_passed = sum(t in passed for t in task.FAIL_TO_PASS)
         res.p2p_passed = sum(t in passed for t in task.PASS_TO_PASS)

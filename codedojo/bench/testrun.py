@@ -66,6 +66,7 @@ class TestReport:
     timed_out: bool = False
     duration_s: float = 0.0
     output_tail: str = ""
+    reported: int = 0  # outcomes pytest itself reported (the rest were filled in as errors)
 
     def passed(self) -> set[str]:
         return {t for t, o in self.outcomes.items() if o in ("passed", "xfail")}
@@ -78,9 +79,9 @@ class TestReport:
         """Why this run says nothing about the tests (timeout, collection or usage error)."""
         if self.timed_out:
             return "test run timed out"
-        if self.exit_code in (2, 3, 4) and not self.outcomes:
+        if self.exit_code in (2, 3, 4) and not self.reported:
             return f"pytest exit {self.exit_code}: {self.output_tail[-400:]}"
-        if self.exit_code not in (0, 1, 5) and not self.outcomes:
+        if self.exit_code not in (0, 1, 5) and not self.reported:
             return f"test command exit {self.exit_code}: {self.output_tail[-400:]}"
         return None
 
@@ -120,6 +121,7 @@ def run_pytest(
     report.timed_out = res.timed_out
     report.duration_s = res.duration_s
     report.output_tail = (res.stdout + res.stderr)[-4000:]
+    report.reported = len(report.outcomes)
     if tests:
         # A requested test that pytest never reported (renamed, deleted, not collected) failed.
         for t in tests:

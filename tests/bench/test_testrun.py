@@ -41,3 +41,20 @@ def test_run_pytest_on_a_folder_and_missing_tests_count_as_errors(tmp_path):
 def test_local_executor_timeout_kills_the_group():
     res = LocalExecutor().exec("sleep 30 & sleep 30", timeout=0.5)
     assert res.timed_out and res.exit_code == 124
+
+
+class _Broken:
+    """An executor whose test command cannot run (no interpreter there: exit 127)."""
+
+    def exec(self, argv, cwd=None, env=None, timeout=None):
+        from codedojo.sandbox.base import ExecResult
+
+        return ExecResult(127, "", "python: not found")
+
+
+def test_a_run_that_reports_no_test_is_an_infra_error_though_tests_were_asked_for():
+    """The requested tests pytest never reported are filled in as errors; that must not hide
+    that the run itself failed."""
+    rep = run_pytest(_Broken(), PytestCommand(root="/w"), tests=["t.py::test_a"], timeout=5)
+    assert rep.outcomes == {"t.py::test_a": "error"}
+    assert rep.infra_error is not None and rep.infra_error.startswith("test command exit 127")

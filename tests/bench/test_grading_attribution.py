@@ -1,0 +1,61 @@
+"""Who a grading failure is put down to: an error of the test run on the task as it came is
+the environment's (infra), on the agent's changes alone the agent's (unresolved)."""
+
+from __future__ import annotations
+
+import pytest
+
+from codedojo.bench import runner
+from codedojo.bench.runner import AgentResult, run_one
+from codedojo.bench.testrun import TestReport
+
+
+class _Task:
+    instance_id, category = "t-1", "bugfix"
+    FAIL_TO_PASS, PASS_TO_PASS = ["t.py::test_fix"], ["t.py::test_keep"]
+
+
+class _Images:
+    def agent_sandbox(self, task):
+        class Sb:
+            def destroy(self):
+                pass
+        return Sb()
+
+
+class _Agent:
+    name = "stub"
+
+    def solve(self, task, sb, out_dir):
+        return AgentResult(turns=1)
+
+
+def _report(broken: bool) -> TestReport:
+    if broken:  # the test command could not run
+        return TestReport(outcomes={t: "error" for t in ["t.py::test_fix", "t.py::test_keep"]},
+                          exit_code=127, output_tail="python: not found")
+    return TestReport(outcomes={"t.py::test_fix": "failed", "t.py::test_keep": "passed"},
+                      exit_code=1, reported=2)
+
+
+@pytest.mark.parametrize("changes, broken_with, broken_without, status", [
+    ({"a.py": b"x"}, True, False, "unresolved"),  # the change broke the run: the agent's
+    ({"a.py": b"x"}, True, True, "infra_failure"),  # broken either way: the environment's
+    ({}, True, True, "infra_failure"),
+    ({"a.py": b"x"}, False, False, "unresolved"),
+])
+def test_a_broken_test_run_is_put_down_to_whoever_broke_it(
+        monkeypatch, tmp_path, changes, broken_with, broken_without, status):
+    graded: list[dict] = []
+
+    def grade(images, task, ch):
+        graded.append(dict(ch))
+        return False, _report(broken_with if ch else broken_without)
+
+    monkeypatch.setattr(runner, "collect_changes", lambda sb: dict(changes))
+    monkeypatch.setattr(runner, "grade_changes", grade)
+    res = run_one(_Images(), _Agent(), _Task(), 0, tmp_path)  # type: ignore[arg-type]
+    assert res.status == status, res.error
+    if status == "infra_failure":
+        assert "test command exit 127" in res.error
+    assert graded[0] == changes and len(graded) == (2 if changes and broken_with else 1)
