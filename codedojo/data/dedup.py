@@ -35,7 +35,10 @@ class DedupConfig(BaseModel):
 
 
 def normalized_hash(text: str) -> str:
-    return hashlib.sha1(" ".join(text.split()).encode()).hexdigest()
+    """The text's hash with trailing spaces and blank lines left out; indentation counts (two
+    Python files that differ only in it are different programs)."""
+    lines = (line.rstrip() for line in text.splitlines())
+    return hashlib.sha1("\n".join(line for line in lines if line).encode()).hexdigest()
 
 
 def shingles(text: str, n: int) -> np.ndarray:

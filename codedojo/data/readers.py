@@ -109,7 +109,9 @@ def read_git(repo: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
     for rel in sorted(x for x in out.decode().split("\0") if x):
         if not rel.endswith(wanted) or any(x in rel for x in exclude):
             continue
-        blob = subprocess.run(["git", "-C", str(repo), "show", f"HEAD:{rel}"],
+        # "./": relative to the directory asked for (a repository's subdirectory), as
+        # ls-files lists them, not to the repository's root
+        blob = subprocess.run(["git", "-C", str(repo), "show", f"HEAD:./{rel}"],
                               capture_output=True)
         if blob.returncode != 0 or b"\x00" in blob.stdout[:4096]:
             continue
@@ -125,18 +127,26 @@ def read_jsonl(path: str | Path, text_field: str = "text") -> Iterator[Document]
     path = Path(path)
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
     for f in files:
-        with f.open(encoding="utf-8") as fh:
-            for i, line in enumerate(fh):
-                if not line.strip():
+        with f.open("rb") as fh:
+            for i, raw in enumerate(fh):
+                where = f"{f}:{i + 1}"
+                if not raw.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{where}: not UTF-8 (byte {e.start})") from None
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{f}:{i + 1}: not valid JSON ({e.msg})") from e
+                    raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
+                if not isinstance(row, dict):
+                    raise ValueError(f"{where}: a JSON object expected, got "
+                                     f"{type(row).__name__}")
                 if text_field not in row:
-                    raise ValueError(f"{f}:{i + 1}: missing text_field {text_field!r}")
+                    raise ValueError(f"{where}: missing text_field {text_field!r}")
                 text = row.pop(text_field)
-                yield Document(text=str(text), source=f"{f}:{i + 1}", meta=row)
+                if text is None:  # as the parquet reader does: no text, no document
+                    continue
+                yield Document(text=str(text), source=where, meta=row)
 
 
 def read_parquet(path: str | Path, text_field: str = "text") -> Iterator[Document]:

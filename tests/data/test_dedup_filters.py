@@ -26,7 +26,8 @@ def test_minhash_estimates_jaccard():
 def test_dedup_exact_and_near():
     base = _code(7)
     near = base.replace("return x * ", "return x *  ", 1) + "\n# trailing comment"
-    docs = [Document(base, "a"), Document(_code(8), "b"), Document("  " + base + "\n", "c"),
+    spaced = base.replace("\n", "   \n", 2) + "\n\n"  # trailing spaces, blank lines: the same
+    docs = [Document(base, "a"), Document(_code(8), "b"), Document(spaced, "c"),
             Document(near, "d"), Document(_code(9), "e")]
     stats = DedupStats()
     kept = [d.source for d in dedup(docs, DedupConfig(threshold=0.7), stats)]
@@ -34,6 +35,10 @@ def test_dedup_exact_and_near():
     assert (stats.exact_dupes, stats.near_dupes) == (1, 1)
     only_exact = [d.source for d in dedup(docs, DedupConfig(near=False))]
     assert only_exact == ["a", "b", "d", "e"]
+    # indentation is part of a program: h() inside the if or after it are two programs
+    inside, after = "if x:\n    g()\n    h()\n", "if x:\n    g()\nh()\n"
+    both = dedup([Document(inside, "in"), Document(after, "out")], DedupConfig(near=False))
+    assert [d.source for d in both] == ["in", "out"]
 
 
 def test_filters_report_reasons():

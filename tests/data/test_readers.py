@@ -41,6 +41,15 @@ def test_read_git_only_tracked_files_at_head(tmp_path):
     assert [(d.meta["path"], d.text) for d in docs] == [("t.py", "tracked = True\n")]
     with pytest.raises(ValueError, match="source.path"):
         list(read_git(tmp_path / "nope"))
+    # a subdirectory of a repository: its own files, not the root's of the same names
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "t.py").write_text("inner = True\n")
+    (tmp_path / "src" / "v.py").write_text("v = 1\n")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "src"], check=True, env=env)
+    subprocess.run(["git", "-C", str(tmp_path), "commit", "-qm", "y"], check=True, env=env)
+    docs = list(read_git(tmp_path / "src"))
+    assert [(d.meta["path"], d.text) for d in docs] == [("t.py", "inner = True\n"),
+                                                         ("v.py", "v = 1\n")]
 
 
 def test_read_jsonl_and_parquet(tmp_path):
@@ -52,6 +61,15 @@ def test_read_jsonl_and_parquet(tmp_path):
     assert docs[1].meta == {"lang": "c"}
     with pytest.raises(ValueError, match="text_field 'text'"):
         list(read_jsonl(f))
+    # odd lines: named by file and line; a null text is no document, as in parquet
+    odd = tmp_path / "odd.jsonl"
+    for content, message in ((b'"a text"\n', r"odd.jsonl:1: a JSON object expected, got str"),
+                             (b'{"text": "ok"}\n{"text": "\xff"}\n', r"odd.jsonl:2: not UTF-8")):
+        odd.write_bytes(content)
+        with pytest.raises(ValueError, match=message):
+            list(read_jsonl(odd))
+    odd.write_bytes(b'{"text": null}\n{"text": "kept"}\n')
+    assert [d.text for d in read_jsonl(odd)] == ["kept"]
     (tmp_path / "ds").mkdir()
     pq.write_table(pa.table({"text": ["a = 1", None, "b = 2"], "repo": ["r1", "r2", "r3"]}),
                    tmp_path / "ds" / "train-00000.parquet")
