@@ -262,19 +262,66 @@ def run_agent(
     out_dir: str | Path = "runs",
     progress: Callable[[TaskResult], None] | None = None,
 ) -> RunResult:
-    """Every task `samples` times, `parallel` sandboxes at a time; results under runs/<name>/."""
+    """Every task `samples` times, `parallel` sandboxes at a time; results under runs/<name>/.
+
+    Each episode's result is appended to ``results.partial.jsonl`` as it ends, so a run stopped
+    part-way (interrupted, out of memory) and started again with the same agent, suite and
+    samples goes on with the episodes it had not finished; ``results.json`` replaces the file
+    once all have. A task whose image cannot be built is an infra failure of its own."""
     out = Path(out_dir) / name
     (out / "episodes").mkdir(parents=True, exist_ok=True)
-    for t in tasks:  # build images up front so parallel workers do not race to build them
-        images.warm(t)
-    jobs = [(t, s) for t in tasks for s in range(samples)]
+    partial = out / "results.partial.jsonl"
+    header = {"agent": agent.name, "suite": suite, "samples": samples}
+    results = _finished(partial, header)
+    done = {(r.instance_id, r.sample) for r in results}
+    with partial.open("w") as log:
+        log.write(json.dumps(header) + "\n")
+        for r in results:
+            log.write(json.dumps(asdict(r)) + "\n")
     t0 = time.perf_counter()
-    results: list[TaskResult] = []
+    jobs = []
+    for t in tasks:  # build images up front so parallel workers do not race to build them
+        todo = [(t, s) for s in range(samples) if (t.instance_id, s) not in done]
+        if not todo:
+            continue
+        try:
+            images.warm(t)
+        except Exception as e:
+            for _, s in todo:
+                _record(partial, results, progress, TaskResult(
+                    t.instance_id, t.category, s, "infra_failure",
+                    error=f"task image: {type(e).__name__}: {e}"[:2000]))
+            continue
+        jobs += todo
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
         for r in pool.map(lambda job: run_one(images, agent, job[0], job[1], out / "episodes"), jobs):
-            results.append(r)
-            if progress:
-                progress(r)
+            _record(partial, results, progress, r)
     run = RunResult(name, agent.name, suite, samples, parallel, time.perf_counter() - t0, results)
     (out / "results.json").write_text(json.dumps(run.to_json(), indent=1))
+    partial.unlink()
     return run
+
+
+def _finished(partial: Path, header: dict[str, Any]) -> list[TaskResult]:
+    """The episodes a stopped run of the same agent, suite and samples logged."""
+    if not partial.exists():
+        return []
+    lines = partial.read_text().splitlines()
+    if not lines or json.loads(lines[0]) != header:
+        return []
+    out = []
+    for line in lines[1:]:
+        try:
+            out.append(TaskResult(**json.loads(line)))
+        except (ValueError, TypeError):  # a line the stop cut short
+            break
+    return out
+
+
+def _record(partial: Path, results: list[TaskResult],
+            progress: Callable[[TaskResult], None] | None, r: TaskResult) -> None:
+    results.append(r)
+    with partial.open("a") as log:
+        log.write(json.dumps(asdict(r)) + "\n")
+    if progress:
+        progress(r)

@@ -33,6 +33,14 @@ def _hidden(rel: str, hidden: list[str]) -> bool:
     return any(rel == h or rel.startswith(h.rstrip("/") + "/") for h in hidden)
 
 
+def hidden_from_agent(task: Task) -> list[str]:
+    """What the agent's copy leaves out and grading takes as pinned: the task's hidden paths,
+    and every file its tests are in, whatever it is called (a package's `tests.py`, or files
+    its own pytest config collects, are not found by name)."""
+    files = {t.split("::", 1)[0] for t in [*task.FAIL_TO_PASS, *task.PASS_TO_PASS]}
+    return [*task.hidden_paths, *sorted(f for f in files if not _hidden(f, task.hidden_paths))]
+
+
 def task_trees(task: Task) -> tuple[Path, Path]:
     """(agent tree, grading tree) on the host, built once per task content and cached."""
     key = task.content_hash()[:16]
@@ -47,7 +55,7 @@ def task_trees(task: Task) -> tuple[Path, Path]:
         apply_patch_to_dir(task.bug_patch, grade)
         scrub(grade)
         agent = tmp / "agent"
-        shutil.copytree(grade, agent, ignore=_ignore_hidden(grade, task.hidden_paths))
+        shutil.copytree(grade, agent, ignore=_ignore_hidden(grade, hidden_from_agent(task)))
         (tmp / "done").write_text(task.instance_id)
     return dest / "agent", dest / "grade"
 
@@ -151,9 +159,10 @@ def grade_changes(
     (resolved, the last report); resolved means every F2P and P2P test passed in every run.
     """
     sb = images.grade_sandbox(task)
+    hidden = hidden_from_agent(task)
     try:
         for rel, data in sorted(changes.items()):
-            if _hidden(rel, task.hidden_paths):
+            if _hidden(rel, hidden):
                 continue
             path = f"{WORKSPACE}/{rel}"
             if data is None:

@@ -59,3 +59,44 @@ def test_a_broken_test_run_is_put_down_to_whoever_broke_it(
     if status == "infra_failure":
         assert "test command exit 127" in res.error
     assert graded[0] == changes and len(graded) == (2 if changes and broken_with else 1)
+
+
+def test_a_stopped_run_goes_on_with_the_episodes_it_had_not_finished(monkeypatch, tmp_path):
+    """Each result is logged as its episode ends; started again, the run does only the rest,
+    and a task whose image cannot be built is an infra failure of its own, not the run's end."""
+    import json
+    from types import SimpleNamespace
+
+    from codedojo.bench.runner import TaskResult, run_agent
+
+    tasks = [SimpleNamespace(instance_id=f"t-{i}", category="bugfix") for i in range(3)]
+
+    class Images:
+        def warm(self, task):
+            if task.instance_id == "t-2":
+                raise RuntimeError("sdist not found")
+
+    ran: list[tuple[str, int]] = []
+
+    def one(images, agent, task, sample, out_dir):
+        if len(ran) == 3 and stop["now"]:
+            raise KeyboardInterrupt
+        ran.append((task.instance_id, sample))
+        return TaskResult(task.instance_id, task.category, sample, "resolved")
+
+    stop = {"now": True}
+    monkeypatch.setattr(runner, "run_one", one)
+    with pytest.raises(KeyboardInterrupt):
+        run_agent(Images(), _Agent(), tasks, name="r", samples=2, out_dir=tmp_path)  # type: ignore[arg-type]
+    assert not (tmp_path / "r" / "results.json").exists()
+    stop["now"] = False
+    ran.clear()
+    run = run_agent(Images(), _Agent(), tasks, name="r", samples=2, out_dir=tmp_path)  # type: ignore[arg-type]
+    assert ran == [("t-1", 1)]  # three finished before the stop
+    assert sorted((r.instance_id, r.sample, r.status) for r in run.results) == [
+        ("t-0", 0, "resolved"), ("t-0", 1, "resolved"), ("t-1", 0, "resolved"),
+        ("t-1", 1, "resolved"), ("t-2", 0, "infra_failure"), ("t-2", 1, "infra_failure")]
+    assert all("sdist not found" in r.error for r in run.results if r.instance_id == "t-2")
+    saved = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert saved["counts"] == {"resolved": 4, "unresolved": 0, "infra_failure": 2}
+    assert not (tmp_path / "r" / "results.partial.jsonl").exists()

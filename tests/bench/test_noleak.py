@@ -66,3 +66,18 @@ def test_the_search_would_find_a_leak(images, tiny_suite):
         assert "/tmp/notes.txt" in res.stdout
     finally:
         sb.destroy()
+
+
+def test_every_file_the_tests_are_in_is_hidden_whatever_its_name():
+    """Hidden paths come from test files found by name; a package whose tests live in
+    `tests.py` (collected through its own pytest config) would otherwise ship the grading tests
+    to the agent."""
+    from types import SimpleNamespace
+
+    from codedojo.bench.workspace import _hidden, hidden_from_agent
+
+    task = SimpleNamespace(hidden_paths=["tests"], FAIL_TO_PASS=["pkg/tests.py::test_fix"],
+                           PASS_TO_PASS=["tests/test_a.py::test_keep", "checks.py::TestX::test_y"])
+    hidden = hidden_from_agent(task)
+    assert hidden == ["tests", "checks.py", "pkg/tests.py"]
+    assert _hidden("pkg/tests.py", hidden) and not _hidden("pkg/core.py", hidden)
