@@ -7,6 +7,7 @@ The sandbox alone decides what a path may touch: a path that escapes its root ra
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -157,3 +158,12 @@ class SandboxProvider(Protocol):
     def create(self, spec: SandboxSpec) -> Sandbox: ...
 
     def get(self, sandbox_id: str) -> Sandbox: ...
+
+
+# The sandbox service's token: given to callers through the environment, or read from the store
+TOKEN_ENV = "CODEDOJO_SANDBOX_TOKEN"
+
+
+def token_path(root: str) -> str:
+    """Where a store keeps its service's token (readable by its owner only)."""
+    return os.path.join(root, "service.token")

@@ -2,7 +2,9 @@
 images and clean up after a crash (gc).
 
 Sandboxes live in the service process (`serve`), so the driving commands talk to it at
---url (default $CODEDOJO_SANDBOX_URL or http://127.0.0.1:8181). `image` and `gc` work on the
+--url (default $CODEDOJO_SANDBOX_URL or http://127.0.0.1:8181), with the service's token
+($CODEDOJO_SANDBOX_TOKEN, or the store's `service.token` on the service's machine, readable by
+root only: the service runs as root and builds images on the host). `image` and `gc` work on the
 store directly and need no service.
 """
 

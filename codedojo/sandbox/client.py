@@ -13,17 +13,28 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
 
-from codedojo.sandbox.base import WORKSPACE, Change, ExecResult, FileInfo, SandboxError, SandboxSpec
+from codedojo.sandbox.base import (
+    TOKEN_ENV,
+    WORKSPACE,
+    Change,
+    ExecResult,
+    FileInfo,
+    SandboxError,
+    SandboxSpec,
+    token_path,
+)
 
 
 class _Http:
-    def __init__(self, base_url: str, timeout: float):
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
+    def __init__(self, base_url: str, timeout: float, token: str | None):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, headers=headers)
 
     def call(self, method: str, url: str, *, raw: bool = False, **kw: Any) -> Any:
         try:
@@ -153,11 +164,27 @@ class RemoteImages:
         return self._http.call("GET", "/images")
 
 
+def _local_token() -> str | None:
+    token = os.environ.get(TOKEN_ENV)
+    if token:
+        return token
+    from codedojo.sandbox.local import DEFAULT_ROOT
+
+    try:
+        with open(token_path(os.environ.get("CODEDOJO_SANDBOX_ROOT") or DEFAULT_ROOT)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 class SandboxClient:
     """`SandboxProvider` over HTTP: `create`, `get`, `list`, `gc`, plus `images`."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8181", timeout: float = 600.0):
-        self._http = _Http(base_url, timeout)
+    def __init__(self, base_url: str = "http://127.0.0.1:8181", timeout: float = 600.0,
+                 token: str | None = None):
+        """``token``: the service's (default $CODEDOJO_SANDBOX_TOKEN, else the local store's
+        `service.token` where this user may read it)."""
+        self._http = _Http(base_url, timeout, token or _local_token())
         self.images = RemoteImages(self._http)
 
     def create(self, spec: SandboxSpec) -> RemoteSandbox:

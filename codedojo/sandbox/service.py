@@ -16,7 +16,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import hmac
 import os
+import secrets
 import threading
 import uuid
 from typing import Any
@@ -26,7 +28,7 @@ from fastapi import Body, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from codedojo.sandbox.base import Limits, SandboxError, SandboxSpec
+from codedojo.sandbox.base import TOKEN_ENV, Limits, SandboxError, SandboxSpec, token_path
 from codedojo.sandbox.local import LocalProvider, LocalSandbox, LocalShell
 
 
@@ -35,6 +37,9 @@ class ServiceConfig(BaseModel):
 
     root: str | None = Field(None, description="Store directory (default $CODEDOJO_SANDBOX_ROOT or /var/lib/codedojo/sandbox).")
     host: str = Field("127.0.0.1", description="Address to listen on.")
+    token: str | None = Field(None, description="Bearer token every request must carry (default "
+                              "$CODEDOJO_SANDBOX_TOKEN, else the store's service.token, made "
+                              "at the first start, readable by its owner only).")
     port: int = Field(8181, description="Port to listen on.")
     max_sandboxes: int = Field(512, description="Refuse creates beyond this many live sandboxes.")
     max_memory_percent: float = Field(90.0, description="Refuse creates while host memory use is above this.")
@@ -127,6 +132,23 @@ def admission_check(config: ServiceConfig, provider: LocalProvider) -> str | Non
     return None
 
 
+def service_token(config: ServiceConfig, root: str) -> str:
+    """The token callers must send: the config's, $CODEDOJO_SANDBOX_TOKEN, or the store's
+    `service.token` (made now when there is none, mode 0600)."""
+    token = config.token or os.environ.get(TOKEN_ENV)
+    if token:
+        return token
+    path = token_path(root)
+    with contextlib.suppress(FileNotFoundError):
+        return open(path).read().strip()
+    os.makedirs(root, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
 def _result(r: Any) -> dict:
     return dataclasses.asdict(r)
 
@@ -144,6 +166,17 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
     app = FastAPI(title="codedojo sandbox service", lifespan=lifespan)
     app.state.provider = provider
     app.state.config = config
+    # The service runs as root and builds images on the host (pip installs, copies of any
+    # directory): only a caller who can read the token (root, or who was given it) may ask.
+    expected = f"Bearer {service_token(config, provider.root)}".encode()
+
+    @app.middleware("http")
+    async def _authorized(request: Request, call_next: Any) -> Any:
+        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+            why = (f"unauthorized: send the service's token (Authorization: Bearer ...; "
+                   f"${TOKEN_ENV} or {token_path(provider.root)})")
+            return JSONResponse({"detail": why}, status_code=401)
+        return await call_next(request)
 
     @app.exception_handler(SandboxError)
     async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:

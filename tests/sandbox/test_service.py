@@ -19,7 +19,7 @@ from tests.sandbox.conftest import SMALL
 
 @pytest.fixture(scope="module")
 def service(provider):
-    config = ServiceConfig()
+    config = ServiceConfig(token="test-token")
     app = create_app(config, provider=provider)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -37,7 +37,7 @@ def service(provider):
 
 @pytest.fixture
 def client(service):
-    c = SandboxClient(service[0])
+    c = SandboxClient(service[0], token="test-token")
     yield c
     for s in c.list():
         c.get(s["id"]).destroy()
@@ -152,7 +152,8 @@ def test_cli_drives_the_service(service, project):
     runner = CliRunner()
 
     def dojo(*args: str):
-        r = runner.invoke(sandbox_app, list(args), env={"CODEDOJO_SANDBOX_URL": url})
+        r = runner.invoke(sandbox_app, list(args), env={"CODEDOJO_SANDBOX_URL": url,
+                                                        "CODEDOJO_SANDBOX_TOKEN": "test-token"})
         r.returncode = r.exit_code
         return r
 
@@ -185,3 +186,28 @@ def test_cli_image_and_gc(provider, tmp_path):
 
 def test_limits_roundtrip_through_json():
     assert Limits(**dataclasses.asdict(SMALL)) == SMALL
+
+
+def test_only_a_caller_with_the_token_is_served(service, tmp_path, monkeypatch):
+    """The service runs as root and builds images on the host: a request without its token,
+    or with another, is refused; with no token given, one is made in the store, readable by
+    its owner only, and the client on that machine reads it there."""
+    import os
+    import stat
+
+    from codedojo.sandbox.service import service_token
+
+    url, _ = service
+    monkeypatch.delenv("CODEDOJO_SANDBOX_TOKEN", raising=False)
+    monkeypatch.setenv("CODEDOJO_SANDBOX_ROOT", str(tmp_path / "elsewhere"))
+    for token in (None, "wrong"):
+        with pytest.raises(SandboxError, match=r"unauthorized.*\(HTTP 401\)"):
+            SandboxClient(url, token=token).health()
+    made = service_token(ServiceConfig(), str(tmp_path / "store"))
+    path = tmp_path / "store" / "service.token"
+    assert path.read_text().strip() == made and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert service_token(ServiceConfig(), str(tmp_path / "store")) == made  # read, not made again
+    monkeypatch.setenv("CODEDOJO_SANDBOX_ROOT", str(tmp_path / "store"))
+    from codedojo.sandbox.client import _local_token
+
+    assert _local_token() == made
