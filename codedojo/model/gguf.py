@@ -100,6 +100,10 @@ def config_from_metadata(meta: dict[str, Any]) -> ModelConfig:
             raise ValueError(f"GGUF metadata is missing {arch}.{key}")
         return v
 
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):  # read as plain RoPE it would give other logits
+        raise ValueError(f"{arch}.rope.scaling.type: {scaling!r} is not supported (a model "
+                         "without RoPE scaling)")
     n_heads = int(get("attention.head_count"))
     dim = int(get("embedding_length"))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
@@ -153,7 +157,9 @@ def load_gguf(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
         sd[o + "mlp.w_gate_up.weight"] = torch.cat(
             [raw.pop(p + "ffn_gate.weight"), raw.pop(p + "ffn_up.weight")])
         sd[o + "mlp.w_down.weight"] = raw.pop(p + "ffn_down.weight")
-    raw.pop("rope_freqs.weight", None)  # llama3 rope factors: not used by the archs we read
+    if "rope_freqs.weight" in raw:  # Llama-3.1's per-frequency RoPE factors
+        raise ValueError("rope_freqs.weight: RoPE frequency factors (Llama 3.1 and later) are "
+                         "not supported; read as plain RoPE the model would give other logits")
     if raw:
         raise ValueError(f"GGUF tensors not understood: {sorted(raw)[:5]}")
     return sd, cfg

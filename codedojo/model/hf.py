@@ -23,6 +23,15 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     scaling = None
     rtype = rope.get("rope_type", rope.get("type", "default"))
     if rtype == "yarn":
+        # transformers' other YaRN knobs change the attention factor or the ramp; read as if
+        # absent they would give other logits than HF's, so they are refused
+        other = {k: rope[k] for k in ("attention_factor", "mscale", "mscale_all_dim")
+                 if rope.get(k) not in (None, 0, 1, 1.0)}
+        if rope.get("truncate") is False:
+            other["truncate"] = False
+        if other:
+            raise ValueError(f"config.json rope_scaling: {other} is not supported (YaRN with "
+                             "its default attention factor and truncated ramp)")
         scaling = RopeScaling(
             kind="yarn", factor=float(rope["factor"]),
             original_max_seq_len=int(rope.get("original_max_position_embeddings")
@@ -38,7 +47,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
         head_dim=hf.get("head_dim"), ffn_dim=int(hf["intermediate_size"]),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-        max_seq_len=int(hf.get("max_position_embeddings", 4096)),
+        # a YaRN model serves its extended length, whatever max_position_embeddings says
+        max_seq_len=max(int(hf.get("max_position_embeddings", 4096)),
+                        int(scaling.factor * scaling.original_max_seq_len) if scaling else 0),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attn_bias=mt == "qwen2" or bool(hf.get("attention_bias", False)),
         rope_scaling=scaling,
@@ -142,10 +153,11 @@ def save_hf(model_or_sd: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelCo
 
     sd = model_or_sd.state_dict() if isinstance(model_or_sd, torch.nn.Module) else model_or_sd
     out = Path(out_dir)
+    config = hf_config(cfg, **config_extra)  # first: a model HF has no config for writes nothing
     out.mkdir(parents=True, exist_ok=True)
     tensors = state_dict_to_hf({k: v.detach().cpu() for k, v in sd.items()}, cfg)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(cfg, **config_extra), indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 

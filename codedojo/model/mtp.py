@@ -165,8 +165,8 @@ class MTP(FusedModule):
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
         for name, p in self.named_parameters():
-            if p.ndim == 1:
-                nn.init.ones_(p)
+            if p.ndim == 1:  # norms' scales at one, biases (attention's q/k/v) at zero
+                nn.init.zeros_(p) if name.endswith(".bias") else nn.init.ones_(p)
             else:
                 nn.init.normal_(p, std=std / (1 if "proj" in name else 4))
         # The projection starts as "pass RMSNorm(h) through, plus a little of the embedding":

@@ -146,6 +146,11 @@ class SpecialTokens:
     control: list[int] = field(default_factory=list)
 
 
+# GGUF pre-tokenizer names that split text with GPT-2's regex (SmolLM's among them); the
+# others (Qwen2, Llama 3, ...) split digits and punctuation their own way
+GPT2_PRE = {None, "gpt-2", "smollm"}
+
+
 class Tokenizer:
     """Text <-> token ids for one model, plus its chat template string."""
 
@@ -198,6 +203,10 @@ class Tokenizer:
         for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
             if key not in meta:
                 raise ValueError(f"{path}: GGUF metadata lacks {key}")
+        pre = meta.get("tokenizer.ggml.pre")
+        if pre not in GPT2_PRE:  # another split of the text: other token ids than the model's
+            raise ValueError(f"{path}: tokenizer.ggml.pre is {pre!r}; only pre-tokenizers that "
+                             f"split as GPT-2 does are supported ({sorted(GPT2_PRE - {None})})")
         return cls.from_vocab(
             meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"],
             meta.get("tokenizer.ggml.token_type"),

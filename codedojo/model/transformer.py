@@ -374,6 +374,11 @@ class Transformer(FusedModule):
             if positions is None and (
                     fused := self._fused_pass(tokens, cache, None, parents, taps)) is not None:
                 return fused[0]
+            past = cache.cache.lengths[cache.start:cache.stop]
+            if positions is None and T and max(past) + T > self.cfg.max_seq_len:  # as the
+                # check below would say, before the cache counts tokens that never come
+                raise ValueError(f"positions: {max(past) + T - 1} >= max_seq_len "
+                                 f"{self.cfg.max_seq_len}")
             store_pos, mask = cache.prepare(T, parents)
             if positions is None:
                 positions = store_pos

@@ -21,7 +21,7 @@ def greedy(logits: torch.Tensor, tokens: torch.Tensor | None = None
             and not (torch.is_grad_enabled() and logits.requires_grad)
             and (kernel := load_kernel()) is not None):
         return kernel.greedy(logits.contiguous(),
-                             _NO_TOKENS if tokens is None else tokens.to(torch.long))
+                             _NO_TOKENS if tokens is None else tokens.to(torch.long).contiguous())
     ids = logits.argmax(-1)
     at = ids if tokens is None else tokens.to(ids.device, torch.long)
     lps = torch.log_softmax(logits.float(), -1).gather(-1, at[:, None])[:, 0]

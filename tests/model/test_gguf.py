@@ -43,7 +43,8 @@ def test_unpermute_inverts_llamacpp_permutation() -> None:
     assert torch.equal(back, torch.from_numpy(w))
 
 
-def _write_tiny_gguf(path, model: Transformer, cfg: ModelConfig, *, bad_type: bool = False) -> None:
+def _write_tiny_gguf(path, model: Transformer, cfg: ModelConfig, *, bad_type: bool = False,
+                     rope_freqs: bool = False) -> None:
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(cfg.n_layers)
     w.add_context_length(cfg.max_seq_len)
@@ -74,6 +75,8 @@ def _write_tiny_gguf(path, model: Transformer, cfg: ModelConfig, *, bad_type: bo
             w.add_tensor(b + "ffn_gate.weight", gate)
         w.add_tensor(b + "ffn_up.weight", up)
         w.add_tensor(b + "ffn_down.weight", sd[p + "mlp.w_down.weight"])
+    if rope_freqs:  # Llama 3.1's per-frequency factors
+        w.add_tensor("rope_freqs.weight", np.ones(cfg.hd // 2, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -102,3 +105,22 @@ def test_unsupported_tensor_type_is_named(tmp_path) -> None:
     _write_tiny_gguf(path, Transformer(cfg), cfg, bad_type=True)
     with pytest.raises(UnsupportedTensorType, match=r"blk\.0\.ffn_gate\.weight.*Q5_0"):
         load_gguf(path)
+
+
+def test_rope_the_loader_cannot_apply_is_refused_not_dropped(tmp_path) -> None:
+    """RoPE scaling in the metadata, or Llama 3.1's frequency factors: read as plain RoPE, the
+    model would give other logits with no error."""
+    from codedojo.model.gguf import config_from_metadata
+
+    meta = {"general.architecture": "llama", "llama.attention.head_count": 2,
+            "llama.embedding_length": 64, "llama.block_count": 1,
+            "llama.feed_forward_length": 64, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+            "llama.context_length": 64, "llama.vocab_size": 32}
+    assert config_from_metadata(meta).n_heads == 2
+    with pytest.raises(ValueError, match=r"llama.rope.scaling.type: 'yarn' is not supported"):
+        config_from_metadata({**meta, "llama.rope.scaling.type": "yarn"})
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(dim=64, ffn_dim=64)
+    _write_tiny_gguf(tmp_path / "l31.gguf", Transformer(cfg), cfg, rope_freqs=True)
+    with pytest.raises(ValueError, match="rope_freqs.weight: RoPE frequency factors"):
+        load_gguf(tmp_path / "l31.gguf")

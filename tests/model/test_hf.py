@@ -38,3 +38,27 @@ def test_llama_export_import(tmp_path) -> None:
 
 def test_qwen2_style_biases_untied_export_import(tmp_path) -> None:
     _roundtrip(ModelConfig.tiny(attn_bias=True, tie_embeddings=False), tmp_path)
+
+
+def test_an_hf_yarn_config_serves_its_extended_length_and_unknown_knobs_are_refused() -> None:
+    from codedojo.model.hf import config_from_hf
+
+    hf = {"model_type": "qwen2", "vocab_size": 32, "hidden_size": 64, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 32768,
+          "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                           "original_max_position_embeddings": 32768}}
+    cfg = config_from_hf(hf)
+    assert cfg.max_seq_len == 131072 and cfg.rope_scaling.factor == 4.0
+    for knob in ({"attention_factor": 0.8}, {"mscale": 0.707}, {"truncate": False}):
+        bad = {**hf, "rope_scaling": {**hf["rope_scaling"], **knob}}
+        with pytest.raises(ValueError, match=f"rope_scaling: .*{next(iter(knob))}"):
+            config_from_hf(bad)
+
+
+def test_an_moe_export_is_refused_before_anything_is_written(tmp_path) -> None:
+    from codedojo.model.config import MoEConfig
+
+    cfg = ModelConfig.tiny(moe=MoEConfig(n_routed_experts=4, top_k=2, expert_ffn_dim=16))
+    with pytest.raises(ValueError, match="moe: MoE models have no Llama/Qwen2 HF config"):
+        save_hf(Transformer(cfg), cfg, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

@@ -219,3 +219,14 @@ def test_further_blocks_start_as_the_identity(tmp_path):
         assert not torch.equal(two(hidden, tokens, pos, model.embed)[0], want[0])
     with pytest.raises(ValueError, match="blocks 0"):
         MTP(model.cfg, blocks=0)
+
+
+def test_a_fresh_modules_attention_biases_start_at_zero():
+    """Norm scales at one, biases at zero (a model with attention biases: Qwen2's), in the
+    further blocks too, which `init_from_model` leaves as they are made."""
+    cfg = ModelConfig.tiny(attn_bias=True, n_mtp=1)
+    mtp = MTP(cfg, 1, blocks=2)
+    biases = {n: p for n, p in mtp.named_parameters() if n.endswith(".bias")}
+    assert biases and all(not p.any() for p in biases.values())
+    norms = [p for n, p in mtp.named_parameters() if "norm" in n and p.ndim == 1]
+    assert norms and all(bool((p == 1).all()) for p in norms)

@@ -27,9 +27,12 @@ TEXTS = [
 ]
 
 
-def write_gguf(path: Path, tokens: list[str], merges: list[str], types: list[int], model: str = "gpt2") -> Path:
+def write_gguf(path: Path, tokens: list[str], merges: list[str], types: list[int], model: str = "gpt2",
+               pre: str | None = None) -> Path:
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model(model)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_merges(merges)
     w.add_token_types(types)
@@ -157,3 +160,17 @@ def test_ids_equal_hf_auto_tokenizer_from_the_same_gguf():
                 msgs, tokenize=False, add_generation_prompt=gen)
             assert chat.encode(msgs, add_generation_prompt=gen) == hf(
                 hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen))["input_ids"]
+
+
+def test_a_gguf_tokenizer_that_splits_otherwise_than_gpt2_is_refused(tmp_path):
+    """Qwen2's and Llama 3's pre-tokenizers split digits and punctuation their own way: read
+    with GPT-2's split, the ids would not be the model's."""
+    table = byte_alphabet()
+    tokens = ["<|endoftext|>"] + [table[b] for b in range(256)] + ["ab"]
+    types = [3] + [1] * 257
+    for pre in ("smollm", "gpt-2", None):
+        path = write_gguf(tmp_path / f"{pre}.gguf", tokens, ["a b"], types, pre=pre)
+        assert Tokenizer.from_gguf(path).encode("ab c") == [257, 1 + ord(" "), 1 + ord("c")]
+    path = write_gguf(tmp_path / "qwen.gguf", tokens, ["a b"], types, pre="qwen2")
+    with pytest.raises(ValueError, match="tokenizer.ggml.pre is 'qwen2'"):
+        Tokenizer.from_gguf(path)

@@ -147,3 +147,17 @@ def test_bad_inputs_name_the_field(tiny: Transformer) -> None:
         tiny(tokens, doc_ids=torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="n_kv_heads"):
         ModelConfig.tiny(n_heads=4, n_kv_heads=3)
+
+
+def test_a_pass_past_max_seq_len_leaves_the_cache_as_it_was() -> None:
+    """Refused before the cache counts its tokens (the op-by-op path: here unfused), so the
+    sequence goes on from where it was."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(vocab_size=64, max_seq_len=16)).eval()
+    model.fuse = False
+    cache = KVCache(model.cfg, 1, 16)
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, 10)), cache=cache.view(0, 1))
+        with pytest.raises(ValueError, match="positions: 19 >= max_seq_len 16"):
+            model(torch.randint(0, 64, (1, 10)), cache=cache.view(0, 1))
+    assert list(cache.lengths) == [10]

@@ -47,3 +47,11 @@ def test_ties_nans_and_masked_logits_follow_torch() -> None:
 def test_bad_tokens_are_named() -> None:
     with pytest.raises(RuntimeError, match="token 9 outside the vocabulary of 5"):
         greedy(torch.randn(1, 5), torch.tensor([9]))
+
+
+@needs_kernel
+def test_strided_token_ids_read_as_the_tokens_they_are() -> None:
+    x = torch.randn(3, 11)
+    strided = torch.tensor([[0, 1], [2, 3], [4, 0]])[:, 0]  # 0, 2, 4, not contiguous
+    assert not strided.is_contiguous()
+    assert torch.equal(greedy(x, strided)[1], greedy(x, strided.contiguous())[1])
