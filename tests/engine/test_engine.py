@@ -169,23 +169,13 @@ def test_bad_requests_name_the_field(model: Transformer) -> None:
 
 
 def test_a_failed_step_ends_its_requests_with_the_error_and_the_engine_goes_on(
-        model: Transformer, monkeypatch: pytest.MonkeyPatch) -> None:
+        model: Transformer, failing_steps) -> None:
     """An error in a step (the model, sampling) ends the requests it ran with finish reason
     "error" and what went wrong, empties their slots, and leaves the engine serving: inline,
     `generate` raises it; on the scheduler thread, the other requests and later ones go on."""
-    from codedojo.engine import engine as engine_mod
     from codedojo.engine.types import GenerationError
 
-    real = engine_mod.sample_batch
-    fail = {"left": 1}
-
-    def flaky(*args, **kw):
-        if fail["left"]:
-            fail["left"] -= 1
-            raise RuntimeError("boom")
-        return real(*args, **kw)
-
-    monkeypatch.setattr(engine_mod, "sample_batch", flaky)
+    failing_steps(1)
     params = SamplingParams(max_tokens=6, temperature=0)
     want = [greedy_reference(model, p, 6) for p in PROMPTS[:2]]
     engine = Engine(model, max_batch=4)
@@ -194,7 +184,7 @@ def test_a_failed_step_ends_its_requests_with_the_error_and_the_engine_goes_on(
     assert engine.n_live == 0 and list(engine.cache.lengths) == [0] * 4
     assert [c.token_ids for c in engine.generate(PROMPTS[:2], params)] == want
 
-    fail["left"] = 1
+    failing_steps(1)
     engine.start()
     try:
         events: list = []

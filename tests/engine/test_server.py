@@ -413,25 +413,18 @@ def test_usage_counts_prompt_tokens_taken_from_an_earlier_turn(client):
     assert b.usage.prompt_tokens_details.cached_tokens == b.usage.prompt_tokens - 1
 
 
-def test_a_failed_generation_is_a_server_error_that_says_why(server, http, monkeypatch):
+def test_a_failed_generation_is_a_server_error_that_says_why(server, http, monkeypatch,
+                                                            failing_steps):
     """A step of the engine fails (here sampling, once): the request gets a 500 naming the
     error, in-band for a stream; the server and its engine serve the next one."""
     from codedojo.engine import engine as engine_mod
 
-    real, fail = engine_mod.sample_batch, {"left": 1}
-
-    def flaky(*args, **kw):
-        if fail["left"]:
-            fail["left"] -= 1
-            raise RuntimeError("boom")
-        return real(*args, **kw)
-
-    monkeypatch.setattr(engine_mod, "sample_batch", flaky)
+    failing_steps(1)
     body = {"model": MODEL, "messages": MSGS, "max_tokens": 8, "temperature": 0}
     r = http.post(server.url + "/v1/chat/completions", json=body)
     assert r.status_code == 500
     assert "generation failed: RuntimeError: boom" in r.json()["error"]["message"]
-    fail["left"] = 1
+    failing_steps(1)
     streamed = http.post(server.url + "/v1/chat/completions", json={**body, "stream": True})
     assert streamed.status_code == 200 and "generation failed: RuntimeError: boom" in streamed.text
     assert http.post(server.url + "/v1/chat/completions", json=body).status_code == 200
