@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 CGROUP_FS = "/sys/fs/cgroup"
 V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
+FREEZE_TIMEOUT_S = 5.0  # how long a snapshot waits for the sandbox's tasks to stop
 
 
 def _write(path: str, value: str) -> None:
@@ -125,12 +126,29 @@ class Cgroup:
                         raise
                     time.sleep(0.002)
 
-    def freeze(self, frozen: bool) -> None:
-        """Pause every task (used to take a consistent snapshot)."""
+    def freeze(self, frozen: bool, timeout: float | None = None) -> None:
+        """Pause every task (used to take a consistent snapshot), and wait until they all are:
+        the kernel freezes asynchronously (v1 reads FREEZING, v2's `cgroup.events` says
+        `frozen 0`, until the last task stops)."""
         if self.v2:
             _write(os.path.join(self.dirs["v2"], "cgroup.freeze"), "1" if frozen else "0")
         elif "freezer" in self.dirs:
             _write(os.path.join(self.dirs["freezer"], "freezer.state"), "FROZEN" if frozen else "THAWED")
+        else:
+            return
+        timeout = FREEZE_TIMEOUT_S if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while frozen and not self._frozen():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the sandbox's tasks did not all stop within {timeout} s")
+            time.sleep(0.002)
+
+    def _frozen(self) -> bool:
+        if self.v2:
+            with open(os.path.join(self.dirs["v2"], "cgroup.events")) as f:
+                return "frozen 1" in f.read().splitlines()
+        with open(os.path.join(self.dirs["freezer"], "freezer.state")) as f:
+            return f.read().strip() == "FROZEN"
 
 
 class CgroupManager:

@@ -959,8 +959,8 @@ class LocalSandbox:
                 return store.put_image(self.lowers, self.image.base, meta={"kind": "snapshot", "of": self.id}).id
             tmp = store._tmpdir()
             assert self.cgroup is not None
-            self.cgroup.freeze(True)
             try:
+                self.cgroup.freeze(True)  # (and thawed below, should the freeze time out)
                 copy_layer_tree(upper, tmp)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)

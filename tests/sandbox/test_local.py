@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -384,3 +385,26 @@ def test_egress_files_replace_a_link_and_a_failed_attachment_is_undone(provider,
     with pytest.raises(SandboxError):
         provider.create(SandboxSpec(image=project, limits=SMALL, egress=bad))
     assert bad.calls == ["attach", "detach"]
+
+
+def test_a_snapshot_copies_only_once_every_task_has_stopped(sandbox, monkeypatch):
+    """The kernel freezes a cgroup asynchronously: the freeze returns once every task is
+    stopped; one that never completes fails the snapshot and leaves the sandbox running."""
+    sandbox.exec("(while true; do echo x >> busy.log; done) >/dev/null 2>&1 &")
+    sandbox.write_file("state.txt", "s")
+    cg = sandbox.cgroup
+    cg.freeze(True)
+    try:
+        assert cg._frozen()
+        size = sandbox.stat("busy.log").size
+        time.sleep(0.05)
+        assert sandbox.stat("busy.log").size == size  # nothing runs while frozen
+    finally:
+        cg.freeze(False)
+    from codedojo.sandbox import cgroups
+
+    monkeypatch.setattr(type(cg), "_frozen", lambda self: False)
+    monkeypatch.setattr(cgroups, "FREEZE_TIMEOUT_S", 0.2)
+    with pytest.raises(TimeoutError, match="did not all stop"):
+        sandbox.snapshot()
+    assert sandbox.exec("echo alive").stdout == "alive\n"  # thawed
