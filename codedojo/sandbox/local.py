@@ -395,6 +395,7 @@ class LocalSandbox:
         self._listener: socket.socket | None = None
         self._waiter: subprocess.Popen | None = None
         self.init_pid = 0
+        self._init_fd = -1  # a pidfd of init
         self._root_fd = -1
         self._kernel_devs: set[int] | None = None  # `_kernel_devices`, read once
         self.cgroup: Cgroup | None = None
@@ -467,6 +468,8 @@ class LocalSandbox:
             line = raw.decode(errors="replace").strip()
             if line.startswith("P "):
                 self.init_pid = int(line[2:])
+                with contextlib.suppress(OSError):  # (gone already: nothing to signal later)
+                    self._init_fd = os.pidfd_open(self.init_pid)
             elif line == ready_line:
                 ready = True
             elif line.startswith("E "):
@@ -576,9 +579,11 @@ class LocalSandbox:
         if self._root_fd >= 0:
             os.close(self._root_fd)  # it pins the sandbox's mount tree
             self._root_fd = -1
-        if self.init_pid:
+        if self._init_fd >= 0:  # through the pidfd: never a later process given its pid
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.init_pid, signal.SIGKILL)  # pid 1: the kernel kills the whole pid ns
+                signal.pidfd_send_signal(self._init_fd, signal.SIGKILL)  # pid 1: its whole pid ns
+            os.close(self._init_fd)
+            self._init_fd = -1
         if self.cgroup is not None:
             self.cgroup.kill()  # anything that got out of the pid ns the cgroup still holds
         if self._waiter is not None:
