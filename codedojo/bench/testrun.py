@@ -116,7 +116,7 @@ def run_pytest(
     ex: Executor, cmd: PytestCommand, tests: Sequence[str] | None = None, timeout: float = 120.0
 ) -> TestReport:
     res = ex.exec(cmd.argv(tests), cwd=cmd.root, env=cmd.env(), timeout=timeout)
-    report = parse_pytest_output(res.stdout + "\n" + res.stderr)
+    report = parse_pytest_output(res.stdout + "\n" + res.stderr, tests or ())
     report.exit_code = res.exit_code
     report.timed_out = res.timed_out
     report.duration_s = res.duration_s
@@ -131,7 +131,11 @@ def run_pytest(
     return report
 
 
-def parse_pytest_output(text: str) -> TestReport:
+def parse_pytest_output(text: str, tests: Sequence[str] = ()) -> TestReport:
+    """The outcomes of `pytest -rA`'s summary lines (status, node id, then maybe " - " and a
+    reason) and the failures' `E` lines. A node id may hold spaces and " - " itself
+    (``test_a[a - b]``): each of ``tests`` is looked for as written (the whole rest of a line,
+    or its start before " - "); other ids end at the first " - "."""
     report = TestReport()
     e_lines: dict[str, list[str]] = {}
     current: str | None = None
@@ -146,6 +150,10 @@ def parse_pytest_output(text: str) -> TestReport:
             m = _SUMMARY.match(line)
             if m:
                 kind, nodeid, msg = m.group(1), m.group(2), m.group(3)
+                rest = line[len(kind) + 1:]
+                asked = next((t for t in tests if rest == t or rest.startswith(t + " - ")), None)
+                if asked is not None:
+                    nodeid, msg = asked, rest[len(asked) + 3:] or None
                 outcome = kind.lower()
                 if outcome == "skipped" and nodeid.startswith("["):
                     continue  # "SKIPPED [1] file.py:3: reason" names no test id

@@ -7,31 +7,19 @@ way; a test that pytest never reports (not collected, crashed run) counts as fai
 
 from __future__ import annotations
 
-import re
 import shlex
 from collections.abc import Sequence
 
+from codedojo.bench.testrun import parse_pytest_output
 from codedojo.reward.base import RewardContext, TestReport, reward
 from codedojo.sandbox.base import Sandbox
 
-_RESULT = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL|SKIPPED)\s+(.+)$")
-
 
 def parse_pytest_summary(output: str, tests: Sequence[str] = ()) -> dict[str, bool]:
-    """node id -> passed, from `pytest -rA` output (XFAIL counts as passing, as SWE-bench does).
-    A line is the status, the node id, then maybe " - " and a reason; a parametrised test's id
-    may hold spaces (``test_a[hello world]``), so each of ``tests`` is looked for as written
-    (the whole rest of a line, or its start before " - "), any other id read up to a space."""
-    results: dict[str, bool] = {}
-    for line in output.splitlines():
-        m = _RESULT.match(line.strip())
-        if not m:
-            continue
-        status, rest = m.groups()
-        node = next((t for t in tests if rest == t or rest.startswith(t + " - ")),
-                    rest.split()[0])
-        results[node] = status in ("PASSED", "XFAIL", "XPASS")
-    return results
+    """node id -> passed, from `pytest -rA` output (`parse_pytest_output`'s reading; XFAIL and
+    XPASS count as passing, as SWE-bench does); ``tests``: the ids asked for, found as written."""
+    report = parse_pytest_output(output, tests)
+    return {t: o in ("passed", "xfail", "xpass") for t, o in report.outcomes.items()}
 
 
 def run_tests(

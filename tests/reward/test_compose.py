@@ -37,11 +37,13 @@ def test_parse_pytest_summary():
         "tests/test_b.py::test_x": True,
     }
     # a parametrised id with spaces: found as asked for, with or without a reason after it
-    spaced = ("PASSED t.py::test_a[hello world]\n"
-              "FAILED t.py::test_b[a b] - assert 1 == 2\n"
+    spaced = ("=========== short test summary info ===========\n"
+              "PASSED t.py::test_a[hello world]\n"
+              "FAILED t.py::test_b[a - b] - assert 1 == 2\n"
               "PASSED t.py::test_b[a b c]\n")
-    assert parse_pytest_summary(spaced, ["t.py::test_a[hello world]", "t.py::test_b[a b]"]) == {
-        "t.py::test_a[hello world]": True, "t.py::test_b[a b]": False, "t.py::test_b[a": True}
+    assert parse_pytest_summary(spaced, ["t.py::test_a[hello world]", "t.py::test_b[a - b]"]) == {
+        "t.py::test_a[hello world]": True, "t.py::test_b[a - b]": False,
+        "t.py::test_b[a b c]": True}
 
 
 def test_composition_logs_each_component(tmp_path):
