@@ -255,6 +255,10 @@ class Engine:
                on_event: Callable[[TokenEvent], None] | None = None) -> Request:
         """Queue one request (validated now, so bad input fails in the caller's thread)."""
         self._check(prompt_ids, params)
+        return self._enqueue(prompt_ids, params, on_event)
+
+    def _enqueue(self, prompt_ids: list[int], params: SamplingParams,
+                 on_event: Callable[[TokenEvent], None] | None = None) -> Request:
         gen = None
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed)
@@ -287,7 +291,7 @@ class Engine:
                 self._check(p, sp)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
-        reqs = [self.submit(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        reqs = [self._enqueue(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         if self._running:
             for r in reqs:
                 r.done.wait()

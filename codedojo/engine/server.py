@@ -16,6 +16,7 @@ route is a 404; an internal failure is a 500 for that request only. The server k
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import threading
@@ -374,6 +375,18 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
     yield result
 
 
+def _completion_logprobs(tok: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[float],
+                         tops: Sequence[list[tuple[int, float]]], offset: int, with_top: bool
+                         ) -> dict[str, Any]:
+    """A legacy completion's ``logprobs`` for these tokens: their texts, logprobs, top
+    alternatives (by text, when asked for) and where each text starts, from ``offset`` on."""
+    texts = [tok.token_text(t) for t in token_ids]
+    starts = list(itertools.accumulate(map(len, texts), initial=offset))[:len(texts)]
+    return {"tokens": texts, "token_logprobs": list(logprobs),
+            "top_logprobs": [{tok.token_text(i): v for i, v in top} for top in tops]
+            if with_top else None, "text_offset": starts}
+
+
 def _version_of(item: Piece | ChoiceResult) -> dict[str, int]:
     """A stream chunk's ``weight_version``, where its token says which weights made it."""
     return {"weight_version": item.weight_version} if item.weight_version >= 0 else {}
@@ -648,13 +661,8 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Any:
         prefix = tok.decode(p) if req.echo else ""
         lp = None
         if n_lp is not None:
-            tokens = [tok.token_text(t) for t in r.token_ids]
-            offsets, pos = [], len(prefix)
-            for t in tokens:
-                offsets.append(pos)
-                pos += len(t)
-            tops = [{tok.token_text(i): v for i, v in top} for top in r.top_logprobs] if n_lp else None
-            lp = CompletionLogprobs(tokens=tokens, token_logprobs=r.logprobs, top_logprobs=tops, text_offset=offsets)
+            lp = CompletionLogprobs(**_completion_logprobs(tok, r.token_ids, r.logprobs, r.top_logprobs,
+                                                           len(prefix), bool(n_lp)))
         choices.append(CompletionChoice(index=idx, text=prefix + r.text, finish_reason=r.finish_reason, logprobs=lp,
                                         token_ids=r.token_ids if req.return_token_ids else None,
                                         prompt_token_ids=p if req.return_token_ids else None,
@@ -694,13 +702,10 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
                     if req.return_token_ids:
                         choice["token_ids"] = [item.token_id]
                     if req.logprobs is not None:  # as the whole response's, one token's worth
-                        text = tok.token_text(item.token_id)
-                        choice["logprobs"] = {
-                            "tokens": [text], "token_logprobs": [item.logprob],
-                            "top_logprobs": [{tok.token_text(i): v for i, v in item.top}]
-                            if req.logprobs else None,
-                            "text_offset": [offset[idx]]}
-                        offset[idx] += len(text)
+                        lp = _completion_logprobs(tok, [item.token_id], [item.logprob], [item.top],
+                                                  offset[idx], bool(req.logprobs))
+                        choice["logprobs"] = lp
+                        offset[idx] += len(lp["tokens"][0])
                 if item.text or len(choice) > 3:
                     yield _sse({**base, **_version_of(item), "choices": [choice]})
             else:

@@ -775,7 +775,7 @@ class LocalSandbox:
         finally:
             os.close(fd)
 
-    def write_file(self, path: str, data: bytes | str, mode: int = 0o644, _hops: int = 0) -> None:
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         p = sandbox_path(path)
         if isinstance(data, str):
             data = data.encode()
@@ -783,7 +783,9 @@ class LocalSandbox:
             raise SandboxError(f"data: expected bytes or str, got {type(data).__name__}")
         if not isinstance(mode, int) or not 0 <= mode <= 0o7777:
             raise SandboxError(f"mode: invalid file mode {mode!r}")
-        mode &= 0o777  # never setuid/setgid: the host writes as root
+        self._write(p, data, mode & 0o777)  # never setuid/setgid: the host writes as root
+
+    def _write(self, p: str, data: bytes | bytearray, mode: int, hops: int = 0) -> None:
         pfd, name = self._parent(p, create=True)
         try:
             self._served(pfd, p)
@@ -794,10 +796,10 @@ class LocalSandbox:
             if existing is not None and stat.S_ISLNK(existing.st_mode):
                 # written where it points, with the checks of that place (as the sandbox user
                 # writing through it would be)
-                if _hops >= 40:
+                if hops >= 40:
                     raise SandboxError(f"path: {p}: too many levels of symbolic links")
                 target = posixpath.join(posixpath.dirname(p), os.readlink(name, dir_fd=pfd))
-                return self.write_file(posixpath.normpath(target), data, mode, _hops + 1)
+                return self._write(sandbox_path(posixpath.normpath(target)), data, mode, hops + 1)
             if existing is not None and stat.S_ISDIR(existing.st_mode):
                 raise SandboxError(f"path: {p} is a directory")
             if existing is not None and not stat.S_ISREG(existing.st_mode):
