@@ -661,8 +661,8 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Any:
         prefix = tok.decode(p) if req.echo else ""
         lp = None
         if n_lp is not None:
-            lp = CompletionLogprobs(**_completion_logprobs(tok, r.token_ids, r.logprobs, r.top_logprobs,
-                                                           len(prefix), bool(n_lp)))
+            lp = CompletionLogprobs(**_completion_logprobs(
+                tok, r.token_ids, r.logprobs, r.top_logprobs, len(prefix), bool(n_lp)))
         choices.append(CompletionChoice(index=idx, text=prefix + r.text, finish_reason=r.finish_reason, logprobs=lp,
                                         token_ids=r.token_ids if req.return_token_ids else None,
                                         prompt_token_ids=p if req.return_token_ids else None,
