@@ -262,6 +262,11 @@ def write_self_shards(model: Transformer, code: TokenShards, out_dir: Path, *, p
     return out_dir
 
 
+def progress_dir(out_dir: Path) -> Path:
+    """Where a resumable pass into ``out_dir`` logs how far it has come (`ProgressLog`)."""
+    return out_dir / "progress"
+
+
 class ProgressLog:
     """How far one rank's pass over its share of rows has come, beside its output
     (``progress/``): the feature parts it has written, and for each finished stretch of
@@ -271,7 +276,7 @@ class ProgressLog:
     another batch) is not resumed from."""
 
     def __init__(self, out_dir: Path, rank: int, settings: dict[str, object]):
-        self.dir, self.rank, self.settings = out_dir / "progress", rank, settings
+        self.dir, self.rank, self.settings = progress_dir(out_dir), rank, settings
         self.file = self.dir / f"rank_{rank:03d}.json"
         self.stretches: list[dict[str, int]] = []
 

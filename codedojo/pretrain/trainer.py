@@ -80,6 +80,7 @@ from codedojo.pretrain.probe import passkey_probe
 from codedojo.pretrain.selfgen import (
     continue_windows,
     features_dir,
+    progress_dir,
     write_features,
     write_self_shards,
 )
@@ -392,7 +393,7 @@ def _pass_progress(console: Any, what: str, total: int, out: Path) -> Iterator[
 
         def resumed(n: int) -> None:
             console.print(f"{what}: going on from {n}/{total}, where a stopped run got to "
-                          f"(its log: {out / 'progress'})")
+                          f"(its log: {progress_dir(out)})")
             prog.reset(task, completed=n)
 
         yield (lambda n: prog.update(task, completed=n)), resumed
