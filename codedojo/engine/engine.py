@@ -412,11 +412,7 @@ class Engine:
         """End the requests of a failed step (live, and those being prefilled) with ``error``;
         the cache's slots are emptied (a failed pass may have written some of them)."""
         for r in [*self._live, *self._admitting]:
-            if r.finish_reason is None:
-                r.finish_reason, r.error = "error", error
-                if r.on_event is not None:
-                    r.on_event(TokenEvent(-1, 0.0, [], "error", r.cached_tokens, error=error))
-            r.done.set()
+            self._finish(r, "error", error)
         for slot in range(self.max_batch):
             self.cache.reset(slot)
         self._live.clear()
@@ -737,11 +733,12 @@ class Engine:
         if reason is not None:
             req.done.set()
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        """End a request without a token: cancelled, or failed (``error`` says why)."""
         if req.finish_reason is None:
-            req.finish_reason = reason
+            req.finish_reason, req.error = reason, error
             if req.on_event is not None:
-                req.on_event(TokenEvent(-1, 0.0, [], reason))
+                req.on_event(TokenEvent(-1, 0.0, [], reason, req.cached_tokens, error=error))
         req.done.set()
 
     def _retire(self) -> None:
