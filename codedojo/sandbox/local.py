@@ -10,8 +10,9 @@ Anatomy of one sandbox (`<root>/sandboxes/<id>/`):
 
 The init helper (agent.c) joins the sandbox's cgroups, creates the netns (only `lo`), unshares
 mount/pid/ipc/uts, binds the host's /usr read-only, mounts /proc and a minimal /dev, pivots into
-root/ and forks commands on request over a unix socket, as uid 1000 with no capabilities. That
-makes create one overlay mount plus one small process, and exec one connect plus two forks.
+root/ and forks commands on request over a unix socket, as uid 1000 with no capabilities and
+under a seccomp filter (no keyrings, user namespaces, bpf or io_uring: see agent.c). That makes
+create one overlay mount plus one small process, and exec one connect plus two forks.
 
 Files are read and written by the host, not by commands: paths are opened with openat2
 (RESOLVE_IN_ROOT) relative to `/proc/<init>/root`, so they are resolved exactly as the sandbox

@@ -148,3 +148,39 @@ def test_double_fork_setsid_does_not_survive_destroy(provider, project):
     assert len(_host_pids_with(f"sleep\0{tag}")) >= 2
     sb.destroy()
     assert _host_pids_with(f"sleep\0{tag}") == []
+
+
+_SYSCALL_PROBE = """
+import ctypes, errno, os, platform, subprocess, threading
+libc = ctypes.CDLL(None, use_errno=True)
+NR = {"x86_64": dict(add_key=248, keyctl=250, unshare=272, bpf=321, userfaultfd=323,
+                     io_uring_setup=425, clone3=435),
+      "aarch64": dict(add_key=217, keyctl=219, unshare=97, bpf=280, userfaultfd=282,
+                      io_uring_setup=425, clone3=435)}[platform.machine()]
+def call(name, *args):
+    ctypes.set_errno(0)
+    r = libc.syscall(NR[name], *args)
+    return "ok" if r >= 0 else errno.errorcode[ctypes.get_errno()]
+print("add_key", call("add_key", b"user", b"codedojo-probe", b"secret", 6, -4))
+print("keyctl", call("keyctl", 0, -4, 0))  # KEYCTL_GET_KEYRING_ID of the user keyring
+print("unshare_user", call("unshare", 0x10000000))  # CLONE_NEWUSER
+print("bpf", call("bpf", 0, None, 0))
+print("userfaultfd", call("userfaultfd", 0))
+print("io_uring", call("io_uring_setup", 1, None))
+print("clone3", call("clone3", None, 0))
+t = threading.Thread(target=lambda: None); t.start(); t.join()
+print("thread ok")
+print("child", subprocess.run(["sh", "-c", "echo spawned"], capture_output=True, text=True).stdout.strip())
+"""
+
+
+def test_kernel_calls_shared_across_sandboxes_are_refused(sandbox):
+    # Every sandbox runs as host uid 1000, so a key in the user's keyring would be seen by all;
+    # user namespaces would give a command capabilities. Threads and children still work.
+    r = sandbox.exec(["python3", "-c", _SYSCALL_PROBE])
+    assert r.exit_code == 0, r
+    got = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    assert got == {"add_key": "EPERM", "keyctl": "EPERM", "unshare_user": "EPERM", "bpf": "EPERM",
+                   "userfaultfd": "EPERM", "io_uring": "ENOSYS", "clone3": "ENOSYS",
+                   "thread": "ok", "child": "spawned"}
+    assert sandbox.exec("grep Seccomp: /proc/self/status").stdout.split() == ["Seccomp:", "2"]
