@@ -153,10 +153,10 @@ def test_double_fork_setsid_does_not_survive_destroy(provider, project):
 _SYSCALL_PROBE = """
 import ctypes, errno, os, platform, subprocess, threading
 libc = ctypes.CDLL(None, use_errno=True)
-NR = {"x86_64": dict(add_key=248, keyctl=250, unshare=272, bpf=321, userfaultfd=323,
-                     io_uring_setup=425, clone3=435),
-      "aarch64": dict(add_key=217, keyctl=219, unshare=97, bpf=280, userfaultfd=282,
-                      io_uring_setup=425, clone3=435)}[platform.machine()]
+NR = {"x86_64": dict(add_key=248, keyctl=250, unshare=272, bpf=321, perf_event_open=298,
+                     userfaultfd=323, io_uring_setup=425, clone3=435),
+      "aarch64": dict(add_key=217, keyctl=219, unshare=97, bpf=280, perf_event_open=241,
+                      userfaultfd=282, io_uring_setup=425, clone3=435)}[platform.machine()]
 def call(name, *args):
     ctypes.set_errno(0)
     r = libc.syscall(NR[name], *args)
@@ -165,6 +165,7 @@ print("add_key", call("add_key", b"user", b"codedojo-probe", b"secret", 6, -4))
 print("keyctl", call("keyctl", 0, -4, 0))  # KEYCTL_GET_KEYRING_ID of the user keyring
 print("unshare_user", call("unshare", 0x10000000))  # CLONE_NEWUSER
 print("bpf", call("bpf", 0, None, 0))
+print("perf", call("perf_event_open", None, 0, -1, -1, 0))
 print("userfaultfd", call("userfaultfd", 0))
 print("io_uring", call("io_uring_setup", 1, None))
 print("clone3", call("clone3", None, 0))
@@ -181,6 +182,6 @@ def test_kernel_calls_shared_across_sandboxes_are_refused(sandbox):
     assert r.exit_code == 0, r
     got = dict(line.split(" ", 1) for line in r.stdout.splitlines())
     assert got == {"add_key": "EPERM", "keyctl": "EPERM", "unshare_user": "EPERM", "bpf": "EPERM",
-                   "userfaultfd": "EPERM", "io_uring": "ENOSYS", "clone3": "ENOSYS",
+                   "perf": "EPERM", "userfaultfd": "EPERM", "io_uring": "ENOSYS", "clone3": "ENOSYS",
                    "thread": "ok", "child": "spawned"}
     assert sandbox.exec("grep Seccomp: /proc/self/status").stdout.split() == ["Seccomp:", "2"]
