@@ -622,6 +622,9 @@ class LocalSandbox:
             self.destroyed = True
             try:
                 self._teardown(keep_dir=False)
+            except BaseException:
+                self.provider._unfinished.add(self.id)  # for gc, though this process lives on
+                raise
             finally:
                 if self.spec.egress is not None:
                     with contextlib.suppress(Exception):
@@ -1060,6 +1063,7 @@ class LocalProvider:
         self.agent = agent_binary(self.root)
         self._tag = hashlib.sha256(self.root.encode()).hexdigest()[:8]
         self._sandboxes: dict[str, LocalSandbox] = {}
+        self._unfinished: set[str] = set()  # destroyed sandboxes whose teardown failed
         self._lock = threading.Lock()
         # The pool: sandboxes whose processes already sit in their namespaces and cgroups.
         # Joining a v1 memory cgroup waits for an RCU grace period (~5-20 ms), the largest
@@ -1181,9 +1185,9 @@ class LocalProvider:
             sb.destroy()
 
     def gc(self, *, all_owners: bool = False) -> list[str]:
-        """Clean up sandboxes whose owning process is gone (a crash): processes, cgroups,
-        mounts, directories. With all_owners, also those of live processes other than this one.
-        Returns the ids cleaned."""
+        """Clean up sandboxes whose owning process is gone (a crash), and this process's own
+        whose `destroy` failed partway: processes, cgroups, mounts, directories. With
+        all_owners, also those of live processes other than this one. Returns the ids cleaned."""
         cleaned: list[str] = []
         sdir = os.path.join(self.root, "sandboxes")
         with self._pool_cv:
@@ -1197,7 +1201,8 @@ class LocalProvider:
                 state = json.load(f)
             owner = state.get("owner_pid")
             owner_alive = bool(owner) and _proc_start(owner) == state.get("owner_start")
-            if owner_alive and (owner == os.getpid() or not all_owners):
+            ours = owner == os.getpid()
+            if owner_alive and (ours and sid not in self._unfinished or not ours and not all_owners):
                 continue
             init = state.get("init_pid")
             if init and _proc_start(init) == state.get("init_start"):
@@ -1212,6 +1217,7 @@ class LocalProvider:
             with contextlib.suppress(OSError, TimeoutError):
                 cg.remove()
             shutil.rmtree(d, ignore_errors=True)
+            self._unfinished.discard(sid)
             cleaned.append(sid)
         # Cgroups of this store that no sandbox directory accounts for.
         for name, cg in self.cgroups.existing().items():

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from codedojo.sandbox.base import SandboxSpec
 from tests.sandbox.conftest import SMALL
 
@@ -95,3 +97,25 @@ def test_gc_cleans_up_after_a_crashed_owner(provider, project):
     while os.path.exists(f"/proc/{init_pid}") and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not os.path.exists(f"/proc/{init_pid}")
+
+
+def test_gc_cleans_up_a_destroy_that_failed_in_this_process(provider, project, monkeypatch):
+    """A teardown that fails partway leaves mounts, a cgroup and a directory behind; the owner
+    is alive (this process), and gc still cleans them, and nothing of a live sandbox."""
+    live = provider.create(SandboxSpec(image=project, limits=SMALL))
+    sb = provider.create(SandboxSpec(image=project, limits=SMALL))
+
+    def fail() -> None:
+        raise OSError("unmount failed")
+
+    monkeypatch.setattr(sb, "_unmount_fs", fail)
+    with pytest.raises(OSError, match="unmount failed"):
+        sb.destroy()
+    assert any(sb.id in m for m in _mounts(provider.root))
+    assert provider.gc() == [sb.id]
+    assert not any(sb.id in m for m in _mounts(provider.root))
+    assert not os.path.exists(os.path.join(provider.root, "sandboxes", sb.id))
+    assert not any(sb.id in name for name in provider.cgroups.existing())
+    assert live.exec("echo alive").stdout == "alive\n"
+    assert provider.gc() == []
+    live.destroy()
