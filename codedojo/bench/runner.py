@@ -4,7 +4,9 @@ For every (task, sample): create the agent's sandbox (no hidden tests, no gold p
 history), let the agent work in it, collect what changed under /workspace, destroy it; then
 apply those changes to a fresh grading sandbox and run the hidden tests there. An exception
 from the sandbox, the harness or the model endpoint is an infra failure, counted apart from an
-unresolved task. pass@k uses the unbiased estimator over the samples of each task.
+unresolved task. pass@k uses the unbiased estimator over the samples of each task, an infra
+failure among them taken as a sample that did not pass (so the figure is never flattered by one).
+The agent's episode ends at the task's `timeouts.agent_s`; what it changed by then is graded.
 """
 
 from __future__ import annotations
@@ -100,17 +102,20 @@ class HarnessAgent:
         self.name = name or getattr(policy, "name", "model")
 
     def solve(self, task: Task, sandbox: Sandbox, out_dir: Path) -> AgentResult:
-        from codedojo.harness.loop import Agent
+        from codedojo.harness.loop import Agent, LoopConfig
         from codedojo.harness.tools.base import ToolContext
         from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
 
+        loop = self.loop_config or LoopConfig()
+        if loop.max_seconds is None or loop.max_seconds > task.timeouts.agent_s:
+            loop = loop.model_copy(update={"max_seconds": task.timeouts.agent_s})
         cfg = self.tool_config or EnvToolConfig(
             tools=[t for t in EnvToolConfig().tools if t not in ("codebase_search", "web_fetch")]
         )
         session = ToolSession(ToolRegistry().resolve(cfg), ToolContext(sandbox=sandbox))
         try:
             traj_path = out_dir / f"{task.instance_id}.traj.jsonl"
-            traj = Agent(self.policy, self.loop_config).run(
+            traj = Agent(self.policy, loop).run(
                 task_prompt(task, self.max_prompt_chars), session, out=traj_path, env=f"dojobench/{task.instance_id}",
                 metadata={"instance_id": task.instance_id, "category": task.category},
             )

@@ -56,6 +56,9 @@ class LoopConfig(BaseModel):
     max_turns: int = Field(30, ge=1, description="Model calls that may act (summaries excluded).")
     max_tokens: int = Field(32_768, ge=1, description="Completion tokens over the whole episode.")
     max_tokens_per_turn: int = Field(2_048, ge=1, description="Completion tokens of one call.")
+    max_seconds: float | None = Field(
+        None, gt=0, description="Wall-clock seconds of the episode, checked before each model call."
+    )
     context_window: int = Field(8_192, ge=256, description="The model's context, in tokens.")
     summary_threshold: float = Field(
         0.8, gt=0, le=1, description="Summarise when the next prompt would pass this share of the window."
@@ -125,8 +128,12 @@ class Agent:
         acting_turns = 0
         acted = False  # since the start or the last summary: a summary follows some action
         next_prompt_estimate = sum(_estimate(str(m.get("content") or "")) for m in context)
+        started = time.perf_counter()
         try:
             while True:
+                if cfg.max_seconds is not None and time.perf_counter() - started >= cfg.max_seconds:
+                    traj.status = "max_seconds"
+                    break
                 if acting_turns >= cfg.max_turns:
                     traj.status = "max_turns"
                     break

@@ -119,7 +119,7 @@ class Trajectory:
     messages: list[dict[str, Any]] = field(default_factory=list)
     segments: list[int] = field(default_factory=lambda: [0])  # index in messages where each context starts
     turns: list[Turn] = field(default_factory=list)
-    status: str = "running"  # running | finished | max_turns | max_tokens | error
+    status: str = "running"  # running | finished | max_turns | max_tokens | max_seconds | error
     error: str | None = None
     final_message: str | None = None
     tool_state: dict[str, Any] = field(default_factory=dict)  # todos etc., at the end

@@ -73,6 +73,24 @@ def test_harness_agent_with_a_scripted_policy(images, tiny_suite, tmp_path):
     assert (tmp_path / "h" / "episodes" / f"{task.instance_id}.traj.jsonl").exists()
 
 
+def test_harness_agent_stops_at_the_tasks_time_limit(images, tiny_suite, tmp_path):
+    """timeouts.agent_s ends the episode; what it changed so far is graded."""
+    import time
+
+    from codedojo.harness.policy import ScriptedPolicy
+
+    class Slow(ScriptedPolicy):
+        def generate(self, messages, tools, max_tokens):
+            time.sleep(0.2)
+            return super().generate(messages, tools, max_tokens)
+
+    task = next(t for t in tiny_suite.tasks if t.category == "bugfix")
+    task = task.model_copy(update={"timeouts": task.timeouts.model_copy(update={"agent_s": 0.3})})
+    policy = Slow([[("read_file", {"target_file": "/workspace/tinycalc/core.py"})]] * 50)
+    r = run_agent(images, HarnessAgent(policy), [task], name="t", out_dir=tmp_path).results[0]
+    assert (r.status, r.agent_status) == ("unresolved", "max_seconds") and r.turns <= 2, r
+
+
 def test_pass_at_k():
     assert pass_at_k(5, 0, 1) == 0.0
     assert pass_at_k(5, 5, 3) == 1.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from codedojo.harness.loop import SUMMARY_PREFIX, Agent, LoopConfig
@@ -95,6 +97,15 @@ def test_limits_end_the_episode(session):
 
     traj = Agent(Wordy(), LoopConfig(max_tokens=1000, max_tokens_per_turn=400)).run("spin", session)
     assert traj.status == "max_tokens" and [t.completion_tokens for t in traj.turns] == [400, 400, 200]
+
+    class Slow(ScriptedPolicy):
+        def generate(self, messages, tools, max_tokens):
+            time.sleep(0.3)
+            return super().generate(messages, tools, max_tokens)
+
+    slow = Slow([[("run_terminal_cmd", {"command": "true"})]] * 50)
+    traj = Agent(slow, LoopConfig(max_seconds=0.5)).run("spin", session)
+    assert traj.status == "max_seconds" and 1 <= len(traj.turns) <= 2
 
 
 def test_malformed_calls_get_tool_errors_and_the_episode_goes_on(session):
