@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,20 @@ CODE_GLOBS = (
 )
 MAX_FILE_BYTES = 200_000
 MAX_FILES = 2_000
+EMBED_BATCH = 256  # chunks embedded between two looks at the search's time limit
+
+
+class SearchTimeout(TimeoutError):
+    """The search ran out of time; the vectors it made are kept, so a retry goes on from there."""
+
+    def __init__(self, indexed: int, total: int) -> None:
+        super().__init__(f"{indexed} of {total} chunks indexed")
+        self.indexed, self.total = indexed, total
+
+
+def _left(deadline: float | None) -> float:
+    """Seconds to the deadline (inf without one)."""
+    return float("inf") if deadline is None else deadline - time.monotonic()
 
 
 def model_dir() -> Path:
@@ -126,18 +141,22 @@ class CodebaseIndex:
     def cached(self) -> int:
         return len(self._vectors)
 
-    def _files(self, sandbox: Sandbox, roots: list[str]) -> list[str]:
+    def _files(self, sandbox: Sandbox, roots: list[str], deadline: float | None) -> list[str]:
         argv = ["rg", "--files", "--hidden", "--glob", "!.git"]
         for g in CODE_GLOBS:
             argv += ["--glob", g]
-        r = sandbox.exec(argv + roots, timeout=60)
+        r = sandbox.exec(argv + roots, timeout=max(0.1, min(60.0, _left(deadline))))
+        if r.timed_out:
+            raise SearchTimeout(0, 0)
         if r.exit_code not in (0, 1):
             raise SandboxError(r.stderr.strip() or "cannot list files")
         return sorted(f for f in r.stdout.splitlines() if f)[:MAX_FILES]
 
-    def chunks(self, sandbox: Sandbox, roots: list[str]) -> list[Chunk]:
+    def chunks(self, sandbox: Sandbox, roots: list[str], deadline: float | None = None) -> list[Chunk]:
         out: list[Chunk] = []
-        for path in self._files(sandbox, roots):
+        for path in self._files(sandbox, roots, deadline):
+            if _left(deadline) <= 0:
+                raise SearchTimeout(0, 0)
             try:
                 data = sandbox.read_file(path)
             except (FileNotFoundError, SandboxError, OSError):
@@ -147,24 +166,30 @@ class CodebaseIndex:
             out.extend(chunk_file(path, data.decode("utf-8", "replace")))
         return out
 
-    def _embed(self, chunks: list[Chunk]) -> np.ndarray:
+    def _embed(self, chunks: list[Chunk], deadline: float | None = None) -> np.ndarray:
         with self._lock:
             missing = [c for c in {c.key: c for c in chunks}.values() if c.key not in self._vectors]
-        if missing:
-            vecs = self.embedder.encode([f"{c.path}\n{c.text}" for c in missing])
+        for i in range(0, len(missing), EMBED_BATCH):
+            if _left(deadline) <= 0:
+                raise SearchTimeout(len(chunks) - len(missing) + i, len(chunks))
+            batch = missing[i:i + EMBED_BATCH]
+            vecs = self.embedder.encode([f"{c.path}\n{c.text}" for c in batch])
             with self._lock:
-                for c, v in zip(missing, vecs, strict=True):
+                for c, v in zip(batch, vecs, strict=True):
                     self._vectors[c.key] = v
         with self._lock:
             return np.stack([self._vectors[c.key] for c in chunks])  # (N, D)
 
     def search(
-        self, sandbox: Sandbox, query: str, roots: list[str] | None = None, k: int = 8
+        self, sandbox: Sandbox, query: str, roots: list[str] | None = None, k: int = 8,
+        timeout_s: float | None = None,
     ) -> list[Hit]:
-        chunks = self.chunks(sandbox, roots or [WORKSPACE])
+        """The k best chunks; past timeout_s, `SearchTimeout` (the vectors made are kept)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        chunks = self.chunks(sandbox, roots or [WORKSPACE], deadline)
         if not chunks:
             return []
-        mat = self._embed(chunks)
+        mat = self._embed(chunks, deadline)
         q = self.embedder.encode([query])[0]
         scores = mat @ q  # (N,)
         order = np.argsort(-scores)[:k]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from codedojo.harness.embeddings import SearchTimeout
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
 
 SNIPPET_LINES = 12
@@ -17,7 +18,12 @@ def _codebase_search(ctx: ToolContext, args: dict[str, Any]) -> str:
     if not query:
         raise ToolError("query is empty")
     roots = [resolve(d) for d in (args.get("target_directories") or [])]
-    hits = ctx.search.search(ctx.sandbox, query, roots or None)
+    try:
+        hits = ctx.search.search(ctx.sandbox, query, roots or None, timeout_s=ctx.timeout_s)
+    except SearchTimeout as e:
+        done = f" with {e.indexed} of {e.total} chunks indexed" if e.total else ""
+        raise ToolError(f"codebase_search timed out after {ctx.timeout_s:g}s{done}; "
+                        "call it again to go on, or narrow target_directories") from None
     if not hits:
         return "No results."
     blocks = []

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
+import time
+
+import numpy as np
 import pytest
 
+from codedojo.harness import embeddings
 from codedojo.harness.embeddings import CodebaseIndex, chunk_file
 from codedojo.harness.tools.base import ToolContext
 from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
@@ -51,3 +57,37 @@ def test_codebase_search_finds_code_by_meaning_and_caches_by_content(sandbox, tm
 def test_codebase_search_not_configured_is_an_error_result(session):
     r = session.call("codebase_search", {"query": "anything"})
     assert r.is_error and "not available" in r.content
+
+
+class SlowEmbedder:
+    """Vectors from a hash of the text, a fifth of a second per call."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode(self, texts):
+        self.calls += 1
+        time.sleep(0.2)
+        rows = [np.frombuffer(hashlib.sha256(t.encode()).digest(), np.uint8) for t in texts]
+        v = np.asarray(rows, np.float32).reshape(len(texts), -1) - 127.5
+        return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def test_codebase_search_stops_at_its_time_limit_and_goes_on_from_there(sandbox, monkeypatch):
+    monkeypatch.setattr(embeddings, "EMBED_BATCH", 2)
+    index = CodebaseIndex(SlowEmbedder())
+    total = len(index.chunks(sandbox, ["/workspace"]))
+    assert total > 6
+    cfg = EnvToolConfig(timeouts={"codebase_search": 0.3})
+    s = ToolSession(ToolRegistry().resolve(cfg), ToolContext(sandbox=sandbox, search=index))
+    try:
+        r = s.call("codebase_search", {"query": "low stock"})
+        m = re.search(r"timed out after 0.3s with (\d+) of (\d+) chunks indexed", r.content)
+        assert r.is_error and m, r.content
+        assert 0 < int(m[1]) < int(m[2]) == total
+        assert index.cached == int(m[1])  # the vectors made are kept
+        while (r := s.call("codebase_search", {"query": "low stock"})).is_error:
+            assert "call it again" in r.content
+        assert index.cached == total and r.content.count("(score ") == min(8, total)
+    finally:
+        s.close()
