@@ -243,9 +243,21 @@ def _checked_routing(value: Any, fed: int) -> str | None:
 
 
 def _for_api(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as the API accepts them (our extra keys dropped)."""
+    """Messages as the API accepts them: our extra keys dropped, and the answer to a malformed
+    call sent as a user message (a tool message must answer an entry of `tool_calls`, and a
+    malformed call has none)."""
     keep = {"role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content"}  # not invalid_tool_calls
-    return [{k: v for k, v in m.items() if k in keep} for m in messages]
+    out: list[dict[str, Any]] = []
+    malformed: dict[str, str] = {}  # the last assistant message's unrun calls: id -> name
+    for m in messages:
+        if m.get("role") == "assistant":
+            malformed = {c["id"]: c.get("name") or "a tool" for c in m.get("invalid_tool_calls") or []}
+        elif m.get("role") == "tool" and m.get("tool_call_id") in malformed:
+            name = malformed[m["tool_call_id"]]
+            out.append({"role": "user", "content": f"[your call to {name}] {m.get('content') or ''}"})
+            continue
+        out.append({k: v for k, v in m.items() if k in keep})
+    return out
 
 
 def timed(fn: Callable[[], PolicyOutput]) -> tuple[PolicyOutput, float]:
