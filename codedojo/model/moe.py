@@ -52,6 +52,9 @@ def _moe_field(moe: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
+BALANCE_BUFFERS = ("expert_bias", "tokens_per_expert")
+
+
 class MoE(nn.Module):
     """x (B, T, D) -> (B, T, D). Reads `cfg.moe` for its sizes."""
 
@@ -174,6 +177,19 @@ class MoE(nn.Module):
         return (torch.stack(rows) + self._shared(flat)).reshape(B, T, D)
 
     # ---- balancing -----------------------------------------------------------------------
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MoE:
+        """Moves and casts as any module, except that the balancing state stays float32: a
+        bias step (gamma, about 1e-3) is below bfloat16's resolution at the bias's size, a
+        count past 256 is too, and a bfloat16 engine would route otherwise than its trainer."""
+        before = {name: self._buffers[name] for name in BALANCE_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if old is not None and new is not None and new.dtype != torch.float32:
+                src = old if old.dtype == torch.float32 else new
+                self._buffers[name] = src.to(device=new.device, dtype=torch.float32)
+        return self
 
     @torch.no_grad()
     def update_bias(self, gamma: float) -> None:

@@ -56,6 +56,25 @@ def test_bias_update_moves_toward_balance():
     assert m.tokens_per_expert.sum() == 0
 
 
+def test_balancing_state_stays_float32_when_the_model_is_cast():
+    """A bfloat16 model keeps a float32 bias: a step of 1e-3 on 0.5 would round away, and the
+    bias must route as the float32 trainer's does."""
+    m = MoE(_cfg())
+    m.expert_bias.fill_(0.5)
+    m.expert_bias[1] += 1e-3
+    want = m.expert_bias.clone()
+    m.to(torch.bfloat16)
+    assert m.w1.dtype == torch.bfloat16 and m.router.weight.dtype == torch.bfloat16
+    assert m.expert_bias.dtype == m.tokens_per_expert.dtype == torch.float32
+    assert torch.equal(m.expert_bias, want)
+    m.train()
+    m.tokens_per_expert.fill_(300.0)
+    m(torch.randn(1, 4, 24, dtype=torch.bfloat16))
+    assert m.tokens_per_expert.sum() == 8 * 300 + 4 * 2  # counts past 256 still add up
+    m.float()
+    assert torch.equal(m.expert_bias, want)
+
+
 def test_router_replay_uses_given_indices_and_router_gets_grads():
     torch.manual_seed(2)
     m = MoE(_cfg())
