@@ -61,6 +61,13 @@ def rng_state() -> dict[str, Any]:
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}
 
 
+def seed_rngs(seed: int) -> None:
+    """Seed every generator `rng_state` keeps, so that two runs save the same states."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
 def set_rng_state(s: dict[str, Any]) -> None:
     torch.set_rng_state(s["torch"])
     if s.get("cuda") is not None and torch.cuda.is_available():

@@ -51,6 +51,7 @@ from codedojo.pretrain.checkpoint import (
     load_weights,
     read_position,
     save_checkpoint,
+    seed_rngs,
     weights_digest,
 )
 from codedojo.pretrain.config import PretrainConfig, StageConfig
@@ -610,7 +611,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
 
     console = console or Console()
     run_dir = cfg.run_dir
-    torch.manual_seed(cfg.seed)
+    seed_rngs(cfg.seed)
     if tok is None:
         from codedojo.model.tokenizer import load_tokenizer
 

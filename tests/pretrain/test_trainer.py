@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import random
 import shutil
 
 import numpy as np
@@ -635,7 +636,9 @@ def test_a_stopped_run_goes_on_from_its_generation_and_from_its_stage(tmp_path, 
     # fills with 2 x 2 rows of 16 tokens
     monkeypatch.setattr(trainer, "write_self_shards",
                         functools.partial(selfgen.write_self_shards, part_bytes=2 * 2 * 16 * 64))
+    random.seed(1), np.random.seed(1)  # two processes start these from the OS's entropy
     whole = trainer.run(cfg, tok=tok, console=quiet)
+    random.seed(2), np.random.seed(2)
     calls: list[int] = []
     real = selfgen.greedy_continue
 
@@ -677,3 +680,7 @@ def test_a_stopped_run_goes_on_from_its_generation_and_from_its_stage(tmp_path, 
     assert again["eval_loss"] == whole["eval_loss"]
     assert ((stopped.run_dir / "final" / "mtp.safetensors").read_bytes()
             == (cfg.run_dir / "final" / "mtp.safetensors").read_bytes())  # trained alike
+    for run in (cfg, stopped):  # and the trainer's state too: its RNG states are seeded
+        assert (run.run_dir / "ckpt" / "mtp_self" / "trainer.pt").exists()
+    assert ((stopped.run_dir / "ckpt" / "mtp_self" / "trainer.pt").read_bytes()
+            == (cfg.run_dir / "ckpt" / "mtp_self" / "trainer.pt").read_bytes())
