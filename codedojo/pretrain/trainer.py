@@ -287,6 +287,8 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
         settings["world"] = world
     if origins:
         settings["origins"] = True
+    if any(e.data == "self" for e in stage.mix) and "self" in data.shards:
+        settings["self"] = data.shards["self"].name  # whose continuations: another model's
     out = cache_dir_for(run_dir / "data" / "packed", stage, settings)
     if (out / "mask.npy").exists():
         return Packed.load(out)
@@ -670,12 +672,12 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
             load_weights(ck, model, mtp)
             console.print(f"stage {st.name}: done (checkpoint), skipping")
             continue
+        if st.self_gen is not None:  # by the model as the stage starts, resumed or not
+            data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
         if pos is not None:
             load_weights(ck, model, mtp)
             console.print(f"stage {st.name}: going on from step {pos.step}/{st.steps} "
                           "(checkpoint)")
-        if st.self_gen is not None:
-            data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
         feats = stored_hidden(st, data, cfg.model.mtp_taps)
         with main_rank_first():
             packed = stage_packed(cfg, st, si, data, run_dir, world, origins=feats is not None)

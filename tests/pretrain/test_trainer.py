@@ -505,6 +505,74 @@ def test_without_prompt_loss_the_modules_learn_only_where_the_next_token_is_gene
     assert (in_doc[first & real] == 0).all()  # every piece of a row starts its document
 
 
+def test_a_stage_packs_the_continuations_of_the_model_it_starts_from(tmp_path):
+    """Two models write two `self` directories; the stage's packed rows follow the one it is
+    given, and never come back from the cache of the other."""
+    from rich.console import Console
+
+    from codedojo.pretrain.trainer import self_data, stage_packed
+
+    data = _code_data(tmp_path)
+    cfg = _cfg(tmp_path, mtp="distill", mix=[{"data": "self"}], steps=2,
+               self_gen={"prompts": 6, "prompt_len": 8, "new_tokens": 4, "batch": 3})
+    run_dir, quiet = tmp_path / "run", Console(quiet=True)
+    packs = []
+    for seed in (0, 1):
+        model, _ = build_model(cfg)
+        torch.manual_seed(seed)
+        with torch.no_grad():  # another model
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        data.shards["self"] = self_data(cfg, cfg.stages[0], model, data, run_dir, quiet)
+        packs.append(stage_packed(cfg, cfg.stages[0], 0, data, run_dir))
+        written = np.concatenate([TokenShards(data.shards["self"]).doc(i) for i in range(6)])
+        real = packs[-1].tokens[packs[-1].mask.astype(bool)]
+        assert set(real.tolist()) <= set(written.tolist())
+    assert len(list((run_dir / "data" / "self").iterdir())) == 2
+    assert not np.array_equal(packs[0].tokens, packs[1].tokens)
+
+
+def test_a_joint_stage_on_its_own_continuations_resumes_on_the_same_ones(tmp_path, monkeypatch):
+    """The model moves in a joint stage: resumed from a mid-stage checkpoint, it reads the
+    continuations written by the model the stage started from, not new ones of its own."""
+    from rich.console import Console
+
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.pretrain import selfgen, trainer
+
+    five = five_stage_config(tmp_path, "whole")
+    (stage,) = [s.model_copy(update={"mtp": "joint", "steps": 4, "checkpoint_every": 2})
+                for s in five.stages if s.name == "mtp_self"]
+    cfg = five.model_copy(update={"stages": [stage]})
+    tok, quiet = load_tokenizer(), Console(quiet=True)
+    whole = trainer.run(cfg, tok=tok, console=quiet)
+    save = trainer.save_checkpoint
+
+    def save_then_stop(*args, **kw):
+        path = save(*args, **kw)
+        if not args[5].done:  # the position: mid-stage
+            raise KeyboardInterrupt
+        return path
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_stop)
+    stopped = cfg.model_copy(update={"name": "stopped"})
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(stopped, tok=tok, console=quiet)
+    monkeypatch.setattr(trainer, "save_checkpoint", save)
+    calls: list[int] = []
+    real = selfgen.greedy_continue
+    monkeypatch.setattr(selfgen, "greedy_continue",
+                        lambda m, x, *a, **k: calls.append(len(x)) or real(m, x, *a, **k))
+    again = trainer.run(stopped, tok=tok, console=quiet)
+    assert calls == []  # nothing generated again
+    assert [p.name for p in (stopped.run_dir / "data" / "self").iterdir()] == \
+        [p.name for p in (cfg.run_dir / "data" / "self").iterdir()]
+    assert again["eval_loss"] == whole["eval_loss"]
+    for name in ("model.safetensors", "mtp.safetensors"):
+        assert ((stopped.run_dir / "final" / name).read_bytes()
+                == (cfg.run_dir / "final" / name).read_bytes())
+
+
 def test_an_mtp_distillation_step_detaches_the_modules_when_asked():
     """`stage_loss(..., mtp_detach=True)` (a stage's ``mtp_detach``): the first module's
     gradient is its own loss's alone, so it differs from the one that also serves module 2."""
