@@ -455,8 +455,9 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
         load_trainer_state(resume_from, model, mtp, opt)
         loader.load_state_dict(pos.loader)
         start = pos.step
-    if st.mtp == "distill" and mtp is not None and resume_from is None and si == _first_mtp(cfg):
-        # Fresh MTP modules: match their input scale to the model's hidden states first.
+    if mtp is not None and resume_from is None and si == _first_mtp(cfg):
+        # Fresh MTP modules (distilled or trained jointly): match their input scale to the
+        # model's hidden states first, and draft over the data's most frequent tokens.
         b = make_batch(*(a[: st.batch_size] for a in (loader.packed.tokens,
                                                       loader.packed.segments,
                                                       loader.packed.mask)))

@@ -38,5 +38,6 @@ def test_compiled_blocks_train_like_eager_and_leave_decoding_alone(tmp_path):
     with torch.no_grad():
         out = [m(tokens, cache=KVCache(m.cfg, n_slots=2, max_len=16).view(0, 2))
                for m in (model, model_c)]
-    torch.testing.assert_close(out[1], out[0], rtol=1e-4, atol=1e-5)
+    # the weights may differ by the 1e-4 above, and the logits by as much
+    torch.testing.assert_close(out[1], out[0], rtol=1e-4, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == graphs

@@ -128,8 +128,9 @@ def test_a_distill_stage_leaves_no_expert_counts_behind(tmp_path):
 
 def test_a_stage_trains_its_modules_on_its_greedy_share(tmp_path):
     """A stage's ``mtp_greedy`` reaches the loss: its first step's loss is `stage_loss`'s with
-    that share, on the loader's first batch, before any update (a joint stage: a first
-    distillation stage would calibrate the modules first)."""
+    that share, on the loader's first batch, before any update (the modules calibrated first,
+    as a first MTP stage does)."""
+    from codedojo.data.packing import make_batch
     from codedojo.pretrain.trainer import stage_loss
 
     first = {}
@@ -137,7 +138,11 @@ def test_a_stage_trains_its_modules_on_its_greedy_share(tmp_path):
         cfg = _cfg(tmp_path, mtp="joint", steps=1, checkpoint_every=0, mtp_greedy=greedy)
         torch.manual_seed(0)
         model, mtp = build_model(cfg)
+        p = _loader().packed
+        b = make_batch(p.tokens[:2], p.segments[:2], p.mask[:2])
         with torch.no_grad():
+            mtp.calibrate(model.hidden(b["tokens"], positions=b["positions"],
+                                       doc_ids=b["doc_ids"]))
             want, _ = stage_loss(model, mtp, _loader().next_batch(), "joint",
                                  cfg.stages[0].mtp_weight, mtp_greedy=greedy)
         first[greedy] = train_stage(cfg, 0, model, mtp, _loader(), tmp_path / str(greedy))[0]
@@ -365,12 +370,18 @@ def test_an_moe_checkpoint_loads_for_serving(tmp_path):
         load_model(ck)
 
 
-def test_distill_over_a_draft_vocabulary_of_frequent_tokens(tmp_path):
-    cfg = _cfg(tmp_path, mtp="distill", steps=3, lr=3e-3)
+@pytest.mark.parametrize("mode", ["distill", "joint"])
+def test_the_first_mtp_stage_drafts_over_the_frequent_tokens_from_calibrated_modules(
+        tmp_path, mode):
+    cfg = _cfg(tmp_path, mtp=mode, steps=3, lr=3e-3)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"mtp_draft_vocab": 8})})
     model, mtp = build_model(cfg)
+    calibrated: list[float] = []
+    real = mtp.calibrate
+    mtp.calibrate = lambda hidden: calibrated.append(real(hidden)) or calibrated[-1]
     loader = _loader()
     losses = train_stage(cfg, 0, model, mtp, loader, tmp_path)
+    assert len(calibrated) == 1 and calibrated[0] > 0  # fresh modules: scaled to the model's
     counts = np.bincount(loader.packed.tokens.reshape(-1), minlength=64)
     chosen = mtp.draft_vocab.tolist()
     assert len(chosen) == 8 and chosen == sorted(chosen)
