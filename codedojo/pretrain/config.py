@@ -151,6 +151,11 @@ class StageConfig(BaseModel):
     def _check(self) -> StageConfig:
         if self.warmup_steps > self.steps:
             raise ValueError(f"stage {self.name!r}: warmup_steps > steps")
+        decay = round(self.steps * self.decay_frac)
+        if self.warmup_steps > self.steps - decay:
+            raise ValueError(f"stage {self.name!r}: warmup_steps ({self.warmup_steps}) runs into "
+                             f"the decay, which starts at step {self.steps - decay} of "
+                             f"{self.steps} (decay_frac {self.decay_frac})")
         if not self.mix:
             raise ValueError(f"stage {self.name!r}: mix must list at least one entry")
         for knob in ("mtp_detach", "mtp_greedy"):
