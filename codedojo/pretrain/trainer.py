@@ -478,17 +478,19 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
                     decay_frac=st.decay_frac, min_ratio=st.min_lr_ratio)
         set_lr(opt, lr)
         t0 = time.perf_counter()
-        total, metrics = 0.0, {}
+        total, parts = 0.0, {}  # the loss and its parts, over the step's micro-batches
         ntok = 0
         for _ in range(st.grad_accum):
             batch = on_device(loader.next_batch(), dev)
             if "hidden" in batch:  # no forward of the model gathers what the modules share
                 gather_root(model)
             with _autocast(stage_dtype(cfg, st), dev):
-                loss, metrics = stage_loss(model, mtp, batch, st.mtp, st.mtp_weight,
-                                           st.mtp_detach, st.mtp_greedy)
+                loss, part = stage_loss(model, mtp, batch, st.mtp, st.mtp_weight,
+                                        st.mtp_detach, st.mtp_greedy)
             (loss / st.grad_accum).backward()
             total += float(loss.detach()) / st.grad_accum
+            for k, v in part.items():
+                parts[k] = parts.get(k, 0.0) + v / st.grad_accum
             ntok += int(batch["loss_mask"].sum())
         average_gradients(trainable)  # those FSDP does not shard (no-op on one process)
         gnorm = clip_grad_norm(trainable, st.grad_clip)
@@ -499,8 +501,10 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
                 sum_over_ranks(m.tokens_per_expert)  # every rank's biases move alike
             update_moe_biases(model, gamma)
         # the loss of the whole batch; tokens per second of all ranks together
-        total, tok_s = mean_over_ranks(total, ntok / (time.perf_counter() - t0))
+        total, tok_s, *means = mean_over_ranks(total, ntok / (time.perf_counter() - t0),
+                                               *parts.values())
         tok_s *= world_size()
+        metrics = dict(zip(parts, means, strict=True))
         losses.append(total)
         every = cfg.eval.every
         if held_out is not None and every and (step + 1) % every == 0:

@@ -763,3 +763,15 @@ def test_a_stopped_run_goes_on_from_its_generation_and_from_its_stage(tmp_path, 
         assert (run.run_dir / "ckpt" / "mtp_self" / "trainer.pt").exists()
     assert ((stopped.run_dir / "ckpt" / "mtp_self" / "trainer.pt").read_bytes()
             == (cfg.run_dir / "ckpt" / "mtp_self" / "trainer.pt").read_bytes())
+
+
+def test_the_logged_parts_of_the_loss_are_over_the_whole_step(tmp_path):
+    """With micro-batches, each logged part of the loss is over all of them, as the loss is:
+    the cross-entropy and the modules' loss add up to it."""
+    cfg = _cfg(tmp_path, mtp="joint", grad_accum=2, steps=2, checkpoint_every=0)
+    model, mtp = build_model(cfg)
+    rows: list[dict] = []
+    train_stage(cfg, 0, model, mtp, _loader(), tmp_path, log=rows.append)
+    w = cfg.stages[0].mtp_weight
+    for r in rows:
+        assert r["loss"] == pytest.approx(r["ce"] + w * r["mtp_loss"], rel=1e-6)
