@@ -3,6 +3,8 @@ written so that no reader ever sees it half-written."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
 import tempfile
@@ -21,20 +23,23 @@ def staged_dir(dest: str | Path, *, replace: bool) -> Iterator[Path]:
     """A fresh directory beside ``dest`` to write into. When the block ends without an error
     it becomes ``dest`` whole; on an error it is removed and ``dest`` is left as it was.
 
-    ``replace=True`` (a checkpoint written again): an existing ``dest`` is moved aside, the new
-    one put in its place, and only then the old one removed, so a crash at any point leaves a
-    whole copy on disk. ``replace=False`` (a cache that many processes may fill at once): when
-    another one put ``dest`` there first, its copy stays and this one is dropped."""
+    ``replace=True`` (a checkpoint written again): an existing ``dest`` is exchanged with the
+    new one in one step (`renameat2`), so ``dest`` names a whole copy at every moment, and the
+    old one is removed after. Where the file system cannot exchange, the old one is moved aside
+    first, and a crash between the two renames leaves it in ``.<name>-old-*/``.
+    ``replace=False`` (a cache that many processes may fill at once): when another one put
+    ``dest`` there first, its copy stays and this one is dropped."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         yield tmp
         if replace and dest.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}-old-", dir=dest.parent))
-            os.rename(dest, old / dest.name)
-            os.rename(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
+            if not _exchange(tmp, dest):
+                old = Path(tempfile.mkdtemp(prefix=f".{dest.name}-old-", dir=dest.parent))
+                os.rename(dest, old / dest.name)
+                os.rename(tmp, dest)
+                shutil.rmtree(old, ignore_errors=True)
         else:
             try:
                 os.rename(tmp, dest)
@@ -45,7 +50,25 @@ def staged_dir(dest: str | Path, *, replace: bool) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_atomic(path: str | Path, text: str) -> None:
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux `renameat2(RENAME_EXCHANGE)`); False where the C
+    library or the file system has no such call."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"exchanging {a} and {b}: {os.strerror(err)}")
+
+
+def write_atomic(path: str | Path, text: str | bytes) -> None:
     """Replace the file's text whole: a reader, or a crash at any point, sees the old text or
     the new, never part of it (a report rewritten after every stage, an index that says a
     directory is finished). The file is a new one, so a hard link to the old stays as it was."""
@@ -54,8 +77,8 @@ def write_atomic(path: str | Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     try:
         os.fchmod(fd, mode)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode() if isinstance(text, str) else text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

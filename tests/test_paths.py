@@ -60,3 +60,50 @@ def test_a_file_is_replaced_whole_and_a_failed_write_keeps_the_old(tmp_path):
         write_atomic(report, None)  # the write fails part way
     assert report.read_text() == '{"stage": 2}'
     assert entries(tmp_path) == ["branch-report.json", "report.json"]  # no temporary left
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_a_rewrite_swaps_the_copies_in_one_step_where_it_can(tmp_path, monkeypatch, exchange):
+    """`renameat2` exchanges the two directories, so the name is never without a whole copy;
+    where it cannot, the old copy is moved aside first (two renames)."""
+    import os
+
+    from codedojo import paths
+
+    dest = tmp_path / "final"
+    with staged_dir(dest, replace=True) as tmp:
+        (tmp / "a").write_text("1")
+    if not exchange:
+        monkeypatch.setattr(paths, "_exchange", lambda a, b: False)
+    moved_away = []
+    real = os.rename
+    monkeypatch.setattr(os, "rename", lambda a, b: moved_away.append(a == dest) or real(a, b))
+    with staged_dir(dest, replace=True) as tmp:
+        (tmp / "b").write_text("2")
+    assert entries(dest) == ["b"] and entries(tmp_path) == ["final"]
+    assert any(moved_away) == (not exchange)
+
+
+def test_packed_rows_are_saved_whole_or_not_at_all(tmp_path, monkeypatch):
+    import numpy as np
+
+    from codedojo.data.packing import Packed, pack
+
+    rows = pack([np.arange(1, 9), np.arange(1, 5)], seq_len=4)
+    out = tmp_path / "packed"
+    real = np.save
+
+    def fail_at_mask(path, arr):
+        if str(path).endswith("mask.npy"):
+            raise OSError("disk full")
+        real(path, arr)
+
+    monkeypatch.setattr(np, "save", fail_at_mask)
+    with pytest.raises(OSError, match="disk full"):
+        rows.save(out)
+    assert not out.exists()
+    out.mkdir()
+    real(out / "tokens.npy", rows.tokens[:1])  # what a killed writer of the old kind left
+    monkeypatch.setattr(np, "save", real)
+    rows.save(out)
+    np.testing.assert_array_equal(Packed.load(out).tokens, rows.tokens)

@@ -28,6 +28,7 @@ import torch
 
 from codedojo.data.features import TokenFeatures
 from codedojo.data.mixture import MixedDoc
+from codedojo.paths import staged_dir
 
 
 @dataclass
@@ -45,13 +46,14 @@ class Packed:
         return int(self.tokens.shape[0])
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        np.save(path / "tokens.npy", self.tokens)
-        np.save(path / "segments.npy", self.segments)
-        if self.origin is not None:
-            np.save(path / "origin.npy", self.origin)
-        np.save(path / "mask.npy", self.mask)  # last: its presence marks a finished directory
+        """Write the rows to the directory ``path``, whole or not at all (a directory half
+        written by a killed process is replaced)."""
+        with staged_dir(path, replace=True) as tmp:
+            np.save(tmp / "tokens.npy", self.tokens)
+            np.save(tmp / "segments.npy", self.segments)
+            if self.origin is not None:
+                np.save(tmp / "origin.npy", self.origin)
+            np.save(tmp / "mask.npy", self.mask)  # its presence marks a finished directory
 
     @classmethod
     def load(cls, path: str | Path) -> Packed:

@@ -22,6 +22,7 @@ target, not with the data.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -561,7 +562,9 @@ def prepare_data(cfg: PretrainConfig, tok: Any, run_dir: Path) -> RunData:
     filler_f = d / f"probe_filler_{e.probe_len}.npy"
     if not filler_f.exists():
         ev = TokenShards(d / "eval")
-        np.save(filler_f, np.concatenate([ev.doc(i) for i in range(len(ev))])[: 4 * e.probe_len])
+        buf = io.BytesIO()  # a file half written by a killed process would never be read
+        np.save(buf, np.concatenate([ev.doc(i) for i in range(len(ev))])[: 4 * e.probe_len])
+        write_atomic(filler_f, buf.getvalue())
     shards = {k: v for k, v in shards.items() if (v / "index.json").exists()}
     prompts = {st.name: prompt_pool(cfg, st, tok, d) for st in cfg.stages
                if st.self_gen is not None and st.self_gen.sources and "code" in shards}
