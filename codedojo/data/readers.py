@@ -23,8 +23,9 @@ DEFAULT_CODE_EXTS = (".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".rs", ".go", ".j
 
 @dataclass
 class Document:
-    """One unit of training text. `source` is a stable id (path or row key) used for dedup
-    reports and held-out splits."""
+    """One unit of training text. `source` is a stable id used for dedup reports and held-out
+    splits: a path or row key relative to the folder the source names (its name included), so
+    the same data gives the same ids, and the same split, wherever it lies on a machine."""
 
     text: str
     source: str
@@ -75,6 +76,14 @@ def _read_text(p: Path) -> str | None:
         return None
 
 
+def _key(f: Path, asked: Path) -> str:
+    """A data file's name from the path a source names: that folder's name and the file's
+    place in it, or the file's own name."""
+    if asked.is_dir():
+        return f"{asked.resolve().name}/{f.relative_to(asked)}"
+    return f.name
+
+
 def read_dir(root: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
              exclude: list[str] | None = None) -> Iterator[Document]:
     """Files under `root` with one of `exts`, in sorted order so runs are reproducible."""
@@ -91,7 +100,7 @@ def read_dir(root: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
             continue
         text = _read_text(p)
         if text is not None:
-            yield Document(text=text, source=str(p), meta={"path": rel})
+            yield Document(text=text, source=f"{root.resolve().name}/{rel}", meta={"path": rel})
 
 
 def read_git(repo: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
@@ -119,7 +128,8 @@ def read_git(repo: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
             text = blob.stdout.decode("utf-8")
         except UnicodeDecodeError:
             continue
-        yield Document(text=text, source=f"{repo}:{rel}", meta={"path": rel, "repo": str(repo)})
+        yield Document(text=text, source=f"{repo.resolve().name}:{rel}",
+                       meta={"path": rel, "repo": str(repo)})
 
 
 def read_jsonl(path: str | Path, text_field: str = "text") -> Iterator[Document]:
@@ -127,6 +137,7 @@ def read_jsonl(path: str | Path, text_field: str = "text") -> Iterator[Document]
     path = Path(path)
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
     for f in files:
+        key = _key(f, path)
         with f.open("rb") as fh:
             for i, raw in enumerate(fh):
                 where = f"{f}:{i + 1}"
@@ -146,7 +157,7 @@ def read_jsonl(path: str | Path, text_field: str = "text") -> Iterator[Document]
                 text = row.pop(text_field)
                 if text is None:  # as the parquet reader does: no text, no document
                     continue
-                yield Document(text=str(text), source=where, meta=row)
+                yield Document(text=str(text), source=f"{key}:{i + 1}", meta=row)
 
 
 def read_parquet(path: str | Path, text_field: str = "text") -> Iterator[Document]:
@@ -159,6 +170,7 @@ def read_parquet(path: str | Path, text_field: str = "text") -> Iterator[Documen
     if not files:
         raise FileNotFoundError(f"source.path: no .parquet files under {path}")
     for f in files:
+        key = _key(f, path)
         pf = pq.ParquetFile(f)
         if text_field not in pf.schema_arrow.names:
             raise ValueError(f"{f}: missing text_field {text_field!r} "
@@ -171,7 +183,7 @@ def read_parquet(path: str | Path, text_field: str = "text") -> Iterator[Documen
                 if text is None:
                     continue
                 meta = {k: v[j] for k, v in cols.items()}
-                yield Document(text=str(text), source=f"{f}:{n + j}", meta=meta)
+                yield Document(text=str(text), source=f"{key}:{n + j}", meta=meta)
             n += len(texts)
 
 
