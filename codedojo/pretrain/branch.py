@@ -55,11 +55,7 @@ def branch_run(src: str | Path, cfg: PretrainConfig) -> list[str]:
     if dest.exists() and any(dest.iterdir()):
         raise BranchError(f"{dest} is not empty: branch into a new out_dir or name")
     old = PretrainConfig.model_validate_json((src / "config.json").read_text())
-    free = {**dict.fromkeys(_FREE, True),
-            "model": _FREE_MODEL | {"n_mtp", "mtp_taps", "mtp_blocks"},
-            "eval": {"every", "continuations"}}  # what is reported, not what runs
-    a, b = old.model_dump(exclude=free), cfg.model_dump(exclude=free)
-    differ = [k for k in a if a[k] != b[k]]  # one model: the same fields
+    differ = _differing(old, cfg, _FREE_MODEL | {"n_mtp", "mtp_taps", "mtp_blocks"})
     if differ:
         raise BranchError(f"{src}: its {', '.join(differ)} differ from this config's, so none "
                           "of its data or stages would be the same")
@@ -99,6 +95,45 @@ def branch_run(src: str | Path, cfg: PretrainConfig) -> list[str]:
             report = _kept(json.loads((src / "report.json").read_text()), reused)
             (tmp / "report.json").write_text(json.dumps({"name": cfg.name, **report}, indent=1))
     return reused
+
+
+def check_resume(run_dir: Path, cfg: PretrainConfig) -> None:
+    """A run goes on under the settings it was started with: refuse, naming them, a config
+    whose data or started stages would differ (its prepared data and checkpoints were made by
+    the old ones, and would be taken as this config's). Stages not yet started may change,
+    and so may what a branch may change about how the model computes."""
+    if not (run_dir / "config.json").exists():
+        return
+    old = PretrainConfig.model_validate_json((run_dir / "config.json").read_text())
+    started = [(i, s) for i, s in enumerate(cfg.stages)
+               if (run_dir / "ckpt" / s.name / "state.json").exists()]
+    if not started and not (run_dir / "data" / "done.json").exists():
+        return  # nothing made yet: a config mended after a failed start
+    hint = (f"put them back, or branch a new run from this one "
+            f"(dojo pretrain CONFIG --from {run_dir} --out-dir ...)")
+    differ = _differing(old, cfg, _FREE_MODEL)
+    if differ:
+        raise BranchError(f"{run_dir}: this run was started with other {', '.join(differ)}; "
+                          f"{hint}")
+    was = {s.name: (i, s.model_dump(exclude=_FREE_STAGE)) for i, s in enumerate(old.stages)}
+    for i, st in started:
+        j, before = was.get(st.name, (-1, {}))
+        now = st.model_dump(exclude=_FREE_STAGE)
+        changed = [f"{k} {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
+        if j != i:
+            changed.insert(0, f"its place {j} -> {i}" if j >= 0 else "a stage it did not have")
+        if changed:
+            raise BranchError(f"{run_dir}: stage {st.name!r} has a checkpoint made under other "
+                              f"settings ({'; '.join(changed)}); {hint}")
+
+
+def _differing(old: PretrainConfig, new: PretrainConfig, free_model: set[str]) -> list[str]:
+    """The top-level fields of two configs that differ where a run's data and stages depend
+    on them (the model's ``free_model`` fields and what is only reported aside)."""
+    free = {**dict.fromkeys(_FREE, True), "model": free_model,
+            "eval": {"every", "continuations"}}  # what is reported, not what runs
+    a, b = old.model_dump(exclude=free), new.model_dump(exclude=free)
+    return [k for k in a if a[k] != b[k]]  # one model: the same fields
 
 
 def _done(ckpt: Path) -> bool:

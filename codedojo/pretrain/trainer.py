@@ -44,7 +44,7 @@ from codedojo.model.mtp import MTP, distill_loss, mtp_valid_mask, save_mtp
 from codedojo.model.rope import Rotary
 from codedojo.model.transformer import Transformer
 from codedojo.paths import write_atomic
-from codedojo.pretrain.branch import branch_run
+from codedojo.pretrain.branch import branch_run, check_resume
 from codedojo.pretrain.checkpoint import (
     TrainPosition,
     full_state_dict,
@@ -639,6 +639,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
                 console.print(f"branched from {branch_from}: its data"
                               + (f" and stages {', '.join(reused)}" if reused else ""))
     run_dir.mkdir(parents=True, exist_ok=True)  # after a branch: one refused leaves none
+    check_resume(run_dir, cfg)
     if rank == 0:  # what this run was last started with, `--set` overrides applied
         write_atomic(run_dir / "config.json", cfg.model_dump_json(indent=1))
     console.print(f"[bold]{cfg.name}[/]: preparing data under {run_dir / 'data'}"

@@ -205,3 +205,29 @@ def test_what_cannot_be_branched_is_named(tmp_path):
     with pytest.raises(BranchError, match=r"model.mtp_taps \[0\] -> \[1\]"):
         branch_run(src, cfg.model_copy(update={
             "name": "e", "model": model.model_copy(update={"mtp_taps": [1]})}))
+
+
+def test_a_run_goes_on_only_under_the_settings_it_was_started_with(tmp_path):
+    """Its data and started stages were made by the settings it started with: a restart
+    under others is refused by name; how often a stage is saved, and stages not yet begun,
+    may change."""
+    tok, quiet = load_tokenizer(), Console(quiet=True)
+    five = five_stage_config(tmp_path, "r")
+    cfg = five.model_copy(update={"stages": five.stages[:1]})
+    run(cfg, tok=tok, console=quiet)
+    longer = cfg.model_copy(update={"stages": [cfg.stages[0].model_copy(update={"steps": 3})]})
+    with pytest.raises(BranchError, match=r"stage 'bulk' has a checkpoint made under other "
+                                          r"settings \(steps 2 -> 3\); put them back, or branch"):
+        run(longer, tok=tok, console=quiet)
+    other_split = cfg.model_copy(update={"corpus": cfg.corpus.model_copy(
+        update={"holdout_frac": 0.3})})
+    with pytest.raises(BranchError, match=r"this run was started with other corpus"):
+        run(other_split, tok=tok, console=quiet)
+    saved_more = cfg.stages[0].model_copy(update={"checkpoint_every": 1})
+    more = cfg.model_copy(update={"stages": [saved_more, five.stages[1]]})
+    report = run(more, tok=tok, console=quiet)  # goes on: the new stage runs
+    assert list(report["stages"]) == ["bulk", "mtp"]
+    moved = cfg.model_copy(update={"stages": [five.stages[1], saved_more]})
+    with pytest.raises(BranchError, match=r"stage 'mtp' has a checkpoint made under other "
+                                          r"settings \(its place 1 -> 0\)"):
+        run(moved, tok=tok, console=quiet)
