@@ -479,20 +479,27 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
                     decay_frac=st.decay_frac, min_ratio=st.min_lr_ratio)
         set_lr(opt, lr)
         t0 = time.perf_counter()
-        total, parts = 0.0, {}  # the loss and its parts, over the step's micro-batches
-        ntok = 0
-        for _ in range(st.grad_accum):
-            batch = on_device(loader.next_batch(), dev)
+        # Every trained token of the step weighs alike, whichever micro-batch and rank it is
+        # in: a micro-batch's mean loss counts by its share of the step's tokens (ranks'
+        # gradients are averaged, hence the world size). Equal means of unequal micro-batches
+        # would weigh an SFT row of 3 trained tokens as one of 300.
+        micro = [loader.next_batch() for _ in range(st.grad_accum)]
+        counts = [int(b["loss_mask"].sum()) for b in micro]
+        ntok = sum(counts)
+        step_tokens = max(1.0, mean_over_ranks(float(ntok))[0] * world_size())
+        total, parts = 0.0, {}  # the loss and its parts, over the step's tokens
+        for batch, n in zip(micro, counts, strict=True):
+            batch = on_device(batch, dev)
             if "hidden" in batch:  # no forward of the model gathers what the modules share
                 gather_root(model)
             with _autocast(stage_dtype(cfg, st), dev):
                 loss, part = stage_loss(model, mtp, batch, st.mtp, st.mtp_weight,
                                         st.mtp_detach, st.mtp_greedy)
-            (loss / st.grad_accum).backward()
-            total += float(loss.detach()) / st.grad_accum
+            share = n * world_size() / step_tokens
+            (loss * share).backward()
+            total += float(loss.detach()) * share
             for k, v in part.items():
-                parts[k] = parts.get(k, 0.0) + v / st.grad_accum
-            ntok += int(batch["loss_mask"].sum())
+                parts[k] = parts.get(k, 0.0) + v * share
         average_gradients(trainable)  # those FSDP does not shard (no-op on one process)
         gnorm = clip_grad_norm(trainable, st.grad_clip)
         opt.step()

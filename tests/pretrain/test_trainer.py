@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from codedojo.data.features import TokenFeatures
-from codedojo.data.packing import PackedLoader, pack
+from codedojo.data.packing import Packed, PackedLoader, pack
 from codedojo.data.shards import TokenShards
 from codedojo.model.weights import load_model
 from codedojo.pretrain.checkpoint import load_trainer_state, load_weights
@@ -775,3 +775,22 @@ def test_the_logged_parts_of_the_loss_are_over_the_whole_step(tmp_path):
     w = cfg.stages[0].mtp_weight
     for r in rows:
         assert r["loss"] == pytest.approx(r["ce"] + w * r["mtp_loss"], rel=1e-6)
+
+
+def test_micro_batches_weigh_by_their_trained_tokens(tmp_path):
+    """Rows of 2 and of 16 trained tokens: one batch of four rows and two micro-batches of two
+    take the same step, every trained token weighing alike."""
+    p = _loader().packed
+    mask = np.array(p.mask)
+    mask[::2, 3:] = 0  # every other row trains its first few positions only
+    masked = Packed(np.array(p.tokens), np.array(p.segments), mask)
+    steps: list[dict] = []
+    for batch, accum in ((4, 1), (2, 2)):
+        cfg = _cfg(tmp_path / f"{batch}", batch_size=batch, grad_accum=accum, steps=1,
+                   checkpoint_every=0)
+        model, _ = build_model(cfg)
+        train_stage(cfg, 0, model, None, PackedLoader(masked, batch, shuffle=False),
+                    tmp_path / f"{batch}", log=steps.append)
+    one, two = steps
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)  # the same gradient
