@@ -21,6 +21,7 @@ target, not with the data.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -531,6 +532,23 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
     return losses
 
 
+def _reached(ckpt: Path) -> int:
+    """The steps a stage's checkpoint holds (0 without one)."""
+    return read_position(ckpt).step if (ckpt / "state.json").exists() else 0
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a run's ``metrics.jsonl`` (none when there is no file); a last line cut
+    short by a kill is left out."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            rows.append(json.loads(line))
+    return rows
+
+
 def prepare_data(cfg: PretrainConfig, tok: Any, run_dir: Path) -> RunData:
     """Build (or reuse) the run's shards, eval set and probe filler."""
     from codedojo.data.corpus import build_corpus, concat_by_dir
@@ -669,11 +687,55 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
     report_path = run_dir / "report.json"
     report: dict[str, Any] = json.loads(report_path.read_text()) if report_path.exists() else {
         "name": cfg.name, "eval_loss": {}, "probe": {}, "stages": {}}
-    metrics_f = (run_dir / "metrics.jsonl").open("a") if is_main() else None
+    metrics_path = run_dir / "metrics.jsonl"
+    if is_main() and metrics_path.exists():  # steps after a checkpoint run again: logged once
+        reached = {s.name: _reached(run_dir / "ckpt" / s.name) for s in cfg.stages}
+        keep = [m for m in read_metrics(metrics_path)
+                if m["step"] <= reached.get(m["stage"], m["step"])]
+        write_atomic(metrics_path, "".join(json.dumps(m) + "\n" for m in keep))
+    metrics_f = metrics_path.open("a") if is_main() else None
 
     def save_report() -> None:
         if is_main():
             write_atomic(report_path, json.dumps(report, indent=1))
+
+    def held_out_for(si: int) -> Callable[[], dict[str, Any]]:
+        """The held-out figures after stage ``si``: the modules, once a stage has trained
+        them (a later stage may move the model), on the held-out code and on the model's own
+        continuations of it (as it is now: a distillation stage's model does not change)."""
+        heads = mtp if 0 <= _first_mtp(cfg) <= si else None
+        continued = [] if heads is None or not cfg.eval.continuations else continuations(
+            model, TokenShards(run_dir / "data" / "eval"), cfg.eval.continuations,
+            cfg.eval.seq_len // 2, cfg.seed + 77)
+        return lambda: evaluate(model, heads, evals, continued)
+
+    def finish(si: int, held_out: Callable[[], dict[str, Any]], losses: list[float]) -> None:
+        """A trained stage's entries in the report. Its losses are the logged ones where
+        there is a log (a resumed stage's first steps ran in an earlier start)."""
+        st = cfg.stages[si]
+        figures = held_out()
+        report["eval_loss"][st.name] = figures["loss"]
+        for key in ("mtp_agree", "mtp_agree_text"):
+            if key in figures:
+                report.setdefault(key, {})[st.name] = figures[key]
+        logged = [m["loss"] for m in read_metrics(metrics_path) if m["stage"] == st.name]
+        losses = logged if metrics_f is not None else losses
+        report["stages"][st.name] = {"first_loss": losses[0] if losses else None,
+                                     "last_loss": losses[-1] if losses else None,
+                                     "seq_len": st.seq_len, "steps": st.steps, "mtp": st.mtp}
+        if st.probe:
+            report["probe"][f"{st.name}/after"] = passkey_probe(
+                model, tok, data.probe_filler, probe_len(), cfg.eval.probe_trials, cfg.seed)
+        save_report()
+        agree = {k: " ".join(f"{a:.3f}" for a in v) for k, v in figures.items()
+                 if k.startswith("mtp_agree")}
+        console.print(f"eval loss after {st.name}: {figures['loss']:.4f}" + "".join(
+            f"; drafts agree {agree[k]} {where}" for k, where in (
+                ("mtp_agree", "on its continuations"), ("mtp_agree_text", "on the code"))
+            if k in agree))
+
+    def probe_len() -> int:
+        return min(cfg.eval.probe_len, model.cfg.max_seq_len)
 
     if "base" not in report["eval_loss"]:
         report["eval_loss"]["base"] = evaluate(model, None, evals)["loss"]
@@ -686,7 +748,11 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
             set_rope_scaling(model, mtp, st)
         if pos is not None and pos.done:
             load_weights(ck, model, mtp)
-            console.print(f"stage {st.name}: done (checkpoint), skipping")
+            if st.name in report["stages"]:
+                console.print(f"stage {st.name}: done (checkpoint), skipping")
+            else:  # a stop between its last checkpoint and the report
+                console.print(f"stage {st.name}: done (checkpoint), its figures not reported")
+                finish(si, held_out_for(si), [])
             continue
         if st.self_gen is not None:  # by the model as the stage starts, resumed or not
             data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
@@ -700,22 +766,11 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
         # every rank its own share of the rows, in the same seeded order
         loader = PackedLoader(packed, st.batch_size, seed=cfg.seed + si, rank=rank, world=world,
                               features=feats)
-        probe_len = min(cfg.eval.probe_len, model.cfg.max_seq_len)
         if st.probe and pos is None:
             report["probe"][f"{st.name}/before"] = passkey_probe(
-                model, tok, data.probe_filler, probe_len, cfg.eval.probe_trials, cfg.seed)
-        # the modules, once a stage has trained them (a later stage may move the model), on
-        # the held-out code and on the model's own continuations of it (as it is now: a
-        # distillation stage's model does not change)
-        heads = mtp if 0 <= _first_mtp(cfg) <= si else None
-        continued = [] if heads is None or not cfg.eval.continuations else continuations(
-            model, TokenShards(run_dir / "data" / "eval"), cfg.eval.continuations,
-            cfg.eval.seq_len // 2, cfg.seed + 77)
-
-        def held_out(heads: MTP | None = heads, continued: list[Batch] = continued
-                     ) -> dict[str, Any]:
-            return evaluate(model, heads, evals, continued)
-
+                model, tok, data.probe_filler, probe_len(), cfg.eval.probe_trials, cfg.seed)
+            save_report()  # a resumed stage would not probe its model as it was before
+        held_out = held_out_for(si)
         with progress(console, TextColumn(f"[cyan]{st.name}"), BarColumn(),
                       TextColumn("{task.completed}/{task.total} loss {task.fields[loss]}"),
                       TimeElapsedColumn()) as prog:
@@ -731,24 +786,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
             losses = train_stage(cfg, si, model, mtp, loader, run_dir,
                                  resume_from=ck if pos is not None else None, log=log,
                                  held_out=held_out)
-        figures = held_out()
-        report["eval_loss"][st.name] = figures["loss"]
-        for key in ("mtp_agree", "mtp_agree_text"):
-            if key in figures:
-                report.setdefault(key, {})[st.name] = figures[key]
-        report["stages"][st.name] = {"first_loss": losses[0] if losses else None,
-                                     "last_loss": losses[-1] if losses else None,
-                                     "seq_len": st.seq_len, "steps": st.steps, "mtp": st.mtp}
-        if st.probe:
-            report["probe"][f"{st.name}/after"] = passkey_probe(
-                model, tok, data.probe_filler, probe_len, cfg.eval.probe_trials, cfg.seed)
-        save_report()
-        agree = {k: " ".join(f"{a:.3f}" for a in v) for k, v in figures.items()
-                 if k.startswith("mtp_agree")}
-        console.print(f"eval loss after {st.name}: {figures['loss']:.4f}" + "".join(
-            f"; drafts agree {agree[k]} {where}" for k, where in (
-                ("mtp_agree", "on its continuations"), ("mtp_agree_text", "on the code"))
-            if k in agree))
+        finish(si, held_out, losses)
     if metrics_f is not None:
         metrics_f.close()
     final = run_dir / "final"

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import io
 import json
 import random
 import shutil
@@ -794,3 +795,52 @@ def test_micro_batches_weigh_by_their_trained_tokens(tmp_path):
     one, two = steps
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)  # the same gradient
+
+
+def test_a_stopped_stage_reports_and_logs_as_an_unstopped_one(tmp_path, monkeypatch):
+    """Stopped after a step past its checkpoint, then again between its last checkpoint and
+    its report: the run's log holds each step once, and its report every entry, the probe
+    before the stage included, as a run never stopped has them."""
+    from rich.console import Console
+
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.pretrain import trainer
+
+    five = five_stage_config(tmp_path, "whole")
+    (stage,) = [s.model_copy(update={"steps": 4, "checkpoint_every": 2})
+                for s in five.stages if s.name == "long"]
+    cfg = five.model_copy(update={"stages": [stage]})
+    tok, quiet = load_tokenizer(), Console(quiet=True)
+    whole = trainer.run(cfg, tok=tok, console=quiet)
+    stopped = cfg.model_copy(update={"name": "stopped"})
+
+    def stop_once(real, when):
+        def stopping(*a, **k):
+            if when(*a, **k):
+                monkeypatch.setattr(trainer, real.__name__, real)
+                raise KeyboardInterrupt
+            return real(*a, **k)
+        return stopping
+
+    # at the fourth step (the checkpoint holds two, the log three)
+    monkeypatch.setattr(trainer, "wsd_lr", stop_once(trainer.wsd_lr, lambda step, **k: step == 3))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(stopped, tok=tok, console=quiet)
+    on_disk = json.loads((stopped.run_dir / "report.json").read_text())
+    assert on_disk["probe"]["long/before"] == whole["probe"]["long/before"]
+    # after the last checkpoint, before the report
+    monkeypatch.setattr(trainer, "evaluate", stop_once(trainer.evaluate, lambda *a, **k: True))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(stopped, tok=tok, console=quiet)
+    assert "long" not in json.loads((stopped.run_dir / "report.json").read_text())["stages"]
+    out = io.StringIO()
+    again = trainer.run(stopped, tok=tok, console=Console(file=out, width=200))
+    assert "stage long: done (checkpoint), its figures not reported" in out.getvalue()
+    for key in ("eval_loss", "probe", "stages"):
+        assert again[key] == whole[key], key
+
+    def logged(run):
+        rows = trainer.read_metrics(run.run_dir / "metrics.jsonl")
+        return [(m["step"], m["loss"]) for m in rows]
+
+    assert logged(stopped) == logged(cfg) and [s for s, _ in logged(cfg)] == [1, 2, 3, 4]
