@@ -12,8 +12,8 @@ which it rewrites, is a copy, so the source run is never changed.
 Only a source that ran under the same corpus, model, seed and evaluation settings (how often, and
 on how many continuations, it evaluates aside) can be branched from: anything else would change
 what every stage computes. How the new stages run may differ (the model's ``dtype``, ``device``,
-``compile`` and ``activation_checkpointing``): a run made on a laptop in float32 branches on a GPU
-in bf16, as a resume on another machine would. And the MTP chain may grow (``model.n_mtp``), its
+``compile`` and ``activation_checkpointing``, a stage's ``dtype`` and ``checkpoint_every``): a
+run made on a laptop in float32 branches on a GPU in bf16, as a resume on another machine would. And the MTP chain may grow (``model.n_mtp``), its
 modules start reading tapped layers (``model.mtp_taps``), or stack more blocks
 (``model.mtp_blocks``): the last stage that trains MTP modules runs again (and those after it),
 the new modules starting as copies of the last one (`grow_chain`), the new projections at zero,
@@ -36,7 +36,9 @@ from codedojo.pretrain.config import PretrainConfig
 # model computes (not what it is).
 _FREE = {"name", "out_dir", "stages", "export_hf"}
 _FREE_MODEL = {"dtype", "device", "compile", "activation_checkpointing"}
-_FREE_STAGE = {"checkpoint_every"}  # how often a stage is saved, not what it computes
+# How often a stage is saved and the precision it computes in (as the model's `dtype`), not
+# what it computes.
+_FREE_STAGE = {"checkpoint_every", "dtype"}
 
 
 class BranchError(ValueError):
@@ -104,10 +106,13 @@ def check_resume(run_dir: Path, cfg: PretrainConfig) -> None:
     and so may what a branch may change about how the model computes."""
     if not (run_dir / "config.json").exists():
         return
-    old = PretrainConfig.model_validate_json((run_dir / "config.json").read_text())
-    started = [(i, s) for i, s in enumerate(cfg.stages)
-               if (run_dir / "ckpt" / s.name / "state.json").exists()]
-    if not started and not (run_dir / "data" / "done.json").exists():
+    try:
+        old = PretrainConfig.model_validate_json((run_dir / "config.json").read_text())
+    except ValueError as e:  # written by a version that knew other fields or checks
+        raise BranchError(f"{run_dir / 'config.json'}: the config this run was started with "
+                          f"does not read as one now ({e})") from None
+    made = [i for i, s in enumerate(old.stages) if (run_dir / "ckpt" / s.name).is_dir()]
+    if not made and not (run_dir / "data" / "done.json").exists():
         return  # nothing made yet: a config mended after a failed start
     hint = (f"put them back, or branch a new run from this one "
             f"(dojo pretrain CONFIG --from {run_dir} --out-dir ...)")
@@ -115,15 +120,17 @@ def check_resume(run_dir: Path, cfg: PretrainConfig) -> None:
     if differ:
         raise BranchError(f"{run_dir}: this run was started with other {', '.join(differ)}; "
                           f"{hint}")
-    was = {s.name: (i, s.model_dump(exclude=_FREE_STAGE)) for i, s in enumerate(old.stages)}
-    for i, st in started:
-        j, before = was.get(st.name, (-1, {}))
-        now = st.model_dump(exclude=_FREE_STAGE)
-        changed = [f"{k} {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
-        if j != i:
-            changed.insert(0, f"its place {j} -> {i}" if j >= 0 else "a stage it did not have")
+    # every stage up to the last one begun, in its place: each trained from the one before
+    for i in range(max(made, default=-1) + 1):
+        was = old.stages[i]
+        if i >= len(cfg.stages):
+            raise BranchError(f"{run_dir}: stage {was.name!r} has a checkpoint, and this "
+                              f"config has no stage {i}; {hint}")
+        before, now = was.model_dump(exclude=_FREE_STAGE), cfg.stages[i].model_dump(
+            exclude=_FREE_STAGE)
+        changed = [f"{k} {before[k]!r} -> {now[k]!r}" for k in now if before[k] != now[k]]
         if changed:
-            raise BranchError(f"{run_dir}: stage {st.name!r} has a checkpoint made under other "
+            raise BranchError(f"{run_dir}: stage {was.name!r} has a checkpoint made under other "
                               f"settings ({'; '.join(changed)}); {hint}")
 
 

@@ -228,6 +228,15 @@ def test_a_run_goes_on_only_under_the_settings_it_was_started_with(tmp_path):
     report = run(more, tok=tok, console=quiet)  # goes on: the new stage runs
     assert list(report["stages"]) == ["bulk", "mtp"]
     moved = cfg.model_copy(update={"stages": [five.stages[1], saved_more]})
-    with pytest.raises(BranchError, match=r"stage 'mtp' has a checkpoint made under other "
-                                          r"settings \(its place 1 -> 0\)"):
+    with pytest.raises(BranchError, match=r"stage 'bulk' has a checkpoint made under other "
+                                          r"settings \(name 'bulk' -> 'mtp'; "):
         run(moved, tok=tok, console=quiet)
+    renamed = cfg.model_copy(update={"stages": [saved_more.model_copy(
+        update={"name": "bulk2"}), five.stages[1]]})
+    with pytest.raises(BranchError, match=r"stage 'bulk' has a checkpoint made under other "
+                                          r"settings \(name 'bulk' -> 'bulk2'\)"):
+        run(renamed, tok=tok, console=quiet)
+    (cfg.run_dir / "config.json").write_text('{"name": "r", "stages": [], "knob": 1}')
+    with pytest.raises(BranchError, match=r"config.json: the config this run was started with "
+                                          r"does not read as one now"):
+        run(more, tok=tok, console=quiet)
