@@ -168,7 +168,7 @@ class OpenAIPolicy:
             kwargs["seed"] = self.seed
         resp = self.client.chat.completions.create(
             model=self.name,
-            messages=_for_api(messages),  # type: ignore[arg-type]
+            messages=_for_openai(messages),  # type: ignore[arg-type]
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -243,21 +243,29 @@ def _checked_routing(value: Any, fed: int) -> str | None:
 
 
 def _for_api(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as the API accepts them: our extra keys dropped, and the answer to a malformed
-    call sent as a user message (a tool message must answer an entry of `tool_calls`, and a
-    malformed call has none)."""
+    """Messages as a chat template takes them (our extra keys dropped)."""
     keep = {"role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content"}  # not invalid_tool_calls
+    return [{k: v for k, v in m.items() if k in keep} for m in messages]
+
+
+def _for_openai(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as an OpenAI-compatible API accepts them: the answers to a malformed call go
+    in one user message (a tool message must answer an entry of `tool_calls`, and a malformed
+    call has none; one message, as some templates want user and assistant turns to alternate)."""
     out: list[dict[str, Any]] = []
     malformed: dict[str, str] = {}  # the last assistant message's unrun calls: id -> name
-    for m in messages:
+    for m, sent in zip(messages, _for_api(messages), strict=True):
         if m.get("role") == "assistant":
             malformed = {c["id"]: c.get("name") or "a tool" for c in m.get("invalid_tool_calls") or []}
         elif m.get("role") == "tool" and m.get("tool_call_id") in malformed:
-            name = malformed[m["tool_call_id"]]
-            out.append({"role": "user", "content": f"[your call to {name}] {m.get('content') or ''}"})
+            answer = f"[your call to {malformed[m['tool_call_id']]}] {m.get('content') or ''}"
+            if out and out[-1].get("malformed"):
+                out[-1]["content"] += "\n\n" + answer
+            else:
+                out.append({"role": "user", "content": answer, "malformed": True})
             continue
-        out.append({k: v for k, v in m.items() if k in keep})
-    return out
+        out.append(sent)
+    return [{k: v for k, v in m.items() if k != "malformed"} for m in out]
 
 
 def timed(fn: Callable[[], PolicyOutput]) -> tuple[PolicyOutput, float]:

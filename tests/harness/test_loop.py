@@ -7,7 +7,7 @@ import time
 import pytest
 
 from codedojo.harness.loop import SUMMARY_PREFIX, Agent, LoopConfig
-from codedojo.harness.policy import PolicyOutput, ScriptedPolicy, _for_api
+from codedojo.harness.policy import PolicyOutput, ScriptedPolicy, _for_api, _for_openai
 from codedojo.harness.rpc import ToolClient, ToolServer, serve_in_thread
 from codedojo.harness.trajectory import read_jsonl, read_parquet, write_parquet
 from codedojo.model.toolcalls import ToolCall, ToolCallError
@@ -133,13 +133,17 @@ def test_malformed_calls_get_tool_errors_and_the_episode_goes_on(session):
     assert bad["tool_call_id"] == "call_bad" and bad["content"].startswith("Error: unclosed <tool_call>")
     assert good["tool_call_id"] == "call_good" and "not run" in good["content"]
     assert all(c.is_error for c in traj.turns[0].tool_calls)
-    # Sent to a model, each answer to an unrun call is a user message: an OpenAI tool message
-    # must answer an entry of the assistant's tool_calls, and these have none.
-    sent = _for_api(traj.messages)
-    assert [m["role"] for m in sent[2:]] == ["assistant", "user", "user", "assistant"]
-    assert sent[3]["content"] == f"[your call to read_file] {bad['content']}"
-    assert sent[4]["content"].startswith("[your call to write] Error: not run")
+    # Sent to an OpenAI-compatible API, the answers to the unrun calls are one user message: a
+    # tool message must answer an entry of the assistant's tool_calls, and these have none.
+    sent = _for_openai(traj.messages)
+    assert [m["role"] for m in sent[2:]] == ["assistant", "user", "assistant"]
+    first, second = sent[3]["content"].split("\n\n[your call to write] ")
+    assert first == f"[your call to read_file] {bad['content']}"
+    assert second.startswith("Error: not run") and set(sent[3]) == {"role", "content"}
     assert "invalid_tool_calls" not in sent[2]
+    # to a chat template (the engine's own), they stay tool messages, as SFT renders them
+    assert [m["role"] for m in _for_api(traj.messages)[2:]] == [
+        "assistant", "tool", "tool", "assistant"]
     assert not any(c.path.endswith("x.txt") for c in session.ctx.sandbox.changes())  # nothing ran
 
 
