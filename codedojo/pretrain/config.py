@@ -102,6 +102,11 @@ class SelfGenConfig(BaseModel):
         return d
 
 
+def decay_steps(steps: int, decay_frac: float) -> int:
+    """The steps of a stage's final decay (at least one when it has a decay)."""
+    return max(1, round(steps * decay_frac)) if decay_frac > 0 else 0
+
+
 class StageConfig(BaseModel):
     """One stage of the loop. A fresh optimizer and schedule per stage (as the CPT recipe does:
     each stage has its own warmup-stable-decay)."""
@@ -151,7 +156,7 @@ class StageConfig(BaseModel):
     def _check(self) -> StageConfig:
         if self.warmup_steps > self.steps:
             raise ValueError(f"stage {self.name!r}: warmup_steps > steps")
-        decay = round(self.steps * self.decay_frac)
+        decay = decay_steps(self.steps, self.decay_frac)
         if self.warmup_steps > self.steps - decay:
             raise ValueError(f"stage {self.name!r}: warmup_steps ({self.warmup_steps}) runs into "
                              f"the decay, which starts at step {self.steps - decay} of "

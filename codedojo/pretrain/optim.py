@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from codedojo.pretrain.config import decay_steps
 from codedojo.pretrain.parallel import is_sharded
 
 
@@ -22,11 +23,11 @@ def wsd_lr(step: int, *, peak: float, total: int, warmup: int, decay_frac: float
     peak * min_ratio over the last decay_frac of the steps."""
     if warmup > 0 and step < warmup:
         return peak * (step + 1) / warmup
-    decay_steps = max(1, round(total * decay_frac)) if decay_frac > 0 else 0
-    decay_start = total - decay_steps
-    if decay_steps == 0 or step < decay_start:
+    decay = decay_steps(total, decay_frac)
+    decay_start = total - decay
+    if decay == 0 or step < decay_start:
         return peak
-    t = min(1.0, (step - decay_start + 1) / decay_steps)
+    t = min(1.0, (step - decay_start + 1) / decay)
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 

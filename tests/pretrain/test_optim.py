@@ -28,3 +28,7 @@ def test_a_warmup_that_runs_into_the_decay_is_refused():
     with pytest.raises(ValueError, match=r"'bulk': warmup_steps \(90\) runs into the decay, "
                                          r"which starts at step 80 of 100"):
         stage(90)
+    with pytest.raises(ValueError, match=r"warmup_steps \(10\) runs into the decay, which "
+                                         r"starts at step 9 of 10 \(decay_frac 0.04\)"):
+        StageConfig(name="s", seq_len=16, steps=10, warmup_steps=10, decay_frac=0.04,
+                    mix=[{"data": "code"}])  # a decay of one step, as `wsd_lr` takes it

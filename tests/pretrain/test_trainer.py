@@ -25,6 +25,8 @@ def _cfg(tmp_path, **stage) -> PretrainConfig:
     st = dict(name="bulk", seq_len=16, batch_size=2, steps=4, lr=1e-2, warmup_steps=1,
               checkpoint_every=2, mix=[{"data": "code"}])
     st.update(stage)
+    if st["steps"] == 1:  # a step of warmup would leave none to the decay
+        st.setdefault("decay_frac", 0.0)
     return PretrainConfig.model_validate({
         "name": "t", "out_dir": str(tmp_path), "corpus": {"sources": []},
         "model": {"base": "tiny", "n_mtp": 1, "tiny_overrides": {"vocab_size": 64}},
