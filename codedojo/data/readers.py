@@ -9,6 +9,7 @@ a `SourceConfig`, which is what TOML configs name.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -76,12 +77,18 @@ def _read_text(p: Path) -> str | None:
         return None
 
 
+def _named(path: Path) -> str:
+    """The name of the folder or file a source names, as written (a link is not followed:
+    its target's name may differ from machine to machine)."""
+    return Path(os.path.abspath(path)).name
+
+
 def _key(f: Path, asked: Path) -> str:
     """A data file's name from the path a source names: that folder's name and the file's
-    place in it, or the file's own name."""
+    place in it, or the file's folder and name."""
     if asked.is_dir():
-        return f"{asked.resolve().name}/{f.relative_to(asked)}"
-    return f.name
+        return f"{_named(asked)}/{f.relative_to(asked)}"
+    return f"{_named(f.parent)}/{f.name}"
 
 
 def read_dir(root: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
@@ -100,7 +107,7 @@ def read_dir(root: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
             continue
         text = _read_text(p)
         if text is not None:
-            yield Document(text=text, source=f"{root.resolve().name}/{rel}", meta={"path": rel})
+            yield Document(text=text, source=f"{_named(root)}/{rel}", meta={"path": rel})
 
 
 def read_git(repo: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
@@ -128,7 +135,7 @@ def read_git(repo: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
             text = blob.stdout.decode("utf-8")
         except UnicodeDecodeError:
             continue
-        yield Document(text=text, source=f"{repo.resolve().name}:{rel}",
+        yield Document(text=text, source=f"{_named(repo)}:{rel}",
                        meta={"path": rel, "repo": str(repo)})
 
 

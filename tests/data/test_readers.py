@@ -109,6 +109,11 @@ def test_the_same_data_in_another_place_gets_the_same_ids_and_split(tmp_path):
         assert ids[0] == ids[1] and len(set(ids[0])) == len(ids[0]) > 1
     assert read_source(SourceConfig(kind="dir", path=str(moved))).__next__().source == \
         "corpus/m0.py"
+    (tmp_path / "link").symlink_to(first)  # named by the link, not by where it points
+    assert next(read_source(SourceConfig(kind="dir", path=str(tmp_path / "link")))).source == \
+        "link/m0.py"
+    rows = next(read_source(SourceConfig(kind="jsonl", path=str(first / "rows.jsonl"))))
+    assert rows.source == "corpus/rows.jsonl:1"  # a file source: its folder's name too
     splits = [split_documents(read_source(SourceConfig(kind="dir", path=str(root))), 0.25)
               for root in (first, moved)]
     assert [[d.source for d in part] for part in splits[0]] == \
