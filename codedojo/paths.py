@@ -56,14 +56,14 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths in one step (Linux `renameat2(RENAME_EXCHANGE)`); False where the C
-    library or the file system has no such call."""
+    library, the file system or a container's syscall filter has no such call."""
     fn = getattr(_libc, "renameat2", None)
     if fn is None:
         return False
     if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):  # EPERM: seccomp
         return False
     raise OSError(err, f"exchanging {a} and {b}: {os.strerror(err)}")
 

@@ -48,6 +48,9 @@ class ToolRunner(Protocol):
     def state(self) -> dict[str, Any]: ...
 
 
+TIME_UP = "the episode's time limit was reached"
+
+
 class LoopConfig(BaseModel):
     """Limits and prompts of one episode."""
 
@@ -129,9 +132,13 @@ class Agent:
         acted = False  # since the start or the last summary: a summary follows some action
         next_prompt_estimate = sum(_estimate(str(m.get("content") or "")) for m in context)
         started = time.perf_counter()
+
+        def out_of_time() -> bool:
+            return cfg.max_seconds is not None and time.perf_counter() - started >= cfg.max_seconds
+
         try:
             while True:
-                if cfg.max_seconds is not None and time.perf_counter() - started >= cfg.max_seconds:
+                if out_of_time():
                     traj.status = "max_seconds"
                     break
                 if acting_turns >= cfg.max_turns:
@@ -181,7 +188,10 @@ class Agent:
                     turn.tool_calls.append(ToolCallRecord(bad["id"], bad.get("name") or "invalid_tool_call", "", True, False, 0.0, len(tm["content"])))
                     added += _estimate(tm["content"])
                 for call in out_.calls if not out_.errors else []:
-                    res = tools.call(call.name, call.arguments)  # raises only if the service fails
+                    if out_of_time():  # the turn's other calls are answered, not run
+                        res = ToolResult(f"Error: not run: {TIME_UP}", is_error=True)
+                    else:
+                        res = tools.call(call.name, call.arguments)  # raises only if the service fails
                     tm = {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": res.content}
                     context.append(tm)
                     traj.messages.append(tm)

@@ -106,6 +106,12 @@ def test_limits_end_the_episode(session):
     slow = Slow([[("run_terminal_cmd", {"command": "true"})]] * 50)
     traj = Agent(slow, LoopConfig(max_seconds=0.5)).run("spin", session)
     assert traj.status == "max_seconds" and 1 <= len(traj.turns) <= 2
+    # a turn's calls after the limit are answered, not run
+    sleepy = ScriptedPolicy([[("run_terminal_cmd", {"command": "sleep 0.4; echo ran"})] * 3])
+    traj = Agent(sleepy, LoopConfig(max_seconds=0.5)).run("spin", session)
+    answers = [m["content"] for m in traj.messages if m["role"] == "tool"]
+    assert traj.status == "max_seconds" and len(answers) == 3
+    assert "ran" in answers[0] and answers[2] == "Error: not run: the episode's time limit was reached"
 
 
 def test_malformed_calls_get_tool_errors_and_the_episode_goes_on(session):
