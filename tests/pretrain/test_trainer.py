@@ -4,6 +4,7 @@ import io
 import json
 import random
 import shutil
+from typing import Any
 
 import numpy as np
 import pytest
@@ -546,6 +547,21 @@ def test_a_stage_packs_the_continuations_of_the_model_it_starts_from(tmp_path):
     assert not np.array_equal(packs[0].tokens, packs[1].tokens)
 
 
+def _stop_after_a_mid_stage_checkpoint(monkeypatch, trainer) -> Any:
+    """`trainer.save_checkpoint` that stops the run once it has saved within a stage; returns
+    the real one."""
+    save = trainer.save_checkpoint
+
+    def save_then_stop(*args, **kw):
+        path = save(*args, **kw)
+        if not args[5].done:  # the position: mid-stage
+            raise KeyboardInterrupt
+        return path
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_stop)
+    return save
+
+
 def test_a_joint_stage_on_its_own_continuations_resumes_on_the_same_ones(tmp_path, monkeypatch):
     """The model moves in a joint stage: resumed from a mid-stage checkpoint, it reads the
     continuations written by the model the stage started from, not new ones of its own."""
@@ -560,15 +576,7 @@ def test_a_joint_stage_on_its_own_continuations_resumes_on_the_same_ones(tmp_pat
     cfg = five.model_copy(update={"stages": [stage]})
     tok, quiet = load_tokenizer(), Console(quiet=True)
     whole = trainer.run(cfg, tok=tok, console=quiet)
-    save = trainer.save_checkpoint
-
-    def save_then_stop(*args, **kw):
-        path = save(*args, **kw)
-        if not args[5].done:  # the position: mid-stage
-            raise KeyboardInterrupt
-        return path
-
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_stop)
+    save = _stop_after_a_mid_stage_checkpoint(monkeypatch, trainer)
     stopped = cfg.model_copy(update={"name": "stopped"})
     with pytest.raises(KeyboardInterrupt):
         trainer.run(stopped, tok=tok, console=quiet)
@@ -731,15 +739,7 @@ def test_a_stopped_run_goes_on_from_its_generation_and_from_its_stage(tmp_path, 
         return real(m, x, *a, **k)
 
     monkeypatch.setattr(selfgen, "greedy_continue", stopping)
-    save = trainer.save_checkpoint
-
-    def save_then_stop(*args, **kw):
-        path = save(*args, **kw)
-        if not args[5].done:  # the position: mid-stage
-            raise KeyboardInterrupt
-        return path
-
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_stop)
+    save = _stop_after_a_mid_stage_checkpoint(monkeypatch, trainer)
     stopped = cfg.model_copy(update={"name": "stopped"})
     with pytest.raises(KeyboardInterrupt):
         trainer.run(stopped, tok=tok, console=quiet)
