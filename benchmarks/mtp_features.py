@@ -6,7 +6,9 @@ from the checkpoint's modules and trains on the same self-generated rows (the ru
 `mtp_self` stage trains), in the same order, for the same steps, by the same self-distillation
 loss (`distill_loss` toward the main head over the draft vocabulary, bf16 autocast, the model
 frozen):
-- ``baseline``: the modules as they are, reading the last hidden state h;
+- ``baseline``: the modules as they are, reading the last hidden state h (a checkpoint's own
+  tap projections, where its modules read some, left out of every variant: ``start`` measures
+  the checkpoint as it is);
 - ``fused``: module k reads h^{k-1} + F_k [RMSNorm(h_a); RMSNorm(h_b); ...], h_a the output of
   layer a (0-based) and so on for ``--layers`` (the MTP modules' ``taps``), F_k starting at zero
   (so they start from the baseline's drafts) and trained at ``--fuse-lr``;
@@ -102,7 +104,7 @@ def main() -> None:
     last = cfg.n_layers - 1
     # every tapped layer once, then each variant's columns of them: D wide blocks, the last
     # hidden state first (as `Transformer.hidden` gives them)
-    every = sorted({*layers, last})
+    every = sorted({*layers, *mtp0.taps, last})  # the checkpoint's own taps, for "start"
     train_states = hidden_states(model, train, every, bf16=True)  # as the stage trains
     states = hidden_states(model, rows, every, bf16=False)  # as a float32 engine serves
     vocab = mtp0.draft_vocab
@@ -118,9 +120,12 @@ def main() -> None:
 
     def fine_tune(taps: Sequence[int]) -> MTP:
         """The checkpoint's modules trained on the rows, reading the layers ``taps`` besides
-        (their projections new, at zero)."""
-        heads = MTP(cfg, mtp0.depth, 0 if vocab is None else len(vocab), taps)
-        missing = heads.load_state_dict(mtp0.state_dict(), strict=False).missing_keys
+        (their projections new, at zero: those of a checkpoint whose modules read taps of
+        their own are left out, so every variant starts from the same drafts)."""
+        heads = MTP(cfg, mtp0.depth, 0 if vocab is None else len(vocab), taps,
+                    blocks=mtp0.n_blocks)
+        own = {n: t for n, t in mtp0.state_dict().items() if ".fuse." not in n}
+        missing = heads.load_state_dict(own, strict=False).missing_keys
         assert all(".fuse." in n for n in missing), missing
         heads.train()
         fuse = [p for n, p in heads.named_parameters() if ".fuse." in n]
@@ -163,6 +168,7 @@ def main() -> None:
                                           - results["control"]["agree_depth1"], 4),
         "layers": layers, "rows": args.rows, "steps": args.steps, "lr": args.lr,
         "fuse_lr": args.fuse_lr, "positions": len(rows) * args.new, "n_mtp": mtp0.depth,
+        "ckpt_taps": list(mtp0.taps),
         "ckpt": args.ckpt, "train": str(train_dir), "saved": args.save}))
 
 

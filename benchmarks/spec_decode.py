@@ -8,8 +8,9 @@ Uses the checkpoint `dojo pretrain configs/cpt-smollm2.toml` writes (SmolLM2-135
 MTP modules trained by self-distillation, drafting over its draft vocabulary). Both sides are the
 engine `dojo serve` runs, one request at a time, in this process, on the same prompts: plain
 (`Engine(model)`) and speculative (`Engine(model, drafter=...)`). Greedy by default, so both must
-emit identical tokens (checked; `--temperature`: sampling, seeded per request, where they draw
-different tokens and `greedy_identical` is null). Prints one JSON line; besides the end-to-end
+emit identical tokens (checked; `--temperature`: sampling, unseeded, as the engine speculates
+only for an unseeded sampled request, where they draw different tokens and `greedy_identical` is
+null). Prints one JSON line; besides the end-to-end
 figures (prefill included), `plain_step_ms` / `spec_round_ms` time decoding after each prompt's
 first step, and `round_cost_in_steps` says what one step of the speculative engine (a round, or a
 plain step once speculation is off) costs in plain steps; `steady_speedup` is the tokens/s ratio
@@ -74,9 +75,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy (the targets' setting, output checked against plain "
-                    "decoding); above 0: speculative sampling, each request seeded, where "
-                    "the two sides draw different tokens and a draft passes with probability "
-                    "min(1, p/q)")
+                    "decoding); above 0: speculative sampling, unseeded (a seeded request "
+                    "decodes plainly), where the two sides draw different tokens and a draft "
+                    "passes with probability min(1, p/q)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="weights and KV caches (as dojo serve --dtype)")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
@@ -132,8 +133,10 @@ def main() -> None:
     st = spec.spec_stats = SpecStats()  # count the measured prompts only
     runs: dict[str, list[TimedRequest]] = {"plain": [], "spec": []}
     firsts: list[tuple[int, int]] = []  # each prompt's rounds, and those its first draft passed
-    for i, p in enumerate(prompts):  # alternate, so both sides see the same machine load
-        params = SamplingParams(max_tokens=args.new, temperature=args.temperature, seed=i)
+    for p in prompts:  # alternate, so both sides see the same machine load
+        # no seed: the engine decodes a seeded sampled request plainly (a seed must give the
+        # same tokens however the drafts went), and a greedy one needs none
+        params = SamplingParams(max_tokens=args.new, temperature=args.temperature)
         rounds, top = st.rounds, st.top_first
         for side, eng in (("plain", plain), ("spec", spec)):
             runs[side].append(time_request(eng, p, params))

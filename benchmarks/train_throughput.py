@@ -119,6 +119,8 @@ def main() -> None:
     elapsed = dict.fromkeys(steps, 0.0)
     for step in steps.values():  # warm up (and compile) outside the timing
         step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the warm-up's queued kernels, before the first timing
     for _ in range(args.steps):  # interleaved: load changes fall on every side alike
         for name, step in steps.items():
             elapsed[name] += _seconds(step, device)

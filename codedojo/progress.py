@@ -5,6 +5,7 @@ nothing until its end: there a task prints one plain line every minute instead (
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -49,7 +50,7 @@ class LineProgress:
 
     def __init__(self, console: Any, every: float = EVERY_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if every <= 0:
+        if not 0 < every < math.inf:  # nan and inf too: a job that never says where it is
             raise ValueError(f"every: {every} is not a positive number of seconds")
         self.console, self.every, self.clock = console, every, clock
         self.tasks: list[_Task] = []

@@ -91,7 +91,7 @@ def test_a_terminal_gets_rich_bars_and_a_file_gets_lines(monkeypatch):
     assert progress(log_console()[0]).every == 60
     monkeypatch.setenv("CODEDOJO_PROGRESS_EVERY", "5")
     assert progress(log_console()[0]).every == 5
-    for bad in ("soon", "-1"):
+    for bad in ("soon", "-1", "nan", "inf"):
         monkeypatch.setenv("CODEDOJO_PROGRESS_EVERY", bad)
         with pytest.raises(ValueError, match=f"CODEDOJO_PROGRESS_EVERY='{bad}': not a positive"):
             progress(log_console()[0])

@@ -5,10 +5,13 @@ Heavy imports (the sandbox, torch, matplotlib) happen inside the commands.
 
 from __future__ import annotations
 
+import dataclasses
+import tomllib
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 
 bench_app = typer.Typer(help="dojobench: build, validate and run benchmark suites of real engineering tasks.",
                         no_args_is_help=True)
@@ -36,7 +39,7 @@ def _select(s, split: str | None, limit: int | None, ids: list[str] | None):
     tasks = s.split(split) if split else list(s.tasks)
     if ids:
         tasks = [s[i] for i in ids]
-    return tasks[:limit] if limit else tasks
+    return tasks if limit is None else tasks[:limit]
 
 
 @bench_app.command("build")
@@ -54,7 +57,11 @@ def build(
         raise typer.BadParameter(f"{recipe} does not exist", param_hint="RECIPE")
     con = _console()
     try:
-        suite = build_suite(load_recipe(recipe), out, log=lambda m: con.print(m, markup=False, highlight=False), jobs=jobs)
+        plan = load_recipe(recipe)
+    except (tomllib.TOMLDecodeError, ValidationError) as e:
+        raise typer.BadParameter(f"{recipe}: {e}", param_hint="RECIPE") from None
+    try:
+        suite = build_suite(plan, out, log=lambda m: con.print(m, markup=False, highlight=False), jobs=jobs)
     except BuildError as e:
         raise typer.BadParameter(str(e), param_hint="RECIPE") from None
     if reconcile:
@@ -82,9 +89,9 @@ def build(
 @bench_app.command("validate")
 def validate(
     suite: Annotated[str, typer.Argument(help="Shipped suite name (v0, micro) or a suite directory.")],
-    sample: Annotated[int | None, typer.Option(help="Validate only the first N tasks.")] = None,
-    runs: Annotated[int, typer.Option(help="Runs of the gold patch that must all pass.")] = 3,
-    parallel: Annotated[int, typer.Option(help="Tasks validated at a time.")] = 1,
+    sample: Annotated[int | None, typer.Option(min=1, help="Validate only the first N tasks.")] = None,
+    runs: Annotated[int, typer.Option(min=1, help="Runs of the gold patch that must all pass.")] = 3,
+    parallel: Annotated[int, typer.Option(min=1, help="Tasks validated at a time.")] = 1,
 ) -> None:
     """Check every task: the base fails its FAIL_TO_PASS tests, the gold patch passes runs/runs."""
     from rich.table import Table
@@ -127,9 +134,9 @@ def run(
     name: Annotated[str | None, typer.Option(help="Run name (outputs under runs/<name>/).")] = None,
     split: Annotated[str | None, typer.Option(help="Only this split (train, test).")] = None,
     task: Annotated[list[str] | None, typer.Option(help="Only these task ids (repeatable).")] = None,
-    limit: Annotated[int | None, typer.Option(help="At most N tasks.")] = None,
-    samples: Annotated[int, typer.Option(help="Episodes per task (pass@k over them).")] = 1,
-    parallel: Annotated[int, typer.Option(help="Sandboxes at a time.")] = 1,
+    limit: Annotated[int | None, typer.Option(min=1, help="At most N tasks.")] = None,
+    samples: Annotated[int, typer.Option(min=1, help="Episodes per task (pass@k over them).")] = 1,
+    parallel: Annotated[int, typer.Option(min=1, help="Sandboxes at a time.")] = 1,
     max_turns: Annotated[int, typer.Option(help="Model agent: turns per episode.")] = 4,
     max_tokens: Annotated[int, typer.Option(help="Model agent: completion tokens per episode.")] = 512,
     base_url: Annotated[str | None, typer.Option(help="Model agent: an OpenAI-compatible endpoint (else in process).")] = None,
@@ -198,7 +205,8 @@ def report(
     path = run_dir / "results.json"
     if not path.is_file():
         raise typer.BadParameter(f"{path} does not exist", param_hint="RUN_DIR")
-    result = RunResult.from_json(path.read_text())
+    # named by its directory: a copied run's report goes beside its results, not the original's
+    result = dataclasses.replace(RunResult.from_json(path.read_text()), name=run_dir.name)
     paths = write_report(result, run_dir.parent)
     typer.echo(markdown(result))
     typer.echo(f"report: {paths['markdown']}  {paths['json']}  {paths['plot']}")

@@ -13,11 +13,15 @@ egress_app = typer.Typer(help="The egress proxy: policy, secret stripping, audit
 
 @egress_app.command("serve")
 def serve(
-    state_dir: Annotated[Path, typer.Option(help="CA, audit logs, control socket.")] = Path(
-        "runs/egress"
-    ),
-    explicit_port: Annotated[int, typer.Option(help="HTTP_PROXY listener; 0 = any.")] = 0,
-    transparent_port: Annotated[int, typer.Option(help="Transparent listener; 0 = any.")] = 0,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(help="CA, audit logs, control socket (default: the config's, else "
+                     "runs/egress)."),
+    ] = None,
+    explicit_port: Annotated[int, typer.Option(min=0, help="HTTP_PROXY listener; 0 = any.")] = 0,
+    transparent_port: Annotated[
+        int, typer.Option(min=0, help="Transparent listener; 0 = any.")
+    ] = 0,
     control_socket: Annotated[
         Path | None,
         typer.Option(
@@ -42,9 +46,13 @@ def serve(
     console = Console()
     data: dict = {}
     if config is not None:
-        raw = tomllib.loads(config.read_text())
+        try:
+            raw = tomllib.loads(config.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise typer.BadParameter(f"{config}: {e}", param_hint="--config") from None
         data = raw.get("egress", {}).get("proxy", raw)
-    data = {**data, "state_dir": state_dir}
+    if state_dir is not None or "state_dir" not in data:
+        data = {**data, "state_dir": state_dir or Path("runs/egress")}
     if explicit_port:
         data["explicit_port"] = explicit_port
     if transparent_port:

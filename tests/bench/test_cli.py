@@ -15,10 +15,26 @@ def test_bench_commands_on_the_fixture_suite(tiny_suite, provider, monkeypatch, 
     assert (tmp_path / "cli" / "report.md").is_file() and (tmp_path / "cli" / "report.png").is_file()
     res = runner.invoke(app, ["bench", "report", str(tmp_path / "cli")])
     assert res.exit_code == 0 and "dojobench run `cli`" in res.output
+    # a copied run reports beside its own results, and leaves the original's alone
+    import shutil
+
+    shutil.copytree(tmp_path / "cli", tmp_path / "cli-old")
+    (tmp_path / "cli" / "report.md").unlink()
+    res = runner.invoke(app, ["bench", "report", str(tmp_path / "cli-old")])
+    assert res.exit_code == 0 and "dojobench run `cli-old`" in res.output
+    assert not (tmp_path / "cli" / "report.md").exists()
 
 
 def test_bad_suite_and_agent_are_named(tmp_path):
     runner = CliRunner()
+    for args in (["validate", "micro", "--runs", "0"], ["run", "micro", "--samples", "0"],
+                 ["run", "micro", "--limit", "0"]):
+        res = runner.invoke(app, ["bench", *args])
+        assert res.exit_code == 2 and "greater than or equal to 1" in res.output, args
+    bad = tmp_path / "recipe.toml"
+    bad.write_text("[packages\n")
+    res = runner.invoke(app, ["bench", "build", str(bad), "--out", str(tmp_path / "s")])
+    assert res.exit_code == 2 and "recipe.toml:" in res.output, res.output
     res = runner.invoke(app, ["bench", "validate", str(tmp_path / "nope")])
     assert res.exit_code != 0 and "no suite" in res.output
     res = runner.invoke(app, ["bench", "run", "micro", "--agent", "gpt"])
