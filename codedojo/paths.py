@@ -51,13 +51,12 @@ def staged_dir(dest: str | Path, *, replace: bool) -> Iterator[Path]:
 
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths in one step (Linux `renameat2(RENAME_EXCHANGE)`); False where the C
     library, the file system or a container's syscall filter has no such call."""
-    fn = getattr(_libc, "renameat2", None)
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # when a rewrite asks
     if fn is None:
         return False
     if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:

@@ -254,18 +254,21 @@ def _for_openai(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     call has none; one message, as some templates want user and assistant turns to alternate)."""
     out: list[dict[str, Any]] = []
     malformed: dict[str, str] = {}  # the last assistant message's unrun calls: id -> name
+    answers: dict[str, Any] | None = None  # the user message that answers them
     for m, sent in zip(messages, _for_api(messages), strict=True):
+        if m.get("role") == "tool" and m.get("tool_call_id") in malformed:
+            answer = f"[your call to {malformed[m['tool_call_id']]}] {m.get('content') or ''}"
+            if answers is None:
+                answers = {"role": "user", "content": answer}
+                out.append(answers)
+            else:
+                answers["content"] += "\n\n" + answer
+            continue
         if m.get("role") == "assistant":
             malformed = {c["id"]: c.get("name") or "a tool" for c in m.get("invalid_tool_calls") or []}
-        elif m.get("role") == "tool" and m.get("tool_call_id") in malformed:
-            answer = f"[your call to {malformed[m['tool_call_id']]}] {m.get('content') or ''}"
-            if out and out[-1].get("malformed"):
-                out[-1]["content"] += "\n\n" + answer
-            else:
-                out.append({"role": "user", "content": answer, "malformed": True})
-            continue
+        answers = None
         out.append(sent)
-    return [{k: v for k, v in m.items() if k != "malformed"} for m in out]
+    return out
 
 
 def timed(fn: Callable[[], PolicyOutput]) -> tuple[PolicyOutput, float]:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from codedojo.paths import staged_dir
+from codedojo.pretrain.checkpoint import position_of
 from codedojo.pretrain.config import PretrainConfig
 
 # What a branch may change outside the stages: where it goes, whether it exports, and how the
@@ -144,8 +145,8 @@ def _differing(old: PretrainConfig, new: PretrainConfig, free_model: set[str]) -
 
 
 def _done(ckpt: Path) -> bool:
-    state = ckpt / "state.json"
-    return state.exists() and bool(json.loads(state.read_text()).get("done"))
+    pos = position_of(ckpt)
+    return pos is not None and pos.done
 
 
 def _link(src: str, dst: str) -> None:

@@ -172,6 +172,11 @@ def read_position(path: str | Path) -> TrainPosition:
     return TrainPosition(**json.loads((Path(path) / "state.json").read_text()))
 
 
+def position_of(path: str | Path) -> TrainPosition | None:
+    """Where a stage's checkpoint directory stands, or None where it has none."""
+    return read_position(path) if (Path(path) / "state.json").exists() else None
+
+
 def load_weights(path: str | Path, model: nn.Module, mtp: MTP | None = None) -> ModelConfig:
     """Weights (and MTP) into already-built modules; returns the checkpoint's model config."""
     from safetensors.torch import load_file

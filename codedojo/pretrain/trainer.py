@@ -51,6 +51,7 @@ from codedojo.pretrain.checkpoint import (
     full_state_dict,
     load_trainer_state,
     load_weights,
+    position_of,
     read_position,
     save_checkpoint,
     seed_rngs,
@@ -532,11 +533,6 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
     return losses
 
 
-def _reached(ckpt: Path) -> int:
-    """The steps a stage's checkpoint holds (0 without one)."""
-    return read_position(ckpt).step if (ckpt / "state.json").exists() else 0
-
-
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The rows of a run's ``metrics.jsonl`` (none when there is no file); a last line cut
     short by a kill is left out."""
@@ -689,10 +685,12 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
         "name": cfg.name, "eval_loss": {}, "probe": {}, "stages": {}}
     metrics_path = run_dir / "metrics.jsonl"
     if is_main() and metrics_path.exists():  # steps after a checkpoint run again: logged once
-        reached = {s.name: _reached(run_dir / "ckpt" / s.name) for s in cfg.stages}
-        keep = [m for m in read_metrics(metrics_path)
-                if m["step"] <= reached.get(m["stage"], m["step"])]
-        write_atomic(metrics_path, "".join(json.dumps(m) + "\n" for m in keep))
+        reached = {s.name: pos.step if (pos := position_of(run_dir / "ckpt" / s.name)) else 0
+                   for s in cfg.stages}
+        rows = read_metrics(metrics_path)
+        keep = [m for m in rows if m["step"] <= reached.get(m["stage"], m["step"])]
+        if len(keep) < len(rows):
+            write_atomic(metrics_path, "".join(json.dumps(m) + "\n" for m in keep))
     metrics_f = metrics_path.open("a") if is_main() else None
 
     def save_report() -> None:
@@ -743,7 +741,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
     console.print(f"eval loss (base): {report['eval_loss']['base']:.4f}")
     for si, st in enumerate(cfg.stages):
         ck = run_dir / "ckpt" / st.name
-        pos = read_position(ck) if (ck / "state.json").exists() else None
+        pos = position_of(ck)
         if st.rope_scaling is not None:
             set_rope_scaling(model, mtp, st)
         if pos is not None and pos.done:
