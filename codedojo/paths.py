@@ -1,5 +1,6 @@
-"""Where codedojo keeps what it builds or converts once per machine, and how a directory is
-written so that no reader ever sees it half-written."""
+"""Where codedojo keeps what it builds or converts once per machine, and how a file or a
+directory is written so that no reader ever sees it half-written, and a machine that loses
+power after the write keeps it whole (every file is on disk before its name is)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,16 @@ def staged_dir(dest: str | Path, *, replace: bool) -> Iterator[Path]:
     old one is removed after. Where the file system cannot exchange, the old one is moved aside
     first, and a crash between the two renames leaves it in ``.<name>-old-*/``.
     ``replace=False`` (a cache that many processes may fill at once): when another one put
-    ``dest`` there first, its copy stays and this one is dropped."""
+    ``dest`` there first, its copy stays and this one is dropped.
+
+    The new copy's files and directories are flushed to disk before it takes ``dest``'s
+    name, and the parent directory after."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         yield tmp
+        _sync_tree(tmp)
         if replace and dest.exists():
             if not _exchange(tmp, dest):
                 old = Path(tempfile.mkdtemp(prefix=f".{dest.name}-old-", dir=dest.parent))
@@ -46,8 +51,28 @@ def staged_dir(dest: str | Path, *, replace: bool) -> Iterator[Path]:
             except OSError:  # not empty: another process won the race, its copy is as good
                 if replace or not dest.is_dir():
                     raise
+        _sync(dest.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sync(path: Path) -> None:
+    """Flush a file's or a directory's contents (a directory's: its names) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(root: Path) -> None:
+    """Flush every file and directory under ``root``, and ``root``, to disk (deepest first)."""
+    for d, _, files in os.walk(root, topdown=False):
+        for f in files:
+            p = os.path.join(d, f)
+            if os.path.isfile(p) and not os.path.islink(p):  # no link, fifo or socket
+                _sync(Path(p))
+        _sync(Path(d))
 
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
@@ -70,7 +95,8 @@ def _exchange(a: Path, b: Path) -> bool:
 def write_atomic(path: str | Path, text: str | bytes) -> None:
     """Replace the file's text whole: a reader, or a crash at any point, sees the old text or
     the new, never part of it (a report rewritten after every stage, an index that says a
-    directory is finished). The file is a new one, so a hard link to the old stays as it was."""
+    directory is finished). The file is a new one, so a hard link to the old stays as it was.
+    It is on disk before it takes the name, and the name is on disk when this returns."""
     path = Path(path)
     mode = path.stat().st_mode & 0o777 if path.exists() else 0o644  # mkstemp's is 0o600
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
@@ -78,7 +104,10 @@ def write_atomic(path: str | Path, text: str | bytes) -> None:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(text.encode() if isinstance(text, str) else text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        _sync(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

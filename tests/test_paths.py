@@ -107,3 +107,38 @@ def test_packed_rows_are_saved_whole_or_not_at_all(tmp_path, monkeypatch):
     monkeypatch.setattr(np, "save", real)
     rows.save(out)
     np.testing.assert_array_equal(Packed.load(out).tokens, rows.tokens)
+
+
+@pytest.mark.parametrize("replace", [True, False])
+def test_what_is_written_is_on_disk_before_it_takes_its_name(tmp_path, monkeypatch, replace):
+    """Every file and directory of a new copy is flushed before the rename that names it, and
+    the parent directory (which holds the name) after; so is a file replaced whole."""
+    import os
+
+    events = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+    def fsync(fd):
+        events.append(("sync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", lambda a, b: events.append(("name",)) or real_rename(a, b))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("name",)) or real_replace(a, b))
+    dest = tmp_path / "final"
+    with staged_dir(dest, replace=replace) as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "w.bin").write_bytes(b"w")
+        (tmp / "config.json").write_text("{}")
+        os.symlink("config.json", tmp / "link")
+        os.mkfifo(tmp / "pipe")  # opened for a flush, a fifo would block
+    staged = {str(tmp / p) for p in ("", "sub", "sub/w.bin", "config.json")}
+    named = events.index(("name",))
+    assert {p for _, p in events[:named]} == {p.rstrip("/") for p in staged}
+    assert events[named + 1:] == [("sync", str(tmp_path))]
+
+    events.clear()
+    write_atomic(tmp_path / "report.json", "{}")
+    (_, written), name, parent = events
+    assert written.startswith(str(tmp_path / ".report.json-")) and name == ("name",)
+    assert parent == ("sync", str(tmp_path))
