@@ -50,9 +50,16 @@ def clean_documents(cfg: CorpusConfig, stats: CorpusStats | None = None) -> list
 
     def counted() -> Iterator[Document]:
         for src in cfg.sources:
-            for d in read_source(src):
-                stats.read += 1
-                yield d
+            # a file of more than 4 bytes a character's limit is too long in any encoding:
+            # skipped unread, and counted as read and rejected, as the filter would have
+            skipped: Counter[str] = Counter()
+            try:
+                for d in read_source(src, 4 * cfg.filters.max_chars, skipped):
+                    stats.read += 1
+                    yield d
+            finally:
+                stats.read += skipped.total()
+                stats.rejected.update(skipped)
 
     docs = dedup(apply_filters(counted(), cfg.filters, stats.rejected), cfg.dedup, stats.dedup)
     return list(itertools.islice(docs, cfg.max_docs))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,8 +93,10 @@ def _key(f: Path, asked: Path) -> str:
 
 
 def read_dir(root: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
-             exclude: list[str] | None = None) -> Iterator[Document]:
-    """Files under `root` with one of `exts`, in sorted order so runs are reproducible."""
+             exclude: list[str] | None = None, max_bytes: int | None = None,
+             skipped: Counter[str] | None = None) -> Iterator[Document]:
+    """Files under `root` with one of `exts`, in sorted order so runs are reproducible. A file
+    over ``max_bytes`` is skipped unread (counted as ``skipped["too_long"]``)."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"source.path: {root} is not a directory")
@@ -105,15 +108,19 @@ def read_dir(root: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
         rel = str(p.relative_to(root))
         if any(x in rel for x in exclude) or "__pycache__" in rel:
             continue
+        if _too_long(p.stat().st_size, max_bytes, skipped):
+            continue
         text = _read_text(p)
         if text is not None:
             yield Document(text=text, source=f"{_named(root)}/{rel}", meta={"path": rel})
 
 
 def read_git(repo: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
-             exclude: list[str] | None = None) -> Iterator[Document]:
+             exclude: list[str] | None = None, max_bytes: int | None = None,
+             skipped: Counter[str] | None = None) -> Iterator[Document]:
     """Tracked files of a git repository as of HEAD (untracked and ignored files are skipped:
-    build outputs and vendored junk usually live there)."""
+    build outputs and vendored junk usually live there). A file over ``max_bytes`` is skipped
+    unread, as `read_dir` skips it."""
     repo = Path(repo)
     try:
         out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z"], check=True,
@@ -122,11 +129,14 @@ def read_git(repo: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
         raise ValueError(f"source.path: {repo} is not a git repository") from e
     wanted = tuple(exts)
     exclude = exclude or []
-    for rel in sorted(x for x in out.decode().split("\0") if x):
-        if not rel.endswith(wanted) or any(x in rel for x in exclude):
+    files = [x for x in sorted(out.decode().split("\0"))
+             if x.endswith(wanted) and not any(e in x for e in exclude)]
+    # "./": relative to the directory asked for (a repository's subdirectory), as ls-files
+    # lists them, not to the repository's root
+    sizes = _blob_sizes(repo, [f"HEAD:./{rel}" for rel in files]) if max_bytes else {}
+    for rel in files:
+        if _too_long(sizes.get(f"HEAD:./{rel}", 0), max_bytes, skipped):
             continue
-        # "./": relative to the directory asked for (a repository's subdirectory), as
-        # ls-files lists them, not to the repository's root
         blob = subprocess.run(["git", "-C", str(repo), "show", f"HEAD:./{rel}"],
                               capture_output=True)
         if blob.returncode != 0 or b"\x00" in blob.stdout[:4096]:
@@ -137,6 +147,23 @@ def read_git(repo: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
             continue
         yield Document(text=text, source=f"{_named(repo)}:{rel}",
                        meta={"path": rel, "repo": str(repo)})
+
+
+def _too_long(size: int, max_bytes: int | None, skipped: Counter[str] | None) -> bool:
+    if max_bytes is None or size <= max_bytes:
+        return False
+    if skipped is not None:
+        skipped["too_long"] += 1
+    return True
+
+
+def _blob_sizes(repo: Path, revs: list[str]) -> dict[str, int]:
+    """The size of each blob (``HEAD:./path``) in bytes, from one `git cat-file` (a path not
+    in HEAD, such as a file deleted but not committed, is left out)."""
+    out = subprocess.run(["git", "-C", str(repo), "cat-file", "--batch-check=%(objectsize)"],
+                         input="".join(f"{r}\n" for r in revs).encode(), capture_output=True,
+                         check=True).stdout.decode().splitlines()
+    return {r: int(n) for r, n in zip(revs, out, strict=True) if n.isdigit()}
 
 
 def read_jsonl(path: str | Path, text_field: str = "text") -> Iterator[Document]:
@@ -194,12 +221,14 @@ def read_parquet(path: str | Path, text_field: str = "text") -> Iterator[Documen
             n += len(texts)
 
 
-def read_source(cfg: SourceConfig) -> Iterator[Document]:
+def read_source(cfg: SourceConfig, max_bytes: int | None = None,
+                skipped: Counter[str] | None = None) -> Iterator[Document]:
+    """The source's documents; files over ``max_bytes`` are skipped unread (dir and git)."""
     path = resolve_path(cfg.path)
     if cfg.kind == "dir":
-        it = read_dir(path, cfg.exts, cfg.exclude)
+        it = read_dir(path, cfg.exts, cfg.exclude, max_bytes, skipped)
     elif cfg.kind == "git":
-        it = read_git(path, cfg.exts, cfg.exclude)
+        it = read_git(path, cfg.exts, cfg.exclude, max_bytes, skipped)
     elif cfg.kind == "jsonl":
         it = read_jsonl(path, cfg.text_field)
     else:

@@ -119,3 +119,39 @@ def test_the_same_data_in_another_place_gets_the_same_ids_and_split(tmp_path):
     assert [[d.source for d in part] for part in splits[0]] == \
         [[d.source for d in part] for part in splits[1]]
     assert all(splits[0])  # both sides have documents
+
+
+@pytest.mark.parametrize("kind", ["dir", "git"])
+def test_a_file_too_long_for_the_filters_is_skipped_unread(tmp_path, monkeypatch, kind):
+    """A file over 4 bytes a character of `filters.max_chars` cannot pass the filters: it is
+    counted as read and rejected "too_long", as before, but never read into memory (a data
+    file of gigabytes under a source tree). One at the bound is read, and judged as ever."""
+    from codedojo.data import readers
+    from codedojo.data.corpus import CorpusConfig, CorpusStats, clean_documents
+
+    src = tmp_path / "src"
+    src.mkdir()
+    lines = [f"value_{i} = {i} * {i} + {i}\n" for i in range(40)]
+    (src / "a.py").write_text("".join(lines[:20]))
+    (src / "b.py").write_text("".join(lines[20:]))
+    (src / "c.py").write_text("x = 'é'\n" + "#" * 2000)  # 2,009 bytes, 2,008 characters
+    (src / "data.py").write_text("blob = 1\n" * 5000)  # 45,000 bytes
+    if kind == "git":
+        subprocess.run(["git", "init", "-q", str(src)], check=True)
+        subprocess.run(["git", "-C", str(src), "add", "."], check=True)
+        subprocess.run(["git", "-C", str(src), "-c", "user.name=t", "-c", "user.email=t@t",
+                        "commit", "-qm", "x"], check=True)
+    opened = []
+    real_read, real_run = readers._read_text, subprocess.run
+    monkeypatch.setattr(readers, "_read_text", lambda p: opened.append(p.name) or real_read(p))
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: (
+        opened.append(cmd[-1].rsplit("/", 1)[-1]) if "show" in cmd else None) or
+        real_run(cmd, **kw))
+    cfg = CorpusConfig(sources=[SourceConfig(kind=kind, path=str(src))],
+                       filters={"max_chars": 503, "max_line_len": 5000,
+                                "max_mean_line_len": 5000})
+    stats = CorpusStats()
+    docs = clean_documents(cfg, stats)
+    assert sorted(opened) == ["a.py", "b.py", "c.py"]  # 2,009 bytes <= 4 x 503: read
+    assert [d.meta["path"] for d in docs] == ["a.py", "b.py"]
+    assert stats.read == 4 and stats.rejected == {"too_long": 2}
