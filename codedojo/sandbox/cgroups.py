@@ -6,7 +6,11 @@ this project's CI) uses memory.limit_in_bytes (+ memsw when present), pids.max, 
 and the freezer to stop every task before killing it, so a fork loop cannot outrun the kill.
 
 A sandbox's cgroup goes under `<cgroup of this process>/codedojo/<id>` when that is writable,
-else under `/codedojo/<id>` at the hierarchy's root.
+else under `/codedojo/<id>` at the hierarchy's root. On v2 a cgroup that holds processes
+cannot pass controllers to its children (the kernel answers EBUSY), and this process's own
+cgroup holds this process: there `codedojo/` goes beside it (in its parent, which systemd's
+slices and scopes leave free of processes), else at the root; where none of these can have
+the controllers, creating the manager says why.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 CGROUP_FS = "/sys/fs/cgroup"
 V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
+V2_CONTROLLERS = ("memory", "pids", "cpu")
 FREEZE_TIMEOUT_S = 5.0  # how long a snapshot waits for the sandbox's tasks to stop
 
 
@@ -53,6 +58,53 @@ def _base_dir(hierarchy: str, own: str) -> str:
         except OSError:
             continue
     raise OSError(errno.EACCES, f"no writable cgroup directory in {hierarchy}")
+
+
+def _v2_base(own: str) -> str:
+    """The v2 `codedojo` directory: in this process's cgroup, beside it, or at the root; the
+    first where every one of `V2_CONTROLLERS` can be passed down to the sandboxes' cgroups."""
+    own_dir = os.path.normpath(os.path.join(CGROUP_FS, own.lstrip("/")))
+    why: list[str] = []
+    for parent in dict.fromkeys((own_dir, os.path.dirname(own_dir) if own_dir != CGROUP_FS
+                                 else own_dir, CGROUP_FS)):
+        base = os.path.join(parent, "codedojo")
+        made = not os.path.isdir(base)
+        try:
+            os.makedirs(base, exist_ok=True)
+        except OSError as e:
+            why.append(f"{base}: {e.strerror}")
+            continue
+        errors = _enable(base)
+        if not errors:
+            return base
+        why.append(f"{base}: " + "; ".join(errors))
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(base)
+    raise OSError(errno.EBUSY, "cgroup v2: no cgroup where sandboxes can have the "
+                  f"{', '.join(V2_CONTROLLERS)} controllers ({' | '.join(why)}). A cgroup "
+                  "with processes cannot pass controllers down: run codedojo in a cgroup of its "
+                  "own whose parent has none (`systemd-run --scope -p Delegate=yes ...`), or, in "
+                  "a container, first move its processes into a child cgroup")
+
+
+def _enable(base: str) -> list[str]:
+    """Enable `V2_CONTROLLERS` in the subtree_control of every cgroup from the hierarchy's root
+    down to ``base``, so that ``base``'s children have them; what failed where, if any."""
+    chain = [base]
+    while chain[-1] != CGROUP_FS and os.path.dirname(chain[-1]) != chain[-1]:
+        chain.append(os.path.dirname(chain[-1]))
+    errors: dict[str, str] = {}
+    for d in reversed(chain):
+        f = os.path.join(d, "cgroup.subtree_control")
+        for c in V2_CONTROLLERS:
+            try:
+                _write(f, f"+{c}")
+            except OSError as e:  # EBUSY: `d` holds processes; ENOENT/EINVAL: not offered
+                errors.setdefault(c, f"{c} in {d}: {e.strerror}")
+    with open(os.path.join(base, "cgroup.subtree_control")) as fh:
+        have = fh.read().split()
+    return [errors.get(c, f"{c}: not enabled") for c in V2_CONTROLLERS if c not in have]
 
 
 @dataclass
@@ -159,13 +211,7 @@ class CgroupManager:
         own = _own_cgroups()
         self.bases: dict[str, str] = {}
         if self.v2:
-            base = _base_dir(CGROUP_FS, own.get("", "/"))
-            parent = os.path.dirname(base)
-            # Controllers must be enabled on every ancestor's subtree_control to apply below.
-            for d in (parent, base):
-                with contextlib.suppress(OSError):
-                    _write(os.path.join(d, "cgroup.subtree_control"), "+memory +pids +cpu")
-            self.bases["v2"] = base
+            self.bases["v2"] = _v2_base(own.get("", "/"))
         else:
             for c in V1_CONTROLLERS:
                 hierarchy = os.path.join(CGROUP_FS, c)
