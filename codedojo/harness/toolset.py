@@ -16,9 +16,9 @@ import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from codedojo.harness.tools import DEFAULT_TOOLS
 from codedojo.harness.tools.base import (
@@ -29,6 +29,8 @@ from codedojo.harness.tools.base import (
     invoke,
     tool_schema,
 )
+
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 class EnvToolConfig(BaseModel):
@@ -48,9 +50,19 @@ class EnvToolConfig(BaseModel):
         description="strict: unknown arguments and wrong types are errors; lenient: unknown "
         "arguments are dropped and string forms of numbers/booleans are accepted.",
     )
-    default_timeout_s: float = Field(60.0, gt=0, description="Wall-clock limit of one tool call.")
-    timeouts: dict[str, float] = Field(default_factory=dict, description="Per-tool limits (s).")
+    default_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False,
+                                     description="Wall-clock limit of one tool call.")
+    timeouts: dict[str, Seconds] = Field(default_factory=dict, description="Per-tool limits (s).")
     max_output_chars: int = Field(20_000, ge=200, description="Tool output beyond this is truncated.")
+
+    @model_validator(mode="after")
+    def _named_tools_are_offered(self) -> EnvToolConfig:
+        """A limit or a pin for a tool not offered is a typo (it would silently not apply)."""
+        for field in ("timeouts", "versions"):
+            stray = [n for n in getattr(self, field) if n not in self.tools]
+            if stray:
+                raise ValueError(f"{field}: {stray} not among the tools offered ({self.tools})")
+        return self
 
     @classmethod
     def from_toml(cls, path: str | Path) -> EnvToolConfig:

@@ -33,6 +33,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import os
 import posixpath
 import selectors
@@ -148,8 +149,14 @@ def validate_limits(limits: Limits) -> None:
             raise SandboxError(f"limits.{name}: must be an integer >= {low}, got {v!r}")
     if not (isinstance(limits.cpus, int | float) and limits.cpus > 0):
         raise SandboxError(f"limits.cpus: must be > 0, got {limits.cpus!r}")
-    if not (isinstance(limits.exec_timeout_s, int | float) and limits.exec_timeout_s > 0):
-        raise SandboxError(f"limits.exec_timeout_s: must be > 0, got {limits.exec_timeout_s!r}")
+    seconds(limits.exec_timeout_s, "limits.exec_timeout_s")
+
+
+def seconds(value: object, field: str) -> float:
+    """A time limit: a finite number > 0 (NaN would pass every deadline check unnoticed)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise SandboxError(f"{field}: must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 def sandbox_path(path: str, field: str = "path") -> str:
@@ -334,7 +341,7 @@ class LocalShell:
             raise SandboxError("command: the shell takes one string without NUL bytes")
         t0 = time.monotonic()
         limits = self.sandbox.spec.limits
-        timeout = limits.exec_timeout_s if timeout is None else timeout
+        timeout = limits.exec_timeout_s if timeout is None else seconds(timeout, "timeout")
         with self._lock:
             proc = self._start()
             payload = command.encode()
@@ -662,9 +669,7 @@ class LocalSandbox:
         if any("\0" in a for a in argv):
             raise SandboxError("command: NUL byte in an argument")
         limits = self.spec.limits
-        timeout = limits.exec_timeout_s if timeout is None else timeout
-        if not isinstance(timeout, int | float) or timeout <= 0:
-            raise SandboxError(f"timeout: must be > 0, got {timeout!r}")
+        timeout = limits.exec_timeout_s if timeout is None else seconds(timeout, "timeout")
         data = stdin.encode() if isinstance(stdin, str) else stdin
         t0 = time.monotonic()
         proc = _Process(self._address, argv, self._env(env), sandbox_path(cwd or WORKSPACE, "cwd"))

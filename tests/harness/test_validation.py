@@ -82,3 +82,40 @@ def test_env_config_from_toml(tmp_path):
     ts = ToolRegistry().resolve(cfg)
     assert list(ts.tools) == ["read_file", "grep"] and cfg.timeouts["grep"] == 5.0
     assert [s["function"]["name"] for s in ts.schemas()] == ["read_file", "grep"]
+
+
+@pytest.mark.parametrize("lenient", [False, True])
+def test_a_number_that_is_not_finite_is_refused(lenient):
+    """`NaN` is valid to Python's JSON reader, and passes every comparison: as a command's
+    timeout it held no limit at all."""
+    from codedojo.harness.tools.terminal import RUN_TERMINAL_CMD
+
+    schema = RUN_TERMINAL_CMD.parameters
+    for raw in ('{"command": "sleep 9", "timeout": NaN}', '{"command": "x", "timeout": Infinity}',
+                '{"command": "x", "timeout": "nan"}'):
+        args, err = parse_arguments(raw)
+        assert err is None
+        if not lenient and isinstance(args["timeout"], str):
+            continue  # a string is refused by type already
+        with pytest.raises(ToolError, match="argument 'timeout' must be a finite number"):
+            validate_args(args, schema, lenient=lenient)
+    assert validate_args({"command": "x", "timeout": 5}, schema, lenient=lenient)["timeout"] == 5
+
+
+@pytest.mark.parametrize("value", ["--5", "²", "1_0", "+"])
+def test_lenient_integers_that_are_no_integers_name_the_argument(value):
+    with pytest.raises(ToolError, match="argument '-A' must be of type integer"):
+        validate_args({"pattern": "x", "-A": value}, GREP.parameters, lenient=True)
+    assert validate_args({"pattern": "x", "-A": " +3 "}, GREP.parameters, lenient=True)["-A"] == 3
+
+
+def test_env_config_limits_and_pins_name_what_is_wrong():
+    with pytest.raises(ValueError, match=r"timeouts: \['run_termnal_cmd'\] not among the tools"):
+        EnvToolConfig(tools=["read_file"], timeouts={"run_termnal_cmd": 900})
+    with pytest.raises(ValueError, match=r"versions: \['grep'\] not among the tools"):
+        EnvToolConfig(tools=["read_file"], versions={"grep": "1"})
+    for bad in (-1, 0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="timeouts.read_file"):
+            EnvToolConfig(tools=["read_file"], timeouts={"read_file": bad})
+    with pytest.raises(ValueError, match="default_timeout_s"):
+        EnvToolConfig(default_timeout_s=float("nan"))

@@ -408,3 +408,13 @@ def test_a_snapshot_copies_only_once_every_task_has_stopped(sandbox, monkeypatch
     with pytest.raises(TimeoutError, match="did not all stop"):
         sandbox.snapshot()
     assert sandbox.exec("echo alive").stdout == "alive\n"  # thawed
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 0, -1, True, "5"])
+def test_a_time_limit_that_is_no_finite_positive_number_is_refused(sandbox, timeout):
+    """A NaN deadline is never passed: such a command ran for as long as it liked."""
+    with pytest.raises(SandboxError, match="timeout: must be a finite number of seconds > 0"):
+        sandbox.exec("true", timeout=timeout)
+    with pytest.raises(SandboxError, match="timeout: must be a finite number of seconds > 0"):
+        sandbox.shell().run("true", timeout=timeout)
+    assert sandbox.exec("true", timeout=5).exit_code == 0

@@ -8,6 +8,8 @@ path may touch.
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -158,7 +160,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
 
 def _coerce(value: Any, typ: str) -> Any:
     """Lenient mode: accept the string forms small models often emit ("10", "true")."""
-    if typ == "integer" and isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    if typ == "integer" and isinstance(value, str) and re.fullmatch(r"[+-]?[0-9]+", value.strip()):
         return int(value)
     if typ == "integer" and isinstance(value, float) and value.is_integer():
         return int(value)
@@ -195,6 +197,8 @@ def _check(value: Any, schema: Mapping[str, Any], where: str, lenient: bool) -> 
     if "enum" in schema and value not in schema["enum"]:
         raise ToolError(f"argument {where!r} must be one of {schema['enum']}, got {value!r}")
     if typ in ("integer", "number"):
+        if not math.isfinite(value):  # NaN passes every comparison: no limit would hold
+            raise ToolError(f"argument {where!r} must be a finite number, got {value!r}")
         if "minimum" in schema and value < schema["minimum"]:
             raise ToolError(f"argument {where!r} must be >= {schema['minimum']}, got {value!r}")
         if "maximum" in schema and value > schema["maximum"]:
