@@ -29,9 +29,13 @@ class ComponentConfig(BaseModel):
 
 
 def _defaults() -> dict[str, ComponentConfig]:
+    # C is in units of x (weighted tokens): λ = 1e-4 with k = 1e-3 costs an episode of x = 300
+    # (a short answer) 0.026, of x = 3,000 (ten tool calls) 0.14, of x = 30,000 0.34, so that
+    # a solved task beats a failed one up to x = 10^7 (λ·C = 0.92) and, among solved ones, the
+    # shorter wins.
     return {
         "outcome": ComponentConfig(weight=1.0),
-        "length_penalty": ComponentConfig(weight=-0.02, params={"k": 1e-3, "q": 1.0}),
+        "length_penalty": ComponentConfig(weight=-1e-4, params={"k": 1e-3, "q": 1.0}),
         "unfinished_todos": ComponentConfig(weight=-0.1),
         "comment_reasoning": ComponentConfig(weight=-0.05),
         "tool_collapse": ComponentConfig(weight=-0.1),

@@ -81,5 +81,8 @@ DEFAULT_WEIGHTS = {
 def length_penalty(
     ctx: RewardContext, *, k: float = 1e-3, q: float = 1.0, weights: dict[str, float] | None = None
 ) -> float:
-    """C_{k,q}(x) of the episode (positive; composition gives it a negative weight)."""
-    return concave_penalty(episode_cost(ctx.trajectory, weights or DEFAULT_WEIGHTS), k, q)
+    """C_{k,q}(x) of the episode (positive; composition gives it a negative weight). C is in
+    units of x, about x itself while k·x is small. ``weights`` change the features' weights
+    over `DEFAULT_WEIGHTS` (0 leaves a feature out)."""
+    return concave_penalty(episode_cost(ctx.trajectory, {**DEFAULT_WEIGHTS, **(weights or {})}),
+                           k, q)

@@ -57,7 +57,8 @@ def test_composition_logs_each_component(tmp_path):
     b = compute_reward(_ctx({"a": True}, {}), cfg)
     assert set(b.components) == {"outcome", "length_penalty", "tool_collapse"}
     assert b.components["outcome"] == 1.0
-    assert b.components["length_penalty"] == pytest.approx(__import__("math").log1p(2.0) / 0.01)
+    # x: 200 final tokens at weight 1, and one turn at the default weight of 20
+    assert b.components["length_penalty"] == pytest.approx(__import__("math").log1p(2.2) / 0.01)
     assert b.total == pytest.approx(1.0 - 0.01 * b.components["length_penalty"])
     assert b.log_dict()["reward/outcome"] == 1.0
 
@@ -85,3 +86,25 @@ def test_default_config_runs():
     b = compute_reward(_ctx({"a": True}, {"b": True}))
     assert b.components["outcome"] == 1.0
     assert b.total < 1.0  # the length penalty costs something
+
+
+def _episode(turns: int, solved: bool, tokens: int = 150, output: int = 500) -> RewardContext:
+    """An episode of ``turns`` tool-calling turns and a final answer, its tests passed or not."""
+    t = Trajectory(task="t", messages=[{"role": "user", "content": "u"}])
+    t.turns = [Turn(index=i, segment=0, kind="action", message={}, completion_tokens=tokens,
+                    tool_calls=[{"id": str(i), "type": "function",
+                                 "function": {"name": "grep", "arguments": "{}"}}],
+                    tool_output_tokens=output) for i in range(turns)]
+    t.turns.append(Turn(index=turns, segment=0, kind="action", message={}, completion_tokens=60))
+    return RewardContext(t, tests=TestReport({"a": solved}, {}))
+
+
+def test_by_default_solving_outweighs_length_and_shorter_solutions_win():
+    """The length penalty shapes among episodes of one outcome; it must never make a short
+    failure worth more than a long success (λ·C is in units of tokens)."""
+    cfg = RewardConfig()
+    total = {(n, ok): compute_reward(_episode(n, ok), cfg).total
+             for n in (1, 10, 40) for ok in (True, False)}
+    assert min(total[n, True] for n in (1, 10, 40)) > max(total[n, False] for n in (1, 10, 40))
+    assert total[1, True] > total[10, True] > total[40, True] > 0.5
+    assert total[1, False] > total[10, False] > total[40, False]

@@ -4,7 +4,13 @@ import pytest
 
 from codedojo.harness.trajectory import ToolCallRecord, Trajectory, Turn
 from codedojo.reward.base import RewardContext
-from codedojo.reward.length import concave_penalty, episode_cost, length_features, length_penalty
+from codedojo.reward.length import (
+    DEFAULT_WEIGHTS,
+    concave_penalty,
+    episode_cost,
+    length_features,
+    length_penalty,
+)
 
 
 @pytest.mark.parametrize("q", [0.0, 0.5, 1.0, 1.5, 3.0])
@@ -71,3 +77,14 @@ def test_length_penalty_reward_grows_with_the_episode():
     a = length_penalty(RewardContext(short))
     b = length_penalty(RewardContext(long))
     assert 0 < a < b
+
+
+def test_a_partial_weights_table_changes_those_weights_and_keeps_the_others():
+    ctx = RewardContext(_traj())
+    default = length_penalty(ctx, k=1e-3)
+    assert length_penalty(ctx, k=1e-3, weights={"tool_calls": 20.0}) == default
+    f = length_features(_traj())
+    more = length_penalty(ctx, k=1e-3, weights={"tool_output_tokens": 1.0})
+    x = episode_cost(_traj(), {**DEFAULT_WEIGHTS, "tool_output_tokens": 1.0})
+    assert x == episode_cost(_traj(), DEFAULT_WEIGHTS) + 0.75 * f["tool_output_tokens"]
+    assert more == pytest.approx(concave_penalty(x, 1e-3, 1.0))
