@@ -191,6 +191,7 @@ class OpenAIPolicy:
         logprobs = [float(t.logprob) for t in (choice.logprobs.content or [])] if choice.logprobs else []
         prompt_ids = _extra(resp, "prompt_token_ids") or _extra(choice, "prompt_token_ids") or []
         completion_ids = _extra(choice, "token_ids") or _extra(choice, "completion_token_ids") or []
+        _check_ids(prompt_ids, completion_ids, logprobs)
         usage = resp.usage
         details = getattr(usage, "completion_tokens_details", None) if usage else None
         prompt_details = getattr(usage, "prompt_tokens_details", None) if usage else None
@@ -212,6 +213,16 @@ class OpenAIPolicy:
             completion_tokens=usage.completion_tokens if usage else len(completion_ids),
             reasoning_tokens=(getattr(details, "reasoning_tokens", 0) or 0) if details else 0,
         )
+
+
+def _check_ids(prompt_ids: list[int], completion_ids: list[int], logprobs: list[float]) -> None:
+    """A reply's token ids train only whole: with the prompt they followed, a logprob each."""
+    if completion_ids and not prompt_ids:
+        raise ValueError("prompt_token_ids: the server sent the completion's token ids without "
+                         "the prompt's, and a turn cannot be trained without its context")
+    if completion_ids and len(logprobs) != len(completion_ids):
+        raise ValueError(f"logprobs: {len(logprobs)} for the {len(completion_ids)} completion "
+                         f"token ids the server sent")
 
 
 def _checked_routing(value: Any, fed: int) -> str | None:

@@ -58,6 +58,10 @@ def training_sequences(traj: Trajectory) -> list[TrainingSequence]:
             pieces.append([])
         seq, start = out[-1], len(out[-1].token_ids)
         mask = turn.loss_mask or [0] * len(turn.prompt_ids) + [1] * len(turn.completion_ids)
+        if not turn.logprobs and any(mask[len(turn.prompt_ids):]):  # 0.0 would say "certain"
+            raise ValueError(f"turn {turn.index}: {sum(mask)} sampled tokens and no logprobs "
+                             f"(the policy's server must return them, or loss_mask leave "
+                             f"the tokens out)")
         sampled = turn.logprobs or [0.0] * len(turn.completion_ids)
         logprobs = [0.0] * len(turn.prompt_ids) + list(sampled)
         seq.token_ids += tokens[start:]

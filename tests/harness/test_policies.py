@@ -22,7 +22,7 @@ from codedojo.engine.types import (
     encode_routed_experts,
 )
 from codedojo.harness.loop import Agent, LoopConfig
-from codedojo.harness.policy import EnginePolicy, OpenAIPolicy, _checked_routing
+from codedojo.harness.policy import EnginePolicy, OpenAIPolicy, _check_ids, _checked_routing
 from codedojo.harness.tools.base import ToolContext
 from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
 from codedojo.harness.trajectory import Turn, read_jsonl
@@ -180,6 +180,17 @@ def test_engine_policy_records_an_moe_models_routing(sandbox, tmp_path):
     t0.routed_experts = "not base64"
     with pytest.raises(ValueError, match="turn 0: routed_experts: not base64"):
         t0.validate()
+
+
+def test_a_servers_token_ids_are_checked_on_arrival():
+    """A reply's ids are trained with the prompt they followed and a logprob each: a server
+    that sends the completion's ids alone would give turns trained without context."""
+    _check_ids([1, 2], [3, 4], [-0.5, -0.1])
+    _check_ids([], [], [])  # a server that sends no ids at all: nothing to train, no error
+    with pytest.raises(ValueError, match="prompt_token_ids: the server sent the completion's"):
+        _check_ids([], [3, 4], [-0.5, -0.1])
+    with pytest.raises(ValueError, match="logprobs: 0 for the 2 completion token ids"):
+        _check_ids([1, 2], [3, 4], [])
 
 
 def test_a_servers_routed_experts_are_checked_on_arrival():

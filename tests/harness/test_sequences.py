@@ -73,3 +73,14 @@ def test_a_turn_that_does_not_fit_its_tokens_is_named():
     t.turns = [bad]
     with pytest.raises(ValueError, match="turn 0: loss_mask has 2 entries for 3 tokens"):
         training_sequences(t)
+
+
+def test_sampled_tokens_without_logprobs_are_named_not_trained_as_certain():
+    t = Trajectory(task="t")
+    t.turns = [turn(0, [1, 2], [3, 4])]
+    t.turns[0].logprobs = []
+    with pytest.raises(ValueError, match="turn 0: 2 sampled tokens and no logprobs"):
+        training_sequences(t)
+    t.turns[0].loss_mask = [0, 0, 0, 0]  # left out of the loss: no logprob needed
+    (seq,) = training_sequences(t)
+    assert seq.loss_mask == [0, 0, 0, 0] and seq.logprobs == [0.0] * 4
