@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from codedojo.harness.lines import file_lines
 from codedojo.sandbox.base import WORKSPACE, Sandbox, SandboxError
 
 CODE_GLOBS = (
@@ -104,7 +105,7 @@ class Hit:
 
 def chunk_file(path: str, text: str, max_lines: int = 40, min_lines: int = 4) -> list[Chunk]:
     """Split at top-level definitions where possible, else every `max_lines` lines."""
-    lines = text.splitlines()
+    lines = file_lines(text)
     bounds: list[tuple[int, int]] = []
     start = 0
     for i, line in enumerate(lines):

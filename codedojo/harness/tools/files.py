@@ -11,6 +11,7 @@ import fnmatch
 import posixpath
 from typing import Any
 
+from codedojo.harness.lines import file_lines
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
 from codedojo.sandbox.base import WORKSPACE, SandboxError
 
@@ -18,8 +19,9 @@ MAX_LIST_ENTRIES = 500
 MAX_GLOB_RESULTS = 200
 
 
-def _read_text(ctx: ToolContext, path: str) -> str | None:
-    """The file's text, or None when it does not exist."""
+def _read_text(ctx: ToolContext, path: str, errors: str = "replace") -> str | None:
+    """The file's text, or None when it does not exist. Bytes that are not UTF-8 are shown as
+    U+FFFD; ``errors="surrogateescape"`` keeps them, for a text to be written back."""
     try:
         data = ctx.sandbox.read_file(path)
     except (FileNotFoundError, SandboxError) as e:
@@ -28,7 +30,12 @@ def _read_text(ctx: ToolContext, path: str) -> str | None:
         return None
     if b"\x00" in data[:8192]:
         raise ToolError(f"{path} is a binary file ({len(data)} bytes)")
-    return data.decode("utf-8", errors="replace")
+    return data.decode("utf-8", errors=errors)
+
+
+def _shown(text: str) -> str:
+    """A text read with ``errors="surrogateescape"`` as `_read_text` shows it."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _exists(ctx: ToolContext, path: str) -> bool:
@@ -45,7 +52,7 @@ def _write_text(ctx: ToolContext, path: str, text: str) -> None:
         r = ctx.sandbox.exec(["mkdir", "-p", parent], timeout=ctx.timeout_s)
         if r.exit_code != 0:
             raise ToolError(f"cannot create directory {parent}: {r.stderr.strip()}")
-    ctx.sandbox.write_file(path, text.encode("utf-8"))
+    ctx.sandbox.write_file(path, text.encode("utf-8", errors="surrogateescape"))
 
 
 # ---- read_file ------------------------------------------------------------------------------
@@ -58,7 +65,7 @@ def _read_file(ctx: ToolContext, args: dict[str, Any]) -> str:
         raise ToolError(f"file not found: {args['target_file']}")
     if text == "":
         return "File is empty."
-    lines = text.splitlines()
+    lines = file_lines(text)
     offset = args.get("offset")
     limit = args.get("limit")
     # 1-based, negative from the end; 0 (a 0-based habit) is the first line too
@@ -197,7 +204,7 @@ GLOB_FILE_SEARCH = FunctionTool(
 def _search_replace(ctx: ToolContext, args: dict[str, Any]) -> str:
     path = resolve(args["file_path"])
     old, new = args["old_string"], args["new_string"]
-    text = _read_text(ctx, path)
+    text = _read_text(ctx, path, errors="surrogateescape")  # what is not UTF-8 stays as it was
     if text is None:
         if old == "":
             ctx.remember_original(path, None)
@@ -210,12 +217,15 @@ def _search_replace(ctx: ToolContext, args: dict[str, Any]) -> str:
         raise ToolError("old_string is empty; give the exact text to replace")
     count = text.count(old)
     if count == 0:
-        raise ToolError(f"old_string not found in {path}")
+        shown = _shown(text)
+        raise ToolError(f"old_string not found in {path}" + (
+            " (the file is not all UTF-8: text shown with U+FFFD cannot be matched)"
+            if shown != text else ""))
     if count > 1 and not args.get("replace_all", False):
         raise ToolError(
             f"old_string occurs {count} times in {path}; add context to make it unique or set replace_all"
         )
-    ctx.remember_original(path, text)
+    ctx.remember_original(path, _shown(text))
     updated = text.replace(old, new) if args.get("replace_all", False) else text.replace(old, new, 1)
     _write_text(ctx, path, updated)
     n = count if args.get("replace_all", False) else 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from codedojo.harness.embeddings import SearchTimeout
+from codedojo.harness.lines import file_lines
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
 
 SNIPPET_LINES = 12
@@ -28,7 +29,7 @@ def _codebase_search(ctx: ToolContext, args: dict[str, Any]) -> str:
         return "No results."
     blocks = []
     for h in hits:
-        lines = h.text.splitlines()
+        lines = file_lines(h.text)
         snippet = "\n".join(lines[:SNIPPET_LINES])
         if len(lines) > SNIPPET_LINES:
             snippet += f"\n... ({len(lines) - SNIPPET_LINES} more lines)"

@@ -91,3 +91,11 @@ def test_codebase_search_stops_at_its_time_limit_and_goes_on_from_there(sandbox,
         assert index.cached == total and r.content.count("(score ") == min(8, total)
     finally:
         s.close()
+
+
+def test_chunk_line_numbers_are_grep_s():
+    text = "import os\nimport re\n\x0c\n\nX = 1\n" + "".join(
+        f"def f{i}():\n" + "    x = 1\n" * 9 for i in range(2))
+    chunks = chunk_file("/workspace/m.py", text)
+    assert [(c.start_line, c.text.split("\n")[0]) for c in chunks] == [
+        (1, "import os"), (6, "def f0():"), (16, "def f1():")]

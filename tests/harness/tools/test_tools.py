@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from codedojo.harness.tools.base import ToolContext
@@ -198,3 +200,28 @@ def test_per_tool_timeout_from_the_environment_caps_the_model(sandbox):
     r = s.call("run_terminal_cmd", {"command": "sleep 5", "timeout": 100})
     assert r.is_error and "timed out after 1s" in r.content and r.duration_s < 4
     s.close()
+
+
+def test_search_replace_leaves_bytes_that_are_not_utf8_as_they_were(session, sandbox):
+    latin1 = "# Auteur: François\nX = 1\n".encode("latin-1")
+    sandbox.write_file("/workspace/legacy.py", latin1)
+    assert "Auteur: Fran\ufffdois" in ok(session, "read_file", target_file="legacy.py")
+    ok(session, "search_replace", file_path="legacy.py", old_string="X = 1", new_string="X = 2")
+    assert sandbox.read_file("/workspace/legacy.py") == latin1.replace(b"X = 1", b"X = 2")
+    assert "not all UTF-8" in err(session, "search_replace", file_path="legacy.py",
+                                  old_string="Fran\ufffdois", new_string="Francois")
+    assert session.ctx.state["originals"]["/workspace/legacy.py"] == "# Auteur: Fran\ufffdois\nX = 1\n"
+
+
+def test_read_file_numbers_lines_as_grep_does(session, sandbox):
+    """A form feed (PEP 8's page break) or U+2028 is no line break to grep, nor to read_file."""
+    sandbox.write_file("/workspace/paged.py",
+                       "import os\n\x0c\ndef f():\n    s = 'a\u2028b'\r\n    return 1  # target\n"
+                       .encode())
+    where = ok(session, "grep", pattern="target", path="paged.py", output_mode="content")
+    line = int(re.search(r"(\d+):\s+return 1", where).group(1))
+    assert line == 5, where
+    shown = ok(session, "read_file", target_file="paged.py", offset=line, limit=1)
+    assert shown.splitlines()[0] == "     5|    return 1  # target"
+    assert ok(session, "read_file", target_file="paged.py", offset=4, limit=1).startswith(
+        "     4|    s = 'a\u2028b'\n")  # its "\r" is not shown
