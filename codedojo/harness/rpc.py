@@ -7,7 +7,7 @@ sandbox its `SandboxProvider` knows). Heavy tools run here, outside the sandbox:
     episode.open   {env, sandbox_id?}        -> {episode_id, generation, versions, schemas,
                                                   time_limits}
     tool.call      {episode_id, name, arguments} -> ToolResult
-    episode.state  {episode_id}              -> the episode's tool state (todos, originals)
+    episode.state  {episode_id}              -> the episode's tool state (todos, paths edited)
     episode.close  {episode_id}              -> {}
     tools.register {module, attr}            -> {generation}   (live update)
     env.configure  {env, config}             -> {}

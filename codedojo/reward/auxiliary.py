@@ -111,9 +111,9 @@ def tool_collapse(ctx: RewardContext, *, threshold: float = 0.7, min_calls: int 
     return (share - threshold) / (1.0 - threshold)
 
 
-def _lint_counts(files: dict[str, str]) -> Counter[str]:
-    """Ruff diagnostics per file."""
-    return Counter(d.path for d in ruff_check(files)) if files else Counter()
+def _lint_counts(files: dict[str, str], configs: dict[str, str]) -> Counter[str]:
+    """Ruff diagnostics per file, by the repository's configuration."""
+    return Counter(d.path for d in ruff_check(files, configs)) if files else Counter()
 
 
 @reward("lint_delta")
@@ -125,8 +125,9 @@ def lint_delta(ctx: RewardContext, *, normalize: bool = False) -> float:
     py = [c for c in ctx.changes if c.path.endswith((".py", ".pyi"))]
     if not py:
         return 0.0
-    before = _lint_counts({c.path: c.before for c in py if c.before is not None})
-    after = _lint_counts({c.path: c.after for c in py if c.after is not None})
+    before = _lint_counts({c.path: c.before for c in py if c.before is not None},
+                          ctx.lint_configs)
+    after = _lint_counts({c.path: c.after for c in py if c.after is not None}, ctx.lint_configs)
     added = float(sum(max(0, after[c.path] - before[c.path]) for c in py))
     return added / len(py) if normalize else added
 

@@ -42,6 +42,8 @@ class RewardContext:
     trajectory: Trajectory
     tests: TestReport | None = None
     changes: list[FileChange] = field(default_factory=list)
+    # ruff configuration files (name -> text) the changed files are linted by (`lint_delta`)
+    lint_configs: dict[str, str] = field(default_factory=dict)
 
 
 class RewardFn(Protocol):

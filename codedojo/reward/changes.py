@@ -1,51 +1,67 @@
-"""What an episode changed in its sandbox, as (path, before, after) texts for the rewards.
+"""What an episode changed in its sandbox, for the rewards: (path, before, after) texts.
 
-`after` is read from the sandbox. `before` comes, in order of preference, from the content the
-file tools saw first (they record it), from git's HEAD when /workspace is a repository, and
-otherwise is unknown (treated as a new file).
+`before` is the file as the sandbox's image had it (`Sandbox.read_original`, the other side of
+`Sandbox.changes`), whatever changed it: a file tool, the shell, a build. `after` is read from
+the sandbox. A file that is binary or too large on either side is no text change, and left
+out (not reported as deleted).
+
+`reward_context` gathers what the rewards read of a finished episode: the changes, and the
+workspace's ruff configuration as the image had it, so that `lint_delta` lints by the
+repository's rules, and an episode that edits them changes nothing of its own score.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 
-from codedojo.reward.base import FileChange
+from codedojo.harness.lint import CONFIG_FILES
+from codedojo.harness.trajectory import Trajectory
+from codedojo.reward.base import FileChange, RewardContext, TestReport
 from codedojo.sandbox.base import WORKSPACE, Sandbox, SandboxError
 
 MAX_BYTES = 1_000_000
 
+_UNREADABLE = object()  # binary or too large: not a text
 
-def _text(data: bytes) -> str | None:
+
+def _text(data: bytes) -> str | object:
     if len(data) > MAX_BYTES or b"\x00" in data[:8192]:
-        return None
+        return _UNREADABLE
     return data.decode("utf-8", "replace")
 
 
-def collect_changes(sandbox: Sandbox, originals: Mapping[str, str | None] | None = None) -> list[FileChange]:
-    originals = dict(originals or {})
+def _side(read: Callable[[str], bytes], path: str) -> str | object | None:
+    """The text of one side: None where there is no file, `_UNREADABLE` where it is no text."""
+    try:
+        return _text(read(path))
+    except (FileNotFoundError, SandboxError):
+        return None
+
+
+def collect_changes(sandbox: Sandbox) -> list[FileChange]:
+    """The text files the episode added, modified or deleted under /workspace."""
     out: list[FileChange] = []
     for ch in sandbox.changes():
         path = ch.path if ch.path.startswith("/") else f"{WORKSPACE}/{ch.path}"
-        after: str | None = None
-        if ch.kind != "deleted":
-            try:
-                after = _text(sandbox.read_file(path))
-            except (FileNotFoundError, SandboxError, OSError):
-                after = None
-            if after is None and ch.kind != "deleted":
-                try:
-                    if sandbox.stat(path).kind != "file":
-                        continue  # directories are not content changes
-                except (FileNotFoundError, SandboxError):
-                    pass
-        if path in originals:
-            before = originals[path]
-        elif ch.kind == "added":
-            before = None
-        else:
-            rel = path[len(WORKSPACE) + 1 :] if path.startswith(WORKSPACE + "/") else path
-            r = sandbox.exec(["git", "show", f"HEAD:{rel}"], cwd=WORKSPACE, timeout=30)
-            before = r.stdout if r.exit_code == 0 else None
-        if before != after:
-            out.append(FileChange(path, before, after))
+        before = None if ch.kind == "added" else _side(sandbox.read_original, path)
+        after = None if ch.kind == "deleted" else _side(sandbox.read_file, path)
+        if _UNREADABLE in (before, after) or before == after:  # directories: None on both
+            continue
+        out.append(FileChange(path, before, after))  # type: ignore[arg-type]
     return out
+
+
+def image_lint_configs(sandbox: Sandbox) -> dict[str, str]:
+    """The ruff configuration files at /workspace as the image had them."""
+    configs = {}
+    for name in CONFIG_FILES:
+        text = _side(sandbox.read_original, f"{WORKSPACE}/{name}")
+        if isinstance(text, str):
+            configs[name] = text
+    return configs
+
+
+def reward_context(trajectory: Trajectory, sandbox: Sandbox,
+                   tests: TestReport | None = None) -> RewardContext:
+    """What the rewards read of a finished episode whose sandbox is still alive."""
+    return RewardContext(trajectory, tests, collect_changes(sandbox), image_lint_configs(sandbox))

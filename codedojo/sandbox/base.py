@@ -137,6 +137,11 @@ class Sandbox(Executor, Protocol):
         """Paths under /workspace that differ from the image the sandbox started from."""
         ...
 
+    def read_original(self, path: str) -> bytes:
+        """A file's bytes in the image the sandbox started from (the other side of `changes`);
+        SandboxError where the image has no regular file there."""
+        ...
+
     def snapshot(self) -> str:
         """Freeze the writable layer into a new read-only layer; returns the snapshot id."""
         ...

@@ -110,6 +110,9 @@ class RemoteSandbox:
     def changes(self) -> list[Change]:
         return [Change(**c) for c in self._http.call("GET", self._url("/changes"))["changes"]]
 
+    def read_original(self, path: str) -> bytes:
+        return self._http.call("GET", self._url("/original"), params={"path": path}, raw=True)
+
     def snapshot(self) -> str:
         return self._http.call("POST", self._url("/snapshot"))["snapshot"]
 

@@ -922,6 +922,33 @@ class LocalSandbox:
     def _snapshot_layers(self) -> list[str]:
         return list(self.lowers[: len(self.lowers) - len(self.image.layers)])
 
+    def read_original(self, path: str) -> bytes:
+        """The file's bytes as the image the sandbox was created from has them (what `changes`
+        compares with): read from the image's layers, within the layer that holds it."""
+        self._check_alive()
+        p = sandbox_path(path)
+        rel = p.lstrip("/")
+        store = self.provider.images
+        found = LayerStack([store.layer_path(x) for x in self.image.layers]).lookup(rel)
+        if found is None:
+            raise SandboxError(f"path: {p}: not in the sandbox's image")
+        layer = os.open(found[: -len(rel) - 1], os.O_PATH | os.O_DIRECTORY)
+        try:  # resolved in the layer as in a root: a link in the image cannot reach the host
+            fd = open_in_root(layer, rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            raise SandboxError(f"path: {p}: {e.strerror} in the sandbox's image") from None
+        finally:
+            os.close(layer)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SandboxError(f"path: {p} is not a regular file in the sandbox's image")
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
     def changes(self) -> list[Change]:
         """Paths under /workspace that differ from the image the sandbox was created from:
         compares the current stack (upper + snapshot layers) with the image's stack."""

@@ -286,6 +286,10 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
     def read_file(sandbox_id: str, path: str = Query(...)) -> Response:
         return Response(sb(sandbox_id).read_file(path), media_type="application/octet-stream")
 
+    @app.get("/sandboxes/{sandbox_id}/original")
+    def read_original(sandbox_id: str, path: str = Query(...)) -> Response:
+        return Response(sb(sandbox_id).read_original(path), media_type="application/octet-stream")
+
     @app.put("/sandboxes/{sandbox_id}/file")
     def write_file(sandbox_id: str, path: str = Query(...), mode: int = Query(0o644),
                    data: bytes = Body(b"", media_type="application/octet-stream")) -> dict:

@@ -66,7 +66,7 @@ def test_scripted_policy_fixes_a_bug_through_rpc(sandbox, tmp_path):
         # The outcome reward sees the tests pass; the diff holds exactly the fix.
         report = grade(sandbox, F2P, P2P)
         assert all(report.fail_to_pass.values()) and all(report.pass_to_pass.values())
-        changes = collect_changes(sandbox, traj.tool_state.get("originals"))
+        changes = collect_changes(sandbox)
         assert [c.path for c in changes] == ["/workspace/inventory/stock.py"]
         assert "i.qty < threshold" in changes[0].before and "i.qty <= threshold" in changes[0].after
         r = compute_reward(RewardContext(traj, report, changes))
@@ -207,17 +207,17 @@ def test_summaries_can_be_turned_off(session, max_summaries):
     assert traj.status == "finished" and traj.segments == [0]
 
 
-def test_collect_changes_uses_tool_originals_then_git(session, sandbox):
+def test_collect_changes_reads_each_before_side_from_the_image(session, sandbox):
     session.call("search_replace", {"file_path": "inventory/stock.py", "old_string": "i.qty < threshold",
                                     "new_string": "i.qty <= threshold"})
     session.call("run_terminal_cmd", {"command": "sed -i 's/Stock keeping/Inventory/' README.md"})
     session.call("write", {"file_path": "inventory/extra.py", "contents": "X = 1\n"})
     session.call("delete_file", {"target_file": "pyproject.toml"})
-    changes = {c.path: c for c in collect_changes(sandbox, session.state()["originals"])}
+    changes = {c.path: c for c in collect_changes(sandbox)}
     assert set(changes) == {"/workspace/inventory/stock.py", "/workspace/README.md",
                             "/workspace/inventory/extra.py", "/workspace/pyproject.toml"}
     assert "i.qty < threshold" in changes["/workspace/inventory/stock.py"].before
-    # Changed by a shell command: the tools never saw it, git's HEAD gives the before side.
+    # Changed by a shell command, which the tools never saw: the image has it.
     readme = changes["/workspace/README.md"]
     assert "Stock keeping" in readme.before and "Inventory helpers" in readme.after
     assert changes["/workspace/inventory/extra.py"].before is None

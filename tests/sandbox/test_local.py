@@ -190,12 +190,40 @@ def test_changes_lists_what_the_agent_did(sandbox):
     want = [Change("/workspace/new.py", "added"), Change("/workspace/old.txt", "deleted"),
             Change("/workspace/pkg/__init__.py", "modified")]
     assert sandbox.changes() == want
+    # the other side of each change: the image's bytes
+    assert sandbox.read_original("pkg/__init__.py") == b"VALUE = 41\n"
+    assert sandbox.read_original("/workspace/old.txt") == b"to be deleted\n"
+    with pytest.raises(SandboxError, match="new.py: not in the sandbox's image"):
+        sandbox.read_original("new.py")
     snap = sandbox.snapshot()
     fork = sandbox.fork(1, snap)[0]
     try:
         assert fork.changes() == want  # relative to the original image, not the snapshot
+        assert fork.read_original("pkg/__init__.py") == b"VALUE = 41\n"
     finally:
         fork.destroy()
+
+
+def test_the_original_of_a_link_in_the_image_is_never_a_host_file(provider, tmp_path):
+    """An image's links are read as the sandbox would resolve them, never on the host."""
+    src = tmp_path / "linked"
+    src.mkdir()
+    (src / "etc").mkdir()
+    (src / "etc" / "hostname").write_text("the image's own\n")
+    os.symlink("/etc/hostname", src / "file_link")
+    os.symlink("/etc", src / "dir_link")
+    image = provider.images.from_directory(str(src), name="linked")
+    sb = provider.create(SandboxSpec(image=image.id, limits=SMALL))
+    try:
+        with pytest.raises(SandboxError, match="file_link: .* in the sandbox's image"):
+            sb.read_original("file_link")
+        # through a linked directory: resolved inside the image's layer, where /etc/hostname
+        # is not (the host's is)
+        with pytest.raises(SandboxError, match="dir_link/hostname: No such file"):
+            sb.read_original("dir_link/hostname")
+        assert sb.read_original("etc/hostname") == b"the image's own\n"
+    finally:
+        sb.destroy()
 
 
 def test_missing_image_or_layer_is_a_clear_error(provider, project):

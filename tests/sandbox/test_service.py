@@ -83,6 +83,10 @@ def test_remote_snapshot_fork_restore_changes(remote):
         remote.restore(snap)
         assert remote.read_file("a.txt") == b"one"
         assert Change("/workspace/a.txt", "added") in f.changes()
+        remote.write_file("pkg/__init__.py", "VALUE = 0\n")
+        assert remote.read_original("pkg/__init__.py") == b"VALUE = 41\n"
+        with pytest.raises(SandboxError, match="not in the sandbox's image"):
+            remote.read_original("a.txt")
     finally:
         f.destroy()
 

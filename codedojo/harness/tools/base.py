@@ -83,10 +83,12 @@ class ToolContext:
                 pass
         self._shell = None
 
-    def remember_original(self, path: str, content: str | None) -> None:
-        """Keep the first content a tool saw at `path`, so rewards can diff against it."""
-        originals: dict[str, str | None] = self.state.setdefault("originals", {})
-        originals.setdefault(resolve(path), content)
+    def remember_edit(self, path: str) -> None:
+        """Note a path the file tools changed (`read_lints` lints them by default), once, in
+        the order first edited. (What changed, and from what, the sandbox says: `changes`.)"""
+        edited: list[str] = self.state.setdefault("edited", [])
+        if (p := resolve(path)) not in edited:
+            edited.append(p)
 
     def close(self) -> None:
         self.reset_shell()

@@ -207,7 +207,7 @@ def _search_replace(ctx: ToolContext, args: dict[str, Any]) -> str:
     text = _read_text(ctx, path, errors="surrogateescape")  # what is not UTF-8 stays as it was
     if text is None:
         if old == "":
-            ctx.remember_original(path, None)
+            ctx.remember_edit(path)
             _write_text(ctx, path, new)
             return f"Created {path}."
         raise ToolError(f"file not found: {args['file_path']}")
@@ -225,7 +225,7 @@ def _search_replace(ctx: ToolContext, args: dict[str, Any]) -> str:
         raise ToolError(
             f"old_string occurs {count} times in {path}; add context to make it unique or set replace_all"
         )
-    ctx.remember_original(path, _shown(text))
+    ctx.remember_edit(path)
     updated = text.replace(old, new) if args.get("replace_all", False) else text.replace(old, new, 1)
     _write_text(ctx, path, updated)
     n = count if args.get("replace_all", False) else 1
@@ -256,16 +256,9 @@ SEARCH_REPLACE = FunctionTool(
 
 def _write(ctx: ToolContext, args: dict[str, Any]) -> str:
     path = resolve(args["file_path"])
-    ctx.remember_original(path, _read_text_or_none(ctx, path))
+    ctx.remember_edit(path)
     _write_text(ctx, path, args["contents"])
     return f"Wrote {len(args['contents'].encode('utf-8'))} bytes to {path}."
-
-
-def _read_text_or_none(ctx: ToolContext, path: str) -> str | None:
-    try:
-        return _read_text(ctx, path)
-    except ToolError:
-        return None
 
 
 WRITE = FunctionTool(
@@ -293,7 +286,7 @@ def _delete_file(ctx: ToolContext, args: dict[str, Any]) -> str:
         raise ToolError(f"file not found: {args['target_file']}") from e
     if info.kind == "dir":
         raise ToolError(f"{path} is a directory; delete_file removes files only")
-    ctx.remember_original(path, _read_text_or_none(ctx, path))
+    ctx.remember_edit(path)
     ctx.sandbox.remove(path)
     return f"Deleted {path}."
 

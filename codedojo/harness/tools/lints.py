@@ -35,7 +35,7 @@ def _read_lints(ctx: ToolContext, args: dict[str, Any]) -> str:
     paths = [resolve(p) for p in (args.get("paths") or [])]
     if not paths:
         # By default: what the agent edited, else the whole workspace.
-        paths = [p for p, _ in ctx.state.get("originals", {}).items() if p.endswith((".py", ".pyi"))]
+        paths = [p for p in ctx.state.get("edited", []) if p.endswith((".py", ".pyi"))]
         paths = paths or [WORKSPACE]
     files: dict[str, str] = {}
     for p in paths:

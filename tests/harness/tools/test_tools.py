@@ -102,9 +102,8 @@ def test_search_replace(session, sandbox):
     assert "identical" in err(session, "search_replace", file_path="README.md", old_string="a", new_string="a")
     assert "Created" in ok(session, "search_replace", file_path="docs/new.md", old_string="", new_string="hi\n")
     assert sandbox.read_file("/workspace/docs/new.md") == b"hi\n"
-    # The first content seen is remembered for the rewards' diff.
-    assert "i.qty < threshold" in session.ctx.state["originals"]["/workspace/inventory/stock.py"]
-    assert session.ctx.state["originals"]["/workspace/docs/new.md"] is None
+    # The paths edited are noted, once each (read_lints lints them by default).
+    assert session.ctx.state["edited"] == ["/workspace/inventory/stock.py", "/workspace/docs/new.md"]
 
 
 def test_write_and_delete_file(session, sandbox):
@@ -210,7 +209,6 @@ def test_search_replace_leaves_bytes_that_are_not_utf8_as_they_were(session, san
     assert sandbox.read_file("/workspace/legacy.py") == latin1.replace(b"X = 1", b"X = 2")
     assert "not all UTF-8" in err(session, "search_replace", file_path="legacy.py",
                                   old_string="Fran\ufffdois", new_string="Francois")
-    assert session.ctx.state["originals"]["/workspace/legacy.py"] == "# Auteur: Fran\ufffdois\nX = 1\n"
 
 
 def test_read_file_numbers_lines_as_grep_does(session, sandbox):

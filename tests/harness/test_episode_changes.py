@@ -1,0 +1,53 @@
+"""What the rewards read of a finished episode (`codedojo.reward.changes`), from a real
+sandbox: every change against the image, however it was made, and the image's lint rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from codedojo.harness.trajectory import Trajectory
+from codedojo.reward.auxiliary import lint_delta
+from codedojo.reward.base import FileChange
+from codedojo.reward.changes import MAX_BYTES, collect_changes, reward_context
+from codedojo.sandbox.base import SandboxSpec
+from tests.harness.conftest import LIMITS
+
+PYPROJECT = '[tool.ruff]\nline-length = 40\n\n[tool.ruff.lint]\nselect = ["E501"]\n'
+
+
+@pytest.fixture
+def linted(provider, tmp_path):
+    """A sandbox of a repository whose ruff rules are its own: long lines only, at 40."""
+    (tmp_path / "pyproject.toml").write_text(PYPROJECT)
+    (tmp_path / "m.py").write_text("X = 1\n")
+    (tmp_path / "data.bin").write_bytes(b"\x00" * 64)
+    (tmp_path / "old.py").write_text("OLD = True\n")
+    image = provider.images.from_directory(str(tmp_path), name="linted")
+    sb = provider.create(SandboxSpec(image=image.id, limits=LIMITS))
+    yield sb
+    sb.destroy()
+
+
+def test_every_change_is_against_the_image_however_it_was_made(linted):
+    linted.exec("printf 'Y = 2\\n' >> m.py")  # the shell first; no file tool saw m.py before
+    linted.write_file("m.py", linted.read_file("m.py").replace(b"X = 1", b"X = 3"))
+    linted.write_file("data.bin", b"\x00" * 65)  # binary: no text change
+    linted.write_file("big.py", b"#" * (MAX_BYTES + 1))  # too large: no text change
+    linted.exec("mkdir -p pkg/sub && rm old.py")
+    linted.write_file("new.py", "N = 0\n")
+    assert sorted(collect_changes(linted), key=lambda c: c.path) == [
+        FileChange("/workspace/m.py", "X = 1\n", "X = 3\nY = 2\n"),
+        FileChange("/workspace/new.py", None, "N = 0\n"),
+        FileChange("/workspace/old.py", "OLD = True\n", None),
+    ]
+
+
+def test_lint_delta_lints_by_the_repositorys_rules_as_the_image_had_them(linted):
+    long = "VALUE = 'a line longer than forty characters'\n"
+    linted.write_file("m.py", "import os\nimport re\nX = 1\n" + long)  # F401: not its rule
+    ctx = reward_context(Trajectory(task="t"), linted)
+    assert ctx.lint_configs == {"pyproject.toml": PYPROJECT}
+    assert lint_delta(ctx) == 1.0  # the long line (ruff by default: the two unused imports)
+    # an episode that turns the rule off still pays for what it added
+    linted.write_file("pyproject.toml", "[tool.ruff.lint]\nselect = []\n")
+    assert lint_delta(reward_context(Trajectory(task="t"), linted)) == 1.0
