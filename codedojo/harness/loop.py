@@ -43,7 +43,9 @@ class ToolRunner(Protocol):
     schemas: list[dict[str, Any]]
     versions: dict[str, str]
 
-    def call(self, name: str, arguments: Any) -> ToolResult: ...
+    def call(self, name: str, arguments: Any, time_left: float | None = None) -> ToolResult:
+        """Run one call, within ``time_left`` seconds too when given (the episode's)."""
+        ...
 
     def state(self) -> dict[str, Any]: ...
 
@@ -133,8 +135,13 @@ class Agent:
         next_prompt_estimate = sum(_estimate(str(m.get("content") or "")) for m in context)
         started = time.perf_counter()
 
+        def time_left() -> float | None:
+            if cfg.max_seconds is None:
+                return None
+            return cfg.max_seconds - (time.perf_counter() - started)
+
         def out_of_time() -> bool:
-            return cfg.max_seconds is not None and time.perf_counter() - started >= cfg.max_seconds
+            return (left := time_left()) is not None and left <= 0
 
         try:
             while True:
@@ -191,7 +198,8 @@ class Agent:
                     if out_of_time():  # the turn's other calls are answered, not run
                         res = ToolResult(f"Error: not run: {TIME_UP}", is_error=True)
                     else:
-                        res = tools.call(call.name, call.arguments)  # raises only if the service fails
+                        # raises only if the service fails
+                        res = tools.call(call.name, call.arguments, time_left())
                     tm = {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": res.content}
                     context.append(tm)
                     traj.messages.append(tm)

@@ -23,6 +23,7 @@ import http.client
 import importlib
 import itertools
 import json
+import math
 import socket
 import threading
 import time
@@ -124,7 +125,12 @@ class ToolServer:
         if method == "tool.call":
             if "name" not in p:
                 raise RPCError(INVALID_PARAMS, "name: required")
-            return self.session(_req(p, "episode_id")).call(p["name"], p.get("arguments")).to_dict()
+            left = p.get("time_left")
+            if left is not None and (isinstance(left, bool) or not isinstance(left, int | float)
+                                     or not 0 < left < math.inf):
+                raise RPCError(INVALID_PARAMS, f"time_left: must be seconds > 0, got {left!r}")
+            return self.session(_req(p, "episode_id")).call(
+                p["name"], p.get("arguments"), left).to_dict()
         if method == "episode.open":
             s = self.open_episode(p.get("env", "default"), p.get("sandbox_id"))
             cfg = s.toolset.config
@@ -390,13 +396,16 @@ class RemoteEpisode:
         self.schemas: list[dict[str, Any]] = opened["schemas"]
         self.time_limits: dict[str, float] = opened.get("time_limits", {})
 
-    def call(self, name: str, arguments: Any) -> ToolResult:
+    def call(self, name: str, arguments: Any, time_left: float | None = None) -> ToolResult:
         """Tool failures come back as error results; a failing service (unreachable, unknown
         episode) raises, and the agent loop ends the episode."""
         limit = self.time_limits.get(name)  # the tool's own, and the service's time to answer
+        if time_left is not None:
+            time_left = max(time_left, 0.001)
+            limit = time_left if limit is None else min(limit, time_left)
         return ToolResult.from_dict(self.client.request(
             "tool.call", wait=None if limit is None else limit + ANSWER_MARGIN_S,
-            episode_id=self.episode_id, name=name, arguments=arguments))
+            episode_id=self.episode_id, name=name, arguments=arguments, time_left=time_left))
 
     def state(self) -> dict[str, Any]:
         return self.client.request("episode.state", episode_id=self.episode_id)

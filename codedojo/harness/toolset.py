@@ -171,7 +171,8 @@ class ToolSession:
     def versions(self) -> dict[str, str]:
         return self.toolset.versions
 
-    def call(self, name: str, arguments: Any) -> ToolResult:
+    def call(self, name: str, arguments: Any, time_left: float | None = None) -> ToolResult:
+        """Run one call under the tool's time limit, or ``time_left`` seconds where sooner."""
         tool = self.toolset.tools.get(name)
         if tool is None:
             return ToolResult(
@@ -184,7 +185,8 @@ class ToolSession:
             return ToolResult(f"Error: {err}", is_error=True, tool=name, version=tool.version)
         cfg = self.toolset.config
         with self._lock:
-            self.ctx.timeout_s = cfg.timeouts.get(name, cfg.default_timeout_s)
+            limit = cfg.timeouts.get(name, cfg.default_timeout_s)
+            self.ctx.timeout_s = limit if time_left is None else max(min(limit, time_left), 0.001)
             return invoke(tool, self.ctx, args, strictness=cfg.strictness)
 
     def state(self) -> dict[str, Any]:

@@ -114,6 +114,18 @@ def test_limits_end_the_episode(session):
     assert "ran" in answers[0] and answers[2] == "Error: not run: the episode's time limit was reached"
 
 
+def test_a_call_gets_no_more_than_the_time_the_episode_has_left(session):
+    """A command started just before the episode's limit stops at the limit, not at its
+    tool's own (60 s here)."""
+    sleepy = ScriptedPolicy([[("run_terminal_cmd", {"command": "sleep 20; echo ran"})], "done"])
+    t0 = time.perf_counter()
+    traj = Agent(sleepy, LoopConfig(max_seconds=1.0)).run("spin", session)
+    took = time.perf_counter() - t0
+    (answer,) = [m["content"] for m in traj.messages if m["role"] == "tool"]
+    assert traj.status == "max_seconds" and took < 10, took
+    assert "timed out after 1s" in answer
+
+
 def test_malformed_calls_get_tool_errors_and_the_episode_goes_on(session):
     class Sloppy:
         name = "sloppy"
