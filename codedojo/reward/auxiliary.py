@@ -10,12 +10,13 @@ delta); composition gives them negative weights.
 from __future__ import annotations
 
 import difflib
-import json
 from collections import Counter
 from typing import Any
 
 from codedojo.harness.lint import ruff_check
-from codedojo.harness.tools.todo import merge_todos
+from codedojo.harness.tools.base import ToolError, validate_args
+from codedojo.harness.tools.todo import TODO_WRITE, merge_todos
+from codedojo.harness.toolset import parse_arguments
 from codedojo.harness.trajectory import Trajectory
 from codedojo.reward.base import FileChange, RewardContext, reward
 
@@ -24,20 +25,24 @@ DONE = ("completed", "cancelled")
 
 def final_todos(traj: Trajectory) -> list[dict[str, str]]:
     """The todo list at the end: from the tool state when recorded, else replayed from the
-    todo_write calls in the messages (a call that failed validation changes nothing)."""
+    todo_write calls in the messages that the tool carried out (answered without an error),
+    with their arguments as the tool took them."""
     if isinstance(traj.tool_state.get("todos"), list):
         return traj.tool_state["todos"]
+    failed = {m.get("tool_call_id") for m in traj.messages
+              if m.get("role") == "tool" and str(m.get("content") or "").startswith("Error:")}
     todos: list[dict[str, str]] = []
     for m in traj.messages:
         if m.get("role") != "assistant":
             continue
         for c in m.get("tool_calls") or []:
-            if c["function"]["name"] != "todo_write":
+            if c["function"]["name"] != "todo_write" or c.get("id") in failed:
                 continue
-            try:
-                args = json.loads(c["function"]["arguments"] or "{}")
-                todos = merge_todos(todos, list(args.get("todos") or []), bool(args.get("merge")))
-            except Exception:
+            args, _ = parse_arguments(c["function"]["arguments"])
+            try:  # lenient: a call the tool carried out reads the same either way
+                args = validate_args(args, TODO_WRITE.parameters, lenient=True)
+                todos = merge_todos(todos, args["todos"], args["merge"])
+            except ToolError:
                 continue
     return todos
 

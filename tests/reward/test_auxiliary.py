@@ -36,6 +36,20 @@ def test_unfinished_todos_replayed_from_calls():
     assert unfinished_todos(RewardContext(t)) == 0.5
 
 
+def test_todos_are_replayed_as_the_tool_carried_them_out():
+    """Where the tool state is missing: a lenient episode's "false" was the tool's False, and
+    a call the tool answered with an error changed nothing."""
+    t = _traj([
+        ("todo_write", {"merge": False, "todos": [{"id": "1", "content": "fix the bug"}]}),
+        ("todo_write", {"merge": "false", "todos": [{"id": "2", "content": "run the tests",
+                                                     "status": "completed"}]}),
+        ("todo_write", {"merge": True, "todos": [{"id": "3", "content": "x"}]}),
+    ])
+    t.messages[-1]["content"] = "Error: the tool service failed"  # the third was not carried out
+    assert final_todos(t) == [{"id": "2", "content": "run the tests", "status": "completed"}]
+    assert unfinished_todos(RewardContext(t)) == 0.0
+
+
 def test_unfinished_todos_prefers_recorded_state_and_zero_without_todos():
     t = _traj([], tool_state={"todos": [{"id": "1", "content": "a", "status": "completed"}]})
     assert unfinished_todos(RewardContext(t)) == 0.0
