@@ -111,6 +111,8 @@ DEFAULT_TREE = 5  # nodes of a GPU engine's draft tree, unless told otherwise
 # 1.0 of the time on 24 held-out code prompts). The engine's rates count as this many rounds of
 # the request's own.
 PRIOR_ROUNDS = 8
+# A request in this many failed steps ends with an error, even where others shared them.
+MAX_FAILURES = 3
 
 
 @dataclass
@@ -129,6 +131,11 @@ class Request:
     weight_version: int = -1
     loads: int = -1  # the engine's `load_weights` calls before its prefill
     cancelled: bool = False
+    # failed steps it was in; once in a failed step with others, it is prefilled again (with
+    # what it generated so far) in a batch of its own, so that a request that fails a step
+    # fails alone and the others go on
+    failures: int = 0
+    alone: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     # where its prompt's first `cached_tokens` keys/values come from: a live request or a
     # prefix cache entry (chosen at admission)
@@ -142,6 +149,17 @@ class Request:
     @functools.cached_property
     def prompt_tensor(self) -> torch.Tensor:
         return torch.tensor(self.prompt_ids)
+
+    @property
+    def reused(self) -> int:
+        """The leading tokens whose keys/values its admission copies (until its prefill)."""
+        return self.cached_tokens if self.reuse is not None else 0
+
+    @property
+    def context_ids(self) -> list[int]:
+        """What its cache slot must hold to go on: the prompt, and what it generated (put back
+        after a failed step)."""
+        return self.prompt_ids + self.token_ids
 
     def routed_experts(self) -> torch.Tensor | None:
         """The routing recorded so far, as one (tokens, MoE layers, top_k) tensor."""
@@ -394,8 +412,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> None:
         """One scheduler iteration: admit, decode once, retire. Should it fail (an error in the
-        model or in sampling), the requests it was running end with finish reason "error" and
-        what went wrong, their slots are emptied, and the engine goes on with the rest."""
+        model or in sampling), every slot is emptied and the engine goes on (`_fail_step`)."""
         with self._step_lock:
             try:
                 self._retire()
@@ -409,15 +426,33 @@ class Engine:
                 self._fail_step(f"{type(e).__name__}: {e}")
 
     def _fail_step(self, error: str) -> None:
-        """End the requests of a failed step (live, and those being prefilled) with ``error``;
-        the cache's slots are emptied (a failed pass may have written some of them)."""
-        for r in [*self._live, *self._admitting]:
-            self._finish(r, "error", error)
+        """After a failed step: a request that was alone in the failing pass (a prefill, or a
+        decode step), or that was in ``MAX_FAILURES`` failed steps, ends with finish reason
+        "error" and ``error``. The others of the pass are put back at the head of the queue,
+        each to be prefilled again in a batch of its own with what it generated (a request
+        that makes every pass it is in fail then fails alone), and so are the live requests
+        that were not in it. Every cache slot is emptied (a failed pass may have written any)."""
+        ran = self._admitting or self._live  # the requests of the pass that failed
+        for r in ran:
+            r.failures += 1
+            if len(ran) == 1 or r.failures >= MAX_FAILURES:
+                self._finish(r, "error", error)
+            r.alone = True
+        back = [r for r in {id(r): r for r in [*self._live, *self._admitting]}.values()
+                if not r.done.is_set()]
+        for r in back:
+            r.reuse = None
+            del r.routed[len(r.token_ids):]  # rows of the failed pass, if it recorded any
         for slot in range(self.max_batch):
             self.cache.reset(slot)
         self._live.clear()
         self._admitting = []
         self._spec = None
+        if back:
+            log.warning("%d requests of a failed step go back to the queue, %d to be "
+                        "prefilled alone", len(back), sum(r.alone for r in back))
+        with self._wake:
+            self._waiting.extendleft(reversed(back))
 
     def _admit(self) -> None:
         """Move waiting requests into free slots and prefill them together: prompts are
@@ -437,17 +472,21 @@ class Engine:
                         self._waiting.popleft()
                         self._finish(req, "cancelled")
                         continue
+                    if req.alone and batch:
+                        break
                     self._find_reuse(req)
                     if self._shares_more_with(req, batch):
                         break
                     rows = [*batch, req]
-                    width = max(len(r.prompt_ids) - r.cached_tokens for r in rows)
-                    past = max(r.cached_tokens for r in rows)  # padded rows run past their prompt
+                    width = max(len(r.context_ids) - r.reused for r in rows)
+                    past = max(r.reused for r in rows)  # padded rows run past their prompt
                     if batch and (width * len(rows) > PREFILL_TOKENS
                                   or past + width > self.max_seq_len):
                         break
                     self._waiting.popleft()
                     batch.append(req)
+                    if req.alone:
+                        break
             if batch:
                 self._admitting = batch  # ended with the step, should it fail
                 self._prefill(batch)
@@ -457,7 +496,7 @@ class Engine:
         """Choose where the prompt's leading keys/values come from: the live sequence (of the
         current weights) or prefix cache entry sharing the most tokens with it; at least one
         prompt token is left to prefill, for the first token's logits."""
-        if not self.prefix_cache.max_tokens:
+        if not self.prefix_cache.max_tokens or req.token_ids:  # put back: prefilled whole
             return
         ids = req.prompt_tensor
         src: Request | Entry | None = None
@@ -485,10 +524,10 @@ class Engine:
         return any(min(common_prefix(r.prompt_tensor, req.prompt_tensor), last)
                    >= max(PREFIX_MIN_TOKENS, req.cached_tokens + 1) for r in batch)
 
-    def _take_prefix(self, slot: int, req: Request) -> list[int]:
-        """Fill ``slot`` with the keys/values ``req`` reuses; return the prompt tokens left to
-        prefill."""
-        src, n = req.reuse, req.cached_tokens
+    def _take_prefix(self, slot: int, req: Request) -> tuple[int, list[int]]:
+        """Fill ``slot`` with the keys/values ``req`` reuses; return how many tokens that is,
+        and the tokens left to prefill."""
+        src, n = req.reuse, req.reused
         req.reuse = None  # hold no entry past this point
         routed = None
         if src is None:
@@ -499,8 +538,9 @@ class Engine:
         else:
             self.cache.copy(next(i for i, r in enumerate(self._live) if r is src), slot, n)
             routed = src.routed_experts()
-        req.routed = [routed[:n]] if routed is not None else []
-        return req.prompt_ids[n:]
+        if not req.token_ids:  # (one put back keeps the rows that went out with its tokens)
+            req.routed = [routed[:n]] if routed is not None else []
+        return n, req.context_ids[n:]
 
     @property
     def speculating(self) -> bool:
@@ -607,13 +647,13 @@ class Engine:
         # seed would not give the same tokens twice.
         seeded = p.temperature > 0 and p.seed is not None
         return (self.drafter is not None and alone and p.top_k == 0 and p.top_p == 1.0
-                and not p.top_logprobs and not seeded)
+                and not p.top_logprobs and not seeded and not req.token_ids)
 
     def _prefill(self, batch: list[Request]) -> None:
         if len(batch) == 1 and self._speculates(batch[0]):
             return self._prefill_speculative(batch[0])
         start = len(self._live)
-        rest = [self._take_prefix(start + i, r) for i, r in enumerate(batch)]
+        rest = [self._take_prefix(start + i, r)[1] for i, r in enumerate(batch)]
         lens = [len(t) for t in rest]
         tokens = torch.zeros(len(batch), max(lens), dtype=torch.long)
         for i, t in enumerate(rest):
@@ -621,21 +661,27 @@ class Engine:
         view = self.cache.view(start, start + len(batch))
         logits = self.model(tokens.to(self.device), cache=view,
                             logits_at=torch.tensor(lens, device=self.device) - 1)
-        self._record_routing(batch, lens)
+        # one put back records the row of its last token only (those before went out)
+        self._record_routing(batch, [[n - 1] if r.token_ids else n
+                                     for r, n in zip(batch, lens, strict=True)])
         for i, r in enumerate(batch):
-            self.cache.truncate(start + i, len(r.prompt_ids))
-            r.weight_version, r.loads = self.weight_version, self._loads
+            self.cache.truncate(start + i, len(r.context_ids))
+            if not r.token_ids:  # (one put back keeps the version its tokens came with)
+                r.weight_version = self.weight_version
+            r.loads = self._loads
         self._live.extend(batch)
         self._emit(batch, logits[:, -1])
+        for r in batch:
+            r.alone = False
 
     def _prefill_speculative(self, req: Request) -> None:
         assert self.drafter is not None and not self._live
-        self._take_prefix(0, req)
+        start, _ = self._take_prefix(0, req)
         target = TransformerTarget(self.model, cache=self.cache, slot=0,
                                    taps=getattr(self.drafter, "taps", ()))
         sess = SpeculativeSession(target, self.drafter, req.params.temperature, req.generator,
                                   stats=self.spec_stats, tree=self.spec_tree)
-        sess.prefill(req.prompt_ids, start=req.cached_tokens)
+        sess.prefill(req.prompt_ids, start=start)
         self._record_routing([req], [sess.kept_rows])
         req.weight_version, req.loads = self.weight_version, self._loads
         self._live.append(req)

@@ -168,19 +168,19 @@ def test_bad_requests_name_the_field(model: Transformer) -> None:
     assert not engine._waiting and engine.n_live == 0
 
 
-def test_a_failed_step_ends_its_requests_with_the_error_and_the_engine_goes_on(
+def test_a_request_alone_in_a_failed_step_ends_with_the_error_and_the_engine_goes_on(
         model: Transformer, failing_steps) -> None:
-    """An error in a step (the model, sampling) ends the requests it ran with finish reason
-    "error" and what went wrong, empties their slots, and leaves the engine serving: inline,
-    `generate` raises it; on the scheduler thread, the other requests and later ones go on."""
+    """An error in a step (the model, sampling) that ran one request alone ends it with
+    finish reason "error" and what went wrong, empties its slot, and leaves the engine
+    serving: inline, `generate` raises it; on the scheduler thread, later requests go on."""
     from codedojo.engine.types import GenerationError
 
-    failing_steps(1)
     params = SamplingParams(max_tokens=6, temperature=0)
     want = [greedy_reference(model, p, 6) for p in PROMPTS[:2]]
     engine = Engine(model, max_batch=4)
+    failing_steps(1)
     with pytest.raises(GenerationError, match="generation failed: RuntimeError: boom"):
-        engine.generate(PROMPTS[:2], params)
+        engine.generate(PROMPTS[:1], params)
     assert engine.n_live == 0 and list(engine.cache.lengths) == [0] * 4
     assert [c.token_ids for c in engine.generate(PROMPTS[:2], params)] == want
 
@@ -195,6 +195,74 @@ def test_a_failed_step_ends_its_requests_with_the_error_and_the_engine_goes_on(
         assert [c.token_ids for c in engine.generate(PROMPTS[:2], params)] == want
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+def test_the_requests_of_a_failed_step_go_on_each_alone(model: Transformer, failing_steps,
+                                                        when: str) -> None:
+    """A step of several requests fails once (a transient error: an out-of-memory): each is
+    prefilled again alone with what it generated and goes on, its tokens and logprobs those
+    it would have had, each streamed once."""
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=True)
+    want = Engine(model, max_batch=4).generate(PROMPTS[:4], params)
+    engine = Engine(model, max_batch=4)
+    events: list[list] = [[] for _ in range(4)]
+    reqs = [engine.submit(p, params, on_event=events[i].append)
+            for i, p in enumerate(PROMPTS[:4])]
+    if when == "decode":
+        for _ in range(3):
+            engine.step()
+        assert {len(r.token_ids) for r in reqs} == {4}
+    failing_steps(1)
+    while not all(r.done.is_set() for r in reqs):
+        engine.step()
+    for r, w, evs in zip(reqs, want, events, strict=True):
+        c = r.completion()
+        assert (c.token_ids, c.finish_reason) == (w.token_ids, "length")
+        torch.testing.assert_close(c.logprobs, w.logprobs, atol=1e-5, rtol=0)
+        assert [ev.token_id for ev in evs] == c.token_ids
+    assert list(engine.cache.lengths) == [0] * 4
+
+
+def test_a_request_that_fails_every_step_it_is_in_fails_alone(model: Transformer,
+                                                            monkeypatch) -> None:
+    """One request whose every pass fails (here: sampling it raises) ends with the error; the
+    requests that shared its steps go on and finish as they would have."""
+    from codedojo.engine import engine as engine_mod
+
+    real = engine_mod.sample_batch
+
+    def poisoned(logits, params, generators):
+        if any(p.max_tokens == 7 for p in params):
+            raise RuntimeError("bad row")
+        return real(logits, params, generators)
+
+    good = SamplingParams(max_tokens=8, temperature=0)
+    want = Engine(model, max_batch=4).generate(PROMPTS[:3], good)
+    monkeypatch.setattr(engine_mod, "sample_batch", poisoned)
+    engine = Engine(model, max_batch=4)
+    reqs = [engine.submit(p, good) for p in PROMPTS[:3]]
+    bad = engine.submit(PROMPTS[3], SamplingParams(max_tokens=7, temperature=0))
+    while not all(r.done.is_set() for r in [*reqs, bad]):
+        engine.step()
+    assert (bad.finish_reason, bad.error) == ("error", "RuntimeError: bad row")
+    assert [r.completion().token_ids for r in reqs] == [w.token_ids for w in want]
+    assert all(r.finish_reason == "length" for r in reqs)
+
+
+def test_a_request_in_too_many_failed_steps_fails(model: Transformer, failing_steps) -> None:
+    from codedojo.engine.engine import MAX_FAILURES
+
+    engine = Engine(model, max_batch=4)
+    reqs = [engine.submit(p, SamplingParams(max_tokens=20, temperature=0)) for p in PROMPTS[:2]]
+    for failures in range(1, MAX_FAILURES + 1):
+        engine.step()  # both batched together: a request put back runs alone one step only
+        failing_steps(1)
+        engine.step()
+        if failures < MAX_FAILURES:
+            assert [r.failures for r in reqs] == [failures, failures] and not any(
+                r.done.is_set() for r in reqs)
+    assert [r.finish_reason for r in reqs] == ["error", "error"]
 
 
 def test_a_temperature_near_zero_samples_the_greedy_tokens(model: Transformer) -> None:

@@ -304,3 +304,30 @@ def test_the_server_returns_routed_experts_when_asked():
             assert r.status_code == 400 and r.json()["error"]["param"] == "return_routed_experts"
     finally:
         engine.stop()
+
+
+def test_a_request_put_back_after_a_failed_step_keeps_one_row_a_token(moe_model,
+                                                                      failing_steps):
+    """Prefilled again after a failed step, a request records the row of its last token only:
+    the rows before went out with their tokens. Its routing is what those passes chose, and
+    what the events carried."""
+    engine = recording(moe_model)
+    prompts = [list(range(3, 30)), [7, 8, 9, 10]]
+    events: list[list[TokenEvent]] = [[], []]
+    reqs = [engine.submit(p, SamplingParams(max_tokens=8, temperature=0),
+                          on_event=events[i].append) for i, p in enumerate(prompts)]
+    engine.step()
+    engine.step()
+    failing_steps(1)
+    while not all(r.done.is_set() for r in reqs):
+        engine.step()
+    for r, evs in zip(reqs, events, strict=True):
+        c = r.completion()
+        assert c.finish_reason == "length" and c.routed_experts is not None
+        assert c.routed_experts.shape == (len(c.prompt_ids) + 7, MOE_LAYERS, TOP_K)
+        streamed = torch.cat([ev.routed_experts for ev in evs])
+        assert torch.equal(streamed, c.routed_experts)
+        logp, own = replayed(moe_model, c)
+        torch.testing.assert_close(logp, torch.tensor(c.logprobs), atol=1e-4, rtol=0)
+        for layer, chosen in enumerate(own):
+            assert torch.equal(c.routed_experts[:, layer].long(), chosen), layer
