@@ -394,9 +394,16 @@ def mtp_valid_mask(loss_mask: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def distill_loss(mtp_logits: list[torch.Tensor], main_logits: torch.Tensor,
-                 loss_mask: torch.Tensor, greedy: float = 0.0) -> torch.Tensor:
+                 loss_mask: torch.Tensor, greedy: float = 0.0,
+                 positions: Sequence[float] | None = None) -> torch.Tensor:
     """Self-distillation: mean over depths of KL(p_main(. | i+k) || q_k(. | i)), masked.
     The teacher is detached: the main head is the target, never pulled toward the drafts.
+
+    Depth k's loss is its sum over the positions it trains on (`mtp_valid_mask`) divided by
+    ``positions[k - 1]``, by default their number here: its mean. A step of several
+    micro-batches passes the step's numbers, and its micro-batches' losses add up to the
+    step's mean per depth (depth k trains on fewer positions than depth 1 where documents
+    or trained spans are short, and unevenly so across micro-batches).
 
     ``greedy`` (w in [0, 1]) gives that share of each position's loss to the cross-entropy of
     the main head's greedy token instead, -log q_k(argmax p_main): a greedy draft passes when it
@@ -418,5 +425,12 @@ def distill_loss(mtp_logits: list[torch.Tensor], main_logits: torch.Tensor,
             ce = -s.gather(-1, top[:, k:]).squeeze(-1)
             loss = (1.0 - greedy) * loss + greedy * ce
         m = mtp_valid_mask(loss_mask, k)[:, : T - k].float()
-        losses.append((loss * m).sum() / m.sum().clamp(min=1))
+        n = m.sum().clamp(min=1) if positions is None else positions[k - 1]
+        losses.append((loss * m).sum() / n)
     return torch.stack(losses).mean()
+
+
+def mtp_positions(loss_masks: Sequence[torch.Tensor], depth: int) -> list[int]:
+    """Per depth, the positions `distill_loss` trains on in these batches."""
+    return [sum(int(mtp_valid_mask(m, k).sum()) for m in loss_masks)
+            for k in range(1, depth + 1)]

@@ -41,7 +41,7 @@ from codedojo.data.packing import Packed, PackedLoader, make_batch, pack
 from codedojo.data.shards import TokenShards
 from codedojo.model.config import ModelConfig
 from codedojo.model.moe import moe_aux_loss, moe_layers, update_moe_biases
-from codedojo.model.mtp import MTP, distill_loss, mtp_valid_mask, save_mtp
+from codedojo.model.mtp import MTP, distill_loss, mtp_positions, mtp_valid_mask, save_mtp
 from codedojo.model.rope import Rotary
 from codedojo.model.transformer import Transformer
 from codedojo.paths import write_atomic
@@ -108,10 +108,15 @@ def next_token_loss(model: Transformer, hidden: torch.Tensor, targets: torch.Ten
 
 
 def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
-               mtp_weight: float, mtp_detach: bool = False, mtp_greedy: float = 0.0
+               mtp_weight: float, mtp_detach: bool = False, mtp_greedy: float = 0.0,
+               share: float = 1.0, positions: Sequence[float] | None = None
                ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one micro-batch, by stage kind (``mtp_detach``: `MTP.forward`'s,
-    ``mtp_greedy``: `distill_loss`'s ``greedy``)."""
+    ``mtp_greedy``: `distill_loss`'s ``greedy``), and its parts. In a step of several
+    micro-batches, each part is this micro-batch's share of the step's: the next-token and
+    MoE losses are scaled by ``share`` (its share of the step's trained tokens), and the MTP
+    loss divided by ``positions``, the step's per depth (`distill_loss`). By default: the
+    micro-batch's own mean."""
     tokens, targets, mask = batch["tokens"], batch["targets"], batch["loss_mask"]
     # the modules read the last hidden states, and the tapped layers' after them
     fwd = {"positions": batch["positions"], "doc_ids": batch["doc_ids"],
@@ -127,7 +132,7 @@ def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
         loss = teacher.new_zeros(())
     else:  # next-token loss fused with the head (`loss.py`): no full-size logits
         hidden = model.hidden(tokens, **fwd)
-        loss = next_token_loss(model, hidden[..., :D], targets, mask)
+        loss = next_token_loss(model, hidden[..., :D], targets, mask) * share
         metrics["ce"] = float(loss.detach())
         if mode == "joint":
             with torch.no_grad():
@@ -136,13 +141,14 @@ def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
         assert mtp is not None
         hs = mtp(hidden, tokens, batch["positions"], model.embed, batch["doc_ids"],
                  detach=mtp_detach)
-        dl = distill_loss([model.head(h, vocab) for h in hs], teacher, mask, mtp_greedy)
+        dl = distill_loss([model.head(h, vocab) for h in hs], teacher, mask, mtp_greedy,
+                          positions)
         metrics["mtp_loss"] = float(dl.detach())
         loss = loss + (dl if mode == "distill" else mtp_weight * dl)
     aux = moe_aux_loss(model)
     if aux is not None and mode != "distill":
-        loss = loss + aux
-        metrics["moe_aux"] = float(aux.detach())
+        loss = loss + aux * share
+        metrics["moe_aux"] = float(aux.detach()) * share
     return loss, metrics
 
 
@@ -488,7 +494,12 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
         micro = [loader.next_batch() for _ in range(st.grad_accum)]
         counts = [int(b["loss_mask"].sum()) for b in micro]
         ntok = sum(counts)
-        step_tokens = max(1.0, mean_over_ranks(float(ntok))[0] * world_size())
+        # every trained token of the step weighs alike, and every position of an MTP depth:
+        # the step's numbers (per rank, as gradients are averaged over ranks)
+        depths = mtp_positions([b["loss_mask"] for b in micro], mtp.depth) \
+            if mtp is not None and st.mtp != "off" else []
+        step_tokens, *per_depth = (max(1.0, x) for x in mean_over_ranks(float(ntok), *depths))
+        positions = per_depth or None
         total, parts = 0.0, {}  # the loss and its parts, over the step's tokens
         for batch, n in zip(micro, counts, strict=True):
             batch = on_device(batch, dev)
@@ -496,12 +507,12 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
                 gather_root(model)
             with _autocast(stage_dtype(cfg, st), dev):
                 loss, part = stage_loss(model, mtp, batch, st.mtp, st.mtp_weight,
-                                        st.mtp_detach, st.mtp_greedy)
-            share = n * world_size() / step_tokens
-            (loss * share).backward()
-            total += float(loss.detach()) * share
+                                        st.mtp_detach, st.mtp_greedy, n / step_tokens,
+                                        positions)
+            loss.backward()
+            total += float(loss.detach())
             for k, v in part.items():
-                parts[k] = parts.get(k, 0.0) + v * share
+                parts[k] = parts.get(k, 0.0) + v
         average_gradients(trainable)  # those FSDP does not shard (no-op on one process)
         gnorm = clip_grad_norm(trainable, st.grad_clip)
         opt.step()

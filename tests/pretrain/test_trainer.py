@@ -780,23 +780,32 @@ def test_the_logged_parts_of_the_loss_are_over_the_whole_step(tmp_path):
         assert r["loss"] == pytest.approx(r["ce"] + w * r["mtp_loss"], rel=1e-6)
 
 
-def test_micro_batches_weigh_by_their_trained_tokens(tmp_path):
+@pytest.mark.parametrize("mode", ["off", "joint", "distill"])
+def test_micro_batches_weigh_by_their_trained_tokens(tmp_path, mode):
     """Rows of 2 and of 16 trained tokens: one batch of four rows and two micro-batches of two
-    take the same step, every trained token weighing alike."""
+    take the same step, every trained token weighing alike, and every position an MTP depth
+    trains on (the second depth has none in the short rows, so the micro-batches' shares of
+    its positions are not those of their tokens)."""
     p = _loader().packed
     mask = np.array(p.mask)
-    mask[::2, 3:] = 0  # every other row trains its first few positions only
+    mask[::2, 2:] = 0  # every other row trains its first two positions only
     masked = Packed(np.array(p.tokens), np.array(p.segments), mask)
     steps: list[dict] = []
     for batch, accum in ((4, 1), (2, 2)):
         cfg = _cfg(tmp_path / f"{batch}", batch_size=batch, grad_accum=accum, steps=1,
-                   checkpoint_every=0)
-        model, _ = build_model(cfg)
-        train_stage(cfg, 0, model, None, PackedLoader(masked, batch, shuffle=False),
-                    tmp_path / f"{batch}", log=steps.append)
+                   checkpoint_every=0, mtp=mode)
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"n_mtp": 2})})
+        torch.manual_seed(0)
+        model, mtp = build_model(cfg)
+        mtp.calibrate = lambda hidden: None  # (on a first micro-batch: of 4 rows, or of 2)
+        train_stage(cfg, 0, model, mtp if mode != "off" else None,
+                    PackedLoader(masked, batch, shuffle=False), tmp_path / f"{batch}",
+                    log=steps.append)
     one, two = steps
-    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
-    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)  # the same gradient
+    for part in ("loss", "grad_norm", "ce", "mtp_loss"):  # the same loss, the same gradient
+        assert (part in two) == (part in one), part
+        if part in one:
+            assert two[part] == pytest.approx(one[part], rel=1e-5), part
 
 
 def test_a_stopped_stage_reports_and_logs_as_an_unstopped_one(tmp_path, monkeypatch):
