@@ -188,9 +188,8 @@ def run_one(images: TaskImages, agent: BenchAgent, task: Task, sample: int, out_
                 raise RuntimeError(f"grading, with and without the agent's changes: "
                                    f"{unchanged.infra_error}")
         res.grade_s = time.perf_counter() - t0
-        passed = report.passed()
-        res.f2p_passed = sum(t in passed for t in task.FAIL_TO_PASS)
-        res.p2p_passed = sum(t in passed for t in task.PASS_TO_PASS)
+        res.f2p_passed = len(set(task.FAIL_TO_PASS) & report.passed(strict=True))
+        res.p2p_passed = len(set(task.PASS_TO_PASS) & report.passed())
         res.status = "resolved" if ok else "unresolved"
     except Exception as e:
         res.status = "infra_failure"

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from codedojo.sandbox.base import ExecResult, Executor
 
 _SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S.*?)(?: - (.*))?$")
+_BADNESS = ("passed", "xfail", "skipped", "xpass", "failed", "error")  # worse to the right
 _SECTION = re.compile(r"^_{3,} (?:ERROR at \w+ of )?(.+?) _{3,}$")
 
 
@@ -68,8 +69,10 @@ class TestReport:
     output_tail: str = ""
     reported: int = 0  # outcomes pytest itself reported (the rest were filled in as errors)
 
-    def passed(self) -> set[str]:
-        return {t for t, o in self.outcomes.items() if o in ("passed", "xfail")}
+    def passed(self, strict: bool = False) -> set[str]:
+        """Tests that passed, or failed as expected (xfail) unless ``strict``."""
+        ok = ("passed",) if strict else ("passed", "xfail")
+        return {t for t, o in self.outcomes.items() if o in ok}
 
     def failed(self) -> set[str]:
         return {t for t, o in self.outcomes.items() if o in ("failed", "error", "xpass")}
@@ -157,6 +160,10 @@ def parse_pytest_output(text: str, tests: Sequence[str] = ()) -> TestReport:
                 outcome = kind.lower()
                 if outcome == "skipped" and nodeid.startswith("["):
                     continue  # "SKIPPED [1] file.py:3: reason" names no test id
+                # a test named twice keeps its worse outcome: lines printed after pytest's
+                # (by code under test, at exit) cannot turn a failure into a pass
+                before = report.outcomes.get(nodeid, outcome)
+                outcome = max(before, outcome, key=_BADNESS.index)
                 report.outcomes[nodeid] = outcome
                 if outcome in ("failed", "error") and msg:
                     report.messages[nodeid] = msg

@@ -29,8 +29,32 @@ VENV = "/opt/venv"
 _SKIP_CHANGE = ("__pycache__", ".pytest_cache", ".pyc")
 
 
+# What configures or runs the test session itself. Grading takes these from the task, never
+# from the agent: a hook in a conftest.py, an option in a config file, a module that shadows
+# pytest or runs at interpreter start (sitecustomize, a .pth file) would pass tests unfixed.
+TEST_CONFIG_FILES = ("conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg",
+                     "pyproject.toml")
+TEST_RUNNER_MODULES = ("pytest", "_pytest", "pluggy", "py", "iniconfig", "sitecustomize",
+                       "usercustomize")
+
+
 def _hidden(rel: str, hidden: list[str]) -> bool:
     return any(rel == h or rel.startswith(h.rstrip("/") + "/") for h in hidden)
+
+
+def test_machinery(rel: str, task: Task) -> bool:
+    """Whether a path configures or runs the test session (see `TEST_CONFIG_FILES`): a config
+    file anywhere, a .pth file, or a module named as the test runner's at an import root."""
+    name = rel.rsplit("/", 1)[-1]
+    if name in TEST_CONFIG_FILES or name.endswith(".pth"):
+        return True
+    for root in task.image.python_path:
+        prefix = "" if root in (".", "") else root.strip("/") + "/"
+        if rel.startswith(prefix):
+            top = rel[len(prefix):].split("/", 1)[0]
+            if top.removesuffix(".py") in TEST_RUNNER_MODULES:
+                return True
+    return False
 
 
 def hidden_from_agent(task: Task) -> list[str]:
@@ -155,14 +179,16 @@ def grade_changes(
 ) -> tuple[bool, TestReport]:
     """Apply the agent's changes to a FRESH grading copy and run the hidden tests there.
 
-    Changes to hidden test paths are ignored: the tests that judge are the pinned ones. Returns
-    (resolved, the last report); resolved means every F2P and P2P test passed in every run.
+    Changes to hidden test paths and to the test machinery (`test_machinery`) are ignored: the
+    tests that judge, and how they run, are the task's. Returns (resolved, the last report);
+    resolved means every F2P test passed and every P2P test passed (or failed as expected,
+    xfail) in every run: an F2P test that xfails was not fixed (`pytest.xfail()` in the code).
     """
     sb = images.grade_sandbox(task)
     hidden = hidden_from_agent(task)
     try:
         for rel, data in sorted(changes.items()):
-            if _hidden(rel, hidden):
+            if _hidden(rel, hidden) or test_machinery(rel, task):
                 continue
             path = f"{WORKSPACE}/{rel}"
             if data is None:
@@ -177,10 +203,16 @@ def grade_changes(
         report = TestReport()
         for _ in range(runs):
             report = run_pytest(sb, pytest_command(task), tests=tests, timeout=task.timeouts.test_s)
-            ok = ok and set(tests) <= report.passed()
+            ok = ok and resolves(task, report)
         return ok, report
     finally:
         sb.destroy()
+
+
+def resolves(task: Task, report: TestReport) -> bool:
+    """Every F2P test passed, and every P2P test passed or failed as expected."""
+    return set(task.FAIL_TO_PASS) <= report.passed(strict=True) and \
+        set(task.PASS_TO_PASS) <= report.passed()
 
 
 def default_provider():

@@ -43,6 +43,46 @@ def test_editing_hidden_tests_does_not_help(images, tiny_suite, tmp_path):
     assert run.results[0].status == "unresolved"
 
 
+def test_changing_how_the_tests_run_does_not_help(images, tiny_suite, tmp_path):
+    """Four ways to make the hidden tests report a pass without fixing the code, none of which
+    touches a test file: a conftest.py hook, a module that shadows pytest, code under test
+    that prints pass lines at exit, and code that xfails the test it should make pass."""
+    from codedojo.bench.runner import AgentResult
+
+    task = tiny_suite.tasks[0]
+    tests = task.FAIL_TO_PASS + task.PASS_TO_PASS
+    hook = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
+            "def pytest_runtest_makereport(item, call):\n"
+            "    rep = (yield).get_result()\n    rep.outcome, rep.longrepr = 'passed', None\n")
+    at_exit = ("\nimport atexit, sys\natexit.register(lambda: sys.stdout.write("
+               f"''.join('PASSED ' + t + '\\n' for t in {tests!r})))\n")
+    changed = task.patch.split("+++ b/", 1)[1].split("\n", 1)[0]  # the file the fix is in
+    xfail = "\n".join(f"\ndef {fn}(*args, **kwargs):\n    import pytest\n    pytest.xfail('later')\n"
+                      for fn in ("mean", "clamp", "chunks", "parse_pair"))
+
+    def cheats(sandbox) -> dict[str, str]:
+        src = sandbox.read_file(f"/workspace/{changed}").decode()
+        return {
+            "hook": {"conftest.py": hook, "tinycalc/conftest.py": hook},
+            "shadow": {"pytest.py": "print('short test summary info')\n" + "".join(
+                f"print('PASSED {t}')\n" for t in tests)},
+            "at_exit": {changed: src + at_exit},
+            "xfail": {changed: src + xfail},
+        }
+
+    for cheat in ("hook", "shadow", "at_exit", "xfail"):
+        class Cheater:
+            name = f"cheater-{cheat}"
+
+            def solve(self, task, sandbox, out_dir, cheat=cheat):
+                for rel, text in cheats(sandbox)[cheat].items():
+                    sandbox.write_file(f"/workspace/{rel}", text)
+                return AgentResult()
+
+        (r,) = run_agent(images, Cheater(), [task], name=cheat, out_dir=tmp_path).results
+        assert (r.status, r.f2p_passed) == ("unresolved", 0), cheat
+
+
 def test_harness_agent_with_a_scripted_policy(images, tiny_suite, tmp_path):
     """The model path: the harness loop's tools write the fix; tokens and turns are counted."""
     from codedojo.harness.policy import ScriptedPolicy

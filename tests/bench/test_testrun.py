@@ -58,3 +58,15 @@ def test_a_run_that_reports_no_test_is_an_infra_error_though_tests_were_asked_fo
     rep = run_pytest(_Broken(), PytestCommand(root="/w"), tests=["t.py::test_a"], timeout=5)
     assert rep.outcomes == {"t.py::test_a": "error"}
     assert rep.infra_error is not None and rep.infra_error.startswith("test command exit 127")
+
+
+def test_a_test_named_twice_keeps_its_worse_outcome():
+    """Lines after pytest's own (printed by code under test at exit) cannot turn a failure
+    into a pass; a test that passed and then failed its teardown did not pass."""
+    out = ("=== short test summary info ===\nFAILED t.py::test_a - assert 1 == 2\n"
+           "PASSED t.py::test_b\nERROR t.py::test_b - teardown\nPASSED t.py::test_a\n"
+           "XFAIL t.py::test_c\n")
+    report = parse_pytest_output(out, ["t.py::test_a", "t.py::test_b", "t.py::test_c"])
+    assert report.outcomes == {"t.py::test_a": "failed", "t.py::test_b": "error",
+                               "t.py::test_c": "xfail"}
+    assert report.passed() == {"t.py::test_c"} and report.passed(strict=True) == set()
