@@ -36,9 +36,17 @@ def _load(suite: str):
 
 
 def _select(s, split: str | None, limit: int | None, ids: list[str] | None):
+    """The split's tasks (all without one), those of ``ids`` only when given: a task outside
+    the split is named, never run (a train task in a test run would leak)."""
     tasks = s.split(split) if split else list(s.tasks)
     if ids:
-        tasks = [s[i] for i in ids]
+        for i in ids:
+            s[i]  # an unknown id: KeyError naming it
+        chosen = {t.instance_id: t for t in tasks}
+        outside = [i for i in ids if i not in chosen]
+        if outside:
+            raise KeyError(f"--task {outside[0]!r} is not in split {split!r}")
+        tasks = [chosen[i] for i in ids]
     return tasks if limit is None else tasks[:limit]
 
 
@@ -149,7 +157,7 @@ def run(
     try:
         tasks = _select(s, split, limit, task)
     except KeyError as e:
-        raise typer.BadParameter(str(e)) from None
+        raise typer.BadParameter(str(e.args[0]), param_hint="--task") from None
     bench_agent = _make_agent(agent, max_turns, max_tokens, base_url)
     _run_and_report(s.name, tasks, bench_agent, name or f"{s.name}-{agent}", samples, parallel, out_dir)
 
@@ -182,8 +190,12 @@ def _run_and_report(suite_name, tasks, bench_agent, name, samples, parallel, out
                 st.update(f"{bench_agent.name}: {len(done)}/{len(tasks) * samples} episodes "
                           f"({sum(x.status == 'resolved' for x in done)} resolved)")
 
-            result = run_agent(TaskImages(provider), bench_agent, tasks, name=name, suite=suite_name,
-                               samples=samples, parallel=parallel, out_dir=out_dir, progress=progress)
+            try:
+                result = run_agent(TaskImages(provider), bench_agent, tasks, name=name,
+                                   suite=suite_name, samples=samples, parallel=parallel,
+                                   out_dir=out_dir, progress=progress)
+            except ValueError as e:  # a stopped run of another kind under that name
+                raise typer.BadParameter(str(e), param_hint="--name") from None
     finally:
         provider.close()
     from rich.markdown import Markdown

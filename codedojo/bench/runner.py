@@ -271,11 +271,15 @@ def run_agent(
     Each episode's result is appended to ``results.partial.jsonl`` as it ends, so a run stopped
     part-way (interrupted, out of memory) and started again with the same agent, suite and
     samples goes on with the episodes it had not finished; ``results.json`` replaces the file
-    once all have. A task whose image cannot be built is an infra failure of its own."""
+    once all have. The tasks it had results for must be among those selected, as they were
+    (by content hash); more may be added. Anything else is refused, and the log left as it
+    is. A task whose image cannot be built is an infra failure of its own. An agent's files
+    go under ``episodes/s<sample>/``."""
     out = Path(out_dir) / name
     (out / "episodes").mkdir(parents=True, exist_ok=True)
     partial = out / "results.partial.jsonl"
-    header = {"agent": agent.name, "suite": suite, "samples": samples}
+    header = {"agent": agent.name, "suite": suite, "samples": samples,
+              "tasks": {t.instance_id: t.content_hash() for t in tasks}}
     results = _finished(partial, header)
     done = {(r.instance_id, r.sample) for r in results}
     with partial.open("w") as log:
@@ -298,7 +302,8 @@ def run_agent(
             continue
         jobs += todo
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-        for r in pool.map(lambda job: run_one(images, agent, job[0], job[1], out / "episodes"), jobs):
+        for r in pool.map(lambda job: run_one(images, agent, job[0], job[1],
+                                              out / "episodes" / f"s{job[1]}"), jobs):
             _record(partial, results, progress, r)
     run = RunResult(name, agent.name, suite, samples, parallel, time.perf_counter() - t0, results)
     (out / "results.json").write_text(json.dumps(run.to_json(), indent=1))
@@ -307,18 +312,34 @@ def run_agent(
 
 
 def _finished(partial: Path, header: dict[str, Any]) -> list[TaskResult]:
-    """The episodes a stopped run of the same agent, suite and samples logged."""
-    if not partial.exists():
+    """The episodes a stopped run logged, where it is this run's (see `run_agent`)."""
+    lines = partial.read_text().splitlines() if partial.exists() else []
+    if not lines:
         return []
-    lines = partial.read_text().splitlines()
-    if not lines or json.loads(lines[0]) != header:
-        return []
+    try:
+        was = json.loads(lines[0])
+    except ValueError:
+        was = {}
     out = []
     for line in lines[1:]:
         try:
             out.append(TaskResult(**json.loads(line)))
         except (ValueError, TypeError):  # a line the stop cut short
             break
+    why = [f"{k} {was.get(k)!r}, not {header[k]!r}" for k in ("agent", "suite", "samples")
+           if was.get(k) != header[k]]
+    tasks, had = header["tasks"], was.get("tasks") or {}
+    gone = sorted({r.instance_id for r in out if r.instance_id not in tasks})
+    changed = sorted({r.instance_id for r in out if r.instance_id in tasks
+                      and had.get(r.instance_id) != tasks[r.instance_id]})
+    if gone:
+        why.append(f"results for tasks not selected now: {', '.join(gone[:3])}")
+    if changed:
+        why.append(f"tasks whose content changed since: {', '.join(changed[:3])}")
+    if why:
+        raise ValueError(f"{partial.parent}: a stopped run is there, of another kind ("
+                         f"{'; '.join(why)}); start it again as it was, or give this run "
+                         f"another name (its log {partial.name} is left as it is)")
     return out
 
 

@@ -15,6 +15,14 @@ def test_bench_commands_on_the_fixture_suite(tiny_suite, provider, monkeypatch, 
     assert (tmp_path / "cli" / "report.md").is_file() and (tmp_path / "cli" / "report.png").is_file()
     res = runner.invoke(app, ["bench", "report", str(tmp_path / "cli")])
     assert res.exit_code == 0 and "dojobench run `cli`" in res.output
+    # a task is run only from the split asked for: a train task named in a test run would leak
+    train = tiny_suite.manifest.splits["train"]
+    res = runner.invoke(app, ["bench", "run", str(tiny_suite.path), "--agent", "null", "--split",
+                              "test", "--task", train[0], "--out-dir", str(tmp_path)])
+    assert res.exit_code == 2 and "is not in split 'test'" in " ".join(res.output.split())
+    res = runner.invoke(app, ["bench", "run", str(tiny_suite.path), "--agent", "null", "--task",
+                              "nope", "--out-dir", str(tmp_path)])
+    assert res.exit_code == 2 and "has no task 'nope'" in " ".join(res.output.split())
     # a copied run reports beside its own results, and leaves the original's alone
     import shutil
 

@@ -69,7 +69,8 @@ def test_a_stopped_run_goes_on_with_the_episodes_it_had_not_finished(monkeypatch
 
     from codedojo.bench.runner import TaskResult, run_agent
 
-    tasks = [SimpleNamespace(instance_id=f"t-{i}", category="bugfix") for i in range(3)]
+    tasks = [SimpleNamespace(instance_id=f"t-{i}", category="bugfix",
+                             content_hash=lambda i=i: f"h{i}") for i in range(3)]
 
     class Images:
         def warm(self, task):
@@ -100,3 +101,41 @@ def test_a_stopped_run_goes_on_with_the_episodes_it_had_not_finished(monkeypatch
     saved = json.loads((tmp_path / "r" / "results.json").read_text())
     assert saved["counts"] == {"resolved": 4, "unresolved": 0, "infra_failure": 2}
     assert not (tmp_path / "r" / "results.partial.jsonl").exists()
+
+
+def test_a_stopped_run_resumes_only_as_it_was(monkeypatch, tmp_path):
+    """Started again with other samples, without a task it had results for, or with a task
+    whose content changed, a stopped run is refused, its log untouched; more tasks may join."""
+    from types import SimpleNamespace
+
+    from codedojo.bench.runner import TaskResult, run_agent
+
+    def task(i, h="a"):
+        return SimpleNamespace(instance_id=f"t-{i}", category="bugfix", content_hash=lambda: h)
+
+    class Images:
+        def warm(self, task):
+            pass
+
+    ran: list[str] = []
+
+    def one(images, agent, task, sample, out_dir):
+        if task.instance_id == "t-1" and not ran.count("go"):
+            raise KeyboardInterrupt
+        ran.append(task.instance_id)
+        return TaskResult(task.instance_id, task.category, sample, "resolved")
+
+    monkeypatch.setattr(runner, "run_one", one)
+    with pytest.raises(KeyboardInterrupt):
+        run_agent(Images(), _Agent(), [task(0), task(1)], name="r", out_dir=tmp_path)  # type: ignore[arg-type]
+    log = (tmp_path / "r" / "results.partial.jsonl").read_text()
+    for why, tasks, samples in (("samples 1, not 2", [task(0), task(1)], 2),
+                                ("tasks not selected now: t-0", [task(1)], 1),
+                                ("tasks whose content changed since: t-0", [task(0, "b")], 1)):
+        with pytest.raises(ValueError, match=why):
+            run_agent(Images(), _Agent(), tasks, name="r", samples=samples, out_dir=tmp_path)  # type: ignore[arg-type]
+        assert (tmp_path / "r" / "results.partial.jsonl").read_text() == log
+    ran.append("go")
+    run = run_agent(Images(), _Agent(), [task(0), task(1), task(2)], name="r", out_dir=tmp_path)  # type: ignore[arg-type]
+    assert ran == ["t-0", "go", "t-1", "t-2"]
+    assert sorted(r.instance_id for r in run.results) == ["t-0", "t-1", "t-2"]

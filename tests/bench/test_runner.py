@@ -107,10 +107,10 @@ def test_harness_agent_with_a_scripted_policy(images, tiny_suite, tmp_path):
     r = run.results[0]
     assert r.status == "resolved", r.error
     assert r.turns == 3 and r.completion_tokens > 0
-    traj = read_jsonl(tmp_path / "h" / "episodes" / f"{task.instance_id}.traj.jsonl")
+    traj = read_jsonl(tmp_path / "h" / "episodes" / "s0" / f"{task.instance_id}.traj.jsonl")
     assert r.cached_tokens == sum(t.prompt_tokens // 3 for t in traj.turns) > 0
     assert summary(run)["overall"]["cached_tokens_total"] == r.cached_tokens
-    assert (tmp_path / "h" / "episodes" / f"{task.instance_id}.traj.jsonl").exists()
+    assert (tmp_path / "h" / "episodes" / "s0" / f"{task.instance_id}.traj.jsonl").exists()
 
 
 def test_harness_agent_stops_at_the_tasks_time_limit(images, tiny_suite, tmp_path):
