@@ -11,9 +11,10 @@ from statistics import NormalDist
 import numpy as np
 
 
-def wilson_interval(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+def wilson_interval(k: float, n: int, level: float = 0.95) -> tuple[float, float]:
     """The Wilson score interval of a rate k/n (k passes of n independent trials): unlike the
-    normal approximation it stays inside [0, 1] and is not empty at k = 0 or k = n."""
+    normal approximation it stays inside [0, 1] and is not empty at k = 0 or k = n. ``k`` may
+    be fractional: n units, each with its own pass rate, their rates summed."""
     if n <= 0 or not 0 <= k <= n:
         raise ValueError(f"wilson_interval: {k} passes of {n} trials")
     z = _z(level)

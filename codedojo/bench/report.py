@@ -21,9 +21,11 @@ def _by_category(results: list[TaskResult]) -> dict[str, list[TaskResult]]:
 
 
 def rate_interval(rs: list[TaskResult]) -> list[float] | None:
-    """The resolved rate's 95% interval: Wilson's over the episodes when each task ran once;
-    with several samples of a task (episodes of one task are not independent trials), a
-    bootstrap over the tasks. None without episodes."""
+    """The resolved rate's 95% interval: Wilson's over the episodes when each task ran once.
+    With several samples of a task (episodes of one task are not independent trials), the
+    tasks are the units: the wider of a bootstrap over them and Wilson's over their rates
+    (the bootstrap alone collapses to a point where the tasks agree, or there is one task).
+    None without episodes."""
     if not rs:
         return None
     by_task: dict[str, list[bool]] = defaultdict(list)
@@ -34,6 +36,8 @@ def rate_interval(rs: list[TaskResult]) -> list[float] | None:
     else:
         lo, hi = ratio_interval([sum(v) for v in by_task.values()],
                                 [len(v) for v in by_task.values()])
+        wlo, whi = wilson_interval(sum(sum(v) / len(v) for v in by_task.values()), len(by_task))
+        lo, hi = min(lo, wlo), max(hi, whi)
     return [round(lo, 4), round(hi, 4)]
 
 

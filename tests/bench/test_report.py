@@ -27,3 +27,10 @@ def test_the_resolved_rate_comes_with_its_interval():
     assert tasks["resolved_rate_ci95"] == [0.0, 1.0]
     assert episodes["resolved_rate_ci95"][1] - episodes["resolved_rate_ci95"][0] < 0.7
     assert summary(_run({"a": ["resolved"]}))["by_category"]["bugfix"]["resolved_rate_ci95"]
+    # where the tasks agree, or there is one, more samples do not shrink the interval to a point
+    one_each = summary(_run({t: ["resolved"] for t in "abc"}))["overall"]["resolved_rate_ci95"]
+    thrice = summary(_run({t: ["resolved"] * 3 for t in "abc"}))["overall"]["resolved_rate_ci95"]
+    assert thrice == one_each and thrice[0] < 0.5
+    lo, hi = summary(_run({"a": ["resolved"] * 2 + ["unresolved"] * 3}))["overall"][
+        "resolved_rate_ci95"]
+    assert lo < 0.1 and hi > 0.85
