@@ -777,6 +777,10 @@ class LocalSandbox:
             if not stat.S_ISREG(st.st_mode):
                 raise SandboxError(f"path: {p} is not a regular file")
             self._check_readable(st, p)
+            cap = self.spec.limits.disk_mb << 20
+            if st.st_size > cap:  # only a sparse file is larger than the disk it is on
+                raise SandboxError(f"path: {p} holds {st.st_size} bytes, more than the "
+                                   f"sandbox's disk ({self.spec.limits.disk_mb} MB)")
             chunks = []
             while chunk := os.read(fd, 1 << 20):
                 chunks.append(chunk)

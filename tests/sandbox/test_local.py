@@ -446,3 +446,22 @@ def test_a_time_limit_that_is_no_finite_positive_number_is_refused(sandbox, time
     with pytest.raises(SandboxError, match="timeout: must be a finite number of seconds > 0"):
         sandbox.shell().run("true", timeout=timeout)
     assert sandbox.exec("true", timeout=5).exit_code == 0
+
+
+def test_a_sparse_file_stays_sparse_on_the_host_and_is_not_read_whole(sandbox, provider):
+    """A file whose size is past the sandbox's disk (it can only be sparse) is refused by
+    read_file, where the host would have held all of it in memory; a snapshot copies its
+    data, not its holes; and a setuid program is not put on the host's disk by a snapshot."""
+    sandbox.exec("truncate -s 1G big && printf x | dd of=big bs=1 seek=4096 conv=notrunc "
+                 "2>/dev/null && cp /bin/true suid && chmod 4755 suid")
+    with pytest.raises(SandboxError, match="big holds 1073741824 bytes, more than the "
+                                           "sandbox's disk"):
+        sandbox.read_file("big")
+    layer = provider.images.layer_path(provider.images.resolve(sandbox.snapshot()).layers[0])
+    st = os.stat(os.path.join(layer, "workspace", "big"))
+    assert st.st_size == 1 << 30 and st.st_blocks * 512 < 1 << 20
+    with open(os.path.join(layer, "workspace", "big"), "rb") as f:
+        f.seek(4096)
+        assert f.read(1) == b"x"
+    assert os.stat(os.path.join(layer, "workspace", "suid")).st_mode & 0o7777 == 0o755
+    assert sandbox.exec("test -x suid && ./suid").exit_code == 0
