@@ -63,6 +63,7 @@
 
 static const char *root_dir, *hostname = "sandbox", *netns_file;
 static int netns_new, sock_fd = -1, shm_mb = 64, wait_go;
+static uid_t owner_uid; /* who started the sandbox: the one user its socket serves */
 static uid_t run_uid = 1000;
 static gid_t run_gid = 1000;
 static const char *binds[MAX_BINDS];
@@ -428,6 +429,14 @@ static void serve(void) {
     if ((pf[0].revents & POLLIN) && n_running < MAX_RUNNING) {
       int conn = accept4(sock_fd, NULL, NULL, SOCK_CLOEXEC);
       if (conn < 0) continue;
+      /* The socket's abstract name is in the host's network namespace, where any user may
+       * connect to it: only the user who started the sandbox is served. */
+      struct ucred peer;
+      socklen_t len = sizeof peer;
+      if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &peer, &len) < 0 || peer.uid != owner_uid) {
+        close(conn);
+        continue;
+      }
       pid_t pid = start_command(conn);
       if (pid > 0) {
         running[n_running].conn = conn;
@@ -513,6 +522,7 @@ static void init_main(void) {
 }
 
 int main(int argc, char **argv) {
+  owner_uid = getuid();
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;

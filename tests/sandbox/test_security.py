@@ -185,3 +185,28 @@ def test_kernel_calls_shared_across_sandboxes_are_refused(sandbox):
                    "perf": "EPERM", "userfaultfd": "EPERM", "io_uring": "ENOSYS", "clone3": "ENOSYS",
                    "thread": "ok", "child": "spawned"}
     assert sandbox.exec("grep Seccomp: /proc/self/status").stdout.split() == ["Seccomp:", "2"]
+
+
+def test_only_the_user_who_started_a_sandbox_may_run_commands_in_it(sandbox):
+    """The init's socket has an abstract name in the host's network namespace, which any host
+    user can list (/proc/net/unix) and connect to: another user's command is never run."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import socket, struct\n"
+        f"addr = {sandbox._address!r}\n"
+        "s = socket.socket(socket.AF_UNIX); s.connect(addr)\n"
+        "fields = [b'/', b'3', b'/bin/sh', b'-c', b'echo pwned > /workspace/README.md', b'0']\n"
+        "payload = b'\\0'.join(fields) + b'\\0'\n"
+        "try:\n"
+        "    s.sendall(struct.pack('=I', len(payload)) + payload)\n"
+        "    print('answered' if s.recv(64) else 'closed')\n"
+        "except (BrokenPipeError, ConnectionResetError):\n"
+        "    print('closed')\n")
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "closed"
+    assert sandbox.read_file("README.md") == b"hello\n"
+    assert sandbox.exec("echo still served").stdout == "still served\n"
