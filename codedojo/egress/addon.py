@@ -23,6 +23,7 @@ address; non-HTTP streams are refused outright.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import socket
 import threading
@@ -37,7 +38,13 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from codedojo.egress.audit import AuditLog, AuditRecord
 from codedojo.egress.policy import EgressPolicy, IPAddress, address_denied
-from codedojo.egress.strip import SecretSet, StripReport, strip_headers
+from codedojo.egress.strip import (
+    BodyTooLarge,
+    SecretSet,
+    StripReport,
+    decode_body,
+    strip_headers,
+)
 
 RESOLVE_TIMEOUT_S = 5.0
 
@@ -163,6 +170,7 @@ class EgressAddon:
             if (str(host), int(port)) not in sc.sni:
                 # Not an address our request hooks checked and pinned (those are always IPs):
                 # the whole policy applies here too, so no path reaches around it.
+                self._check_name(sc, str(host))
                 self._check_host_port(sc, str(host), int(port))
             ip, _ = await self._check_destination(sc, str(host), int(port))
         except Blocked as b:
@@ -181,7 +189,8 @@ class EgressAddon:
             host, port = flow.server_conn.address
             sc.audit.write(
                 AuditRecord(
-                    sandbox=sc.sandbox_id, mode=sc.mode, method="TCP", host=str(host),
+                    sandbox=sc.sandbox_id, mode=sc.mode, method="TCP",
+                    host=self._clean(sc, str(host)),
                     port=int(port), path="", blocked="only HTTP and HTTPS may leave the sandbox",
                 )
             )  # fmt: skip
@@ -203,7 +212,7 @@ class EgressAddon:
         sc.audit.write(
             AuditRecord(
                 sandbox=sc.sandbox_id, mode=sc.mode, method="TLS",
-                host=data.context.client.sni or "", port=0, path="",
+                host=self._clean(sc, data.context.client.sni or ""), port=0, path="",
                 error=f"TLS handshake with the sandbox failed ({data.conn.error}); "
                 "does the client trust the egress CA?",
             )
@@ -216,8 +225,9 @@ class EgressAddon:
         if sc is None:
             return
         host, port = flow.request.host, flow.request.port
-        flow.metadata["egress"] = {"name": host, "port": port}
+        meta = flow.metadata["egress"] = {"name": host, "port": port}
         try:
+            meta["name"] = self._check_name(sc, host)
             self._check_host_port(sc, host, port)
             await self._check_destination(sc, host, port)
         except Blocked as b:
@@ -233,12 +243,7 @@ class EgressAddon:
         flow.metadata["egress"] = meta
         try:
             name, port = self._destination(flow)
-            if sc.secrets:  # never resolved, never sent as SNI, never logged
-                shown, found = sc.secrets.redact_str(name)
-                if found:
-                    meta.update(name=shown, port=port)
-                    raise Blocked(403, f"host name {shown} holds a registered secret")
-            meta.update(name=name, port=port)
+            meta.update(name=self._check_name(sc, name), port=port)
             if req.method.upper() not in sc.policy.allow_methods:
                 raise Blocked(403, f"method {req.method} is not allowed (allowed: "
                               f"{', '.join(sc.policy.allow_methods)})")  # fmt: skip
@@ -285,20 +290,38 @@ class EgressAddon:
             path, found = sc.secrets.redact_str(req.path)
             report.found(found, "url")
             req.path = path
-            if req.raw_content:
-                try:
-                    body = req.get_content(strict=True) or b""
-                except ValueError:
-                    reason = (f"cannot decode request body (content-encoding "
-                              f"{req.headers.get('content-encoding')!r}) to check it for secrets")  # fmt: skip
-                    meta["blocked"] = reason
-                    flow.response = _blocked_response(400, reason)
-                    return
-                new, found = sc.secrets.redact(body)
-                if found:
-                    report.found(found, "body")
-                    req.set_content(new)
+            try:
+                if sc.secrets.escaped(path):  # hidden by escapes, where none was needed
+                    raise Blocked(403, "the URL holds a registered secret in percent-escapes")
+                if req.raw_content:
+                    self._redact_body(sc, req, report)
+            except Blocked as b:
+                meta["blocked"] = b.reason
+                flow.response = _blocked_response(b.status, b.reason)
+                return
         meta["report"] = report
+
+    @staticmethod
+    def _redact_body(sc: SandboxClient, req: http.Request, report: StripReport) -> None:
+        """Redact the secrets in a request's body, read as its content-encoding says (no more
+        of it than max_request_bytes: a compressed body is checked as the upstream reads it)."""
+        encoding = req.headers.get("content-encoding", "")
+        limit = sc.policy.max_request_bytes
+        try:
+            body = decode_body(req.raw_content or b"", encoding, limit)
+        except BodyTooLarge as e:
+            raise Blocked(413, f"request body too large: {e} (max_request_bytes={limit})"
+                          ) from None
+        except ValueError as e:
+            raise Blocked(400, f"cannot decode request body (content-encoding {encoding!r}: "
+                          f"{e}) to check it for secrets") from None
+        new, found = sc.secrets.redact(body)
+        form = "x-www-form-urlencoded" in req.headers.get("content-type", "")
+        if form and sc.secrets.escaped(new.decode("latin-1")):
+            raise Blocked(403, "the form body holds a registered secret in percent-escapes")
+        if found:
+            report.found(found, "body")
+            req.set_content(new)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         sc = self._client(flow)
@@ -371,6 +394,21 @@ class EgressAddon:
             raise Blocked(403, f"Host header {hhost!r} does not match the destination {name!r}")
         return name, req.port
 
+    @staticmethod
+    def _check_name(sc: SandboxClient, name: str) -> str:
+        """A host name that holds a secret, in any letter case (DNS reads none), is never
+        resolved, sent as SNI or logged: Blocked, naming it redacted. Returns the name."""
+        if sc.secrets:
+            shown, found = sc.secrets.redact_name_str(name)
+            if found:
+                raise Blocked(403, f"host name {shown} holds a registered secret")
+        return name
+
+    @staticmethod
+    def _clean(sc: SandboxClient, text: str) -> str:
+        """``text`` fit for the audit log: every secret redacted, in any letter case."""
+        return sc.secrets.redact_name_str(text)[0] if sc.secrets and text else text
+
     def _check_host_port(self, sc: SandboxClient, host: str, port: int) -> None:
         if not sc.policy.host_allowed(host):
             raise Blocked(403, f"host {host!r} is not in the allow-list")
@@ -434,25 +472,24 @@ class EgressAddon:
         report: StripReport = meta.get("report") or StripReport()
         req, resp = flow.request, flow.response
         path = req.path if req.method != "CONNECT" else ""
-        if sc.secrets:
-            path, _ = sc.secrets.redact_str(path)  # never log a secret, even a blocked one
+        clean = functools.partial(self._clean, sc)  # never log a secret, even a blocked one
         sc.audit.write(
             AuditRecord(
                 sandbox=sc.sandbox_id,
                 mode=sc.mode,
-                method=req.method,
-                host=str(meta.get("name", req.host)),
+                method=clean(req.method),
+                host=clean(str(meta.get("name", req.host))),
                 port=int(meta.get("port", req.port)),
-                path=path,
+                path=clean(path),
                 scheme=req.scheme,
                 ip=meta.get("ip"),
                 status=resp.status_code if resp is not None else None,
                 bytes_out=len(req.raw_content or b"") if not blocked else 0,
                 bytes_in=len(resp.raw_content or b"") if resp is not None else 0,
-                stripped_headers=report.headers,
+                stripped_headers=[clean(h) for h in report.headers],
                 redacted_secrets=report.secrets,
-                blocked=blocked,
-                error=error,
+                blocked=clean(blocked) if blocked else blocked,
+                error=clean(error) if error else error,
                 override=bool(meta.get("override")),
             )
         )

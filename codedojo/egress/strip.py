@@ -11,8 +11,10 @@ which is safe in every one of those places.
 from __future__ import annotations
 
 import base64
+import io
 import json
 import re
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import quote, quote_plus
@@ -59,6 +61,8 @@ class SecretSet:
 
     # (the form, as bytes or as a pattern: `_matcher`; marker; name)
     forms: list[tuple[bytes | re.Pattern[bytes], bytes, str]] = field(default_factory=list)
+    # each value in any letter case: as host names and header names are read
+    anycase: list[tuple[re.Pattern[bytes], bytes, str]] = field(default_factory=list)
 
     @classmethod
     def from_mapping(cls, secrets: Mapping[str, str]) -> SecretSet:
@@ -84,7 +88,10 @@ class SecretSet:
             for v in variants:
                 forms[v] = (marker, name)
         ordered = sorted(forms.items(), key=lambda kv: -len(kv[0]))
-        return cls([(_matcher(needle), marker, name) for needle, (marker, name) in ordered])
+        anycase = [(re.compile(re.escape(v.encode()), re.I), redaction_marker(n).encode(), n)
+                   for n, v in sorted(secrets.items(), key=lambda kv: -len(kv[1]))]
+        return cls([(_matcher(needle), marker, name) for needle, (marker, name) in ordered],
+                   anycase)
 
     def __bool__(self) -> bool:
         return bool(self.forms)
@@ -105,6 +112,72 @@ class SecretSet:
     def redact_str(self, text: str) -> tuple[str, set[str]]:
         out, found = self.redact(text.encode("utf-8", "surrogateescape"))
         return out.decode("utf-8", "surrogateescape"), found
+
+    def redact_name(self, data: bytes) -> tuple[bytes, set[str]]:
+        """`redact`, and each value in any letter case too: for names that are read without
+        regard to case (a host name to DNS, a header name), and for what goes to the log."""
+        data, found = self.redact(data)
+        for pattern, marker, name in self.anycase:
+            data, hit = pattern.subn(marker, data)
+            if hit:
+                found.add(name)
+        return data, found
+
+    def redact_name_str(self, text: str) -> tuple[str, set[str]]:
+        out, found = self.redact_name(text.encode("utf-8", "surrogateescape"))
+        return out.decode("utf-8", "surrogateescape"), found
+
+    def escaped(self, text: str) -> set[str]:
+        """The secrets ``text`` holds once its percent-escapes are read (``%2D`` for "-", or
+        any other character escaped where it need not be, as `redact` does not look for)."""
+        from urllib.parse import unquote_plus
+
+        return self.redact_name_str(unquote_plus(text))[1]
+
+
+class BodyTooLarge(ValueError):
+    pass
+
+
+def _inflate(data: bytes, coding: str, limit: int) -> bytes:
+    """gzip's stream, or deflate's (zlib's, or raw deflate where a client sends that)."""
+    for wbits in (47,) if coding != "deflate" else (15, -15):
+        d = zlib.decompressobj(wbits)
+        try:
+            out = d.decompress(data, limit + 1)
+        except zlib.error as e:
+            error = f"not {coding} ({e})"
+            continue
+        if len(out) <= limit and (not d.eof or d.unused_data):
+            raise ValueError(f"not one whole {coding} stream")
+        return out
+    raise ValueError(error)
+
+
+def decode_body(data: bytes, encoding: str, limit: int) -> bytes:
+    """A body as its ``Content-Encoding`` (a list, applied in order) says, never more than
+    ``limit`` bytes of it: a gzip bomb of a kilobyte would inflate to gigabytes on the proxy.
+    BodyTooLarge past the limit; ValueError for an encoding that cannot be read (or brotli,
+    whose reader here cannot bound its output)."""
+    for coding in reversed([c.strip().lower() for c in encoding.split(",") if c.strip()]):
+        if coding == "identity":
+            continue
+        if coding in ("gzip", "x-gzip", "deflate"):
+            out = _inflate(data, coding, limit)
+        elif coding == "zstd":
+            import zstandard
+
+            try:
+                reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data))
+                out = reader.read(limit + 1)
+            except zstandard.ZstdError as e:
+                raise ValueError(f"not zstd ({e})") from None
+        else:
+            raise ValueError(f"content-encoding {coding!r} is not read here")
+        if len(out) > limit:
+            raise BodyTooLarge(f"its {coding} content is over {limit} bytes")
+        data = out
+    return data
 
 
 @dataclass
@@ -131,6 +204,12 @@ def strip_headers(
     kept = []
     for name, value in headers:
         sname = name.decode("latin-1")
+        if secrets:  # a header named after a secret goes, and its name is logged redacted
+            shown, found = secrets.redact_name(name)
+            if found:
+                report.headers.append(shown.decode("latin-1").lower())
+                report.found(found, "header name")
+                continue
         if policy.header_stripped(sname):
             report.headers.append(sname.lower())
             continue

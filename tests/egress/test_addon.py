@@ -177,3 +177,92 @@ def test_secrets_in_trailers_are_stripped_and_redacted(setup):
     assert f.request.trailers["x-sum"] == "__REDACTED_TOKEN__"
     report = f.metadata["egress"]["report"]
     assert "authorization" in report.headers and report.secrets == {"TOKEN": ["header:x-sum"]}
+
+
+def test_a_secret_in_a_connect_name_in_any_case_is_never_looked_up_or_logged(setup, monkeypatch):
+    """CONNECT names a host as a Host header does, and DNS reads names without regard to
+    case: TOK-123456.example.org carries the secret as well."""
+    addon, sc, audit = setup
+    looked_up: list[str] = []
+
+    async def resolve(policy, host, port):
+        looked_up.append(host)
+        return [ipaddress.ip_address("93.184.216.34")]
+
+    monkeypatch.setattr(addon, "_resolve", resolve)
+    for name in ("tok-123456.example.org", "TOK-123456.example.org"):
+        f = _flow(name)
+        f.request.method, f.request.port = "CONNECT", 443
+        asyncio.run(addon.http_connect(f))
+        assert f.response is not None and f.response.status_code == 403
+        g = _flow(name)  # and as a Host header
+        asyncio.run(addon.requestheaders(g))
+        assert g.response is not None and g.response.status_code == 403
+    assert looked_up == []
+    logged = audit.read_text()
+    assert "__REDACTED_TOKEN__.example.org" in logged and "123456" not in logged
+
+
+def test_nothing_of_a_secret_reaches_the_audit_log(setup):
+    """Not a header named after it (the header goes), not a blocked request's reason."""
+    addon, sc, audit = setup
+    f = _flow()
+    f.request.headers["X-Tok-123456"] = "1"
+    f.request.headers["x-token-TOK-123456"] = "2"
+    addon.request(f)
+    assert f.response is None and not any("123456" in k.lower() for k in f.request.headers)
+    addon.response(f)
+    g = _flow("www.example.org", host_header="Tok-123456.example.org")
+    asyncio.run(addon.requestheaders(g))
+    assert g.response is not None and g.response.status_code == 403
+    addon.response(g)
+    logged = audit.read_text()
+    assert "123456" not in logged.lower() and "__REDACTED_TOKEN__" in logged
+
+
+def test_a_secret_hidden_in_percent_escapes_does_not_leave(setup):
+    addon, _, _ = setup
+    for path in ("/q?t=tok%2D123456", "/q?u=%74ok-123456"):
+        f = _flow()
+        f.request.path = path
+        addon.request(f)
+        assert f.response is not None and f.response.status_code == 403, path
+    f = _flow()
+    f.request.method = "POST"
+    f.request.headers["content-type"] = "application/x-www-form-urlencoded"
+    f.request.content = b"a=1&t=tok%2d123456"
+    addon.request(f)
+    assert f.response is not None and f.response.status_code == 403
+    ok = _flow()
+    ok.request.path = "/q?t=a%2Db"  # escapes alone are nothing to refuse
+    addon.request(ok)
+    assert ok.response is None
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "zstd"])
+def test_a_compressed_body_is_read_no_further_than_its_limit(setup, coding):
+    """A compression bomb under max_request_bytes inflates to far more: it is refused once
+    its content passes the limit, not inflated whole on the proxy's loop."""
+    import gzip
+    import zlib
+
+    import zstandard
+
+    addon, sc, _ = setup
+    pack = {"gzip": gzip.compress, "deflate": zlib.compress,
+            "zstd": zstandard.ZstdCompressor().compress}[coding]
+    limit = sc.policy.max_request_bytes
+    bomb = pack(b"\0" * (200 * limit))
+    assert len(bomb) < limit
+    f = _flow()
+    f.request.method = "POST"
+    f.request.headers["content-encoding"] = coding
+    f.request.raw_content = bomb
+    addon.request(f)
+    assert f.response is not None and f.response.status_code == 413
+    small = _flow()
+    small.request.method = "POST"
+    small.request.headers["content-encoding"] = coding
+    small.request.raw_content = pack(b'{"token": "tok-123456"}')
+    addon.request(small)
+    assert small.response is None and b"__REDACTED_TOKEN__" in small.request.get_content()
