@@ -242,9 +242,13 @@ class _Process:
 def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
              stop: tuple[bytes, bytes] | None = None) -> tuple[bytes, bytes, bool, bool]:
     """Pump stdin/stdout/stderr/control until the process exits (or `stop` markers appear on
-    both streams, for the shell). Returns (stdout, stderr, timed_out, truncated)."""
+    both streams, for the shell). Returns (stdout, stderr, timed_out, truncated). No more than
+    ``cap`` bytes of a stream are kept; with ``stop``, a stream is its first ``cap + 1`` bytes
+    before the marker (more tells it was cut), then the marker and what follows it, which is
+    looked for in each read and the few bytes before it, never in all of a command's output."""
     sel = selectors.DefaultSelector()
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    shell = {fd: _MarkerScan(m, cap) for m, fd in zip(stop, bufs, strict=True)} if stop else {}
     truncated = False
     timed_out = False
     pending = memoryview(stdin) if stdin else None
@@ -261,7 +265,7 @@ def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
     exited_at: float | None = None
     try:
         while True:
-            if stop is not None and all(m in bufs[fd] for m, fd in zip(stop, (proc.stdout, proc.stderr), strict=True)):
+            if shell and all(scan.found for scan in shell.values()):
                 break
             if exited_at is not None and (not open_streams or time.monotonic() - exited_at > EXIT_GRACE_S):
                 break
@@ -298,21 +302,60 @@ def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
                     if not data:
                         sel.unregister(fd)
                         open_streams.discard(fd)  # type: ignore[arg-type]
-                        if stop is not None and not open_streams:
-                            return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), timed_out, truncated
+                        if shell and not open_streams:
+                            break
                         continue
                     buf = bufs[fd]  # type: ignore[index]
                     room = cap - len(buf)
-                    if stop is not None:
-                        buf += data  # the shell trims after the marker is found
+                    if shell:
+                        shell[fd].feed(data)  # type: ignore[index]
                     elif room > 0:
                         buf += data[:room]
                         truncated |= len(data) > room
                     else:
                         truncated = True
+            else:
+                continue
+            break  # (a shell's streams both closed)
     finally:
         sel.close()
+    if shell:
+        return shell[proc.stdout].output(), shell[proc.stderr].output(), timed_out, truncated
     return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), timed_out, truncated
+
+
+class _MarkerScan:
+    """One stream of a shell command: its first ``cap + 1`` bytes, and the marker that ends it
+    with what follows, found in each read together with the bytes before it that could hold
+    the marker's start."""
+
+    def __init__(self, marker: bytes, cap: int) -> None:
+        self.marker, self.cap = marker, cap
+        self.head = bytearray()  # the stream's first bytes, up to cap + 1
+        self.window = b""  # its last len(marker) - 1 bytes, before the marker is found
+        self.seen = 0  # bytes of the stream before `window`
+        self.found: bytearray | None = None  # the marker and everything after it
+        self.at = 0  # where the marker starts in the stream
+
+    def feed(self, data: bytes) -> None:
+        if self.found is not None:
+            self.found += data
+            return
+        if len(self.head) <= self.cap:
+            self.head += data[: self.cap + 1 - len(self.head)]
+        scan = self.window + data
+        i = scan.find(self.marker)
+        if i >= 0:
+            self.at, self.found = self.seen + i, bytearray(scan[i:])
+            return
+        keep = len(self.marker) - 1
+        self.seen += max(0, len(scan) - keep)
+        self.window = scan[-keep:] if keep else b""
+
+    def output(self) -> bytes:
+        if self.found is None:
+            return bytes(self.head)
+        return bytes(self.head[: min(self.at, self.cap + 1)]) + bytes(self.found)
 
 
 class LocalShell:

@@ -465,3 +465,35 @@ def test_a_sparse_file_stays_sparse_on_the_host_and_is_not_read_whole(sandbox, p
         assert f.read(1) == b"x"
     assert os.stat(os.path.join(layer, "workspace", "suid")).st_mode & 0o7777 == 0o755
     assert sandbox.exec("test -x suid && ./suid").exit_code == 0
+
+
+def test_a_shell_command_s_output_is_kept_to_the_cap_and_the_shell_goes_on(provider, project):
+    sb = provider.create(SandboxSpec(image=project, limits=Limits(max_output_bytes=1000)))
+    try:
+        sh = sb.shell()
+        sh.run("cd /tmp && export K=v")
+        r = sh.run("head -c 3000000 /dev/zero | tr '\\0' a; echo tail >&2; exit_code() { :; }; "
+                   "false")
+        assert (r.exit_code, r.truncated, r.timed_out) == (1, True, False)
+        assert r.stdout == "a" * 1000 and r.stderr == "tail\n"
+        assert sh.run("pwd; echo $K").stdout == "/tmp\nv\n"  # the same shell
+    finally:
+        sb.destroy()
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_the_shell_s_marker_is_found_across_reads(piece):
+    """In reads of any size, the marker is found where it starts, the output before it kept
+    to the cap, and nothing looked for twice."""
+    from codedojo.sandbox.local import _MarkerScan
+
+    marker = b"\x1e__mark__"
+    stream = b"x" * 50 + marker + b"0\n"
+    scan = _MarkerScan(marker, cap=20)
+    for i in range(0, len(stream), piece):
+        scan.feed(stream[i:i + piece])
+    assert scan.found is not None and scan.at == 50
+    assert scan.output() == b"x" * 21 + marker + b"0\n"
+    whole = _MarkerScan(marker, cap=100)
+    whole.feed(stream)
+    assert whole.output() == stream
