@@ -324,6 +324,19 @@ def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
     return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), timed_out, truncated
 
 
+def _files_below(stack: LayerStack, rel: str) -> list[str]:
+    """Every entry under directory ``rel`` of a layer stack that is not a directory itself."""
+    out: list[str] = []
+    for name in sorted(stack.listdir(rel)):
+        p = os.path.join(rel, name)
+        found = stack.lookup(p)
+        if found is not None and stat.S_ISDIR(os.lstat(found).st_mode):
+            out += _files_below(stack, p)
+        elif found is not None:
+            out.append(p)
+    return out
+
+
 class _MarkerScan:
     """One stream of a shell command: its first ``cap + 1`` bytes, and the marker that ends it
     with what follows, found in each read together with the bytes before it that could hold
@@ -1022,7 +1035,15 @@ class LocalSandbox:
             a, b = then.lookup(rel), now.lookup(rel)
             sa = os.lstat(a) if a else None
             sb = os.lstat(b) if b else None
-            if sa is not None and stat.S_ISDIR(sa.st_mode) and sb is not None and stat.S_ISDIR(sb.st_mode):
+            if sa is not None and stat.S_ISDIR(sa.st_mode):
+                if sb is not None and stat.S_ISDIR(sb.st_mode):
+                    continue
+                # an image directory removed, or replaced by a file or a link: what it held
+                # is gone too (a whiteout hides the image's entries, which no walk above sees)
+                gone = _files_below(then, rel)
+                out += [Change("/" + f, "deleted") for f in gone] or [Change("/" + rel, "deleted")]
+                if sb is not None:
+                    out.append(Change("/" + rel, "added"))
                 continue
             if sa is None and sb is not None and stat.S_ISDIR(sb.st_mode):
                 if not now.listdir(rel):
@@ -1036,7 +1057,7 @@ class LocalSandbox:
                 out.append(Change("/" + rel, "added"))
             elif not _same_entry(a, sa, b, sb):  # type: ignore[arg-type]
                 out.append(Change("/" + rel, "modified"))
-        return out
+        return sorted(set(out), key=lambda c: c.path)
 
     def snapshot(self) -> str:
         """Freeze the writable layer (cgroup frozen while it is copied) into a new layer; the

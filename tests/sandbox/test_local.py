@@ -204,6 +204,26 @@ def test_changes_lists_what_the_agent_did(sandbox):
         fork.destroy()
 
 
+def test_a_directory_removed_or_replaced_reports_what_it_held(provider, tmp_path):
+    src = tmp_path / "tree"
+    (src / "pkg" / "sub").mkdir(parents=True)
+    (src / "pkg" / "__init__.py").write_text("A = 1\n")
+    (src / "pkg" / "sub" / "deep.py").write_text("B = 2\n")
+    (src / "keep.py").write_text("C = 3\n")
+    image = provider.images.from_directory(str(src), name="tree").id
+    gone = [Change("/workspace/pkg/__init__.py", "deleted"),
+            Change("/workspace/pkg/sub/deep.py", "deleted")]
+    for command, extra in (("rm -rf pkg", []),
+                           ("rm -rf pkg && echo hi > pkg", [Change("/workspace/pkg", "added")]),
+                           ("rm -rf pkg && ln -s /etc pkg", [Change("/workspace/pkg", "added")])):
+        sb = provider.create(SandboxSpec(image=image, limits=SMALL))
+        try:
+            sb.exec(command)
+            assert sb.changes() == sorted(gone + extra, key=lambda c: c.path), command
+        finally:
+            sb.destroy()
+
+
 def test_the_original_of_a_link_in_the_image_is_never_a_host_file(provider, tmp_path):
     """An image's links are read as the sandbox would resolve them, never on the host."""
     src = tmp_path / "linked"
