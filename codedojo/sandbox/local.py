@@ -979,6 +979,17 @@ class LocalSandbox:
 
     # ---- snapshot / fork / restore ----
 
+    def _own_snapshot(self, snapshot: str) -> Image:
+        """A snapshot of this sandbox's image (its layers over the image's): `changes` and
+        `read_original` compare with that image, and would say nothing true of another."""
+        image = self.provider.images.resolve(snapshot)
+        n = len(self.image.layers)
+        if image.base != self.image.base or tuple(image.layers[len(image.layers) - n:]) != \
+                tuple(self.image.layers):
+            raise SandboxError(f"snapshot: {snapshot!r} is not a snapshot of this sandbox's "
+                               f"image {self.image.id!r}")
+        return image
+
     def _snapshot_layers(self) -> list[str]:
         return list(self.lowers[: len(self.lowers) - len(self.image.layers)])
 
@@ -1093,7 +1104,7 @@ class LocalSandbox:
         if not isinstance(n, int) or n < 1:
             raise SandboxError(f"n: must be a positive integer, got {n!r}")
         snap = snapshot or self.snapshot()
-        image = self.provider.images.resolve(snap)
+        image = self._own_snapshot(snap)
         spec = dataclasses.replace(self.spec, image=image.id)
         out: list[LocalSandbox] = []
         try:
@@ -1110,9 +1121,7 @@ class LocalSandbox:
         (same id, same network namespace, so an egress attachment stays valid)."""
         with self._lock:
             self._check_alive()
-            image = self.provider.images.resolve(snapshot)
-            if image.base != self.image.base:
-                raise SandboxError(f"snapshot: {snapshot!r} has a different base kind")
+            image = self._own_snapshot(snapshot)
             self._stop_processes()
             self._unmount_fs()
             self._shells.clear()

@@ -224,6 +224,17 @@ def test_a_directory_removed_or_replaced_reports_what_it_held(provider, tmp_path
             sb.destroy()
 
 
+def test_a_snapshot_of_another_image_is_refused(sandbox, provider, tmp_path):
+    """What changed, and from what, is told against the sandbox's image: a stack of another
+    image's layers would make changes() report nothing of what it holds."""
+    (tmp_path / "evil.py").write_text("X = 1\n")
+    other = provider.images.from_directory(str(tmp_path), name="other").id
+    for call in (lambda: sandbox.restore(other), lambda: sandbox.fork(1, other)):
+        with pytest.raises(SandboxError, match="is not a snapshot of this sandbox's image"):
+            call()
+    assert sandbox.changes() == [] and sandbox.exec("cat README.md").stdout == "hello\n"
+
+
 def test_the_original_of_a_link_in_the_image_is_never_a_host_file(provider, tmp_path):
     """An image's links are read as the sandbox would resolve them, never on the host."""
     src = tmp_path / "linked"
