@@ -33,7 +33,6 @@ import dataclasses
 import errno
 import hashlib
 import json
-import math
 import os
 import posixpath
 import selectors
@@ -143,19 +142,28 @@ def _close_at_exit(ref: weakref.ref) -> None:
 
 
 def validate_limits(limits: Limits) -> None:
-    for name, low in (("memory_mb", 32), ("pids", 8), ("disk_mb", 1), ("max_output_bytes", 1)):
+    # upper bounds: what the kernel takes (pid_max; a memory limit in bytes under 2^63)
+    for name, low, high in (("memory_mb", 32, 1 << 30), ("pids", 8, 1 << 22),
+                            ("disk_mb", 1, 1 << 30), ("max_output_bytes", 1, 1 << 30)):
         v = getattr(limits, name)
-        if not isinstance(v, int) or v < low:
-            raise SandboxError(f"limits.{name}: must be an integer >= {low}, got {v!r}")
-    if not (isinstance(limits.cpus, int | float) and limits.cpus > 0):
-        raise SandboxError(f"limits.cpus: must be > 0, got {limits.cpus!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+            raise SandboxError(f"limits.{name}: must be an integer in [{low}, {high}], "
+                               f"got {v!r}")
+    if not (isinstance(limits.cpus, int | float) and 0 < limits.cpus <= 4096):
+        raise SandboxError(f"limits.cpus: must be in (0, 4096], got {limits.cpus!r}")
     seconds(limits.exec_timeout_s, "limits.exec_timeout_s")
 
 
+MAX_SECONDS = 7 * 24 * 3600.0  # a time limit past a week is a mistake (and 1e300 overflows)
+
+
 def seconds(value: object, field: str) -> float:
-    """A time limit: a finite number > 0 (NaN would pass every deadline check unnoticed)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise SandboxError(f"{field}: must be a finite number of seconds > 0, got {value!r}")
+    """A time limit: a number of seconds in (0, MAX_SECONDS] (NaN would pass every deadline
+    check unnoticed)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or \
+            not 0 < value <= MAX_SECONDS:
+        raise SandboxError(f"{field}: must be a finite number of seconds > 0, at most "
+                           f"{MAX_SECONDS:g}, got {value!r}")
     return float(value)
 
 
@@ -189,7 +197,11 @@ class _Process:
 
     def __init__(self, address: bytes, argv: Sequence[str], env: Mapping[str, str], cwd: str):
         fields = [cwd, str(len(argv)), *argv, str(len(env)), *(f"{k}={v}" for k, v in env.items())]
-        payload = b"\0".join(f.encode() for f in fields) + b"\0"
+        try:
+            payload = b"\0".join(f.encode() for f in fields) + b"\0"
+        except UnicodeEncodeError as e:  # a lone surrogate: no bytes stand for it
+            raise SandboxError(f"command: {e.object[max(0, e.start - 20):e.end + 20]!r} is not "
+                               f"text that UTF-8 can carry (a lone surrogate)") from None
         self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             self.conn.connect(address)
@@ -395,6 +407,11 @@ class LocalShell:
     def run(self, command: str, timeout: float | None = None) -> ExecResult:
         if not isinstance(command, str) or "\0" in command:
             raise SandboxError("command: the shell takes one string without NUL bytes")
+        try:
+            command.encode()
+        except UnicodeEncodeError:
+            raise SandboxError("command: not text that UTF-8 can carry (a lone surrogate)"
+                               ) from None
         t0 = time.monotonic()
         limits = self.sandbox.spec.limits
         timeout = limits.exec_timeout_s if timeout is None else seconds(timeout, "timeout")

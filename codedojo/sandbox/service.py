@@ -14,6 +14,7 @@ store's disk, the 1-minute load per CPU, and the number of live sandboxes.
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 import dataclasses
 import hmac
@@ -77,7 +78,7 @@ class ShellRunIn(BaseModel):
 
 
 class ForkIn(BaseModel):
-    n: int = 1
+    n: int = Field(1, ge=1, le=4096)
     snapshot: str | None = None
 
 
@@ -115,11 +116,11 @@ class CommandImageIn(BaseModel):
     timeout: float = 600.0
 
 
-def admission_check(config: ServiceConfig, provider: LocalProvider) -> str | None:
-    """The reason a new sandbox must wait, or None."""
+def admission_check(config: ServiceConfig, provider: LocalProvider, n: int = 1) -> str | None:
+    """The reason ``n`` new sandboxes must wait, or None."""
     live = len(provider.list())
-    if live >= config.max_sandboxes:
-        return f"sandboxes: {live} live, the limit is {config.max_sandboxes}"
+    if live + n > config.max_sandboxes:
+        return f"sandboxes: {live} live and {n} asked for, the limit is {config.max_sandboxes}"
     mem = psutil.virtual_memory().percent
     if mem > config.max_memory_percent:
         return f"memory: {mem:.1f}% in use > {config.max_memory_percent}%"
@@ -191,8 +192,8 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
     def sb(sandbox_id: str) -> LocalSandbox:
         return provider.get(sandbox_id)
 
-    def admit() -> None:
-        reason = admission_check(config, provider)
+    def admit(n: int = 1) -> None:
+        reason = admission_check(config, provider, n)
         if reason:
             raise HTTPException(503, detail=f"admission refused, {reason}")
 
@@ -254,7 +255,10 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
     def exec_(sandbox_id: str, body: ExecIn) -> dict:
         stdin: bytes | str | None = body.stdin
         if body.stdin_b64 is not None:
-            stdin = base64.b64decode(body.stdin_b64)
+            try:
+                stdin = base64.b64decode(body.stdin_b64, validate=True)
+            except binascii.Error as e:
+                raise SandboxError(f"stdin_b64: not base64 ({e})") from None
         return _result(sb(sandbox_id).exec(body.command, stdin=stdin, timeout=body.timeout, env=body.env, cwd=body.cwd))
 
     @app.post("/sandboxes/{sandbox_id}/shells")
@@ -319,7 +323,7 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
 
     @app.post("/sandboxes/{sandbox_id}/fork")
     def fork(sandbox_id: str, body: ForkIn) -> dict:
-        admit()
+        admit(body.n)
         return {"ids": [s.id for s in sb(sandbox_id).fork(body.n, body.snapshot)]}
 
     @app.post("/sandboxes/{sandbox_id}/restore")

@@ -92,6 +92,10 @@ def test_remote_snapshot_fork_restore_changes(remote):
 
 
 def test_bad_input_gets_clear_errors_and_service_keeps_serving(client, remote, project):
+    def raw(path: str, body: bytes):
+        return remote._http.call("POST", remote._url(path), content=body,
+                                 headers={"content-type": "application/json"})
+
     cases = [
         (lambda: client.create(SandboxSpec(image="no-such-image")), "no image"),
         (lambda: client.create(SandboxSpec(image=project, limits=Limits(pids=0))), "limits.pids"),
@@ -102,7 +106,19 @@ def test_bad_input_gets_clear_errors_and_service_keeps_serving(client, remote, p
         (lambda: remote.exec(["a", 1]), "command"),  # type: ignore[list-item]
         (lambda: remote.restore("not-a-snapshot"), "no image"),
         (lambda: client.get("sb-missing"), "HTTP 404"),
-        (lambda: remote.fork(0), "n:"),
+        (lambda: remote.fork(0), "n"),
+        # each of these was a 500 from deep inside: named, a 400
+        (lambda: remote._http.call("POST", remote._url("/exec"),
+                                   json={"command": "cat", "stdin_b64": "abc"}), "stdin_b64"),
+        # (JSON can escape a lone surrogate, which no client of ours would send)
+        (lambda: raw("/exec", rb'{"command": ["echo", "\udce9"]}'), "lone surrogate"),
+        (lambda: raw("/exec", rb'{"command": "true", "env": {"K": "\udce9"}}'),
+         "lone surrogate"),
+        (lambda: remote.exec("true", timeout=1e300), "timeout: .* at most"),
+        (lambda: client.create(SandboxSpec(image=project, limits=Limits(pids=10**12))),
+         "limits.pids"),
+        (lambda: client.create(SandboxSpec(image=project, limits=Limits(memory_mb=2**44))),
+         "limits.memory_mb"),
     ]
     for call, message in cases:
         with pytest.raises(SandboxError, match=message):
@@ -133,6 +149,16 @@ def test_admission_control_names_the_resource(client, service, project):
             client.create(SandboxSpec(image=project))
     finally:
         config.max_sandboxes = old
+    sb = client.create(SandboxSpec(image=project, limits=SMALL))
+    config.max_sandboxes = len(client.list()) + 1
+    try:  # a fork of four counts as four
+        with pytest.raises(SandboxError, match=r"and 4 asked for.*HTTP 503"):
+            sb.fork(4)
+        (one,) = sb.fork(1)
+        one.destroy()
+    finally:
+        config.max_sandboxes = old
+        sb.destroy()
 
 
 def test_many_sandboxes_alive_at_once(client, project):
