@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import secrets as pysecrets
 import socket
 import threading
@@ -259,6 +260,7 @@ class EgressProxy:
             raise RuntimeError("egress proxy is not running; call start() first")
         if mode not in ("explicit", "transparent"):
             raise ValueError(f"mode: {mode!r} is not 'explicit' or 'transparent'")
+        self.reap()
         link = self.network.add(sandbox_id, netns_pid, mode)
         try:
             audit = AuditLog(self.audit_path(sandbox_id))
@@ -285,6 +287,19 @@ class EgressProxy:
             "/etc/resolv.conf": f"nameserver {link.host_ip}\n".encode(),
         }
         return EgressBinding(env=env, files=files)
+
+    def reap(self) -> list[str]:
+        """Detach the sandboxes whose network namespace is gone (their owner died without
+        detaching: `gc` cleaned the sandbox, and the kernel took its veth pair with the
+        namespace), so their rules, log and /30 go back; returns their ids."""
+        if self.network is None:
+            return []
+        gone = [sid for sid, link in list(self.network.links.items())
+                if not os.path.exists(f"/sys/class/net/{link.host_if}")]
+        for sid in gone:
+            log.info("egress: %s is gone without detaching; its link is removed", sid)
+            self.detach(sid)
+        return gone
 
     def detach(self, sandbox_id: str) -> None:
         if self.network is None:

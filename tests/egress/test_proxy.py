@@ -320,3 +320,26 @@ print(json.dumps(out))
         assert first.startswith(("HTTP/1.1 4", "HTTP/1.0 4")), (name, first)
         assert after.startswith("HTTP/1.1 200"), (name, after)  # ...and it keeps serving
     assert len([p for p in http_up.received if p.path == "/after"]) >= len(payloads)
+
+
+def test_a_sandbox_gone_without_detaching_gives_its_link_back(egress_env, provider, sandbox):
+    """Its owner killed, `gc` cleans the sandbox but cannot reach the proxy: the proxy takes
+    the link back (rules, registry entry, audit log, /30) once the namespace has gone."""
+    import subprocess
+
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    proxy = egress_env["proxy"]
+    box = sandbox(proxy.attachment(upstream_policy(http_up, https_up)))
+    link = proxy.network.links[box.id]
+    rules = subprocess.run(["iptables", "-S", proxy.network.chain_in], capture_output=True,
+                           text=True).stdout
+    assert link.sandbox_ip in rules
+    subprocess.run(["ip", "link", "del", link.host_if], check=True)  # as the kernel does
+    assert proxy.reap() == [box.id]
+    assert box.id not in proxy.network.links and len(proxy.registry) == 0
+    rules = subprocess.run(["iptables", "-S", proxy.network.chain_in], capture_output=True,
+                           text=True).stdout
+    assert link.sandbox_ip not in rules
+    again = sandbox(proxy.attachment(upstream_policy(http_up, https_up)))  # a slot to reuse
+    assert proxy.network.links[again.id].sandbox_ip == link.sandbox_ip
+    assert curl(again, f"http://up.test:{http_up.port}/who")[0] == 200
