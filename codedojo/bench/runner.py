@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -169,7 +170,7 @@ def run_one(images: TaskImages, agent: BenchAgent, task: Task, sample: int, out_
         sb = images.agent_sandbox(task)
         res.setup_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        ar = agent.solve(task, sb, out_dir)
+        ar = _solve_in_time(agent, task, sb, out_dir)
         res.agent_s = time.perf_counter() - t0
         res.turns, res.agent_status = ar.turns, ar.status
         res.prompt_tokens, res.completion_tokens = ar.prompt_tokens, ar.completion_tokens
@@ -202,6 +203,28 @@ def run_one(images: TaskImages, agent: BenchAgent, task: Task, sample: int, out_
             except Exception:
                 pass
     return res
+
+
+def _solve_in_time(agent: BenchAgent, task: Task, sb: Sandbox, out_dir: Path) -> AgentResult:
+    """The agent's episode, held to the task's ``timeouts.agent_s`` (and a tenth more, for an
+    agent that keeps the limit itself and ends a step past it): past that, what it changed by
+    then is graded, and its sandbox is destroyed under it (its later calls fail)."""
+    done: dict[str, Any] = {}
+
+    def solve() -> None:
+        try:
+            done["result"] = agent.solve(task, sb, out_dir)
+        except BaseException as e:  # raised again in the runner's thread
+            done["error"] = e
+
+    worker = threading.Thread(target=solve, name=f"agent-{task.instance_id}", daemon=True)
+    worker.start()
+    worker.join(task.timeouts.agent_s * 1.1 + 1.0)
+    if worker.is_alive():
+        return AgentResult(status="max_seconds")
+    if "error" in done:
+        raise done["error"]
+    return done["result"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

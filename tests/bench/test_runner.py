@@ -83,6 +83,26 @@ def test_changing_how_the_tests_run_does_not_help(images, tiny_suite, tmp_path):
         assert (r.status, r.f2p_passed) == ("unresolved", 0), cheat
 
 
+def test_an_agent_past_its_time_limit_is_graded_on_what_it_did_by_then(images, tiny_suite,
+                                                                        tmp_path):
+    """Any agent, not only one that keeps the limit itself: a gold patch written after the
+    limit does not count."""
+    import time
+
+    task = tiny_suite.tasks[0]
+    task = task.model_copy(update={"timeouts": task.timeouts.model_copy(update={"agent_s": 0.5})})
+
+    class SlowOracle(OracleAgent):
+        name = "slow-oracle"
+
+        def solve(self, task, sandbox, out_dir):
+            time.sleep(3)
+            return super().solve(task, sandbox, out_dir)
+
+    (r,) = run_agent(images, SlowOracle(), [task], name="slow", out_dir=tmp_path).results
+    assert (r.status, r.agent_status) == ("unresolved", "max_seconds") and r.agent_s < 3
+
+
 def test_harness_agent_with_a_scripted_policy(images, tiny_suite, tmp_path):
     """The model path: the harness loop's tools write the fix; tokens and turns are counted."""
     from codedojo.harness.policy import ScriptedPolicy
