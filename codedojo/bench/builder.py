@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from codedojo.bench.mutate import Site, apply_site, find_sites
 from codedojo.bench.patching import make_diff
@@ -38,7 +39,7 @@ from codedojo.bench.source import (
 )
 from codedojo.bench.statement import bugfix_statement, feature_statement, log_statement
 from codedojo.bench.suite import Suite, save_suite
-from codedojo.bench.task import ImageRecipe, Task, Timeouts
+from codedojo.bench.task import ImageRecipe, Task, Timeouts, pinned
 from codedojo.bench.testrun import LocalExecutor, PytestCommand, TestReport, run_pytest
 from codedojo.bench.workspace import resolves
 
@@ -52,16 +53,26 @@ class PackageRecipe(BaseModel):
     python_path: list[str] = Field(default_factory=lambda: ["."])
     """Folders of the sdist put on PYTHONPATH (`src` for a src layout)."""
     pytest_args: list[str] = Field(default_factory=list)
-    bugfix: int = 4
+    bugfix: int = Field(4, ge=0)
     """How many plain bugfix tasks to keep."""
-    feature: int = 1
+    feature: int = Field(1, ge=0)
     """Feature tasks (a documented function's body removed)."""
-    log_investigation: int = 1
+    log_investigation: int = Field(1, ge=0)
     """Tasks whose statement is the JSON log of a scenario run."""
-    max_candidates: int = 60
+    max_candidates: int = Field(60, ge=1)
     """Mutants tried at most, over all categories (bounds the build time)."""
     environment: list[str] = Field(default_factory=list)
     """Extra pinned requirements the suite needs besides pytest."""
+
+    @field_validator("requirement")
+    @classmethod
+    def _pinned(cls, v: str) -> str:
+        return pinned(v)
+
+    @field_validator("environment")
+    @classmethod
+    def _all_pinned(cls, v: list[str]) -> list[str]:
+        return [pinned(req) for req in v]
 
 
 class BuildRecipe(BaseModel):
@@ -73,15 +84,21 @@ class BuildRecipe(BaseModel):
     seed: int = 0
     test_fraction: float = Field(0.5, ge=0.0, le=1.0)
     """Share of each package's tasks in the held-out test split (the rest is train)."""
-    max_f2p: int = 25
+    max_f2p: int = Field(25, ge=1)
     """A bug that breaks more tests than this is too loud to be interesting (features excepted)."""
-    max_p2p: int = 40
-    runs: int = 3
+    max_p2p: int = Field(40, ge=1)
+    runs: int = Field(3, ge=1)
     """Runs of the baseline suite and of the gold patch that must all pass."""
+    created_at: datetime | None = None
+    """When the tasks say they were made: part of each task's content hash, so a shipped
+    recipe fixes it and building it again gives the same tasks (default: the build's time)."""
+    pytest: str | None = None
+    """The pytest version the tasks pin (default: the building interpreter's)."""
     packages: list[PackageRecipe]
 
     def digest(self) -> str:
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
+        # (fields left unset are left out: a recipe written before they were is the same)
+        return hashlib.sha256(self.model_dump_json(exclude_none=True).encode()).hexdigest()
 
 
 def load_recipe(path: str | os.PathLike[str]) -> BuildRecipe:
@@ -89,10 +106,10 @@ def load_recipe(path: str | os.PathLike[str]) -> BuildRecipe:
         return BuildRecipe.model_validate(tomllib.load(f))
 
 
-def pytest_pin() -> str:
+def pytest_pin(version: str | None = None) -> str:
     import pytest
 
-    return f"pytest=={pytest.__version__}"
+    return f"pytest=={version or pytest.__version__}"
 
 
 @dataclass
@@ -359,8 +376,10 @@ def _judge(
         base_sha256=pw.sdist.sha256, bug_patch=make_diff({cand.rel: original}, {cand.rel: mutant}),
         hidden_paths=pw.hidden,
         image=ImageRecipe(python_path=pw.recipe.python_path, pytest_args=pw.recipe.pytest_args),
-        environment=[pytest_pin(), *pw.recipe.environment],
-        timeouts=Timeouts(test_s=max(60.0, round(10 * pw.baseline.duration_s))),
+        environment=[pytest_pin(recipe.pytest), *pw.recipe.environment],
+        # ten times the baseline's time, in whole minutes: a little jitter in the measure
+        # does not change the task
+        timeouts=Timeouts(test_s=60.0 * math.ceil(max(1.0, 10 * pw.baseline.duration_s) / 60)),
         difficulty=_difficulty(category, len(f2p)),  # type: ignore[arg-type]
         category=category,  # type: ignore[arg-type]
         bug_kinds=[site.kind],
@@ -396,7 +415,7 @@ def split_tasks(tasks: list[Task], test_fraction: float, rng: random.Random) -> 
 def build_suite(recipe: BuildRecipe, out: str | os.PathLike[str], log: Log = print, jobs: int = 1) -> Suite:
     """Build every package of the recipe (`jobs` at a time) and save the suite at `out`."""
     rng = random.Random(recipe.seed)
-    created_at = datetime.now(UTC).replace(microsecond=0)
+    created_at = recipe.created_at or datetime.now(UTC).replace(microsecond=0)
 
     def one(pr: PackageRecipe) -> list[Task]:
         def plog(msg: str) -> None:

@@ -37,6 +37,13 @@ _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _REQ = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*==[A-Za-z0-9_.+\-!]+$")
 
 
+def pinned(requirement: str) -> str:
+    """``requirement`` if it pins one version (`name==version`); else ValueError."""
+    if not _REQ.match(requirement):
+        raise ValueError(f"{requirement!r} is not a pinned requirement 'name==version'")
+    return requirement
+
+
 class TaskFormatError(ValueError):
     """A task record that does not validate; the message names the task and the field."""
 
@@ -98,17 +105,12 @@ class Task(BaseModel):
     @field_validator("base")
     @classmethod
     def _base(cls, v: str) -> str:
-        if not _REQ.match(v):
-            raise ValueError("must be a pinned requirement 'name==version'")
-        return v
+        return pinned(v)
 
     @field_validator("environment")
     @classmethod
     def _env(cls, v: list[str]) -> list[str]:
-        for req in v:
-            if not _REQ.match(req):
-                raise ValueError(f"{req!r} is not a pinned requirement 'name==version'")
-        return v
+        return [pinned(req) for req in v]
 
     @field_validator("base_sha256")
     @classmethod

@@ -166,6 +166,7 @@ def tiny_suite(bench_cache, tmp_path_factory):
 
     recipe = BuildRecipe.model_validate({
         "name": "tiny", "version": "0.0.1", "seed": 3, "runs": 2, "max_f2p": 10, "max_p2p": 10,
+        "created_at": "2026-01-02T03:04:05Z", "pytest": pytest.__version__,
         "packages": [{"requirement": "tinycalc==0.1.0", "bugfix": 1, "feature": 1, "log_investigation": 1,
                       "max_candidates": 40}],
     })

@@ -16,11 +16,26 @@ def test_fixture_suite_has_every_category_with_valid_tests(tiny_suite):
         assert not set(t.FAIL_TO_PASS) & set(t.PASS_TO_PASS)
         assert t.hidden_paths == ["tests"]
         assert t.base == "tinycalc==0.1.0" and len(t.base_sha256) == 64
-        assert t.environment and t.environment[0].startswith("pytest==")
+        assert t.environment and t.environment[0] == f"pytest=={pytest.__version__}"
+        # what the recipe fixes, and a time limit in whole minutes: built again, the same task
+        assert t.created_at.isoformat() == "2026-01-02T03:04:05+00:00"
+        assert t.timeouts.test_s >= 60 and t.timeouts.test_s % 60 == 0
     splits = tiny_suite.manifest.splits
     assert sorted(splits["train"] + splits["test"]) == sorted(t.instance_id for t in tiny_suite.tasks)
     # the saved suite loads back with its hashes intact
     assert len(load_suite(tiny_suite.path)) == 3
+
+
+def test_a_recipe_out_of_range_is_named_by_its_field():
+    from codedojo.bench.builder import BuildRecipe
+
+    base = {"name": "t", "version": "0.1", "packages": [{"requirement": "tinycalc==0.1.0"}]}
+    for bad, field in (({"runs": 0}, "runs"), ({"max_p2p": 0}, "max_p2p"),
+                       ({"packages": [{"requirement": "tinycalc>=0.1"}]}, "requirement"),
+                       ({"packages": [{"requirement": "tinycalc==0.1.0", "bugfix": -3}]},
+                        "bugfix")):
+        with pytest.raises(ValueError, match=field):
+            BuildRecipe.model_validate({**base, **bad})
 
 
 def test_bug_patch_and_gold_patch_invert_each_other(tiny_suite, tmp_path):
