@@ -309,7 +309,7 @@ def build_package(
             continue
         try:
             path.write_text(mutant, encoding="utf-8")
-            rep = run_pytest(ex, cmd, timeout=timeout)
+            rep = run_pytest(ex, cmd, timeout=timeout, known=baseline)
             task = _judge(pw, recipe, cand, category, site, original, mutant, rep, baseline, seen_f2p, rng, created_at, log)
         finally:
             path.write_text(original, encoding="utf-8")

@@ -116,10 +116,13 @@ class PytestCommand:
 
 
 def run_pytest(
-    ex: Executor, cmd: PytestCommand, tests: Sequence[str] | None = None, timeout: float = 120.0
+    ex: Executor, cmd: PytestCommand, tests: Sequence[str] | None = None, timeout: float = 120.0,
+    known: Sequence[str] = (),
 ) -> TestReport:
+    """Run ``tests`` (all without them); ``known``: more node ids the output is read by (one
+    with " - " in it is found whole, see `parse_pytest_output`)."""
     res = ex.exec(cmd.argv(tests), cwd=cmd.root, env=cmd.env(), timeout=timeout)
-    report = parse_pytest_output(res.stdout + "\n" + res.stderr, tests or ())
+    report = parse_pytest_output(res.stdout + "\n" + res.stderr, [*(tests or ()), *known])
     report.exit_code = res.exit_code
     report.timed_out = res.timed_out
     report.duration_s = res.duration_s
@@ -138,7 +141,8 @@ def parse_pytest_output(text: str, tests: Sequence[str] = ()) -> TestReport:
     """The outcomes of `pytest -rA`'s summary lines (status, node id, then maybe " - " and a
     reason) and the failures' `E` lines. A node id may hold spaces and " - " itself
     (``test_a[a - b]``): each of ``tests`` is looked for as written (the whole rest of a line,
-    or its start before " - "); other ids end at the first " - "."""
+    or its start before " - "); a PASSED line, which gives no reason, is an id whole; other
+    ids end at the first " - "."""
     report = TestReport()
     e_lines: dict[str, list[str]] = {}
     current: str | None = None
@@ -154,8 +158,10 @@ def parse_pytest_output(text: str, tests: Sequence[str] = ()) -> TestReport:
             if m:
                 kind, nodeid, msg = m.group(1), m.group(2), m.group(3)
                 rest = line[len(kind) + 1:]
-                asked = next((t for t in tests if rest == t or rest.startswith(t + " - ")), None)
-                if asked is not None:
+                if kind == "PASSED":
+                    nodeid, msg = rest, None
+                elif asked := max((t for t in tests if rest == t or rest.startswith(t + " - ")),
+                                  key=len, default=None):
                     nodeid, msg = asked, rest[len(asked) + 3:] or None
                 outcome = kind.lower()
                 if outcome == "skipped" and nodeid.startswith("["):

@@ -70,3 +70,17 @@ def test_a_test_named_twice_keeps_its_worse_outcome():
     assert report.outcomes == {"t.py::test_a": "failed", "t.py::test_b": "error",
                                "t.py::test_c": "xfail"}
     assert report.passed() == {"t.py::test_c"} and report.passed(strict=True) == set()
+
+
+def test_ids_with_a_dash_between_spaces_are_read_whole():
+    """A PASSED line gives no reason: its id is the whole rest. A FAILED line's id is found
+    among the ids known (the baseline's, in a build's mutant runs), the longest first."""
+    out = ("=== short test summary info ===\nPASSED t.py::test_sub[a - b]\n"
+           "FAILED t.py::test_sub[a - c] - AssertionError: 1 != 2\n")
+    assert parse_pytest_output(out).outcomes == {"t.py::test_sub[a - b]": "passed",
+                                                 "t.py::test_sub[a": "failed"}
+    known = ["t.py::test_sub[a", "t.py::test_sub[a - c]"]
+    report = parse_pytest_output(out, known)
+    assert report.outcomes == {"t.py::test_sub[a - b]": "passed",
+                               "t.py::test_sub[a - c]": "failed"}
+    assert report.messages["t.py::test_sub[a - c]"] == "AssertionError: 1 != 2"
