@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from codedojo.bench.patching import apply_patch_to_dir
@@ -42,13 +42,14 @@ def _hidden(rel: str, hidden: list[str]) -> bool:
     return any(rel == h or rel.startswith(h.rstrip("/") + "/") for h in hidden)
 
 
-def test_machinery(rel: str, task: Task) -> bool:
-    """Whether a path configures or runs the test session (see `TEST_CONFIG_FILES`): a config
-    file anywhere, a .pth file, or a module named as the test runner's at an import root."""
+def test_machinery(rel: str, python_path: Sequence[str] = (".",)) -> bool:
+    """Whether a path (relative to /workspace) configures or runs the test session (see
+    `TEST_CONFIG_FILES`): a config file anywhere, a .pth file, or a module named as the test
+    runner's at an import root (``python_path``: the task's folders on PYTHONPATH)."""
     name = rel.rsplit("/", 1)[-1]
     if name in TEST_CONFIG_FILES or name.endswith(".pth"):
         return True
-    for root in task.image.python_path:
+    for root in python_path:
         prefix = "" if root in (".", "") else root.strip("/") + "/"
         if rel.startswith(prefix):
             top = rel[len(prefix):].split("/", 1)[0]
@@ -188,7 +189,7 @@ def grade_changes(
     hidden = hidden_from_agent(task)
     try:
         for rel, data in sorted(changes.items()):
-            if _hidden(rel, hidden) or test_machinery(rel, task):
+            if _hidden(rel, hidden) or test_machinery(rel, task.image.python_path):
                 continue
             path = f"{WORKSPACE}/{rel}"
             if data is None:

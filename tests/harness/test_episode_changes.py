@@ -51,3 +51,32 @@ def test_lint_delta_lints_by_the_repositorys_rules_as_the_image_had_them(linted)
     # an episode that turns the rule off still pays for what it added
     linted.write_file("pyproject.toml", "[tool.ruff.lint]\nselect = []\n")
     assert lint_delta(reward_context(Trajectory(task="t"), linted)) == 1.0
+
+
+def test_the_outcome_is_graded_on_the_tests_and_machinery_as_the_image_had_them(sandbox):
+    """A conftest hook that passes every test, an edited test file and an xfail in the code
+    each made the unfixed task's fail-to-pass test pass in the episode's own sandbox."""
+    from codedojo.reward.outcome import grade
+    from tests.harness.conftest import F2P, P2P
+
+    hook = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
+            "def pytest_runtest_makereport(item, call):\n"
+            "    rep = (yield).get_result()\n    rep.outcome, rep.longrepr = 'passed', None\n")
+    test_file = F2P[0].split("::")[0]
+    name = F2P[0].split("::")[-1]
+    src = sandbox.read_file("inventory/stock.py").decode()
+    cheats = {
+        "hook": {"conftest.py": hook},
+        "test file": {test_file: f"def {name}():\n    pass\n"},
+        "xfail": {"inventory/stock.py": src + "\n\ndef low_stock(items, threshold):\n"
+                                              "    import pytest\n    pytest.xfail('later')\n"},
+    }
+    for cheat, files in cheats.items():
+        for rel, text in files.items():
+            sandbox.write_file(rel, text)
+        report = grade(sandbox, F2P, P2P)
+        assert not any(report.fail_to_pass.values()) and all(report.pass_to_pass.values()), cheat
+        sandbox.write_file("inventory/stock.py", src)
+    # put back as the image had them: the test file, and no conftest.py (the image had none)
+    assert sandbox.read_file(test_file) == sandbox.read_original(test_file)
+    assert sandbox.exec("test -e conftest.py").exit_code == 1
