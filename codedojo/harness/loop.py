@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from codedojo.harness.policy import Policy, PolicyOutput
-from codedojo.harness.tools.base import ToolResult
+from codedojo.harness.tools.base import ToolResult, truncate
 from codedojo.harness.trajectory import ToolCallRecord, Trajectory, TrajectoryWriter, Turn
 
 DEFAULT_SYSTEM = (
@@ -75,6 +75,26 @@ class LoopConfig(BaseModel):
 
 def _estimate(text: str) -> int:
     return (len(text) + 3) // 4
+
+
+def _fit(context: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
+    """``context`` with its longest tool outputs cut in the middle until the whole is about
+    ``tokens`` long (by `_estimate`): a summary is asked for when the context nears the
+    window, and one large output may already have passed it. The trajectory keeps them whole."""
+    out = [dict(m) for m in context]
+    over = sum(_estimate(str(m.get("content") or "")) for m in out) - tokens
+    while over > 0:
+        tool = [m for m in out if m.get("role") == "tool"]
+        longest = max(tool, key=lambda m: len(str(m.get("content") or "")), default=None)
+        size = len(str(longest.get("content") or "")) if longest is not None else 0
+        if size <= 200:  # nothing left worth cutting: the call says what is wrong
+            break
+        cut, _ = truncate(str(longest["content"]), max(200, size - 4 * over - 100))  # type: ignore[index]
+        if len(cut) >= size:
+            break
+        longest["content"] = cut  # type: ignore[index]
+        over -= (size - len(cut)) // 4
+    return out
 
 
 def _mask(out: PolicyOutput) -> list[int]:
@@ -235,6 +255,7 @@ class Agent:
         ask = {"role": "user", "content": self.config.summary_prompt}
         context.append(ask)
         traj.messages.append(ask)
+        context = _fit(context, self.config.context_window - budget)
         t0 = time.time()
         g0 = time.perf_counter()
         out = self.policy.generate(context, [], budget)  # no tools offered: a summary is text

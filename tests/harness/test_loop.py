@@ -253,3 +253,25 @@ def test_a_long_task_is_not_summarised_again_before_any_action(session):
     kinds = [t.kind for t in traj.turns]
     assert traj.status == "finished" and "summary" in kinds
     assert "summary, summary" not in ", ".join(kinds)
+
+
+def test_a_summary_is_asked_for_within_the_window_after_a_huge_output(session):
+    """One tool output past the whole window: the summary call gets the context with that
+    output cut in the middle, to fit the window with the turn's budget; the trajectory keeps
+    the output whole."""
+    seen: list[int] = []
+
+    class Summarising(ScriptedPolicy):
+        def generate(self, messages, tools, max_tokens):
+            if not tools:
+                seen.append(sum(len(str(m.get("content") or "")) for m in messages) // 4)
+                return PolicyOutput(content="Printed a lot; next: done.", completion_tokens=9)
+            return super().generate(messages, tools, max_tokens)
+
+    big = [("run_terminal_cmd", {"command": "head -c 60000 /dev/zero | tr '\\0' x"})]
+    cfg = LoopConfig(context_window=4000, max_tokens_per_turn=500, max_turns=5)
+    traj = Agent(Summarising([big, "done"]), cfg).run("print a lot", session)
+    assert traj.status == "finished" and [t.kind for t in traj.turns].count("summary") == 1
+    assert seen and seen[0] <= 4000 - 500
+    output = next(m["content"] for m in traj.messages if m.get("role") == "tool")
+    assert output.count("x") >= 19_000  # (the tool's own 20,000-character cap, not the cut)
