@@ -170,8 +170,9 @@ def main() -> None:
     accept_ci = ratio_interval(*zip(*firsts, strict=True)) if st.rounds else None
     speedup_ci = ratio_interval([r.first_s + r.decode_s for r in runs["plain"]],
                                 [r.first_s + r.decode_s for r in runs["spec"]]) if same else None
-    # drafts happen in decode steps only (a first step prefills and samples)
-    priced = sum(r.decode_steps for r in runs["spec"]) + spec.draft_cost * st.drafted
+    # the decode steps and their drafts (a first step prefills, samples and runs a round: its
+    # drafts are not priced, as its tokens are not counted)
+    priced = sum(r.decode_steps + spec.draft_cost * r.decode_drafts for r in runs["spec"])
     modelled = sum(r.decoded for r in runs["spec"]) / priced
     plain_tok_s, spec_tok_s = tok_s("plain"), tok_s("spec")
     plain_step, plain_steady = after_first("plain")
