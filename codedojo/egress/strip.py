@@ -15,7 +15,7 @@ import io
 import json
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import quote, quote_plus
 
@@ -98,16 +98,7 @@ class SecretSet:
 
     def redact(self, data: bytes) -> tuple[bytes, set[str]]:
         """`data` with every secret form replaced; and the names of the secrets found."""
-        found: set[str] = set()
-        for form, marker, name in self.forms:
-            if isinstance(form, bytes):
-                hit = form in data
-                data = data.replace(form, marker) if hit else data
-            else:
-                data, hit = form.subn(marker, data)
-            if hit:
-                found.add(name)
-        return data, found
+        return _replace(data, self.forms)
 
     def redact_str(self, text: str) -> tuple[str, set[str]]:
         out, found = self.redact(text.encode("utf-8", "surrogateescape"))
@@ -117,11 +108,8 @@ class SecretSet:
         """`redact`, and each value in any letter case too: for names that are read without
         regard to case (a host name to DNS, a header name), and for what goes to the log."""
         data, found = self.redact(data)
-        for pattern, marker, name in self.anycase:
-            data, hit = pattern.subn(marker, data)
-            if hit:
-                found.add(name)
-        return data, found
+        data, more = _replace(data, self.anycase)
+        return data, found | more
 
     def redact_name_str(self, text: str) -> tuple[str, set[str]]:
         out, found = self.redact_name(text.encode("utf-8", "surrogateescape"))
@@ -133,6 +121,21 @@ class SecretSet:
         from urllib.parse import unquote_plus
 
         return self.redact_name_str(unquote_plus(text))[1]
+
+
+def _replace(data: bytes, forms: Iterable[tuple[bytes | re.Pattern[bytes], bytes, str]]
+             ) -> tuple[bytes, set[str]]:
+    """Each form (bytes, or a pattern) in ``data`` replaced by its marker; the names found."""
+    found: set[str] = set()
+    for form, marker, name in forms:
+        if isinstance(form, bytes):
+            hit = form in data
+            data = data.replace(form, marker) if hit else data
+        else:
+            data, hit = form.subn(marker, data)
+        if hit:
+            found.add(name)
+    return data, found
 
 
 class BodyTooLarge(ValueError):

@@ -336,6 +336,13 @@ def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
     return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), timed_out, truncated
 
 
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _files_below(stack: LayerStack, rel: str) -> list[str]:
     """Every entry under directory ``rel`` of a layer stack that is not a directory itself."""
     out: list[str] = []
@@ -854,10 +861,7 @@ class LocalSandbox:
             if st.st_size > cap:  # only a sparse file is larger than the disk it is on
                 raise SandboxError(f"path: {p} holds {st.st_size} bytes, more than the "
                                    f"sandbox's disk ({self.spec.limits.disk_mb} MB)")
-            chunks = []
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-            return b"".join(chunks)
+            return _read_all(fd)
         finally:
             os.close(fd)
 
@@ -1030,10 +1034,7 @@ class LocalSandbox:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise SandboxError(f"path: {p} is not a regular file in the sandbox's image")
-            chunks = []
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-            return b"".join(chunks)
+            return _read_all(fd)
         finally:
             os.close(fd)
 
