@@ -129,6 +129,25 @@ class _Sampling(_Request):
     return_token_ids: bool = False
     return_routed_experts: bool = False
     skip_special_tokens: bool = True
+    stop_token_ids: list[int] | None = Field(None, description="extension: more token ids "
+                                             "that end a choice, besides the model's own")
+    # Asked for, these would change the tokens, and this server does not do them: each is
+    # refused (a 400 naming it) unless it asks for nothing
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    best_of: int | None = None
+    min_p: float | None = None
+
+    @field_validator("logit_bias", "response_format", "min_tokens", "ignore_eos", "best_of",
+                     "min_p")
+    @classmethod
+    def _unsupported(cls, v: Any, info: Any) -> Any:
+        neutral = {"response_format": ({"type": "text"},), "best_of": (1,)}.get(info.field_name, ())
+        if v not in (None, 0, False, {}, *neutral):
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -164,11 +183,12 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    @model_validator(mode="after")
-    def _check(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v: int | None, info: Any) -> int | None:
+        if v and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
-        return self
+        return v
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -177,10 +197,18 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, description="null: the default, 16")
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v: bool, info: Any) -> bool:
+        if v and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs is not supported (the prompt's logprobs are "
+                             "not computed)")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -200,7 +228,7 @@ class CompletionRequest(_Sampling):
 
     @property
     def max_new_tokens(self) -> int:
-        return self.max_tokens
+        return 16 if self.max_tokens is None else self.max_tokens
 
 
 # ----------------------------------------------------------------------------------------------

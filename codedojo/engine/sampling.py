@@ -14,6 +14,9 @@ import torch
 from codedojo.engine.types import SamplingParams
 from codedojo.ops import greedy
 
+MIN_TEMPERATURE = 1e-30  # a float32 divisor; anything near it is the argmax already
+LOGPROB_FLOOR = -9999.0  # a top logprob of a token the filters removed (vLLM's value)
+
 
 def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits (V,) float32 -> log-probabilities (V,) of the distribution to sample from
@@ -21,7 +24,8 @@ def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     if params.temperature == 0:
         return torch.log_softmax(logits, dim=-1)
     # from the largest logit down: a temperature near 0 sends the rest to -inf, never to NaN
-    x = (logits - logits.max()) / params.temperature
+    # (below MIN_TEMPERATURE float32 holds it as 0, and 0/0 is NaN: it divides no further)
+    x = (logits - logits.max()) / max(params.temperature, MIN_TEMPERATURE)
     V = x.shape[-1]
     if 0 < params.top_k < V:
         kth = torch.topk(x, params.top_k).values[-1]
@@ -47,7 +51,10 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generato
     top: list[tuple[int, float]] = []
     if params.top_logprobs:
         vals, ids = torch.topk(lp, min(params.top_logprobs, lp.shape[-1]))
-        top = [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+        # more asked for than top-k/top-p kept: those are impossible, at a finite floor (JSON
+        # has no -inf)
+        top = [(int(i), max(float(v), LOGPROB_FLOOR))
+               for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
     return tok, float(lp[tok]), top
 
 

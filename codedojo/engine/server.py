@@ -31,6 +31,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from codedojo.engine.openai_types import (
@@ -266,12 +267,12 @@ def create_app(engine: StreamingEngine, tokenizer: Tokenizer, chat: ChatTemplate
         return ModelList(data=cards).model_dump()
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(req: ChatCompletionRequest) -> Any:
-        return await _chat(state, req)
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
+        return await _chat(state, req, request)
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest) -> Any:
-        return await _completions(state, req)
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        return await _completions(state, req, request)
 
     return app
 
@@ -310,7 +311,7 @@ def _sampling(state: ServerState, req: ChatCompletionRequest | CompletionRequest
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=top_k,
         seed=req.seed,
-        stop_token_ids=state.tokenizer.stop_token_ids(),
+        stop_token_ids=[*state.tokenizer.stop_token_ids(), *(req.stop_token_ids or [])],
         logprobs=True,  # cheap, and RL clients read them with return_token_ids
         top_logprobs=top_logprobs if logprobs else 0,
     )
@@ -407,6 +408,38 @@ async def _collect(gen: AsyncIterator[Piece | ChoiceResult]) -> ChoiceResult:
     return result
 
 
+DISCONNECT_POLL_S = 0.5  # how often a response sent whole looks for its client gone
+
+
+async def _collect_all(request: Request, gens: list[AsyncIterator[Piece | ChoiceResult]]
+                       ) -> list[ChoiceResult]:
+    """Every choice's result, for a response sent whole. Should the client go away, or one
+    choice fail, the others are cancelled, and their engine requests with them, rather than
+    left to hold their slots to the end (a streamed response is cancelled by its server)."""
+    tasks = [asyncio.create_task(_collect(g)) for g in gens]
+
+    async def gone() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    watcher = asyncio.create_task(gone())
+    try:
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending | {watcher},
+                                               return_when=asyncio.FIRST_COMPLETED)
+            pending.discard(watcher)
+            if watcher in done:
+                raise APIError(499, "the client closed the request", None, "client_closed")
+            for t in done:
+                t.result()  # a failed choice: its error, at once
+        return [t.result() for t in tasks]
+    finally:
+        for t in [*tasks, watcher]:
+            t.cancel()
+        await asyncio.gather(*tasks, watcher, return_exceptions=True)
+
+
 def _token_logprob(tok: Tokenizer, token_id: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprob:
     def entry(i: int, lp: float) -> TopLogprob:
         return TopLogprob(token=tok.token_text(i), logprob=lp, bytes=list(tok.token_bytes(i)))
@@ -419,8 +452,24 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+# None-valued keys a response keeps, as OpenAI sends them (a tool call's message has a null
+# content; a choice without logprobs, null logprobs); others (our extensions) are left out
+_KEPT_NULLS = frozenset({"content", "logprobs"})
+
+
+def _body(resp: BaseModel) -> Any:
+    def prune(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: prune(v) for k, v in x.items() if v is not None or k in _KEPT_NULLS}
+        if isinstance(x, list):
+            return [prune(v) for v in x]
+        return x
+
+    return prune(resp.model_dump())
+
+
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 def _cached_tokens(cached: Sequence[int], n: int) -> int:
@@ -478,7 +527,7 @@ async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any
 # ----------------------------------------------------------------------------------------------
 
 
-async def _chat(state: ServerState, req: ChatCompletionRequest) -> Any:
+async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request) -> Any:
     _check_model(state, req.model)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -511,7 +560,7 @@ async def _chat(state: ServerState, req: ChatCompletionRequest) -> Any:
         return StreamingResponse(_chat_stream(state, req, rid, created, prompt_ids, gens, tools if use_tools else None,
                                               version), media_type="text/event-stream")
 
-    results = await asyncio.gather(*(_collect(g) for g in gens))
+    results = await _collect_all(request, gens)
     choices = []
     for i, r in enumerate(results):
         content: str | None = r.text
@@ -539,7 +588,7 @@ async def _chat(state: ServerState, req: ChatCompletionRequest) -> Any:
                           usage=Usage.of(len(prompt_ids), completion_tokens,
                                          _cached_tokens([r.cached_tokens for r in results], len(results))),
                           prompt_token_ids=prompt_ids if req.return_token_ids else None, weight_version=version)
-    return JSONResponse(resp.model_dump(exclude_none=True))
+    return JSONResponse(_body(resp))
 
 
 async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str, created: int,
@@ -639,7 +688,7 @@ def _prompts(state: ServerState, prompt: Any) -> list[list[int]]:
     return out
 
 
-async def _completions(state: ServerState, req: CompletionRequest) -> Any:
+async def _completions(state: ServerState, req: CompletionRequest, request: Request) -> Any:
     _check_model(state, req.model)
     prompts = _prompts(state, req.prompt)
     n_lp = req.logprobs
@@ -655,7 +704,7 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Any:
         return StreamingResponse(_completion_stream(state, req, rid, created, jobs, gens, version),
                                  media_type="text/event-stream")
 
-    results = await asyncio.gather(*(_collect(g) for g in gens))
+    results = await _collect_all(request, gens)
     choices = []
     for idx, ((_k, p, _), r) in enumerate(zip(jobs, results, strict=True)):
         prefix = tok.decode(p) if req.echo else ""
@@ -674,7 +723,7 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Any:
                           usage=Usage.of(prompt_tokens, completion_tokens,
                                          _cached_tokens([r.cached_tokens for r in results], req.n)),
                           weight_version=version)
-    return JSONResponse(resp.model_dump(exclude_none=True))
+    return JSONResponse(_body(resp))
 
 
 async def _completion_stream(state: ServerState, req: CompletionRequest, rid: str, created: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
@@ -184,6 +185,13 @@ BAD = [
     ({"model": MODEL, "messages": MSGS, "tools": [{"function": {"name": "f"}}]}, "tools[0].type"),
     ({"model": MODEL, "messages": MSGS, "tool_choice": "required"}, "tool_choice"),  # no tools
     ({"model": MODEL, "messages": MSGS, "stop": [""]}, "stop"),
+    ({"model": MODEL, "messages": MSGS, "top_logprobs": 3}, "top_logprobs"),  # no logprobs
+    # would change the tokens, and are not done here: refused, not ignored
+    ({"model": MODEL, "messages": MSGS, "logit_bias": {"5": -100}}, "logit_bias"),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"model": MODEL, "messages": MSGS, "min_tokens": 4}, "min_tokens"),
+    ({"model": MODEL, "messages": MSGS, "min_p": 0.1}, "min_p"),
     ({"model": MODEL, "messages": MSGS, "n": 0}, "n"),
 ]
 
@@ -210,6 +218,8 @@ def test_openai_client_sees_bad_request_error(client):
     ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
     ({"model": MODEL, "prompt": {"a": 1}}, "prompt"),
     ({"model": MODEL, "prompt": "x", "seed": 2**64}, "seed"),  # more than a generator takes
+    ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, "echo"),  # no prompt's
+    ({"model": MODEL, "prompt": "x", "ignore_eos": True}, "ignore_eos"),
 ])
 def test_bad_completion_requests(server, http, body, param):
     r = http.post(server.url + "/v1/completions", json=body)
@@ -461,9 +471,77 @@ def test_the_weight_version_is_that_of_the_weights_that_made_the_tokens(tok, htt
 
 
 def test_streamed_completion_logprobs_are_the_whole_responses(client):
-    args = dict(model=MODEL, prompt="the", max_tokens=6, temperature=0, logprobs=2, echo=True)
+    args = dict(model=MODEL, prompt="the", max_tokens=6, temperature=0, logprobs=2)
     whole = client.completions.create(**args).choices[0].logprobs
     parts = [c.choices[0].logprobs for c in client.completions.create(**args, stream=True)
              if c.choices and c.choices[0].logprobs]
     for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [x for p in parts for x in getattr(p, key)] == getattr(whole, key), key
+
+
+def test_top_logprobs_past_what_the_filters_keep_are_finite_json(server, http):
+    """Five top logprobs of a draw from the two likeliest tokens: the three the filter removed
+    are at a finite floor, not -inf (no JSON for it: a 500 before, and a bare -Infinity in a
+    stream that strict parsers refuse); a temperature too small for float32 is the argmax."""
+    import json
+
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 4, "temperature": 1, "top_k": 2,
+            "logprobs": True, "top_logprobs": 5, "seed": 1}
+    r = http.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    tops = [t["logprob"] for c in r.json()["choices"][0]["logprobs"]["content"]
+            for t in c["top_logprobs"]]
+    assert len(tops) == 20 and min(tops) == -9999.0
+    streamed = http.post(server.url + "/v1/chat/completions", json={**body, "stream": True})
+    for line in streamed.text.splitlines():
+        if line.startswith("data: {"):
+            json.loads(line[6:], parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
+    cold = http.post(server.url + "/v1/chat/completions",
+                     json={**body, "temperature": 1e-50, "top_k": 0, "logprobs": False,
+                           "top_logprobs": None})
+    greedy = http.post(server.url + "/v1/chat/completions",
+                       json={**body, "temperature": 0, "top_k": 0, "logprobs": False,
+                             "top_logprobs": None})
+    assert cold.status_code == 200, cold.text
+    assert cold.json()["choices"][0]["message"] == greedy.json()["choices"][0]["message"]
+
+
+def test_a_response_keeps_the_null_fields_openai_sends(server, http):
+    r = http.post(server.url + "/v1/chat/completions",
+                  json={"model": MODEL, "messages": MSGS, "max_tokens": 2})
+    choice = r.json()["choices"][0]
+    assert choice["logprobs"] is None and "content" in choice["message"]
+    assert "token_ids" not in choice and "tool_calls" not in choice["message"]
+    ok = http.post(server.url + "/v1/completions",
+                   json={"model": MODEL, "prompt": "x", "max_tokens": None})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 16
+
+
+class SlowEngine(Engine):
+    def _decode_step(self, live) -> None:
+        time.sleep(0.2)
+        super()._decode_step(live)
+
+
+def test_a_client_gone_from_a_whole_response_frees_its_engine_slots(tok):
+    """A response sent whole (not streamed) whose client went away: its choices are
+    cancelled, not run to the end holding their slots."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(vocab_size=tok.vocab_size, max_seq_len=256))
+    model.init_weights(std=0.5)
+    engine = SlowEngine(model.eval(), max_batch=2)
+    engine.start()
+    body = {"model": MODEL, "prompt": tok.encode("the"), "max_tokens": 200, "temperature": 0,
+            "n": 2}
+    try:
+        with BackgroundServer(create_app(engine, tok, model_name=MODEL)) as srv:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(srv.url + "/v1/completions", json=body, timeout=0.5)
+            deadline = time.monotonic() + 4  # (the request's ~50 steps would take 10 s)
+            while engine.n_live and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert engine.n_live == 0
+            r = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 1}, timeout=30)
+            assert r.status_code == 200
+    finally:
+        engine.stop()
