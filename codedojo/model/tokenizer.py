@@ -18,6 +18,7 @@ takes well under a second even for a large model file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import struct
@@ -146,9 +147,22 @@ class SpecialTokens:
     control: list[int] = field(default_factory=list)
 
 
-# GGUF pre-tokenizer names that split text with GPT-2's regex (SmolLM's among them); the
-# others (Qwen2, Llama 3, ...) split digits and punctuation their own way
-GPT2_PRE = {None, "gpt-2", "smollm"}
+# GGUF pre-tokenizer names (`tokenizer.ggml.pre`) read here, as llama.cpp splits text for
+# them: GPT-2's regex, or (SmolLM's, StarCoder's and others') every digit on its own first and
+# then GPT-2's regex on the rest. Other names (Qwen2, Llama 3, ...) split their own way.
+GPT2_PRE = {None, "gpt-2"}
+DIGITS_THEN_GPT2_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
+                        "minerva"}
+
+
+def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in GPT2_PRE:
+        return gpt2
+    if pre in DIGITS_THEN_GPT2_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+    raise ValueError(f"tokenizer.ggml.pre is {pre!r}; the splits read here are "
+                     f"{sorted(GPT2_PRE - {None}) + sorted(DIGITS_THEN_GPT2_PRE)}")
 
 
 class Tokenizer:
@@ -162,21 +176,29 @@ class Tokenizer:
         self.name = name
         self._control = frozenset(special.control)
 
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of everything that decides the ids (vocabulary, merges, splits): two
+        tokenizers with one fingerprint give the same ids for every text."""
+        return hashlib.sha256(self.backend.to_str().encode()).hexdigest()[:16]
+
     # -- construction --------------------------------------------------------------------------
 
     @classmethod
     def from_vocab(cls, tokens: Sequence[str], merges: Iterable[str | tuple[str, str]],
                    token_types: Sequence[int] | None = None, *, bos_id: int | None = None,
                    eos_id: int | None = None, pad_id: int | None = None, unk_id: int | None = None,
-                   chat_template: str | None = None, name: str = "") -> Tokenizer:
-        """A byte-level BPE from a GGUF-style vocabulary (tokens in id order) and merges."""
+                   chat_template: str | None = None, name: str = "", pre: str | None = None
+                   ) -> Tokenizer:
+        """A byte-level BPE from a GGUF-style vocabulary (tokens in id order) and merges;
+        ``pre``: how the text is split before BPE (GGUF's `tokenizer.ggml.pre`; None: GPT-2)."""
         spelled = [_byte_level_spelling(t) for t in tokens]
         vocab = {t: i for i, t in enumerate(spelled)}
         pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
         bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)
         backend = _HFTokenizer(bpe)
-        # SmolLM2's tokenizer splits with GPT-2's regex and maps bytes to the printable alphabet.
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        # the text split as the model's pre-tokenizer does, bytes mapped to the printable alphabet
+        backend.pre_tokenizer = _pre_tokenizer(pre)
         backend.decoder = decoders.ByteLevel()
         types = list(token_types) if token_types is not None else [TOKEN_NORMAL] * len(tokens)
         if len(types) != len(tokens):
@@ -204,9 +226,10 @@ class Tokenizer:
             if key not in meta:
                 raise ValueError(f"{path}: GGUF metadata lacks {key}")
         pre = meta.get("tokenizer.ggml.pre")
-        if pre not in GPT2_PRE:  # another split of the text: other token ids than the model's
-            raise ValueError(f"{path}: tokenizer.ggml.pre is {pre!r}; only pre-tokenizers that "
-                             f"split as GPT-2 does are supported ({sorted(GPT2_PRE - {None})})")
+        try:  # another split of the text: other token ids than the model's
+            _pre_tokenizer(pre)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
         return cls.from_vocab(
             meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"],
             meta.get("tokenizer.ggml.token_type"),
@@ -216,6 +239,7 @@ class Tokenizer:
             unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
             chat_template=meta.get("tokenizer.chat_template"),
             name=path.stem,
+            pre=pre,
         )
 
     @classmethod

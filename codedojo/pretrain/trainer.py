@@ -565,7 +565,13 @@ def prepare_data(cfg: PretrainConfig, tok: Any, run_dir: Path) -> RunData:
     d = run_dir / "data"
     vocab, eos = tok.vocab_size, tok.eos_id
     shards = {"code": d / "train", "long": d / "long", "sft": d / "sft"}
-    if not (d / "done.json").exists():
+    made_by = getattr(tok, "fingerprint", None)
+    if (d / "done.json").exists():
+        was = json.loads((d / "done.json").read_text()).get("tokenizer")
+        if was is not None and made_by is not None and was != made_by:
+            raise ValueError(f"{d}: the data was tokenized by another tokenizer ({was}, this one "
+                             f"is {made_by}): start the run anew in another directory")
+    else:
         _, _, stats, train_docs = build_corpus(cfg.corpus, tok, d, vocab, eos)
         lo, hi = cfg.long_docs_chars
         tokenize_to_shards(concat_by_dir(train_docs, lo, hi), tok, shards["long"], vocab, eos)
@@ -583,7 +589,8 @@ def prepare_data(cfg: PretrainConfig, tok: Any, run_dir: Path) -> RunData:
         write_atomic(d / "done.json", json.dumps({
             "read": stats.read, "rejected": dict(stats.rejected),
             "exact_dupes": stats.dedup.exact_dupes, "near_dupes": stats.dedup.near_dupes,
-            "train_docs": stats.train_docs, "eval_docs": stats.eval_docs}))
+            "train_docs": stats.train_docs, "eval_docs": stats.eval_docs,
+            "tokenizer": made_by}))
     e = cfg.eval
     ev_dir = d / f"eval_packed_{e.seq_len}x{e.batches * e.batch_size}"
     if not (ev_dir / "mask.npy").exists():  # depends on the eval settings only

@@ -141,6 +141,14 @@ def test_ids_equal_hf_auto_tokenizer_from_the_same_gguf():
 
     path = smollm2_gguf_path()
     hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # HF's GGUF reader splits as GPT-2 whatever tokenizer.ggml.pre says; with the split the
+    # model's own pre-tokenizer has (`test_smollm2_splits_text_as_llama_cpp_does`), the
+    # vocabulary, merges and special tokens must give the same ids
+    from tokenizers import pre_tokenizers
+
+    hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     ours = load_tokenizer()
     code = Path(__file__).read_text() + Path(gguf.__file__).read_text()[:20000]
     samples = TEXTS + [code, "x" * 500 + " " * 40 + "\n" * 7, "Ünïcödé ñ ß ø 日本語 한국어 עברית العربية"]
@@ -162,15 +170,36 @@ def test_ids_equal_hf_auto_tokenizer_from_the_same_gguf():
                 hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen))["input_ids"]
 
 
-def test_a_gguf_tokenizer_that_splits_otherwise_than_gpt2_is_refused(tmp_path):
-    """Qwen2's and Llama 3's pre-tokenizers split digits and punctuation their own way: read
-    with GPT-2's split, the ids would not be the model's."""
+def test_a_gguf_tokenizer_splits_as_its_pre_tokenizer_says_or_is_refused(tmp_path):
+    """GPT-2's split keeps a space with the number after it; SmolLM's (llama.cpp's `smollm`)
+    splits off every digit first, so " 1" is never one piece. Qwen2's and Llama 3's split
+    their own way: read with either, the ids would not be the model's."""
     table = byte_alphabet()
-    tokens = ["<|endoftext|>"] + [table[b] for b in range(256)] + ["ab"]
-    types = [3] + [1] * 257
-    for pre in ("smollm", "gpt-2", None):
-        path = write_gguf(tmp_path / f"{pre}.gguf", tokens, ["a b"], types, pre=pre)
-        assert Tokenizer.from_gguf(path).encode("ab c") == [257, 1 + ord(" "), 1 + ord("c")]
+    tokens = ["<|endoftext|>"] + [table[b] for b in range(256)] + ["ab", table[32] + "1"]
+    types = [3] + [1] * 258
+    space_one = 258
+    for pre, ids in (("gpt-2", [257, space_one]), (None, [257, space_one]),
+                     ("smollm", [257, 1 + ord(" "), 1 + ord("1")])):
+        path = write_gguf(tmp_path / f"{pre}.gguf", tokens, ["a b", f"{table[32]} 1"], types,
+                          pre=pre)
+        assert Tokenizer.from_gguf(path).encode("ab 1") == ids, pre
     path = write_gguf(tmp_path / "qwen.gguf", tokens, ["a b"], types, pre="qwen2")
     with pytest.raises(ValueError, match="tokenizer.ggml.pre is 'qwen2'"):
         Tokenizer.from_gguf(path)
+
+
+@pytest.mark.parametrize("text", [*TEXTS, "x = [\n    1,\n    2,\n]", "a  12 b\t3 ٣ ²",
+                                  "v1.2.3 == 10\n\n   42"])
+def test_smollm2_splits_text_as_llama_cpp_does(text):
+    """llama.cpp's `smollm` pre-tokenizer: each number character alone, then GPT-2's regex over
+    the rest (the model's vocabulary has no token with a digit in it, and its merges none)."""
+    import regex
+
+    gpt2 = regex.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"
+                         r"|\s+(?!\S)|\s+")
+    want = [piece for part in regex.split(r"(\p{N})", text) if part
+            for piece in gpt2.findall(part)]
+    table = byte_alphabet()
+    tok = load_tokenizer()
+    got = [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str(text)]
+    assert got == ["".join(table[b] for b in w.encode()) for w in want]

@@ -391,3 +391,23 @@ def test_fields_at_their_first_defaults_dump_as_before_they_existed():
     assert h.model_dump()["sources"][0]["path"] == "stdlib"
     assert h.model_dump()["prompt_loss"] is False
     assert SelfGenConfig.model_validate_json(h.model_dump_json()) == h
+
+
+def test_a_run_s_data_is_used_only_with_the_tokenizer_that_made_it(tmp_path):
+    """Another tokenizer (a fixed split, another model) gives other ids for the same text: a
+    run's data made by one is refused to another, rather than trained on as if its own."""
+    import json
+
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.pretrain.trainer import prepare_data
+    from tests.pretrain.tiny_run import five_stage_config
+
+    cfg = five_stage_config(tmp_path, "t")
+    tok = load_tokenizer()
+    prepare_data(cfg, tok, cfg.run_dir)
+    done = cfg.run_dir / "data" / "done.json"
+    assert json.loads(done.read_text())["tokenizer"] == tok.fingerprint
+    prepare_data(cfg, tok, cfg.run_dir)  # the same: found again
+    done.write_text(json.dumps({**json.loads(done.read_text()), "tokenizer": "0" * 16}))
+    with pytest.raises(ValueError, match="tokenized by another tokenizer"):
+        prepare_data(cfg, tok, cfg.run_dir)
