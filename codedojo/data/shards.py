@@ -26,7 +26,7 @@ from codedojo.paths import write_atomic
 
 
 class TextEncoder(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, special: bool = True) -> list[int]: ...
 
 
 def _dtype_for(vocab_size: int) -> np.dtype:
@@ -42,6 +42,9 @@ class ShardWriter:
                  shard_tokens: int = 1 << 24):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        # an earlier directory's index goes first: a writer that dies before close() leaves
+        # no index, never an old one over new shards
+        (self.dir / "index.json").unlink(missing_ok=True)
         self.dtype = _dtype_for(vocab_size)
         self.vocab_size = vocab_size
         self.eos_id = eos_id
@@ -97,11 +100,13 @@ class ShardWriter:
 def tokenize_to_shards(docs: Iterable[Document], tokenizer: TextEncoder, out_dir: str | Path,
                        vocab_size: int, eos_id: int | None, shard_tokens: int = 1 << 24,
                        max_tokens: int | None = None) -> Path:
-    """Encode each document, append EOS (so the model learns where files end), write shards."""
+    """Encode each document, append EOS (so the model learns where files end), write shards.
+    A document's text is all text: one that spells a control token (`<|im_end|>` in a file
+    about chat templates) does not put that token, the end of a turn, inside the document."""
     w = ShardWriter(out_dir, vocab_size, eos_id, shard_tokens)
     total = 0
     for d in docs:
-        ids = list(tokenizer.encode(d.text))
+        ids = list(tokenizer.encode(d.text, special=False))
         if eos_id is not None:
             ids.append(eos_id)
         w.add(ids)
@@ -129,8 +134,9 @@ class TokenShards:
             stem = str(s["file"])[: -len(".bin")]
             self._data.append(np.memmap(self.dir / s["file"], dtype=dtype, mode="r"))
             self._offsets.append(np.load(self.dir / f"{stem}.idx.npy"))
-            mask_file = self.dir / f"{stem}.mask.npy"
-            self._masks.append(np.load(mask_file, mmap_mode="r") if mask_file.exists() else None)
+            # the index says whether a shard has a mask (a file left by an earlier write is not)
+            self._masks.append(np.load(self.dir / f"{stem}.mask.npy", mmap_mode="r")
+                               if s.get("mask") else None)
         counts = [len(o) - 1 for o in self._offsets]
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         # each shard's first token in the directory's token stream (shards back to back)

@@ -175,6 +175,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.name = name
         self._control = frozenset(special.control)
+        self._as_text: _HFTokenizer | None = None  # one that reads control-token text as text
 
     @property
     def fingerprint(self) -> str:
@@ -316,9 +317,16 @@ class Tokenizer:
             ids.append(eot)
         return ids
 
-    def encode(self, text: str) -> list[int]:
-        """Ids for `text`; no BOS/EOS is added (the chat template writes special tokens)."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Ids for `text`; no BOS/EOS is added (the chat template writes special tokens).
+        ``special=False``: text that spells a control token (a source file that mentions
+        `<|im_end|>`) is text, split as any other, never the control token itself."""
+        if special:
+            return self.backend.encode(text, add_special_tokens=False).ids
+        if self._as_text is None:
+            self._as_text = _HFTokenizer.from_str(self.backend.to_str())
+            self._as_text.encode_special_tokens = True
+        return self._as_text.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]

@@ -9,7 +9,7 @@ class ByteTokenizer:
     vocab_size = 257
     eos_id = 0
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
         return [b + 1 for b in text.encode()]
 
     def decode(self, ids: list[int]) -> str:

@@ -223,3 +223,38 @@ def test_origins_are_refused_where_they_would_mean_nothing(tmp_path):
     with pytest.raises(ValueError, match="packed without origins"):
         PackedLoader(pack(mix(two[:1], 100), seq_len=8), batch_size=1,
                      features=TokenFeatures(fw.close()))
+
+
+def test_a_document_that_spells_a_control_token_keeps_it_as_text(tmp_path):
+    """A source file that mentions `<|im_end|>` (the end of a turn, and the documents' EOS)
+    must not put that token inside the document: it is encoded as the text it is."""
+    from codedojo.data.readers import Document
+    from codedojo.data.shards import TokenShards
+    from codedojo.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    text = 'END = "<|im_end|>"  # and <|endoftext|>, <filename>\n'
+    tokenize_to_shards([Document(text, "a.py")], tok, tmp_path, tok.vocab_size, tok.eos_id)
+    ids = TokenShards(tmp_path).doc(0).tolist()
+    control = set(tok.special.control)
+    assert ids[-1] == tok.eos_id and not control & set(ids[:-1])
+    assert tok.decode(ids[:-1]) == text
+    assert control & set(tok.encode(text))  # (as a chat template's text, they are the tokens)
+
+
+def test_a_shard_directory_written_again_is_read_as_its_last_writer_left_it(tmp_path):
+    """Written again without masks, a directory's old mask file is not read as the new one's;
+    a writer that dies before close() leaves no index, not the old one over its shards."""
+    from codedojo.data.shards import ShardWriter, TokenShards
+
+    w = ShardWriter(tmp_path, 100, 0)
+    w.add([1, 2, 3, 4], [0, 0, 1, 1])
+    w.close()
+    w = ShardWriter(tmp_path, 100, 0)
+    w.add([5, 6, 7, 8])
+    w.close()
+    assert TokenShards(tmp_path).mask(0) is None  # no mask: every token trained
+    w = ShardWriter(tmp_path, 100, 0, shard_tokens=4)
+    w.add([7, 7, 7, 7, 7, 7])  # a shard file written, then the writer dies
+    with pytest.raises(FileNotFoundError, match="no index.json"):
+        TokenShards(tmp_path)
