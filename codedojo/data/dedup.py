@@ -80,37 +80,29 @@ class DedupStats:
 
 
 def near_duplicate_groups(texts: list[str], cfg: DedupConfig) -> list[int]:
-    """For each text, the index of the first text in its near-duplicate cluster (itself if none)."""
+    """For each text, the index of the earlier kept text it nearly duplicates, or itself when
+    it is kept: a text goes only for one at or above the threshold that stays. (Clustering
+    every similar pair would chain: in a series of edits A, B, C, D, E each near the next, E
+    went with A though unlike it.) LSH proposes the kept texts to compare; the signatures'
+    agreement decides."""
     if cfg.num_perm % cfg.bands:
         raise ValueError("dedup.num_perm must be a multiple of dedup.bands")
     rows = cfg.num_perm // cfg.bands
     hasher = MinHasher(cfg.num_perm)
     sigs = np.stack([hasher.signature(shingles(t, cfg.shingle)) for t in texts]) if texts else \
         np.zeros((0, cfg.num_perm), np.uint32)
-    parent = list(range(len(texts)))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for band in range(cfg.bands):
-        buckets: dict[bytes, list[int]] = defaultdict(list)
-        for i in range(len(texts)):
-            buckets[sigs[i, band * rows:(band + 1) * rows].tobytes()].append(i)
-        for members in buckets.values():
-            for idx in range(1, len(members)):
-                j = members[idx]
-                for i in members[:idx]:
-                    ri, rj = find(i), find(j)
-                    if ri == rj:
-                        break
-                    # LSH only proposes; the signature agreement decides.
-                    if float((sigs[i] == sigs[j]).mean()) >= cfg.threshold:
-                        parent[max(ri, rj)] = min(ri, rj)
-                        break
-    return [find(i) for i in range(len(texts))]
+    buckets: list[dict[bytes, list[int]]] = [defaultdict(list) for _ in range(cfg.bands)]
+    out: list[int] = []
+    for i in range(len(texts)):
+        keys = [sigs[i, b * rows:(b + 1) * rows].tobytes() for b in range(cfg.bands)]
+        proposed = sorted({k for b, key in enumerate(keys) for k in buckets[b].get(key, ())})
+        like = next((k for k in proposed if float((sigs[i] == sigs[k]).mean()) >= cfg.threshold),
+                    None)
+        out.append(i if like is None else like)
+        if like is None:  # kept: a text later ones are compared with
+            for b, key in enumerate(keys):
+                buckets[b][key].append(i)
+    return out
 
 
 def dedup(docs: Iterable[Document], cfg: DedupConfig | None = None,

@@ -50,3 +50,28 @@ def test_filters_report_reasons():
     kept = [d.source for d in apply_filters(docs, FilterConfig(), rejected)]
     assert kept == ["ok"]
     assert rejected == Counter(too_short=1, long_line=1, generated=1, alnum_frac=1)
+
+
+def test_a_text_goes_only_for_a_kept_text_it_nearly_duplicates():
+    """A series of edits, each near the one before: every other one stays, and the last,
+    unlike every text kept, is not dropped for its likeness to one that was dropped."""
+    import random
+
+    from codedojo.data.dedup import DedupConfig, DedupStats, dedup, jaccard
+    from codedojo.data.readers import Document
+
+    rng = random.Random(0)
+    text = [f"w{i}" for i in range(400)]
+    series = []
+    for _ in range(5):
+        series.append(text)
+        text = text[:]
+        for j in rng.sample(range(len(text)), 8):
+            text[j] = f"x{rng.randrange(10**6)}"
+    docs = [Document(" ".join(t), name) for t, name in zip(series, "ABCDE", strict=True)]
+    stats = DedupStats()
+    kept = [d.source for d in dedup(docs, DedupConfig(), stats)]
+    assert kept == ["A", "C", "E"] and stats.near_dupes == 2
+    text_of = {d.source: d.text for d in docs}  # each kept one is unlike the one kept before
+    for a, b in zip(kept, kept[1:], strict=False):
+        assert jaccard(text_of[a], text_of[b]) < 0.8
