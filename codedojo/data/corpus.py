@@ -27,7 +27,8 @@ class CorpusConfig(BaseModel):
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     holdout_frac: float = Field(0.05, ge=0.0, lt=1.0, description="Share of documents held out "
                                 "for eval loss (by hash of their source id).")
-    max_docs: int | None = Field(None, description="Cap on documents after filtering and dedup.")
+    max_docs: int | None = Field(None, ge=0,
+                                 description="Cap on documents after filtering and dedup.")
     max_train_tokens: int | None = Field(None, description="Cap on training tokens written.")
 
 
@@ -79,17 +80,19 @@ def concat_by_dir(docs: Iterable[Document], min_chars: int, max_chars: int) -> I
     for d in docs:
         groups.setdefault(str(Path(str(d.meta.get("path", d.source))).parent), []).append(d)
     for key in sorted(groups):
-        parts: list[str] = []
+        runs: list[list[str]] = [[]]
         size = 0
         for d in groups[key]:
             chunk = f"# file: {d.meta.get('path', d.source)}\n{d.text}\n"
             if size + len(chunk) > max_chars and size >= min_chars:
-                yield Document("".join(parts), f"{key}#{len(parts)}", {"path": key})
-                parts, size = [], 0
-            parts.append(chunk)
+                runs.append([])
+                size = 0
+            runs[-1].append(chunk)
             size += len(chunk)
-        if size >= min_chars:
-            yield Document("".join(parts)[:max_chars], f"{key}#end", {"path": key})
+        if size < min_chars:
+            runs.pop()
+        for n, parts in enumerate(runs, start=1):  # never over max_chars, each its own id
+            yield Document("".join(parts)[:max_chars], f"{key}#{n}", {"path": key})
 
 
 def build_corpus(cfg: CorpusConfig, tokenizer: TextEncoder, out_dir: str | Path, vocab_size: int,

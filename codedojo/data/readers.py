@@ -50,7 +50,7 @@ class SourceConfig(BaseModel):
     text_field: str = Field("text", description="Column/key holding the text (jsonl/parquet).")
     exclude: list[str] = Field(default_factory=list,
                                description="Path substrings to skip (dir/git readers).")
-    max_files: int | None = Field(None, description="Stop after this many documents.")
+    max_files: int | None = Field(None, ge=0, description="Stop after this many documents.")
 
 
 def resolve_path(path: str) -> Path:
@@ -191,7 +191,10 @@ def read_jsonl(path: str | Path, text_field: str = "text") -> Iterator[Document]
                 text = row.pop(text_field)
                 if text is None:  # as the parquet reader does: no text, no document
                     continue
-                yield Document(text=str(text), source=f"{key}:{i + 1}", meta=row)
+                if not isinstance(text, str):
+                    raise ValueError(f"{where}: text_field {text_field!r} must be a string, "
+                                     f"got {type(text).__name__}")
+                yield Document(text=text, source=f"{key}:{i + 1}", meta=row)
 
 
 def read_parquet(path: str | Path, text_field: str = "text") -> Iterator[Document]:
@@ -216,8 +219,11 @@ def read_parquet(path: str | Path, text_field: str = "text") -> Iterator[Documen
             for j, text in enumerate(texts):
                 if text is None:
                     continue
+                if not isinstance(text, str):
+                    raise ValueError(f"{f}: row {n + j}: text_field {text_field!r} must be a "
+                                     f"string, got {type(text).__name__}")
                 meta = {k: v[j] for k, v in cols.items()}
-                yield Document(text=str(text), source=f"{key}:{n + j}", meta=meta)
+                yield Document(text=text, source=f"{key}:{n + j}", meta=meta)
             n += len(texts)
 
 

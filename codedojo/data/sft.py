@@ -47,13 +47,26 @@ def read_sft_jsonl(path: str | Path) -> Iterator[tuple[list[Message], list[dict[
         for i, line in enumerate(fh):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            where = f"{path}:{i + 1}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: a JSON object expected, got {type(row).__name__}")
             msgs = row.get("messages")
             if not isinstance(msgs, list) or not msgs:
-                raise ValueError(f"{path}:{i + 1}: field 'messages' must be a non-empty list")
-            if not any(m.get("role") == "assistant" for m in msgs):
-                raise ValueError(f"{path}:{i + 1}: field 'messages' has no assistant turn to train")
-            yield msgs, row.get("tools")
+                raise ValueError(f"{where}: field 'messages' must be a non-empty list")
+            for k, m in enumerate(msgs):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                    raise ValueError(f"{where}: messages[{k}] must be an object with a role")
+            if not any(m["role"] == "assistant" for m in msgs):
+                raise ValueError(f"{where}: field 'messages' has no assistant turn to train")
+            tools = row.get("tools")
+            if tools is not None and not (isinstance(tools, list)
+                                          and all(isinstance(t, dict) for t in tools)):
+                raise ValueError(f"{where}: field 'tools' must be a list of objects")
+            yield msgs, tools
 
 
 def render_to_shards(convs: Iterable[tuple[list[Message], list[dict[str, Any]] | None]],

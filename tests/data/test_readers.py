@@ -155,3 +155,34 @@ def test_a_file_too_long_for_the_filters_is_skipped_unread(tmp_path, monkeypatch
     assert sorted(opened) == ["a.py", "b.py", "c.py"]  # 2,009 bytes <= 4 x 503: read
     assert [d.meta["path"] for d in docs] == ["a.py", "b.py"]
     assert stats.read == 4 and stats.rejected == {"too_long": 2}
+
+
+def test_long_documents_keep_to_their_length_and_have_ids_of_their_own():
+    from codedojo.data.corpus import concat_by_dir
+    from codedojo.data.readers import Document
+
+    docs = [Document("x" * 200, f"pkg/m{i}.py", {"path": f"pkg/m{i}.py"}) for i in range(3)]
+    docs.append(Document("y" * 10, "pkg/n.py", {"path": "pkg/n.py"}))
+    out = list(concat_by_dir(docs, 30, 150))
+    assert out and all(len(d.text) <= 150 for d in out)
+    assert len({d.source for d in out}) == len(out) == 3
+
+
+def test_data_that_is_not_what_its_reader_needs_is_named_by_file_and_line(tmp_path):
+    from codedojo.data.sft import read_sft_jsonl
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "ok"}\n{"text": {"code": "x = 1"}}\n')
+    with pytest.raises(ValueError, match=r"rows.jsonl:2: text_field 'text' must be a string"):
+        list(read_jsonl(rows))
+    sft = tmp_path / "sft.jsonl"
+    for line, why in (("{not json", r"sft.jsonl:1: not valid JSON"),
+                      ("[1]", r"sft.jsonl:1: a JSON object expected"),
+                      ('{"messages": [["user", "hi"]]}', r"messages\[0\] must be an object"),
+                      ('{"messages": [{"role": "assistant", "content": "a"}], "tools": "no"}',
+                       r"field 'tools' must be a list of objects")):
+        sft.write_text(line + "\n")
+        with pytest.raises(ValueError, match=why):
+            list(read_sft_jsonl(sft))
+    with pytest.raises(ValueError, match="max_files"):
+        SourceConfig(kind="dir", path=".", max_files=-1)
