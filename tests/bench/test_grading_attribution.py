@@ -7,12 +7,14 @@ import pytest
 
 from codedojo.bench import runner
 from codedojo.bench.runner import AgentResult, run_one
+from codedojo.bench.task import Timeouts
 from codedojo.bench.testrun import TestReport
 
 
 class _Task:
     instance_id, category = "t-1", "bugfix"
     FAIL_TO_PASS, PASS_TO_PASS = ["t.py::test_fix"], ["t.py::test_keep"]
+    timeouts = Timeouts()
 
 
 class _Images:
