@@ -57,6 +57,31 @@ class LocalExecutor:
         )
 
 
+# What configures or runs the test session itself. Grading takes these from the task, never
+# from the agent: a hook in a conftest.py, an option in a config file, a module that shadows
+# pytest or runs at interpreter start (sitecustomize, a .pth file) would pass tests unfixed.
+TEST_CONFIG_FILES = ("conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg",
+                     "pyproject.toml")
+TEST_RUNNER_MODULES = ("pytest", "_pytest", "pluggy", "py", "iniconfig", "sitecustomize",
+                       "usercustomize")
+
+
+def is_test_machinery(rel: str, python_path: Sequence[str] = (".",)) -> bool:
+    """Whether a path (relative to /workspace) configures or runs the test session (see
+    `TEST_CONFIG_FILES`): a config file anywhere, a .pth file, or a module named as the test
+    runner's at an import root (``python_path``: the task's folders on PYTHONPATH)."""
+    name = rel.rsplit("/", 1)[-1]
+    if name in TEST_CONFIG_FILES or name.endswith(".pth"):
+        return True
+    for root in python_path:
+        prefix = "" if root in (".", "") else root.strip("/") + "/"
+        if rel.startswith(prefix):
+            top = rel[len(prefix):].split("/", 1)[0]
+            if top.removesuffix(".py") in TEST_RUNNER_MODULES:
+                return True
+    return False
+
+
 @dataclass
 class TestReport:
     outcomes: dict[str, str] = field(default_factory=dict)

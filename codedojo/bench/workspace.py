@@ -10,18 +10,19 @@ sandbox is a name lookup plus `provider.create` (the `setup_ms_p50` figure of th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from codedojo.bench.patching import apply_patch_to_dir
 from codedojo.bench.source import cache_root, fetch_sdist, scrub, unpack
 from codedojo.bench.task import Task
-from codedojo.bench.testrun import PytestCommand, TestReport, run_pytest
+from codedojo.bench.testrun import PytestCommand, TestReport, is_test_machinery, run_pytest
 from codedojo.paths import staged_dir
 from codedojo.sandbox.base import WORKSPACE, Limits, Sandbox, SandboxError, SandboxSpec
 
@@ -29,33 +30,8 @@ VENV = "/opt/venv"
 _SKIP_CHANGE = ("__pycache__", ".pytest_cache", ".pyc")
 
 
-# What configures or runs the test session itself. Grading takes these from the task, never
-# from the agent: a hook in a conftest.py, an option in a config file, a module that shadows
-# pytest or runs at interpreter start (sitecustomize, a .pth file) would pass tests unfixed.
-TEST_CONFIG_FILES = ("conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg",
-                     "pyproject.toml")
-TEST_RUNNER_MODULES = ("pytest", "_pytest", "pluggy", "py", "iniconfig", "sitecustomize",
-                       "usercustomize")
-
-
 def _hidden(rel: str, hidden: list[str]) -> bool:
     return any(rel == h or rel.startswith(h.rstrip("/") + "/") for h in hidden)
-
-
-def test_machinery(rel: str, python_path: Sequence[str] = (".",)) -> bool:
-    """Whether a path (relative to /workspace) configures or runs the test session (see
-    `TEST_CONFIG_FILES`): a config file anywhere, a .pth file, or a module named as the test
-    runner's at an import root (``python_path``: the task's folders on PYTHONPATH)."""
-    name = rel.rsplit("/", 1)[-1]
-    if name in TEST_CONFIG_FILES or name.endswith(".pth"):
-        return True
-    for root in python_path:
-        prefix = "" if root in (".", "") else root.strip("/") + "/"
-        if rel.startswith(prefix):
-            top = rel[len(prefix):].split("/", 1)[0]
-            if top.removesuffix(".py") in TEST_RUNNER_MODULES:
-                return True
-    return False
 
 
 def hidden_from_agent(task: Task) -> list[str]:
@@ -180,7 +156,7 @@ def grade_changes(
 ) -> tuple[bool, TestReport]:
     """Apply the agent's changes to a FRESH grading copy and run the hidden tests there.
 
-    Changes to hidden test paths and to the test machinery (`test_machinery`) are ignored: the
+    Changes to hidden test paths and to the test machinery (`is_test_machinery`) are ignored: the
     tests that judge, and how they run, are the task's. Returns (resolved, the last report);
     resolved means every F2P test passed and every P2P test passed (or failed as expected,
     xfail) in every run: an F2P test that xfails was not fixed (`pytest.xfail()` in the code).
@@ -188,17 +164,8 @@ def grade_changes(
     sb = images.grade_sandbox(task)
     hidden = hidden_from_agent(task)
     try:
-        for rel, data in sorted(changes.items()):
-            if _hidden(rel, hidden) or test_machinery(rel, task.image.python_path):
-                continue
-            path = f"{WORKSPACE}/{rel}"
-            if data is None:
-                try:
-                    sb.remove(path)
-                except SandboxError:
-                    pass
-            else:
-                sb.write_file(path, data)
+        apply_changes(sb, changes, lambda rel: _hidden(rel, hidden)
+                      or is_test_machinery(rel, task.image.python_path))
         tests = task.FAIL_TO_PASS + task.PASS_TO_PASS
         ok = True
         report = TestReport()
@@ -208,6 +175,25 @@ def grade_changes(
         return ok, report
     finally:
         sb.destroy()
+
+
+def apply_changes(sb: Sandbox, changes: Mapping[str, bytes | None],
+                  skip: Callable[[str], bool]) -> None:
+    """Write an episode's changes (path under /workspace -> bytes; None: deleted) into ``sb``,
+    all but those ``skip`` names: deletions first, deepest first, and a directory where a file
+    now stands removed with what it held."""
+    for rel in sorted((r for r, d in changes.items() if d is None and not skip(r)),
+                      key=lambda r: -r.count("/")):
+        with contextlib.suppress(SandboxError, FileNotFoundError):
+            sb.remove(f"{WORKSPACE}/{rel}")
+    for rel, data in sorted(changes.items()):
+        if data is None or skip(rel):
+            continue
+        path = f"{WORKSPACE}/{rel}"
+        with contextlib.suppress(SandboxError, FileNotFoundError):
+            if sb.stat(path).kind == "dir":
+                sb.remove(path)
+        sb.write_file(path, data)
 
 
 def resolves(task: Task, report: TestReport) -> bool:

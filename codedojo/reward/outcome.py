@@ -1,33 +1,38 @@
 """Outcome reward from the task's tests: fail-to-pass must now pass, pass-to-pass must still pass.
 
-`run_tests` runs pytest inside the sandbox (the agent's environment, after the episode) and
-reads per-test results from pytest's `-rA` summary, which every pytest version prints the same
-way; a test that pytest never reports (not collected, crashed run) counts as failed. `grade`
-first puts back what an episode may not change: the tests' own files and the test machinery
-(conftest.py files, pytest configuration, modules that shadow pytest: the bench's
-`test_machinery`), as the sandbox's image had them, so that no change passes the tests by
-changing how they run.
+`run_tests` runs pytest in a sandbox and reads per-test results from pytest's `-rA` summary,
+which every pytest version prints the same way; a test that pytest never reports (not
+collected, crashed run) counts as failed. Results are read as the bench reads them
+(`codedojo.bench.testrun.TestReport`): a fail-to-pass test must pass (one that xfails, by
+`pytest.xfail()` in the code under test, was not fixed); a pass-to-pass test passes or fails
+as expected.
+
+`grade` judges an episode on a fresh sandbox of the task's image: the episode's changes to
+/workspace are applied there, all but the tests' own files and the test machinery
+(conftest.py files, pytest configuration, modules that shadow pytest: `is_test_machinery`),
+so nothing the episode did to how the tests run, nor anything outside /workspace (its home
+directory, links, processes still running), counts. Without a fresh sandbox it grades in the
+episode's own, after putting those files back as the image had them: for a trusted episode.
 """
 
 from __future__ import annotations
 
 import contextlib
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from codedojo.bench.testrun import parse_pytest_output
-from codedojo.bench.workspace import test_machinery
+from codedojo.bench.testrun import is_test_machinery, parse_pytest_output
+from codedojo.bench.workspace import apply_changes, collect_changes
 from codedojo.reward.base import RewardContext, TestReport, reward
 from codedojo.sandbox.base import WORKSPACE, Sandbox, SandboxError
 
-PASSING = ("passed", "xfail", "xpass")
-
 
 def parse_pytest_summary(output: str, tests: Sequence[str] = ()) -> dict[str, bool]:
-    """node id -> passed, from `pytest -rA` output (`parse_pytest_output`'s reading; XFAIL and
-    XPASS count as passing, as SWE-bench does); ``tests``: the ids asked for, found as written."""
+    """node id -> passed or failed as expected, from `pytest -rA` output; ``tests``: the ids
+    asked for, found as written."""
     report = parse_pytest_output(output, tests)
-    return {t: o in PASSING for t, o in report.outcomes.items()}
+    passed = report.passed()
+    return {t: t in passed for t in report.outcomes}
 
 
 def run_tests(
@@ -40,37 +45,45 @@ def run_tests(
     strict: Sequence[str] = (),
 ) -> dict[str, bool]:
     """Run the given pytest node ids in the sandbox; every requested id gets a result. Those
-    of ``strict`` pass only by passing (or xpassing), not by failing as expected."""
+    of ``strict`` pass only by passing, not by failing as expected."""
     if not tests:
         return {}
     line = f"{command} -rA -q -p no:cacheprovider " + " ".join(shlex.quote(t) for t in tests)
     r = sandbox.exec(line, cwd=cwd, timeout=timeout)
-    outcomes = parse_pytest_output(r.stdout + "\n" + r.stderr, tests).outcomes
-    fixed = set(strict)
-    return {t: outcomes.get(t) in (("passed", "xpass") if t in fixed else PASSING)
-            for t in tests}
+    report = parse_pytest_output(r.stdout + "\n" + r.stderr, tests)
+    passed, fixed = report.passed(), report.passed(strict=True)
+    strict_ids = set(strict)
+    return {t: t in (fixed if t in strict_ids else passed) for t in tests}
 
 
 def grade(sandbox: Sandbox, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], *,
-          python_path: Sequence[str] = (".",), **kw: object) -> TestReport:
-    """Run both test sets in ``sandbox`` once what judges them is as the image had it (see the
-    module's docstring). A fail-to-pass test that xfails was not fixed (`pytest.xfail()` in
-    the code under test)."""
+          fresh: Sandbox | None = None, python_path: Sequence[str] = (".",),
+          **kw: object) -> TestReport:
+    """Both test sets' results for the episode whose sandbox is ``sandbox``: run in ``fresh``
+    (a new sandbox of the task's image) with the episode's changes, or in ``sandbox`` itself
+    when none is given (see the module's docstring)."""
     tests = [*fail_to_pass, *pass_to_pass]
-    restore_test_files(sandbox, {t.split("::", 1)[0] for t in tests}, python_path)
-    results = run_tests(sandbox, tests, strict=fail_to_pass, **kw)  # type: ignore[arg-type]
+    files = {t.split("::", 1)[0] for t in tests}
+
+    def protected(rel: str) -> bool:
+        return rel in files or is_test_machinery(rel, python_path)
+
+    if fresh is not None:
+        apply_changes(fresh, collect_changes(sandbox), protected)
+    else:
+        restore(sandbox, protected)
+    results = run_tests(fresh or sandbox, tests, strict=fail_to_pass, **kw)  # type: ignore[arg-type]
     return TestReport(
         fail_to_pass={t: results[t] for t in fail_to_pass},
         pass_to_pass={t: results[t] for t in pass_to_pass},
     )
 
 
-def restore_test_files(sandbox: Sandbox, files: set[str], python_path: Sequence[str]) -> None:
-    """Put the changed test files and test machinery back as the sandbox's image had them
-    (paths relative to /workspace; one the image did not have is removed)."""
+def restore(sandbox: Sandbox, protected: Callable[[str], bool]) -> None:
+    """Put the changed paths ``protected`` names (relative to /workspace) back as the
+    sandbox's image had them; one the image did not have is removed."""
     for ch in sandbox.changes():
-        rel = ch.path.removeprefix(WORKSPACE + "/")
-        if rel not in files and not test_machinery(rel, python_path):
+        if not protected(ch.path.removeprefix(WORKSPACE + "/")):
             continue
         try:
             original = sandbox.read_original(ch.path)

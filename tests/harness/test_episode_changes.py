@@ -80,3 +80,51 @@ def test_the_outcome_is_graded_on_the_tests_and_machinery_as_the_image_had_them(
     # put back as the image had them: the test file, and no conftest.py (the image had none)
     assert sandbox.read_file(test_file) == sandbox.read_original(test_file)
     assert sandbox.exec("test -e conftest.py").exit_code == 1
+
+
+def test_a_fresh_copy_grades_only_what_the_episode_changed_in_its_tree(provider, repo_image,
+                                                                       sandbox):
+    """Graded on a fresh sandbox of the image, an episode cannot reach the tests through a
+    link put where the tests were (to a folder with a conftest hook), as it could in its own
+    sandbox, where the files put back went through the link; its fix in the code counts."""
+    from codedojo.reward.outcome import grade
+    from codedojo.sandbox.base import SandboxSpec
+    from tests.harness.conftest import F2P, LIMITS, P2P, SANDBOX_ENV
+
+    hook = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
+            "def pytest_runtest_makereport(item, call):\n"
+            "    rep = (yield).get_result()\n    rep.outcome, rep.longrepr = 'passed', None\n")
+    sandbox.exec("mkdir -p /tmp/t && cp -r tests/* /tmp/t/ && rm -rf tests && ln -s /tmp/t tests")
+    sandbox.write_file("/tmp/t/conftest.py", hook)
+    assert all(grade(sandbox, F2P, P2P).fail_to_pass.values())  # in its own sandbox: passed
+
+    def fresh():
+        return provider.create(SandboxSpec(image=repo_image, limits=LIMITS, env=SANDBOX_ENV))
+
+    copy = fresh()
+    try:
+        report = grade(sandbox, F2P, P2P, fresh=copy)
+        assert not any(report.fail_to_pass.values()) and all(report.pass_to_pass.values())
+    finally:
+        copy.destroy()
+    src = sandbox.read_file("inventory/stock.py").replace(b"i.qty < threshold",
+                                                          b"i.qty <= threshold")
+    sandbox.write_file("inventory/stock.py", src)  # the fix itself
+    copy = fresh()
+    try:
+        report = grade(sandbox, F2P, P2P, fresh=copy)
+        assert all(report.fail_to_pass.values()) and all(report.pass_to_pass.values())
+    finally:
+        copy.destroy()
+
+
+def test_changes_are_applied_deletions_first_and_a_file_may_replace_a_directory(sandbox):
+    """What `rm -rf inventory && echo hi > inventory` leaves, applied to a fresh copy: the
+    directory's files deleted, deepest first, and the file written where it was."""
+    from codedojo.bench.workspace import apply_changes
+
+    files = sandbox.exec("cd /workspace && find inventory -type f").stdout.split()
+    changes = {**dict.fromkeys(files), "inventory": b"hi\n", "README.md": None}
+    apply_changes(sandbox, changes, skip=lambda rel: rel == "README.md")
+    assert sandbox.read_file("inventory") == b"hi\n"
+    assert sandbox.exec("test -f README.md").exit_code == 0  # skipped
