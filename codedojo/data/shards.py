@@ -97,6 +97,12 @@ class ShardWriter:
         return self.dir
 
 
+def document_ids(tokenizer: TextEncoder, text: str, eos_id: int | None) -> list[int]:
+    """A document's ids as a corpus holds them: its text all text (one that spells a control
+    token does not get that token), then EOS."""
+    return tokenizer.encode(text, special=False) + ([] if eos_id is None else [eos_id])
+
+
 def tokenize_to_shards(docs: Iterable[Document], tokenizer: TextEncoder, out_dir: str | Path,
                        vocab_size: int, eos_id: int | None, shard_tokens: int = 1 << 24,
                        max_tokens: int | None = None) -> Path:
@@ -106,9 +112,7 @@ def tokenize_to_shards(docs: Iterable[Document], tokenizer: TextEncoder, out_dir
     w = ShardWriter(out_dir, vocab_size, eos_id, shard_tokens)
     total = 0
     for d in docs:
-        ids = list(tokenizer.encode(d.text, special=False))
-        if eos_id is not None:
-            ids.append(eos_id)
+        ids = document_ids(tokenizer, d.text, eos_id)
         w.add(ids)
         total += len(ids)
         if max_tokens is not None and total >= max_tokens:

@@ -568,7 +568,7 @@ def prepare_data(cfg: PretrainConfig, tok: Any, run_dir: Path) -> RunData:
     made_by = getattr(tok, "fingerprint", None)
     if (d / "done.json").exists():
         was = json.loads((d / "done.json").read_text()).get("tokenizer")
-        if was is not None and made_by is not None and was != made_by:
+        if made_by is not None and was != made_by:  # (none recorded: made before they were)
             raise ValueError(f"{d}: the data was tokenized by another tokenizer ({was}, this one "
                              f"is {made_by}): start the run anew in another directory")
     else:
@@ -616,7 +616,7 @@ def prompt_pool(cfg: PretrainConfig, stage: StageConfig, tok: Any, d: Path) -> P
     tokens equal a corpus document's is left out: held-out code stays unseen by the drafts, and
     no window is drawn twice."""
     from codedojo.data.corpus import CorpusConfig, clean_documents
-    from codedojo.data.shards import ShardWriter
+    from codedojo.data.shards import ShardWriter, document_ids
 
     g = stage.self_gen
     assert g is not None and g.sources
@@ -630,14 +630,13 @@ def prompt_pool(cfg: PretrainConfig, stage: StageConfig, tok: Any, d: Path) -> P
         return hashlib.sha1(ids.astype(np.int64).tobytes()).digest()
 
     seen = {key(s.doc(i)) for s in (train, held) for i in range(len(s))}
-    eos = [] if tok.eos_id is None else [tok.eos_id]  # as the corpus's documents end
     w = ShardWriter(out, tok.vocab_size, tok.eos_id)
     for i in range(len(train)):
         w.add(train.doc(i))
     extra = CorpusConfig(sources=g.sources, filters=cfg.corpus.filters, dedup=cfg.corpus.dedup)
     kept = 0
     for doc in clean_documents(extra):
-        ids = np.asarray(tok.encode(doc.text) + eos, np.int64)
+        ids = np.asarray(document_ids(tok, doc.text, tok.eos_id), np.int64)  # as the corpus's
         k = key(ids)
         if k not in seen:
             seen.add(k)

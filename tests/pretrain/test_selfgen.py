@@ -408,6 +408,7 @@ def test_a_run_s_data_is_used_only_with_the_tokenizer_that_made_it(tmp_path):
     done = cfg.run_dir / "data" / "done.json"
     assert json.loads(done.read_text())["tokenizer"] == tok.fingerprint
     prepare_data(cfg, tok, cfg.run_dir)  # the same: found again
-    done.write_text(json.dumps({**json.loads(done.read_text()), "tokenizer": "0" * 16}))
-    with pytest.raises(ValueError, match="tokenized by another tokenizer"):
-        prepare_data(cfg, tok, cfg.run_dir)
+    for was in ("0" * 16, None):  # another's, or none recorded (made before they were)
+        done.write_text(json.dumps({**json.loads(done.read_text()), "tokenizer": was}))
+        with pytest.raises(ValueError, match="tokenized by another tokenizer"):
+            prepare_data(cfg, tok, cfg.run_dir)
