@@ -96,6 +96,13 @@ class BuildRecipe(BaseModel):
     """The pytest version the tasks pin (default: the building interpreter's)."""
     packages: list[PackageRecipe]
 
+    @field_validator("pytest")
+    @classmethod
+    def _pytest_version(cls, v: str | None) -> str | None:
+        if v is not None:
+            pinned(f"pytest=={v}")
+        return v
+
     def digest(self) -> str:
         # (fields left unset are left out: a recipe written before they were is the same)
         return hashlib.sha256(self.model_dump_json(exclude_none=True).encode()).hexdigest()

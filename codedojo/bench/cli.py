@@ -38,14 +38,17 @@ def _load(suite: str):
 def _select(s, split: str | None, limit: int | None, ids: list[str] | None):
     """The split's tasks (all without one), those of ``ids`` only when given: a task outside
     the split is named, never run (a train task in a test run would leak)."""
-    tasks = s.split(split) if split else list(s.tasks)
+    try:
+        tasks = s.split(split) if split else list(s.tasks)
+    except KeyError as e:
+        raise typer.BadParameter(str(e.args[0]), param_hint="--split") from None
     if ids:
-        for i in ids:
-            s[i]  # an unknown id: KeyError naming it
         chosen = {t.instance_id: t for t in tasks}
-        outside = [i for i in ids if i not in chosen]
-        if outside:
-            raise KeyError(f"--task {outside[0]!r} is not in split {split!r}")
+        known = {t.instance_id for t in s.tasks}
+        for i in ids:
+            if i not in chosen:
+                why = f"is not in split {split!r}" if i in known else f"is no task of {s.name!r}"
+                raise typer.BadParameter(f"{i!r} {why}", param_hint="--task")
         tasks = [chosen[i] for i in ids]
     return tasks if limit is None else tasks[:limit]
 
@@ -154,10 +157,7 @@ def run(
     if agent not in AGENTS:
         raise typer.BadParameter(f"unknown agent {agent!r}; one of {', '.join(AGENTS)}", param_hint="--agent")
     s = _load(suite)
-    try:
-        tasks = _select(s, split, limit, task)
-    except KeyError as e:
-        raise typer.BadParameter(str(e.args[0]), param_hint="--task") from None
+    tasks = _select(s, split, limit, task)
     bench_agent = _make_agent(agent, max_turns, max_tokens, base_url)
     _run_and_report(s.name, tasks, bench_agent, name or f"{s.name}-{agent}", samples, parallel, out_dir)
 
@@ -176,7 +176,7 @@ def _make_agent(agent: str, max_turns: int, max_tokens: int, base_url: str | Non
 
 def _run_and_report(suite_name, tasks, bench_agent, name, samples, parallel, out_dir):
     from codedojo.bench.report import markdown, write_report
-    from codedojo.bench.runner import run_agent
+    from codedojo.bench.runner import StoppedRunMismatch, run_agent
     from codedojo.bench.workspace import TaskImages, default_provider
 
     con = _console()
@@ -194,7 +194,7 @@ def _run_and_report(suite_name, tasks, bench_agent, name, samples, parallel, out
                 result = run_agent(TaskImages(provider), bench_agent, tasks, name=name,
                                    suite=suite_name, samples=samples, parallel=parallel,
                                    out_dir=out_dir, progress=progress)
-            except ValueError as e:  # a stopped run of another kind under that name
+            except StoppedRunMismatch as e:
                 raise typer.BadParameter(str(e), param_hint="--name") from None
     finally:
         provider.close()

@@ -11,6 +11,7 @@ The agent's episode ends at the task's `timeouts.agent_s`; what it changed by th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -220,7 +221,9 @@ def _solve_in_time(agent: BenchAgent, task: Task, sb: Sandbox, out_dir: Path) ->
     worker = threading.Thread(target=solve, name=f"agent-{task.instance_id}", daemon=True)
     worker.start()
     worker.join(task.timeouts.agent_s * 1.1 + 1.0)
-    if worker.is_alive():
+    if worker.is_alive():  # what its commands are still doing stops here, before the collect
+        with contextlib.suppress(SandboxError):
+            sb.exec(["kill", "-KILL", "-1"], timeout=10)
         return AgentResult(status="max_seconds")
     if "error" in done:
         raise done["error"]
@@ -334,6 +337,10 @@ def run_agent(
     return run
 
 
+class StoppedRunMismatch(ValueError):
+    """A run's name holds a stopped run that this one cannot go on with."""
+
+
 def _finished(partial: Path, header: dict[str, Any]) -> list[TaskResult]:
     """The episodes a stopped run logged, where it is this run's (see `run_agent`)."""
     lines = partial.read_text().splitlines() if partial.exists() else []
@@ -349,6 +356,8 @@ def _finished(partial: Path, header: dict[str, Any]) -> list[TaskResult]:
             out.append(TaskResult(**json.loads(line)))
         except (ValueError, TypeError):  # a line the stop cut short
             break
+    if not out:  # no result to keep: the log is begun again
+        return []
     why = [f"{k} {was.get(k)!r}, not {header[k]!r}" for k in ("agent", "suite", "samples")
            if was.get(k) != header[k]]
     tasks, had = header["tasks"], was.get("tasks") or {}
@@ -360,7 +369,7 @@ def _finished(partial: Path, header: dict[str, Any]) -> list[TaskResult]:
     if changed:
         why.append(f"tasks whose content changed since: {', '.join(changed[:3])}")
     if why:
-        raise ValueError(f"{partial.parent}: a stopped run is there, of another kind ("
+        raise StoppedRunMismatch(f"{partial.parent}: a stopped run is there, of another kind ("
                          f"{'; '.join(why)}); start it again as it was, or give this run "
                          f"another name (its log {partial.name} is left as it is)")
     return out

@@ -169,6 +169,7 @@ def parse_pytest_output(text: str, tests: Sequence[str] = ()) -> TestReport:
     or its start before " - "); a PASSED line, which gives no reason, is an id whole; other
     ids end at the first " - "."""
     report = TestReport()
+    known = frozenset(tests)
     e_lines: dict[str, list[str]] = {}
     current: str | None = None
     in_summary = False
@@ -185,8 +186,7 @@ def parse_pytest_output(text: str, tests: Sequence[str] = ()) -> TestReport:
                 rest = line[len(kind) + 1:]
                 if kind == "PASSED":
                     nodeid, msg = rest, None
-                elif asked := max((t for t in tests if rest == t or rest.startswith(t + " - ")),
-                                  key=len, default=None):
+                elif asked := _known_id(rest, known):
                     nodeid, msg = asked, rest[len(asked) + 3:] or None
                 outcome = kind.lower()
                 if outcome == "skipped" and nodeid.startswith("["):
@@ -213,6 +213,14 @@ def parse_pytest_output(text: str, tests: Sequence[str] = ()) -> TestReport:
         if lines:
             report.messages[nodeid] = "\n".join(lines[:12])
     return report
+
+
+def _known_id(rest: str, known: frozenset[str]) -> str | None:
+    """The longest of ``known`` that a summary line's rest is, or starts before a " - "."""
+    if rest in known:
+        return rest
+    cuts = [i for i in range(len(rest)) if rest.startswith(" - ", i)]
+    return next((rest[:i] for i in reversed(cuts) if rest[:i] in known), None)
 
 
 def _headline(nodeid: str) -> str:

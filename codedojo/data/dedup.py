@@ -79,7 +79,7 @@ class DedupStats:
     near_dupes: int = 0
 
 
-def near_duplicate_groups(texts: list[str], cfg: DedupConfig) -> list[int]:
+def kept_originals(texts: list[str], cfg: DedupConfig) -> list[int]:
     """For each text, the index of the earlier kept text it nearly duplicates, or itself when
     it is kept: a text goes only for one at or above the threshold that stays. (Clustering
     every similar pair would chain: in a series of edits A, B, C, D, E each near the next, E
@@ -124,9 +124,9 @@ def dedup(docs: Iterable[Document], cfg: DedupConfig | None = None,
     if not cfg.near:
         yield from kept
         return
-    roots = near_duplicate_groups([d.text for d in kept], cfg)
+    original = kept_originals([d.text for d in kept], cfg)
     for i, d in enumerate(kept):
-        if roots[i] == i:
+        if original[i] == i:
             yield d
         else:
             stats.near_dupes += 1

@@ -160,6 +160,7 @@ def _too_long(size: int, max_bytes: int | None, skipped: Counter[str] | None) ->
 def _blob_sizes(repo: Path, revs: list[str]) -> dict[str, int]:
     """The size of each blob (``HEAD:./path``) in bytes, from one `git cat-file` (a path not
     in HEAD, such as a file deleted but not committed, is left out)."""
+    revs = [r for r in revs if "\n" not in r]  # (one line a name: such a path is read)
     out = subprocess.run(["git", "-C", str(repo), "cat-file", "--batch-check=%(objectsize)"],
                          input="".join(f"{r}\n" for r in revs).encode(), capture_output=True,
                          check=True).stdout.decode().splitlines()

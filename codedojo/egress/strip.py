@@ -17,7 +17,7 @@ import re
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from urllib.parse import quote, quote_plus
+from urllib.parse import quote, quote_plus, unquote_plus
 
 from codedojo.egress.policy import EgressPolicy
 
@@ -118,8 +118,6 @@ class SecretSet:
     def escaped(self, text: str) -> set[str]:
         """The secrets ``text`` holds once its percent-escapes are read (``%2D`` for "-", or
         any other character escaped where it need not be, as `redact` does not look for)."""
-        from urllib.parse import unquote_plus
-
         return self.redact_name_str(unquote_plus(text))[1]
 
 

@@ -422,16 +422,18 @@ class Engine:
                     self._decode_step(self._live)
                 self._retire()
             except Exception as e:
-                log.exception("an engine step failed; its requests end with an error")
+                log.exception("an engine step failed")
                 self._fail_step(f"{type(e).__name__}: {e}")
 
     def _fail_step(self, error: str) -> None:
         """After a failed step: a request that was alone in the failing pass (a prefill, or a
         decode step), or that was in ``MAX_FAILURES`` failed steps, ends with finish reason
         "error" and ``error``. The others of the pass are put back at the head of the queue,
-        each to be prefilled again in a batch of its own with what it generated (a request
-        that makes every pass it is in fail then fails alone), and so are the live requests
-        that were not in it. Every cache slot is emptied (a failed pass may have written any)."""
+        each to be prefilled again in a batch of its own with what it generated, and so are
+        the live requests that were not in it. A request whose every prefill fails thus fails
+        alone; one that fails only in batched decoding brings a failed step to each request
+        decoded with it, and after ``MAX_FAILURES`` of them they all end. Every cache slot is
+        emptied (a failed pass may have written any)."""
         ran = self._admitting or self._live  # the requests of the pass that failed
         for r in ran:
             r.failures += 1

@@ -23,7 +23,6 @@ import http.client
 import importlib
 import itertools
 import json
-import math
 import socket
 import threading
 import time
@@ -37,7 +36,7 @@ from starlette.concurrency import run_in_threadpool
 
 from codedojo.harness.tools.base import ToolContext, ToolResult
 from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
-from codedojo.sandbox.base import Sandbox, SandboxProvider
+from codedojo.sandbox.base import Sandbox, SandboxError, SandboxProvider, seconds
 
 PARSE_ERROR = -32700
 INVALID_PARAMS = -32602
@@ -126,9 +125,10 @@ class ToolServer:
             if "name" not in p:
                 raise RPCError(INVALID_PARAMS, "name: required")
             left = p.get("time_left")
-            if left is not None and (isinstance(left, bool) or not isinstance(left, int | float)
-                                     or not 0 < left < math.inf):
-                raise RPCError(INVALID_PARAMS, f"time_left: must be seconds > 0, got {left!r}")
+            try:
+                left = None if left is None else seconds(left, "time_left")
+            except SandboxError as e:
+                raise RPCError(INVALID_PARAMS, str(e)) from None
             return self.session(_req(p, "episode_id")).call(
                 p["name"], p.get("arguments"), left).to_dict()
         if method == "episode.open":

@@ -29,8 +29,9 @@ from codedojo.harness.tools.base import (
     invoke,
     tool_schema,
 )
+from codedojo.sandbox.base import MAX_SECONDS
 
-Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
 
 
 class EnvToolConfig(BaseModel):
@@ -50,8 +51,7 @@ class EnvToolConfig(BaseModel):
         description="strict: unknown arguments and wrong types are errors; lenient: unknown "
         "arguments are dropped and string forms of numbers/booleans are accepted.",
     )
-    default_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False,
-                                     description="Wall-clock limit of one tool call.")
+    default_timeout_s: Seconds = Field(60.0, description="Wall-clock limit of one tool call.")
     timeouts: dict[str, Seconds] = Field(default_factory=dict, description="Per-tool limits (s).")
     max_output_chars: int = Field(20_000, ge=200, description="Tool output beyond this is truncated.")
 

@@ -29,8 +29,10 @@ def final_todos(traj: Trajectory) -> list[dict[str, str]]:
     with their arguments as the tool took them."""
     if isinstance(traj.tool_state.get("todos"), list):
         return traj.tool_state["todos"]
-    failed = {m.get("tool_call_id") for m in traj.messages
-              if m.get("role") == "tool" and str(m.get("content") or "").startswith("Error:")}
+    records = [c for t in traj.turns for c in t.tool_calls]
+    failed = {c.call_id for c in records if c.is_error} if records else {
+        m.get("tool_call_id") for m in traj.messages  # a trajectory without the turns' records
+        if m.get("role") == "tool" and str(m.get("content") or "").startswith("Error:")}
     todos: list[dict[str, str]] = []
     for m in traj.messages:
         if m.get("role") != "assistant":

@@ -19,6 +19,20 @@ class SandboxError(Exception):
     """A request the sandbox refuses (bad path, missing layer, limit exceeded, unknown id)."""
 
 
+MAX_SECONDS = 7 * 24 * 3600.0  # a time limit past a week is a mistake (and 1e300 overflows)
+
+
+def seconds(value: object, field: str) -> float:
+    """A time limit: a number of seconds in (0, MAX_SECONDS] (NaN would pass every deadline
+    check unnoticed)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or \
+            not 0 < value <= MAX_SECONDS:
+        raise SandboxError(f"{field}: must be a finite number of seconds > 0, at most "
+                           f"{MAX_SECONDS:g}, got {value!r}")
+    return float(value)
+
+
+
 @dataclass(frozen=True)
 class ExecResult:
     exit_code: int

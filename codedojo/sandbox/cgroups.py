@@ -5,12 +5,12 @@ uses memory.max / pids.max / cpu.max and `cgroup.kill`. v1 (one hierarchy per co
 this project's CI) uses memory.limit_in_bytes (+ memsw when present), pids.max, cpu.cfs_quota_us
 and the freezer to stop every task before killing it, so a fork loop cannot outrun the kill.
 
-A sandbox's cgroup goes under `<cgroup of this process>/codedojo/<id>` when that is writable,
-else under `/codedojo/<id>` at the hierarchy's root. On v2 a cgroup that holds processes
-cannot pass controllers to its children (the kernel answers EBUSY), and this process's own
-cgroup holds this process: there `codedojo/` goes beside it (in its parent, which systemd's
-slices and scopes leave free of processes), else at the root; where none of these can have
-the controllers, creating the manager says why.
+On v1 a sandbox's cgroup goes under `<cgroup of this process>/codedojo/<id>` when that is
+writable, else under `/codedojo/<id>` at the hierarchy's root. On v2 a cgroup that holds
+processes cannot pass controllers to its children (the kernel answers EBUSY), and this
+process's own cgroup holds this process: there `codedojo/` goes beside it (in its parent,
+which systemd's slices and scopes leave free of processes), else at the root; where neither
+can have the controllers, creating the manager says why.
 """
 
 from __future__ import annotations
@@ -61,11 +61,12 @@ def _base_dir(hierarchy: str, own: str) -> str:
 
 
 def _v2_base(own: str) -> str:
-    """The v2 `codedojo` directory: in this process's cgroup, beside it, or at the root; the
-    first where every one of `V2_CONTROLLERS` can be passed down to the sandboxes' cgroups."""
+    """The v2 `codedojo` directory: beside this process's cgroup, or at the root; the first
+    where every one of `V2_CONTROLLERS` can be passed down to the sandboxes' cgroups."""
     own_dir = os.path.normpath(os.path.join(CGROUP_FS, own.lstrip("/")))
     why: list[str] = []
-    for parent in dict.fromkeys((own_dir, os.path.dirname(own_dir) if own_dir != CGROUP_FS
+    # (not in our own cgroup, which holds this process: the kernel would refuse, EBUSY)
+    for parent in dict.fromkeys((os.path.dirname(own_dir) if own_dir != CGROUP_FS
                                  else own_dir, CGROUP_FS)):
         base = os.path.join(parent, "codedojo")
         made = not os.path.isdir(base)

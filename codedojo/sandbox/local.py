@@ -58,6 +58,7 @@ from codedojo.sandbox.base import (
     Limits,
     SandboxError,
     SandboxSpec,
+    seconds,
 )
 from codedojo.sandbox.cgroups import Cgroup, CgroupManager
 from codedojo.sandbox.images import (
@@ -154,19 +155,6 @@ def validate_limits(limits: Limits) -> None:
     seconds(limits.exec_timeout_s, "limits.exec_timeout_s")
 
 
-MAX_SECONDS = 7 * 24 * 3600.0  # a time limit past a week is a mistake (and 1e300 overflows)
-
-
-def seconds(value: object, field: str) -> float:
-    """A time limit: a number of seconds in (0, MAX_SECONDS] (NaN would pass every deadline
-    check unnoticed)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or \
-            not 0 < value <= MAX_SECONDS:
-        raise SandboxError(f"{field}: must be a finite number of seconds > 0, at most "
-                           f"{MAX_SECONDS:g}, got {value!r}")
-    return float(value)
-
-
 def sandbox_path(path: str, field: str = "path") -> str:
     """Normalise a path inside the sandbox: relative paths are below /workspace and may not
     climb out of it; absolute paths may not climb above /. Raises SandboxError otherwise."""
@@ -192,16 +180,21 @@ def _exit_code(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
+def _utf8(text: str, field: str) -> bytes:
+    try:
+        return text.encode()
+    except UnicodeEncodeError:  # a lone surrogate: no bytes stand for it (the value not shown:
+        raise SandboxError(f"{field}: not text that UTF-8 can carry (a lone surrogate)"  # a secret?
+                           ) from None
+
+
 class _Process:
     """One command started by the sandbox's init: its pipes and its control connection."""
 
     def __init__(self, address: bytes, argv: Sequence[str], env: Mapping[str, str], cwd: str):
-        fields = [cwd, str(len(argv)), *argv, str(len(env)), *(f"{k}={v}" for k, v in env.items())]
-        try:
-            payload = b"\0".join(f.encode() for f in fields) + b"\0"
-        except UnicodeEncodeError as e:  # a lone surrogate: no bytes stand for it
-            raise SandboxError(f"command: {e.object[max(0, e.start - 20):e.end + 20]!r} is not "
-                               f"text that UTF-8 can carry (a lone surrogate)") from None
+        fields = [_utf8(cwd, "cwd"), str(len(argv)).encode(), *(_utf8(a, "command") for a in argv),
+                  str(len(env)).encode(), *(_utf8(f"{k}={v}", f"env {k!r}") for k, v in env.items())]
+        payload = b"\0".join(fields) + b"\0"
         self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             self.conn.connect(address)
@@ -277,7 +270,7 @@ def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
     exited_at: float | None = None
     try:
         while True:
-            if shell and all(scan.found for scan in shell.values()):
+            if shell and (all(scan.found for scan in shell.values()) or not open_streams):
                 break
             if exited_at is not None and (not open_streams or time.monotonic() - exited_at > EXIT_GRACE_S):
                 break
@@ -314,8 +307,6 @@ def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
                     if not data:
                         sel.unregister(fd)
                         open_streams.discard(fd)  # type: ignore[arg-type]
-                        if shell and not open_streams:
-                            break
                         continue
                     buf = bufs[fd]  # type: ignore[index]
                     room = cap - len(buf)
@@ -326,21 +317,11 @@ def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
                         truncated |= len(data) > room
                     else:
                         truncated = True
-            else:
-                continue
-            break  # (a shell's streams both closed)
     finally:
         sel.close()
     if shell:
         return shell[proc.stdout].output(), shell[proc.stderr].output(), timed_out, truncated
     return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), timed_out, truncated
-
-
-def _read_all(fd: int) -> bytes:
-    chunks = []
-    while chunk := os.read(fd, 1 << 20):
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _files_below(stack: LayerStack, rel: str) -> list[str]:
@@ -414,17 +395,12 @@ class LocalShell:
     def run(self, command: str, timeout: float | None = None) -> ExecResult:
         if not isinstance(command, str) or "\0" in command:
             raise SandboxError("command: the shell takes one string without NUL bytes")
-        try:
-            command.encode()
-        except UnicodeEncodeError:
-            raise SandboxError("command: not text that UTF-8 can carry (a lone surrogate)"
-                               ) from None
         t0 = time.monotonic()
         limits = self.sandbox.spec.limits
         timeout = limits.exec_timeout_s if timeout is None else seconds(timeout, "timeout")
         with self._lock:
+            payload = _utf8(command, "command")
             proc = self._start()
-            payload = command.encode()
             m = self._marker.decode()
             # `read -N` (bytes, with LC_ALL=C) takes exactly the command off stdin, so no quoting
             # can desynchronise the stream and no helper process is spawned per call.
@@ -857,13 +833,21 @@ class LocalSandbox:
             if not stat.S_ISREG(st.st_mode):
                 raise SandboxError(f"path: {p} is not a regular file")
             self._check_readable(st, p)
-            cap = self.spec.limits.disk_mb << 20
-            if st.st_size > cap:  # only a sparse file is larger than the disk it is on
-                raise SandboxError(f"path: {p} holds {st.st_size} bytes, more than the "
-                                   f"sandbox's disk ({self.spec.limits.disk_mb} MB)")
-            return _read_all(fd)
+            return self._read_all(fd, p)
         finally:
             os.close(fd)
+
+    def _read_all(self, fd: int, p: str) -> bytes:
+        """A regular file's bytes; refused past the sandbox's disk, which only a sparse file
+        can be (read whole, a `truncate -s 1T` would take the host's memory)."""
+        size, cap = os.fstat(fd).st_size, self.spec.limits.disk_mb << 20
+        if size > cap:
+            raise SandboxError(f"path: {p} holds {size} bytes, more than the sandbox's disk "
+                               f"({self.spec.limits.disk_mb} MB)")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         p = sandbox_path(path)
@@ -1034,7 +1018,7 @@ class LocalSandbox:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise SandboxError(f"path: {p} is not a regular file in the sandbox's image")
-            return _read_all(fd)
+            return self._read_all(fd, p)
         finally:
             os.close(fd)
 

@@ -3,6 +3,11 @@ from typer.testing import CliRunner
 from codedojo.cli import app
 
 
+def said(res) -> str:
+    """A command's output as one line, without the error box's borders."""
+    return " ".join(res.output.replace("│", " ").split())
+
+
 def test_bench_commands_on_the_fixture_suite(tiny_suite, provider, monkeypatch, tmp_path):
     monkeypatch.setenv("CODEDOJO_SANDBOX_ROOT", provider.root)  # reuse the session's built images
     runner = CliRunner()
@@ -19,10 +24,13 @@ def test_bench_commands_on_the_fixture_suite(tiny_suite, provider, monkeypatch, 
     train = tiny_suite.manifest.splits["train"]
     res = runner.invoke(app, ["bench", "run", str(tiny_suite.path), "--agent", "null", "--split",
                               "test", "--task", train[0], "--out-dir", str(tmp_path)])
-    assert res.exit_code == 2 and "is not in split 'test'" in " ".join(res.output.split())
+    assert res.exit_code == 2 and "is not in split 'test'" in said(res)
     res = runner.invoke(app, ["bench", "run", str(tiny_suite.path), "--agent", "null", "--task",
                               "nope", "--out-dir", str(tmp_path)])
-    assert res.exit_code == 2 and "has no task 'nope'" in " ".join(res.output.split())
+    assert res.exit_code == 2 and "'nope' is no task of" in said(res)
+    res = runner.invoke(app, ["bench", "run", str(tiny_suite.path), "--agent", "null", "--split",
+                              "dev", "--out-dir", str(tmp_path)])
+    assert res.exit_code == 2 and "--split" in res.output and "no split 'dev'" in said(res)
     # a copied run reports beside its own results, and leaves the original's alone
     import shutil
 

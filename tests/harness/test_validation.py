@@ -102,6 +102,14 @@ def test_a_number_that_is_not_finite_is_refused(lenient):
     assert validate_args({"command": "x", "timeout": 5}, schema, lenient=lenient)["timeout"] == 5
 
 
+def test_an_integer_too_large_for_a_float_is_checked_without_a_crash():
+    """(`math.isfinite(10**400)` raises OverflowError: only floats can be NaN or infinite.)"""
+    from codedojo.harness.tools.terminal import RUN_TERMINAL_CMD
+
+    args = {"command": "x", "timeout": 10**400}
+    assert validate_args(args, RUN_TERMINAL_CMD.parameters) == args
+
+
 @pytest.mark.parametrize("value", ["--5", "²", "1_0", "+"])
 def test_lenient_integers_that_are_no_integers_name_the_argument(value):
     with pytest.raises(ToolError, match="argument '-A' must be of type integer"):
@@ -114,7 +122,7 @@ def test_env_config_limits_and_pins_name_what_is_wrong():
         EnvToolConfig(tools=["read_file"], timeouts={"run_termnal_cmd": 900})
     with pytest.raises(ValueError, match=r"versions: \['grep'\] not among the tools"):
         EnvToolConfig(tools=["read_file"], versions={"grep": "1"})
-    for bad in (-1, 0, float("nan"), float("inf")):
+    for bad in (-1, 0, float("nan"), float("inf"), 30 * 24 * 3600):  # (a month: a mistake)
         with pytest.raises(ValueError, match="timeouts.read_file"):
             EnvToolConfig(tools=["read_file"], timeouts={"read_file": bad})
     with pytest.raises(ValueError, match="default_timeout_s"):

@@ -1,6 +1,6 @@
 import pytest
 
-from codedojo.harness.trajectory import Trajectory, Turn
+from codedojo.harness.trajectory import ToolCallRecord, Trajectory, Turn
 from codedojo.reward import REWARDS, RewardConfig, RewardContext, TestReport, compute_reward, reward
 from codedojo.reward.outcome import outcome, parse_pytest_summary
 
@@ -92,8 +92,7 @@ def _episode(turns: int, solved: bool, tokens: int = 150, output: int = 500) -> 
     """An episode of ``turns`` tool-calling turns and a final answer, its tests passed or not."""
     t = Trajectory(task="t", messages=[{"role": "user", "content": "u"}])
     t.turns = [Turn(index=i, segment=0, kind="action", message={}, completion_tokens=tokens,
-                    tool_calls=[{"id": str(i), "type": "function",
-                                 "function": {"name": "grep", "arguments": "{}"}}],
+                    tool_calls=[ToolCallRecord(str(i), "grep", "1", False, False, 0.1, 4 * output)],
                     tool_output_tokens=output) for i in range(turns)]
     t.turns.append(Turn(index=turns, segment=0, kind="action", message={}, completion_tokens=60))
     return RewardContext(t, tests=TestReport({"a": solved}, {}))

@@ -58,7 +58,7 @@ def test_v2_sandbox_cgroups_go_beside_a_cgroup_that_holds_processes(v2):
     base = v2 / "slice" / "codedojo"  # `own` holds a process: its children get no controller
     assert manager.bases == {"v2": str(base)}
     assert (base / "cgroup.subtree_control").read_text().split() == ["hugetlb"]
-    assert not (v2 / "slice" / "own" / "codedojo").exists()  # tried, and not left behind
+    assert not (v2 / "slice" / "own" / "codedojo").exists()  # never tried
     (base / "sb").mkdir()
     assert "hugetlb" in (base / "sb" / "cgroup.controllers").read_text().split()
 

@@ -199,7 +199,7 @@ def _check(value: Any, schema: Mapping[str, Any], where: str, lenient: bool) -> 
     if "enum" in schema and value not in schema["enum"]:
         raise ToolError(f"argument {where!r} must be one of {schema['enum']}, got {value!r}")
     if typ in ("integer", "number"):
-        if not math.isfinite(value):  # NaN passes every comparison: no limit would hold
+        if isinstance(value, float) and not math.isfinite(value):  # NaN passes every test
             raise ToolError(f"argument {where!r} must be a finite number, got {value!r}")
         if "minimum" in schema and value < schema["minimum"]:
             raise ToolError(f"argument {where!r} must be >= {schema['minimum']}, got {value!r}")

@@ -46,13 +46,17 @@ def _exists(ctx: ToolContext, path: str) -> bool:
         return False
 
 
-def _write_text(ctx: ToolContext, path: str, text: str) -> None:
+def _write_text(ctx: ToolContext, path: str, text: str) -> int:
+    """Write ``text`` (bytes kept from a read with "surrogateescape" go back as they were);
+    returns the bytes written."""
     parent = posixpath.dirname(path)
     if parent and not _exists(ctx, parent):
         r = ctx.sandbox.exec(["mkdir", "-p", parent], timeout=ctx.timeout_s)
         if r.exit_code != 0:
             raise ToolError(f"cannot create directory {parent}: {r.stderr.strip()}")
-    ctx.sandbox.write_file(path, text.encode("utf-8", errors="surrogateescape"))
+    data = text.encode("utf-8", errors="surrogateescape")
+    ctx.sandbox.write_file(path, data)
+    return len(data)
 
 
 # ---- read_file ------------------------------------------------------------------------------
@@ -257,8 +261,7 @@ SEARCH_REPLACE = FunctionTool(
 def _write(ctx: ToolContext, args: dict[str, Any]) -> str:
     path = resolve(args["file_path"])
     ctx.remember_edit(path)
-    _write_text(ctx, path, args["contents"])
-    return f"Wrote {len(args['contents'].encode('utf-8'))} bytes to {path}."
+    return f"Wrote {_write_text(ctx, path, args['contents'])} bytes to {path}."
 
 
 WRITE = FunctionTool(
