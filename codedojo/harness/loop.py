@@ -89,7 +89,8 @@ def _fit(context: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
         size = len(str(longest.get("content") or "")) if longest is not None else 0
         if size <= 200:  # nothing left worth cutting: the call says what is wrong
             break
-        cut, _ = truncate(str(longest["content"]), max(200, size - 4 * over - 100))  # type: ignore[index]
+        text = str(longest["content"])  # type: ignore[index]
+        cut, _ = truncate(text, max(200, size - 4 * over - 100))
         if len(cut) >= size:
             break
         longest["content"] = cut  # type: ignore[index]

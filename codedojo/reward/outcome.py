@@ -72,7 +72,8 @@ def grade(sandbox: Sandbox, fail_to_pass: Sequence[str], pass_to_pass: Sequence[
         apply_changes(fresh, collect_changes(sandbox), protected)
     else:
         restore(sandbox, protected)
-    results = run_tests(fresh or sandbox, tests, strict=fail_to_pass, **kw)  # type: ignore[arg-type]
+    results = run_tests(fresh or sandbox, tests, strict=fail_to_pass,
+                        **kw)  # type: ignore[arg-type]
     return TestReport(
         fail_to_pass={t: results[t] for t in fail_to_pass},
         pass_to_pass={t: results[t] for t in pass_to_pass},

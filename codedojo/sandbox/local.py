@@ -192,8 +192,9 @@ class _Process:
     """One command started by the sandbox's init: its pipes and its control connection."""
 
     def __init__(self, address: bytes, argv: Sequence[str], env: Mapping[str, str], cwd: str):
-        fields = [_utf8(cwd, "cwd"), str(len(argv)).encode(), *(_utf8(a, "command") for a in argv),
-                  str(len(env)).encode(), *(_utf8(f"{k}={v}", f"env {k!r}") for k, v in env.items())]
+        fields = [_utf8(cwd, "cwd"), str(len(argv)).encode(),
+                  *(_utf8(a, "command") for a in argv), str(len(env)).encode(),
+                  *(_utf8(f"{k}={v}", f"env {k!r}") for k, v in env.items())]
         payload = b"\0".join(fields) + b"\0"
         self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:

@@ -129,15 +129,18 @@ def test_a_stopped_run_resumes_only_as_it_was(monkeypatch, tmp_path):
 
     monkeypatch.setattr(runner, "run_one", one)
     with pytest.raises(KeyboardInterrupt):
-        run_agent(Images(), _Agent(), [task(0), task(1)], name="r", out_dir=tmp_path)  # type: ignore[arg-type]
+        run_agent(Images(), _Agent(), [task(0), task(1)], name="r",  # type: ignore[arg-type]
+                  out_dir=tmp_path)
     log = (tmp_path / "r" / "results.partial.jsonl").read_text()
     for why, tasks, samples in (("samples 1, not 2", [task(0), task(1)], 2),
                                 ("tasks not selected now: t-0", [task(1)], 1),
                                 ("tasks whose content changed since: t-0", [task(0, "b")], 1)):
         with pytest.raises(ValueError, match=why):
-            run_agent(Images(), _Agent(), tasks, name="r", samples=samples, out_dir=tmp_path)  # type: ignore[arg-type]
+            run_agent(Images(), _Agent(), tasks,  # type: ignore[arg-type]
+                      name="r", samples=samples, out_dir=tmp_path)
         assert (tmp_path / "r" / "results.partial.jsonl").read_text() == log
     ran.append("go")
-    run = run_agent(Images(), _Agent(), [task(0), task(1), task(2)], name="r", out_dir=tmp_path)  # type: ignore[arg-type]
+    run = run_agent(Images(), _Agent(), [task(0), task(1), task(2)],  # type: ignore[arg-type]
+                    name="r", out_dir=tmp_path)
     assert ran == ["t-0", "go", "t-1", "t-2"]
     assert sorted(r.instance_id for r in run.results) == ["t-0", "t-1", "t-2"]

@@ -57,7 +57,8 @@ def test_changing_how_the_tests_run_does_not_help(images, tiny_suite, tmp_path):
     at_exit = ("\nimport atexit, sys\natexit.register(lambda: sys.stdout.write("
                f"''.join('PASSED ' + t + '\\n' for t in {tests!r})))\n")
     changed = task.patch.split("+++ b/", 1)[1].split("\n", 1)[0]  # the file the fix is in
-    xfail = "\n".join(f"\ndef {fn}(*args, **kwargs):\n    import pytest\n    pytest.xfail('later')\n"
+    xfail = "\n".join(f"\ndef {fn}(*args, **kwargs):\n    import pytest\n"
+                      "    pytest.xfail('later')\n"
                       for fn in ("mean", "clamp", "chunks", "parse_pair"))
 
     def cheats(sandbox) -> dict[str, str]:

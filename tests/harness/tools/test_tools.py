@@ -103,7 +103,8 @@ def test_search_replace(session, sandbox):
     assert "Created" in ok(session, "search_replace", file_path="docs/new.md", old_string="", new_string="hi\n")
     assert sandbox.read_file("/workspace/docs/new.md") == b"hi\n"
     # The paths edited are noted, once each (read_lints lints them by default).
-    assert session.ctx.state["edited"] == ["/workspace/inventory/stock.py", "/workspace/docs/new.md"]
+    assert session.ctx.state["edited"] == ["/workspace/inventory/stock.py",
+                                           "/workspace/docs/new.md"]
 
 
 def test_write_and_delete_file(session, sandbox):
