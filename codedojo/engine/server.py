@@ -377,14 +377,25 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
 
 
 def _completion_logprobs(tok: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[float],
-                         tops: Sequence[list[tuple[int, float]]], offset: int, with_top: bool
-                         ) -> dict[str, Any]:
-    """A legacy completion's ``logprobs`` for these tokens: their texts, logprobs, top
-    alternatives (by text, when asked for) and where each text starts, from ``offset`` on."""
-    texts = [tok.token_text(t) for t in token_ids]
+                         tops: Sequence[list[tuple[int, float]]], offset: int, with_top: bool,
+                         skip_special: bool) -> dict[str, Any]:
+    """A legacy completion's ``logprobs`` for these tokens: their texts (a control token the
+    text leaves out, "" where ``skip_special``), logprobs, top alternatives (by text, when
+    asked for) and where each text starts, from ``offset`` on. A token that is part of a
+    character alone (its text holds U+FFFD) is keyed by its bytes (`bytes:\\xNN`), so that
+    such alternatives do not overwrite each other."""
+    def text(t: int) -> str:
+        return "" if skip_special and tok.is_special(t) else tok.token_text(t)
+
+    def key(t: int) -> str:
+        word = tok.token_text(t)
+        return word if "\ufffd" not in word else "bytes:" + "".join(
+            f"\\x{b:02x}" for b in tok.token_bytes(t))
+
+    texts = [text(t) for t in token_ids]
     starts = list(itertools.accumulate(map(len, texts), initial=offset))[:len(texts)]
     return {"tokens": texts, "token_logprobs": list(logprobs),
-            "top_logprobs": [{tok.token_text(i): v for i, v in top} for top in tops]
+            "top_logprobs": [{key(i): v for i, v in top} for top in tops]
             if with_top else None, "text_offset": starts}
 
 
@@ -677,7 +688,8 @@ def _prompts(state: ServerState, prompt: Any) -> list[list[int]]:
         if isinstance(p, str):
             ids = state.tokenizer.encode(p)
             if not ids:
-                raise APIError(400, "prompt: empty text", "prompt")
+                where = "prompt" if len(batch) == 1 else f"prompt[{j}]"
+                raise APIError(400, f"{where}: empty text", where)
         else:
             ids = list(p)
             bad = [t for t in ids if not 0 <= t < vocab]
@@ -711,7 +723,8 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
         lp = None
         if n_lp is not None:
             lp = CompletionLogprobs(**_completion_logprobs(
-                tok, r.token_ids, r.logprobs, r.top_logprobs, len(prefix), bool(n_lp)))
+                tok, r.token_ids, r.logprobs, r.top_logprobs, len(prefix), bool(n_lp),
+                req.skip_special_tokens))
         choices.append(CompletionChoice(index=idx, text=prefix + r.text, finish_reason=r.finish_reason, logprobs=lp,
                                         token_ids=r.token_ids if req.return_token_ids else None,
                                         prompt_token_ids=p if req.return_token_ids else None,
@@ -752,7 +765,8 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
                         choice["token_ids"] = [item.token_id]
                     if req.logprobs is not None:  # as the whole response's, one token's worth
                         lp = _completion_logprobs(tok, [item.token_id], [item.logprob], [item.top],
-                                                  offset[idx], bool(req.logprobs))
+                                                  offset[idx], bool(req.logprobs),
+                                                  req.skip_special_tokens)
                         choice["logprobs"] = lp
                         offset[idx] += len(lp["tokens"][0])
                 if item.text or len(choice) > 3:

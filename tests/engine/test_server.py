@@ -545,3 +545,19 @@ def test_a_client_gone_from_a_whole_response_frees_its_engine_slots(tok):
             assert r.status_code == 200
     finally:
         engine.stop()
+
+
+def test_completion_logprobs_line_up_with_the_text(server, http):
+    """Five top logprobs are five keys (tokens that are parts of a character alone are keyed
+    by their bytes, not all by "�"); a control token the text leaves out has no text there
+    either, so the offsets stay inside the text."""
+    r = http.post(server.url + "/v1/completions",
+                  json={"model": MODEL, "prompt": "the", "max_tokens": 8, "temperature": 0,
+                        "logprobs": 5, "stop": []})
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert [len(t) for t in lp["top_logprobs"]] == [5] * len(lp["tokens"])
+    assert all(0 <= o <= len(choice["text"]) for o in lp["text_offset"])
+    bad = http.post(server.url + "/v1/completions",
+                    json={"model": MODEL, "prompt": ["the", ""], "max_tokens": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt[1]"
