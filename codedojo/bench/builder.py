@@ -39,7 +39,7 @@ from codedojo.bench.source import (
 )
 from codedojo.bench.statement import bugfix_statement, feature_statement, log_statement
 from codedojo.bench.suite import Suite, save_suite
-from codedojo.bench.task import ImageRecipe, Task, Timeouts, pinned
+from codedojo.bench.task import ImageRecipe, Pinned, Task, Timeouts, pinned
 from codedojo.bench.testrun import LocalExecutor, PytestCommand, TestReport, run_pytest
 from codedojo.bench.workspace import resolves
 
@@ -48,7 +48,7 @@ Log = Callable[[str], None]
 
 class PackageRecipe(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    requirement: str
+    requirement: Pinned
     """Pinned sdist, `name==version`."""
     python_path: list[str] = Field(default_factory=lambda: ["."])
     """Folders of the sdist put on PYTHONPATH (`src` for a src layout)."""
@@ -61,18 +61,8 @@ class PackageRecipe(BaseModel):
     """Tasks whose statement is the JSON log of a scenario run."""
     max_candidates: int = Field(60, ge=1)
     """Mutants tried at most, over all categories (bounds the build time)."""
-    environment: list[str] = Field(default_factory=list)
+    environment: list[Pinned] = Field(default_factory=list)
     """Extra pinned requirements the suite needs besides pytest."""
-
-    @field_validator("requirement")
-    @classmethod
-    def _pinned(cls, v: str) -> str:
-        return pinned(v)
-
-    @field_validator("environment")
-    @classmethod
-    def _all_pinned(cls, v: list[str]) -> list[str]:
-        return [pinned(req) for req in v]
 
 
 class BuildRecipe(BaseModel):

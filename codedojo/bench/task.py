@@ -13,9 +13,17 @@ import hashlib
 import json
 import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 # Text whose presence in a training corpus proves contamination; every record carries it.
 CANARY = "CODEDOJO-BENCH CANARY 7f3c9a1e-52d4-4b8e-9d0a-6e1f2b3c4d5e: benchmark data, never train on it"
@@ -42,6 +50,9 @@ def pinned(requirement: str) -> str:
     if not _REQ.match(requirement):
         raise ValueError(f"{requirement!r} is not a pinned requirement 'name==version'")
     return requirement
+
+
+Pinned = Annotated[str, AfterValidator(pinned)]  # a requirement `name==version`
 
 
 class TaskFormatError(ValueError):
@@ -74,7 +85,7 @@ class Task(BaseModel):
     instance_id: str
     repo: str
     version: str
-    base: str
+    base: Pinned
     patch: str
     test_patch: str = ""
     FAIL_TO_PASS: list[str]
@@ -95,22 +106,17 @@ class Task(BaseModel):
     bug_kinds: list[str] = Field(default_factory=list)
     canary: str = CANARY
 
+    @field_validator("environment")
+    @classmethod
+    def _env(cls, v: list[str]) -> list[str]:  # (an error names the field, not the item)
+        return [pinned(req) for req in v]
+
     @field_validator("instance_id")
     @classmethod
     def _id(cls, v: str) -> str:
         if not _ID.match(v):
             raise ValueError("must be letters, digits, '_', '.', '-'")
         return v
-
-    @field_validator("base")
-    @classmethod
-    def _base(cls, v: str) -> str:
-        return pinned(v)
-
-    @field_validator("environment")
-    @classmethod
-    def _env(cls, v: list[str]) -> list[str]:
-        return [pinned(req) for req in v]
 
     @field_validator("base_sha256")
     @classmethod

@@ -156,6 +156,10 @@ class Request:
         return self.cached_tokens if self.reuse is not None else 0
 
     @property
+    def context_len(self) -> int:
+        return len(self.prompt_ids) + len(self.token_ids)
+
+    @property
     def context_ids(self) -> list[int]:
         """What its cache slot must hold to go on: the prompt, and what it generated (put back
         after a failed step)."""
@@ -480,7 +484,7 @@ class Engine:
                     if self._shares_more_with(req, batch):
                         break
                     rows = [*batch, req]
-                    width = max(len(r.context_ids) - r.reused for r in rows)
+                    width = max(r.context_len - r.reused for r in rows)
                     past = max(r.reused for r in rows)  # padded rows run past their prompt
                     if batch and (width * len(rows) > PREFILL_TOKENS
                                   or past + width > self.max_seq_len):
@@ -667,7 +671,7 @@ class Engine:
         self._record_routing(batch, [[n - 1] if r.token_ids else n
                                      for r, n in zip(batch, lens, strict=True)])
         for i, r in enumerate(batch):
-            self.cache.truncate(start + i, len(r.context_ids))
+            self.cache.truncate(start + i, r.context_len)
             if not r.token_ids:  # (one put back keeps the version its tokens came with)
                 r.weight_version = self.weight_version
             r.loads = self._loads

@@ -30,6 +30,29 @@ def setup(tmp_path):
     sc.audit.close()
 
 
+@pytest.fixture
+def looked_up(setup, monkeypatch) -> list[str]:
+    """The names the addon resolves (each to a public address), in order."""
+    names: list[str] = []
+
+    async def resolve(policy, host, port):
+        names.append(host)
+        return [ipaddress.ip_address("93.184.216.34")]
+
+    monkeypatch.setattr(setup[0], "_resolve", resolve)
+    return names
+
+
+def _post(raw: bytes, **headers: str):
+    """A POST flow with this body as sent (raw: not encoded again) and these headers."""
+    f = _flow()
+    f.request.method = "POST"
+    for k, v in headers.items():
+        f.request.headers[k.replace("_", "-")] = v
+    f.request.raw_content = raw
+    return f
+
+
 def _flow(host: str = "www.example.org", host_header: str | None = None):
     f = tflow.tflow(resp=False)
     f.client_conn.peername = (SANDBOX_IP, 40000)
@@ -126,36 +149,23 @@ def test_secrets_in_compressed_bodies_are_redacted_and_opaque_bodies_refused(set
     import gzip
 
     addon, _, _ = setup
-    f = _flow()
-    f.request.method = "POST"
-    f.request.headers["content-encoding"] = "gzip"
-    f.request.raw_content = gzip.compress(b'{"token": "tok-123456"}')
+    f = _post(gzip.compress(b'{"token": "tok-123456"}'), content_encoding="gzip")
     addon.request(f)
     assert f.response is None
     assert gzip.decompress(f.request.raw_content) == b'{"token": "__REDACTED_TOKEN__"}'
     assert f.metadata["egress"]["report"].secrets == {"TOKEN": ["body"]}
 
-    g = _flow()
-    g.request.method = "POST"
-    g.request.headers["content-encoding"] = "gzip"
-    g.request.raw_content = b"not gzip at all, tok-123456"
+    g = _post(b"not gzip at all, tok-123456", content_encoding="gzip")
     addon.request(g)
     assert g.response is not None and g.response.status_code == 400
     assert b"cannot decode request body" in g.response.content
 
 
-def test_a_secret_in_the_host_name_is_never_looked_up_or_logged(setup, monkeypatch):
+def test_a_secret_in_the_host_name_is_never_looked_up_or_logged(setup, looked_up):
     """An allowed wildcard (*.example.org) would carry tok-123456.example.org to the resolver,
     the TLS SNI and the audit log: the request is refused before any of them, and the log
     shows the name redacted."""
     addon, sc, audit = setup
-    looked_up: list[str] = []
-
-    async def resolve(policy, host, port):
-        looked_up.append(host)
-        return [ipaddress.ip_address("93.184.216.34")]
-
-    monkeypatch.setattr(addon, "_resolve", resolve)
     f = _flow("tok-123456.example.org")
     asyncio.run(addon.requestheaders(f))
     assert f.response is not None and f.response.status_code == 403
@@ -179,17 +189,10 @@ def test_secrets_in_trailers_are_stripped_and_redacted(setup):
     assert "authorization" in report.headers and report.secrets == {"TOKEN": ["header:x-sum"]}
 
 
-def test_a_secret_in_a_connect_name_in_any_case_is_never_looked_up_or_logged(setup, monkeypatch):
+def test_a_secret_in_a_connect_name_in_any_case_is_never_looked_up_or_logged(setup, looked_up):
     """CONNECT names a host as a Host header does, and DNS reads names without regard to
     case: TOK-123456.example.org carries the secret as well."""
     addon, sc, audit = setup
-    looked_up: list[str] = []
-
-    async def resolve(policy, host, port):
-        looked_up.append(host)
-        return [ipaddress.ip_address("93.184.216.34")]
-
-    monkeypatch.setattr(addon, "_resolve", resolve)
     for name in ("tok-123456.example.org", "TOK-123456.example.org"):
         f = _flow(name)
         f.request.method, f.request.port = "CONNECT", 443
@@ -227,10 +230,7 @@ def test_a_secret_hidden_in_percent_escapes_does_not_leave(setup):
         f.request.path = path
         addon.request(f)
         assert f.response is not None and f.response.status_code == 403, path
-    f = _flow()
-    f.request.method = "POST"
-    f.request.headers["content-type"] = "application/x-www-form-urlencoded"
-    f.request.content = b"a=1&t=tok%2d123456"
+    f = _post(b"a=1&t=tok%2d123456", content_type="application/x-www-form-urlencoded")
     addon.request(f)
     assert f.response is not None and f.response.status_code == 403
     ok = _flow()
@@ -254,15 +254,9 @@ def test_a_compressed_body_is_read_no_further_than_its_limit(setup, coding):
     limit = sc.policy.max_request_bytes
     bomb = pack(b"\0" * (200 * limit))
     assert len(bomb) < limit
-    f = _flow()
-    f.request.method = "POST"
-    f.request.headers["content-encoding"] = coding
-    f.request.raw_content = bomb
+    f = _post(bomb, content_encoding=coding)
     addon.request(f)
     assert f.response is not None and f.response.status_code == 413
-    small = _flow()
-    small.request.method = "POST"
-    small.request.headers["content-encoding"] = coding
-    small.request.raw_content = pack(b'{"token": "tok-123456"}')
+    small = _post(pack(b'{"token": "tok-123456"}'), content_encoding=coding)
     addon.request(small)
     assert small.response is None and b"__REDACTED_TOKEN__" in small.request.get_content()
