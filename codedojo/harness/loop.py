@@ -6,6 +6,9 @@
         each call runs through the tool service; its output (or its error) goes back as a tool message
         the trajectory is saved
 
+The episode's time limit cuts a model call or a tool call running at it; what a cut model call
+generated is kept as a turn, and none of its tool calls runs.
+
 Recoverable errors (a bad tool call, a failing command, a malformed call) are tool results the
 model reads. Terminal ones (the model endpoint or the tool service failing) end the episode
 with status "error"; the trajectory saved so far stays valid. The self-summary chain is one
@@ -15,6 +18,7 @@ trajectory: its `segments` say where each context starts.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -62,7 +66,8 @@ class LoopConfig(BaseModel):
     max_tokens: int = Field(32_768, ge=1, description="Completion tokens over the whole episode.")
     max_tokens_per_turn: int = Field(2_048, ge=1, description="Completion tokens of one call.")
     max_seconds: float | None = Field(
-        None, gt=0, description="Wall-clock seconds of the episode, checked before each model call."
+        None, gt=0, description="Wall-clock seconds of the episode: a model or tool call running "
+        "at the limit is cut there."
     )
     context_window: int = Field(8_192, ge=256, description="The model's context, in tokens.")
     summary_threshold: float = Field(
@@ -181,7 +186,9 @@ class Agent:
                     and len(traj.segments) - 1 < cfg.max_summaries
                     and acted
                 ):
-                    context, used = self._summarise(traj, context, budget)
+                    context, used = self._summarise(traj, context, budget, time_left)
+                    if traj.status != "running":  # the summary was cut
+                        break
                     acted = False  # a context still over the threshold waits for the next turn
                     used_tokens += used
                     next_prompt_estimate = sum(_estimate(str(m.get("content") or "")) for m in context)
@@ -191,11 +198,14 @@ class Agent:
 
                 t0 = time.time()
                 g0 = time.perf_counter()
-                out_ = self.policy.generate(context, tools.schemas, budget)
+                out_ = self.policy.generate(context, tools.schemas, budget, time_left())
                 gen_s = time.perf_counter() - g0
                 used_tokens += out_.completion_tokens or len(out_.completion_ids)
                 acting_turns += 1
                 acted = True
+                if out_.finish_reason == "cancelled":
+                    self._cut(traj, out_, gen_s, t0, out_of_time())
+                    break
                 msg = out_.message()
                 context.append(msg)
                 traj.messages.append(msg)
@@ -251,15 +261,39 @@ class Agent:
             {"role": "user", "content": task},
         ]
 
-    def _summarise(self, traj: Trajectory, context: list[dict[str, Any]], budget: int) -> tuple[list[dict[str, Any]], int]:
-        """The model summarises its context; a new context (system, task, summary) follows."""
+    @staticmethod
+    def _cut(traj: Trajectory, out: PolicyOutput, generate_s: float, started_at: float,
+             out_of_time: bool, kind: str = "action") -> None:
+        """End the episode on a model call that did not finish: at the time limit
+        ("max_seconds"), or cancelled otherwise ("error"). What it generated is kept as a turn
+        of the text alone (its tool calls may be cut short, and none runs)."""
+        traj.status = "max_seconds" if out_of_time else "error"
+        if not out_of_time:
+            traj.error = "the model call was cancelled before it finished"
+        if out.completion_ids or out.content or out.raw_text:
+            msg = {"role": "assistant", "content": out.raw_text or out.content or ""}
+            traj.messages.append(msg)
+            traj.add_turn(_turn(traj, kind, msg, out, generate_s, started_at))
+
+    def _summarise(self, traj: Trajectory, context: list[dict[str, Any]], budget: int,
+                   time_left: Callable[[], float | None] = lambda: None,
+                   ) -> tuple[list[dict[str, Any]], int]:
+        """The model summarises its context; a new context (system, task, summary) follows.
+        A summary cut at the time limit ends the episode (`_cut`)."""
         ask = {"role": "user", "content": self.config.summary_prompt}
         context.append(ask)
         traj.messages.append(ask)
         context = _fit(context, self.config.context_window - budget)
         t0 = time.time()
         g0 = time.perf_counter()
-        out = self.policy.generate(context, [], budget)  # no tools offered: a summary is text
+        # no tools offered: a summary is text
+        out = self.policy.generate(context, [], budget, time_left())
+        used = out.completion_tokens or len(out.completion_ids)
+        if out.finish_reason == "cancelled":
+            left = time_left()
+            self._cut(traj, out, time.perf_counter() - g0, t0, left is not None and left <= 0,
+                      kind="summary")
+            return context, used
         msg = {"role": "assistant", "content": out.content or ""}
         traj.messages.append(msg)
         traj.add_turn(_turn(traj, "summary", msg, out, time.perf_counter() - g0, t0))
@@ -267,4 +301,4 @@ class Agent:
         fresh.append({"role": "user", "content": f"{SUMMARY_PREFIX}\n\n{out.content or ''}\n\nContinue the task."})
         traj.segments.append(len(traj.messages))
         traj.messages.extend(fresh)
-        return fresh, out.completion_tokens or len(out.completion_ids)
+        return fresh, used

@@ -114,7 +114,7 @@ def test_harness_agent_with_a_scripted_policy(images, tiny_suite, tmp_path):
     class PrefixCachingPolicy(ScriptedPolicy):
         """Reports a third of each prompt as served from a prefix cache."""
 
-        def generate(self, messages, tools, max_tokens):
+        def generate(self, messages, tools, max_tokens, time_left=None):
             out = super().generate(messages, tools, max_tokens)
             out.cached_tokens = out.prompt_tokens // 3
             return out
@@ -141,7 +141,7 @@ def test_harness_agent_stops_at_the_tasks_time_limit(images, tiny_suite, tmp_pat
     from codedojo.harness.policy import ScriptedPolicy
 
     class Slow(ScriptedPolicy):
-        def generate(self, messages, tools, max_tokens):
+        def generate(self, messages, tools, max_tokens, time_left=None):
             time.sleep(0.2)
             return super().generate(messages, tools, max_tokens)
 

@@ -4,6 +4,7 @@ logprobs, weight versions, streaming and cancellation."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -144,6 +145,40 @@ def test_stream_joins_running_batch_and_cancels(model: Transformer) -> None:
         # generate() from another caller while the scheduler thread runs
         c = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=4, temperature=0))[0]
         assert c.token_ids == greedy_reference(model, PROMPTS[2], 4)
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_timeout_cancels_what_is_not_done_and_keeps_what_it_generated(
+        model: Transformer, background: bool) -> None:
+    engine = Engine(model, max_batch=2, max_seq_len=512)
+    decode = engine._decode_step
+
+    def slow(live):  # a step of a large model
+        time.sleep(0.05)
+        decode(live)
+
+    engine._decode_step = slow  # type: ignore[method-assign]
+    if background:
+        engine.start()
+    try:
+        t0 = time.perf_counter()
+        quick, slow_one = engine.generate(
+            [PROMPTS[0], PROMPTS[1]], [SamplingParams(max_tokens=2, temperature=0),
+                                      SamplingParams(max_tokens=400, temperature=0)], timeout=0.6)
+        took = time.perf_counter() - t0
+        assert 0.6 <= took < 3, took
+        assert quick.finish_reason == "length" and quick.token_ids == greedy_reference(
+            model, PROMPTS[0], 2)
+        n = len(slow_one.token_ids)
+        assert slow_one.finish_reason == "cancelled" and 2 < n < 100, n
+        assert slow_one.token_ids == greedy_reference(model, PROMPTS[1], n)
+        assert len(slow_one.logprobs) == n and engine.n_live == 0
+        (none,) = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=5), timeout=0)
+        assert none.finish_reason == "cancelled" and none.token_ids == []
+        with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+            engine.generate([PROMPTS[2]], SamplingParams(), timeout=float("nan"))
     finally:
         engine.stop()
 

@@ -91,7 +91,7 @@ def test_limits_end_the_episode(session):
     class Wordy:
         name = "wordy"
 
-        def generate(self, messages, tools, max_tokens):
+        def generate(self, messages, tools, max_tokens, time_left=None):
             return PolicyOutput(content="", calls=ScriptedPolicy([[("run_terminal_cmd", {"command": "true"})]])
                                 .generate(messages, tools, max_tokens).calls, completion_tokens=max_tokens)
 
@@ -99,7 +99,7 @@ def test_limits_end_the_episode(session):
     assert traj.status == "max_tokens" and [t.completion_tokens for t in traj.turns] == [400, 400, 200]
 
     class Slow(ScriptedPolicy):
-        def generate(self, messages, tools, max_tokens):
+        def generate(self, messages, tools, max_tokens, time_left=None):
             time.sleep(0.3)
             return super().generate(messages, tools, max_tokens)
 
@@ -131,7 +131,7 @@ def test_malformed_calls_get_tool_errors_and_the_episode_goes_on(session):
         name = "sloppy"
         n = 0
 
-        def generate(self, messages, tools, max_tokens):
+        def generate(self, messages, tools, max_tokens, time_left=None):
             self.n += 1
             if self.n == 1:
                 good = ToolCall("call_good", "write", {"file_path": "x.txt", "contents": "x"})
@@ -169,7 +169,7 @@ def test_policy_failure_is_terminal(session, tmp_path):
     class Broken:
         name = "broken"
 
-        def generate(self, messages, tools, max_tokens):
+        def generate(self, messages, tools, max_tokens, time_left=None):
             raise ConnectionError("endpoint down")
 
     traj = Agent(Broken()).run("t", session, out=tmp_path / "t.jsonl")
@@ -187,7 +187,7 @@ def test_self_summary_continues_in_a_fresh_context_as_one_trajectory(session, tm
     summaries = []
 
     class Summarising(ScriptedPolicy):
-        def generate(self, messages, tools, max_tokens):
+        def generate(self, messages, tools, max_tokens, time_left=None):
             if not tools:  # the loop asks for a summary without offering tools
                 summaries.append(messages[-1]["content"])
                 return PolicyOutput(content="I read README.md and stock.py; next: run the tests.", completion_tokens=12)
@@ -209,6 +209,35 @@ def test_self_summary_continues_in_a_fresh_context_as_one_trajectory(session, tm
         assert ctx[1]["content"] == "count things" and ctx[2]["content"].startswith(SUMMARY_PREFIX)
     assert "echo after-summary" not in str(traj.context(0))
     assert read_jsonl(tmp_path / "s.jsonl").segments == traj.segments
+
+
+def test_a_summary_running_at_the_episodes_limit_ends_the_episode(session):
+    class SlowToSummarise(ScriptedPolicy):
+        def generate(self, messages, tools, max_tokens, time_left=None):
+            if not tools:  # the summary: a model that writes on past the limit
+                if time_left is not None:
+                    assert 0 < time_left <= 8
+                    time.sleep(time_left)
+                return PolicyOutput(content="I read", completion_ids=[5, 6], logprobs=[-1.0, -2.0],
+                                    prompt_ids=[1, 2], finish_reason="cancelled")
+            return super().generate(messages, tools, max_tokens)
+
+    policy = SlowToSummarise([[("run_terminal_cmd", {"command": "seq 1 400"})]] * 4 + ["done"])
+    cfg = LoopConfig(context_window=2000, summary_threshold=0.6, max_tokens_per_turn=200,
+                     max_seconds=8)
+    t0 = time.perf_counter()
+    traj = Agent(policy, cfg).run("count things", session)
+    assert traj.status == "max_seconds" and time.perf_counter() - t0 < 20
+    last = traj.turns[-1]
+    assert last.kind == "summary" and last.finish_reason == "cancelled"
+    assert last.completion_ids == [5, 6] and traj.segments == [0]
+    assert traj.messages[-1] == {"role": "assistant", "content": "I read"}
+    traj.validate()
+    # cancelled otherwise (a server stopping): an error, and nothing after it
+    policy.calls = 0
+    traj = Agent(policy, cfg.model_copy(update={"max_seconds": None})).run("count things", session)
+    assert traj.status == "error" and traj.error == "the model call was cancelled before it finished"
+    assert traj.turns[-1].kind == "summary" and traj.segments == [0]
 
 
 @pytest.mark.parametrize("max_summaries", [0])
@@ -242,7 +271,7 @@ def test_a_long_task_is_not_summarised_again_before_any_action(session):
     every summary back to back on summaries of summaries."""
 
     class Summarising(ScriptedPolicy):
-        def generate(self, messages, tools, max_tokens):
+        def generate(self, messages, tools, max_tokens, time_left=None):
             if not tools:
                 return PolicyOutput(content="Read the task; next: run the tests.", completion_tokens=9)
             return super().generate(messages, tools, max_tokens)
@@ -262,7 +291,7 @@ def test_a_summary_is_asked_for_within_the_window_after_a_huge_output(session):
     seen: list[int] = []
 
     class Summarising(ScriptedPolicy):
-        def generate(self, messages, tools, max_tokens):
+        def generate(self, messages, tools, max_tokens, time_left=None):
             if not tools:
                 seen.append(sum(len(str(m.get("content") or "")) for m in messages) // 4)
                 return PolicyOutput(content="Printed a lot; next: done.", completion_tokens=9)

@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -180,6 +181,55 @@ def test_engine_policy_records_an_moe_models_routing(sandbox, tmp_path):
     t0.routed_experts = "not base64"
     with pytest.raises(ValueError, match="turn 0: routed_experts: not base64"):
         t0.validate()
+
+
+def test_a_model_call_running_at_the_episodes_limit_is_cut_there(sandbox, tmp_path):
+    """The engine decodes for as long as it is let (a large model's pace here): a call at the
+    limit ends there, and what it generated is kept as the last turn, its calls unrun."""
+    session = small_session(sandbox)
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(vocab_size=tok.vocab_size, max_seq_len=4096)).eval()
+    engine = Engine(model, max_batch=1)
+    decode = engine._decode_step
+
+    def slow(live):
+        time.sleep(0.05)
+        decode(live)
+
+    engine._decode_step = slow  # type: ignore[method-assign]
+    policy = EnginePolicy(engine, ChatTemplate(tok), name="tiny", temperature=0)
+    cfg = LoopConfig(max_seconds=1.0, max_tokens_per_turn=1000)
+    t0 = time.perf_counter()
+    traj = Agent(policy, cfg).run("hello", session, out=tmp_path / "cut.jsonl")
+    took = time.perf_counter() - t0
+    session.close()
+    assert traj.status == "max_seconds" and took < 5, (traj.status, traj.error, took)
+    (turn,) = traj.turns
+    assert turn.finish_reason == "cancelled" and 0 < len(turn.completion_ids) < 100
+    assert len(turn.logprobs) == len(turn.completion_ids)
+    assert traj.messages[-1] == {"role": "assistant", "content": tok.decode(
+        turn.completion_ids, skip_special_tokens=True)}
+    traj.validate()
+    assert read_jsonl(tmp_path / "cut.jsonl").turns[0].completion_ids == turn.completion_ids
+
+
+def test_an_openai_call_gets_no_more_than_the_time_left():
+    """A server that never answers: the call ends when the episode's time does, as a cut turn
+    with nothing in it; past the client's own timeout it is an error, as before."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+        messages = [{"role": "user", "content": "hi"}]
+        t0 = time.perf_counter()
+        out = OpenAIPolicy("m", base_url=url, timeout=60).generate(messages, [], 8, time_left=0.5)
+        took = time.perf_counter() - t0
+        assert out.finish_reason == "cancelled" and out.completion_ids == [] and took < 5, took
+        assert OpenAIPolicy("m", base_url=url).generate(messages, [], 8, time_left=0).finish_reason \
+            == "cancelled"
+        with pytest.raises(openai.APITimeoutError):
+            OpenAIPolicy("m", base_url=url, timeout=0.3).generate(messages, [], 8, time_left=30)
 
 
 def test_a_servers_token_ids_are_checked_on_arrival():
