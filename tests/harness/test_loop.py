@@ -236,7 +236,8 @@ def test_a_summary_running_at_the_episodes_limit_ends_the_episode(session):
     # cancelled otherwise (a server stopping): an error, and nothing after it
     policy.calls = 0
     traj = Agent(policy, cfg.model_copy(update={"max_seconds": None})).run("count things", session)
-    assert traj.status == "error" and traj.error == "the model call was cancelled before it finished"
+    assert traj.status == "error"
+    assert traj.error == "the model call was cancelled before it finished"
     assert traj.turns[-1].kind == "summary" and traj.segments == [0]
 
 
