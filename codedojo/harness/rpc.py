@@ -36,6 +36,7 @@ from starlette.concurrency import run_in_threadpool
 
 from codedojo.harness.tools.base import ToolContext, ToolResult
 from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
+from codedojo.harness.trajectory import json_text
 from codedojo.sandbox.base import Sandbox, SandboxError, SandboxProvider, seconds
 
 PARSE_ERROR = -32700
@@ -176,7 +177,7 @@ def _response(rid: Any, result: Any = None, error: RPCError | None = None) -> Re
         body["error"] = {"code": error.code, "message": str(error)}
     else:
         body["result"] = result
-    return Response(json.dumps(body, ensure_ascii=False), media_type="application/json")
+    return Response(json_text(body), media_type="application/json")
 
 
 def create_app(server: ToolServer) -> FastAPI:
@@ -206,11 +207,11 @@ def create_app(server: ToolServer) -> FastAPI:
             if not isinstance(params, dict):
                 raise RPCError(INVALID_PARAMS, "params: must be an object")
             result = await run_in_threadpool(server.dispatch, method, params)
+            return _response(rid, result)
         except RPCError as e:
             return _response(rid, error=e)
         except Exception as e:  # the service must keep serving other episodes
             return _response(rid, error=RPCError(SERVER_ERROR, f"{type(e).__name__}: {e}"))
-        return _response(rid, result)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -360,9 +361,8 @@ class ToolClient:
     def request(self, method: str, *, wait: float | None = None, **params: Any) -> Any:
         """Call ``method``; ``wait``: how long its answer may take, when longer than the
         client's timeout."""
-        payload = json.dumps(
-            {"jsonrpc": "2.0", "id": next(self._ids), "method": method, "params": params}, ensure_ascii=False
-        ).encode()
+        payload = json_text(
+            {"jsonrpc": "2.0", "id": next(self._ids), "method": method, "params": params}).encode()
         body = json.loads(self._post(payload, wait))
         if "error" in body:
             raise RPCError(body["error"]["code"], body["error"]["message"])

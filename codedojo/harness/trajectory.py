@@ -347,6 +347,12 @@ def _rows_in_common(a: Any, b: Any) -> int:
     return n if same.all() else int(same.argmin())
 
 
+def json_text(obj: Any) -> str:
+    """``obj`` as JSON text that UTF-8 can carry: a lone surrogate (text a model or a server
+    sent) goes as its JSON escape, which reads back as it was, rather than failing the write."""
+    return json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class TrajectoryWriter:
     """Appends a trajectory to a JSONL file step by step (header, turns, end)."""
 
@@ -358,7 +364,7 @@ class TrajectoryWriter:
         self._fh = self.path.open("w", encoding="utf-8")
 
     def _line(self, obj: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        self._fh.write(json_text(obj) + "\n")
         self._fh.flush()
         os.fsync(self._fh.fileno())
 
@@ -488,7 +494,7 @@ def write_parquet(trajs: Iterable[Trajectory], path: str | Path) -> None:
         rows["tool_schemas"].append(json.dumps(t.tool_schemas))
         rows["tool_versions"].append(json.dumps(t.tool_versions))
         rows["toolset_generation"].append(t.toolset_generation)
-        rows["messages"].append(json.dumps(t.messages, ensure_ascii=False))
+        rows["messages"].append(json_text(t.messages))
         rows["segments"].append(t.segments)
         rows["tool_state"].append(json.dumps(t.tool_state))
         rows["metadata"].append(json.dumps(t.metadata))
@@ -497,7 +503,7 @@ def write_parquet(trajs: Iterable[Trajectory], path: str | Path) -> None:
         turns = []
         for prev, u in with_previous(t.turns):
             d = stored_turn(u, prev)
-            d["message"] = json.dumps(d["message"], ensure_ascii=False)
+            d["message"] = json_text(d["message"])
             d["tool_calls"] = json.dumps(d["tool_calls"])
             turns.append(d)
         rows["turns"].append(turns)

@@ -18,6 +18,7 @@ does not end the call), and no backtracking regex touches the arguments.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -25,7 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 _WS = re.compile(r"\s*")
-_JSON = json.JSONDecoder()
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+_JSON = json.JSONDecoder(parse_constant=_not_json)
 # Errors quote at most this much of the offending text back to the model.
 _RAW_QUOTE = 2000
 
@@ -95,6 +102,43 @@ class ToolCallFormat(Protocol):
         ...
 
 
+def _json_at(text: str, start: int = 0) -> tuple[Any, int]:
+    """The JSON value that begins at ``text[start]`` and where it ends. ValueError saying what
+    is wrong for anything but JSON a call's arguments can go on as: also NaN and Infinity,
+    integers past Python's digit limit, and lone surrogates (an escape such as ``\\ud83d``
+    alone is no text, and no UTF-8 writer takes it)."""
+    try:
+        value, end = _JSON.raw_decode(text, start)
+    except json.JSONDecodeError as e:
+        raise ValueError(e.msg) from None
+    except RecursionError:
+        raise ValueError("nesting too deep") from None
+    except ValueError as e:  # NaN, or an integer too long to convert
+        raise ValueError(str(e).split(";")[0]) from None
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"a lone surrogate (\\u{ord(v[e.start]):04x}) is not text") from None
+    return value, end
+
+
+def _loads(text: str) -> Any:
+    """``text`` whole as JSON (`_json_at`'s rules)."""
+    value, end = _json_at(text, _WS.match(text).end())
+    if _WS.match(text, end).end() != len(text):
+        raise ValueError("extra data after the JSON value")
+    return value
+
+
 def _quote(raw: str) -> str:
     return raw if len(raw) <= _RAW_QUOTE else raw[:_RAW_QUOTE] + f"... [{len(raw) - _RAW_QUOTE} more chars]"
 
@@ -149,26 +193,33 @@ class JsonToolCallFormat:
         n = len(text)
         body = _WS.match(text, start + len(self.open_tag)).end()
         try:
-            value, end = _JSON.raw_decode(text, body)
-        except (json.JSONDecodeError, RecursionError) as e:
-            close = text.find(self.close_tag, body)
-            stop = n if close < 0 else close + len(self.close_tag)
-            what = e.msg if isinstance(e, json.JSONDecodeError) else "nesting too deep"
-            where = "unclosed <tool_call> block" if close < 0 else "tool call"
-            return [ToolCallError(id_factory(), f"{where}: invalid JSON ({what})", _quote(text[start:stop]))], stop
+            value, end = _json_at(text, body)
+        except ValueError as e:
+            stop, closed = self._resync(text, body)
+            where = "tool call" if closed else "unclosed <tool_call> block"
+            return [ToolCallError(id_factory(), f"{where}: invalid JSON ({e})", _quote(text[start:stop]))], stop
         after = _WS.match(text, end).end()
         if text.startswith(self.close_tag, after):
             pos = after + len(self.close_tag)
         elif after == n:
             pos = n
         else:
-            close = text.find(self.close_tag, after)
-            stop = n if close < 0 else close + len(self.close_tag)
+            stop, _ = self._resync(text, after)
             return [ToolCallError(
                 id_factory(), f"unexpected text after the tool call JSON: {_quote(text[after:after + 40])!r}",
                 _quote(text[start:stop]))], stop
         items = value if isinstance(value, list) else [value]
         return [_call_from_json(item, id_factory, _quote(text[start:pos])) for item in items], pos
+
+    def _resync(self, text: str, pos: int) -> tuple[int, bool]:
+        """Where the text resumes after a malformed block read up to ``pos``: past its closing
+        tag, or at the next block's opening tag if that comes first (a block whose closing tag
+        is missing does not take the next call with it); and whether the block was closed."""
+        close = text.find(self.close_tag, pos)
+        nxt = text.find(self.open_tag, pos)
+        if nxt >= 0 and (close < 0 or nxt < close):
+            return nxt, False
+        return (len(text), False) if close < 0 else (close + len(self.close_tag), True)
 
     def call_prefix(self, name: str | None) -> str:
         head = self.open_tag + ("[\n" if self.list_style else "\n")
@@ -191,9 +242,10 @@ def _call_from_json(item: Any, id_factory: Callable[[], str], raw: str) -> ToolC
     if isinstance(args, str):
         # Some models write arguments as a JSON string, as the OpenAI API does.
         try:
-            args = json.loads(args) if args.strip() else {}
-        except (json.JSONDecodeError, RecursionError):
-            return ToolCallError(id_factory(), f"\"arguments\" of {name} is a string that is not JSON", raw, name)
+            args = _loads(args) if args.strip() else {}
+        except ValueError as e:
+            return ToolCallError(id_factory(), f"\"arguments\" of {name} is a string that is not "
+                                 f"JSON ({e})", raw, name)
     if args is None:
         args = {}
     if not isinstance(args, dict):
@@ -331,6 +383,8 @@ def _convert(value: str, kind: Any) -> Any:
             f = float(v)
         except ValueError:
             raise ValueError(f"{v[:40]!r} is not a number") from None
+        if not math.isfinite(f):  # JSON has no NaN or Infinity
+            raise ValueError(f"{v[:40]!r} is not a finite number")
         return int(f) if f.is_integer() and "." not in v and "e" not in v.lower() else f
     if kind == "boolean":
         if v.lower() in ("true", "false"):
@@ -342,9 +396,9 @@ def _convert(value: str, kind: Any) -> Any:
         raise ValueError(f"{v[:40]!r} is not null")
     if kind in ("object", "array"):
         try:
-            parsed = json.loads(v)
-        except (json.JSONDecodeError, RecursionError):
-            raise ValueError(f"is not valid JSON for an {kind}") from None
+            parsed = _loads(v)
+        except ValueError as e:
+            raise ValueError(f"is not valid JSON for an {kind} ({e})") from None
         if not isinstance(parsed, dict if kind == "object" else list):
             raise ValueError(f"is not a JSON {kind}")
         return parsed
@@ -360,8 +414,15 @@ def from_openai(tool_calls: Iterable[Any] | None) -> list[ToolCall | ToolCallErr
     """Calls from an OpenAI-compatible API response (`message.tool_calls`, dicts or SDK objects)."""
     out: list[ToolCall | ToolCallError] = []
     for tc in tool_calls or ():
-        d = tc if isinstance(tc, dict) else tc.model_dump() if hasattr(tc, "model_dump") else vars(tc)
-        call_id = d.get("id") or new_call_id()
+        d = tc if isinstance(tc, dict) else tc.model_dump() if hasattr(tc, "model_dump") else (
+            vars(tc) if hasattr(tc, "__dict__") else None)
+        if d is None or not isinstance(d.get("function") or {}, dict):
+            what = "its function" if d is not None else "it"
+            out.append(ToolCallError(new_call_id(), f"a tool call must be an object with a "
+                                     f"\"function\" object; {what} is not",
+                                     _quote(json.dumps(tc, ensure_ascii=False, default=str))))
+            continue
+        call_id = d.get("id") if isinstance(d.get("id"), str) and d.get("id") else new_call_id()
         fn = d.get("function") or {}
         name = fn.get("name")
         raw = json.dumps(d, ensure_ascii=False, default=str)
@@ -371,10 +432,9 @@ def from_openai(tool_calls: Iterable[Any] | None) -> list[ToolCall | ToolCallErr
         args = fn.get("arguments")
         if isinstance(args, str):
             try:
-                args = json.loads(args) if args.strip() else {}
-            except (json.JSONDecodeError, RecursionError) as e:
-                msg = e.msg if isinstance(e, json.JSONDecodeError) else "nesting too deep"
-                out.append(ToolCallError(call_id, f"arguments of {name} are not valid JSON ({msg})", _quote(raw), name))
+                args = _loads(args) if args.strip() else {}
+            except ValueError as e:
+                out.append(ToolCallError(call_id, f"arguments of {name} are not valid JSON ({e})", _quote(raw), name))
                 continue
         if args is None:
             args = {}

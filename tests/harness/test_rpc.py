@@ -35,6 +35,9 @@ def test_tool_calls_over_rpc(service):
     # Tool failures are results; the service keeps serving.
     r = ep.call("read_file", '{"target_file": 3')
     assert r.is_error and "not valid JSON" in r.content
+    # Half an emoji (a lone surrogate) travels as its JSON escape both ways
+    r = ep.call("todo_write", {"merge": False, "todos": [{"id": "s", "content": "x \ud83d"}]})
+    assert not r.is_error and ep.state()["todos"][0]["content"] == "x \ud83d"
     ep.call("todo_write", {"merge": False, "todos": [{"id": "a", "content": "x"}]})
     assert ep.state()["todos"] == [{"id": "a", "content": "x", "status": "pending"}]
     ep.close()

@@ -54,6 +54,18 @@ def test_jsonl_step_log_round_trip(tmp_path):
     assert back.to_dict() == t.to_dict()
 
 
+def test_a_lone_surrogate_in_a_message_is_written_and_read_back(tmp_path):
+    """Text a server sent with half an emoji in it is kept as it came, not a failed write."""
+    t = _traj()
+    t.messages.append({"role": "assistant", "content": "smile \ud83d"})
+    w = TrajectoryWriter(tmp_path / "t.jsonl")
+    w.start(t)
+    w.finish(t)
+    assert read_jsonl(tmp_path / "t.jsonl").messages[-1]["content"] == "smile \ud83d"
+    write_parquet([t], tmp_path / "t.parquet")
+    assert load(tmp_path / "t.parquet")[0].messages[-1]["content"] == "smile \ud83d"
+
+
 def test_partial_last_line_is_tolerated_but_corruption_is_not(tmp_path):
     t = _traj()
     p = tmp_path / "t.jsonl"

@@ -80,6 +80,12 @@ def test_unclosed_tag_cut_inside_json_is_an_error():
     ('"just a string"', "JSON object"),
     ('{"name": "f", "arguments": {}} trailing junk', "unexpected text"),
     ('{"name": "f", "arguments": "{not json"}', "not JSON"),
+    # JSON no writer takes back: NaN, a lone surrogate (half an emoji), an integer of 5000 digits
+    ('{"name": "f", "arguments": {"x": NaN}}', "NaN is not JSON"),
+    ('{"name": "f", "arguments": {"x": -Infinity}}', "-Infinity is not JSON"),
+    ('{"name": "f", "arguments": {"smile \\ud83d": 1}}', "a lone surrogate (\\ud83d) is not text"),
+    ('{"name": "f", "arguments": "{\\"x\\": [\\"\\\\udc00\\"]}"}', "lone surrogate (\\udc00)"),
+    ('{"name": "f", "arguments": {"n": ' + "7" * 5000 + '}}', "Exceeds the limit"),
 ])
 def test_malformed_calls_become_error_values(body, needle):
     text = f"before <tool_call>{body}</tool_call> after"
@@ -95,6 +101,16 @@ def test_malformed_call_does_not_swallow_the_next_good_one():
     text = '<tool_call>{"name": oops}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
     out = parse_tool_calls(text, "hermes")
     assert isinstance(out.calls[0], ToolCallError) and out.calls[1].name == "g"
+
+
+@pytest.mark.parametrize("between", ["\nI will also call g.\n", "\n", ""])
+def test_a_block_missing_its_closing_tag_does_not_swallow_the_next_call(between):
+    text = f'<tool_call>{{"name": "f", "arguments": {{}}}}{between}<tool_call>{{"name": "g", ' \
+           '"arguments": {"a": 1}}</tool_call>'
+    out = parse_tool_calls(text, "hermes")
+    err, good = out.calls
+    assert isinstance(err, ToolCallError) and good == ToolCall(good.id, "g", {"a": 1})
+    assert isinstance(parse_tool_calls(text.replace('{}}', "{", 1), "hermes").calls[1], ToolCall)
 
 
 def test_deep_nesting_is_an_error_not_a_crash():
@@ -177,6 +193,10 @@ def test_xml_several_calls():
     ("<tool_call><function=f>junk</function></tool_call>", "unexpected text"),
     ("<tool_call><function=grep><parameter=-A>three</parameter></function></tool_call>", "not an integer"),
     ("<tool_call><function=grep\n", "unclosed <function"),
+    ("<tool_call><function=grep><parameter=ratio>nan</parameter></function></tool_call>",
+     "not a finite number"),
+    ('<tool_call><function=grep><parameter=globs>["\\ud800"]</parameter></function></tool_call>',
+     "lone surrogate"),
 ])
 def test_xml_malformed(text, needle):
     (err,) = parse_tool_calls(text, "qwen3_coder", tools=TOOLS).calls
@@ -204,6 +224,12 @@ def test_from_openai():
     assert calls[0] == ToolCall("c1", "f", {"a": 1})
     assert all(isinstance(c, ToolCallError) for c in calls[1:])
     assert calls[1].id == "c2" and calls[1].name == "g"
+    # entries of other shapes are errors too, not exceptions
+    odd = from_openai(["read_file", None, {"id": "c5", "function": "read_file"},
+                       {"id": "c6", "function": {"name": "f", "arguments": '{"x": NaN}'}}])
+    assert [type(c) for c in odd] == [ToolCallError] * 4
+    assert "must be an object with a \"function\" object" in odd[2].message
+    assert "NaN is not JSON" in odd[3].message
 
 
 def test_to_openai_shape():
