@@ -49,6 +49,7 @@ alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -56,7 +57,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -114,6 +115,20 @@ DEFAULT_TREE = 5  # nodes of a GPU engine's draft tree, unless told otherwise
 PRIOR_ROUNDS = 8
 # A request in this many failed steps ends with an error, even where others shared them.
 MAX_FAILURES = 3
+
+
+@contextlib.contextmanager
+def _draws_undone_on_failure(gens: Sequence[torch.Generator | None]) -> Iterator[None]:
+    """Put the generators back as they were should the block raise: a seeded request put back
+    after a failed step then draws as if the step had not run (a row after it in the batch
+    failing to sample must not change its tokens)."""
+    states = [(g, g.get_state()) for g in gens if g is not None]
+    try:
+        yield
+    except BaseException:
+        for g, state in states:
+            g.set_state(state)
+        raise
 
 
 @dataclass
@@ -297,6 +312,9 @@ class Engine:
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         vocab = self.model.cfg.vocab_size
+        if not all(type(t) is int for t in prompt_ids):
+            bad = next(t for t in prompt_ids if type(t) is not int)
+            raise ValueError(f"prompt_ids: token ids must be integers, got {bad!r}")
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt_ids: token ids must be in [0, {vocab})")
         if len(prompt_ids) >= self.max_seq_len:
@@ -718,7 +736,7 @@ class Engine:
         if req.params.temperature == 0:  # plain greedy steps' arithmetic (sample_batch)
             lps = greedy(sess.logits, torch.tensor(emitted))[1].tolist()
         else:
-            lps = [float(filtered_logprobs(row, req.params)[tok]) if req.params.logprobs else 0.0
+            lps = [float(filtered_logprobs(row, req.params)[tok])  # as plain steps', always
                    for tok, row in zip(emitted, sess.logits, strict=True)]
         for tok, lp in zip(emitted, lps, strict=True):
             self._record(req, tok, lp, [])
@@ -736,7 +754,8 @@ class Engine:
                 # a request's first round also drafts over the whole prompt: not timed
                 timed = depth < room and len(req.token_ids) > 1  # and drafts what was asked
                 t = time.perf_counter()
-                emitted = len(sess.round(max_tokens=room, depth=depth, tree=self.tree_pays))
+                with _draws_undone_on_failure([req.generator]):
+                    emitted = len(sess.round(max_tokens=room, depth=depth, tree=self.tree_pays))
                 if timed and self._spec_steps < self.spec_probe_rounds:
                     seconds = time.perf_counter() - t
                     if depth == self._spec_max_depth:  # full depth: the tree's probe
@@ -778,7 +797,9 @@ class Engine:
 
     def _emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
         """Sample one token per request from logits (B, V) and record it."""
-        drawn = sample_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        gens = [r.generator for r in reqs]
+        with _draws_undone_on_failure(gens):
+            drawn = sample_batch(logits, [r.params for r in reqs], gens)
         for slot_req, (tok, lp, top) in zip(reqs, drawn, strict=True):
             self._record(slot_req, tok, lp, top)
 

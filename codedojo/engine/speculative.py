@@ -42,6 +42,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from codedojo.engine.sampling import MIN_TEMPERATURE
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.mtp import MTP, load_mtp
 from codedojo.model.transformer import Transformer, rms_norm
@@ -372,8 +373,10 @@ def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
         return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     # exp/normalise by hand: torch.softmax's parallel kernel costs milliseconds per call on a
     # busy CPU even for tiny rows, and this runs several times per decoded token.
-    z = logits.double() / temperature
-    e = (z - z.amax(-1, keepdim=True)).exp()
+    # the maximum first, and no divisor below MIN_TEMPERATURE, as plain sampling does: a
+    # temperature near 0 is the argmax, not inf - inf
+    z = logits.double()
+    e = ((z - z.amax(-1, keepdim=True)) / max(temperature, MIN_TEMPERATURE)).exp()
     return e / e.sum(-1, keepdim=True)
 
 
@@ -506,7 +509,11 @@ class SpeculativeSession:
         k = self.drafter.depth if depth is None else max(0, min(self.drafter.depth, depth))
         if max_tokens is not None:
             k = max(0, min(k, max_tokens - 1))
-        cut = None if self.tree is None or not tree or k == 0 else self.tree.upto(k)
+        # module j runs over a position whose tokens are all real: in a session's first round
+        # the drafter has seen len(tokens) - origin of them, which may be fewer than the tree
+        # is deep (a prompt the prefix cache held, a short one): its tree is that much shallower
+        fits = min(k, len(self.tokens) - self.origin - 1)
+        cut = None if self.tree is None or not tree or fits < 1 else self.tree.upto(fits)
         if cut is not None and self.target.length + 1 + len(cut) <= self.target.capacity:
             self.tree_round = True
             return self._tree_round(cut)  # else (the sequence's last few tokens): a chain
@@ -784,7 +791,9 @@ class MTPDrafter:
             cache = self.caches[j - 1]
             start = cache.lengths[0]
             real = L - j - start  # positions start .. L - 1 - j read real tokens
-            assert real >= 1
+            if real < 1:
+                raise ValueError(f"draft_tree: module {j} has no position of real tokens to "
+                                 f"run ({L} tokens seen, {start} of them in its cache)")
             inner = sorted({a for i, p in enumerate(tree.nodes) if len(p) == j
                             for a in tree.ancestors(i)})  # parents first
             ids = list(tokens[start + j: L]) + [nodes[i] for i in inner]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,16 +36,29 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k!r}")
-        if self.top_logprobs < 0:
-            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_int(self.top_logprobs) or self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be an integer >= 0, got {self.top_logprobs!r}")
+        if self.seed is not None and not (_is_int(self.seed) and SEEDS[0] <= self.seed < SEEDS[1]):
+            raise ValueError(f"seed must be an integer in [{SEEDS[0]}, {SEEDS[1]}), "
+                             f"got {self.seed!r}")
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+
+
+# what torch.Generator.manual_seed takes
+SEEDS = (-(1 << 63), 1 << 64)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class GenerationError(RuntimeError):
@@ -118,6 +132,10 @@ def routed_experts_array(data: str) -> np.ndarray:
     """`decode_routed_experts` in the type it was sent in (uint8 or uint16 from us and vLLM):
     an eighth of the memory of int64 ids, for rows that are compared and kept, not indexed with."""
     f = _npy(data)
+    head = _header(f)
+    if head is not None:  # the data must hold what the header says, before it is allocated
+        _check_size(head, len(f.getbuffer()))
+    f.seek(0)
     try:
         arr = np.load(f, allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
@@ -133,16 +151,34 @@ def routed_experts_array(data: str) -> np.ndarray:
 def routed_experts_shape(data: str) -> tuple[int, ...]:
     """The (tokens, MoE layers, top_k) shape of encoded routed experts, read from the array's
     header alone (a long turn's rows need not be decoded to be counted)."""
-    f = _npy(data[:344] if isinstance(data, str) else data)  # 258 bytes: a header is 64-256
+    head = _header(_npy(data[:344] if isinstance(data, str) else data))  # a header: 64-256 B
+    if head is None:  # another version, or a longer header
+        return tuple(decode_routed_experts(data).shape)
+    payload = len(data) // 4 * 3 - (len(data) - len(data.rstrip("=")))  # base64's bytes
+    _check_size(head, payload)
+    return tuple(head[0])
+
+
+def _header(f: io.BytesIO) -> tuple[tuple[int, ...], np.dtype, int] | None:
+    """An .npy header's shape and dtype, checked as routed experts', and where the data
+    starts; None where it is not a version 1 or 2 header this short read holds."""
     try:
         version = np.lib.format.read_magic(f)
         read = {(1, 0): np.lib.format.read_array_header_1_0,
                 (2, 0): np.lib.format.read_array_header_2_0}[version]
         shape, _, dtype = read(f)
-    except (ValueError, KeyError, EOFError):  # another version, or a longer header
-        return tuple(decode_routed_experts(data).shape)
+    except (ValueError, KeyError, EOFError):
+        return None
     _check_routed(shape, dtype)
-    return tuple(shape)
+    return tuple(shape), dtype, f.tell()
+
+
+def _check_size(head: tuple[tuple[int, ...], np.dtype, int], size: int) -> None:
+    shape, dtype, start = head
+    want = start + math.prod(shape) * dtype.itemsize
+    if want != size:
+        raise ValueError(f"routed_experts: the header says {dtype} {shape} ({want} bytes), "
+                         f"the data holds {size} bytes")
 
 
 def _npy(data: str) -> io.BytesIO:

@@ -188,9 +188,19 @@ def test_bad_requests_name_the_field(model: Transformer) -> None:
     for params, field in [(SamplingParams(max_tokens=0), "max_tokens"),
                           (SamplingParams(temperature=-1), "temperature"),
                           (SamplingParams(top_p=0), "top_p"),
-                          (SamplingParams(top_k=-2), "top_k")]:
+                          (SamplingParams(top_k=-2), "top_k"),
+                          (SamplingParams(temperature=float("nan")), "temperature must be a "
+                           "finite number"),
+                          (SamplingParams(top_k=2.5), "top_k must be an integer"),  # type: ignore[arg-type]
+                          (SamplingParams(seed=2**70), r"seed must be an integer in \["),
+                          (SamplingParams(stop_token_ids=[1.5]), "stop_token_ids")]:  # type: ignore[list-item]
         with pytest.raises(ValueError, match=field):
             engine.generate([[1, 2]], params)
+    with pytest.raises(ValueError, match="prompt_ids: token ids must be integers, got 2.0"):
+        engine.generate([[1, 2.0]], SamplingParams())  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"prompts\[1\]: seed"):  # the first is not queued
+        engine.generate([[1, 2], [1, 2]], [SamplingParams(seed=1), SamplingParams(seed=-2**64)])
+    assert not engine._waiting
     with pytest.raises(ValueError, match="prompt_ids"):
         engine.generate([[]], SamplingParams())
     with pytest.raises(ValueError, match="prompt_ids"):
@@ -283,6 +293,31 @@ def test_a_request_that_fails_every_step_it_is_in_fails_alone(model: Transformer
     assert (bad.finish_reason, bad.error) == ("error", "RuntimeError: bad row")
     assert [r.completion().token_ids for r in reqs] == [w.token_ids for w in want]
     assert all(r.finish_reason == "length" for r in reqs)
+
+
+def test_a_seeded_request_draws_alike_when_a_row_after_it_fails_to_sample(
+        model: Transformer, monkeypatch) -> None:
+    """A step fails while sampling its second row, after the first drew: the first request,
+    put back, draws again from where its generator was, so its seed gives the tokens it gives
+    alone."""
+    from codedojo.engine import engine as engine_mod
+    from codedojo.engine.sampling import sample_row
+
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, seed=3)
+    alone = Engine(model, max_batch=2).generate([PROMPTS[0]], seeded)[0].token_ids
+    real, left = engine_mod.sample_batch, [1]
+
+    def fails_at_row_1(logits, params, gens):
+        if left[0] and len(params) == 2:
+            left[0] -= 1
+            sample_row(logits[0], params[0], gens[0])
+            raise RuntimeError("row 1 failed")
+        return real(logits, params, gens)
+
+    monkeypatch.setattr(engine_mod, "sample_batch", fails_at_row_1)
+    a, b = Engine(model, max_batch=2).generate(
+        [PROMPTS[0], PROMPTS[1]], [seeded, SamplingParams(max_tokens=10, temperature=0)])
+    assert not left[0] and a.token_ids == alone
 
 
 def test_a_request_in_too_many_failed_steps_fails(model: Transformer, failing_steps) -> None:

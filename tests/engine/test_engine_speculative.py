@@ -132,6 +132,20 @@ def test_sampled_logprobs_are_the_target_distributions(model: Transformer) -> No
     assert engine.spec_stats.rounds > 0
 
 
+def test_sampling_near_zero_temperature_or_without_logprobs_is_plain_decodings(
+        model: Transformer) -> None:
+    """A temperature below what a divisor holds samples the argmax (as plain decoding does),
+    and logprobs=False reports what plain decoding reports."""
+    engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, 0))
+    cold = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=1e-320))[0]
+    assert cold.token_ids == plain_of(model, PROMPT, SamplingParams(max_tokens=12, temperature=0))
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.8,
+                                                    logprobs=False))[0]
+    ref = sequence_logprobs(model, PROMPT, out.token_ids, temperature=0.8)
+    assert max(abs(a - b) for a, b in zip(ref, out.logprobs, strict=True)) < 1e-4
+    assert engine.spec_stats.rounds > 0
+
+
 def test_a_seed_gives_the_same_sampled_tokens_with_a_drafter() -> None:
     """Speculative rounds would draw from the request's generator as often as the engine's
     state has them draft: a seeded sampled request decodes plainly, so its seed gives the
@@ -474,6 +488,23 @@ def test_the_next_turn_reuses_the_prefix_and_still_drafts(model: Transformer) ->
     ref = fresh.generate([turn], greedy)[0]
     assert again.token_ids == ref.token_ids
     assert max(abs(a - b) for a, b in zip(again.logprobs, ref.logprobs, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("prefix_cache_tokens", [None, 0])
+def test_a_tree_round_fits_the_tokens_the_drafter_has_seen(model: Transformer,
+                                                           prefix_cache_tokens: int | None) -> None:
+    """A prompt the prefix cache holds leaves one token to prefill, and a one-token prompt has
+    one: the first round's tree is as deep as the drafter can run, and the tokens are plain
+    greedy decoding's."""
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    kw = {} if prefix_cache_tokens is None else {"prefix_cache_tokens": prefix_cache_tokens}
+    engine = Engine(model, max_batch=2, drafter=mtp_drafter(model, 24), spec_tree=5,
+                    **kw)
+    for prompt in ([5], PROMPT * 8):
+        want = plain_of(model, prompt, greedy)
+        for _ in range(3):
+            assert engine.generate([prompt], greedy)[0].token_ids == want
+    assert engine.spec_stats.rounds > 0
 
 
 def test_a_session_starts_after_a_prefix_the_target_holds(model: Transformer) -> None:

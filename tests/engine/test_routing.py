@@ -331,3 +331,18 @@ def test_a_request_put_back_after_a_failed_step_keeps_one_row_a_token(moe_model,
         torch.testing.assert_close(logp, torch.tensor(c.logprobs), atol=1e-4, rtol=0)
         for layer, chosen in enumerate(own):
             assert torch.equal(c.routed_experts[:, layer].long(), chosen), layer
+
+
+def test_routed_experts_whose_header_claims_more_than_the_data_are_refused():
+    """A header's shape is checked against the bytes sent before anything is allocated."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "|u1", "fortran_order": False,
+                                               "shape": (2**40, 2, 2)})
+    data = base64.b64encode(buf.getvalue() + b"\0" * 16).decode()
+    for read in (routed_experts_shape, decode_routed_experts):
+        with pytest.raises(ValueError, match=r"the header says uint8 \(1099511627776, 2, 2\)"):
+            read(data)
+    ok = encode_routed_experts(torch.randint(0, 8, (5, 2, 2)))
+    assert routed_experts_shape(ok) == (5, 2, 2) and decode_routed_experts(ok).shape == (5, 2, 2)
+    with pytest.raises(ValueError, match="the data holds"):
+        routed_experts_shape(base64.b64encode(base64.b64decode(ok)[:-1]).decode())
