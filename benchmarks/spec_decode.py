@@ -125,6 +125,9 @@ def main() -> None:
         starts = (shards.doc(i) for i in range(len(shards)))
         prompts = [d[:args.prompt_len].tolist() for d in starts
                    if len(d) >= args.prompt_len][:args.prompts]
+    if not prompts:
+        sys.exit(f"{args.data}: no held-out file of --prompt-len {args.prompt_len} tokens or "
+                 f"more (--prompts {args.prompts})")
     plain = Engine(model, max_batch=1, max_seq_len=max_len)
     spec = Engine(model, max_batch=1, max_seq_len=max_len, drafter=drafter,
                   spec_draft_cost=args.draft_cost, spec_tree=args.tree)

@@ -28,6 +28,8 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -135,12 +137,15 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) {
 // stream runs libstdc++'s number formatting as compiled into this library, which crashed
 // (SIGSEGV in std::codecvt) on a machine whose compiler's libstdc++ differed from the one the
 // process had loaded. Text insertions are safe there, as are all the kernels' own paths.
-void check_tensor(const torch::Tensor& t, at::ScalarType type, int64_t numel, const char* what,
-                  int64_t layer = -1) {
-  TORCH_CHECK(t.defined() && t.scalar_type() == type && t.is_contiguous() && t.numel() == numel,
+void check_tensor(const torch::Tensor& t, at::ScalarType type, std::vector<int64_t> shape,
+                  const char* what, int64_t layer = -1) {
+  std::string dims;
+  for (int64_t d : shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+  TORCH_CHECK(t.defined() && t.scalar_type() == type && t.is_contiguous() &&
+                  t.sizes() == c10::IntArrayRef(shape),
               "FusedLayers: ", layer >= 0 ? "layer " + std::to_string(layer) + " " : "", what,
-              " must be a contiguous ", c10::toString(type), " tensor (the weights' type) of ",
-              std::to_string(numel), " elements");
+              " must be a contiguous ", c10::toString(type), " tensor (the weights' type) of "
+              "shape (", dims, ")");
 }
 
 }  // namespace
@@ -186,35 +191,35 @@ class FusedLayers {
     F_ = weights_[5].numel() / (2 * D_);
     for (int64_t l = 0; l < L_; ++l) {
       const torch::Tensor* w = &weights_[l * kPerLayer];
-      check_tensor(w[0], type_, D_, "attn_norm", l);
-      check_tensor(w[1], type_, QKV_ * D_, "wqkv", l);
-      if (w[2].numel()) check_tensor(w[2], type_, QKV_, "bqkv", l);
-      check_tensor(w[3], type_, D_ * H * hd_, "wo", l);
-      check_tensor(w[4], type_, D_, "mlp_norm", l);
-      check_tensor(w[5], type_, 2 * F_ * D_, "w_gate_up", l);
-      check_tensor(w[6], type_, D_ * F_, "w_down", l);
+      check_tensor(w[0], type_, {D_}, "attn_norm", l);
+      check_tensor(w[1], type_, {QKV_, D_}, "wqkv", l);
+      if (w[2].numel()) check_tensor(w[2], type_, {QKV_}, "bqkv", l);
+      check_tensor(w[3], type_, {D_, H * hd_}, "wo", l);
+      check_tensor(w[4], type_, {D_}, "mlp_norm", l);
+      check_tensor(w[5], type_, {2 * F_, D_}, "w_gate_up", l);
+      check_tensor(w[6], type_, {D_, F_}, "w_down", l);
     }
     vocab_ = embed_.numel() ? embed_.size(0) : 0;
     V_ = head_.numel() ? head_.size(0) : 0;
-    if (embed_.numel()) check_tensor(embed_, type_, vocab_ * D_, "embed");
+    if (embed_.numel()) check_tensor(embed_, type_, {vocab_, D_}, "embed");
     if (head_.numel()) {
-      check_tensor(head_, type_, V_ * D_, "head");
-      check_tensor(norm_, type_, D_, "norm");
+      check_tensor(head_, type_, {V_, D_}, "head");
+      check_tensor(norm_, type_, {D_}, "norm");
     }
     TORCH_CHECK(mix_.empty() || ((mix_.size() == 3 || mix_.size() == 4) && embed_.numel()),
                 "FusedLayers: mix is [norm_h, norm_e, proj] or [norm_h, norm_e, proj, fuse], "
                 "with an embedding table");
     if (!mix_.empty()) {
-      check_tensor(mix_[0], type_, D_, "mix norm_h");
-      check_tensor(mix_[1], type_, D_, "mix norm_e");
-      check_tensor(mix_[2], type_, 2 * D_ * D_, "mix proj");
+      check_tensor(mix_[0], type_, {D_}, "mix norm_h");
+      check_tensor(mix_[1], type_, {D_}, "mix norm_e");
+      check_tensor(mix_[2], type_, {D_, 2 * D_}, "mix proj");
     }
     if (mix_.size() == 4) {
       TORCH_CHECK(mix_[3].dim() == 2 && mix_[3].size(0) == D_ && mix_[3].size(1) > 0 &&
                       mix_[3].size(1) % D_ == 0,
                   "FusedLayers: mix fuse must be (", std::to_string(D_), ", n * ",
                   std::to_string(D_), ")");
-      check_tensor(mix_[3], type_, mix_[3].numel(), "mix fuse");
+      check_tensor(mix_[3], type_, {D_, mix_[3].size(1)}, "mix fuse");
       FI_ = mix_[3].size(1);
     }
     if (type_ == at::kFloat) {  // bfloat16 matrices are read as they are, row by row
@@ -333,7 +338,17 @@ class FusedLayers {
     if (type_ == at::kBFloat16)
       return run_typed<at::BFloat16>(x, tokens, k_cache, v_cache, slot, tree ? rope : pos,
                                      logit_rows, paths, taps);
-    for (Panels& p : panels_) p.refresh();  // weights changed in place since the last call
+    // Weights changed in place since the last call are packed again, by one caller while no
+    // other reads the panels: calls from several threads read them together otherwise.
+    std::shared_lock<std::shared_mutex> reading(panels_mutex_);
+    if (std::any_of(panels_.begin(), panels_.end(), [](const Panels& p) { return p.stale(); })) {
+      reading.unlock();
+      {
+        std::unique_lock<std::shared_mutex> packing(panels_mutex_);
+        for (Panels& p : panels_) p.refresh();
+      }
+      reading.lock();
+    }
     return run_typed<float>(x, tokens, k_cache, v_cache, slot, tree ? rope : pos, logit_rows,
                             paths, taps);
   }
@@ -540,6 +555,7 @@ class FusedLayers {
   const Panels* panel(int64_t i) const { return panels_.empty() ? nullptr : &panels_[i]; }
 
   std::vector<Panels> panels_;  // float32 weights only, in panel_memory_
+  std::shared_mutex panels_mutex_;  // shared by the calls reading the panels, held to pack
   torch::Tensor panel_memory_;
   int64_t H_, K_;
   float eps_;

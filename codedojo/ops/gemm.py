@@ -62,16 +62,16 @@ def load_kernel(verbose: bool = False) -> ModuleType | None:
             return None
         from torch.utils.cpp_extension import load
 
-        build = build_dir()
-        try:
-            build.mkdir(parents=True)
-        except FileExistsError:  # built before, or being built now
-            pass
-        else:  # a new build: the old ones nobody loads go
-            for old in prune_builds(build):
-                log.info("removed %s: not loaded for %d days", old, UNUSED_DAYS)
         flags = ["-O3", "-march=native", "-fopenmp"]
-        try:
+        try:  # a cache that cannot be written (a service user's missing home) falls back too
+            build = build_dir()
+            try:
+                build.mkdir(parents=True)
+            except FileExistsError:  # built before, or being built now
+                pass
+            else:  # a new build: the old ones nobody loads go
+                for old in prune_builds(build):
+                    log.info("removed %s: not loaded for %d days", old, UNUSED_DAYS)
             with build_lock(build):
                 sources = staged_sources(build)
                 _kernel = load("codedojo_kernels", [str(s) for s in sources],

@@ -43,6 +43,8 @@ def huge_page_buffer(n_bytes: int) -> tuple[mmap.mmap, int]:
 def huge_page_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor in huge-page memory (its own mapping)."""
     count = int(torch.Size(shape).numel())
+    if count == 0:  # nothing to map (a mapping cannot be empty)
+        return torch.empty(shape, dtype=dtype)
     m, start = huge_page_buffer(count * dtype.itemsize)
     return torch.frombuffer(m, dtype=dtype, count=count, offset=start).view(shape)
 

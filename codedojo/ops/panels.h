@@ -62,14 +62,15 @@ class Panels {
   // Packs again if the source changed in place since the last packing (inference tensors
   // keep no version counter: made under torch.inference_mode, they are packed once).
   void refresh() {
-    if (version() != version_) pack();
+    if (stale()) pack();
   }
+  bool stale() const { return version() != version_; }
 
  private:
   int64_t version() const { return src_.is_inference() ? 0 : src_._version(); }
 
   void pack() {
-    version_ = version();
+    const int64_t now = version();
     const float* w = src_.data_ptr<float>() + m0_ * K_;
     float* out = data_;
     const int64_t K = K_, M = M_;
@@ -82,6 +83,7 @@ class Panels {
         }
       }
     });
+    version_ = now;
   }
 
   torch::Tensor src_;

@@ -285,6 +285,11 @@ def test_fused_decode_rejects_bad_input() -> None:
     rope = (model.rotary.cos, model.rotary.sin, cfg.n_heads, cfg.n_kv_heads, cfg.norm_eps)
     with pytest.raises(RuntimeError, match="layer 0 wqkv"):
         FusedLayers.build([weights[0], weights[1][:-1]] + weights[2:], *rope)
+    # as many elements in another shape: read as the shape it should have, out of bounds
+    with pytest.raises(RuntimeError, match=r"layer 0 wqkv .* of shape \(128, 64\)"):
+        FusedLayers.build([weights[0], weights[1].T.contiguous()] + weights[2:], *rope)
+    with pytest.raises(RuntimeError, match=r"layer 0 w_gate_up .* of shape \(256, 64\)"):
+        FusedLayers.build(weights[:5] + [weights[5].reshape(-1)] + weights[6:], *rope)
     with pytest.raises(RuntimeError, match="cannot share"):
         FusedLayers.build(weights, *rope[:2], cfg.n_heads, cfg.n_heads - 1, cfg.norm_eps)
     fused = _fused(cfg)

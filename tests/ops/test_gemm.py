@@ -51,6 +51,16 @@ def test_a_failed_build_names_the_compilers_error(tmp_path, monkeypatch: pytest.
     assert gemm.build_error(ImportError("ninja is required")) == "ImportError: ninja is required"
 
 
+def test_a_cache_that_cannot_be_written_falls_back_to_f_linear(tmp_path, monkeypatch) -> None:
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("CODEDOJO_CACHE", str(tmp_path / "file" / "cache"))
+    monkeypatch.setattr(gemm, "_kernel", None)
+    monkeypatch.setattr(gemm, "_error", None)
+    assert gemm.load_kernel() is None and "NotADirectoryError" in gemm._error, gemm._error
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    torch.testing.assert_close(gemm.linear(x, w), torch.nn.functional.linear(x, w))
+
+
 def test_checkouts_of_the_same_sources_share_a_build(tmp_path, monkeypatch) -> None:
     """The build directory follows the sources' content, not where they lie: a second copy of
     them builds nowhere new, a changed byte (a source or a header) builds elsewhere, and the

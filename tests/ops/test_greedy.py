@@ -49,6 +49,17 @@ def test_bad_tokens_are_named() -> None:
         greedy(torch.randn(1, 5), torch.tensor([9]))
 
 
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_tokens_of_another_length_are_refused_on_both_paths(kernels: str, monkeypatch) -> None:
+    import sys
+
+    if kernels == "0":  # the torch path, as where the kernels cannot be built
+        monkeypatch.setattr(sys.modules["codedojo.ops.greedy"], "load_kernel", lambda: None)
+    for tokens in (torch.tensor([], dtype=torch.long), torch.tensor([1, 2])):
+        with pytest.raises(ValueError, match="one id for each of the logits' rows"):
+            greedy(torch.randn(3, 5), tokens)
+
+
 @needs_kernel
 def test_strided_token_ids_read_as_the_tokens_they_are() -> None:
     x = torch.randn(3, 11)

@@ -49,6 +49,10 @@ def tiny_model() -> Transformer:
     return Transformer(ModelConfig.tiny())
 
 
+def test_an_empty_tensor_needs_no_mapping() -> None:
+    assert huge_page_empty((0, 4), torch.float32).shape == (0, 4)
+
+
 def test_move_keeps_values_and_parameters_and_training_updates_the_new_memory() -> None:
     model = tiny_model()
     params = dict(model.named_parameters())
