@@ -28,6 +28,10 @@ class MixtureSource(BaseModel):
     context_tokens: int = Field(0, ge=0, description="Leading tokens of each document that are "
                                 "context only: never a trained target (the prompt of a "
                                 "self-generated continuation).")
+    whole: bool = Field(False, description="Its documents are packed whole: one that the rest "
+                        "of a row cannot hold starts the next row (as a document with a loss "
+                        "mask is). For documents whose every position must see the same "
+                        "context as when they were made: a continuation and its prompt.")
 
     @field_validator("path")
     @classmethod
@@ -43,6 +47,7 @@ class MixedDoc:
     mask: np.ndarray | None  # (n,) uint8 per-token loss mask, None = train on all
     source: int
     start: int = 0  # where the document starts in its source's token stream
+    whole: bool = False  # never split across rows (`MixtureSource.whole`)
 
 
 def mix(sources: list[MixtureSource], total_tokens: int, seed: int = 0,
@@ -79,4 +84,5 @@ def mix(sources: list[MixtureSource], total_tokens: int, seed: int = 0,
         if sources[k].context_tokens:
             mask = np.ones(toks.size, np.uint8) if mask is None else mask.copy()
             mask[: sources[k].context_tokens] = 0
-        yield MixedDoc(tokens=toks, mask=mask, source=k, start=shards[k].doc_start(i))
+        yield MixedDoc(tokens=toks, mask=mask, source=k, start=shards[k].doc_start(i),
+                       whole=sources[k].whole)

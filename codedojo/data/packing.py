@@ -76,8 +76,9 @@ def pack(docs: Iterable[MixedDoc | np.ndarray], seq_len: int, pad_id: int = 0,
     """Greedy in-order packing: documents are concatenated and cut into rows of seq_len + 1.
     With allow_split=False a document that does not fit in the rest of a row starts a new row
     (the rest is padding); only documents longer than a row are still split. A document with a
-    loss mask (a conversation; a continuation after its context) is always packed so: cut in
-    two, its answer would be learnt in the next row without what it answers. ``origins``
+    loss mask (a conversation; a continuation after its context), or from a source that keeps
+    its documents whole, is always packed so: cut in two, its answer would be learnt in the
+    next row without what it answers. ``origins``
     (documents from a mixture, one source) records each token's place in that source."""
     if seq_len < 1:
         raise ValueError("seq_len must be >= 1")
@@ -108,6 +109,7 @@ def pack(docs: Iterable[MixedDoc | np.ndarray], seq_len: int, pad_id: int = 0,
     for d in docs:
         toks = d.tokens if isinstance(d, MixedDoc) else np.asarray(d)
         masked = isinstance(d, MixedDoc) and d.mask is not None
+        whole = masked or (isinstance(d, MixedDoc) and d.whole)
         m = d.mask if masked else np.ones(len(toks), np.uint8)  # type: ignore[union-attr]
         if origins:
             if not isinstance(d, MixedDoc):
@@ -118,7 +120,7 @@ def pack(docs: Iterable[MixedDoc | np.ndarray], seq_len: int, pad_id: int = 0,
                                  "come from several")
             at = d.start + np.arange(len(toks), dtype=np.int64)
         start = 0
-        if (masked or not allow_split) and fill > 0 and len(toks) > width - fill:
+        if (whole or not allow_split) and fill > 0 and len(toks) > width - fill:
             flush()
             if max_rows is not None and len(rows_t) >= max_rows:
                 break

@@ -16,7 +16,7 @@ import ast
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from codedojo.data.readers import Document
 from codedojo.data.shards import ShardWriter
@@ -40,8 +40,18 @@ READ_FILE_TOOL: dict[str, Any] = {
 }
 
 
-def read_sft_jsonl(path: str | Path) -> Iterator[tuple[list[Message], list[dict[str, Any]] | None]]:
-    """Lines of {"messages": [...], "tools": [...]?}; errors name the line and field."""
+class Conversation(NamedTuple):
+    """A chat to train on: its messages, the tool schemas offered, and where it came from
+    (a file and line, which errors name)."""
+
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None = None
+    where: str = ""
+
+
+def read_sft_jsonl(path: str | Path) -> Iterator[Conversation]:
+    """Lines of {"messages": [...], "tools": [...]?}; errors name the line and field, and so do
+    the renderer's (`render_to_shards`)."""
     path = Path(path)
     with path.open(encoding="utf-8") as fh:
         for i, line in enumerate(fh):
@@ -66,16 +76,22 @@ def read_sft_jsonl(path: str | Path) -> Iterator[tuple[list[Message], list[dict[
             if tools is not None and not (isinstance(tools, list)
                                           and all(isinstance(t, dict) for t in tools)):
                 raise ValueError(f"{where}: field 'tools' must be a list of objects")
-            yield msgs, tools
+            yield Conversation(msgs, tools, where)
 
 
-def render_to_shards(convs: Iterable[tuple[list[Message], list[dict[str, Any]] | None]],
+def render_to_shards(convs: Iterable[Conversation | tuple[list[Message], list[dict[str, Any]] | None]],
                      render: ChatRenderer, out_dir: str | Path, vocab_size: int,
                      eos_id: int | None, max_tokens: int | None = None) -> Path:
+    """Each conversation's (ids, mask) as a masked document; a conversation the renderer
+    refuses is named by where it came from (or its place in ``convs``)."""
     w = ShardWriter(out_dir, vocab_size, eos_id)
     total = 0
-    for msgs, tools in convs:
-        ids, mask = render(msgs, tools)
+    for n, (msgs, tools, *where) in enumerate(convs):
+        try:
+            ids, mask = render(msgs, tools)
+        except ValueError as e:
+            raise ValueError(f"{where[0] if where and where[0] else f'conversation {n}'}: "
+                             f"{e}") from e
         if len(ids) != len(mask):
             raise ValueError("renderer returned ids and mask of different lengths")
         if not any(mask):

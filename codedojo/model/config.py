@@ -35,6 +35,9 @@ class RopeScaling(BaseModel):
     def _check(self) -> RopeScaling:
         if self.kind == "base" and self.new_theta is None:
             raise ValueError("rope_scaling.new_theta is required when kind is 'base'")
+        if self.beta_fast <= self.beta_slow:
+            raise ValueError(f"rope_scaling: beta_fast ({self.beta_fast}) must be above "
+                             f"beta_slow ({self.beta_slow})")
         return self
 
     @property

@@ -7,7 +7,7 @@ import copy
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -102,6 +102,12 @@ class SelfGenConfig(BaseModel):
         return d
 
 
+# A run's and a stage's name is a directory's (<out_dir>/<name>, ckpt/<stage>): one path
+# component, and neither "." nor "..", which name the directories around it.
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)]
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
 def decay_steps(steps: int, decay_frac: float) -> int:
     """The steps of a stage's final decay (at least one when it has a decay)."""
     return max(1, round(steps * decay_frac)) if decay_frac > 0 else 0
@@ -113,7 +119,7 @@ class StageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str
+    name: Name
     seq_len: int = Field(ge=8)
     batch_size: int = Field(4, ge=1, description="Rows per micro-batch.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
@@ -123,7 +129,7 @@ class StageConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0)
     decay_frac: float = Field(0.2, ge=0, le=1, description="Share of steps in the final decay.")
     weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
     grad_clip: float = Field(1.0, gt=0)
     mix: list[MixEntry] = Field(description="Weighted data for this stage.")
     rope_scaling: RopeScaling | None = Field(None, description="Applied to the model at the start "
@@ -194,7 +200,7 @@ class EvalConfig(BaseModel):
 class PretrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(description="Run name: outputs go to <out_dir>/<name>/.")
+    name: Name = Field(description="Run name: outputs go to <out_dir>/<name>/.")
     out_dir: str = "runs"
     seed: int = 0
     model: ModelSpec = Field(default_factory=ModelSpec)
@@ -204,7 +210,7 @@ class PretrainConfig(BaseModel):
     sft_examples: int = Field(200, ge=0, description="Code SFT examples built from the corpus.")
     sft_jsonl: str | None = Field(None, description="Extra SFT conversations (messages/tools).")
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    stages: list[StageConfig]
+    stages: list[StageConfig] = Field(min_length=1)
     export_hf: bool = Field(True, description="Export the final model as HF safetensors.")
 
     @model_validator(mode="after")
@@ -217,6 +223,15 @@ class PretrainConfig(BaseModel):
         taps = self.model.mtp_taps
         if any(t < 0 for t in taps) or taps != sorted(set(taps)):
             raise ValueError(f"model.mtp_taps: {taps} must be increasing layer indexes >= 0")
+        lo, hi = self.long_docs_chars
+        if not 1 <= lo <= hi:
+            raise ValueError(f"long_docs_chars: ({lo}, {hi}) must be (min, max) with "
+                             "1 <= min <= max")
+        for i, st in enumerate(self.stages):
+            if (any(e.data == "sft" for e in st.mix) and not self.sft_examples
+                    and not self.sft_jsonl):
+                raise ValueError(f"stages[{i}] ({st.name}): an `sft` mix entry, but no SFT "
+                                 "data (sft_examples is 0 and no sft_jsonl)")
         return self
 
     @property
@@ -232,6 +247,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PretrainConf
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError as e:
         raise ValueError(f"{path}: no such config file") from e
+    except (OSError, UnicodeDecodeError) as e:  # a directory, unreadable, not UTF-8 text
+        raise ValueError(f"{path}: cannot read the config ({e})") from e
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: invalid TOML ({e})") from e
     raw = apply_overrides(raw, overrides)

@@ -109,13 +109,14 @@ def next_token_loss(model: Transformer, hidden: torch.Tensor, targets: torch.Ten
 
 def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
                mtp_weight: float, mtp_detach: bool = False, mtp_greedy: float = 0.0,
-               share: float = 1.0, positions: Sequence[float] | None = None
-               ) -> tuple[torch.Tensor, dict[str, float]]:
+               share: float = 1.0, positions: Sequence[float] | None = None,
+               rows_share: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one micro-batch, by stage kind (``mtp_detach``: `MTP.forward`'s,
     ``mtp_greedy``: `distill_loss`'s ``greedy``), and its parts. In a step of several
-    micro-batches, each part is this micro-batch's share of the step's: the next-token and
-    MoE losses are scaled by ``share`` (its share of the step's trained tokens), and the MTP
-    loss divided by ``positions``, the step's per depth (`distill_loss`). By default: the
+    micro-batches, each part is this micro-batch's share of the step's: the next-token loss is
+    scaled by ``share`` (its share of the step's trained tokens), the MoE balance loss (a mean
+    over sequences, trained or not) by ``rows_share`` (its share of the step's rows), and the
+    MTP loss divided by ``positions``, the step's per depth (`distill_loss`). By default: the
     micro-batch's own mean."""
     tokens, targets, mask = batch["tokens"], batch["targets"], batch["loss_mask"]
     # the modules read the last hidden states, and the tapped layers' after them
@@ -147,8 +148,8 @@ def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
         loss = loss + (dl if mode == "distill" else mtp_weight * dl)
     aux = moe_aux_loss(model)
     if aux is not None and mode != "distill":
-        loss = loss + aux * share
-        metrics["moe_aux"] = float(aux.detach()) * share
+        loss = loss + aux * rows_share
+        metrics["moe_aux"] = float(aux.detach()) * rows_share
     return loss, metrics
 
 
@@ -225,16 +226,44 @@ def continuations(model: Transformer, held_out: TokenShards, n: int, length: int
 # ---- model setup ------------------------------------------------------------------------------
 
 
+def max_seq_len_after(max_seq_len: int, stage: StageConfig) -> int:
+    """The model's positions once ``stage``'s RoPE change is applied: YaRN's reach (the
+    original length times the factor), a base change's the stage's length; never fewer."""
+    rs = stage.rope_scaling
+    if rs is None:
+        return max_seq_len
+    grown = int(rs.original_max_seq_len * rs.factor) if rs.kind == "yarn" else stage.seq_len
+    return max(max_seq_len, grown)
+
+
+def check_lengths(cfg: PretrainConfig, max_seq_len: int) -> None:
+    """Every length the run will use fits the model's positions as they are by then: refused
+    here, naming the field, rather than at that stage's first step after the others trained."""
+    if cfg.eval.seq_len > max_seq_len:
+        raise ValueError(f"eval.seq_len {cfg.eval.seq_len}: the model has {max_seq_len} "
+                         "positions (max_seq_len)")
+    for i, st in enumerate(cfg.stages):
+        max_seq_len = max_seq_len_after(max_seq_len, st)
+        lengths = {"seq_len": st.seq_len}
+        if st.self_gen is not None:
+            lengths["self_gen.prompt_len + self_gen.new_tokens"] = (
+                st.self_gen.prompt_len + st.self_gen.new_tokens)
+        for what, n in lengths.items():
+            if n > max_seq_len:
+                raise ValueError(f"stages[{i}] ({st.name}).{what} {n}: the model has "
+                                 f"{max_seq_len} positions (max_seq_len) by then; a stage "
+                                 "with rope_scaling before it extends them")
+
+
 def set_rope_scaling(model: Transformer, mtp: MTP | None, stage: StageConfig) -> ModelConfig:
     """Context extension: new RoPE tables (YaRN or base change) for model and MTP; max_seq_len
-    grows with the YaRN factor."""
+    grows to what they reach (`max_seq_len_after`)."""
     rs = stage.rope_scaling
     assert rs is not None
-    upd: dict[str, Any] = {"rope_scaling": rs if rs.kind == "yarn" else None}
+    upd: dict[str, Any] = {"rope_scaling": rs if rs.kind == "yarn" else None,
+                           "max_seq_len": max_seq_len_after(model.cfg.max_seq_len, stage)}
     if rs.kind == "base":
         upd["rope_theta"] = rs.new_theta
-    else:
-        upd["max_seq_len"] = max(model.cfg.max_seq_len, int(rs.original_max_seq_len * rs.factor))
     cfg = model.cfg.model_copy(update=upd)
     model.cfg = cfg
     model.rotary = Rotary(cfg).to(model.tok_embeddings.weight.device)
@@ -298,6 +327,7 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
         settings["origins"] = True
     if any(e.data == "self" for e in stage.mix) and "self" in data.shards:
         settings["self"] = data.shards["self"].name  # whose continuations: another model's
+        settings["self_whole"] = True  # packed whole since: rows packed before are not reused
     out = cache_dir_for(run_dir / "data" / "packed", stage, settings)
     if (out / "mask.npy").exists():
         return Packed.load(out)
@@ -308,9 +338,11 @@ def stage_packed(cfg: PretrainConfig, stage: StageConfig, si: int, data: RunData
     for e in stage.mix:
         if e.data not in data.shards:
             raise ValueError(f"stages[{si}].mix: no {e.data!r} data in this run")
+        # a continuation is packed whole: cut, its second piece would be trained without its
+        # prompt, and its stored states (`stored_hidden`) were made with it
         srcs.append(MixtureSource(name=e.data, path=str(data.shards[e.data]), weight=e.weight,
-                                  min_tokens=e.min_tokens,
-                                  context_tokens=context.get(e.data, 0)))
+                                  min_tokens=e.min_tokens, context_tokens=context.get(e.data, 0),
+                                  whole=e.data == "self"))
     packed = pack(mix(srcs, need, seed=seed), stage.seq_len, origins=origins)
     # A conversation longer than a row leaves rows of prompt only: nothing to learn from them.
     trained = packed.mask[:, 1:].any(axis=1)
@@ -493,6 +525,7 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
         # would weigh an SFT row of 3 trained tokens as one of 300.
         micro = [loader.next_batch() for _ in range(st.grad_accum)]
         counts = [int(b["loss_mask"].sum()) for b in micro]
+        rows = sum(len(b["tokens"]) for b in micro)
         ntok = sum(counts)
         # every trained token of the step weighs alike, and every position of an MTP depth:
         # the step's numbers (per rank, as gradients are averaged over ranks)
@@ -508,7 +541,7 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
             with _autocast(stage_dtype(cfg, st), dev):
                 loss, part = stage_loss(model, mtp, batch, st.mtp, st.mtp_weight,
                                         st.mtp_detach, st.mtp_greedy, n / step_tokens,
-                                        positions)
+                                        positions, len(batch["tokens"]) / rows)
             loss.backward()
             total += float(loss.detach())
             for k, v in part.items():
@@ -685,6 +718,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
     with main_rank_first():
         data = prepare_data(cfg, tok, run_dir)
     model, mtp = build_model(cfg)
+    check_lengths(cfg, model.cfg.max_seq_len)
     model.to(dev)
     if mtp is not None:
         mtp.to(dev)

@@ -34,3 +34,19 @@ def test_sft_loss_only_on_assistant_tokens(tmp_path, chat):
     assert "read_file" in text  # the assistant's tool call is trained ...
     assert "Write the Python function" not in text  # ... the user's request is not
     assert "Write the Python function" in tok.decode(untrained)
+
+
+def test_a_conversation_the_renderer_refuses_is_named_by_its_file_and_line(tmp_path, chat):
+    from codedojo.data.sft import read_sft_jsonl
+
+    tok, tmpl = chat
+    sft = tmp_path / "sft.jsonl"
+    ok = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]}'
+    sft.write_text(ok + "\n" + ok.replace('"content": "a"', '"content": 3') + "\n")
+    with pytest.raises(ValueError, match=r"sft.jsonl:2: messages\[1\]\.content must be a string"):
+        render_to_shards(read_sft_jsonl(sft), tmpl.render_with_mask, tmp_path / "out",
+                         tok.vocab_size, tok.eos_id)
+    with pytest.raises(ValueError, match=r"^conversation 0: messages\[1\]\.content"):
+        render_to_shards([([{"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": 3}], None)],
+                         tmpl.render_with_mask, tmp_path / "out2", tok.vocab_size, tok.eos_id)

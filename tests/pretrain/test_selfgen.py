@@ -251,20 +251,22 @@ def test_the_hidden_states_of_the_generation_are_kept_for_training(tmp_path, mod
     for got, want in ((stored, full), (computed, with_1)):
         err = (got - want).abs() / want.abs().amax(-1, keepdim=True)
         assert float(err.max()) <= 2**-11 * 1.01
-    # packed rows of 14 (a document each) with origins: the loss from the stored states
-    p = pack(mix([MixtureSource(name="self", path=str(out))], 70, seed=0), seq_len=13,
-             origins=True)
-    batch = PackedLoader(p, batch_size=4, features=feats).next_batch()
+    # packed rows with origins, of 14 (a document each) and of 21 (documents kept whole, the
+    # rest padding): the loss from the stored states
     torch.manual_seed(1)
     mtp = MTP(model.cfg, depth=2, taps=taps)
     with torch.no_grad():
         for layer in mtp.layers:  # the tapped states read
             if layer.fuse is not None:
                 layer.fuse.weight.normal_(std=0.5)
-    stored_loss, _ = stage_loss(model, mtp, batch, "distill", 1.0)
-    batch.pop("hidden")
-    run_loss, _ = stage_loss(model, mtp, batch, "distill", 1.0)
-    torch.testing.assert_close(stored_loss, run_loss, rtol=2e-3, atol=0)
+    for seq_len in (13, 20):
+        p = pack(mix([MixtureSource(name="self", path=str(out), whole=True)], 70, seed=0),
+                 seq_len=seq_len, origins=True)
+        batch = PackedLoader(p, batch_size=4, features=feats).next_batch()
+        stored_loss, _ = stage_loss(model, mtp, batch, "distill", 1.0)
+        batch.pop("hidden")
+        run_loss, _ = stage_loss(model, mtp, batch, "distill", 1.0)
+        torch.testing.assert_close(stored_loss, run_loss, rtol=2e-3, atol=0)
 
 
 @pytest.mark.parametrize("where", ["model", "stage"])

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 
 from codedojo.data.features import TokenFeatures
 from codedojo.data.packing import Packed, PackedLoader, pack
@@ -18,7 +19,7 @@ from codedojo.pretrain.checkpoint import load_trainer_state, load_weights
 from codedojo.pretrain.config import PretrainConfig, StageConfig, load_config
 from codedojo.pretrain.optim import build_adamw
 from codedojo.pretrain.parallel import apply_activation_checkpointing
-from codedojo.pretrain.trainer import build_model, train_stage
+from codedojo.pretrain.trainer import build_model, set_rope_scaling, train_stage
 from tests.pretrain.tiny_run import five_stage_config
 
 
@@ -253,6 +254,57 @@ def test_config_errors_name_the_field(tmp_path):
                    'name = "a"\nseq_len = 16\nsteps = 1\nmix = [{data = "code"}]\n')
     with pytest.raises(ValueError, match=r"model\.device"):
         load_config(bad)
+
+
+@pytest.mark.parametrize("setting, error", [
+    ("stages.mtp.name=", r"stages\.1\.name: String should match pattern"),  # ckpt/ itself
+    ('stages.mtp.name="."', r"stages\.1\.name: String should match pattern"),
+    ("stages.mtp.name=a/b", r"stages\.1\.name: String should match pattern"),
+    ('name=".."', r"name: String should match pattern"),
+    ("stages.bulk.betas=[0.9, 1.5]", r"stages\.0\.betas\.1: Input should be less than 1"),
+    ("long_docs_chars=[3000, 500]", r"long_docs_chars: \(3000, 500\) must be \(min, max\)"),
+    ("stages=[]", r"stages: List should have at least 1 item"),
+    ("sft_examples=0", r"stages\[3\] \(sft\): an `sft` mix entry, but no SFT data"),
+    ("stages.long.rope_scaling.beta_slow=40.0", "beta_fast .* must be above beta_slow"),
+])
+def test_config_values_a_run_cannot_use_are_refused(tmp_path, setting, error):
+    from codedojo.pretrain.config import apply_overrides
+
+    raw = five_stage_config(tmp_path, "r").model_dump()
+    raw["stages"][2]["rope_scaling"] = {"kind": "yarn", "factor": 2.0}
+    with pytest.raises(ValueError, match=error):
+        try:
+            PretrainConfig.model_validate(apply_overrides(raw, [setting]))
+        except ValidationError as e:  # as load_config words it
+            raise ValueError("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
+                                       for x in e.errors())) from e
+    with pytest.raises(ValueError, match="cannot read the config"):
+        load_config(tmp_path)  # a directory
+
+
+@pytest.mark.parametrize("setting, error", [
+    ("stages.bulk.seq_len=300", r"stages\[0\] \(bulk\)\.seq_len 300: the model has 256 "
+     "positions"),
+    ("eval.seq_len=400", r"eval\.seq_len 400: the model has 256 positions"),
+    ("stages.mtp_self.self_gen.new_tokens=600", r"stages\[4\] \(mtp_self\)\.self_gen\."
+     r"prompt_len \+ self_gen\.new_tokens 608: the model has 512 positions"),
+])
+def test_lengths_past_the_models_positions_are_refused_before_training(tmp_path, setting, error):
+    """A base change extends the positions to its stage's length (here 512 of 256); any
+    other length past them is named before the first stage trains."""
+    from codedojo.pretrain.config import apply_overrides
+    from codedojo.pretrain.trainer import check_lengths
+
+    raw = five_stage_config(tmp_path, "r").model_dump()
+    raw["model"]["tiny_overrides"]["max_seq_len"] = 256
+    raw["stages"][2]["seq_len"] = 512
+    cfg = PretrainConfig.model_validate(raw)
+    check_lengths(cfg, 256)
+    model, mtp = build_model(cfg)
+    assert set_rope_scaling(model, mtp, cfg.stages[2]).max_seq_len == 512
+    model(torch.zeros(1, 512, dtype=torch.long))  # every position has its rotation
+    with pytest.raises(ValueError, match=error):
+        check_lengths(PretrainConfig.model_validate(apply_overrides(raw, [setting])), 256)
 
 
 def test_overrides_set_fields_and_name_what_is_wrong(tmp_path):
@@ -514,10 +566,11 @@ def test_without_prompt_loss_the_modules_learn_only_where_the_next_token_is_gene
     in_doc, real = places(generated)
     np.testing.assert_array_equal(generated.mask[real], (in_doc[real] >= 8).astype(np.uint8))
     assert 0 < generated.mask[real].sum() < real.sum()
-    segs = generated.segments
-    first = np.ones_like(segs, dtype=bool)
-    first[:, 1:] = segs[:, 1:] != segs[:, :-1]
-    assert (in_doc[first & real] == 0).all()  # every piece of a row starts its document
+    for p in (every, generated):  # every piece of a row starts its document: none is cut
+        in_doc, real = places(p)
+        first = np.ones_like(p.segments, dtype=bool)
+        first[:, 1:] = p.segments[:, 1:] != p.segments[:, :-1]
+        assert (in_doc[first & real] == 0).all()
 
 
 def test_a_stage_packs_the_continuations_of_the_model_it_starts_from(tmp_path):
@@ -780,12 +833,16 @@ def test_the_logged_parts_of_the_loss_are_over_the_whole_step(tmp_path):
         assert r["loss"] == pytest.approx(r["ce"] + w * r["mtp_loss"], rel=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["off", "joint", "distill"])
+@pytest.mark.parametrize("mode", ["off", "joint", "distill", "moe"])
 def test_micro_batches_weigh_by_their_trained_tokens(tmp_path, mode):
     """Rows of 2 and of 16 trained tokens: one batch of four rows and two micro-batches of two
     take the same step, every trained token weighing alike, and every position an MTP depth
     trains on (the second depth has none in the short rows, so the micro-batches' shares of
-    its positions are not those of their tokens)."""
+    its positions are not those of their tokens), and every row in an MoE's balance loss (a
+    mean over sequences)."""
+    moe = {"moe": {"n_routed_experts": 4, "top_k": 2, "expert_ffn_dim": 16,
+                   "seq_aux_loss_coef": 0.5}} if mode == "moe" else {}
+    mode = "off" if mode == "moe" else mode
     p = _loader().packed
     mask = np.array(p.mask)
     mask[::2, 2:] = 0  # every other row trains its first two positions only
@@ -794,7 +851,8 @@ def test_micro_batches_weigh_by_their_trained_tokens(tmp_path, mode):
     for batch, accum in ((4, 1), (2, 2)):
         cfg = _cfg(tmp_path / f"{batch}", batch_size=batch, grad_accum=accum, steps=1,
                    checkpoint_every=0, mtp=mode)
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"n_mtp": 2})})
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={
+            "n_mtp": 2, "tiny_overrides": {**cfg.model.tiny_overrides, **moe}})})
         torch.manual_seed(0)
         model, mtp = build_model(cfg)
         mtp.calibrate = lambda hidden: None  # (on a first micro-batch: of 4 rows, or of 2)
@@ -802,7 +860,8 @@ def test_micro_batches_weigh_by_their_trained_tokens(tmp_path, mode):
                     PackedLoader(masked, batch, shuffle=False), tmp_path / f"{batch}",
                     log=steps.append)
     one, two = steps
-    for part in ("loss", "grad_norm", "ce", "mtp_loss"):  # the same loss, the same gradient
+    assert ("moe_aux" in one) == bool(moe)
+    for part in ("loss", "grad_norm", "ce", "mtp_loss", "moe_aux"):  # the same loss and gradient
         assert (part in two) == (part in one), part
         if part in one:
             assert two[part] == pytest.approx(one[part], rel=1e-5), part
