@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from codedojo.harness.policy import Policy, PolicyOutput
 from codedojo.harness.tools.base import ToolResult, truncate
+from codedojo.harness.toolset import Seconds
 from codedojo.harness.trajectory import ToolCallRecord, Trajectory, TrajectoryWriter, Turn
 
 DEFAULT_SYSTEM = (
@@ -65,8 +66,8 @@ class LoopConfig(BaseModel):
     max_turns: int = Field(30, ge=1, description="Model calls that may act (summaries excluded).")
     max_tokens: int = Field(32_768, ge=1, description="Completion tokens over the whole episode.")
     max_tokens_per_turn: int = Field(2_048, ge=1, description="Completion tokens of one call.")
-    max_seconds: float | None = Field(
-        None, gt=0, description="Wall-clock seconds of the episode: a model or tool call running "
+    max_seconds: Seconds | None = Field(
+        None, description="Wall-clock seconds of the episode: a model or tool call running "
         "at the limit is cut there."
     )
     context_window: int = Field(8_192, ge=256, description="The model's context, in tokens.")

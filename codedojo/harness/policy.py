@@ -212,6 +212,8 @@ class OpenAIPolicy:
         logprobs = [float(t.logprob) for t in (choice.logprobs.content or [])] if choice.logprobs else []
         prompt_ids = _extra(resp, "prompt_token_ids") or _extra(choice, "prompt_token_ids") or []
         completion_ids = _extra(choice, "token_ids") or _extra(choice, "completion_token_ids") or []
+        if not completion_ids:  # a server without token ids: nothing to train, no logprob to align
+            logprobs = []
         _check_ids(prompt_ids, completion_ids, logprobs)
         usage = resp.usage
         details = getattr(usage, "completion_tokens_details", None) if usage else None

@@ -39,20 +39,24 @@ def _call_text(call: dict[str, Any], max_chars: int | None) -> str:
 def print_trajectory(traj: Trajectory, max_chars: int | None = 1500, console: Console | None = None) -> None:
     console = console or Console()
     head = Table.grid(padding=(0, 2))
-    head.add_row("id", traj.id)
-    head.add_row("status", f"{traj.status}" + (f" — {traj.error}" if traj.error else ""))
-    head.add_row("model", traj.model or "-")
-    head.add_row("env", f"{traj.env} (tool set generation {traj.toolset_generation})")
-    head.add_row("tools", ", ".join(f"{n}@{v}" for n, v in traj.tool_versions.items()) or "-")
-    head.add_row("turns", f"{len(traj.turns)} model calls, {len(traj.segments)} context segment(s)")
+
+    def row(table: Table, *cells: str) -> None:  # text as it is: a "[/b]" in it is no markup
+        table.add_row(*(Text(c) for c in cells))
+
+    row(head, "id", traj.id)
+    row(head, "status", f"{traj.status}" + (f" — {traj.error}" if traj.error else ""))
+    row(head, "model", traj.model or "-")
+    row(head, "env", f"{traj.env} (tool set generation {traj.toolset_generation})")
+    row(head, "tools", ", ".join(f"{n}@{v}" for n, v in traj.tool_versions.items()) or "-")
+    row(head, "turns", f"{len(traj.turns)} model calls, {len(traj.segments)} context segment(s)")
     if traj.turns:
         whole = sum(len(t.prompt_ids) + len(t.completion_ids) for t in traj.turns)
         try:
             seqs = training_sequences(traj)
-            head.add_row("training", f"{len(seqs)} sequence(s), {sum(len(q.token_ids) for q in seqs)} "
-                                     f"tokens ({whole} turn by turn)")
+            row(head, "training", f"{len(seqs)} sequence(s), "
+                f"{sum(len(q.token_ids) for q in seqs)} tokens ({whole} turn by turn)")
         except ValueError as e:  # shown all the same, to see what is wrong
-            head.add_row("training", escape(f"not trainable: {e}"))
+            row(head, "training", f"not trainable: {e}")
     console.print(Panel(head, title="trajectory", expand=False))
 
     starts = set(traj.segments)
@@ -82,9 +86,10 @@ def print_trajectory(traj: Trajectory, max_chars: int | None = 1500, console: Co
         for u in traj.turns:
             mean_lp = f"{sum(u.logprobs) / len(u.logprobs):.3f}" if u.logprobs else "-"
             tools = ", ".join(f"{c.name}{'!' if c.is_error else ''}" for c in u.tool_calls) or "-"
-            t.add_row(str(u.index), u.kind, str(u.segment), str(u.prompt_tokens or len(u.prompt_ids)),
-                      str(u.cached_tokens), str(u.completion_tokens or len(u.completion_ids)), str(sum(u.loss_mask)), mean_lp, tools,
-                      f"{u.generate_s:.2f}", f"{u.tools_s:.2f}", u.finish_reason)
+            row(t, str(u.index), u.kind, str(u.segment), str(u.prompt_tokens or len(u.prompt_ids)),
+                str(u.cached_tokens), str(u.completion_tokens or len(u.completion_ids)),
+                str(sum(u.loss_mask)), mean_lp, tools, f"{u.generate_s:.2f}", f"{u.tools_s:.2f}",
+                u.finish_reason)
         console.print(t)
     if traj.final_message:
         console.print(Panel(_short(traj.final_message, max_chars), title="final message", border_style="green"))

@@ -123,17 +123,16 @@ class ToolServer:
 
     def dispatch(self, method: str, p: dict[str, Any]) -> Any:
         if method == "tool.call":
-            if "name" not in p:
-                raise RPCError(INVALID_PARAMS, "name: required")
+            name = _req(p, "name")
             left = p.get("time_left")
             try:
                 left = None if left is None else seconds(left, "time_left")
             except SandboxError as e:
                 raise RPCError(INVALID_PARAMS, str(e)) from None
             return self.session(_req(p, "episode_id")).call(
-                p["name"], p.get("arguments"), left).to_dict()
+                name, p.get("arguments"), left).to_dict()
         if method == "episode.open":
-            s = self.open_episode(p.get("env", "default"), p.get("sandbox_id"))
+            s = self.open_episode(_opt(p, "env", "default") or "default", _opt(p, "sandbox_id", None))
             cfg = s.toolset.config
             return {
                 "episode_id": s.episode_id,
@@ -165,10 +164,18 @@ class ToolServer:
             self.close_episode(eid)
 
 
-def _req(p: dict[str, Any], key: str) -> Any:
+def _req(p: dict[str, Any], key: str) -> str:
+    """A required string parameter (every one is a name or an id)."""
     if key not in p:
         raise RPCError(INVALID_PARAMS, f"{key}: required")
+    if not isinstance(p[key], str):
+        raise RPCError(INVALID_PARAMS, f"{key}: must be a string, got {type(p[key]).__name__}")
     return p[key]
+
+
+def _opt(p: dict[str, Any], key: str, default: str | None) -> str | None:
+    """An optional string parameter."""
+    return _req(p, key) if p.get(key) is not None else default
 
 
 def _response(rid: Any, result: Any = None, error: RPCError | None = None) -> Response:

@@ -92,6 +92,9 @@ class Turn:
             )
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError(f"turn {self.index}: loss_mask must hold 0/1 only")
+        if any(self.loss_mask[:len(self.prompt_ids)]):
+            raise ValueError(f"turn {self.index}: loss_mask trains a prompt token: only the "
+                             "tokens the policy sampled are trained")
         if self.routed_experts_shared and self.routed_experts is None:
             raise ValueError(f"turn {self.index}: routed_experts_shared without routed_experts")
         if self.routed_experts is not None:
@@ -453,7 +456,7 @@ def _turn_type() -> Any:
             ("message", pa.string()),  # JSON
             ("prompt_ids", pa.list_(pa.int32())),
             ("completion_ids", pa.list_(pa.int32())),
-            ("logprobs", pa.list_(pa.float32())),
+            ("logprobs", pa.list_(pa.float64())),  # as sampled: a float32 would round them
             ("prompt_shared", pa.int32()),
             ("loss_mask_runs", pa.list_(pa.int32())),
             ("routed_experts", pa.string()),  # base64 .npy; null: no routing recorded

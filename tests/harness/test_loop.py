@@ -114,6 +114,12 @@ def test_limits_end_the_episode(session):
     assert "ran" in answers[0] and answers[2] == "Error: not run: the episode's time limit was reached"
 
 
+@pytest.mark.parametrize("seconds", [float("inf"), float("nan"), 30 * 24 * 3600.0, 0.0])
+def test_an_episode_time_limit_the_tools_cannot_take_is_refused(seconds):
+    with pytest.raises(ValueError, match="max_seconds"):
+        LoopConfig(max_seconds=seconds)
+
+
 def test_a_call_gets_no_more_than_the_time_the_episode_has_left(session):
     """A command started just before the episode's limit stops at the limit, not at its
     tool's own (60 s here)."""

@@ -111,6 +111,20 @@ def test_openai_client_path_records_tokens_logprobs_and_masks(scripted_server, s
     session.close()
 
 
+def test_a_server_without_token_ids_gives_turns_of_text_alone(scripted_server, sandbox):
+    """A server that sends logprobs but no token ids (OpenAI's own, llama.cpp): its turns are
+    kept without logprobs, which align with nothing, and the trajectory stays valid."""
+    srv, engine, tok = scripted_server
+    session = small_session(sandbox)
+    policy = OpenAIPolicy("scripted", base_url=srv.url + "/v1", text_format="smollm2",
+                          extra_body={"return_token_ids": False})
+    traj = Agent(policy, LoopConfig(max_turns=5, context_window=200_000)).run("hi", session)
+    session.close()
+    assert traj.status == "finished", traj.error
+    traj.validate()
+    assert all(t.completion_ids == [] and t.logprobs == [] for t in traj.turns)
+
+
 def small_session(sandbox) -> ToolSession:
     # Two tools keep the prompt short: the model's prefill dominates these tests' time.
     return ToolSession(ToolRegistry().resolve(EnvToolConfig(tools=["read_file", "list_dir"])),

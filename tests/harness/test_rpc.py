@@ -49,6 +49,12 @@ def test_tool_calls_over_rpc(service):
         client.open_episode("nope")
     with pytest.raises(RPCError, match="method: unknown method"):
         client.request("tool.explode")
+    with pytest.raises(RPCError, match="episode_id: must be a string, got list"):
+        client.request("tool.call", episode_id=["ep-1"], name="read_file")
+    with pytest.raises(RPCError, match="name: must be a string, got int"):
+        client.request("tool.call", episode_id="ep-1", name=3)
+    with pytest.raises(RPCError, match="env: must be a string, got dict"):
+        client.request("episode.open", env={})
 
 
 def test_per_environment_tool_config(service):

@@ -85,6 +85,7 @@ def test_partial_last_line_is_tolerated_but_corruption_is_not(tmp_path):
 
 def test_parquet_round_trip(tmp_path):
     a, b = _traj(), _traj()
+    a.turns[0].logprobs = [-0.6987289248333944, -1e-9]  # as sampled, to the last bit
     b.status = "max_turns"
     b.turns[0].cached_tokens = 2  # an MoE policy's turn, its prompt partly from a prefix cache
     b.turns[0].routed_experts = encode_routed_experts(torch.tensor([[[1, 6]], [[0, 3]], [[2, 7]], [[5, 1]]]))
@@ -230,6 +231,10 @@ def test_turns_keep_the_routing_rows_they_add_and_give_back_whole_rows(tmp_path)
 
 def test_validate_names_the_problem():
     t = _traj()
+    t.turns[0].loss_mask = [1, 0, 0, 1, 1]  # a prompt token trained (with logprob 0: certain)
+    with pytest.raises(ValueError, match="turn 0: loss_mask trains a prompt token"):
+        t.validate()
+    t = _traj()
     t.turns[0].loss_mask = [1]
     with pytest.raises(ValueError, match="turn 0: loss_mask"):
         t.validate()
@@ -262,6 +267,14 @@ def test_traj_show_cli(tmp_path):
     cols = {h.strip(): c.strip() for h, c in zip(head, row, strict=True)}
     assert {k: cols[k] for k in ("prompt", "cached", "completion", "trained")} == {
         "prompt": "3", "cached": "2", "completion": "2", "trained": "2"}
+    # text that reads as markup is shown as it is
+    t.turns[0].tool_calls[0].name, t.error = "[/b]", "cannot read [/workspace/x]"
+    w = TrajectoryWriter(p)
+    w.start(t)
+    w.finish(t)
+    r = CliRunner().invoke(app, ["traj", "show", str(p)], env={"COLUMNS": "160"})
+    assert r.exit_code == 0, r.output
+    assert "cannot read [/workspace/x]" in r.output and "[/b]" in r.output
     r = CliRunner().invoke(app, ["traj", "show", str(tmp_path / "missing.jsonl")], env={"COLUMNS": "300"})
     assert r.exit_code != 0 and "does not exist" in " ".join(r.output.split())
     out = tmp_path / "all.parquet"
