@@ -6,6 +6,10 @@
         each call runs through the tool service; its output (or its error) goes back as a tool message
         the trajectory is saved
 
+An episode whose prompt outgrows the model's window (`context_window`, or the model's own)
+once no summary is left ends with status "max_context"; a reply cut by the token limits with
+no tool call in it is no answer ("max_tokens").
+
 The episode's time limit cuts a model call or a tool call running at it; what a cut model call
 generated is kept as a turn, and none of its tool calls runs.
 
@@ -24,7 +28,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from codedojo.harness.policy import Policy, PolicyOutput
+from codedojo.harness.policy import ContextFull, Policy, PolicyOutput
 from codedojo.harness.tools.base import ToolResult, truncate
 from codedojo.harness.toolset import Seconds
 from codedojo.harness.trajectory import ToolCallRecord, Trajectory, TrajectoryWriter, Turn
@@ -83,12 +87,18 @@ def _estimate(text: str) -> int:
     return (len(text) + 3) // 4
 
 
+def _estimate_messages(messages: list[dict[str, Any]]) -> int:
+    """Tokens of ``messages`` by `_estimate`: their text, reasoning and tool calls."""
+    return sum(_estimate(str(m.get("content") or "") + str(m.get("reasoning_content") or "")
+                         + str(m.get("tool_calls") or "")) for m in messages)
+
+
 def _fit(context: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
     """``context`` with its longest tool outputs cut in the middle until the whole is about
     ``tokens`` long (by `_estimate`): a summary is asked for when the context nears the
     window, and one large output may already have passed it. The trajectory keeps them whole."""
     out = [dict(m) for m in context]
-    over = sum(_estimate(str(m.get("content") or "")) for m in out) - tokens
+    over = _estimate_messages(out) - tokens
     while over > 0:
         tool = [m for m in out if m.get("role") == "tool"]
         longest = max(tool, key=lambda m: len(str(m.get("content") or "")), default=None)
@@ -159,7 +169,10 @@ class Agent:
         used_tokens = 0
         acting_turns = 0
         acted = False  # since the start or the last summary: a summary follows some action
-        next_prompt_estimate = sum(_estimate(str(m.get("content") or "")) for m in context)
+        next_prompt_estimate = _estimate_messages(context)
+        # the model's tokens per estimated token (at least 1), as the last prompt counted: a
+        # byte-level tokenizer has four times the estimate, and tool schemas add to it
+        scale = 1.0
         started = time.perf_counter()
 
         def time_left() -> float | None:
@@ -187,20 +200,28 @@ class Agent:
                     and len(traj.segments) - 1 < cfg.max_summaries
                     and acted
                 ):
-                    context, used = self._summarise(traj, context, budget, time_left)
+                    context, used = self._summarise(traj, context, budget, time_left, scale)
                     if traj.status != "running":  # the summary was cut
                         break
                     acted = False  # a context still over the threshold waits for the next turn
                     used_tokens += used
-                    next_prompt_estimate = sum(_estimate(str(m.get("content") or "")) for m in context)
+                    next_prompt_estimate = round(_estimate_messages(context) * scale)
                     if writer:
                         writer.step(traj)
                     continue
 
+                room = cfg.context_window - next_prompt_estimate
+                if room < 1:  # and no summary to make room: the episode outgrew the window
+                    traj.status = "max_context"
+                    break
+                budget = min(budget, room)
+                sent = _estimate_messages(context)
                 t0 = time.time()
                 g0 = time.perf_counter()
                 out_ = self.policy.generate(context, tools.schemas, budget, time_left())
                 gen_s = time.perf_counter() - g0
+                if out_.prompt_tokens:
+                    scale = min(8.0, max(1.0, out_.prompt_tokens / max(1, sent)))
                 used_tokens += out_.completion_tokens or len(out_.completion_ids)
                 acting_turns += 1
                 acted = True
@@ -213,6 +234,9 @@ class Agent:
                 turn = _turn(traj, "action", msg, out_, gen_s, t0)
                 traj.add_turn(turn)
                 if not out_.calls and not out_.errors:
+                    if out_.finish_reason == "length":  # cut mid-reply: no answer, no call
+                        traj.status = "max_tokens"
+                        break
                     traj.final_message = out_.content
                     traj.status = "finished"
                     break
@@ -240,10 +264,13 @@ class Agent:
                     )
                     added += _estimate(res.content)
                 turn.tools_s = time.perf_counter() - t1
+                added = round(added * scale)
                 turn.tool_output_tokens = added
                 next_prompt_estimate = (out_.prompt_tokens or next_prompt_estimate) + (out_.completion_tokens or 0) + added
                 if writer:
                     writer.step(traj)
+        except ContextFull:  # the model's own window, which the estimate missed
+            traj.status = "max_context"
         except Exception as e:  # terminal: the model endpoint or the tool service failed
             traj.status = "error"
             traj.error = f"{type(e).__name__}: {e}"
@@ -277,14 +304,14 @@ class Agent:
             traj.add_turn(_turn(traj, kind, msg, out, generate_s, started_at))
 
     def _summarise(self, traj: Trajectory, context: list[dict[str, Any]], budget: int,
-                   time_left: Callable[[], float | None] = lambda: None,
+                   time_left: Callable[[], float | None] = lambda: None, scale: float = 1.0,
                    ) -> tuple[list[dict[str, Any]], int]:
         """The model summarises its context; a new context (system, task, summary) follows.
         A summary cut at the time limit ends the episode (`_cut`)."""
         ask = {"role": "user", "content": self.config.summary_prompt}
         context.append(ask)
         traj.messages.append(ask)
-        context = _fit(context, self.config.context_window - budget)
+        context = _fit(context, int((self.config.context_window - budget) / scale))
         t0 = time.time()
         g0 = time.perf_counter()
         # no tools offered: a summary is text

@@ -77,6 +77,10 @@ class PolicyOutput:
 NOT_RUN = "not run: another tool call in the same message was malformed; send the calls again"
 
 
+class ContextFull(ValueError):
+    """The prompt leaves the model no room to generate: the episode outgrew its window."""
+
+
 class Policy(Protocol):
     """One model call: the assistant's next message for ``messages``. Given ``time_left``
     (seconds, the episode's), a call not answered by then ends early with finish reason
@@ -344,6 +348,9 @@ class EnginePolicy:
         prompt_ids = self.chat.encode(_for_api(messages), tools or None, add_generation_prompt=True)
         max_seq = getattr(self.engine, "max_seq_len", None)
         if max_seq is not None:
+            if len(prompt_ids) >= max_seq:
+                raise ContextFull(f"the prompt's {len(prompt_ids)} tokens fill the engine's "
+                                  f"window of {max_seq}")
             # Leave room in the engine's window rather than fail the request.
             max_tokens = max(1, min(max_tokens, max_seq - len(prompt_ids) - 1))
         seed = None if self.seed is None else self.seed + self._calls

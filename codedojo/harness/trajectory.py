@@ -122,7 +122,8 @@ class Trajectory:
     messages: list[dict[str, Any]] = field(default_factory=list)
     segments: list[int] = field(default_factory=lambda: [0])  # index in messages where each context starts
     turns: list[Turn] = field(default_factory=list)
-    status: str = "running"  # running | finished | max_turns | max_tokens | max_seconds | error
+    # running | finished | max_turns | max_tokens | max_seconds | max_context | error
+    status: str = "running"
     error: str | None = None
     final_message: str | None = None
     tool_state: dict[str, Any] = field(default_factory=dict)  # todos etc., at the end

@@ -120,6 +120,18 @@ def test_an_episode_time_limit_the_tools_cannot_take_is_refused(seconds):
         LoopConfig(max_seconds=seconds)
 
 
+def test_a_reply_cut_by_the_token_limit_is_no_answer(session):
+    class Cut:
+        name = "cut"
+
+        def generate(self, messages, tools, max_tokens, time_left=None):
+            return PolicyOutput(content="Let me now open the file and", finish_reason="length",
+                                completion_tokens=max_tokens)
+
+    traj = Agent(Cut()).run("t", session)
+    assert traj.status == "max_tokens" and traj.final_message is None and len(traj.turns) == 1
+
+
 def test_a_call_gets_no_more_than_the_time_the_episode_has_left(session):
     """A command started just before the episode's limit stops at the limit, not at its
     tool's own (60 s here)."""
@@ -250,9 +262,14 @@ def test_a_summary_running_at_the_episodes_limit_ends_the_episode(session):
 @pytest.mark.parametrize("max_summaries", [0])
 def test_summaries_can_be_turned_off(session, max_summaries):
     policy = ScriptedPolicy([[("run_terminal_cmd", {"command": "seq 1 400"})]] * 3 + ["done"])
-    cfg = LoopConfig(context_window=1000, summary_threshold=0.5, max_summaries=max_summaries)
+    cfg = LoopConfig(context_window=4000, summary_threshold=0.2, max_summaries=max_summaries)
     traj = Agent(policy, cfg).run("t", session)
     assert traj.status == "finished" and traj.segments == [0]
+    # past the window itself, with no summary to make room: the episode ends there
+    cfg = LoopConfig(context_window=1000, summary_threshold=0.5, max_summaries=max_summaries)
+    policy.calls = 0
+    traj = Agent(policy, cfg).run("t", session)
+    assert traj.status == "max_context" and traj.segments == [0]
 
 
 def test_collect_changes_reads_each_before_side_from_the_image(session, sandbox):
@@ -285,7 +302,7 @@ def test_a_long_task_is_not_summarised_again_before_any_action(session):
 
     steps = [[("run_terminal_cmd", {"command": f"echo step {i}"})] for i in range(4)]
     cfg = LoopConfig(context_window=2000, summary_threshold=0.6, max_tokens_per_turn=200, max_turns=20)
-    traj = Agent(Summarising([*steps, "done"]), cfg).run("x" * 21000, session)
+    traj = Agent(Summarising([*steps, "done"]), cfg).run("x" * 5200, session)
     kinds = [t.kind for t in traj.turns]
     assert traj.status == "finished" and "summary" in kinds
     assert "summary, summary" not in ", ".join(kinds)

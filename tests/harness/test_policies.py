@@ -141,7 +141,7 @@ def test_engine_policy_in_process(sandbox):
     chat = ChatTemplate(tok)
     policy = EnginePolicy(engine, chat, name="tiny", temperature=1.0, seed=1)
     traj = Agent(policy, LoopConfig(max_turns=2, max_tokens_per_turn=12)).run("hello", session)
-    assert traj.status in ("finished", "max_turns"), traj.error
+    assert traj.status in ("finished", "max_turns", "max_tokens"), traj.error
     traj.validate()
     t0 = traj.turns[0]
     expected_prompt = chat.encode(traj.messages[:2], session.schemas, add_generation_prompt=True)
@@ -226,6 +226,47 @@ def test_a_model_call_running_at_the_episodes_limit_is_cut_there(sandbox, tmp_pa
         turn.completion_ids, skip_special_tokens=True)}
     traj.validate()
     assert read_jsonl(tmp_path / "cut.jsonl").turns[0].completion_ids == turn.completion_ids
+
+
+def test_an_episode_that_outgrows_the_window_ends_or_is_summarised(sandbox):
+    """The engine's real prompts (a byte-level tokenizer: four times the loop's estimate) and
+    a tool output of 3,000 characters in a window of 2,048 tokens: without summaries the
+    episode ends at the window ("max_context", not an error); with them the summary is asked
+    within the window and the episode goes on."""
+    from codedojo.model.toolcalls import ToolCall
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(vocab_size=tok.vocab_size, max_seq_len=2048)).eval()
+    inner = EnginePolicy(Engine(model, max_batch=1), ChatTemplate(tok), temperature=0)
+
+    class CallsBig:
+        name = "tiny"
+
+        def __init__(self):
+            self.prompts: list[int] = []
+
+        def generate(self, messages, tools, max_tokens, time_left=None):
+            out = inner.generate(messages, tools, max_tokens, time_left)
+            self.prompts.append(len(out.prompt_ids))
+            if tools and len(self.prompts) <= 2:  # two large reads, then as the model likes
+                out.calls, out.errors = [ToolCall(f"c{len(self.prompts)}", "run_terminal_cmd", {
+                    "command": "python3 -c 'print(\"x\" * 3000)'"})], []
+            return out
+
+    for summaries in (0, 4):
+        session = ToolSession(ToolRegistry().resolve(EnvToolConfig(tools=["run_terminal_cmd"])),
+                              ToolContext(sandbox=sandbox))
+        policy = CallsBig()
+        traj = Agent(policy, LoopConfig(context_window=2048, max_tokens_per_turn=16, max_turns=3,
+                                        max_summaries=summaries)).run("t", session)
+        session.close()
+        assert traj.status != "error", traj.error
+        assert max(policy.prompts) < 2048
+        if summaries:
+            assert [t.kind for t in traj.turns].count("summary") >= 1
+        else:
+            assert traj.status == "max_context" and len(traj.turns) == 1
 
 
 def test_an_openai_call_gets_no_more_than_the_time_left():
@@ -321,7 +362,7 @@ def test_loop_against_dojo_serve_with_smollm2(dojo_serve, sandbox, tmp_path):
         "List the files in the workspace with list_dir, then say what the project is.",
         session, out=tmp_path / "smol.jsonl")
     session.close()
-    assert traj.status in ("finished", "max_turns"), traj.error
+    assert traj.status in ("finished", "max_turns", "max_tokens"), traj.error
     traj.validate()
     assert 1 <= len(traj.turns) <= 3 and traj.model == "smollm2"
     for t in traj.turns:
