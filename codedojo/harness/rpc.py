@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+import anyio
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from starlette.concurrency import run_in_threadpool
 
 from codedojo.harness.tools.base import ToolContext, ToolResult
 from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
@@ -187,14 +188,21 @@ def _response(rid: Any, result: Any = None, error: RPCError | None = None) -> Re
     return Response(json_text(body), media_type="application/json")
 
 
-def create_app(server: ToolServer) -> FastAPI:
+# Calls running at once, each on a thread of its own: a call mostly waits on its sandbox, so
+# one per episode of a large rollout job (anyio's default pool, 40, held every later call of
+# every episode behind the 40 longest).
+MAX_CALLS = 4096
+
+
+def create_app(server: ToolServer, max_calls: int = MAX_CALLS) -> FastAPI:
     """The HTTP face of a `ToolServer`: POST /rpc (JSON-RPC 2.0), GET /health.
 
     The body is parsed by hand rather than through a pydantic model: a tool call is a few
-    hundred bytes and this path is paid on every call. Calls run on the thread pool, so one
-    episode's long command does not hold up the others.
+    hundred bytes and this path is paid on every call. Calls run on threads, up to
+    ``max_calls`` at once, so one episode's long command does not hold up the others.
     """
     app = FastAPI(title="codedojo tools")
+    calls = anyio.CapacityLimiter(max_calls)
 
     @app.post("/rpc")
     async def rpc(request: Request) -> Response:
@@ -213,7 +221,8 @@ def create_app(server: ToolServer) -> FastAPI:
                 raise RPCError(INVALID_PARAMS, "method: must be a string")
             if not isinstance(params, dict):
                 raise RPCError(INVALID_PARAMS, "params: must be an object")
-            result = await run_in_threadpool(server.dispatch, method, params)
+            result = await anyio.to_thread.run_sync(server.dispatch, method, params,
+                                                    limiter=calls)
             return _response(rid, result)
         except RPCError as e:
             return _response(rid, error=e)

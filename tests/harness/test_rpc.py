@@ -191,3 +191,38 @@ def test_a_tool_allowed_longer_than_the_clients_timeout_is_waited_for(sandbox):
         client.close()
         running.stop()
         server.close()
+
+
+def test_calls_beyond_a_thread_pools_size_do_not_hold_up_the_others():
+    """Forty-five episodes each in a call that waits (a long command), and another episode's
+    call is answered at once, not after them."""
+    import threading
+
+    from codedojo.harness.tools.base import FunctionTool, obj
+    from codedojo.harness.toolset import ToolRegistry
+
+    release = threading.Event()
+    nap = FunctionTool("nap", "wait", obj({}, []), lambda ctx, a: str(release.wait(60)))
+    echo = FunctionTool("echo", "echo", obj({}, []), lambda ctx, a: "here")
+
+    class NoSandbox:
+        id = "sb-none"
+
+    server = ToolServer(sandbox=NoSandbox(), registry=ToolRegistry([nap, echo]),  # type: ignore[arg-type]
+                        envs={"default": EnvToolConfig(tools=["nap", "echo"])})
+    running = serve_in_thread(server)
+    try:
+        eps = [ToolClient(running.url).open_episode() for _ in range(46)]
+        waiting = [threading.Thread(target=e.call, args=("nap", {})) for e in eps[:45]]
+        for t in waiting:
+            t.start()
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        assert eps[45].call("echo", {}).content == "here"
+        assert time.perf_counter() - t0 < 5
+    finally:
+        release.set()
+        for t in waiting:
+            t.join()
+        running.stop()
+        server.close()
