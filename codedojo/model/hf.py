@@ -5,12 +5,28 @@ model has q/k/v biases, which Llama's config cannot express without an o_proj bi
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from codedojo.model.config import ModelConfig, RopeScaling
+
+
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _hf_yarn_attention_factor(rope: dict[str, Any]) -> float:
+    """The attention factor transformers gives a YaRN config: ``attention_factor`` as given,
+    else the ratio of the two mscales when both are set, else its default (ours)."""
+    factor = float(rope["factor"])
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        return _mscale(factor, float(rope["mscale"])) / _mscale(factor, float(rope["mscale_all_dim"]))
+    return _mscale(factor)
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -23,10 +39,19 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     scaling = None
     rtype = rope.get("rope_type", rope.get("type", "default"))
     if rtype == "yarn":
+        rope = dict(rope)
+        original = rope.get("original_max_position_embeddings")
+        if rope.get("factor") is None and original:  # as transformers derives it
+            rope["factor"] = hf["max_position_embeddings"] / original
+        if not isinstance(rope.get("factor"), int | float):
+            raise ValueError("config.json rope_scaling: YaRN needs a number `factor` (or "
+                             f"original_max_position_embeddings), got {rope.get('factor')!r}")
         # transformers' other YaRN knobs change the attention factor or the ramp; read as if
         # absent they would give other logits than HF's, so they are refused
         other = {k: rope[k] for k in ("attention_factor", "mscale", "mscale_all_dim")
-                 if rope.get(k) not in (None, 0, 1, 1.0)}
+                 if rope.get(k) is not None}
+        if math.isclose(_hf_yarn_attention_factor(rope), _mscale(float(rope["factor"]))):
+            other = {}  # as good as absent: they come to the default factor
         if rope.get("truncate") is False:
             other["truncate"] = False
         if other:

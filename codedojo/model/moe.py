@@ -4,7 +4,8 @@ Architectural choices (DeepSeek-V3 report, sec. 2.1.2):
 
 * fine-grained routed experts (small SwiGLU FFNs) plus always-on shared expert(s);
 * sigmoid affinities s_i = sigmoid(u . e_i), top-k selection, gates = normalised affinities of the
-  selected experts times `route_scale`;
+  selected experts times `route_scale` (with one expert, its affinity: normalised it would be 1
+  whatever the router said, and the router would learn nothing);
 * auxiliary-loss-free balancing: a per-expert bias b_i is added to the affinities *for selection
   only* (gates use the raw affinities); after each optimizer step, b_i moves by +gamma when expert i
   was under-loaded and -gamma when over-loaded (`update_bias`);
@@ -110,7 +111,9 @@ class MoE(nn.Module):
             # The bias steers selection only; it never enters the gate values.
             idx = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
         sel = scores.gather(-1, idx)
-        gates = sel / (sel.sum(-1, keepdim=True) + 1e-20) * self.route_scale
+        if self.top_k > 1:  # normalised over the chosen experts; one expert's would be 1 always,
+            sel = sel / (sel.sum(-1, keepdim=True) + 1e-20)  # and the router learn nothing
+        gates = sel * self.route_scale
         return idx, gates, scores
 
     def _bookkeeping(self, idx: torch.Tensor, scores: torch.Tensor, B: int, T: int) -> None:

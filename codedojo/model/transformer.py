@@ -393,9 +393,11 @@ class Transformer(FusedModule):
         elif positions.shape != tokens.shape:
             raise ValueError(f"positions: shape {tuple(positions.shape)} != tokens "
                              f"{tuple(tokens.shape)}")
-        if T and int(positions.max()) >= self.cfg.max_seq_len:
-            raise ValueError(f"positions: {int(positions.max())} >= max_seq_len "
-                             f"{self.cfg.max_seq_len}")
+        if T:
+            lo, hi = (int(x) for x in torch.aminmax(positions))
+            if hi >= self.cfg.max_seq_len or lo < 0:
+                raise ValueError(f"positions: {lo}..{hi} outside [0, max_seq_len "
+                                 f"{self.cfg.max_seq_len})")
         cos, sin = self.rotary.tables(positions)
         cos, sin = cos.to(self.tok_embeddings.weight.dtype), sin.to(self.tok_embeddings.weight.dtype)
         x = self.embed(tokens)

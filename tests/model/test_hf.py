@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -49,10 +51,24 @@ def test_an_hf_yarn_config_serves_its_extended_length_and_unknown_knobs_are_refu
                            "original_max_position_embeddings": 32768}}
     cfg = config_from_hf(hf)
     assert cfg.max_seq_len == 131072 and cfg.rope_scaling.factor == 4.0
-    for knob in ({"attention_factor": 0.8}, {"mscale": 0.707}, {"truncate": False}):
+    # knobs that give another attention factor than the default, as transformers reads them
+    # (an explicit 1.0 too, and two equal mscales, whose ratio is 1)
+    for knob in ({"attention_factor": 0.8}, {"attention_factor": 1.0},
+                 {"mscale": 1, "mscale_all_dim": 1}, {"mscale": 0.707, "mscale_all_dim": 1},
+                 {"truncate": False}):
         bad = {**hf, "rope_scaling": {**hf["rope_scaling"], **knob}}
         with pytest.raises(ValueError, match=f"rope_scaling: .*{next(iter(knob))}"):
             config_from_hf(bad)
+    # and those that come to the default are as good as absent
+    for knob in ({"mscale": 0.707}, {"attention_factor": 0.1 * math.log(4.0) + 1},
+                 {"mscale": 1, "mscale_all_dim": 0}):
+        assert config_from_hf({**hf, "rope_scaling": {**hf["rope_scaling"], **knob}}) == cfg
+    # no factor: transformers takes it from the two lengths
+    derived = {**hf, "max_position_embeddings": 131072, "rope_scaling": {
+        "rope_type": "yarn", "original_max_position_embeddings": 32768}}
+    assert config_from_hf(derived).rope_scaling.factor == 4.0
+    with pytest.raises(ValueError, match="YaRN needs a number `factor`"):
+        config_from_hf({**hf, "rope_scaling": {"rope_type": "yarn"}})
 
 
 def test_an_moe_export_is_refused_before_anything_is_written(tmp_path) -> None:

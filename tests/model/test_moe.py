@@ -47,6 +47,22 @@ def test_bias_changes_selection_not_gates():
     torch.testing.assert_close(gates1, sel / sel.sum(-1, keepdim=True))  # raw affinities only
 
 
+def test_one_expert_a_token_gates_by_its_affinity_and_the_router_learns():
+    """Normalised over one expert, a gate would be 1 whatever the router said: it is the
+    affinity itself, and the task loss reaches the router as with two."""
+    grads = []
+    for k in (1, 2):
+        torch.manual_seed(0)
+        m = MoE(_cfg(top_k=k, n_shared_experts=0))
+        x = torch.randn(2, 7, 24)
+        idx, gates, scores = m.route(x.reshape(-1, 24))
+        if k == 1:
+            torch.testing.assert_close(gates, scores.gather(-1, idx))
+        m(x).square().sum().backward()
+        grads.append(float(m.router.weight.grad.abs().sum()))
+    assert grads[0] > grads[1] / 10, grads  # normalised, one gate had 1e-11 (rounding)
+
+
 def test_bias_update_moves_toward_balance():
     m = MoE(_cfg())
     m.train()

@@ -149,6 +149,15 @@ def test_bad_inputs_name_the_field(tiny: Transformer) -> None:
         ModelConfig.tiny(n_heads=4, n_kv_heads=3)
 
 
+def test_positions_outside_the_rope_table_are_refused() -> None:
+    """A negative position would wrap to the table's end (its last rotation)."""
+    model = Transformer(ModelConfig.tiny(vocab_size=64, max_seq_len=16)).eval()
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    for bad in ([-1, 0, 1, 2], [0, 1, 2, 16]):
+        with pytest.raises(ValueError, match=r"positions: -?\d+\.\.\d+ outside \[0, max_seq_len 16\)"):
+            model(tokens, positions=torch.tensor([bad]))
+
+
 def test_a_pass_past_max_seq_len_leaves_the_cache_as_it_was() -> None:
     """Refused before the cache counts its tokens (the op-by-op path: here unfused), so the
     sequence goes on from where it was."""
