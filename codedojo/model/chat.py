@@ -15,11 +15,20 @@ the model's tool-call format spelled out by us, the way SmolLM2-Instruct was tra
 One owner per invariant: this module alone decides which tokens are trained. In
 `render_with_mask`, only assistant turns (their content, their tool calls and the end-of-turn
 token) have mask 1; system, user and tool text, and the `<|im_start|>assistant\\n` header, have 0.
+
+Content is text, never chat structure: a message (a tool's output, a file the agent read, an
+assistant's answer) that spells a control token such as `<|im_end|>` is encoded as the text it
+is, as the tokenizer's `encode(special=False)` does, while the template's own control tokens
+are the control tokens. Each spelling in the messages is marked before the template runs
+(`_MARK`, a Unicode noncharacter, dropped from the input) and encoded as text after. HF's and
+vLLM's renderers encode the rendered text whole, so there a tool output can end a turn and
+start another, and an SFT answer that mentions `<|im_end|>` trains a stop mid-turn.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -29,6 +38,8 @@ from codedojo.model.tokenizer import Tokenizer
 from codedojo.model.toolcalls import ToolCall, ToolCallFormat, from_openai, get_format
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# Marks a control token's spelling that came from a message, not from the template.
+_MARK = "\ufdd0"
 
 
 class ChatFormatError(ValueError):
@@ -151,6 +162,41 @@ class ChatTemplate:
         self.native_tools = "tools" in template
         self.eos_text = (tokenizer.id_to_token(tokenizer.eos_id) or "") if tokenizer.eos_id is not None else ""
         self._compiled = _compile(template)
+        controls = sorted({t for i in tokenizer.special.control
+                           if (t := tokenizer.id_to_token(i))}, key=len, reverse=True)
+        self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
+
+    # -- content as text -----------------------------------------------------------------------
+
+    def _as_text(self, value: Any) -> Any:
+        """``value`` (a string, or a JSON value holding strings) with each control token it
+        spells marked as text (`_MARK` before it)."""
+        if isinstance(value, str):
+            value = value.replace(_MARK, "")
+            if self._controls is None:
+                return value
+            return self._controls.sub(lambda m: _MARK + m.group(0), value)
+        if isinstance(value, Mapping):
+            return {k: self._as_text(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self._as_text(v) for v in value]
+        return value
+
+    def _encode(self, text: str) -> list[int]:
+        """Ids of rendered text: the template's control tokens as control tokens, the marked
+        spellings (the messages') as text."""
+        tok = self.tokenizer
+        if _MARK not in text or self._controls is None:
+            return tok.encode(text)
+        ids: list[int] = []
+        pos = 0
+        for m in self._controls.finditer(text):
+            if m.start() > 0 and text[m.start() - 1] == _MARK:
+                continue  # a message's: text
+            ids += tok.encode(text[pos:m.start()].replace(_MARK, ""), special=False)
+            ids.append(tok.token_to_id(m.group(0)))  # type: ignore[arg-type]
+            pos = m.end()
+        return ids + tok.encode(text[pos:].replace(_MARK, ""), special=False)
 
     # -- message preparation -------------------------------------------------------------------
 
@@ -169,8 +215,10 @@ class ChatTemplate:
             if role not in ROLES:
                 raise ChatFormatError(f"{where}.role must be one of {list(ROLES)}, got {role!r}", f"{where}.role")
             role = "system" if role == "developer" else role
-            text = _text(m.get("content"), where)
+            text = self._as_text(_text(m.get("content"), where))
             calls = self._calls(m.get("tool_calls"), where) if role == "assistant" else []
+            calls = [ToolCall(c.id, self._as_text(c.name), self._as_text(c.arguments))
+                     for c in calls]
             if self.native_tools:
                 msg: dict[str, Any] = {"role": role, "content": text}
                 if calls:
@@ -190,7 +238,7 @@ class ChatTemplate:
             out.append(msg)
             assistant.append(role == "assistant")
         if tools and not self.native_tools:
-            prompt = TOOL_PROMPTS.get(self.tool_format.name, _hermes_prompt)(tools)
+            prompt = TOOL_PROMPTS.get(self.tool_format.name, _hermes_prompt)(self._as_text(tools))
             if out[0]["role"] == "system":
                 out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt}
             else:
@@ -221,7 +269,8 @@ class ChatTemplate:
         try:
             return self._compiled.render(
                 messages=prepared,
-                tools=[dict(t) for t in tools] if (tools and self.native_tools) else None,
+                tools=self._as_text([dict(t) for t in tools]) if (tools and self.native_tools)
+                else None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=tok.id_to_token(tok.bos_id) if tok.bos_id is not None else "",
                 eos_token=self.eos_text,
@@ -233,12 +282,14 @@ class ChatTemplate:
                add_generation_prompt: bool = False) -> str:
         """The prompt text, as HF `apply_chat_template(..., tokenize=False)` gives it."""
         prepared, _ = self.normalize(messages, tools)
-        return self._render_prepared(prepared, tools, add_generation_prompt)
+        return self._render_prepared(prepared, tools, add_generation_prompt).replace(_MARK, "")
 
     def encode(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = True) -> list[int]:
-        """Prompt ids for generation (by default ending in the assistant header)."""
-        return self.tokenizer.encode(self.render(messages, tools, add_generation_prompt))
+        """Prompt ids for generation (by default ending in the assistant header); a message's
+        spelling of a control token is text."""
+        prepared, _ = self.normalize(messages, tools)
+        return self._encode(self._render_prepared(prepared, tools, add_generation_prompt))
 
     def render_parts(self, messages: Sequence[Mapping[str, Any]],
                      tools: Sequence[Mapping[str, Any]] | None = None) -> list[tuple[str, bool]]:
@@ -248,6 +299,12 @@ class ChatTemplate:
         end-of-turn token; it is found by rendering the conversation up to that turn with and
         without the turn, so this works for any template whose renderings extend each other.
         """
+        return [(text.replace(_MARK, ""), trained)
+                for text, trained in self._marked_parts(messages, tools)]
+
+    def _marked_parts(self, messages: Sequence[Mapping[str, Any]],
+                      tools: Sequence[Mapping[str, Any]] | None) -> list[tuple[str, bool]]:
+        """`render_parts`, the messages' control-token spellings marked (`_as_text`)."""
         prepared, is_assistant = self.normalize(messages, tools)
         full = self._render_prepared(prepared, tools, add_generation_prompt=False)
         pieces: list[tuple[str, bool]] = []
@@ -285,8 +342,8 @@ class ChatTemplate:
         """
         ids: list[int] = []
         mask: list[int] = []
-        for text, trained in self.render_parts(messages, tools):
-            piece = self.tokenizer.encode(text)
+        for text, trained in self._marked_parts(messages, tools):
+            piece = self._encode(text)
             ids.extend(piece)
             mask.extend([int(trained)] * len(piece))
         return ids, mask
