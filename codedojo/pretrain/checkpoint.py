@@ -53,6 +53,12 @@ class TrainPosition:
     done: bool = False
 
 
+# What a trainer.pt holds besides tensors and Python's plain values: NumPy's RNG state (an
+# array), which `torch.load(weights_only=True)` unpickles only when these are allowed.
+NUMPY_RNG_STATE = [np._core.multiarray._reconstruct, np.ndarray, np.dtype,
+                   type(np.dtype(np.uint32))]
+
+
 def rng_state() -> dict[str, Any]:
     """Every generator a step may draw from: torch's (CPU, and this process's GPU once CUDA is
     in use), NumPy's and Python's."""
@@ -223,7 +229,10 @@ def load_trainer_state(path: str | Path, model: nn.Module, mtp: MTP | None,
     )
 
     path = Path(path)
-    state = torch.load(path / "trainer.pt", weights_only=False) if is_main() else None
+    state = None
+    if is_main():  # tensors and plain values only: a trainer.pt from elsewhere runs no code
+        with torch.serialization.safe_globals(NUMPY_RNG_STATE):
+            state = torch.load(path / "trainer.pt", weights_only=True)
     osd: dict[str, Any] = {}
     if optimizer is not None:
         modules, names = _optimizer_names(model, mtp, optimizer)

@@ -104,6 +104,32 @@ def test_a_checkpoint_of_an_older_version_resumes(tmp_path):
     assert first + rest == full
 
 
+class _RunsCode:
+    """Unpickled, it would write a file: what a trainer.pt from elsewhere could do."""
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(_RunsCode.target),))
+
+
+def test_a_trainer_state_that_would_run_code_is_refused(tmp_path):
+    import pickle
+
+    cfg = _cfg(tmp_path, mtp="off")
+    model, _ = build_model(cfg)
+    train_stage(cfg, 0, model, None, _loader(), tmp_path / "b", stop_after=2)
+    ck = tmp_path / "b" / "ckpt" / "bulk"
+    _RunsCode.target = str(tmp_path / "ran")
+    state = torch.load(ck / "trainer.pt", weights_only=False)
+    torch.save({**state, "optimizer": _RunsCode()}, ck / "trainer.pt")
+    st = cfg.stages[0]
+    opt = build_adamw(list(model.named_parameters()), st.lr, st.weight_decay, st.betas)
+    with pytest.raises(pickle.UnpicklingError):
+        load_trainer_state(ck, model, None, opt)
+    assert not (tmp_path / "ran").exists()
+
+
 def test_a_distill_stage_leaves_no_expert_counts_behind(tmp_path):
     """A frozen (distill) stage routes tokens but moves no selection bias; the next stage's
     first bias update counts that stage's own tokens only."""
