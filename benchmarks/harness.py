@@ -69,7 +69,7 @@ def main() -> None:
         ready = json.loads(service.stdout.readline() or "{}")  # type: ignore[union-attr]
         if "url" not in ready:
             raise RuntimeError("the tool service did not start")
-        remote = ToolClient(ready["url"])
+        remote = ToolClient(ready["url"], token=ready["token"])
         rep = remote.open_episode()
         proc_read = timings(lambda: rep.call("read_file", {"target_file": "small.py"}), n)
         proc_true = timings(lambda: rep.call("run_terminal_cmd", {"command": "true"}), n)
@@ -83,7 +83,7 @@ def main() -> None:
 
         server = ToolServer(sandbox=sb)
         running = serve_in_thread(server)
-        client = ToolClient(running.url)
+        client = running.client()
         ep = client.open_episode()
         rpc_read = timings(lambda: ep.call("read_file", read_args), n)
         rpc_true = timings(lambda: ep.call("run_terminal_cmd", true_args), n)
@@ -91,7 +91,7 @@ def main() -> None:
 
         uds = str(Path(root) / "tools.sock")
         running_uds = serve_in_thread(server, uds=uds)
-        client_uds = ToolClient(running_uds.url, uds=uds)
+        client_uds = running_uds.client()
         ep_uds = client_uds.open_episode()
         uds_read = timings(lambda: ep_uds.call("read_file", read_args), n)
         uds_true = timings(lambda: ep_uds.call("run_terminal_cmd", true_args), n)

@@ -19,10 +19,13 @@ not RPC errors; RPC errors are for bad requests (unknown method, unknown episode
 
 from __future__ import annotations
 
+import hmac
 import http.client
 import importlib
 import itertools
 import json
+import os
+import secrets
 import socket
 import threading
 import time
@@ -41,6 +44,7 @@ from codedojo.harness.trajectory import json_text
 from codedojo.sandbox.base import Sandbox, SandboxError, SandboxProvider, seconds
 
 PARSE_ERROR = -32700
+INVALID_REQUEST = -32600
 INVALID_PARAMS = -32602
 METHOD_NOT_FOUND = -32601
 SERVER_ERROR = -32000
@@ -194,19 +198,28 @@ def _response(rid: Any, result: Any = None, error: RPCError | None = None) -> Re
 MAX_CALLS = 4096
 
 
-def create_app(server: ToolServer, max_calls: int = MAX_CALLS) -> FastAPI:
+def create_app(server: ToolServer, max_calls: int = MAX_CALLS, token: str | None = None
+               ) -> FastAPI:
     """The HTTP face of a `ToolServer`: POST /rpc (JSON-RPC 2.0), GET /health.
 
     The body is parsed by hand rather than through a pydantic model: a tool call is a few
     hundred bytes and this path is paid on every call. Calls run on threads, up to
-    ``max_calls`` at once, so one episode's long command does not hold up the others.
+    ``max_calls`` at once, so one episode's long command does not hold up the others. With
+    ``token``, a request without ``Authorization: Bearer <token>`` is refused (401): a port on
+    127.0.0.1 is open to every user of the machine, and a call runs commands in a sandbox.
     """
     app = FastAPI(title="codedojo tools")
     calls = anyio.CapacityLimiter(max_calls)
+    expected = f"Bearer {token}".encode() if token else None
 
     @app.post("/rpc")
     async def rpc(request: Request) -> Response:
         rid = None
+        if expected is not None and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), expected):
+            return Response(json_text({"jsonrpc": "2.0", "id": None, "error": {
+                "code": INVALID_REQUEST, "message": "unauthorized: send the service's token "
+                "(Authorization: Bearer ...)"}}), status_code=401, media_type="application/json")
         try:
             try:
                 body = json.loads(await request.body())
@@ -243,19 +256,29 @@ def create_app(server: ToolServer, max_calls: int = MAX_CALLS) -> FastAPI:
 class RunningServer:
     url: str
     uds: str | None
+    token: str | None  # what a client must send (`client`)
     _server: Any
     _thread: threading.Thread
+
+    def client(self, timeout: float = 300.0) -> ToolClient:
+        return ToolClient(self.url, self.uds, timeout, token=self.token)
 
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
 
 
-def serve_in_thread(server: ToolServer, host: str = "127.0.0.1", port: int = 0, uds: str | None = None) -> RunningServer:
-    """Start the service on a background thread (port 0 = any free port); returns when it accepts."""
+def serve_in_thread(server: ToolServer, host: str = "127.0.0.1", port: int = 0,
+                    uds: str | None = None, token: str | None = "new") -> RunningServer:
+    """Start the service on a background thread (port 0 = any free port); returns when it
+    accepts. ``token``: what clients must send, a new random one by default (`RunningServer.
+    token`); None: none (only where no other user can reach the address). A Unix socket is
+    made owner-only."""
     import uvicorn
 
-    app = create_app(server)
+    if token == "new":
+        token = secrets.token_urlsafe(32)
+    app = create_app(server, token=token)
     if uds:
         config = uvicorn.Config(app, uds=uds, log_level="warning", access_log=False, timeout_keep_alive=300)
         sock = None
@@ -279,7 +302,9 @@ def serve_in_thread(server: ToolServer, host: str = "127.0.0.1", port: int = 0, 
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("tool RPC server did not start")
         time.sleep(0.005)
-    return RunningServer(url=url, uds=uds, _server=userver, _thread=thread)
+    if uds:
+        os.chmod(uds, 0o600)  # uvicorn makes it 0666
+    return RunningServer(url=url, uds=uds, token=token, _server=userver, _thread=thread)
 
 
 # ---- client ---------------------------------------------------------------------------------
@@ -316,10 +341,16 @@ class ToolClient:
     agent loop pays on every tool call. Thread-safe (one request at a time per client).
     """
 
-    def __init__(self, url: str, uds: str | None = None, timeout: float = 300.0) -> None:
+    def __init__(self, url: str, uds: str | None = None, timeout: float = 300.0,
+                 token: str | None = None) -> None:
+        """``token``: the service's (`RunningServer.token`, or what `dojo`'s tool service
+        printed), sent with every request."""
         parsed = urlparse(url)
         self.url = url
         self._uds = uds
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
         self._host = parsed.hostname or "127.0.0.1"
         self._port = parsed.port or 80
         self._timeout = timeout
@@ -345,7 +376,7 @@ class ToolClient:
                 if conn.sock is not None:
                     conn.sock.settimeout(conn.timeout)
                 try:
-                    conn.request("POST", "/rpc", body=payload, headers={"Content-Type": "application/json"})
+                    conn.request("POST", "/rpc", body=payload, headers=self._headers)
                 except OSError:
                     # Sending failed (e.g. the server closed an idle connection): nothing was
                     # processed, so one retry on a fresh connection is safe.

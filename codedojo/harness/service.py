@@ -4,7 +4,7 @@
     dojo tools serve --image IMAGE ...
 
 It creates the sandbox from IMAGE (or from a directory, `--dir`), serves the tools over
-JSON-RPC, prints one JSON line `{"url", "uds", "sandbox_id", "pid"}` on stdout once it accepts
+JSON-RPC, prints one JSON line `{"url", "uds", "token", "sandbox_id", "pid"}` on stdout once it accepts
 calls, and destroys the sandbox when it gets SIGTERM or SIGINT.
 """
 
@@ -54,7 +54,9 @@ def serve(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print(json.dumps({"url": running.url, "uds": uds, "sandbox_id": sandbox.id, "pid": __import__("os").getpid()}), flush=True)
+    # the token on stdout, to the process that started this one (`ToolClient(url, token=...)`)
+    print(json.dumps({"url": running.url, "uds": uds, "token": running.token,
+                      "sandbox_id": sandbox.id, "pid": __import__("os").getpid()}), flush=True)
     try:
         stop.wait()
     finally:

@@ -8,7 +8,7 @@ import pytest
 
 from codedojo.harness.loop import SUMMARY_PREFIX, Agent, LoopConfig
 from codedojo.harness.policy import PolicyOutput, ScriptedPolicy, _for_api, _for_openai
-from codedojo.harness.rpc import ToolClient, ToolServer, serve_in_thread
+from codedojo.harness.rpc import ToolServer, serve_in_thread
 from codedojo.harness.trajectory import read_jsonl, read_parquet, write_parquet
 from codedojo.model.toolcalls import ToolCall, ToolCallError
 from codedojo.reward import RewardContext, compute_reward
@@ -46,7 +46,7 @@ def fixing_script() -> ScriptedPolicy:
 def test_scripted_policy_fixes_a_bug_through_rpc(sandbox, tmp_path):
     server = ToolServer(sandbox=sandbox)
     running = serve_in_thread(server)
-    client = ToolClient(running.url)
+    client = running.client()
     try:
         before = grade(sandbox, F2P, P2P)
         assert not all(before.fail_to_pass.values()) and all(before.pass_to_pass.values())

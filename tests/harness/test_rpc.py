@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from codedojo.harness.trajectory import read_jsonl
 def service(sandbox):
     server = ToolServer(sandbox=sandbox, envs={"default": EnvToolConfig(), "tiny": EnvToolConfig(tools=["read_file"])})
     running = serve_in_thread(server)
-    client = ToolClient(running.url)
+    client = running.client()
     yield server, running, client
     client.close()
     running.stop()
@@ -57,6 +58,19 @@ def test_tool_calls_over_rpc(service):
         client.request("episode.open", env={})
 
 
+def test_a_caller_without_the_services_token_is_refused(service):
+    """A port on 127.0.0.1 is open to every user of the machine: a call without the token (or
+    with another) runs nothing."""
+    server, running, _ = service
+    assert running.token and len(running.token) >= 32
+    for token in (None, "guess"):
+        stranger = ToolClient(running.url, token=token)
+        with pytest.raises(RPCError, match="HTTP 401: .*unauthorized"):
+            stranger.open_episode()
+        stranger.close()
+    assert not server.episodes
+
+
 def test_per_environment_tool_config(service):
     _, _, client = service
     tiny = client.open_episode("tiny")
@@ -75,8 +89,9 @@ def test_unix_socket_transport(sandbox, tmp_path):
     server = ToolServer(sandbox=sandbox)
     sock = str(tmp_path / "tools.sock")
     running = serve_in_thread(server, uds=sock)
-    client = ToolClient(running.url, uds=sock)
+    client = running.client()
     try:
+        assert os.stat(sock).st_mode & 0o777 == 0o600  # the owner's alone
         ep = client.open_episode()
         assert ep.call("run_terminal_cmd", {"command": "echo hi"}).content == "exit code: 0\nhi"
     finally:
@@ -125,7 +140,7 @@ def test_live_update_running_episode_keeps_its_version(service, tmp_path):
 def test_a_dead_tool_service_ends_the_episode(sandbox, tmp_path):
     server = ToolServer(sandbox=sandbox)
     running = serve_in_thread(server)
-    client = ToolClient(running.url, timeout=5)
+    client = running.client(timeout=5)
     ep = client.open_episode()
 
     def kill(messages):
@@ -148,7 +163,7 @@ def test_episodes_run_concurrently(service):
     import time
 
     _, running, client = service
-    slow_client = ToolClient(running.url)
+    slow_client = running.client()
     slow = slow_client.open_episode()
     fast = client.open_episode()
     done = threading.Event()
@@ -172,7 +187,7 @@ def test_a_tool_allowed_longer_than_the_clients_timeout_is_waited_for(sandbox):
     than the client's own timeout: the client waits for it rather than ending the episode."""
     server = ToolServer(sandbox=sandbox, envs={"default": EnvToolConfig(timeouts={"run_terminal_cmd": 600})})
     running = serve_in_thread(server)
-    client = ToolClient(running.url, timeout=1.0)
+    client = running.client(timeout=1.0)
     try:
         ep = client.open_episode()
         assert ep.time_limits["run_terminal_cmd"] == 600 and ep.time_limits["read_file"] == 60
@@ -212,7 +227,7 @@ def test_calls_beyond_a_thread_pools_size_do_not_hold_up_the_others():
                         envs={"default": EnvToolConfig(tools=["nap", "echo"])})
     running = serve_in_thread(server)
     try:
-        eps = [ToolClient(running.url).open_episode() for _ in range(46)]
+        eps = [running.client().open_episode() for _ in range(46)]
         waiting = [threading.Thread(target=e.call, args=("nap", {})) for e in eps[:45]]
         for t in waiting:
             t.start()
