@@ -131,7 +131,7 @@ def _draws_undone_on_failure(gens: Sequence[torch.Generator | None]) -> Iterator
         raise
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: two with equal fields are two requests
 class Request:
     """One generation request as the scheduler tracks it."""
 
@@ -346,9 +346,7 @@ class Engine:
                     self.step()
         for r in reqs:  # those past the deadline
             if not r.done.is_set():
-                r.cancelled = True
-        with self._wake:
-            self._wake.notify()
+                self._cancel(r)
         for r in reqs:
             while not r.done.is_set():  # the next step ends them, keeping what they generated
                 if self._running:
@@ -385,9 +383,18 @@ class Engine:
         finally:
             if not req.done.is_set():
                 req.on_event = None  # the consumer is gone; its loop may close before we stop
-                req.cancelled = True
-                with self._wake:
-                    self._wake.notify()
+                self._cancel(req)
+
+    def _cancel(self, req: Request) -> None:
+        """Cancel a request: one still queued ends now (a queue of requests nobody waits for
+        would hold their prompts, and what they share, until they reach its head); a live one
+        at the scheduler's next step."""
+        with self._wake:
+            req.cancelled = True
+            if req in self._waiting:
+                self._waiting.remove(req)
+                self._finish(req, "cancelled")
+            self._wake.notify()
 
     def start(self) -> None:
         """Run the scheduler on a background thread (continuous batching across callers)."""
@@ -407,7 +414,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        with self._step_lock:
+        with self._step_lock, self._wake:  # (callers may be queueing requests meanwhile)
             for r in list(self._live) + list(self._waiting):
                 self._finish(r, "cancelled")
             self._live.clear()

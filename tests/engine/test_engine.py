@@ -183,6 +183,39 @@ def test_a_timeout_cancels_what_is_not_done_and_keeps_what_it_generated(
         engine.stop()
 
 
+def test_a_cancelled_stream_leaves_the_queue_at_once(model: Transformer) -> None:
+    """Streams whose clients left while queued behind a long request end then, not when they
+    reach the head of the queue; an equal request still queued is not taken for them."""
+    engine = Engine(model, max_batch=1, max_seq_len=512)
+    decode = engine._decode_step
+
+    def slow(live):  # a step of a large model
+        time.sleep(0.02)
+        decode(live)
+
+    engine._decode_step = slow  # type: ignore[method-assign]
+    engine.start()
+    try:
+        async def run() -> None:
+            long = engine.stream(PROMPTS[1], SamplingParams(max_tokens=400, temperature=0))
+            await long.__anext__()  # it holds the one slot
+            kept = engine.submit(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0))
+            gone = engine.stream(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0))
+            task = asyncio.ensure_future(gone.__anext__())
+            await asyncio.sleep(0.05)
+            assert len(engine._waiting) == 2
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await gone.aclose()
+            assert list(engine._waiting) == [kept]  # the same prompt and params, but not it
+            await long.aclose()
+            assert kept.done.wait(10) and kept.finish_reason == "length"
+
+        asyncio.run(run())
+    finally:
+        engine.stop()
+
+
 def test_bad_requests_name_the_field(model: Transformer) -> None:
     engine = Engine(model, max_batch=1, max_seq_len=16)
     for params, field in [(SamplingParams(max_tokens=0), "max_tokens"),
