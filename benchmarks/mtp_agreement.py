@@ -165,6 +165,8 @@ def main() -> None:
     args = parse_held_out(ap, prompts=192)
 
     weights, cfg, mtp = checkpoint(Path(args.ckpt))
+    if args.prompt_len <= mtp.depth:  # depth k's first generated target needs k + 1 before it
+        sys.exit(f"--prompt-len {args.prompt_len}: must be above the {mtp.depth} MTP depths")
     base_weights, _, base_mtp = checkpoint(Path(args.base))
     if weights.keys() != base_weights.keys() or any(
             not torch.equal(weights[k], base_weights[k]) for k in weights):

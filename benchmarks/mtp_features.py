@@ -12,9 +12,10 @@ frozen):
 - ``fused``: module k reads h^{k-1} + F_k [RMSNorm(h_a); RMSNorm(h_b); ...], h_a the output of
   layer a (0-based) and so on for ``--layers`` (the MTP modules' ``taps``), F_k starting at zero
   (so they start from the baseline's drafts) and trained at ``--fuse-lr``;
-- ``control``: the same projections of the last hidden state itself (the last layer tapped): as
-  many new weights and no new information, so a gain of ``fused`` over it is the lower layers'
-  information, not their parameters.
+- ``control``: a projection of the last hidden state itself (the last layer tapped): new
+  weights and no new information. It has the weights of one tapped layer (D x D a module), so
+  with ``--layers`` of n layers ``fused`` has n times as many: ``gain_over_control_depth1``
+  bounds what the projection's weights alone give, not all that n layers' weights could.
 Then each variant's drafts are checked against held-out greedy continuations of the eval
 documents (`mtp_agreement.py`'s measure): ``agree_depthK`` is the share of generated tokens
 depth K predicts; ``accept_first`` and ``tokens_per_pass`` are those of the rounds greedy
