@@ -68,6 +68,8 @@ def move_to_huge_pages(module: torch.nn.Module, dtype: torch.dtype | None = None
         for p, dt, size in zip(params, dtypes, sizes, strict=True):
             t = torch.frombuffer(m, dtype=dt, count=p.numel(), offset=offset)
             p.data = t.view(p.shape).copy_(p.data)
+            if p.grad is not None and p.grad.dtype != dt:  # a gradient follows its parameter's type
+                p.grad = p.grad.to(dt)
             offset += size
     return sum(sizes)
 

@@ -53,6 +53,14 @@ def test_an_empty_tensor_needs_no_mapping() -> None:
     assert huge_page_empty((0, 4), torch.float32).shape == (0, 4)
 
 
+def test_a_gradient_follows_its_parameters_new_type() -> None:
+    lin = torch.nn.Linear(4, 4)
+    lin(torch.randn(2, 4)).sum().backward()
+    move_to_huge_pages(lin, torch.bfloat16)
+    assert lin.weight.dtype == lin.weight.grad.dtype == torch.bfloat16
+    torch.optim.SGD(lin.parameters(), lr=0.1).step()
+
+
 def test_move_keeps_values_and_parameters_and_training_updates_the_new_memory() -> None:
     model = tiny_model()
     params = dict(model.named_parameters())
