@@ -104,9 +104,16 @@ class MoE(nn.Module):
         """x (N, D) -> indices (N, k), gates (N, k), scores (N, E); fp32 router math."""
         scores = torch.sigmoid(self.router(x).float())  # (N, E)
         if self.replay_indices is not None:
-            idx = self.replay_indices.reshape(-1, self.top_k).to(x.device, torch.long)
-            if idx.shape[0] != x.shape[0]:
-                raise ValueError(f"replay_indices has {idx.shape[0]} tokens, input has {x.shape[0]}")
+            rec = self.replay_indices
+            if rec.numel() != x.shape[0] * self.top_k:
+                raise ValueError(f"replay_indices: {tuple(rec.shape)} for {x.shape[0]} tokens of "
+                                 f"top_k {self.top_k} each")
+            idx = rec.reshape(-1, self.top_k).to(x.device, torch.long)
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.n_experts):
+                raise ValueError(f"replay_indices: expert ids {int(idx.min())}..{int(idx.max())} "
+                                 f"outside [0, {self.n_experts})")
+            if self.top_k > 1 and bool((idx.sort(-1).values.diff(dim=-1) == 0).any()):
+                raise ValueError("replay_indices: a token's experts must differ")
         else:
             # The bias steers selection only; it never enters the gate values.
             idx = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices

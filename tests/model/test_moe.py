@@ -107,6 +107,12 @@ def test_router_replay_uses_given_indices_and_router_gets_grads():
     with pytest.raises(ValueError, match="2 index tensors for 1"):
         with router_replay(m, forced * 2):
             pass
+    # recorded routing that cannot be this input's is named, not an index error deep inside
+    for bad, why in ((forced[0] + 8, r"expert ids \d+\.\.\d+ outside \[0, 8\)"),
+                     (forced[0] * 0, "a token's experts must differ"),
+                     (forced[0][:, :3], r"replay_indices: \(2, 3, 2\) for 8 tokens")):
+        with router_replay(m, [bad]), pytest.raises(ValueError, match=why):
+            m(x)
 
 
 def test_sequence_aux_loss_prefers_balance():
