@@ -78,7 +78,7 @@ def main() -> None:
                 feats.add(model.hidden(torch.from_numpy(ids)[None])[0])
         feats.close()
         text.close()
-        src = MixtureSource(name="self", path=str(Path(tmp) / "self"))
+        src = MixtureSource(name="self", path=str(Path(tmp) / "self"), whole=True)
         packed = pack(mix([src], docs * doc_len, seed=0), seq, origins=True)
         stored = PackedLoader(packed, batch, seed=0, features=TokenFeatures(feats.dir))
         forward = PackedLoader(packed, batch, seed=0)

@@ -21,6 +21,7 @@ trajectory: its `segments` say where each context starts.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -170,8 +171,8 @@ class Agent:
         acting_turns = 0
         acted = False  # since the start or the last summary: a summary follows some action
         next_prompt_estimate = _estimate_messages(context)
-        # the model's tokens per estimated token (at least 1), as the last prompt counted: a
-        # byte-level tokenizer has four times the estimate, and tool schemas add to it
+        # the model's tokens per estimated token (at least 1), as the last prompt counted
+        # against its estimate, tool schemas included: a byte-level tokenizer has four
         scale = 1.0
         started = time.perf_counter()
 
@@ -215,7 +216,8 @@ class Agent:
                     traj.status = "max_context"
                     break
                 budget = min(budget, room)
-                sent = _estimate_messages(context)
+                # the prompt as estimated, the tool schemas the template writes into it too
+                sent = _estimate_messages(context) + _estimate(json.dumps(tools.schemas))
                 t0 = time.time()
                 g0 = time.perf_counter()
                 out_ = self.policy.generate(context, tools.schemas, budget, time_left())

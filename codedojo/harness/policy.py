@@ -201,6 +201,10 @@ class OpenAIPolicy:
             if client is self.client:  # the client's own timeout, not the episode's
                 raise
             return PolicyOutput(content="", finish_reason="cancelled")
+        except openai.BadRequestError as e:  # vLLM's and `dojo serve`'s word for a full window
+            if e.code == "context_length_exceeded":
+                raise ContextFull(str(e)) from e
+            raise
         choice = resp.choices[0]
         msg = choice.message
         content = msg.content or ""

@@ -92,7 +92,8 @@ def print_trajectory(traj: Trajectory, max_chars: int | None = 1500, console: Co
                 u.finish_reason)
         console.print(t)
     if traj.final_message:
-        console.print(Panel(_short(traj.final_message, max_chars), title="final message", border_style="green"))
+        console.print(Panel(Text(_short(traj.final_message, max_chars)), title="final message",
+                            border_style="green"))
     todos = traj.tool_state.get("todos") if isinstance(traj.tool_state, dict) else None
     if todos:
         console.print(escape("todos: " + "; ".join(f"[{x['status']}] {x['content']}" for x in todos)))

@@ -29,6 +29,7 @@ from codedojo.harness.tools.base import (
     invoke,
     tool_schema,
 )
+from codedojo.model.toolcalls import loads_json
 from codedojo.sandbox.base import MAX_SECONDS
 
 Seconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
@@ -140,9 +141,9 @@ def parse_arguments(arguments: Any) -> tuple[dict[str, Any] | None, str | None]:
         return {}, None
     if isinstance(arguments, str):
         try:
-            parsed = json.loads(arguments)
-        except json.JSONDecodeError as e:
-            return None, f"arguments are not valid JSON ({e.msg} at position {e.pos})"
+            parsed = loads_json(arguments)  # what a writer can take back: no NaN, no surrogate
+        except ValueError as e:
+            return None, f"arguments are not valid JSON ({e})"
         if not isinstance(parsed, dict):
             return None, f"arguments must be a JSON object, got {type(parsed).__name__}"
         return parsed, None

@@ -487,14 +487,17 @@ def write_parquet(trajs: Iterable[Trajectory], path: str | Path) -> None:
         "tool_versions", "toolset_generation", "messages", "segments", "tool_state", "metadata",
         "started_at", "ended_at", "turns",
     )}
+    def text(s: str | None) -> str | None:  # a lone surrogate as its escape, as in json_text
+        return None if s is None else s.encode("utf-8", "backslashreplace").decode("utf-8")
+
     for t in trajs:
         rows["id"].append(t.id)
-        rows["task"].append(t.task)
+        rows["task"].append(text(t.task))
         rows["env"].append(t.env)
-        rows["model"].append(t.model)
+        rows["model"].append(text(t.model))
         rows["status"].append(t.status)
-        rows["error"].append(t.error)
-        rows["final_message"].append(t.final_message)
+        rows["error"].append(text(t.error))
+        rows["final_message"].append(text(t.final_message))
         rows["tool_schemas"].append(json.dumps(t.tool_schemas))
         rows["tool_versions"].append(json.dumps(t.tool_versions))
         rows["toolset_generation"].append(t.toolset_generation)

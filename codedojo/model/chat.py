@@ -177,7 +177,7 @@ class ChatTemplate:
                 return value
             return self._controls.sub(lambda m: _MARK + m.group(0), value)
         if isinstance(value, Mapping):
-            return {k: self._as_text(v) for k, v in value.items()}
+            return {self._as_text(k): self._as_text(v) for k, v in value.items()}
         if isinstance(value, list | tuple):
             return [self._as_text(v) for v in value]
         return value
@@ -225,9 +225,9 @@ class ChatTemplate:
                     msg["tool_calls"] = [{"id": c.id, "type": "function",
                                           "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
                 if role == "tool" and m.get("tool_call_id"):
-                    msg["tool_call_id"] = m["tool_call_id"]
+                    msg["tool_call_id"] = self._as_text(m["tool_call_id"])
                 if m.get("name"):
-                    msg["name"] = m["name"]
+                    msg["name"] = self._as_text(m["name"])
             elif role == "tool":
                 msg = {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
             elif calls:

@@ -131,7 +131,7 @@ def _json_at(text: str, start: int = 0) -> tuple[Any, int]:
     return value, end
 
 
-def _loads(text: str) -> Any:
+def loads_json(text: str) -> Any:
     """``text`` whole as JSON (`_json_at`'s rules)."""
     value, end = _json_at(text, _WS.match(text).end())
     if _WS.match(text, end).end() != len(text):
@@ -242,7 +242,7 @@ def _call_from_json(item: Any, id_factory: Callable[[], str], raw: str) -> ToolC
     if isinstance(args, str):
         # Some models write arguments as a JSON string, as the OpenAI API does.
         try:
-            args = _loads(args) if args.strip() else {}
+            args = loads_json(args) if args.strip() else {}
         except ValueError as e:
             return ToolCallError(id_factory(), f"\"arguments\" of {name} is a string that is not "
                                  f"JSON ({e})", raw, name)
@@ -396,7 +396,7 @@ def _convert(value: str, kind: Any) -> Any:
         raise ValueError(f"{v[:40]!r} is not null")
     if kind in ("object", "array"):
         try:
-            parsed = _loads(v)
+            parsed = loads_json(v)
         except ValueError as e:
             raise ValueError(f"is not valid JSON for an {kind} ({e})") from None
         if not isinstance(parsed, dict if kind == "object" else list):
@@ -432,7 +432,7 @@ def from_openai(tool_calls: Iterable[Any] | None) -> list[ToolCall | ToolCallErr
         args = fn.get("arguments")
         if isinstance(args, str):
             try:
-                args = _loads(args) if args.strip() else {}
+                args = loads_json(args) if args.strip() else {}
             except ValueError as e:
                 out.append(ToolCallError(call_id, f"arguments of {name} are not valid JSON ({e})", _quote(raw), name))
                 continue

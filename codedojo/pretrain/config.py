@@ -176,6 +176,11 @@ class StageConfig(BaseModel):
         if any(e.data == "self" for e in self.mix) != (self.self_gen is not None):
             raise ValueError(f"stage {self.name!r}: a `self` mix entry and `self_gen` go "
                              "together")
+        g = self.self_gen
+        if g is not None and g.prompt_len + g.new_tokens > self.seq_len + 1:
+            raise ValueError(f"stage {self.name!r}: a continuation (self_gen.prompt_len + "
+                             f"new_tokens = {g.prompt_len + g.new_tokens}) is packed whole, in "
+                             f"a row of seq_len + 1 = {self.seq_len + 1} tokens")
         return self
 
 

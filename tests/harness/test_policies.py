@@ -269,6 +269,44 @@ def test_an_episode_that_outgrows_the_window_ends_or_is_summarised(sandbox):
             assert traj.status == "max_context" and len(traj.turns) == 1
 
 
+def test_a_server_that_finds_the_window_full_ends_the_episode_at_it():
+    """vLLM's and `dojo serve`'s 400 context_length_exceeded is the window, not an error (an
+    infra failure to the bench)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Full(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            body = json.dumps({"error": {"message": "the prompt is 9000 tokens of 8192",
+                                         "type": "invalid_request_error", "param": "messages",
+                                         "code": "context_length_exceeded"}}).encode()
+            self.send_response(400)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    class NoTools:
+        schemas, versions, generation = [], {}, 0
+
+        def state(self):
+            return {}
+
+    srv = HTTPServer(("127.0.0.1", 0), Full)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        policy = OpenAIPolicy("m", f"http://127.0.0.1:{srv.server_port}/v1")
+        traj = Agent(policy, LoopConfig()).run("task", NoTools())  # type: ignore[arg-type]
+        assert traj.status == "max_context" and traj.error is None
+    finally:
+        srv.shutdown()
+
+
 def test_an_openai_call_gets_no_more_than_the_time_left():
     """A server that never answers: the call ends when the episode's time does, as a cut turn
     with nothing in it; past the client's own timeout it is an error, as before."""

@@ -62,8 +62,11 @@ def test_a_lone_surrogate_in_a_message_is_written_and_read_back(tmp_path):
     w.start(t)
     w.finish(t)
     assert read_jsonl(tmp_path / "t.jsonl").messages[-1]["content"] == "smile \ud83d"
+    t.final_message = t.error = t.task = "done \ud83d"
     write_parquet([t], tmp_path / "t.parquet")
-    assert load(tmp_path / "t.parquet")[0].messages[-1]["content"] == "smile \ud83d"
+    back = load(tmp_path / "t.parquet")[0]
+    assert back.messages[-1]["content"] == "smile \ud83d"
+    assert back.final_message == back.error == back.task == "done \\ud83d"  # as its escape
 
 
 def test_partial_last_line_is_tolerated_but_corruption_is_not(tmp_path):
@@ -269,12 +272,15 @@ def test_traj_show_cli(tmp_path):
         "prompt": "3", "cached": "2", "completion": "2", "trained": "2"}
     # text that reads as markup is shown as it is
     t.turns[0].tool_calls[0].name, t.error = "[/b]", "cannot read [/workspace/x]"
-    w = TrajectoryWriter(p)
+    t.final_message = "see [/workspace/y]"
+    marked = tmp_path / "marked.jsonl"
+    w = TrajectoryWriter(marked)
     w.start(t)
     w.finish(t)
-    r = CliRunner().invoke(app, ["traj", "show", str(p)], env={"COLUMNS": "160"})
+    r = CliRunner().invoke(app, ["traj", "show", str(marked)], env={"COLUMNS": "160"})
     assert r.exit_code == 0, r.output
     assert "cannot read [/workspace/x]" in r.output and "[/b]" in r.output
+    assert "see [/workspace/y]" in r.output
     r = CliRunner().invoke(app, ["traj", "show", str(tmp_path / "missing.jsonl")], env={"COLUMNS": "300"})
     assert r.exit_code != 0 and "does not exist" in " ".join(r.output.split())
     out = tmp_path / "all.parquet"

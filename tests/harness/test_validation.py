@@ -58,6 +58,11 @@ def test_truncation_keeps_head_and_tail_with_marker():
 
 def test_parse_arguments():
     assert parse_arguments('{"a": 1}') == ({"a": 1}, None)
+    # JSON no writer takes back is an error, not an exception or a NaN passed on
+    for raw, why in (('{"n": NaN}', "NaN is not JSON"), ('{"s": "\\ud83d"}', "lone surrogate"),
+                     ('{"n": ' + "1" * 5000 + "}", "Exceeds the limit"),
+                     ("[" * 100_000, "nesting too deep")):
+        assert parse_arguments(raw)[0] is None and why in parse_arguments(raw)[1]
     assert parse_arguments("") == ({}, None)
     args, err = parse_arguments('{"a": ')
     assert args is None and "not valid JSON" in err
@@ -91,10 +96,10 @@ def test_a_number_that_is_not_finite_is_refused(lenient):
     from codedojo.harness.tools.terminal import RUN_TERMINAL_CMD
 
     schema = RUN_TERMINAL_CMD.parameters
-    for raw in ('{"command": "sleep 9", "timeout": NaN}', '{"command": "x", "timeout": Infinity}',
-                '{"command": "x", "timeout": "nan"}'):
-        args, err = parse_arguments(raw)
-        assert err is None
+    for raw in ('{"command": "sleep 9", "timeout": NaN}', '{"command": "x", "timeout": Infinity}'):
+        assert "is not JSON" in parse_arguments(raw)[1]  # refused as it is read
+    for args in ({"command": "sleep 9", "timeout": float("nan")},  # sent as an object
+                 {"command": "x", "timeout": float("inf")}, {"command": "x", "timeout": "nan"}):
         if not lenient and isinstance(args["timeout"], str):
             continue  # a string is refused by type already
         with pytest.raises(ToolError, match="argument 'timeout' must be a finite number"):

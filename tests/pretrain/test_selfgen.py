@@ -259,9 +259,13 @@ def test_the_hidden_states_of_the_generation_are_kept_for_training(tmp_path, mod
         for layer in mtp.layers:  # the tapped states read
             if layer.fuse is not None:
                 layer.fuse.weight.normal_(std=0.5)
+    starts = {shards.doc_start(i) for i in range(5)}
     for seq_len in (13, 20):
         p = pack(mix([MixtureSource(name="self", path=str(out), whole=True)], 70, seed=0),
                  seq_len=seq_len, origins=True)
+        first = np.ones_like(p.segments, dtype=bool)  # each piece of a row starts a document
+        first[:, 1:] = p.segments[:, 1:] != p.segments[:, :-1]
+        assert set(p.origin[first & (p.origin >= 0)].tolist()) <= starts
         batch = PackedLoader(p, batch_size=4, features=feats).next_batch()
         stored_loss, _ = stage_loss(model, mtp, batch, "distill", 1.0)
         batch.pop("hidden")

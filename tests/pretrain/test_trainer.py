@@ -292,6 +292,8 @@ def test_config_errors_name_the_field(tmp_path):
     ("stages=[]", r"stages: List should have at least 1 item"),
     ("sft_examples=0", r"stages\[3\] \(sft\): an `sft` mix entry, but no SFT data"),
     ("stages.long.rope_scaling.beta_slow=40.0", "beta_fast .* must be above beta_slow"),
+    ("stages.mtp_self.seq_len=10", r"new_tokens = 16\) is packed whole, in a row of seq_len "
+     r"\+ 1 = 11 tokens"),
 ])
 def test_config_values_a_run_cannot_use_are_refused(tmp_path, setting, error):
     from codedojo.pretrain.config import apply_overrides

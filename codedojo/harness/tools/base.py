@@ -176,10 +176,10 @@ def _coerce(value: Any, typ: str) -> Any:
     if typ == "string" and isinstance(value, int | float) and not isinstance(value, bool):
         return str(value)
     if typ == "array" and isinstance(value, str):
-        import json
+        from codedojo.model.toolcalls import loads_json
 
         try:
-            parsed = json.loads(value)
+            parsed = loads_json(value)
         except ValueError:
             return [value]
         return parsed if isinstance(parsed, list) else value
