@@ -24,10 +24,16 @@
  *   host -> init : u32 length, then NUL-terminated strings: cwd, argc, argv..., envc, env...
  *   init -> host : "F <pid>" with three fds (stdin write end, stdout and stderr read ends)
  *                  attached (SCM_RIGHTS), or "E <message>" on a bad request
- *   host -> init : any byte = kill the command's process group; EOF = the same
+ *   host -> init : any byte = kill the command and all it started; EOF = the same
  *   init -> host : "X <wait status>" when the command exits
+ *
+ * Each command runs under a shepherd, the process init forks (its pid is the one reported): it
+ * is the subreaper of everything the command starts, so a kill ends those too, a daemon that
+ * left the command's session with setsid() included, which a kill of the process group missed.
+ * A command that ends by itself leaves what it started in the background running.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -270,6 +276,92 @@ static struct {
 } running[MAX_RUNNING];
 static int n_running;
 
+/* ---- the shepherd: between init and a command ---- */
+
+static volatile sig_atomic_t shepherd_stop;
+static void on_stop(int sig) {
+  (void)sig;
+  shepherd_stop = 1;
+}
+
+/* SIGKILL each of our children whose parent we are now; returns how many. */
+static int kill_children(pid_t self) {
+  DIR *d = opendir("/proc");
+  if (!d) return 0;
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    char *end;
+    long pid = strtol(e->d_name, &end, 10);
+    if (*end || pid <= 0) continue;
+    char path[64], stat[512];
+    snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    ssize_t r = read(fd, stat, sizeof stat - 1);
+    close(fd);
+    if (r <= 0) continue;
+    stat[r] = 0;
+    char *paren = strrchr(stat, ')'); /* "pid (comm) state ppid ...": comm may hold anything */
+    int ppid;
+    char state;
+    if (paren && sscanf(paren + 1, " %c %d", &state, &ppid) == 2 && ppid == self) {
+      kill((pid_t)pid, SIGKILL);
+      n++;
+    }
+  }
+  closedir(d);
+  return n;
+}
+
+/* Kill the command and every process it left behind: a child killed hands us its children, so
+ * kill and reap until we have no child. */
+static void end_all(void) {
+  pid_t self = getpid();
+  for (;;) {
+    int n = kill_children(self);
+    int st;
+    pid_t w = waitpid(-1, &st, n ? 0 : WNOHANG);
+    while (w > 0) w = waitpid(-1, &st, WNOHANG);
+    if (w < 0 && errno == ECHILD) return;
+  }
+}
+
+/* Wait for the command `cmd` (reaping what it orphans meanwhile), then exit as it did; on
+ * SIGTERM from init (a kill request), end it and everything it started first. */
+static void shepherd(pid_t cmd) __attribute__((noreturn));
+static void shepherd(pid_t cmd) {
+  struct sigaction sa = {0};
+  sa.sa_handler = on_stop; /* no SA_RESTART: waitpid returns EINTR */
+  sigaction(SIGTERM, &sa, NULL);
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, NULL);
+  if (syscall(SYS_close_range, 0U, ~0U, 0U) < 0) /* no fd of init's or of the command's */
+    for (int fd = 0; fd < 4096; fd++) close(fd);
+  int st = 0;
+  for (;;) {
+    if (shepherd_stop) {
+      end_all();
+      signal(SIGKILL, SIG_DFL);
+      raise(SIGKILL); /* reported as a kill, as before */
+    }
+    pid_t w = waitpid(-1, &st, 0);
+    if (w == cmd) break;
+    if (w < 0 && errno == ECHILD) break;
+  }
+  if (shepherd_stop) {
+    end_all();
+    raise(SIGKILL);
+  }
+  if (WIFSIGNALED(st)) { /* end as the command did (its core, if any, is dumped already) */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    signal(WTERMSIG(st), SIG_DFL);
+    raise(WTERMSIG(st));
+  }
+  _exit(WIFEXITED(st) ? WEXITSTATUS(st) : 1);
+}
+
 /* Read one request from `conn`, start the command, send its pipes; returns its pid or -1. */
 static pid_t start_command(int conn) {
   struct timeval tv = {5, 0}; /* the host writes the request at once; never hang init */
@@ -312,11 +404,20 @@ static pid_t start_command(int conn) {
   if (pid < 0) {
     reply(conn, "E fork: %s", strerror(errno));
   } else if (pid == 0) {
+    setsid();
+    /* the shepherd adopts what the command orphans, from the first fork on */
+    prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+    pid_t cmd = fork();
+    if (cmd < 0) {
+      dprintf(err[1], "sandbox: fork: %s\n", strerror(errno));
+      _exit(126);
+    }
+    if (cmd > 0) shepherd(cmd);
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     signal(SIGPIPE, SIG_DFL);
-    setsid();
+    signal(SIGTERM, SIG_DFL);
     /* Commands are the OOM killer's first choice (in the sandbox's memory cgroup and on the
      * host): a memory bomb kills itself, not init. Raising the score needs no privilege. */
     int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
@@ -362,10 +463,7 @@ static pid_t start_command(int conn) {
     c->cmsg_type = SCM_RIGHTS;
     c->cmsg_len = CMSG_LEN(sizeof fds);
     memcpy(CMSG_DATA(c), fds, sizeof fds);
-    if (sendmsg(conn, &mh, MSG_NOSIGNAL) < 0) {
-      kill(-pid, SIGKILL);
-      kill(pid, SIGKILL);
-    }
+    if (sendmsg(conn, &mh, MSG_NOSIGNAL) < 0) kill(pid, SIGTERM); /* its shepherd ends all */
   }
   close(in[0]);
   close(in[1]);
@@ -388,6 +486,10 @@ static void serve(void) {
   sigemptyset(&mask);
   sigaddset(&mask, SIGCHLD);
   sigprocmask(SIG_BLOCK, &mask, NULL);
+  sigset_t term; /* blocked here, so a shepherd is never ended by one before its handler is in */
+  sigemptyset(&term);
+  sigaddset(&term, SIGTERM);
+  sigprocmask(SIG_BLOCK, &term, NULL);
   int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
   if (sfd < 0) _exit(1);
   fcntl(sock_fd, F_SETFD, FD_CLOEXEC);
@@ -404,8 +506,7 @@ static void serve(void) {
       if (running[k].pid > 0 && (pf[k + 2].revents & (POLLIN | POLLHUP | POLLERR))) {
         char b;
         recv(running[k].conn, &b, 1, MSG_DONTWAIT);
-        kill(-running[k].pid, SIGKILL);
-        kill(running[k].pid, SIGKILL);
+        kill(running[k].pid, SIGTERM); /* its shepherd ends the command and all it started */
         running[k].pid = -running[k].pid;
       }
     }

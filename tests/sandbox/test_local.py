@@ -51,6 +51,25 @@ def test_exec_timeout_and_output_cap(provider, project):
         sb.destroy()
 
 
+def test_a_timeout_ends_what_the_command_started_setsid_included(provider, project):
+    """A kill at the time limit reaches a daemon that left the command's session; a command that
+    ends by itself leaves what it started in the background running."""
+    sb = provider.create(SandboxSpec(image=project, limits=SMALL))
+    try:
+        r = sb.exec("setsid sleep 601 >/dev/null 2>&1 & (setsid sh -c 'sleep 602' >/dev/null "
+                    "2>&1 &); sleep 0.3; echo started; sleep 30", timeout=1.5)
+        assert r.timed_out and r.exit_code == 137 and r.stdout == "started\n"
+        ps = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done"
+        left = sb.exec(ps).stdout
+        assert "sleep 601" not in left and "sleep 602" not in left, left
+        assert sb.exec("setsid sleep 603 >/dev/null 2>&1 & echo ok").stdout == "ok\n"
+        assert "sleep 603" in sb.exec(ps).stdout
+        r = sb.exec("sh -c 'kill -SEGV $$'")
+        assert r.exit_code == 128 + 11  # a command's own end comes through as it was
+    finally:
+        sb.destroy()
+
+
 def test_spec_env_reaches_every_command(provider, project):
     sb = provider.create(SandboxSpec(image=project, limits=SMALL, env={"TASK": "t1"}))
     try:
