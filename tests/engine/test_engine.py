@@ -15,6 +15,7 @@ from codedojo.engine.sampling import filtered_logprobs
 from codedojo.engine.types import SamplingParams
 from codedojo.model.config import ModelConfig
 from codedojo.model.transformer import Transformer
+from tests.engine.pace import slow_steps
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10], [11], [12, 13, 14, 15], [3] * 9, [200, 100]]
 
@@ -152,14 +153,7 @@ def test_stream_joins_running_batch_and_cancels(model: Transformer) -> None:
 @pytest.mark.parametrize("background", [False, True])
 def test_a_timeout_cancels_what_is_not_done_and_keeps_what_it_generated(
         model: Transformer, background: bool) -> None:
-    engine = Engine(model, max_batch=2, max_seq_len=512)
-    decode = engine._decode_step
-
-    def slow(live):  # a step of a large model
-        time.sleep(0.05)
-        decode(live)
-
-    engine._decode_step = slow  # type: ignore[method-assign]
+    engine = slow_steps(Engine(model, max_batch=2, max_seq_len=512), 0.05)
     if background:
         engine.start()
     try:
@@ -186,14 +180,7 @@ def test_a_timeout_cancels_what_is_not_done_and_keeps_what_it_generated(
 def test_a_cancelled_stream_leaves_the_queue_at_once(model: Transformer) -> None:
     """Streams whose clients left while queued behind a long request end then, not when they
     reach the head of the queue; an equal request still queued is not taken for them."""
-    engine = Engine(model, max_batch=1, max_seq_len=512)
-    decode = engine._decode_step
-
-    def slow(live):  # a step of a large model
-        time.sleep(0.02)
-        decode(live)
-
-    engine._decode_step = slow  # type: ignore[method-assign]
+    engine = slow_steps(Engine(model, max_batch=1, max_seq_len=512), 0.02)
     engine.start()
     try:
         async def run() -> None:

@@ -31,6 +31,7 @@ from codedojo.model.chat import ChatTemplate
 from codedojo.model.config import ModelConfig
 from codedojo.model.tokenizer import tiny_tokenizer
 from codedojo.model.transformer import Transformer
+from tests.engine.pace import slow_steps
 from tests.engine.tiny_moe import tiny_moe
 
 
@@ -204,14 +205,7 @@ def test_a_model_call_running_at_the_episodes_limit_is_cut_there(sandbox, tmp_pa
     tok = tiny_tokenizer()
     torch.manual_seed(0)
     model = Transformer(ModelConfig.tiny(vocab_size=tok.vocab_size, max_seq_len=4096)).eval()
-    engine = Engine(model, max_batch=1)
-    decode = engine._decode_step
-
-    def slow(live):
-        time.sleep(0.05)
-        decode(live)
-
-    engine._decode_step = slow  # type: ignore[method-assign]
+    engine = slow_steps(Engine(model, max_batch=1), 0.05)  # a large model's pace
     policy = EnginePolicy(engine, ChatTemplate(tok), name="tiny", temperature=0)
     cfg = LoopConfig(max_seconds=1.0, max_tokens_per_turn=1000)
     t0 = time.perf_counter()

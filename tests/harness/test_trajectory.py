@@ -252,19 +252,23 @@ def test_traj_show_cli(tmp_path):
 
     from codedojo.cli import app
 
+    def show(t: Trajectory, p) -> str:
+        w = TrajectoryWriter(p)
+        w.start(t)
+        w.finish(t)
+        r = CliRunner().invoke(app, ["traj", "show", str(p)], env={"COLUMNS": "160"})
+        assert r.exit_code == 0, r.output
+        return r.output
+
     t = _traj()
     t.status, t.final_message = "finished", "all good"
     t.turns[0].cached_tokens = 2
     p = tmp_path / "t.jsonl"
-    w = TrajectoryWriter(p)
-    w.start(t)
-    w.finish(t)
-    r = CliRunner().invoke(app, ["traj", "show", str(p)], env={"COLUMNS": "160"})
-    assert r.exit_code == 0, r.output
-    assert "grep" in r.output and "a.py:1:x" in r.output and "all good" in r.output and "finished" in r.output
-    assert "1 sequence(s), 5 tokens (5 turn by turn)" in r.output
+    out = show(t, p)
+    assert "grep" in out and "a.py:1:x" in out and "all good" in out and "finished" in out
+    assert "1 sequence(s), 5 tokens (5 turn by turn)" in out
     # The turns table: prompt 3 tokens, 2 of them from the prefix cache, 2 sampled, 2 trained.
-    lines = r.output.splitlines()
+    lines = out.splitlines()
     head = next(line for line in lines if "┃ kind" in line).split("┃")[1:-1]
     row = next(line for line in lines if "│ action" in line).split("│")[1:-1]
     cols = {h.strip(): c.strip() for h, c in zip(head, row, strict=True)}
@@ -273,16 +277,11 @@ def test_traj_show_cli(tmp_path):
     # text that reads as markup is shown as it is
     t.turns[0].tool_calls[0].name, t.error = "[/b]", "cannot read [/workspace/x]"
     t.final_message = "see [/workspace/y]"
-    marked = tmp_path / "marked.jsonl"
-    w = TrajectoryWriter(marked)
-    w.start(t)
-    w.finish(t)
-    r = CliRunner().invoke(app, ["traj", "show", str(marked)], env={"COLUMNS": "160"})
-    assert r.exit_code == 0, r.output
-    assert "cannot read [/workspace/x]" in r.output and "[/b]" in r.output
-    assert "see [/workspace/y]" in r.output
+    out = show(t, tmp_path / "marked.jsonl")
+    assert "cannot read [/workspace/x]" in out and "[/b]" in out and "see [/workspace/y]" in out
     r = CliRunner().invoke(app, ["traj", "show", str(tmp_path / "missing.jsonl")], env={"COLUMNS": "300"})
     assert r.exit_code != 0 and "does not exist" in " ".join(r.output.split())
-    out = tmp_path / "all.parquet"
-    r = CliRunner().invoke(app, ["traj", "export", str(p), "-o", str(out)])
-    assert r.exit_code == 0 and json.loads(json.dumps(load(out)[0].to_dict()))["final_message"] == "all good"
+    exported = tmp_path / "all.parquet"
+    r = CliRunner().invoke(app, ["traj", "export", str(p), "-o", str(exported)])
+    assert r.exit_code == 0
+    assert json.loads(json.dumps(load(exported)[0].to_dict()))["final_message"] == "all good"
