@@ -79,8 +79,11 @@ def read_sft_jsonl(path: str | Path) -> Iterator[Conversation]:
             yield Conversation(msgs, tools, where)
 
 
-def render_to_shards(convs: Iterable[Conversation | tuple[list[Message], list[dict[str, Any]] | None]],
-                     render: ChatRenderer, out_dir: str | Path, vocab_size: int,
+# conversations, or (messages, tools) pairs
+Chats = Iterable[Conversation | tuple[list[Message], list[dict[str, Any]] | None]]
+
+
+def render_to_shards(convs: Chats, render: ChatRenderer, out_dir: str | Path, vocab_size: int,
                      eos_id: int | None, max_tokens: int | None = None) -> Path:
     """Each conversation's (ids, mask) as a masked document; a conversation the renderer
     refuses is named by where it came from (or its place in ``convs``)."""

@@ -137,7 +137,7 @@ class ToolServer:
             return self.session(_req(p, "episode_id")).call(
                 name, p.get("arguments"), left).to_dict()
         if method == "episode.open":
-            s = self.open_episode(_opt(p, "env", "default") or "default", _opt(p, "sandbox_id", None))
+            s = self.open_episode(_opt(p, "env") or "default", _opt(p, "sandbox_id"))
             cfg = s.toolset.config
             return {
                 "episode_id": s.episode_id,
@@ -178,9 +178,9 @@ def _req(p: dict[str, Any], key: str) -> str:
     return p[key]
 
 
-def _opt(p: dict[str, Any], key: str, default: str | None) -> str | None:
-    """An optional string parameter."""
-    return _req(p, key) if p.get(key) is not None else default
+def _opt(p: dict[str, Any], key: str) -> str | None:
+    """An optional string parameter (None when not given)."""
+    return _req(p, key) if p.get(key) is not None else None
 
 
 def _response(rid: Any, result: Any = None, error: RPCError | None = None) -> Response:

@@ -4,8 +4,8 @@
     dojo tools serve --image IMAGE ...
 
 It creates the sandbox from IMAGE (or from a directory, `--dir`), serves the tools over
-JSON-RPC, prints one JSON line `{"url", "uds", "token", "sandbox_id", "pid"}` on stdout once it accepts
-calls, and destroys the sandbox when it gets SIGTERM or SIGINT.
+JSON-RPC, prints one JSON line `{"url", "uds", "token", "sandbox_id", "pid"}` on stdout once it
+accepts calls, and destroys the sandbox when it gets SIGTERM or SIGINT.
 """
 
 from __future__ import annotations

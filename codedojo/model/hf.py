@@ -25,7 +25,8 @@ def _hf_yarn_attention_factor(rope: dict[str, Any]) -> float:
     if rope.get("attention_factor") is not None:
         return float(rope["attention_factor"])
     if rope.get("mscale") and rope.get("mscale_all_dim"):
-        return _mscale(factor, float(rope["mscale"])) / _mscale(factor, float(rope["mscale_all_dim"]))
+        return (_mscale(factor, float(rope["mscale"]))
+                / _mscale(factor, float(rope["mscale_all_dim"])))
     return _mscale(factor)
 
 

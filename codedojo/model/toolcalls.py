@@ -127,7 +127,8 @@ def _json_at(text: str, start: int = 0) -> tuple[Any, int]:
             try:
                 v.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise ValueError(f"a lone surrogate (\\u{ord(v[e.start]):04x}) is not text") from None
+                code = ord(v[e.start])
+                raise ValueError(f"a lone surrogate (\\u{code:04x}) is not text") from None
     return value, end
 
 
@@ -197,7 +198,9 @@ class JsonToolCallFormat:
         except ValueError as e:
             stop, closed = self._resync(text, body)
             where = "tool call" if closed else "unclosed <tool_call> block"
-            return [ToolCallError(id_factory(), f"{where}: invalid JSON ({e})", _quote(text[start:stop]))], stop
+            error = ToolCallError(id_factory(), f"{where}: invalid JSON ({e})",
+                                  _quote(text[start:stop]))
+            return [error], stop
         after = _WS.match(text, end).end()
         if text.startswith(self.close_tag, after):
             pos = after + len(self.close_tag)
@@ -434,7 +437,8 @@ def from_openai(tool_calls: Iterable[Any] | None) -> list[ToolCall | ToolCallErr
             try:
                 args = loads_json(args) if args.strip() else {}
             except ValueError as e:
-                out.append(ToolCallError(call_id, f"arguments of {name} are not valid JSON ({e})", _quote(raw), name))
+                out.append(ToolCallError(call_id, f"arguments of {name} are not valid JSON ({e})",
+                                         _quote(raw), name))
                 continue
         if args is None:
             args = {}

@@ -211,9 +211,11 @@ def test_bad_requests_name_the_field(model: Transformer) -> None:
                           (SamplingParams(top_k=-2), "top_k"),
                           (SamplingParams(temperature=float("nan")), "temperature must be a "
                            "finite number"),
-                          (SamplingParams(top_k=2.5), "top_k must be an integer"),  # type: ignore[arg-type]
+                          (SamplingParams(top_k=2.5),  # type: ignore[arg-type]
+                           "top_k must be an integer"),
                           (SamplingParams(seed=2**70), r"seed must be an integer in \["),
-                          (SamplingParams(stop_token_ids=[1.5]), "stop_token_ids")]:  # type: ignore[list-item]
+                          (SamplingParams(stop_token_ids=[1.5]),  # type: ignore[list-item]
+                           "stop_token_ids")]:
         with pytest.raises(ValueError, match=field):
             engine.generate([[1, 2]], params)
     with pytest.raises(ValueError, match="prompt_ids: token ids must be integers, got 2.0"):

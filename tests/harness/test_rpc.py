@@ -223,7 +223,8 @@ def test_calls_beyond_a_thread_pools_size_do_not_hold_up_the_others():
     class NoSandbox:
         id = "sb-none"
 
-    server = ToolServer(sandbox=NoSandbox(), registry=ToolRegistry([nap, echo]),  # type: ignore[arg-type]
+    server = ToolServer(sandbox=NoSandbox(),  # type: ignore[arg-type]
+                        registry=ToolRegistry([nap, echo]),
                         envs={"default": EnvToolConfig(tools=["nap", "echo"])})
     running = serve_in_thread(server)
     try:

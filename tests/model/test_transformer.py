@@ -154,7 +154,8 @@ def test_positions_outside_the_rope_table_are_refused() -> None:
     model = Transformer(ModelConfig.tiny(vocab_size=64, max_seq_len=16)).eval()
     tokens = torch.zeros(1, 4, dtype=torch.long)
     for bad in ([-1, 0, 1, 2], [0, 1, 2, 16]):
-        with pytest.raises(ValueError, match=r"positions: -?\d+\.\.\d+ outside \[0, max_seq_len 16\)"):
+        with pytest.raises(ValueError, match=r"positions: -?\d+\.\.\d+ outside \[0, "
+                                             r"max_seq_len 16\)"):
             model(tokens, positions=torch.tensor([bad]))
 
 
