@@ -15,6 +15,7 @@ import importlib.util
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,12 +125,19 @@ def chunk_file(path: str, text: str, max_lines: int = 40, min_lines: int = 4) ->
     return chunks
 
 
+# Vectors kept (the least recently used go first): 384 float32 each, about 300 MB in all; a
+# long job over many repositories would otherwise keep every chunk it ever embedded.
+MAX_CACHED_VECTORS = 200_000
+
+
 class CodebaseIndex:
     """Chunks, vectors by content hash, and cosine search over a sandbox's files."""
 
-    def __init__(self, embedder: Embedder | None = None) -> None:
+    def __init__(self, embedder: Embedder | None = None,
+                 max_cached: int = MAX_CACHED_VECTORS) -> None:
         self._embedder = embedder
-        self._vectors: dict[str, np.ndarray] = {}
+        self._vectors: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._max_cached = max_cached
         self._lock = threading.Lock()
 
     @property
@@ -168,8 +176,13 @@ class CodebaseIndex:
         return out
 
     def _embed(self, chunks: list[Chunk], deadline: float | None = None) -> np.ndarray:
+        found: dict[str, np.ndarray] = {}
         with self._lock:
-            missing = [c for c in {c.key: c for c in chunks}.values() if c.key not in self._vectors]
+            for c in chunks:
+                if c.key in self._vectors:
+                    self._vectors.move_to_end(c.key)
+                    found[c.key] = self._vectors[c.key]
+        missing = [c for c in {c.key: c for c in chunks}.values() if c.key not in found]
         for i in range(0, len(missing), EMBED_BATCH):
             if _left(deadline) <= 0:
                 raise SearchTimeout(len(chunks) - len(missing) + i, len(chunks))
@@ -177,9 +190,10 @@ class CodebaseIndex:
             vecs = self.embedder.encode([f"{c.path}\n{c.text}" for c in batch])
             with self._lock:
                 for c, v in zip(batch, vecs, strict=True):
-                    self._vectors[c.key] = v
-        with self._lock:
-            return np.stack([self._vectors[c.key] for c in chunks])  # (N, D)
+                    found[c.key] = self._vectors[c.key] = v
+                while len(self._vectors) > self._max_cached:
+                    self._vectors.popitem(last=False)
+        return np.stack([found[c.key] for c in chunks])  # (N, D)
 
     def search(
         self, sandbox: Sandbox, query: str, roots: list[str] | None = None, k: int = 8,
@@ -210,3 +224,5 @@ class CodebaseIndex:
         with self._lock:
             for key, vec in zip(data["keys"].tolist(), data["vectors"], strict=True):
                 self._vectors[str(key)] = vec
+            while len(self._vectors) > self._max_cached:
+                self._vectors.popitem(last=False)

@@ -93,6 +93,19 @@ def test_codebase_search_stops_at_its_time_limit_and_goes_on_from_there(sandbox,
         s.close()
 
 
+def test_the_vector_cache_keeps_the_most_recently_used(sandbox):
+    """A job over many repositories keeps at most ``max_cached`` vectors, dropping the least
+    recently used; a search over more chunks than that still ranks them all."""
+    embedder = SlowEmbedder()
+    index = CodebaseIndex(embedder, max_cached=3)
+    total = len(index.chunks(sandbox, ["/workspace"]))
+    assert total > 3
+    hits = index.search(sandbox, "low stock", k=total)
+    assert len(hits) == total and index.cached == 3
+    warm = CodebaseIndex(embedder, max_cached=total)
+    assert [h.path for h in warm.search(sandbox, "low stock", k=total)] == [h.path for h in hits]
+
+
 def test_chunk_line_numbers_are_grep_s():
     text = "import os\nimport re\n\x0c\n\nX = 1\n" + "".join(
         f"def f{i}():\n" + "    x = 1\n" * 9 for i in range(2))
