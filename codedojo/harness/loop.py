@@ -21,6 +21,7 @@ trajectory: its `segments` say where each context starts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from codedojo.harness.policy import ContextFull, Policy, PolicyOutput
 from codedojo.harness.tools.base import ToolResult, truncate
 from codedojo.harness.toolset import Seconds
 from codedojo.harness.trajectory import ToolCallRecord, Trajectory, TrajectoryWriter, Turn
+from codedojo.model.toolcalls import new_call_id
 
 DEFAULT_SYSTEM = (
     "You are a coding agent working in a repository at /workspace. Use the tools to inspect and "
@@ -115,6 +117,16 @@ def _fit(context: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
     return out
 
 
+def _unique_ids(out: PolicyOutput, seen: set[str]) -> None:
+    """Give a call (or a malformed one) whose id the model reused, in this turn or an earlier
+    one, an id of its own: each tool message answers one call."""
+    for items in (out.calls, out.errors):
+        for i, c in enumerate(items):
+            if c.id in seen:
+                items[i] = dataclasses.replace(c, id=new_call_id())  # type: ignore[call-overload]
+            seen.add(items[i].id)
+
+
 def _mask(out: PolicyOutput) -> list[int]:
     # Sampled tokens are trained on; the prompt, which carries every tool output, never is.
     if not out.completion_ids:
@@ -174,6 +186,7 @@ class Agent:
         # the model's tokens per estimated token (at least 1), as the last prompt counted
         # against its estimate, tool schemas included: a byte-level tokenizer has four
         scale = 1.0
+        call_ids: set[str] = set()  # the episode's tool call ids so far
         started = time.perf_counter()
 
         def time_left() -> float | None:
@@ -230,6 +243,7 @@ class Agent:
                 if out_.finish_reason == "cancelled":
                     self._cut(traj, out_, gen_s, t0, out_of_time())
                     break
+                _unique_ids(out_, call_ids)
                 msg = out_.message()
                 context.append(msg)
                 traj.messages.append(msg)

@@ -120,6 +120,29 @@ def test_an_episode_time_limit_the_tools_cannot_take_is_refused(seconds):
         LoopConfig(max_seconds=seconds)
 
 
+def test_a_call_id_the_model_reuses_gets_one_of_its_own(session):
+    """Ids come from the model's JSON: two calls of one turn named alike, and one of an earlier
+    turn named again, each get an id their tool message alone answers."""
+    class Reuser:
+        name = "reuser"
+        n = 0
+
+        def generate(self, messages, tools, max_tokens, time_left=None):
+            self.n += 1
+            if self.n > 2:
+                return PolicyOutput(content="done")
+            call = ToolCall("c1", "run_terminal_cmd", {"command": f"echo {self.n}"})
+            return PolicyOutput(content="", calls=[call, call] if self.n == 1 else [call])
+
+    traj = Agent(Reuser()).run("t", session)
+    assert traj.status == "finished"
+    traj.validate()
+    ids = [c["id"] for m in traj.messages if m["role"] == "assistant"
+           for c in m.get("tool_calls") or []]
+    answers = [m["tool_call_id"] for m in traj.messages if m["role"] == "tool"]
+    assert len(ids) == len(set(ids)) == 3 and answers == ids and ids[0] == "c1"
+
+
 def test_a_reply_cut_by_the_token_limit_is_no_answer(session):
     class Cut:
         name = "cut"
