@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -93,6 +94,7 @@ class TestReport:
     duration_s: float = 0.0
     output_tail: str = ""
     reported: int = 0  # outcomes pytest itself reported (the rest were filled in as errors)
+    forged: bool = False  # the canary did not fail: no outcome is the tests' (`Canary`)
 
     def passed(self, strict: bool = False) -> set[str]:
         """Tests that passed, or failed as expected (xfail) unless ``strict``."""
@@ -144,14 +146,24 @@ def run_pytest(
     ex: Executor, cmd: PytestCommand, tests: Sequence[str] | None = None, timeout: float = 120.0,
     known: Sequence[str] = (),
 ) -> TestReport:
-    """Run ``tests`` (all without them); ``known``: more node ids the output is read by (one
-    with " - " in it is found whole, see `parse_pytest_output`)."""
-    res = ex.exec(cmd.argv(tests), cwd=cmd.root, env=cmd.env(), timeout=timeout)
-    report = parse_pytest_output(res.stdout + "\n" + res.stderr, [*(tests or ()), *known])
+    """Run ``tests`` (all without them), with a canary (`Canary`) beside them; ``known``: more
+    node ids the output is read by (one with " - " in it is found whole, see
+    `parse_pytest_output`)."""
+    canary = Canary.plant(ex, cmd.root) if tests else None
+    try:
+        run = [*tests, canary.node_id] if tests and canary else tests
+        res = ex.exec(cmd.argv(run), cwd=cmd.root, env=cmd.env(), timeout=timeout)
+    finally:
+        if canary:
+            canary.remove(ex)
+    report = parse_pytest_output(res.stdout + "\n" + res.stderr,
+                                 [*(run or ()), *known])
     report.exit_code = res.exit_code
     report.timed_out = res.timed_out
     report.duration_s = res.duration_s
     report.output_tail = (res.stdout + res.stderr)[-4000:]
+    if canary:
+        canary.judge(report, tests or ())
     report.reported = len(report.outcomes)
     if tests:
         # A requested test that pytest never reported (renamed, deleted, not collected) failed.
@@ -160,6 +172,51 @@ def run_pytest(
                 report.outcomes[t] = "error"
                 report.messages.setdefault(t, "test was not collected")
     return report
+
+
+FORGED = ("the run's outcomes are not the tests': a test that must fail did not (the code under "
+          "test changed how the tests run or report)")
+
+
+@dataclass(frozen=True)
+class Canary:
+    """A test that must fail, run beside the tests a grade reads, under a name drawn anew each
+    run: code under test that makes every test pass (patching pytest as it is imported,
+    printing a summary of its own and leaving) makes it pass too, or leaves it unreported,
+    and then no outcome of the run is believed. Code that spared it alone would have to tell
+    it from the tests it forges, by a name it cannot know before the run."""
+
+    folder: str  # under the tree's root
+    node_id: str
+
+    @classmethod
+    def plant(cls, ex: Executor, root: str) -> Canary:
+        tag = secrets.token_hex(8)
+        folder, test = f".t{tag}", f"test_{tag}"
+        body = f"def {test}():\n    assert False, 'this test must fail'\n"
+        r = ex.exec(["sh", "-c", 'mkdir -p "$1" && cat > "$1/$2.py"', "sh",
+                     f"{root}/{folder}", test], stdin=body, timeout=60)
+        if r.exit_code != 0:
+            raise RuntimeError(f"cannot write the canary test: {r.stderr.strip()[-300:]}")
+        return cls(folder=f"{root}/{folder}", node_id=f"{folder}/{test}.py::{test}")
+
+    def remove(self, ex: Executor) -> None:
+        ex.exec(["rm", "-rf", self.folder], timeout=60)
+
+    def judge(self, report: TestReport, tests: Sequence[str]) -> None:
+        """Take the canary's outcome out of ``report``; if it did not fail, while the run
+        reported other tests, every test of the run is an error (`FORGED`)."""
+        # (found by its name alone: pytest names it from its rootdir, which may not be the tree's)
+        name = self.node_id.rsplit("/", 1)[-1]
+        key = next((k for k in report.outcomes if k == name or k.endswith("/" + name)), None)
+        outcome = report.outcomes.pop(key, None) if key else None
+        report.messages.pop(key or "", None)
+        if outcome == "failed" or not report.outcomes:
+            return
+        report.forged = True
+        for t in {*tests, *report.outcomes}:
+            report.outcomes[t] = "error"
+            report.messages[t] = FORGED
 
 
 def parse_pytest_output(text: str, tests: Sequence[str] = ()) -> TestReport:

@@ -21,7 +21,7 @@ import contextlib
 import shlex
 from collections.abc import Callable, Sequence
 
-from codedojo.bench.testrun import is_test_machinery, parse_pytest_output
+from codedojo.bench.testrun import Canary, is_test_machinery, parse_pytest_output
 from codedojo.bench.workspace import apply_changes, collect_changes
 from codedojo.reward.base import RewardContext, TestReport, reward
 from codedojo.sandbox.base import WORKSPACE, Sandbox, SandboxError
@@ -48,9 +48,15 @@ def run_tests(
     of ``strict`` pass only by passing, not by failing as expected."""
     if not tests:
         return {}
-    line = f"{command} -rA -q -p no:cacheprovider " + " ".join(shlex.quote(t) for t in tests)
-    r = sandbox.exec(line, cwd=cwd, timeout=timeout)
-    report = parse_pytest_output(r.stdout + "\n" + r.stderr, tests)
+    canary = Canary.plant(sandbox, cwd)  # a test that must fail: forged outcomes are seen
+    run = [*tests, canary.node_id]
+    line = f"{command} -rA -q -p no:cacheprovider " + " ".join(shlex.quote(t) for t in run)
+    try:
+        r = sandbox.exec(line, cwd=cwd, timeout=timeout)
+    finally:
+        canary.remove(sandbox)
+    report = parse_pytest_output(r.stdout + "\n" + r.stderr, run)
+    canary.judge(report, tests)
     passed, fixed = report.passed(), report.passed(strict=True)
     strict_ids = set(strict)
     return {t: t in (fixed if t in strict_ids else passed) for t in tests}

@@ -44,9 +44,11 @@ def test_editing_hidden_tests_does_not_help(images, tiny_suite, tmp_path):
 
 
 def test_changing_how_the_tests_run_does_not_help(images, tiny_suite, tmp_path):
-    """Four ways to make the hidden tests report a pass without fixing the code, none of which
+    """Six ways to make the hidden tests report a pass without fixing the code, none of which
     touches a test file: a conftest.py hook, a module that shadows pytest, code under test
-    that prints pass lines at exit, and code that xfails the test it should make pass."""
+    that prints pass lines at exit, code that xfails the test it should make pass, and code
+    that, as it is imported, patches pytest to pass every test or prints a whole summary of
+    its own and leaves (these two the canary test sees: `Canary`)."""
     from codedojo.bench.runner import AgentResult
 
     task = tiny_suite.tasks[0]
@@ -60,6 +62,12 @@ def test_changing_how_the_tests_run_does_not_help(images, tiny_suite, tmp_path):
     xfail = "\n".join(f"\ndef {fn}(*args, **kwargs):\n    import pytest\n"
                       "    pytest.xfail('later')\n"
                       for fn in ("mean", "clamp", "chunks", "parse_pair"))
+    # as the code under test is imported: every test's run made a pass, or a summary of its
+    # own for every test named on the command line, and gone before pytest's
+    patch = "\nimport _pytest.python\n_pytest.python.Function.runtest = lambda self: None\n"
+    forge = ("\nimport os, sys\nprint('=== short test summary info ===')\n"
+             "print(''.join('PASSED ' + a + '\\n' for a in sys.argv if '::' in a))\n"
+             "sys.stdout.flush()\nos._exit(0)\n")
 
     def cheats(sandbox) -> dict[str, str]:
         src = sandbox.read_file(f"/workspace/{changed}").decode()
@@ -69,9 +77,11 @@ def test_changing_how_the_tests_run_does_not_help(images, tiny_suite, tmp_path):
                 f"print('PASSED {t}')\n" for t in tests)},
             "at_exit": {changed: src + at_exit},
             "xfail": {changed: src + xfail},
+            "patch_pytest": {changed: src + patch},
+            "forge_and_leave": {changed: src + forge},
         }
 
-    for cheat in ("hook", "shadow", "at_exit", "xfail"):
+    for cheat in ("hook", "shadow", "at_exit", "xfail", "patch_pytest", "forge_and_leave"):
         class Cheater:
             name = f"cheater-{cheat}"
 
