@@ -25,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import ipaddress
+import json
 import socket
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from urllib.parse import unquote_plus
 
 from mitmproxy import connection, http, tcp, tls
 from mitmproxy.net.http import url
@@ -71,6 +73,40 @@ class TokenBucket:
             self.tokens -= 1.0
             return True
         return False
+
+
+# Characters of a path (or other text) the audit log keeps.
+AUDIT_TEXT_CHARS = 2048
+
+
+def _json_secrets(sc: SandboxClient, body: bytes) -> set[str]:
+    """The secrets a JSON body holds as its reader reads it: escapes other encoders write
+    (``\\u0074``, ``\\/``) and UTF-16 or UTF-32 text, which the forms `redact` looks for miss."""
+    if not sc.secrets or not body:
+        return set()
+    try:
+        value = json.loads(body)  # (the encoding found as json does: UTF-8, -16 or -32)
+    except (ValueError, RecursionError):
+        return set()
+    strings, stack = [], [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            strings.append(v)
+    return sc.secrets.redact_name_str("\n".join(strings))[1]
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -173,15 +209,22 @@ class EgressAddon:
                 self._check_name(sc, str(host))
                 self._check_host_port(sc, str(host), int(port))
             ip, _ = await self._check_destination(sc, str(host), int(port))
+            name = sc.sni.get((str(ip), int(port)))
+            if str(ip) != host:
+                data.server.address = (str(ip), port)
+                name = name or str(host)
+            if name and not _is_ip(name):
+                # the checked name, whatever the sandbox's TLS hello said (it ends here)
+                data.server.sni = name
+            elif data.server.sni and data.server.sni != str(ip):
+                # an address was checked, and the sandbox's TLS hello names a host: it goes
+                # upstream, so it is checked as a name too
+                sni = data.server.sni
+                self._check_name(sc, sni)
+                self._check_host_port(sc, sni.lower().rstrip("."), int(port))
         except Blocked as b:
             data.server.error = f"egress: {b.reason}"
             return
-        name = sc.sni.get((str(ip), int(port)))
-        if str(ip) != host:
-            data.server.address = (str(ip), port)
-            name = name or str(host)
-        if name and data.server.sni in (None, str(ip)):
-            data.server.sni = name
 
     def tcp_start(self, flow: tcp.TCPFlow) -> None:
         sc = self.registry.lookup(flow.client_conn.peername)
@@ -242,6 +285,9 @@ class EgressAddon:
         meta: dict = {"name": req.host, "port": req.port, "override": False}
         flow.metadata["egress"] = meta
         try:
+            if not sc.bucket.take():  # first: refused requests count too (each is logged)
+                raise Blocked(429, f"rate limit of {sc.policy.rate_limit_rps:g} requests/s "
+                              "exceeded")  # fmt: skip
             name, port = self._destination(flow)
             meta.update(name=self._check_name(sc, name), port=port)
             if req.method.upper() not in sc.policy.allow_methods:
@@ -252,9 +298,6 @@ class EgressAddon:
             if declared and declared.isdigit() and int(declared) > sc.policy.max_request_bytes:
                 raise Blocked(413, f"request body of {declared} bytes exceeds "
                               f"max_request_bytes={sc.policy.max_request_bytes}")  # fmt: skip
-            if not sc.bucket.take():
-                raise Blocked(429, f"rate limit of {sc.policy.rate_limit_rps:g} requests/s "
-                              "exceeded")  # fmt: skip
             ip, override = await self._check_destination(sc, name, port)
         except Blocked as b:
             meta["blocked"] = b.reason
@@ -316,9 +359,13 @@ class EgressAddon:
             raise Blocked(400, f"cannot decode request body (content-encoding {encoding!r}: "
                           f"{e}) to check it for secrets") from None
         new, found = sc.secrets.redact(body)
-        form = "x-www-form-urlencoded" in req.headers.get("content-type", "")
+        ctype = req.headers.get("content-type", "").lower()  # media types have no case
+        form = "x-www-form-urlencoded" in ctype or "multipart/" in ctype
         if form and sc.secrets.escaped(new.decode("latin-1")):
             raise Blocked(403, "the form body holds a registered secret in percent-escapes")
+        if _json_secrets(sc, new):
+            raise Blocked(403, "the JSON body holds a registered secret in escapes (\\u, \\/) "
+                          "or in another encoding")
         if found:
             report.found(found, "body")
             req.set_content(new)
@@ -383,7 +430,11 @@ class EgressAddon:
             except ValueError:
                 raise Blocked(400, f"malformed Host header {header!r}") from None
         if isinstance(flow.client_conn.proxy_mode, TransparentMode):
-            name = hhost or flow.client_conn.sni
+            sni = flow.client_conn.sni
+            if hhost and sni and sni.lower().rstrip(".") != hhost.lower().rstrip("."):
+                # (neither named: either may hold a secret, which the name checks come to later)
+                raise Blocked(403, "the TLS SNI and the Host header name different hosts")
+            name = hhost or sni
             if not name:
                 raise Blocked(400, "request names no host (no Host header, no TLS SNI)")
             return name.lower().rstrip("."), req.port
@@ -406,8 +457,16 @@ class EgressAddon:
 
     @staticmethod
     def _clean(sc: SandboxClient, text: str) -> str:
-        """``text`` fit for the audit log: every secret redacted, in any letter case."""
-        return sc.secrets.redact_name_str(text)[0] if sc.secrets and text else text
+        """``text`` fit for the audit log: every secret redacted, in any letter case and in
+        percent-escapes too (then the text is logged as read, its escapes decoded), and cut
+        to `AUDIT_TEXT_CHARS` (a flood of long refused paths would fill the disk)."""
+        if sc.secrets and text:
+            if sc.secrets.escaped(text):
+                text = unquote_plus(text)
+            text = sc.secrets.redact_name_str(text)[0]
+        if len(text) > AUDIT_TEXT_CHARS:
+            text = text[:AUDIT_TEXT_CHARS] + f"... [{len(text) - AUDIT_TEXT_CHARS} more chars]"
+        return text
 
     def _check_host_port(self, sc: SandboxClient, host: str, port: int) -> None:
         if not sc.policy.host_allowed(host):

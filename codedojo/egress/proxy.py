@@ -185,7 +185,9 @@ class EgressProxy:
         # event across threads; we need neither (the audit log is ours), and they cost CPU on
         # every request whenever the root logger is verbose (under pytest, for instance).
         master._legacy_log_events.uninstall()
-        logging.getLogger("mitmproxy").setLevel(logging.WARNING)
+        # ERROR: its warnings quote what the sandbox sent (a TLS SNI, an addon's error), where
+        # a secret may be; the audit log says what happened, redacted
+        logging.getLogger("mitmproxy").setLevel(logging.ERROR)
         ps = proxyserver.Proxyserver()
         master.addons.add(
             core.Core(), disable_h2c.DisableH2C(), ps, next_layer.NextLayer(),

@@ -169,7 +169,9 @@ def decode_body(data: bytes, encoding: str, limit: int) -> bytes:
             import zstandard
 
             try:
-                reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data))
+                # every frame, as mitmproxy and the upstream read them: one body may be several
+                reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data),
+                                                                    read_across_frames=True)
                 out = reader.read(limit + 1)
             except zstandard.ZstdError as e:
                 raise ValueError(f"not zstd ({e})") from None

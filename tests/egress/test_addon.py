@@ -145,6 +145,57 @@ def test_server_connect_is_checked_even_outside_the_request_hooks(setup, monkeyp
     assert not s.error and s.address == ("93.184.216.34", 443) and s.sni == "www.example.org"
 
 
+def test_the_sandboxs_tls_name_never_goes_upstream_unchecked(setup, monkeypatch):
+    """The upstream TLS connection names the host that was checked, not the one the sandbox's
+    TLS hello named; where only an address was checked, that name is checked too."""
+    from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+
+    addon, sc, _ = setup
+
+    async def answers(policy, host, port):
+        return [ipaddress.ip_address("93.184.216.34")]
+
+    monkeypatch.setattr(addon, "_resolve", answers)
+
+    def connect(address, sni):
+        client, server = tflow.tclient_conn(), tflow.tserver_conn()
+        client.peername = (SANDBOX_IP, 40000)
+        server.address, server.sni = address, sni
+        asyncio.run(addon.server_connect(ServerConnectionHookData(server=server, client=client)))
+        return server
+
+    s = connect(("www.example.org", 443), "tok-123456.exfil.test")
+    assert not s.error and s.sni == "www.example.org"
+    sc.sni[("93.184.216.34", 443)] = "93.184.216.34"  # an address the request hooks checked
+    s = connect(("93.184.216.34", 443), "tok-123456.exfil.test")
+    assert s.error and "holds a registered secret" in s.error and "123456" not in s.error
+    s = connect(("93.184.216.34", 443), "elsewhere.test")
+    assert s.error and "not in the allow-list" in s.error
+
+
+def test_secrets_in_bodies_as_other_encoders_write_them_do_not_leave(setup):
+    """JSON escapes of other encoders (\\u0074, \\/), JSON in UTF-16, a form whose media type
+    is in capitals, a multipart part's escaped filename, a zstd body of several frames."""
+    import zstandard
+
+    addon, _, _ = setup
+    refused = [
+        _post(b'{"t": "\\u0074ok-123456"}', content_type="application/json"),
+        _post(b'{"t": "tok-123456"}'.decode().encode("utf-16"), content_type="application/json"),
+        _post(b"t=%74ok-123456", content_type="Application/X-WWW-Form-Urlencoded"),
+        _post(b'--b\r\nContent-Disposition: form-data; name="f"; filename*=UTF-8\'\'%74ok-123456'
+              b'\r\n\r\nx\r\n--b--\r\n', content_type="multipart/form-data; boundary=b"),
+    ]
+    for f in refused:
+        addon.request(f)
+        assert f.response is not None and f.response.status_code == 403, f.request.raw_content
+    z = zstandard.ZstdCompressor()
+    f = _post(z.compress(b'{"a": 1, ') + z.compress(b'"t": "tok-123456"}'), content_encoding="zstd")
+    addon.request(f)
+    assert f.response is None and b"123456" not in zstandard.ZstdDecompressor().stream_reader(
+        f.request.raw_content, read_across_frames=True).read()
+
+
 def test_secrets_in_compressed_bodies_are_redacted_and_opaque_bodies_refused(setup):
     import gzip
 
@@ -219,8 +270,31 @@ def test_nothing_of_a_secret_reaches_the_audit_log(setup):
     asyncio.run(addon.requestheaders(g))
     assert g.response is not None and g.response.status_code == 403
     addon.response(g)
+    h = _flow()  # refused for its percent-escapes: logged as read, redacted
+    h.request.path = "/%74%6f%6b%2d%31%32%33%34%35%36"
+    addon.request(h)
+    addon.response(h)
     logged = audit.read_text()
     assert "123456" not in logged.lower() and "__REDACTED_TOKEN__" in logged
+    assert "%31%32" not in logged.lower()
+
+
+def test_refused_requests_spend_the_rate_and_their_log_lines_are_bounded(setup):
+    """A flood of refused requests with long paths: past the burst they get 429 too, and no
+    line of the log holds more than its bounded path."""
+    from codedojo.egress.addon import AUDIT_TEXT_CHARS, TokenBucket
+
+    addon, sc, audit = setup
+    sc.bucket = TokenBucket(0.001, 2)
+    codes = []
+    for _ in range(6):
+        f = _flow("evil.test")
+        f.request.path = "/" + "a" * 100_000
+        asyncio.run(addon.requestheaders(f))
+        addon.response(f)
+        codes.append(f.response.status_code)
+    assert codes == [403, 403, 429, 429, 429, 429]
+    assert max(map(len, audit.read_text().splitlines())) < AUDIT_TEXT_CHARS + 1000
 
 
 def test_a_secret_hidden_in_percent_escapes_does_not_leave(setup):
