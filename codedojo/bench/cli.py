@@ -49,7 +49,7 @@ def _select(s, split: str | None, limit: int | None, ids: list[str] | None):
             if i not in chosen:
                 why = f"is not in split {split!r}" if i in known else f"is no task of {s.name!r}"
                 raise typer.BadParameter(f"{i!r} {why}", param_hint="--task")
-        tasks = [chosen[i] for i in ids]
+        tasks = [chosen[i] for i in dict.fromkeys(ids)]  # a task named twice runs once
     return tasks if limit is None else tasks[:limit]
 
 

@@ -49,7 +49,14 @@ class LocalExecutor:
             timed_out = False
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+            try:  # a daemon that left the group may hold the pipes: what was read is kept
+                out, err = proc.communicate(timeout=5)
+            except subprocess.TimeoutExpired:
+                for pipe in (proc.stdout, proc.stderr):
+                    if pipe is not None:
+                        pipe.close()
+                proc.wait()
+                out, err = b"", b""
             timed_out = True
         return ExecResult(
             exit_code=proc.returncode if not timed_out else 124,
@@ -69,12 +76,16 @@ TEST_RUNNER_MODULES = ("pytest", "_pytest", "pluggy", "py", "iniconfig", "sitecu
 
 def is_test_machinery(rel: str, python_path: Sequence[str] = (".",)) -> bool:
     """Whether a path (relative to /workspace) configures or runs the test session (see
-    `TEST_CONFIG_FILES`): a config file anywhere, a .pth file, or a module named as the test
-    runner's at an import root (``python_path``: the task's folders on PYTHONPATH)."""
+    `TEST_CONFIG_FILES`): a config file anywhere, a .pth file, a package's metadata (a
+    ``*.dist-info`` or ``*.egg-info`` folder: its entry points load pytest plugins), or a
+    module named as the test runner's at an import root (``python_path``: the task's folders
+    on PYTHONPATH; and /workspace itself, first on the path of ``python -m pytest``)."""
     name = rel.rsplit("/", 1)[-1]
     if name in TEST_CONFIG_FILES or name.endswith(".pth"):
         return True
-    for root in python_path:
+    if any(part.endswith((".dist-info", ".egg-info")) for part in rel.split("/")[:-1]):
+        return True
+    for root in {*python_path, "."}:
         prefix = "" if root in (".", "") else root.strip("/") + "/"
         if rel.startswith(prefix):
             top = rel[len(prefix):].split("/", 1)[0]
@@ -111,7 +122,7 @@ class TestReport:
             return "test run timed out"
         if self.exit_code in (2, 3, 4) and not self.reported:
             return f"pytest exit {self.exit_code}: {self.output_tail[-400:]}"
-        if self.exit_code not in (0, 1, 5) and not self.reported:
+        if self.exit_code != 5 and not self.reported:  # (1 too: no pytest, a crash at start)
             return f"test command exit {self.exit_code}: {self.output_tail[-400:]}"
         return None
 

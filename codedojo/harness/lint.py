@@ -41,10 +41,12 @@ def ruff_bin() -> str:
 
 
 def ruff_check(
-    files: Mapping[str, str], configs: Mapping[str, str] | None = None, timeout: float = 60.0
+    files: Mapping[str, str], configs: Mapping[str, str] | None = None, timeout: float = 60.0,
+    ignore_noqa: bool = False,
 ) -> list[Diagnostic]:
     """Lint `files` (sandbox path -> text). `configs` maps config names (e.g. 'pyproject.toml')
-    found at /workspace to their text."""
+    found at /workspace to their text. ``ignore_noqa``: count what ``# noqa`` comments hide
+    (a reward's count, which a comment must not zero)."""
     if not files:
         return []
     with tempfile.TemporaryDirectory(prefix="dojo-lint-") as tmp:
@@ -61,7 +63,8 @@ def ruff_check(
             dest.write_text(text)
             local[str(dest.resolve())] = path
         proc = subprocess.run(
-            [ruff_bin(), "check", "--no-cache", "--output-format", "json", "--exit-zero", *sorted(local)],
+            [ruff_bin(), "check", "--no-cache", "--output-format", "json", "--exit-zero",
+             *(["--ignore-noqa"] if ignore_noqa else []), *sorted(local)],
             cwd=root,
             capture_output=True,
             text=True,

@@ -119,8 +119,10 @@ def tool_collapse(ctx: RewardContext, *, threshold: float = 0.7, min_calls: int 
 
 
 def _lint_counts(files: dict[str, str], configs: dict[str, str]) -> Counter[str]:
-    """Ruff diagnostics per file, by the repository's configuration."""
-    return Counter(d.path for d in ruff_check(files, configs)) if files else Counter()
+    """Ruff diagnostics per file, by the repository's configuration; ``# noqa`` comments (a
+    `# ruff: noqa` atop a file) hide none of them."""
+    return Counter(d.path for d in ruff_check(files, configs, ignore_noqa=True)
+                   ) if files else Counter()
 
 
 @reward("lint_delta")

@@ -25,6 +25,15 @@ def test_bench_commands_on_the_fixture_suite(tiny_suite, provider, monkeypatch, 
     res = runner.invoke(app, ["bench", "run", str(tiny_suite.path), "--agent", "null", "--split",
                               "test", "--task", train[0], "--out-dir", str(tmp_path)])
     assert res.exit_code == 2 and "is not in split 'test'" in said(res)
+    # a task named twice runs once
+    res = runner.invoke(app, ["bench", "run", str(tiny_suite.path), "--agent", "null", "--split",
+                              "train", "--task", train[0], "--task", train[0], "--name", "twice",
+                              "--out-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    import json
+
+    ran = json.loads((tmp_path / "twice" / "results.json").read_text())["results"]
+    assert [r["instance_id"] for r in ran] == [train[0]], ran
     res = runner.invoke(app, ["bench", "run", str(tiny_suite.path), "--agent", "null", "--task",
                               "nope", "--out-dir", str(tmp_path)])
     assert res.exit_code == 2 and "'nope' is no task of" in said(res)

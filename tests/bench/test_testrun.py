@@ -86,3 +86,30 @@ def test_ids_with_a_dash_between_spaces_are_read_whole():
     assert report.outcomes == {"t.py::test_sub[a - b]": "passed",
                                "t.py::test_sub[a - c]": "failed"}
     assert report.messages["t.py::test_sub[a - c]"] == "AssertionError: 1 != 2"
+
+
+def test_test_machinery_is_what_configures_or_runs_the_session():
+    from codedojo.bench.testrun import is_test_machinery
+
+    for rel in ("conftest.py", "pkg/conftest.py", "x.pth", "pytest.py", "_pytest/x.py",
+                "passall-0.dist-info/entry_points.txt", "a/b.egg-info/entry_points.txt"):
+        assert is_test_machinery(rel, ["src"]), rel  # /workspace is on the path as well
+    for rel in ("src/pkg/core.py", "tests/test_a.py", "docs/pytest.md", "dist-info.py"):
+        assert not is_test_machinery(rel, ["src"]), rel
+
+
+def test_a_command_that_never_reports_a_test_is_an_infra_error():
+    """No pytest where it runs (exit 1, "No module named pytest"): the run says nothing of
+    the tests, not that they failed."""
+    rep = run_pytest(LocalExecutor(), PytestCommand(root="/tmp", python="/bin/false"),
+                     tests=["t.py::test_a"], timeout=30)
+    assert rep.exit_code == 1 and rep.infra_error and rep.infra_error.startswith(
+        "test command exit 1")
+
+
+def test_a_local_command_past_its_limit_returns_though_a_daemon_holds_its_output():
+    import time
+
+    t0 = time.monotonic()
+    r = LocalExecutor().exec("setsid sleep 15 & sleep 100", timeout=1.0)
+    assert r.timed_out and time.monotonic() - t0 < 10

@@ -106,3 +106,7 @@ def test_lint_delta_on_changed_files():
     new_file = RewardContext(_traj([]), changes=[FileChange("/workspace/n.py", None, dirty),
                                                   FileChange("/workspace/README.md", None, "x")])
     assert lint_delta(new_file) == 1.0
+    # a comment that hides the lint from the linter hides none from the reward
+    for hidden in ("# ruff: noqa\n" + dirty, dirty.replace("import sys", "import sys  # noqa")):
+        muted = RewardContext(_traj([]), changes=[FileChange("/workspace/m.py", clean, hidden)])
+        assert lint_delta(muted) == 1.0

@@ -68,6 +68,9 @@ def test_config_errors_name_the_field(tmp_path):
         RewardConfig.model_validate({"rewards": {"nope": {"weight": 1.0}}})
     with pytest.raises(ValueError, match=r"rewards.tool_collapse.params.bogus"):
         RewardConfig.model_validate({"rewards": {"tool_collapse": {"weight": 1.0, "params": {"bogus": 1}}}})
+    for weight in (float("nan"), float("inf")):  # a total of NaN trains on nothing
+        with pytest.raises(ValueError, match="weight"):
+            RewardConfig.model_validate({"rewards": {"outcome": {"weight": weight}}})
 
 
 def test_a_new_reward_is_a_registered_function():
