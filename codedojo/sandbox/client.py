@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from codedojo.sandbox.base import (
+    MAX_SECONDS,
     TOKEN_ENV,
     WORKSPACE,
     Change,
@@ -30,13 +31,24 @@ from codedojo.sandbox.base import (
     token_path,
 )
 
+# What a call that runs a command may take past the command's own limit (the service's work
+# around it) before the client gives up on the answer.
+ANSWER_MARGIN_S = 30.0
+
 
 class _Http:
     def __init__(self, base_url: str, timeout: float, token: str | None):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.timeout = timeout
         self.http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout, headers=headers)
 
-    def call(self, method: str, url: str, *, raw: bool = False, **kw: Any) -> Any:
+    def call(self, method: str, url: str, *, raw: bool = False, wait: float | None = None,
+             **kw: Any) -> Any:
+        """``wait``: the time limit of the command the call runs, when it has one: its answer
+        is waited for that long and a margin, if longer than the client's timeout."""
+        if isinstance(wait, int | float) and 0 < wait <= MAX_SECONDS and (
+                wait + ANSWER_MARGIN_S > self.timeout):  # (a limit past those the service takes
+            kw["timeout"] = wait + ANSWER_MARGIN_S      # is the service's to refuse)
         try:
             r = self.http.request(method, url, **kw)
         except httpx.HTTPError as e:
@@ -58,7 +70,8 @@ class RemoteShell:
 
     def run(self, command: str, timeout: float | None = None) -> ExecResult:
         return ExecResult(**self._http.call("POST", f"/sandboxes/{self._sid}/shells/{self.id}/run",
-                                            json={"command": command, "timeout": timeout}))
+                                            json={"command": command, "timeout": timeout},
+                                            wait=timeout))
 
     def close(self) -> None:
         self._http.call("DELETE", f"/sandboxes/{self._sid}/shells/{self.id}")
@@ -85,7 +98,7 @@ class RemoteSandbox:
             body["stdin_b64"] = base64.b64encode(stdin).decode()
         else:
             body["stdin"] = stdin
-        return ExecResult(**self._http.call("POST", self._url("/exec"), json=body))
+        return ExecResult(**self._http.call("POST", self._url("/exec"), json=body, wait=timeout))
 
     def shell(self) -> RemoteShell:
         return RemoteShell(self._http, self.id, self._http.call("POST", self._url("/shells"))["shell_id"])
@@ -158,7 +171,7 @@ class RemoteImages:
                      name: str | None = None, timeout: float = 600.0) -> str:
         return self._http.call("POST", "/images/command", json={
             "command": command if isinstance(command, str) else list(command), "parent": parent,
-            "name": name, "timeout": timeout})["id"]
+            "name": name, "timeout": timeout}, wait=timeout)["id"]
 
     def resolve(self, ref: str) -> dict:
         return self._http.call("GET", f"/images/{ref}")

@@ -276,7 +276,9 @@ def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
             if exited_at is not None and (not open_streams or time.monotonic() - exited_at > EXIT_GRACE_S):
                 break
             now = time.monotonic()
-            if now >= deadline and not timed_out:
+            if now >= deadline and timed_out:  # the kill did not end it either: give up on it
+                break
+            if now >= deadline:
                 timed_out = True
                 proc.kill()
                 deadline = now + 5.0  # the kill is synchronous in init; this is a safety net
@@ -426,7 +428,7 @@ class LocalShell:
                 err = err.partition(self._marker)[0]
                 code = int(tail.split(b"\n", 1)[0] or b"0")
             else:  # the shell exited (`exit`, a kill or a timeout): its state is gone
-                proc.read_status()
+                _await_status(proc)  # its pipes may close before init reports how it ended
                 code = _exit_code(proc.status) if proc.status is not None else 137
                 self._drop()
             cap = limits.max_output_bytes
@@ -443,6 +445,19 @@ class LocalShell:
     def close(self) -> None:
         with self._lock:
             self._drop()
+        with contextlib.suppress(ValueError):
+            self.sandbox._shells.remove(self)
+
+
+def _await_status(proc: _Process, timeout: float = 5.0) -> None:
+    """Wait (up to ``timeout``) for init's report of how a command ended."""
+    if proc.status is not None:
+        return
+    proc.conn.setblocking(True)
+    proc.conn.settimeout(timeout)
+    with contextlib.suppress(OSError):
+        while not proc.read_status():
+            pass
 
 
 class LocalSandbox:
@@ -639,8 +654,8 @@ class LocalSandbox:
             self._write_as_root(sandbox_path(path), data)
 
     def _stop_processes(self) -> None:
-        for sh in self._shells:
-            sh.close()
+        # init first: a shell running a command holds its lock until the command ends, which
+        # init's end brings about at once (and not at the command's time limit)
         if self._root_fd >= 0:
             os.close(self._root_fd)  # it pins the sandbox's mount tree
             self._root_fd = -1
@@ -659,6 +674,8 @@ class LocalSandbox:
             self._waiter.wait()
             self._waiter = None
         self.init_pid = 0
+        for sh in list(self._shells):
+            sh.close()
 
     def _unmount_fs(self) -> None:
         for target in (self._mnt, self._rw):
@@ -732,11 +749,7 @@ class LocalSandbox:
         proc = _Process(self._address, argv, self._env(env), sandbox_path(cwd or WORKSPACE, "cwd"))
         try:
             out, err, timed_out, truncated = _collect(proc, data, t0 + timeout, limits.max_output_bytes)
-            if proc.status is None:
-                proc.conn.setblocking(True)
-                proc.conn.settimeout(5)
-                with contextlib.suppress(OSError):
-                    proc.read_status()
+            _await_status(proc)
         finally:
             proc.close()
         code = _exit_code(proc.status) if proc.status is not None else 137

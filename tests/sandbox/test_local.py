@@ -70,6 +70,46 @@ def test_a_timeout_ends_what_the_command_started_setsid_included(provider, proje
         sb.destroy()
 
 
+def test_a_fork_bomb_ends_at_the_time_limit(provider, project):
+    """Every process of the command's tree, stopped and then killed, however fast they fork:
+    the call returns at its limit, and nothing of it is left."""
+    sb = provider.create(SandboxSpec(image=project, limits=SMALL))
+    try:
+        bomb = "python3 -c 'import os\nwhile True:\n  try: os.fork()\n  except OSError: pass'"
+        t0 = time.monotonic()
+        r = sb.exec(bomb, timeout=2)
+        assert r.timed_out and r.exit_code == 137 and time.monotonic() - t0 < 20
+        assert sb.exec("echo alive").stdout == "alive\n"
+        if sb.cgroup is not None:
+            assert len(sb.cgroup.pids()) <= 2  # init and its shepherd's next command at most
+    finally:
+        sb.destroy()
+
+
+def test_a_shell_says_how_it_ended_and_is_let_go(provider, project):
+    sb = provider.create(SandboxSpec(image=project, limits=SMALL))
+    try:
+        for _ in range(10):  # its pipes close before init's report comes: it is waited for
+            sh = sb.shell()
+            assert sh.run("exit 3").exit_code == 3
+            sh.close()
+        assert not sb._shells  # closed shells are not kept
+        sh = sb.shell()
+        import threading
+
+        ran: list = []
+        t = threading.Thread(target=lambda: ran.append(sh.run("sleep 20", timeout=20)))
+        t.start()
+        time.sleep(1)
+        t0 = time.monotonic()
+        sb.destroy()  # at once, not at the command's limit
+        assert time.monotonic() - t0 < 5
+        t.join(10)
+        assert ran and ran[0].exit_code == 137
+    finally:
+        sb.destroy()
+
+
 def test_spec_env_reaches_every_command(provider, project):
     sb = provider.create(SandboxSpec(image=project, limits=SMALL, env={"TASK": "t1"}))
     try:

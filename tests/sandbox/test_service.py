@@ -59,6 +59,18 @@ def test_remote_sandbox_has_the_local_interface(remote):
     assert remote.exec("sleep 10", timeout=0.2).timed_out
 
 
+def test_a_command_allowed_longer_than_the_clients_timeout_is_waited_for(service, remote):
+    """The client's own timeout (here 1 s) is for calls without a limit of their own: an exec
+    or a shell run of 3 s is answered, not cut off while the service still runs it."""
+    c = SandboxClient(service[0], token="test-token", timeout=1.0)
+    try:
+        sb = c.get(remote.id)
+        assert sb.exec("sleep 2; echo done", timeout=3).stdout == "done\n"
+        assert sb.shell().run("sleep 2; echo done", timeout=3).stdout == "done\n"
+    finally:
+        c.close()
+
+
 def test_remote_files_and_shell(remote):
     remote.write_file("bin.dat", bytes(range(256)))
     assert remote.read_file("bin.dat") == bytes(range(256))
