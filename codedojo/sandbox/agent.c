@@ -279,12 +279,6 @@ static int n_running;
 
 /* ---- the shepherd: between init and a command ---- */
 
-static volatile sig_atomic_t shepherd_stop;
-static void on_stop(int sig) {
-  (void)sig;
-  shepherd_stop = 1;
-}
-
 /* Stop, then kill, every process below us (children, their children, ...), found in one pass
  * over /proc: stopped first, so that none forks while the others are killed (a fork bomb
  * outran kills of the children alone). Returns how many. */
@@ -361,32 +355,43 @@ static void end_all(void) {
  * SIGTERM from init (a kill request), end it and everything it started first. */
 static void shepherd(pid_t cmd) __attribute__((noreturn));
 static void shepherd(pid_t cmd) {
-  struct sigaction sa = {0};
-  sa.sa_handler = on_stop; /* no SA_RESTART: waitpid returns EINTR */
-  sigaction(SIGTERM, &sa, NULL);
-  sigset_t none;
+  /* A kill request (SIGTERM) and a child's end (SIGCHLD) are taken as they come, blocked and
+   * waited for, never by a handler: a kill cannot fall between a check and a wait. Both have
+   * been blocked since init (forks inherit it), so none came too early either. */
+  sigset_t wait_for, term, none;
+  sigemptyset(&wait_for);
+  sigaddset(&wait_for, SIGTERM);
+  sigaddset(&wait_for, SIGCHLD);
+  sigprocmask(SIG_SETMASK, &wait_for, NULL);
+  sigemptyset(&term);
+  sigaddset(&term, SIGTERM);
   sigemptyset(&none);
-  sigprocmask(SIG_SETMASK, &none, NULL);
   if (syscall(SYS_close_range, 0U, ~0U, 0U) < 0) /* no fd of init's or of the command's */
     for (int fd = 0; fd < 4096; fd++) close(fd);
-  int st = 0;
-  for (;;) {
-    if (shepherd_stop) {
+  int st = 0, ended = 0;
+  while (!ended) {
+    int s;
+    pid_t w;
+    while ((w = waitpid(-1, &s, WNOHANG)) > 0) /* the command, or what it orphaned */
+      if (w == cmd) {
+        st = s;
+        ended = 1;
+      }
+    if (ended || (w < 0 && errno == ECHILD)) break;
+    if (sigwaitinfo(&wait_for, NULL) == SIGTERM) {
       end_all();
-      signal(SIGKILL, SIG_DFL);
-      raise(SIGKILL); /* reported as a kill, as before */
+      raise(SIGKILL); /* reported as a kill */
     }
-    pid_t w = waitpid(-1, &st, 0);
-    if (w == cmd) break;
-    if (w < 0 && errno == ECHILD) break;
   }
-  if (shepherd_stop) {
+  struct timespec now = {0, 0}; /* a kill request as the command ended: it is still a kill */
+  if (sigtimedwait(&term, NULL, &now) == SIGTERM) {
     end_all();
     raise(SIGKILL);
   }
   if (WIFSIGNALED(st)) { /* end as the command did (its core, if any, is dumped already) */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     signal(WTERMSIG(st), SIG_DFL);
+    sigprocmask(SIG_SETMASK, &none, NULL);
     raise(WTERMSIG(st));
   }
   _exit(WIFEXITED(st) ? WEXITSTATUS(st) : 1);
