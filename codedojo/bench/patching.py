@@ -26,8 +26,8 @@ def make_diff(before: Mapping[str, str | None], after: Mapping[str, str | None],
         a, b = before.get(path), after.get(path)
         if a == b:
             continue
-        a_lines = (a or "").splitlines(keepends=True)
-        b_lines = (b or "").splitlines(keepends=True)
+        a_lines = _lines(a or "")
+        b_lines = _lines(b or "")
         diff = list(difflib.unified_diff(
             a_lines, b_lines,
             fromfile="/dev/null" if a is None else f"a/{path}",
@@ -50,16 +50,26 @@ class FilePatch:
         return self.new_path or self.old_path or ""
 
 
+def _lines(text: str) -> list[str]:
+    """Lines ended by "\\n" alone, as diff reads them: a form feed, "\\x1c" or "\\u2028" inside a
+    line (str.splitlines ends lines there too) stays in it."""
+    return re.split(r"(?<=\n)(?!\Z)", text) if text else []
+
+
 def _strip(p: str) -> str | None:
+    """A header's path, refused when it would lead out of the tree it is applied to."""
     p = p.split("\t")[0].strip()
     if p == "/dev/null":
         return None
-    return p[2:] if p.startswith(("a/", "b/")) else p
+    p = p[2:] if p.startswith(("a/", "b/")) else p
+    if p.startswith("/") or ".." in p.split("/") or not p:
+        raise PatchError(f"{p!r}: a patch's path must stay inside the tree")
+    return p
 
 
 def parse_patch(text: str) -> list[FilePatch]:
     files: list[FilePatch] = []
-    lines = text.splitlines(keepends=True)
+    lines = _lines(text)
     i = 0
     while i < len(lines):
         line = lines[i]
@@ -107,7 +117,7 @@ def parse_patch(text: str) -> list[FilePatch]:
 def apply_to_text(original: str | None, fp: FilePatch) -> str | None:
     if fp.new_path is None:
         return None
-    src = (original or "").splitlines(keepends=True)
+    src = _lines(original or "")
     out: list[str] = []
     pos = 0
     for start, body in fp.hunks:

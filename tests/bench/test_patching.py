@@ -1,6 +1,12 @@
 import pytest
 
-from codedojo.bench.patching import PatchError, apply_patch, apply_patch_to_dir, make_diff
+from codedojo.bench.patching import (
+    PatchError,
+    apply_patch,
+    apply_patch_to_dir,
+    make_diff,
+    parse_patch,
+)
 
 
 def test_roundtrip_modify_add_delete(tmp_path):
@@ -28,3 +34,15 @@ def test_context_mismatch_is_an_error():
         apply_patch(diff, lambda p: None)
     with pytest.raises(PatchError, match="no file headers"):
         apply_patch("hello", lambda p: "")
+
+
+def test_lines_end_at_newlines_alone_and_paths_stay_in_the_tree():
+    """A form feed or a line separator inside a line is no line break to a diff; a patch's
+    path cannot lead out of the tree it is applied to."""
+    before = {"m.py": "x = 1\n\x0c\ny = 'a\u2028b'\nz = 3\n"}
+    after = {"m.py": "x = 1\n\x0c\ny = 'a\u2028b'\nz = 4\n"}
+    patch = make_diff(before, after)
+    assert apply_patch(patch, before.get) == after
+    for bad in ("../outside.txt", "/etc/passwd", "a/../../x"):
+        with pytest.raises(PatchError, match="must stay inside the tree"):
+            parse_patch(f"--- /dev/null\n+++ b/{bad}\n@@ -0,0 +1 @@\n+x\n")
