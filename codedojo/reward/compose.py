@@ -23,8 +23,8 @@ from codedojo.reward.base import RewardContext, check_params, get_reward
 class ComponentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    weight: float = Field(allow_inf_nan=False,
-                          description="Multiplier of this reward in the total (costs are negative).")
+    weight: float = Field(allow_inf_nan=False, description="Multiplier of this reward in the "
+                          "total (costs are negative).")
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword parameters of the reward.")
     enabled: bool = True
 
