@@ -213,7 +213,8 @@ def test_a_self_mix_needs_self_gen():
         StageConfig.model_validate({**st, "mix": [{"data": "self"}]})
     with pytest.raises(ValueError, match="`self` mix entry and `self_gen` go together"):
         StageConfig.model_validate({**st, "mix": [{"data": "code"}], "self_gen": {}})
-    StageConfig.model_validate({**st, "mix": [{"data": "self"}], "self_gen": {"prompts": 4}})
+    StageConfig.model_validate({**st, "mix": [{"data": "self"}],
+                                "self_gen": {"prompts": 4, "prompt_len": 8, "new_tokens": 9}})
 
 
 @pytest.mark.parametrize("taps", [(), (0,)])

@@ -314,8 +314,9 @@ def test_config_values_a_run_cannot_use_are_refused(tmp_path, setting, error):
     ("stages.bulk.seq_len=300", r"stages\[0\] \(bulk\)\.seq_len 300: the model has 256 "
      "positions"),
     ("eval.seq_len=400", r"eval\.seq_len 400: the model has 256 positions"),
-    ("stages.mtp_self.self_gen.new_tokens=600", r"stages\[4\] \(mtp_self\)\.self_gen\."
-     r"prompt_len \+ self_gen\.new_tokens 608: the model has 512 positions"),
+    ("stages.mtp_self.seq_len=512 stages.mtp_self.self_gen.new_tokens=505",
+     r"stages\[4\] \(mtp_self\)\.self_gen\.prompt_len \+ self_gen\.new_tokens 513: the model "
+     r"has 512 positions"),
 ])
 def test_lengths_past_the_models_positions_are_refused_before_training(tmp_path, setting, error):
     """A base change extends the positions to its stage's length (here 512 of 256); any
@@ -332,7 +333,7 @@ def test_lengths_past_the_models_positions_are_refused_before_training(tmp_path,
     assert set_rope_scaling(model, mtp, cfg.stages[2]).max_seq_len == 512
     model(torch.zeros(1, 512, dtype=torch.long))  # every position has its rotation
     with pytest.raises(ValueError, match=error):
-        check_lengths(PretrainConfig.model_validate(apply_overrides(raw, [setting])), 256)
+        check_lengths(PretrainConfig.model_validate(apply_overrides(raw, setting.split())), 256)
 
 
 def test_overrides_set_fields_and_name_what_is_wrong(tmp_path):
