@@ -101,12 +101,12 @@ def _json_secrets(sc: SandboxClient, body: bytes) -> set[str]:
     return sc.secrets.redact_name_str("\n".join(strings))[1]
 
 
-def _is_ip(name: str) -> bool:
+def _ip_literal(host: str) -> IPAddress | None:
+    """The address ``host`` spells (``[::1]`` too), or None for a name."""
     try:
-        ipaddress.ip_address(name.strip("[]"))
+        return ipaddress.ip_address(host.strip("[]"))
     except ValueError:
-        return False
-    return True
+        return None
 
 
 @dataclass
@@ -213,7 +213,7 @@ class EgressAddon:
             if str(ip) != host:
                 data.server.address = (str(ip), port)
                 name = name or str(host)
-            if name and not _is_ip(name):
+            if name and _ip_literal(name) is None:
                 # the checked name, whatever the sandbox's TLS hello said (it ends here)
                 data.server.sni = name
             elif data.server.sni and data.server.sni != str(ip):
@@ -503,10 +503,9 @@ class EgressAddon:
         if static is not None:
             return [static]
         if host[:1].isdigit() or ":" in host:  # only then can it be an address literal
-            try:
-                return [ipaddress.ip_address(host.strip("[]"))]
-            except ValueError:
-                pass
+            literal = _ip_literal(host)
+            if literal is not None:
+                return [literal]
         loop = asyncio.get_running_loop()
         try:
             infos = await asyncio.wait_for(

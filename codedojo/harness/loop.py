@@ -186,6 +186,7 @@ class Agent:
         # the model's tokens per estimated token (at least 1), as the last prompt counted
         # against its estimate, tool schemas included: a byte-level tokenizer has four
         scale = 1.0
+        schemas_estimate = _estimate(json.dumps(tools.schemas))  # written into every prompt
         call_ids: set[str] = set()  # the episode's tool call ids so far
         started = time.perf_counter()
 
@@ -230,7 +231,7 @@ class Agent:
                     break
                 budget = min(budget, room)
                 # the prompt as estimated, the tool schemas the template writes into it too
-                sent = _estimate_messages(context) + _estimate(json.dumps(tools.schemas))
+                sent = _estimate_messages(context) + schemas_estimate
                 t0 = time.time()
                 g0 = time.perf_counter()
                 out_ = self.policy.generate(context, tools.schemas, budget, time_left())
@@ -241,7 +242,7 @@ class Agent:
                 acting_turns += 1
                 acted = True
                 if out_.finish_reason == "cancelled":
-                    self._cut(traj, out_, gen_s, t0, out_of_time())
+                    self._cut(traj, out_, gen_s, t0, time_left)
                     break
                 _unique_ids(out_, call_ids)
                 msg = out_.message()
@@ -307,10 +308,12 @@ class Agent:
 
     @staticmethod
     def _cut(traj: Trajectory, out: PolicyOutput, generate_s: float, started_at: float,
-             out_of_time: bool, kind: str = "action") -> None:
+             time_left: Callable[[], float | None], kind: str = "action") -> None:
         """End the episode on a model call that did not finish: at the time limit
         ("max_seconds"), or cancelled otherwise ("error"). What it generated is kept as a turn
         of the text alone (its tool calls may be cut short, and none runs)."""
+        left = time_left()
+        out_of_time = left is not None and left <= 0
         traj.status = "max_seconds" if out_of_time else "error"
         if not out_of_time:
             traj.error = "the model call was cancelled before it finished"
@@ -334,9 +337,7 @@ class Agent:
         out = self.policy.generate(context, [], budget, time_left())
         used = out.completion_tokens or len(out.completion_ids)
         if out.finish_reason == "cancelled":
-            left = time_left()
-            self._cut(traj, out, time.perf_counter() - g0, t0, left is not None and left <= 0,
-                      kind="summary")
+            self._cut(traj, out, time.perf_counter() - g0, t0, time_left, kind="summary")
             return context, used
         msg = {"role": "assistant", "content": out.content or ""}
         traj.messages.append(msg)
