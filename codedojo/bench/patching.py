@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from codedojo.harness.lines import lines_with_ends
+
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
@@ -26,8 +28,8 @@ def make_diff(before: Mapping[str, str | None], after: Mapping[str, str | None],
         a, b = before.get(path), after.get(path)
         if a == b:
             continue
-        a_lines = _lines(a or "")
-        b_lines = _lines(b or "")
+        a_lines = lines_with_ends(a or "")
+        b_lines = lines_with_ends(b or "")
         diff = list(difflib.unified_diff(
             a_lines, b_lines,
             fromfile="/dev/null" if a is None else f"a/{path}",
@@ -50,12 +52,6 @@ class FilePatch:
         return self.new_path or self.old_path or ""
 
 
-def _lines(text: str) -> list[str]:
-    """Lines ended by "\\n" alone, as diff reads them: a form feed, "\\x1c" or "\\u2028" inside a
-    line (str.splitlines ends lines there too) stays in it."""
-    return re.split(r"(?<=\n)(?!\Z)", text) if text else []
-
-
 def _strip(p: str) -> str | None:
     """A header's path, refused when it would lead out of the tree it is applied to."""
     p = p.split("\t")[0].strip()
@@ -69,7 +65,7 @@ def _strip(p: str) -> str | None:
 
 def parse_patch(text: str) -> list[FilePatch]:
     files: list[FilePatch] = []
-    lines = _lines(text)
+    lines = lines_with_ends(text)
     i = 0
     while i < len(lines):
         line = lines[i]
@@ -117,7 +113,7 @@ def parse_patch(text: str) -> list[FilePatch]:
 def apply_to_text(original: str | None, fp: FilePatch) -> str | None:
     if fp.new_path is None:
         return None
-    src = _lines(original or "")
+    src = lines_with_ends(original or "")
     out: list[str] = []
     pos = 0
     for start, body in fp.hunks:

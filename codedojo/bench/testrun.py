@@ -162,7 +162,7 @@ def run_pytest(
     `parse_pytest_output`)."""
     canary = Canary.plant(ex, cmd.root) if tests else None
     try:
-        run = [*tests, canary.node_id] if tests and canary else tests
+        run = [*tests, canary.node_id] if canary else tests
         res = ex.exec(cmd.argv(run), cwd=cmd.root, env=cmd.env(), timeout=timeout)
     finally:
         if canary:

@@ -124,7 +124,7 @@ def _functions_with_docstrings(doc: Document, max_lines: int) -> Iterator[tuple[
 
 
 def code_sft_examples(docs: Iterable[Document], max_examples: int = 200, max_lines: int = 40
-                      ) -> Iterator[tuple[list[Message], list[dict[str, Any]] | None]]:
+                      ) -> Iterator[Conversation]:
     """Alternates two shapes: a plain implement-this-function chat, and a tool trajectory where
     the assistant reads the file first (its tool call is trained, the tool output is not)."""
     n = 0
@@ -137,7 +137,7 @@ def code_sft_examples(docs: Iterable[Document], max_examples: int = 200, max_lin
             if n % 2 == 0:
                 msgs: list[Message] = [{"role": "user", "content": ask},
                                        {"role": "assistant", "content": f"```python\n{src}\n```"}]
-                yield msgs, None
+                yield Conversation(msgs, None, f"{path}: {name}")
             else:
                 call = {"id": f"call_{n}", "type": "function",
                         "function": {"name": "read_file",
@@ -147,5 +147,5 @@ def code_sft_examples(docs: Iterable[Document], max_examples: int = 200, max_lin
                         {"role": "assistant", "content": "", "tool_calls": [call]},
                         {"role": "tool", "tool_call_id": f"call_{n}", "content": excerpt},
                         {"role": "assistant", "content": f"```python\n{src}\n```"}]
-                yield msgs, [READ_FILE_TOOL]
+                yield Conversation(msgs, [READ_FILE_TOOL], f"{path}: {name}")
             n += 1

@@ -339,18 +339,12 @@ class Engine:
         deadline = math.inf if timeout is None else time.perf_counter() + timeout
         reqs = [self._enqueue(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         for r in reqs:
-            while not r.done.is_set() and (left := deadline - time.perf_counter()) > 0:
+            while not r.done.is_set():
+                left = deadline - time.perf_counter()
+                if left <= 0 and not r.cancelled:  # the next step ends it, keeping its tokens
+                    self._cancel(r)
                 if self._running:
-                    r.done.wait(None if left == math.inf else left)
-                else:
-                    self.step()
-        for r in reqs:  # those past the deadline
-            if not r.done.is_set():
-                self._cancel(r)
-        for r in reqs:
-            while not r.done.is_set():  # the next step ends them, keeping what they generated
-                if self._running:
-                    r.done.wait()
+                    r.done.wait(None if left == math.inf or left <= 0 else left)
                 else:
                     self.step()
         failed = next((r for r in reqs if r.finish_reason == "error"), None)

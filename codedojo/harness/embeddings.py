@@ -191,8 +191,7 @@ class CodebaseIndex:
             with self._lock:
                 for c, v in zip(batch, vecs, strict=True):
                     found[c.key] = self._vectors[c.key] = v
-                while len(self._vectors) > self._max_cached:
-                    self._vectors.popitem(last=False)
+                self._trim()
         return np.stack([found[c.key] for c in chunks])  # (N, D)
 
     def search(
@@ -224,5 +223,9 @@ class CodebaseIndex:
         with self._lock:
             for key, vec in zip(data["keys"].tolist(), data["vectors"], strict=True):
                 self._vectors[str(key)] = vec
-            while len(self._vectors) > self._max_cached:
-                self._vectors.popitem(last=False)
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drop the least recently used vectors past ``max_cached`` (under the lock)."""
+        while len(self._vectors) > self._max_cached:
+            self._vectors.popitem(last=False)

@@ -7,6 +7,14 @@ another with the next."""
 
 from __future__ import annotations
 
+import re
+
+
+def lines_with_ends(text: str) -> list[str]:
+    """The lines of ``text`` with their "\\n" (the last one without, if the text lacks it): what
+    `str.splitlines(keepends=True)` gives, split at "\\n" only."""
+    return re.split(r"(?<=\n)(?!\Z)", text) if text else []
+
 
 def file_lines(text: str) -> list[str]:
     """The lines of ``text``, without their "\n" (nor a "\r" before it); a final "\n" ends the

@@ -183,13 +183,14 @@ def _opt(p: dict[str, Any], key: str) -> str | None:
     return _req(p, key) if p.get(key) is not None else None
 
 
-def _response(rid: Any, result: Any = None, error: RPCError | None = None) -> Response:
+def _response(rid: Any, result: Any = None, error: RPCError | None = None,
+              status: int = 200) -> Response:
     body: dict[str, Any] = {"jsonrpc": "2.0", "id": rid}
     if error is not None:
         body["error"] = {"code": error.code, "message": str(error)}
     else:
         body["result"] = result
-    return Response(json_text(body), media_type="application/json")
+    return Response(json_text(body), status_code=status, media_type="application/json")
 
 
 # Calls running at once, each on a thread of its own: a call mostly waits on its sandbox, so
@@ -217,9 +218,8 @@ def create_app(server: ToolServer, max_calls: int = MAX_CALLS, token: str | None
         rid = None
         if expected is not None and not hmac.compare_digest(
                 request.headers.get("authorization", "").encode(), expected):
-            return Response(json_text({"jsonrpc": "2.0", "id": None, "error": {
-                "code": INVALID_REQUEST, "message": "unauthorized: send the service's token "
-                "(Authorization: Bearer ...)"}}), status_code=401, media_type="application/json")
+            return _response(None, error=RPCError(INVALID_REQUEST, "unauthorized: send the "
+                             "service's token (Authorization: Bearer ...)"), status=401)
         try:
             try:
                 body = json.loads(await request.body())

@@ -351,10 +351,16 @@ def _rows_in_common(a: Any, b: Any) -> int:
     return n if same.all() else int(same.argmin())
 
 
+def utf8_safe(text: str) -> str:
+    """``text`` that UTF-8 can carry: a lone surrogate (text a model or a server sent) as its
+    escape (``\\ud83d``), rather than a failed write."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def json_text(obj: Any) -> str:
-    """``obj`` as JSON text that UTF-8 can carry: a lone surrogate (text a model or a server
-    sent) goes as its JSON escape, which reads back as it was, rather than failing the write."""
-    return json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace").decode("utf-8")
+    """``obj`` as JSON text that UTF-8 can carry: inside a JSON string a lone surrogate's
+    escape is its JSON escape, which reads back as it was."""
+    return utf8_safe(json.dumps(obj, ensure_ascii=False))
 
 
 class TrajectoryWriter:
@@ -487,8 +493,8 @@ def write_parquet(trajs: Iterable[Trajectory], path: str | Path) -> None:
         "tool_versions", "toolset_generation", "messages", "segments", "tool_state", "metadata",
         "started_at", "ended_at", "turns",
     )}
-    def text(s: str | None) -> str | None:  # a lone surrogate as its escape, as in json_text
-        return None if s is None else s.encode("utf-8", "backslashreplace").decode("utf-8")
+    def text(s: str | None) -> str | None:
+        return None if s is None else utf8_safe(s)
 
     for t in trajs:
         rows["id"].append(t.id)

@@ -27,7 +27,7 @@ def _hf_yarn_attention_factor(rope: dict[str, Any]) -> float:
     if rope.get("mscale") and rope.get("mscale_all_dim"):
         return (_mscale(factor, float(rope["mscale"]))
                 / _mscale(factor, float(rope["mscale_all_dim"])))
-    return _mscale(factor)
+    return _mscale(factor)  # (RopeScaling.attention_factor)
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -51,7 +51,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         # absent they would give other logits than HF's, so they are refused
         other = {k: rope[k] for k in ("attention_factor", "mscale", "mscale_all_dim")
                  if rope.get(k) is not None}
-        if math.isclose(_hf_yarn_attention_factor(rope), _mscale(float(rope["factor"]))):
+        ours = RopeScaling(kind="yarn", factor=float(rope["factor"])).attention_factor
+        if math.isclose(_hf_yarn_attention_factor(rope), ours):
             other = {}  # as good as absent: they come to the default factor
         if rope.get("truncate") is False:
             other["truncate"] = False

@@ -108,12 +108,7 @@ class MoE(nn.Module):
             if rec.numel() != x.shape[0] * self.top_k:
                 raise ValueError(f"replay_indices: {tuple(rec.shape)} for {x.shape[0]} tokens of "
                                  f"top_k {self.top_k} each")
-            idx = rec.reshape(-1, self.top_k).to(x.device, torch.long)
-            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.n_experts):
-                raise ValueError(f"replay_indices: expert ids {int(idx.min())}..{int(idx.max())} "
-                                 f"outside [0, {self.n_experts})")
-            if self.top_k > 1 and bool((idx.sort(-1).values.diff(dim=-1) == 0).any()):
-                raise ValueError("replay_indices: a token's experts must differ")
+            idx = rec.reshape(-1, self.top_k).to(x.device, torch.long)  # (checked: router_replay)
         else:
             # The bias steers selection only; it never enters the gate values.
             idx = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
@@ -247,6 +242,13 @@ def router_replay(model: nn.Module, indices: Sequence[torch.Tensor]):
     layers = moe_layers(model)
     if len(indices) != len(layers):
         raise ValueError(f"router_replay: {len(indices)} index tensors for {len(layers)} MoE layers")
+    for m, idx in zip(layers, indices, strict=True):  # once, not at every forward that reads them
+        idx = idx.reshape(-1, m.top_k) if idx.numel() % m.top_k == 0 else idx
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= m.n_experts):
+            raise ValueError(f"replay_indices: expert ids {int(idx.min())}..{int(idx.max())} "
+                             f"outside [0, {m.n_experts})")
+        if m.top_k > 1 and bool((idx.sort(-1).values.diff(dim=-1) == 0).any()):
+            raise ValueError("replay_indices: a token's experts must differ")
     try:
         for m, i in zip(layers, indices, strict=True):
             m.replay_indices = i

@@ -525,7 +525,6 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
         # would weigh an SFT row of 3 trained tokens as one of 300.
         micro = [loader.next_batch() for _ in range(st.grad_accum)]
         counts = [int(b["loss_mask"].sum()) for b in micro]
-        rows = sum(len(b["tokens"]) for b in micro)
         ntok = sum(counts)
         # every trained token of the step weighs alike, and every position of an MTP depth:
         # the step's numbers (per rank, as gradients are averaged over ranks)
@@ -541,7 +540,7 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
             with _autocast(stage_dtype(cfg, st), dev):
                 loss, part = stage_loss(model, mtp, batch, st.mtp, st.mtp_weight,
                                         st.mtp_detach, st.mtp_greedy, n / step_tokens,
-                                        positions, len(batch["tokens"]) / rows)
+                                        positions, 1 / len(micro))  # rows alike a batch
             loss.backward()
             total += float(loss.detach())
             for k, v in part.items():

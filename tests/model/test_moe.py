@@ -111,7 +111,7 @@ def test_router_replay_uses_given_indices_and_router_gets_grads():
     for bad, why in ((forced[0] + 8, r"expert ids \d+\.\.\d+ outside \[0, 8\)"),
                      (forced[0] * 0, "a token's experts must differ"),
                      (forced[0][:, :3], r"replay_indices: \(2, 3, 2\) for 8 tokens")):
-        with router_replay(m, [bad]), pytest.raises(ValueError, match=why):
+        with pytest.raises(ValueError, match=why), router_replay(m, [bad]):
             m(x)
 
 
