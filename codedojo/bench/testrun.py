@@ -129,28 +129,39 @@ class TestReport:
 
 @dataclass(frozen=True)
 class PytestCommand:
-    """How to call pytest on a tree at `root` (a path as the executor sees it)."""
+    """How to call pytest on a tree at `root` (a path as the executor sees it). The tree's
+    ``python_path`` folders are PYTHONPATH; with ``inherit_pythonpath`` they come before the
+    PYTHONPATH the command would otherwise have (an image that puts its packages, pytest among
+    them, on PYTHONPATH), else they replace it (the host's stays out of a package's tests)."""
 
     root: str
     python: str = sys.executable
     python_path: Sequence[str] = (".",)
     extra_args: Sequence[str] = ()
+    inherit_pythonpath: bool = False
 
     def argv(self, tests: Sequence[str] | None = None) -> list[str]:
-        return [
+        pytest = [
             self.python, "-m", "pytest", "-rA", "-q", "--tb=short", "-p", "no:cacheprovider",
             "-o", "addopts=", "-o", "console_output_style=classic", "--color=no",
             f"--rootdir={self.root}", *self.extra_args, *(tests or ()),
         ]
+        if not self.inherit_pythonpath:
+            return pytest
+        return ["sh", "-c", 'PYTHONPATH="$0${PYTHONPATH:+:$PYTHONPATH}" exec "$@"',
+                self._paths(), *pytest]
 
     def env(self) -> dict[str, str]:
-        paths = [self.root if p in (".", "") else f"{self.root}/{p}" for p in self.python_path]
-        return {
-            "PYTHONPATH": os.pathsep.join(paths),
+        env = {
             "PYTHONDONTWRITEBYTECODE": "1",  # keeps the tree (and Sandbox.changes()) clean
             "PYTHONHASHSEED": "0",
             "NO_COLOR": "1",
         }
+        return env if self.inherit_pythonpath else {"PYTHONPATH": self._paths(), **env}
+
+    def _paths(self) -> str:
+        return os.pathsep.join(self.root if p in (".", "") else f"{self.root}/{p}"
+                               for p in self.python_path)
 
 
 def run_pytest(

@@ -1,6 +1,14 @@
 """Rewards: outcome from tests, the concave length penalty, auxiliary signals, composition."""
 
-from codedojo.reward.base import REWARDS, FileChange, RewardContext, RewardFn, TestReport, reward
+from codedojo.reward.base import (
+    REWARDS,
+    FileChange,
+    GradingError,
+    RewardContext,
+    RewardFn,
+    TestReport,
+    reward,
+)
 from codedojo.reward.compose import ComponentConfig, RewardBreakdown, RewardConfig, compute_reward
 from codedojo.reward.length import concave_penalty, length_features
 
@@ -8,6 +16,7 @@ __all__ = [
     "REWARDS",
     "ComponentConfig",
     "FileChange",
+    "GradingError",
     "RewardBreakdown",
     "RewardConfig",
     "RewardContext",

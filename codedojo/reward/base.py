@@ -35,6 +35,11 @@ class TestReport:
 
     fail_to_pass: dict[str, bool] = field(default_factory=dict)
     pass_to_pass: dict[str, bool] = field(default_factory=dict)
+    infra_error: str | None = None  # why the run says nothing of the tests, if it does not
+
+
+class GradingError(RuntimeError):
+    """The episode's tests could not be run (`TestReport.infra_error`): no reward is its."""
 
 
 @dataclass

@@ -1,11 +1,9 @@
 """Outcome reward from the task's tests: fail-to-pass must now pass, pass-to-pass must still pass.
 
-`run_tests` runs pytest in a sandbox and reads per-test results from pytest's `-rA` summary,
-which every pytest version prints the same way; a test that pytest never reports (not
-collected, crashed run) counts as failed. Results are read as the bench reads them
-(`codedojo.bench.testrun.TestReport`): a fail-to-pass test must pass (one that xfails, by
-`pytest.xfail()` in the code under test, was not fixed); a pass-to-pass test passes or fails
-as expected.
+The tests run as the bench runs them (`codedojo.bench.testrun.run_pytest`: pytest's `-rA`
+summary read per test, a canary beside them, a test never reported counted as an error). A
+fail-to-pass test must pass (one that xfails, by `pytest.xfail()` in the code under test, was
+not fixed); a pass-to-pass test passes or fails as expected.
 
 `grade` judges an episode on a fresh sandbox of the task's image: the episode's changes to
 /workspace are applied there, all but the tests' own files and the test machinery
@@ -13,17 +11,22 @@ as expected.
 so nothing the episode did to how the tests run, nor anything outside /workspace (its home
 directory, links, processes still running), counts. Without a fresh sandbox it grades in the
 episode's own, after putting those files back as the image had them: for a trusted episode.
+
+A run that says nothing of the tests (it timed out, or pytest did not start) is the
+episode's failure where the task as it came runs (its change hung the tests); otherwise the
+report carries ``infra_error`` (always, graded in the episode's own sandbox) and the outcome
+reward raises `GradingError`: the episode is the environment's to retry, not the policy's to
+be taught by.
 """
 
 from __future__ import annotations
 
 import contextlib
-import shlex
 from collections.abc import Callable, Sequence
 
-from codedojo.bench.testrun import Canary, is_test_machinery, parse_pytest_output
+from codedojo.bench.testrun import PytestCommand, is_test_machinery, parse_pytest_output, run_pytest
 from codedojo.bench.workspace import apply_changes, collect_changes
-from codedojo.reward.base import RewardContext, TestReport, reward
+from codedojo.reward.base import GradingError, RewardContext, TestReport, reward
 from codedojo.sandbox.base import WORKSPACE, Sandbox, SandboxError
 
 
@@ -35,54 +38,47 @@ def parse_pytest_summary(output: str, tests: Sequence[str] = ()) -> dict[str, bo
     return {t: t in passed for t in report.outcomes}
 
 
-def run_tests(
-    sandbox: Sandbox,
-    tests: Sequence[str],
-    *,
-    command: str = "python3 -m pytest",
-    cwd: str = "/workspace",
-    timeout: float = 300.0,
-    strict: Sequence[str] = (),
-) -> dict[str, bool]:
-    """Run the given pytest node ids in the sandbox; every requested id gets a result. Those
-    of ``strict`` pass only by passing, not by failing as expected."""
-    if not tests:
-        return {}
-    canary = Canary.plant(sandbox, cwd)  # a test that must fail: forged outcomes are seen
-    run = [*tests, canary.node_id]
-    line = f"{command} -rA -q -p no:cacheprovider " + " ".join(shlex.quote(t) for t in run)
-    try:
-        r = sandbox.exec(line, cwd=cwd, timeout=timeout)
-    finally:
-        canary.remove(sandbox)
-    report = parse_pytest_output(r.stdout + "\n" + r.stderr, run)
-    canary.judge(report, tests)
-    passed, fixed = report.passed(), report.passed(strict=True)
-    strict_ids = set(strict)
-    return {t: t in (fixed if t in strict_ids else passed) for t in tests}
+def default_command(python_path: Sequence[str] = (".",)) -> PytestCommand:
+    """pytest in /workspace by the image's ``python3``, with the image's own PYTHONPATH after
+    the task's folders (``python_path``)."""
+    return PytestCommand(root=WORKSPACE, python="python3", python_path=tuple(python_path),
+                         inherit_pythonpath=True)
 
 
 def grade(sandbox: Sandbox, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], *,
-          fresh: Sandbox | None = None, python_path: Sequence[str] = (".",),
-          **kw: object) -> TestReport:
+          fresh: Sandbox | None = None, command: PytestCommand | None = None,
+          timeout: float = 300.0) -> TestReport:
     """Both test sets' results for the episode whose sandbox is ``sandbox``: run in ``fresh``
     (a new sandbox of the task's image) with the episode's changes, or in ``sandbox`` itself
-    when none is given (see the module's docstring)."""
+    when none is given (see the module's docstring). ``command``: how pytest runs there
+    (`default_command`); its ``python_path`` folders are import roots the test machinery
+    cannot be changed in."""
+    command = command or default_command()
     tests = [*fail_to_pass, *pass_to_pass]
+    if not tests:
+        return TestReport()
     files = {t.split("::", 1)[0] for t in tests}
 
     def protected(rel: str) -> bool:
-        return rel in files or is_test_machinery(rel, python_path)
+        return rel in files or is_test_machinery(rel, command.python_path)
 
+    changes = collect_changes(sandbox) if fresh is not None else {}
     if fresh is not None:
-        apply_changes(fresh, collect_changes(sandbox), protected)
+        apply_changes(fresh, changes, protected)
     else:
         restore(sandbox, protected)
-    results = run_tests(fresh or sandbox, tests, strict=fail_to_pass,
-                        **kw)  # type: ignore[arg-type]
+    run = run_pytest(fresh or sandbox, command, tests, timeout)
+    infra_error = run.infra_error
+    if infra_error and fresh is not None and changes:
+        # The episode's change, or the environment? A run of the task as it came tells.
+        restore(fresh, lambda rel: True)
+        if not run_pytest(fresh, command, tests, timeout).infra_error:
+            infra_error = None  # the change hung the tests or kept pytest from starting
+    passed, fixed = run.passed(), run.passed(strict=True)
     return TestReport(
-        fail_to_pass={t: results[t] for t in fail_to_pass},
-        pass_to_pass={t: results[t] for t in pass_to_pass},
+        fail_to_pass={t: t in fixed for t in fail_to_pass},
+        pass_to_pass={t: t in passed for t in pass_to_pass},
+        infra_error=infra_error,
     )
 
 
@@ -106,6 +102,8 @@ def outcome(ctx: RewardContext, *, mode: str = "binary") -> float:
     """binary: 1 when every fail-to-pass and pass-to-pass test passes, else 0.
     fraction: the share of fail-to-pass tests passing, 0 if any pass-to-pass test broke."""
     rep = ctx.tests
+    if rep is not None and rep.infra_error:
+        raise GradingError(f"the test run says nothing of the episode: {rep.infra_error}")
     if rep is None or not (rep.fail_to_pass or rep.pass_to_pass):
         return 0.0
     if mode not in ("binary", "fraction"):

@@ -3,6 +3,8 @@ sandbox: every change against the image, however it was made, and the image's li
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from codedojo.harness.trajectory import Trajectory
@@ -128,3 +130,49 @@ def test_changes_are_applied_deletions_first_and_a_file_may_replace_a_directory(
     apply_changes(sandbox, changes, skip=lambda rel: rel == "README.md")
     assert sandbox.read_file("inventory") == b"hi\n"
     assert sandbox.exec("test -f README.md").exit_code == 0  # skipped
+
+
+def test_the_tasks_folders_are_import_roots_before_the_images_own_path(sandbox):
+    """A src layout: the tests import the package from the task's folder, while pytest comes
+    from the image's own PYTHONPATH."""
+    from codedojo.reward.outcome import default_command, grade
+    from tests.harness.conftest import F2P, P2P
+
+    sandbox.exec("mkdir src && mv inventory src/")
+    report = grade(sandbox, F2P, P2P, command=default_command(("src",)))
+    assert report.infra_error is None
+    assert not any(report.fail_to_pass.values()) and all(report.pass_to_pass.values())
+
+
+def test_a_change_that_hangs_the_tests_fails_them_and_a_broken_environment_is_no_grade(
+        provider, repo_image, sandbox):
+    """Graded on a fresh copy, a run that times out with the episode's change and not without
+    it is the episode's failure; a run that cannot start either way is reported, and the
+    outcome reward refuses it rather than give it 0."""
+    from codedojo.reward import GradingError, RewardContext, compute_reward
+    from codedojo.reward.outcome import default_command, grade
+    from tests.harness.conftest import F2P, P2P, SANDBOX_ENV
+
+    def fresh():
+        return provider.create(SandboxSpec(image=repo_image, limits=LIMITS, env=SANDBOX_ENV))
+
+    src = sandbox.read_file("inventory/stock.py").decode()
+    sandbox.write_file("inventory/stock.py", src.replace(
+        "def total_value(items):\n", "def total_value(items):\n    while True:\n        pass\n"))
+    copy = fresh()
+    try:
+        report = grade(sandbox, F2P, P2P, fresh=copy, timeout=8)
+    finally:
+        copy.destroy()
+    assert report.infra_error is None
+    assert report.pass_to_pass["tests/test_stock.py::test_total_value"] is False
+
+    broken = dataclasses.replace(default_command(), python="/no/python3")
+    copy = fresh()
+    try:
+        report = grade(sandbox, F2P, P2P, fresh=copy, command=broken)
+    finally:
+        copy.destroy()
+    assert report.infra_error and "exit 127" in report.infra_error
+    with pytest.raises(GradingError, match="says nothing of the episode"):
+        compute_reward(RewardContext(Trajectory(task="t"), tests=report))
