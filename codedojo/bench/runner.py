@@ -185,7 +185,7 @@ def run_one(images: TaskImages, agent: BenchAgent, task: Task, sample: int, out_
         if report.infra_error:  # the environment's fault, or the agent's change's?
             if not changes:
                 raise RuntimeError(f"grading: {report.infra_error}")
-            _, unchanged = grade_changes(images, task, {})
+            unchanged = images.baseline(task)
             if unchanged.infra_error:  # not the change's: the same on the task as it came
                 raise RuntimeError(f"grading, with and without the agent's changes: "
                                    f"{unchanged.infra_error}")

@@ -22,7 +22,13 @@ from pathlib import Path
 from codedojo.bench.patching import apply_patch_to_dir
 from codedojo.bench.source import cache_root, fetch_sdist, scrub, unpack
 from codedojo.bench.task import Task
-from codedojo.bench.testrun import PytestCommand, TestReport, is_test_machinery, run_pytest
+from codedojo.bench.testrun import (
+    PytestCommand,
+    TestReport,
+    is_test_machinery,
+    run_pytest,
+    unmask_xfails,
+)
 from codedojo.paths import staged_dir
 from codedojo.sandbox.base import WORKSPACE, Limits, Sandbox, SandboxError, SandboxSpec
 
@@ -80,6 +86,7 @@ class TaskImages:
         self.python = python
         self._lock = threading.Lock()
         self._memo: dict[str, str] = {}
+        self._baselines: dict[str, TestReport] = {}
 
     def _named(self, name: str, build) -> str:
         with self._lock:
@@ -126,6 +133,17 @@ class TaskImages:
     def grade_sandbox(self, task: Task, limits: Limits | None = None) -> Sandbox:
         return self.provider.create(SandboxSpec(image=self.grade_image(task), limits=limits or Limits()))
 
+    def baseline(self, task: Task) -> TestReport:
+        """The hidden tests' run on the task as it came, kept once it ran (a run that says
+        nothing of the tests, `TestReport.infra_error`, is not kept)."""
+        key = task.content_hash()
+        if key not in self._baselines:
+            _, report = grade_changes(self, task, {})
+            if report.infra_error:
+                return report
+            self._baselines[key] = report
+        return self._baselines[key]
+
 
 def pytest_command(task: Task) -> PytestCommand:
     return PytestCommand(root=WORKSPACE, python=f"{VENV}/bin/python", python_path=tuple(task.image.python_path),
@@ -159,7 +177,8 @@ def grade_changes(
     Changes to hidden test paths and to the test machinery (`is_test_machinery`) are ignored: the
     tests that judge, and how they run, are the task's. Returns (resolved, the last report);
     resolved means every F2P test passed and every P2P test passed (or failed as expected,
-    xfail) in every run: an F2P test that xfails was not fixed (`pytest.xfail()` in the code).
+    xfail, where it does so on the task as it came: `unmask_xfails`) in every run: an F2P test
+    that xfails was not fixed (`pytest.xfail()` in the code).
     """
     sb = images.grade_sandbox(task)
     hidden = hidden_from_agent(task)
@@ -171,6 +190,8 @@ def grade_changes(
         report = TestReport()
         for _ in range(runs):
             report = run_pytest(sb, pytest_command(task), tests=tests, timeout=task.timeouts.test_s)
+            if changes:
+                unmask_xfails(report, task.PASS_TO_PASS, lambda: images.baseline(task))
             ok = ok and resolves(task, report)
         return ok, report
     finally:

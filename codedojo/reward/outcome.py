@@ -22,9 +22,17 @@ be taught by.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 
-from codedojo.bench.testrun import PytestCommand, is_test_machinery, parse_pytest_output, run_pytest
+from codedojo.bench.testrun import (
+    PytestCommand,
+    is_test_machinery,
+    parse_pytest_output,
+    run_pytest,
+    unmask_xfails,
+)
+from codedojo.bench.testrun import TestReport as RunReport
 from codedojo.bench.workspace import apply_changes, collect_changes
 from codedojo.reward.base import GradingError, RewardContext, TestReport, reward
 from codedojo.sandbox.base import WORKSPACE, Sandbox, SandboxError
@@ -69,11 +77,15 @@ def grade(sandbox: Sandbox, fail_to_pass: Sequence[str], pass_to_pass: Sequence[
         restore(sandbox, protected)
     run = run_pytest(fresh or sandbox, command, tests, timeout)
     infra_error = run.infra_error
-    if infra_error and fresh is not None and changes:
-        # The episode's change, or the environment? A run of the task as it came tells.
-        restore(fresh, lambda rel: True)
-        if not run_pytest(fresh, command, tests, timeout).infra_error:
+    if fresh is not None and changes:
+        @functools.cache
+        def as_it_came() -> RunReport:
+            restore(fresh, lambda rel: True)
+            return run_pytest(fresh, command, tests, timeout)
+
+        if infra_error and not as_it_came().infra_error:
             infra_error = None  # the change hung the tests or kept pytest from starting
+        unmask_xfails(run, pass_to_pass, as_it_came)
     passed, fixed = run.passed(), run.passed(strict=True)
     return TestReport(
         fail_to_pass={t: t in fixed for t in fail_to_pass},

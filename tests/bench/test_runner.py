@@ -94,6 +94,33 @@ def test_changing_how_the_tests_run_does_not_help(images, tiny_suite, tmp_path):
         assert (r.status, r.f2p_passed) == ("unresolved", 0), cheat
 
 
+def test_a_pass_to_pass_test_the_fix_broke_does_not_pass_by_failing_as_expected(
+        images, tiny_suite, tmp_path):
+    """The gold fix, and code that breaks a function other tests pass on and xfails them: on
+    the task as it came those tests pass, so failing as expected is failing."""
+    task = tiny_suite.tasks[0]
+    fixed = {t.rsplit("::test_", 1)[1].split("_")[0] for t in task.FAIL_TO_PASS}
+    other = next(t for t in task.PASS_TO_PASS
+                 if t.rsplit("::test_", 1)[1].split("_")[0] not in fixed)
+    fn = other.rsplit("::test_", 1)[1].split("_")[0]
+    fn = "parse_pair" if fn == "parse" else fn
+    changed = task.patch.split("+++ b/", 1)[1].split("\n", 1)[0]
+
+    class BreaksAndHides(OracleAgent):
+        name = "breaks-and-hides"
+
+        def solve(self, task, sandbox, out_dir):
+            res = super().solve(task, sandbox, out_dir)
+            src = sandbox.read_file(f"/workspace/{changed}").decode()
+            sandbox.write_file(f"/workspace/{changed}", src + f"\n\ndef {fn}(*args, **kw):\n"
+                               "    import pytest\n    pytest.xfail('later')\n")
+            return res
+
+    (r,) = run_agent(images, BreaksAndHides(), [task], name="hide", out_dir=tmp_path).results
+    assert r.status == "unresolved" and r.f2p_passed == r.f2p_total
+    assert r.p2p_passed < r.p2p_total
+
+
 def test_an_agent_past_its_time_limit_is_graded_on_what_it_did_by_then(images, tiny_suite,
                                                                         tmp_path):
     """Any agent, not only one that keeps the limit itself: a gold patch written after the

@@ -176,3 +176,23 @@ def test_a_change_that_hangs_the_tests_fails_them_and_a_broken_environment_is_no
     assert report.infra_error and "exit 127" in report.infra_error
     with pytest.raises(GradingError, match="says nothing of the episode"):
         compute_reward(RewardContext(Trajectory(task="t"), tests=report))
+
+
+def test_a_pass_to_pass_test_broken_and_xfailed_fails_on_a_fresh_copy(provider, repo_image,
+                                                                      sandbox):
+    """The fix, and a function other tests pass on replaced by one that xfails them: on the
+    task as it came those tests pass, so the episode broke them."""
+    from codedojo.reward.outcome import grade
+    from tests.harness.conftest import F2P, P2P, SANDBOX_ENV
+
+    src = sandbox.read_file("inventory/stock.py").decode()
+    sandbox.write_file("inventory/stock.py", src.replace("i.qty < threshold", "i.qty <= threshold")
+                       + "\n\ndef total_value(items):\n    import pytest\n    pytest.xfail('x')\n")
+    copy = provider.create(SandboxSpec(image=repo_image, limits=LIMITS, env=SANDBOX_ENV))
+    try:
+        report = grade(sandbox, F2P, P2P, fresh=copy)
+    finally:
+        copy.destroy()
+    assert all(report.fail_to_pass.values())
+    assert report.pass_to_pass == {"tests/test_stock.py::test_total_value": False,
+                                   "tests/test_stock.py::test_restock": True}
