@@ -905,14 +905,16 @@ class LocalSandbox:
                 created = existing is None and st.st_uid == 0 and st.st_size == 0
                 if not created:  # the file opened: the one checked, or one the sandbox's
                     self._check_writable(fd, p)
-                os.ftruncate(fd, 0)
+                if len(data) > st.st_size:  # the room first: a write that does not fit
+                    os.posix_fallocate(fd, 0, len(data))  # leaves the file as it was
                 if created:
                     os.fchown(fd, SANDBOX_UID, SANDBOX_GID)
                 if created or st.st_uid == SANDBOX_UID:
                     os.fchmod(fd, mode)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                view, at = memoryview(data), 0
+                while at < len(view):  # over the old bytes, in the room they and the
+                    at += os.pwrite(fd, view[at:], at)  # allocation hold; then cut
+                os.ftruncate(fd, len(data))
             except OSError as e:
                 if e.errno == errno.ENOSPC:
                     raise SandboxError(f"path: {p}: the sandbox's disk limit "

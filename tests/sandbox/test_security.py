@@ -137,6 +137,22 @@ def test_disk_fill_hits_size_cap(provider, project):
         sb.destroy()
 
 
+def test_a_write_past_the_size_cap_leaves_the_file_as_it_was(provider, project):
+    """Made longer, or shorter, near a full disk: the file is the old bytes or the new."""
+    sb = provider.create(SandboxSpec(image=project, limits=Limits(disk_mb=8)))
+    try:
+        old = b"".join(b"line %d\n" % i for i in range(30000))
+        sb.write_file("f.txt", old)
+        sb.exec("dd if=/dev/zero of=filler bs=64k count=1000 2>/dev/null; true")
+        with pytest.raises(SandboxError, match="disk limit"):
+            sb.write_file("f.txt", old + b"x" * (2 << 20))
+        assert sb.read_file("f.txt") == old
+        sb.write_file("f.txt", b"short\n")  # in the room the old bytes held
+        assert sb.read_file("f.txt") == b"short\n"
+    finally:
+        sb.destroy()
+
+
 def test_double_fork_setsid_does_not_survive_destroy(provider, project):
     sb = provider.create(SandboxSpec(image=project, limits=Limits(disk_mb=16)))
     tag = f"{time.time_ns() % 100000}.{os.getpid() % 1000}"
