@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, shell_quote
+from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj
 
 _bg_ids = itertools.count(1)
 
@@ -18,14 +18,7 @@ def _run_terminal_cmd(ctx: ToolContext, args: dict[str, Any]) -> str:
     timeout = min(float(args.get("timeout") or ctx.timeout_s), ctx.timeout_s)
     shell = ctx.shell()
     if args.get("is_background"):
-        n = next(_bg_ids)
-        log = f"/tmp/dojo-bg-{n}.log"
-        r = shell.run(
-            f"nohup sh -c {shell_quote(command)} > {log} 2>&1 < /dev/null & echo $!", timeout=timeout
-        )
-        pid = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "?"
-        ctx.state.setdefault("background", []).append({"pid": pid, "log": log, "command": command})
-        return f"Started in the background (pid {pid}); output goes to {log}."
+        return _start_in_background(ctx, command, timeout)
     r = shell.run(command, timeout=timeout)
     if r.timed_out:
         # A command that outlived its time leaves the shell in an unknown state: start afresh.
@@ -43,6 +36,24 @@ def _run_terminal_cmd(ctx: ToolContext, args: dict[str, Any]) -> str:
     if r.truncated:
         parts.append("[output truncated by the sandbox]")
     return "\n".join(parts)
+
+
+# Run apart from the shell, whose end on a timeout ends all it started, in its directory and with
+# its exported variables: a command that ends by itself leaves its background jobs running.
+_LAUNCH = 'source "$1" 2>/dev/null; rm -f "$1"; nohup bash -c "$2" > "$3" 2>&1 < /dev/null & echo $!'
+
+
+def _start_in_background(ctx: ToolContext, command: str, timeout: float) -> str:
+    n = next(_bg_ids)
+    log, env = f"/tmp/dojo-bg-{n}.log", f"/tmp/dojo-bg-{n}.env"
+    r = ctx.shell().run(f'export -p > {env} && printf %s "$PWD"', timeout=timeout)
+    if r.exit_code != 0 or not r.stdout:
+        raise ToolError(f"cannot read the shell's directory and variables: {r.stderr.strip()}")
+    r = ctx.sandbox.exec(["bash", "-c", _LAUNCH, "bash", env, command, log], cwd=r.stdout,
+                         timeout=timeout)
+    pid = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "?"
+    ctx.state.setdefault("background", []).append({"pid": pid, "log": log, "command": command})
+    return f"Started in the background (pid {pid}); output goes to {log}."
 
 
 RUN_TERMINAL_CMD = FunctionTool(

@@ -141,6 +141,19 @@ def test_run_terminal_cmd(session):
     assert "command is empty" in err(session, "run_terminal_cmd", command="  ")
 
 
+def test_a_background_job_outlives_a_later_timeout_in_the_shells_directory_and_variables(
+        session):
+    """Started where the shell is, with what it exported; a later command that times out
+    restarts the shell, not the server."""
+    ok(session, "run_terminal_cmd", command="cd inventory && export PORT=8123 && LOCAL=1")
+    ok(session, "run_terminal_cmd", command='echo "$PWD $PORT ${LOCAL:-unset}"; sleep 300',
+       is_background=True)
+    job = session.ctx.state["background"][-1]
+    err(session, "run_terminal_cmd", command="sleep 10", timeout=1)
+    out = ok(session, "run_terminal_cmd", command=f"kill -0 {job['pid']} && cat {job['log']}")
+    assert out == "exit code: 0\n/workspace/inventory 8123 unset"
+
+
 def test_long_output_is_truncated_with_a_marker(sandbox):
     s = ToolSession(ToolRegistry().resolve(EnvToolConfig(max_output_chars=500)), ToolContext(sandbox=sandbox))
     r = s.call("run_terminal_cmd", {"command": "seq 1 5000"})
