@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from codedojo.harness.lines import file_lines
+from codedojo.harness.ripgrep import RgError, rg_lines
 from codedojo.sandbox.base import WORKSPACE, Sandbox, SandboxError
 
 CODE_GLOBS = (
@@ -157,9 +158,11 @@ class CodebaseIndex:
         r = sandbox.exec(argv + roots, timeout=max(0.1, min(60.0, _left(deadline))))
         if r.timed_out:
             raise SearchTimeout(0, 0)
-        if r.exit_code not in (0, 1):
-            raise SandboxError(r.stderr.strip() or "cannot list files")
-        return sorted(f for f in r.stdout.splitlines() if f)[:MAX_FILES]
+        try:
+            files, _ = rg_lines(r)  # (what it cannot read, the search cannot either)
+        except RgError as e:
+            raise SandboxError(f"cannot list files: {e}") from None
+        return sorted(files)[:MAX_FILES]
 
     def chunks(self, sandbox: Sandbox, roots: list[str], deadline: float | None = None) -> list[Chunk]:
         out: list[Chunk] = []

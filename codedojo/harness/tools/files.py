@@ -12,6 +12,7 @@ import posixpath
 from typing import Any
 
 from codedojo.harness.lines import file_lines
+from codedojo.harness.ripgrep import RgError, rg_lines, unread_note
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
 from codedojo.sandbox.base import WORKSPACE, SandboxError
 
@@ -173,16 +174,17 @@ def _glob_file_search(ctx: ToolContext, args: dict[str, Any]) -> str:
         ["rg", "--files", "--hidden", "--glob", "!.git", "--glob", pattern, "--sort", "path", root],
         cwd=root, timeout=ctx.timeout_s,
     )
-    if r.exit_code not in (0, 1):
-        raise ToolError(r.stderr.strip() or f"rg failed with exit code {r.exit_code}")
-    files = [f for f in r.stdout.splitlines() if f]
+    try:
+        files, unread = rg_lines(r)
+    except RgError as e:
+        raise ToolError(str(e)) from None
     if not files:
-        return f"No files matching {args['glob_pattern']!r} under {root}."
+        return f"No files matching {args['glob_pattern']!r} under {root}." + unread_note(unread)
     out = files[:MAX_GLOB_RESULTS]
     text = "\n".join(out)
     if len(files) > len(out):
         text += f"\n... [{len(files) - len(out)} more files not shown]"
-    return text
+    return text + unread_note(unread)
 
 
 GLOB_FILE_SEARCH = FunctionTool(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from codedojo.harness.ripgrep import RgError, rg_lines, unread_note
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
 from codedojo.sandbox.base import WORKSPACE
 
@@ -41,16 +42,17 @@ def _grep(ctx: ToolContext, args: dict[str, Any]) -> str:
     r = ctx.sandbox.exec(rg_argv(args, root), timeout=ctx.timeout_s)
     if r.timed_out:
         raise ToolError(f"grep timed out after {ctx.timeout_s:.0f}s; narrow the path or glob")
-    if r.exit_code == 1:
-        return "No matches found."
-    if r.exit_code != 0:
-        raise ToolError(r.stderr.strip() or f"rg failed with exit code {r.exit_code}")
-    lines = r.stdout.splitlines()
+    try:
+        lines, unread = rg_lines(r)
+    except RgError as e:
+        raise ToolError(str(e)) from None
+    if not lines:
+        return "No matches found." + unread_note(unread)
     head = args.get("head_limit") or DEFAULT_HEAD_LIMIT
     text = "\n".join(lines[:head])
     if len(lines) > head:
         text += f"\n... [{len(lines) - head} more lines not shown; raise head_limit or narrow the search]"
-    return text
+    return text + unread_note(unread)
 
 
 GREP = FunctionTool(

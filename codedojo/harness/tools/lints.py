@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from codedojo.harness.lint import CONFIG_FILES, ruff_check
+from codedojo.harness.ripgrep import RgError, rg_lines
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
 from codedojo.sandbox.base import WORKSPACE, SandboxError
 
@@ -16,9 +17,10 @@ def _python_files(ctx: ToolContext, root: str) -> list[str]:
     r = ctx.sandbox.exec(
         ["rg", "--files", "--glob", "*.py", "--glob", "*.pyi", root], timeout=ctx.timeout_s
     )
-    if r.exit_code not in (0, 1):
-        raise ToolError(r.stderr.strip() or f"cannot list files under {root}")
-    return [f for f in r.stdout.splitlines() if f]
+    try:
+        return rg_lines(r)[0]  # (a file it cannot read, ruff cannot either)
+    except RgError as e:
+        raise ToolError(f"cannot list files under {root}: {e}") from None
 
 
 def workspace_configs(sandbox: Any) -> dict[str, str]:

@@ -87,6 +87,17 @@ def test_grep(session):
     assert ok(session, "grep", pattern="--version") == "No matches found."
 
 
+def test_a_path_the_search_cannot_read_is_noted_beside_what_it_found(session):
+    ok(session, "run_terminal_cmd", command="mkdir secret && touch secret/x.py && chmod 000 secret")
+    out = ok(session, "grep", pattern="def total_value")
+    assert out.startswith("/workspace/inventory/stock.py:13:def total_value(items):")
+    assert out.endswith("[not searched: /workspace/secret: Permission denied (os error 13)]")
+    assert "[not searched: " in ok(session, "grep", pattern="zzz_nothing")
+    files = ok(session, "glob_file_search", glob_pattern="*.py").splitlines()
+    assert files[0] == "/workspace/inventory/__init__.py" and files[-1].startswith("[not searched")
+    assert ok(session, "read_lints").startswith("No lint errors in ")
+
+
 def test_search_replace(session, sandbox):
     out = ok(session, "search_replace", file_path="inventory/stock.py",
              old_string="i.qty < threshold", new_string="i.qty <= threshold")
