@@ -108,11 +108,24 @@ def test_a_number_that_is_not_finite_is_refused(lenient):
 
 
 def test_an_integer_too_large_for_a_float_is_checked_without_a_crash():
-    """(`math.isfinite(10**400)` raises OverflowError: only floats can be NaN or infinite.)"""
+    """(`math.isfinite(10**400)` raises OverflowError; as a command's timeout, a number no
+    float holds failed the tool as it ran.)"""
     from codedojo.harness.tools.terminal import RUN_TERMINAL_CMD
 
-    args = {"command": "x", "timeout": 10**400}
-    assert validate_args(args, RUN_TERMINAL_CMD.parameters) == args
+    with pytest.raises(ToolError, match="argument 'timeout' must be a finite number"):
+        validate_args({"command": "x", "timeout": 10**400}, RUN_TERMINAL_CMD.parameters)
+    assert validate_args({"command": "x", "timeout": 10**300}, RUN_TERMINAL_CMD.parameters)
+
+
+def test_null_for_an_optional_argument_is_left_out_in_lenient_mode():
+    from codedojo.harness.tools.files import READ_FILE
+
+    args = {"target_file": "a.py", "offset": None}
+    assert validate_args(args, READ_FILE.parameters, lenient=True) == {"target_file": "a.py"}
+    with pytest.raises(ToolError, match="argument 'offset' must be of type integer"):
+        validate_args(args, READ_FILE.parameters)
+    with pytest.raises(ToolError, match="argument 'target_file' must be of type string"):
+        validate_args({"target_file": None}, READ_FILE.parameters, lenient=True)
 
 
 @pytest.mark.parametrize("value", ["--5", "²", "1_0", "+"])

@@ -199,8 +199,12 @@ def _check(value: Any, schema: Mapping[str, Any], where: str, lenient: bool) -> 
     if "enum" in schema and value not in schema["enum"]:
         raise ToolError(f"argument {where!r} must be one of {schema['enum']}, got {value!r}")
     if typ in ("integer", "number"):
-        if isinstance(value, float) and not math.isfinite(value):  # NaN passes every test
-            raise ToolError(f"argument {where!r} must be a finite number, got {value!r}")
+        try:
+            finite = math.isfinite(value)  # NaN passes every test below; 10**400 fails them all
+        except OverflowError:
+            finite = False
+        if not finite:
+            raise ToolError(f"argument {where!r} must be a finite number, got {value!r:.40}")
         if "minimum" in schema and value < schema["minimum"]:
             raise ToolError(f"argument {where!r} must be >= {schema['minimum']}, got {value!r}")
         if "maximum" in schema and value > schema["maximum"]:
@@ -218,21 +222,23 @@ def validate_args(
     """Check `args` against an object schema; returns the (lenient: coerced) arguments.
 
     Strict mode rejects unknown arguments and wrong types; lenient mode drops unknown arguments
-    and coerces string forms of numbers and booleans. Both reject missing required arguments.
+    and optional ones given as null, and coerces string forms of numbers and booleans. Both
+    reject missing required arguments.
     """
     if not isinstance(args, dict):
         raise ToolError(f"arguments must be a JSON object, got {type(args).__name__}")
     props: Mapping[str, Any] = schema.get("properties", {})
     out: dict[str, Any] = {}
+    required = schema.get("required", [])
     for key, value in args.items():
-        if key not in props:
-            if lenient:
-                continue
+        if key not in props or (lenient and value is None and key not in required):
+            if lenient:  # (null for an optional argument: left out, as OpenAI's strict mode
+                continue  # spells one)
             raise ToolError(
                 f"unknown argument {prefix + key!r}; expected one of {sorted(props)}"
             )
         out[key] = _check(value, props[key], prefix + key, lenient)
-    for key in schema.get("required", []):
+    for key in required:
         if key not in out:
             raise ToolError(f"missing required argument {prefix + key!r}")
     return out

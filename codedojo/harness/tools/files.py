@@ -213,8 +213,8 @@ def _search_replace(ctx: ToolContext, args: dict[str, Any]) -> str:
     text = _read_text(ctx, path, errors="surrogateescape")  # what is not UTF-8 stays as it was
     if text is None:
         if old == "":
-            ctx.remember_edit(path)
             _write_text(ctx, path, new)
+            ctx.remember_edit(path)
             return f"Created {path}."
         raise ToolError(f"file not found: {args['file_path']}")
     if old == new:
@@ -231,9 +231,9 @@ def _search_replace(ctx: ToolContext, args: dict[str, Any]) -> str:
         raise ToolError(
             f"old_string occurs {count} times in {path}; add context to make it unique or set replace_all"
         )
-    ctx.remember_edit(path)
     updated = text.replace(old, new) if args.get("replace_all", False) else text.replace(old, new, 1)
     _write_text(ctx, path, updated)
+    ctx.remember_edit(path)
     n = count if args.get("replace_all", False) else 1
     return f"Replaced {n} occurrence{'s' if n > 1 else ''} in {path}."
 
@@ -262,8 +262,9 @@ SEARCH_REPLACE = FunctionTool(
 
 def _write(ctx: ToolContext, args: dict[str, Any]) -> str:
     path = resolve(args["file_path"])
+    n = _write_text(ctx, path, args["contents"])
     ctx.remember_edit(path)
-    return f"Wrote {_write_text(ctx, path, args['contents'])} bytes to {path}."
+    return f"Wrote {n} bytes to {path}."
 
 
 WRITE = FunctionTool(
@@ -291,8 +292,8 @@ def _delete_file(ctx: ToolContext, args: dict[str, Any]) -> str:
         raise ToolError(f"file not found: {args['target_file']}") from e
     if info.kind == "dir":
         raise ToolError(f"{path} is a directory; delete_file removes files only")
-    ctx.remember_edit(path)
     ctx.sandbox.remove(path)
+    ctx.remember_edit(path)
     return f"Deleted {path}."
 
 

@@ -98,6 +98,14 @@ def test_a_path_the_search_cannot_read_is_noted_beside_what_it_found(session):
     assert ok(session, "read_lints").startswith("No lint errors in ")
 
 
+def test_an_edit_that_fails_is_not_noted_as_made(session):
+    assert "is a directory" in err(session, "write", file_path="inventory", contents="x")
+    err(session, "search_replace", file_path="/proc/x/y", old_string="", new_string="x")
+    assert session.ctx.state.get("edited", []) == []
+    ok(session, "write", file_path="new.py", contents="X = 1\n")
+    assert session.ctx.state["edited"] == ["/workspace/new.py"]
+
+
 def test_search_replace(session, sandbox):
     out = ok(session, "search_replace", file_path="inventory/stock.py",
              old_string="i.qty < threshold", new_string="i.qty <= threshold")

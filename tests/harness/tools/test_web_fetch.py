@@ -71,6 +71,10 @@ def test_web_fetch_goes_through_the_egress_proxy(provider, repo_image, upstream,
         r = s.call("web_fetch", {"url": f"http://docs.test:{port}/notes.txt"})
         assert r.content.endswith("plain text body\n")
         assert seen == ["/page.html", "/notes.txt"]
+        # brackets and braces are the URL's, not a glob of many (curl's own reading of them)
+        r = s.call("web_fetch", {"url": f"http://docs.test:{port}/notes.txt?f[a]=1&n={{1,2}}"})
+        assert not r.is_error, r.content
+        assert seen.pop() == "/notes.txt?f[a]=1&n={1,2}"
         # Not in the policy: the proxy refuses, and the tool says so.
         r = s.call("web_fetch", {"url": "http://example.com/"})
         assert r.is_error and ("403" in r.content or "egress" in r.content)
