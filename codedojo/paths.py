@@ -9,9 +9,10 @@ import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 
 def cache_dir() -> Path:
@@ -90,6 +91,15 @@ def _exchange(a: Path, b: Path) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):  # EPERM: seccomp
         return False
     raise OSError(err, f"exchanging {a} and {b}: {os.strerror(err)}")
+
+
+def write_synced(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write a new file by ``write`` and have it on disk when this returns: before an index
+    that names it (`write_atomic`) says its directory is finished."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_atomic(path: str | Path, text: str | bytes) -> None:

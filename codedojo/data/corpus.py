@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import posixpath
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -74,11 +75,13 @@ def split_documents(docs: Iterable[Document], frac: float) -> tuple[list[Documen
 
 
 def concat_by_dir(docs: Iterable[Document], min_chars: int, max_chars: int) -> Iterator[Document]:
-    """Long documents for the long-context stage: files of one directory joined (each prefixed by
-    its path), the way repository-level context looks to a coding model."""
+    """Long documents for the long-context stage: files of one directory of one source joined
+    (each prefixed by its path), the way repository-level context looks to a coding model."""
     groups: dict[str, list[Document]] = {}
     for d in docs:
-        groups.setdefault(str(Path(str(d.meta.get("path", d.source))).parent), []).append(d)
+        path = str(d.meta.get("path", d.source))
+        source = d.source[:-len(path)] if d.source.endswith(path) else ""  # "repo/", "repo:"
+        groups.setdefault(source + posixpath.dirname(path), []).append(d)
     for key in sorted(groups):
         runs: list[list[str]] = [[]]
         size = 0

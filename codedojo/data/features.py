@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from codedojo.paths import write_atomic
+from codedojo.paths import write_atomic, write_synced
 
 _HEADROOM = 15  # rows are scaled to a largest magnitude below 2^15
 
@@ -53,6 +53,8 @@ class FeatureWriter:
         x = x.detach().float().cpu()
         if not bool(torch.isfinite(x).all()):
             raise ValueError("features: a row holds inf or nan")
+        if x.shape[0] == 0:
+            return  # (a part of no rows could not be read back: an empty file maps to nothing)
         peak = x.abs().amax(1).clamp_min(1e-30)
         exp = (torch.floor(torch.log2(peak)) + 1 - _HEADROOM).clamp(-127, 127).to(torch.int8)
         self._rows.append(torch.ldexp(x, -exp.float().unsqueeze(1)).half().numpy())
@@ -66,9 +68,9 @@ class FeatureWriter:
         if not self._rows:
             return
         name = f"{self.name}_{len(self.parts):05d}"
-        rows = np.concatenate(self._rows)
-        rows.tofile(self.dir / f"{name}.f16")
-        np.save(self.dir / f"{name}.exp.npy", np.concatenate(self._exps))
+        rows, exps = np.concatenate(self._rows), np.concatenate(self._exps)
+        write_synced(self.dir / f"{name}.f16", rows.tofile)
+        write_synced(self.dir / f"{name}.exp.npy", lambda f: np.save(f, exps))
         self.parts.append({"file": f"{name}.f16", "tokens": int(rows.shape[0])})
         self._rows, self._exps, self._n = [], [], 0
 

@@ -22,7 +22,8 @@ from codedojo.data.shards import TokenShards
 class MixtureSource(BaseModel):
     name: str = Field(description="Label used in reports.")
     path: str = Field(description="A shard directory written by `tokenize_to_shards`.")
-    weight: float = Field(1.0, gt=0, description="Relative share of tokens drawn from here.")
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False,
+                          description="Relative share of tokens drawn from here.")
     min_tokens: int = Field(0, ge=0, description="Skip documents shorter than this (e.g. the "
                             "long-document side of a long-context mix).")
     context_tokens: int = Field(0, ge=0, description="Leading tokens of each document that are "

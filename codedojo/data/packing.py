@@ -82,6 +82,8 @@ def pack(docs: Iterable[MixedDoc | np.ndarray], seq_len: int, pad_id: int = 0,
     (documents from a mixture, one source) records each token's place in that source."""
     if seq_len < 1:
         raise ValueError("seq_len must be >= 1")
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
     width = seq_len + 1
     rows_t: list[np.ndarray] = []
     rows_s: list[np.ndarray] = []
@@ -111,6 +113,9 @@ def pack(docs: Iterable[MixedDoc | np.ndarray], seq_len: int, pad_id: int = 0,
         masked = isinstance(d, MixedDoc) and d.mask is not None
         whole = masked or (isinstance(d, MixedDoc) and d.whole)
         m = d.mask if masked else np.ones(len(toks), np.uint8)  # type: ignore[union-attr]
+        if len(m) != len(toks):
+            raise ValueError(f"pack: a document's loss mask has {len(m)} entries for its "
+                             f"{len(toks)} tokens")
         if origins:
             if not isinstance(d, MixedDoc):
                 raise ValueError("pack: origins need documents from a mixture (MixedDoc)")

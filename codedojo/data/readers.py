@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 DEFAULT_CODE_EXTS = (".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".rs", ".go", ".js", ".ts", ".java",
                      ".sh", ".toml", ".md", ".rst", ".txt", ".cfg", ".json", ".yaml", ".yml")
@@ -46,11 +46,20 @@ class SourceConfig(BaseModel):
                       "this interpreter's standard library and installed packages, also as the "
                       "start of a path (`site-packages/rich`).")
     exts: list[str] = Field(default_factory=lambda: [".py"],
-                            description="File extensions kept by dir/git readers.")
+                            description="File name endings kept by dir/git readers, each with "
+                            "its dot (`.py`, `.d.ts`).")
     text_field: str = Field("text", description="Column/key holding the text (jsonl/parquet).")
     exclude: list[str] = Field(default_factory=list,
                                description="Path substrings to skip (dir/git readers).")
     max_files: int | None = Field(None, ge=0, description="Stop after this many documents.")
+
+    @field_validator("exts")
+    @classmethod
+    def _dotted(cls, exts: list[str]) -> list[str]:
+        bad = [e for e in exts if not e.startswith(".") or len(e) < 2]
+        if bad:
+            raise ValueError(f"each extension starts with a dot ('.py'), got {bad}")
+        return exts
 
 
 def resolve_path(path: str) -> Path:
@@ -65,10 +74,16 @@ def resolve_path(path: str) -> Path:
     return Path(path).expanduser()
 
 
-def _read_text(p: Path) -> str | None:
+def _read_text(p: Path, max_bytes: int | None = None,
+               skipped: Counter[str] | None = None) -> str | None:
+    """A text file's text: None for a binary file, one that is not UTF-8, or one past
+    ``max_bytes`` as read (a size the file system reports may be 0, as /proc's are)."""
     try:
-        data = p.read_bytes()
+        with p.open("rb") as f:
+            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
     except OSError:
+        return None
+    if _too_long(len(data), max_bytes, skipped):
         return None
     if b"\x00" in data[:4096]:  # binary file
         return None
@@ -95,22 +110,26 @@ def _key(f: Path, asked: Path) -> str:
 def read_dir(root: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
              exclude: list[str] | None = None, max_bytes: int | None = None,
              skipped: Counter[str] | None = None) -> Iterator[Document]:
-    """Files under `root` with one of `exts`, in sorted order so runs are reproducible. A file
-    over ``max_bytes`` is skipped unread (counted as ``skipped["too_long"]``)."""
+    """Regular files under `root` whose names end with one of `exts`, in sorted order so runs
+    are reproducible. A link is not followed (a tree's link may point anywhere on the
+    machine); a name that is not UTF-8 is skipped (``skipped["bad_name"]``), and a file over
+    ``max_bytes`` (``skipped["too_long"]``)."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"source.path: {root} is not a directory")
     wanted = tuple(exts)
     exclude = exclude or []
     for p in sorted(root.rglob("*")):
-        if not p.is_file() or p.suffix not in wanted:
+        if not p.name.endswith(wanted) or p.is_symlink() or not p.is_file():
             continue
         rel = str(p.relative_to(root))
         if any(x in rel for x in exclude) or "__pycache__" in rel:
             continue
+        if not _utf8(rel, skipped):
+            continue
         if _too_long(p.stat().st_size, max_bytes, skipped):
             continue
-        text = _read_text(p)
+        text = _read_text(p, max_bytes, skipped)
         if text is not None:
             yield Document(text=text, source=f"{_named(root)}/{rel}", meta={"path": rel})
 
@@ -129,8 +148,9 @@ def read_git(repo: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
         raise ValueError(f"source.path: {repo} is not a git repository") from e
     wanted = tuple(exts)
     exclude = exclude or []
-    files = [x for x in sorted(out.decode().split("\0"))
-             if x.endswith(wanted) and not any(e in x for e in exclude)]
+    names = [n.decode("utf-8", "surrogateescape") for n in out.split(b"\0") if n]
+    files = [x for x in sorted(names) if x.endswith(wanted) and not any(e in x for e in exclude)
+             and _utf8(x, skipped)]
     # "./": relative to the directory asked for (a repository's subdirectory), as ls-files
     # lists them, not to the repository's root
     sizes = _blob_sizes(repo, [f"HEAD:./{rel}" for rel in files]) if max_bytes else {}
@@ -147,6 +167,17 @@ def read_git(repo: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
             continue
         yield Document(text=text, source=f"{_named(repo)}:{rel}",
                        meta={"path": rel, "repo": str(repo)})
+
+
+def _utf8(name: str, skipped: Counter[str] | None) -> bool:
+    """Whether a file name (decoded with surrogateescape) is UTF-8: a document's id is."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        if skipped is not None:
+            skipped["bad_name"] += 1
+        return False
+    return True
 
 
 def _too_long(size: int, max_bytes: int | None, skipped: Counter[str] | None) -> bool:
@@ -168,9 +199,12 @@ def _blob_sizes(repo: Path, revs: list[str]) -> dict[str, int]:
 
 
 def read_jsonl(path: str | Path, text_field: str = "text") -> Iterator[Document]:
-    """One document per line; other keys are kept as metadata."""
+    """One document per line of a file, or of each .jsonl file under a folder; other keys are
+    kept as metadata."""
     path = Path(path)
-    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
+    if not files:
+        raise FileNotFoundError(f"source.path: no .jsonl files under {path}")
     for f in files:
         key = _key(f, path)
         with f.open("rb") as fh:
@@ -195,6 +229,9 @@ def read_jsonl(path: str | Path, text_field: str = "text") -> Iterator[Document]
                 if not isinstance(text, str):
                     raise ValueError(f"{where}: text_field {text_field!r} must be a string, "
                                      f"got {type(text).__name__}")
+                if not _utf8(text, None):
+                    raise ValueError(f"{where}: text_field {text_field!r} holds a lone "
+                                     "surrogate (an escape such as \\ud800): not text")
                 yield Document(text=text, source=f"{key}:{i + 1}", meta=row)
 
 

@@ -53,13 +53,15 @@ def read_sft_jsonl(path: str | Path) -> Iterator[Conversation]:
     """Lines of {"messages": [...], "tools": [...]?}; errors name the line and field, and so do
     the renderer's (`render_to_shards`)."""
     path = Path(path)
-    with path.open(encoding="utf-8") as fh:
-        for i, line in enumerate(fh):
-            if not line.strip():
+    with path.open("rb") as fh:
+        for i, raw in enumerate(fh):
+            if not raw.strip():
                 continue
             where = f"{path}:{i + 1}"
             try:
-                row = json.loads(line)
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 (byte {e.start})") from None
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
@@ -119,7 +121,8 @@ def _functions_with_docstrings(doc: Document, max_lines: int) -> Iterator[tuple[
         n = node.end_lineno - node.lineno + 1
         if not ds or n > max_lines or n < 3 or node.col_offset != 0:
             continue
-        src = "\n".join(lines[node.lineno - 1:node.end_lineno])
+        first = min((d.lineno for d in node.decorator_list), default=node.lineno)
+        src = "\n".join(lines[first - 1:node.end_lineno])  # its decorators are the function's
         yield node.name, ds.strip().split("\n\n")[0], src
 
 

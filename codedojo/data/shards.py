@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from codedojo.data.readers import Document
-from codedojo.paths import write_atomic
+from codedojo.paths import write_atomic, write_synced
 
 
 class TextEncoder(Protocol):
@@ -79,12 +79,13 @@ class ShardWriter:
             return
         name = f"shard_{len(self.shards):05d}"
         data = np.concatenate(self._buf)
-        data.tofile(self.dir / f"{name}.bin")
+        write_synced(self.dir / f"{name}.bin", data.tofile)
         offsets = np.zeros(len(self._buf) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum([b.size for b in self._buf])
-        np.save(self.dir / f"{name}.idx.npy", offsets)
+        write_synced(self.dir / f"{name}.idx.npy", lambda f: np.save(f, offsets))
         if self._has_mask:
-            np.save(self.dir / f"{name}.mask.npy", np.concatenate(self._mask))
+            mask = np.concatenate(self._mask)
+            write_synced(self.dir / f"{name}.mask.npy", lambda f: np.save(f, mask))
         self.shards.append({"file": f"{name}.bin", "docs": len(self._buf), "tokens": int(data.size),
                             "mask": self._has_mask})
         self._buf, self._mask, self._n = [], [], 0
@@ -141,11 +142,28 @@ class TokenShards:
             # the index says whether a shard has a mask (a file left by an earlier write is not)
             self._masks.append(np.load(self.dir / f"{stem}.mask.npy", mmap_mode="r")
                                if s.get("mask") else None)
+            self._check(s, self._data[-1], self._offsets[-1], self._masks[-1])
         counts = [len(o) - 1 for o in self._offsets]
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         # each shard's first token in the directory's token stream (shards back to back)
         self._token_starts = np.concatenate(
             [[0], np.cumsum([int(o[-1]) for o in self._offsets])]).astype(np.int64)
+
+    def _check(self, shard: dict, data: np.ndarray, offsets: np.ndarray,
+               mask: np.ndarray | None) -> None:
+        """A shard's files hold what the index says (a file cut short, or written over, is
+        refused here rather than read as shorter documents)."""
+        tokens, docs = int(shard["tokens"]), int(shard["docs"])
+        found = {"tokens": len(data), "documents": len(offsets) - 1,
+                 "last offset": int(offsets[-1]) if len(offsets) else -1,
+                 "mask entries": tokens if mask is None else len(mask)}
+        wanted = {"tokens": tokens, "documents": docs, "last offset": tokens,
+                  "mask entries": tokens}
+        bad = [f"{k} {found[k]} (the index says {wanted[k]})" for k in found
+               if found[k] != wanted[k]]
+        if bad or (len(offsets) and (offsets[0] != 0 or np.any(np.diff(offsets) < 0))):
+            raise ValueError(f"{self.dir / str(shard['file'])}: does not match index.json: "
+                             + ("; ".join(bad) or "offsets out of order"))
 
     def __len__(self) -> int:
         return int(self._starts[-1])

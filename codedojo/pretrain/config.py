@@ -61,7 +61,7 @@ class MixEntry(BaseModel):
         description="code: training code shards; long: directory-level concatenations; sft: "
         "rendered chats and tool trajectories; self: the model's own greedy continuations of "
         "code (the stage's `self_gen`).")
-    weight: float = Field(1.0, gt=0)
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False)
     min_tokens: int = Field(0, ge=0, description="Only documents at least this long.")
 
 

@@ -60,3 +60,14 @@ def test_writers_fill_one_directory_and_the_index_orders_their_runs(tmp_path):
     feats = TokenFeatures(write_index(tmp_path / "f", 3, [p for ps in parts for p in ps]))
     assert len(feats) == 16
     assert torch.equal(feats.gather(np.arange(16)), torch.cat([first, second]))
+
+
+def test_a_block_of_no_rows_leaves_the_directory_readable(tmp_path):
+    w = FeatureWriter(tmp_path / "f", dim=4)
+    w.add(torch.zeros(0, 4))
+    w.add(torch.ones(2, 4))
+    w.add(torch.zeros(0, 4))
+    assert len(TokenFeatures(w.close())) == 2
+    empty = FeatureWriter(tmp_path / "g", dim=4)
+    empty.add(torch.zeros(0, 4))
+    assert len(TokenFeatures(empty.close())) == 0

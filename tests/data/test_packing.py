@@ -258,3 +258,31 @@ def test_a_shard_directory_written_again_is_read_as_its_last_writer_left_it(tmp_
     w.add([7, 7, 7, 7, 7, 7])  # a shard file written, then the writer dies
     with pytest.raises(FileNotFoundError, match="no index.json"):
         TokenShards(tmp_path)
+
+
+def test_a_shard_cut_short_is_refused_as_it_is_opened(tmp_path):
+    w = ShardWriter(tmp_path / "s", vocab_size=100, eos_id=None)
+    for _ in range(10):
+        w.add(np.arange(50) % 100, np.ones(50))
+    d = w.close()
+    assert TokenShards(d).num_tokens == 500
+    with open(d / "shard_00000.bin", "r+b") as f:
+        f.truncate(40)
+    with pytest.raises(ValueError, match=r"shard_00000.bin: does not match index.json: tokens "
+                                         r"20 \(the index says 500\)"):
+        TokenShards(d)
+
+
+def test_a_mask_must_have_one_entry_per_token_and_max_rows_at_least_one():
+    from codedojo.data.mixture import MixedDoc
+
+    doc = MixedDoc(tokens=np.arange(10), mask=np.ones(1, np.uint8), source=0)
+    with pytest.raises(ValueError, match="loss mask has 1 entries for its 10 tokens"):
+        pack([doc], seq_len=4)
+    with pytest.raises(ValueError, match="max_rows must be >= 1, got 0"):
+        pack([np.arange(10)], seq_len=4, max_rows=0)
+
+
+def test_a_weight_must_be_finite():
+    with pytest.raises(ValueError, match="finite"):
+        MixtureSource(name="a", path="x", weight=float("inf"))

@@ -143,7 +143,8 @@ def test_a_file_too_long_for_the_filters_is_skipped_unread(tmp_path, monkeypatch
                         "commit", "-qm", "x"], check=True)
     opened = []
     real_read, real_run = readers._read_text, subprocess.run
-    monkeypatch.setattr(readers, "_read_text", lambda p: opened.append(p.name) or real_read(p))
+    monkeypatch.setattr(readers, "_read_text",
+                        lambda p, *a: opened.append(p.name) or real_read(p, *a))
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: (
         opened.append(cmd[-1].rsplit("/", 1)[-1]) if "show" in cmd else None) or
         real_run(cmd, **kw))
@@ -186,3 +187,64 @@ def test_data_that_is_not_what_its_reader_needs_is_named_by_file_and_line(tmp_pa
             list(read_sft_jsonl(sft))
     with pytest.raises(ValueError, match="max_files"):
         SourceConfig(kind="dir", path=".", max_files=-1)
+
+
+def test_a_tree_cannot_read_what_lies_outside_it(tmp_path):
+    """A link in a tree (a cloned repository's) to a file elsewhere, or to /proc, whose size
+    reads as 0, is not followed; nor are names that are not UTF-8 taken as ids."""
+    import os
+    from collections import Counter
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("AWS_SECRET=hunter2\n")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "ok.txt").write_text("fine\n")
+    (repo / "notes.txt").symlink_to(secret)
+    (repo / "maps.txt").symlink_to("/proc/self/maps")
+    (repo / "types.d.ts").write_text("type A = 1\n")
+    open(os.path.join(os.fsencode(repo), b"caf\xe9.txt"), "w").write("latin-1 name\n")
+    skipped: Counter[str] = Counter()
+    docs = list(read_dir(repo, [".txt", ".d.ts"], max_bytes=1000, skipped=skipped))
+    assert [d.meta["path"] for d in docs] == ["ok.txt", "types.d.ts"]
+    assert skipped == {"bad_name": 1}
+    with pytest.raises(ValueError, match=r"starts with a dot \('.py'\), got \['py'\]"):
+        SourceConfig(kind="dir", path=".", exts=["py"])
+
+
+def test_a_git_name_that_is_not_utf8_is_skipped_not_the_repository(tmp_path):
+    import os
+    from collections import Counter
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    open(os.path.join(os.fsencode(tmp_path), b"caf\xe9.py"), "w").write("y = 2\n")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "."], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t",
+                    "commit", "-qm", "x"], check=True)
+    skipped: Counter[str] = Counter()
+    assert [d.meta["path"] for d in read_git(tmp_path, skipped=skipped)] == ["a.py"]
+    assert skipped == {"bad_name": 1}
+
+
+def test_jsonl_folders_are_read_whole_and_text_must_be_text(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "rows.jsonl").write_text('{"text": "a"}\n{"text": "b\\ud800"}\n')
+    with pytest.raises(ValueError, match=r"rows.jsonl:2: text_field 'text' holds a lone "
+                                         "surrogate"):
+        list(read_jsonl(tmp_path))
+    (tmp_path / "sub" / "rows.jsonl").write_text('{"text": "a"}\n')
+    assert [d.text for d in read_jsonl(tmp_path)] == ["a"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no .jsonl files under"):
+        list(read_jsonl(tmp_path / "empty"))
+
+
+def test_directories_of_two_sources_are_not_joined():
+    from codedojo.data.corpus import concat_by_dir
+    from codedojo.data.readers import Document
+
+    docs = [Document("x" * 40, f"{repo}{sep}{p}", {"path": p}) for repo, sep in
+            (("repoA", "/"), ("repoB", ":")) for p in ("setup.py", "src/x.py")]
+    out = {d.source: d.text.count("# file:") for d in concat_by_dir(docs, 10, 1000)}
+    assert out == {"repoA/#1": 1, "repoA/src#1": 1, "repoB:#1": 1, "repoB:src#1": 1}

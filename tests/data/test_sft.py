@@ -50,3 +50,20 @@ def test_a_conversation_the_renderer_refuses_is_named_by_its_file_and_line(tmp_p
         render_to_shards([([{"role": "user", "content": "hi"},
                             {"role": "assistant", "content": 3}], None)],
                          tmpl.render_with_mask, tmp_path / "out2", tok.vocab_size, tok.eos_id)
+
+
+def test_a_decorated_function_is_trained_with_its_decorators_and_bad_bytes_name_the_line(
+        tmp_path):
+    from codedojo.data.sft import read_sft_jsonl
+
+    src = ("import functools\n\n\n@functools.lru_cache(maxsize=None)\ndef fib(n):\n"
+           '    """The n-th Fibonacci number."""\n    return n if n < 2 else fib(n - 1) + '
+           "fib(n - 2)\n")
+    conv = next(iter(code_sft_examples([Document(src, "m.py", {"path": "m.py"})])))
+    answer = conv.messages[-1]["content"]
+    assert "@functools.lru_cache(maxsize=None)\ndef fib(n):" in answer
+    bad = tmp_path / "sft.jsonl"
+    ok = b'{"messages": [{"role": "assistant", "content": "a"}]}\n'
+    bad.write_bytes(ok + b'{"messages": [{"role": "assistant", "content": "caf\xe9"}]}\n')
+    with pytest.raises(ValueError, match=r"sft.jsonl:2: not UTF-8 \(byte 51\)"):
+        list(read_sft_jsonl(bad))
