@@ -144,9 +144,11 @@ class TextAssembler:
                  skip_special_tokens: bool) -> None:
         self.decoder = tokenizer.incremental_decoder(skip_special_tokens=skip_special_tokens)
         self.stops = [s for s in stops if s]
+        self.starts = [_Start(s) for s in self.stops]
         self.stop_ids = set(stop_ids)
         self.text = ""  # everything decoded so far (may run past a stop string)
         self.released = 0  # text[:released] has been handed out
+        self.fed = 0  # text[:fed] has been fed to `starts`
         self.stopped = False
 
     def push(self, token_id: int) -> str:
@@ -173,21 +175,38 @@ class TextAssembler:
                 final = True
         end = len(self.text)
         if not final and self.stops:
-            end -= _held_back(self.text, self.stops)
+            new, self.fed = self.text[self.fed:], len(self.text)
+            end -= max(start.feed(new) for start in self.starts)
         out = self.text[self.released : end] if end > self.released else ""
         self.released = max(self.released, end)
         return out
 
 
-def _held_back(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
+class _Start:
+    """The longest start of ``word`` that the text fed so far ends with, short of the whole
+    word: text to hold back, as it may become the word. Kept as the text grows, a character a
+    step (Knuth-Morris-Pratt), so a long word costs no more per token than a short one."""
+
+    def __init__(self, word: str) -> None:
+        self.word, self.k = word, 0
+        self.fail = [0] * len(word)  # fail[i]: the longest start of word that word[:i+1] ends with
+        j = 0
+        for i in range(1, len(word)):
+            while j and word[i] != word[j]:
+                j = self.fail[j - 1]
+            j += word[i] == word[j]
+            self.fail[i] = j
+
+    def feed(self, text: str) -> int:
+        word, fail, k = self.word, self.fail, self.k
+        for ch in text:
+            if k == len(word):
+                k = fail[k - 1]
+            while k and ch != word[k]:
+                k = fail[k - 1]
+            k += ch == word[k]
+        self.k = k
+        return fail[k - 1] if k == len(word) else k  # (the whole word: its longest border)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -502,8 +521,15 @@ def _with_usage(chunk: dict[str, Any], last: bool, include_usage: bool, usage: U
     return [_sse({**chunk, "usage": usage.model_dump()})]
 
 
+@dataclass(frozen=True)
+class _Failed:
+    error: Exception
+
+
 async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave several async iterators, tagging items with their index (n > 1 streaming)."""
+    """Interleave several async iterators, tagging items with their index (n > 1 streaming).
+    One that fails raises its error at once, and the others are cancelled (their engine
+    requests with them), as `_collect_all` does for a response sent whole."""
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     done = object()
 
@@ -511,7 +537,9 @@ async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any
         try:
             async for item in g:
                 await queue.put((i, item))
-        finally:
+        except Exception as e:
+            await queue.put((i, _Failed(e)))
+        else:
             await queue.put((i, done))
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
@@ -519,6 +547,8 @@ async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any
     try:
         while remaining:
             i, item = await queue.get()
+            if isinstance(item, _Failed):
+                raise item.error
             if item is done:
                 remaining -= 1
                 continue
@@ -527,10 +557,6 @@ async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for t in tasks:
-            exc = t.exception() if t.done() and not t.cancelled() else None
-            if exc is not None:
-                raise exc
 
 
 # ----------------------------------------------------------------------------------------------
@@ -611,6 +637,7 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
     # Per choice: text seen so far, and how much of it went out as content.
     seen = ["" for _ in gens]
     sent = [0 for _ in gens]
+    starts = [_Start(marker) for _ in gens] if marker else []
     cached = [0 for _ in gens]
     completion_tokens = finished = 0
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -628,8 +655,9 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
                 # With tools, text from the tool-call marker on is held back until it is parsed.
                 safe = len(seen[i])
                 if marker:
-                    at = seen[i].find(marker)
-                    safe = at if at >= 0 else len(seen[i]) - _held_back(seen[i], [marker])
+                    held = starts[i].feed(item.text)
+                    at = seen[i].find(marker, max(0, sent[i] - len(marker)))
+                    safe = at if at >= 0 else len(seen[i]) - held
                 delta = seen[i][sent[i]:safe] if safe > sent[i] else ""
                 sent[i] = max(sent[i], safe)
                 choice: dict[str, Any] = {"index": i, "delta": {"content": delta} if delta else {},

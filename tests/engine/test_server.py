@@ -277,6 +277,38 @@ def replay(tok, http):
         s.stop()
 
 
+class OneChoiceFails:
+    """Choice 1 (seed 101) fails after its first token; choice 0 would go on to its limit."""
+
+    weight_version = 0
+    max_seq_len = 4096
+
+    def __init__(self, token: int) -> None:
+        self.token, self.made = token, 0
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        import asyncio
+
+        for i in range(params.max_tokens):
+            await asyncio.sleep(0.01)
+            if params.seed == 101 and i == 1:
+                yield TokenEvent(-1, 0.0, [], "error", error="RuntimeError: boom")
+                return
+            self.made += params.seed == 100
+            yield TokenEvent(self.token, -0.1, [], "length" if i == params.max_tokens - 1 else None)
+
+
+def test_a_failed_choice_of_a_stream_ends_it_at_once_and_its_siblings_with_it(tok, http):
+    engine = OneChoiceFails(tok.encode("a")[0])
+    with BackgroundServer(create_app(engine, tok, model_name=MODEL)) as srv:
+        r = http.post(f"{srv.url}/v1/chat/completions", json={
+            "model": MODEL, "messages": MSGS, "max_tokens": 300, "seed": 100, "n": 2,
+            "temperature": 1, "stream": True})
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "generation failed: RuntimeError: boom" in events[-2]
+    assert engine.made < 100  # choice 0 was cancelled, not run to its 300 tokens
+
+
 def test_tool_calls_are_parsed(replay):
     answer = 'Reading.\n<tool_call>[\n{"name": "read_file", "arguments": {"target_file": "a.py"}}\n]</tool_call>'
     client, _, _ = replay(answer)
@@ -331,6 +363,26 @@ def test_text_assembler_holds_back_possible_stop_prefixes(tok, stops, pieces, ex
             assert expected.startswith(out)
     out += asm.finish()
     assert out == expected
+
+
+def test_the_text_held_back_is_the_longest_start_of_a_stop_the_text_ends_with():
+    """Kept as the text grows, against the definition on every prefix of random texts."""
+    import random
+
+    from codedojo.engine.server import _Start
+
+    rng = random.Random(0)
+    for _ in range(300):
+        word = "".join(rng.choice("ab") for _ in range(rng.randint(1, 7)))
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        start, at = _Start(word), 0
+        while at < len(text):
+            step = rng.randint(1, 4)
+            held = start.feed(text[at:at + step])
+            at += step
+            seen = text[:at]
+            want = max((k for k in range(len(word)) if seen.endswith(word[:k])), default=0)
+            assert held == want, (word, seen)
 
 
 def test_named_tool_choice_prefills_the_call(replay, tok):
