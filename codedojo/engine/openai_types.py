@@ -26,6 +26,36 @@ _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """null for a field with a default means that default, as OpenAI reads it (`"n":
+        null`, `"stream": null` from clients that send every field)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required()
+                or fields[k].default is None}
+
+
+def _lone_surrogate(value: Any, where: str = "") -> str | None:
+    """Where in a request (``messages[0].content``) a string holds a lone surrogate: valid
+    JSON (``"\\ud800"``), but no text, which no tokenizer can take."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "request"
+        return None
+    items = value.items() if isinstance(value, dict) else \
+        enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        at = f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}" if where else str(k)
+        if (bad := _lone_surrogate(v, at)) is not None:
+            return bad
+    return None
+
 
 # ----------------------------------------------------------------------------------------------
 # Requests
@@ -113,6 +143,14 @@ class StreamOptions(_Request):
 
 class _Sampling(_Request):
     """Fields shared by both endpoints."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text(cls, data: Any) -> Any:
+        if (where := _lone_surrogate(data)) is not None:
+            raise ValueError(f"{where}: holds a lone surrogate (an escape such as \\ud800 "
+                             "alone): not text")
+        return data
 
     model: str
     temperature: float | None = Field(None, ge=0, le=2)

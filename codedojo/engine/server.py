@@ -16,7 +16,6 @@ route is a 404; an internal failure is a 500 for that request only. The server k
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import threading
@@ -365,8 +364,11 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
         async for ev in agen:
             if ev.finish_reason == "error":  # a failed step: the client hears what went wrong
                 raise APIError(500, f"generation failed: {ev.error}", None, "server_error")
-            if ev.token_id < 0:  # the engine ended the request without a token (cancelled)
-                finish = "stop" if ev.finish_reason == "cancelled" else (ev.finish_reason or finish)
+            if ev.finish_reason == "cancelled":  # by the engine (this server's cancels end
+                raise APIError(503, "the engine stopped before the answer was done", None,
+                               "server_error")  # the stream it reads first): cut short
+            if ev.token_id < 0:  # the engine ended the request without a token
+                finish = ev.finish_reason or finish
                 break
             result.token_ids.append(ev.token_id)
             result.cached_tokens, result.weight_version = ev.cached_tokens, ev.weight_version
@@ -380,7 +382,7 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
                 finish = "stop"
                 break
             if ev.finish_reason is not None:
-                finish = "stop" if ev.finish_reason in ("stop", "cancelled") else ev.finish_reason
+                finish = ev.finish_reason
                 break
     finally:
         # Leaving the engine's stream early (stop string, client gone) cancels the request there.
@@ -395,14 +397,31 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
     yield result
 
 
+class TextOffsets:
+    """Where each token's text starts in a choice's text, token by token: where the decoded
+    text ends with the token's own text, there; a part of a character (its text U+FFFD), or
+    a control token the text leaves out, where the text stood before it."""
+
+    def __init__(self, tok: Tokenizer, skip_special: bool, offset: int = 0) -> None:
+        self.decoder = tok.incremental_decoder(skip_special_tokens=skip_special)
+        self.at = offset
+
+    def next(self, token_id: int, word: str) -> int:
+        out = self.decoder.push(token_id)
+        whole = word and "\ufffd" not in word and out.endswith(word)
+        start = self.at + len(out) - len(word) if whole else self.at
+        self.at += len(out)
+        return start
+
+
 def _completion_logprobs(tok: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[float],
-                         tops: Sequence[list[tuple[int, float]]], offset: int, with_top: bool,
-                         skip_special: bool) -> dict[str, Any]:
+                         tops: Sequence[list[tuple[int, float]]], offsets: TextOffsets,
+                         with_top: bool, skip_special: bool) -> dict[str, Any]:
     """A legacy completion's ``logprobs`` for these tokens: their texts (a control token the
     text leaves out, "" where ``skip_special``), logprobs, top alternatives (by text, when
-    asked for) and where each text starts, from ``offset`` on. A token that is part of a
-    character alone (its text holds U+FFFD) is keyed by its bytes (`bytes:\\xNN`), so that
-    such alternatives do not overwrite each other."""
+    asked for) and where each text starts (`TextOffsets`, which goes on from the last call's
+    tokens). A token that is part of a character alone (its text holds U+FFFD) is keyed by
+    its bytes (`bytes:\\xNN`), so that such alternatives do not overwrite each other."""
     def text(t: int) -> str:
         return "" if skip_special and tok.is_special(t) else tok.token_text(t)
 
@@ -412,10 +431,10 @@ def _completion_logprobs(tok: Tokenizer, token_ids: Sequence[int], logprobs: Seq
             f"\\x{b:02x}" for b in tok.token_bytes(t))
 
     texts = [text(t) for t in token_ids]
-    starts = list(itertools.accumulate(map(len, texts), initial=offset))[:len(texts)]
     return {"tokens": texts, "token_logprobs": list(logprobs),
             "top_logprobs": [{key(i): v for i, v in top} for top in tops]
-            if with_top else None, "text_offset": starts}
+            if with_top else None,
+            "text_offset": [offsets.next(t, w) for t, w in zip(token_ids, texts, strict=True)]}
 
 
 def _version_of(item: Piece | ChoiceResult) -> dict[str, int]:
@@ -751,7 +770,8 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
         lp = None
         if n_lp is not None:
             lp = CompletionLogprobs(**_completion_logprobs(
-                tok, r.token_ids, r.logprobs, r.top_logprobs, len(prefix), bool(n_lp),
+                tok, r.token_ids, r.logprobs, r.top_logprobs,
+                TextOffsets(tok, req.skip_special_tokens, len(prefix)), bool(n_lp),
                 req.skip_special_tokens))
         choices.append(CompletionChoice(index=idx, text=prefix + r.text, finish_reason=r.finish_reason, logprobs=lp,
                                         token_ids=r.token_ids if req.return_token_ids else None,
@@ -777,12 +797,12 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
     prompt_tokens = sum(len(p) for _, p, _ in jobs[:: req.n])
     cached = [0 for _ in jobs]
     tok = state.tokenizer
-    offset = [0 for _ in jobs]  # where the next token's text starts in the choice's text
+    offsets = [TextOffsets(tok, req.skip_special_tokens) for _ in jobs]
     try:
         if req.echo:
             for idx, (_, p, _) in enumerate(jobs):
                 echoed = tok.decode(p)
-                offset[idx] = len(echoed)
+                offsets[idx].at = len(echoed)
                 yield _sse({**base, "choices": [{"index": idx, "text": echoed, "finish_reason": None}]})
         async for idx, item in _merge(gens):
             if isinstance(item, Piece):
@@ -792,11 +812,9 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
                     if req.return_token_ids:
                         choice["token_ids"] = [item.token_id]
                     if req.logprobs is not None:  # as the whole response's, one token's worth
-                        lp = _completion_logprobs(tok, [item.token_id], [item.logprob], [item.top],
-                                                  offset[idx], bool(req.logprobs),
-                                                  req.skip_special_tokens)
-                        choice["logprobs"] = lp
-                        offset[idx] += len(lp["tokens"][0])
+                        choice["logprobs"] = _completion_logprobs(
+                            tok, [item.token_id], [item.logprob], [item.top], offsets[idx],
+                            bool(req.logprobs), req.skip_special_tokens)
                 if item.text or len(choice) > 3:
                     yield _sse({**base, **_version_of(item), "choices": [choice]})
             else:
@@ -840,9 +858,13 @@ class BackgroundServer:
     def start(self, timeout: float = 30.0) -> BackgroundServer:
         self.thread = threading.Thread(target=self.server.run, name="dojo-serve", daemon=True)
         self.thread.start()
-        if not self._ready.wait(timeout) or not self.url:
+        if not self._ready.wait(timeout):
             self.stop()
             raise RuntimeError(f"server did not start on {self.host} within {timeout}s")
+        if not self.url:
+            self.stop()
+            raise RuntimeError(f"server could not listen on {self.host}:{self.server.config.port}"
+                               " (is the port taken?)")
         return self
 
     def stop(self) -> None:
@@ -865,10 +887,12 @@ class _ReadyServer(uvicorn.Server):
         self.owner = owner
 
     async def startup(self, sockets: Any = None) -> None:
-        await super().startup(sockets)
-        if self.started and self.servers:
-            port = self.servers[0].sockets[0].getsockname()[1]
-            self.owner.url = f"http://{self.config.host}:{port}"
-            if self.owner.on_ready is not None:
-                self.owner.on_ready(self.owner.url)
-        self.owner._ready.set()
+        try:  # (uvicorn leaves by SystemExit when it cannot listen: `start` hears at once)
+            await super().startup(sockets)
+            if self.started and self.servers:
+                port = self.servers[0].sockets[0].getsockname()[1]
+                self.owner.url = f"http://{self.config.host}:{port}"
+                if self.owner.on_ready is not None:
+                    self.owner.on_ready(self.owner.url)
+        finally:
+            self.owner._ready.set()

@@ -309,6 +309,75 @@ def test_a_failed_choice_of_a_stream_ends_it_at_once_and_its_siblings_with_it(to
     assert engine.made < 100  # choice 0 was cancelled, not run to its 300 tokens
 
 
+def test_completion_offsets_are_where_each_token_starts_in_the_text(server, http, tok):
+    """Sampled text, with characters of several byte tokens: each token's text is at its
+    offset (one that is part of a character alone starts where the character does)."""
+    for seed in range(1, 7):
+        body = {"model": MODEL, "prompt": "the", "max_tokens": 10, "temperature": 1,
+                "seed": seed, "logprobs": 0, "stop": []}
+        choice = http.post(server.url + "/v1/completions", json=body).json()["choices"][0]
+        text, lp = choice["text"], choice["logprobs"]
+        assert lp["text_offset"] == sorted(lp["text_offset"])
+        for word, at in zip(lp["tokens"], lp["text_offset"], strict=True):
+            assert 0 <= at <= len(text)
+            if "\ufffd" not in word:
+                assert text[at:at + len(word)] == word, (seed, word, at, text)
+        streamed = http.post(server.url + "/v1/completions", json={**body, "stream": True})
+        offsets = [o for line in streamed.text.splitlines() if line.startswith("data: {")
+                   for c in json.loads(line[6:])["choices"] if c.get("logprobs")
+                   for o in c["logprobs"]["text_offset"]]
+        assert offsets == lp["text_offset"]
+
+
+class StoppedEngine(ReplayEngine):
+    """An engine that stops (shuts down) two tokens into the answer."""
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        for t in self.answer_ids[:2]:
+            yield TokenEvent(t, -0.5, [], None)
+        yield TokenEvent(-1, 0.0, [], "cancelled")
+
+
+def test_an_answer_the_engine_cut_short_is_an_error_not_a_stop(tok, http):
+    with BackgroundServer(create_app(StoppedEngine(tok.encode("abcdef")), tok,
+                                     model_name=MODEL)) as srv:
+        body = {"model": MODEL, "messages": MSGS, "max_tokens": 50}
+        r = http.post(f"{srv.url}/v1/chat/completions", json=body)
+        assert r.status_code == 503 and "engine stopped" in r.json()["error"]["message"]
+        r = http.post(f"{srv.url}/v1/chat/completions", json={**body, "stream": True})
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert '"finish_reason": "stop"' not in r.text and "engine stopped" in events[-2]
+
+
+def test_null_means_the_default_and_text_that_is_not_text_is_a_400(client, server, http):
+    body = {"model": MODEL, "messages": MSGS, "max_tokens": 4, "n": None, "stream": None,
+            "logprobs": None, "temperature": None}
+    r = http.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = http.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "a",
+                                                        "echo": None, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    for path, body in (
+            ("chat/completions", {"model": MODEL, "messages": [
+                {"role": "user", "content": "half \ud83d"}]}),
+            ("completions", {"model": MODEL, "prompt": ["ok", "x\udc80"]})):
+        raw = json.dumps(body)  # (escaped: the lone surrogate travels as JSON allows)
+        r = http.post(f"{server.url}/v1/{path}", content=raw,
+                      headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "lone surrogate" in r.json()["error"]["message"]
+        assert ("messages[0].content" if "chat" in path else "prompt[1]") in r.text
+
+
+def test_a_port_already_taken_is_said_at_once(tok, server):
+    port = int(server.url.rsplit(":", 1)[1])
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"could not listen on 127.0.0.1:{port}"):
+        BackgroundServer(create_app(ReplayEngine([]), tok, model_name=MODEL),
+                         port=port).start(timeout=20)
+    assert time.monotonic() - t0 < 10
+
+
 def test_tool_calls_are_parsed(replay):
     answer = 'Reading.\n<tool_call>[\n{"name": "read_file", "arguments": {"target_file": "a.py"}}\n]</tool_call>'
     client, _, _ = replay(answer)
