@@ -286,7 +286,8 @@ class OneChoiceFails:
     def __init__(self, token: int) -> None:
         self.token, self.made = token, 0
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def stream(self, prompt_ids: list[int],
+                     params: SamplingParams) -> AsyncIterator[TokenEvent]:
         import asyncio
 
         for i in range(params.max_tokens):
@@ -332,7 +333,8 @@ def test_completion_offsets_are_where_each_token_starts_in_the_text(server, http
 class StoppedEngine(ReplayEngine):
     """An engine that stops (shuts down) two tokens into the answer."""
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def stream(self, prompt_ids: list[int],
+                     params: SamplingParams) -> AsyncIterator[TokenEvent]:
         for t in self.answer_ids[:2]:
             yield TokenEvent(t, -0.5, [], None)
         yield TokenEvent(-1, 0.0, [], "cancelled")
