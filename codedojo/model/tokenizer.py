@@ -263,7 +263,10 @@ class Tokenizer:
                              if t.special)
         special = SpecialTokens(bos=tid("bos_token"), eos=tid("eos_token"), pad=tid("pad_token"),
                                 unk=tid("unk_token"), control=control)
-        return cls(backend, special, cfg.get("chat_template"), path.name)
+        template = cfg.get("chat_template")
+        if template is None and (path / "chat_template.jinja").exists():  # (how transformers
+            template = (path / "chat_template.jinja").read_text()  # saves it now)
+        return cls(backend, special, template, path.name)
 
     def save(self, path: str | Path) -> None:
         """Write `tokenizer.json` and `tokenizer_config.json` (loadable by HF `AutoTokenizer`)."""
@@ -433,10 +436,17 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def builtin(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` names the model shipped with codedojo: its name, in any case,
+    where no file or folder here is called so (a download or fine-tune saved under that name
+    is that, for the weights and the tokenizer alike)."""
+    return str(name_or_path).lower() == DEFAULT_MODEL and not Path(name_or_path).exists()
+
+
 @lru_cache(maxsize=8)
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Tokenizer:
     """`smollm2-135m-instruct`, a `.gguf` file, or a directory with `tokenizer.json` (or a GGUF)."""
-    if name_or_path == DEFAULT_MODEL:
+    if builtin(name_or_path):
         tok = Tokenizer.from_gguf(smollm2_gguf_path())
         tok.name = DEFAULT_MODEL
         return tok

