@@ -142,14 +142,16 @@ def validate(
 def run(
     suite: Annotated[str, typer.Argument(help="Shipped suite name (v0, micro) or a suite directory.")],
     agent: Annotated[str, typer.Option(help=f"One of {', '.join(AGENTS)}.")] = "oracle",
-    name: Annotated[str | None, typer.Option(help="Run name (outputs under runs/<name>/).")] = None,
+    name: Annotated[str | None, typer.Option(help="Run name (outputs under runs/<name>/; by "
+                                             "default <suite>-<agent>[-<split>]).")] = None,
     split: Annotated[str | None, typer.Option(help="Only this split (train, test).")] = None,
     task: Annotated[list[str] | None, typer.Option(help="Only these task ids (repeatable).")] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="At most N tasks.")] = None,
     samples: Annotated[int, typer.Option(min=1, help="Episodes per task (pass@k over them).")] = 1,
     parallel: Annotated[int, typer.Option(min=1, help="Sandboxes at a time.")] = 1,
-    max_turns: Annotated[int, typer.Option(help="Model agent: turns per episode.")] = 4,
-    max_tokens: Annotated[int, typer.Option(help="Model agent: completion tokens per episode.")] = 512,
+    max_turns: Annotated[int, typer.Option(min=1, help="Model agent: turns per episode.")] = 4,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Model agent: completion tokens per "
+                                            "episode.")] = 512,
     base_url: Annotated[str | None, typer.Option(help="Model agent: an OpenAI-compatible endpoint (else in process).")] = None,
     out_dir: Annotated[Path, typer.Option(help="Where runs go.")] = Path("runs"),
 ) -> None:
@@ -159,7 +161,8 @@ def run(
     s = _load(suite)
     tasks = _select(s, split, limit, task)
     bench_agent = _make_agent(agent, max_turns, max_tokens, base_url)
-    _run_and_report(s.name, tasks, bench_agent, name or f"{s.name}-{agent}", samples, parallel, out_dir)
+    default = "-".join([s.name, agent, *([split] if split else [])])
+    _run_and_report(s.name, tasks, bench_agent, name or default, samples, parallel, out_dir)
 
 
 def _make_agent(agent: str, max_turns: int, max_tokens: int, base_url: str | None):
@@ -176,7 +179,7 @@ def _make_agent(agent: str, max_turns: int, max_tokens: int, base_url: str | Non
 
 def _run_and_report(suite_name, tasks, bench_agent, name, samples, parallel, out_dir):
     from codedojo.bench.report import markdown, write_report
-    from codedojo.bench.runner import StoppedRunMismatch, run_agent
+    from codedojo.bench.runner import RunNameTaken, run_agent
     from codedojo.bench.workspace import TaskImages, default_provider
 
     con = _console()
@@ -194,7 +197,7 @@ def _run_and_report(suite_name, tasks, bench_agent, name, samples, parallel, out
                 result = run_agent(TaskImages(provider), bench_agent, tasks, name=name,
                                    suite=suite_name, samples=samples, parallel=parallel,
                                    out_dir=out_dir, progress=progress)
-            except StoppedRunMismatch as e:
+            except RunNameTaken as e:
                 raise typer.BadParameter(str(e), param_hint="--name") from None
     finally:
         provider.close()
@@ -217,17 +220,23 @@ def report(
     path = run_dir / "results.json"
     if not path.is_file():
         raise typer.BadParameter(f"{path} does not exist", param_hint="RUN_DIR")
+    try:
+        loaded = RunResult.from_json(path.read_text())
+    except (ValueError, KeyError, TypeError) as e:
+        raise typer.BadParameter(f"{path}: not a run's results ({type(e).__name__}: {e})",
+                                 param_hint="RUN_DIR") from None
     # named by its directory: a copied run's report goes beside its results, not the original's
-    result = dataclasses.replace(RunResult.from_json(path.read_text()), name=run_dir.name)
+    result = dataclasses.replace(loaded, name=run_dir.name)
     paths = write_report(result, run_dir.parent)
     typer.echo(markdown(result))
     typer.echo(f"report: {paths['markdown']}  {paths['json']}  {paths['plot']}")
 
 
 def demo(
-    max_turns: Annotated[int, typer.Option(help="SmolLM2: turns per episode.")] = 2,
-    max_tokens: Annotated[int, typer.Option(help="SmolLM2: completion tokens per episode.")] = 192,
-    parallel: Annotated[int, typer.Option(help="Sandboxes at a time.")] = 2,
+    max_turns: Annotated[int, typer.Option(min=1, help="SmolLM2: turns per episode.")] = 2,
+    max_tokens: Annotated[int, typer.Option(min=1, help="SmolLM2: completion tokens per "
+                                            "episode.")] = 192,
+    parallel: Annotated[int, typer.Option(min=1, help="Sandboxes at a time.")] = 2,
     base_url: Annotated[str | None, typer.Option(help="Serve SmolLM2 from this endpoint instead of in process.")] = None,
     out_dir: Annotated[Path, typer.Option(help="Where runs go.")] = Path("runs"),
 ) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Literal, Protocol
 from codedojo.bench.patching import apply_patch
 from codedojo.bench.task import Task
 from codedojo.bench.workspace import WORKSPACE, TaskImages, collect_changes, grade_changes
+from codedojo.paths import write_atomic
 from codedojo.sandbox.base import Sandbox, SandboxError
 
 Status = Literal["resolved", "unresolved", "infra_failure"]
@@ -302,16 +303,18 @@ def run_agent(
     is. A task whose image cannot be built is an infra failure of its own. An agent's files
     go under ``episodes/s<sample>/``."""
     out = Path(out_dir) / name
-    (out / "episodes").mkdir(parents=True, exist_ok=True)
     partial = out / "results.partial.jsonl"
+    if (out / "results.json").exists() and not partial.exists():
+        raise RunNameTaken(f"{out} holds a finished run (results.json): choose another name, "
+                           "or move that run away")
+    (out / "episodes").mkdir(parents=True, exist_ok=True)
     header = {"agent": agent.name, "suite": suite, "samples": samples,
               "tasks": {t.instance_id: t.content_hash() for t in tasks}}
     results = _finished(partial, header)
     done = {(r.instance_id, r.sample) for r in results}
-    with partial.open("w") as log:
-        log.write(json.dumps(header) + "\n")
-        for r in results:
-            log.write(json.dumps(asdict(r)) + "\n")
+    # the log as it will go on, whole before it replaces the old (a crash keeps one or other)
+    write_atomic(partial, "".join(json.dumps(x) + "\n"
+                                  for x in [header, *(asdict(r) for r in results)]))
     t0 = time.perf_counter()
     jobs = []
     for t in tasks:  # build images up front so parallel workers do not race to build them
@@ -337,7 +340,11 @@ def run_agent(
     return run
 
 
-class StoppedRunMismatch(ValueError):
+class RunNameTaken(ValueError):
+    """A run's name holds a run this one cannot be written over."""
+
+
+class StoppedRunMismatch(RunNameTaken):
     """A run's name holds a stopped run that this one cannot go on with."""
 
 

@@ -48,12 +48,24 @@ def test_bench_commands_on_the_fixture_suite(tiny_suite, provider, monkeypatch, 
     res = runner.invoke(app, ["bench", "report", str(tmp_path / "cli-old")])
     assert res.exit_code == 0 and "dojobench run `cli-old`" in res.output
     assert not (tmp_path / "cli" / "report.md").exists()
+    # a finished run is not written over; by default a split's run is named for it
+    before = (tmp_path / "cli" / "results.json").read_text()
+    res = runner.invoke(app, ["bench", "run", str(tiny_suite.path), "--agent", "null", "--split",
+                              "train", "--name", "cli", "--out-dir", str(tmp_path)])
+    assert res.exit_code == 2 and "holds a finished run (results.json)" in said(res)
+    assert (tmp_path / "cli" / "results.json").read_text() == before
+    res = runner.invoke(app, ["bench", "run", str(tiny_suite.path), "--agent", "null", "--split",
+                              "train", "--out-dir", str(tmp_path)])
+    assert res.exit_code == 0 and (tmp_path / "tiny-null-train" / "results.json").is_file()
+    (tmp_path / "cli-old" / "results.json").write_text('{"name": "x"}')
+    res = runner.invoke(app, ["bench", "report", str(tmp_path / "cli-old")])
+    assert res.exit_code == 2 and "not a run's results (KeyError" in said(res)
 
 
 def test_bad_suite_and_agent_are_named(tmp_path):
     runner = CliRunner()
     for args in (["validate", "micro", "--runs", "0"], ["run", "micro", "--samples", "0"],
-                 ["run", "micro", "--limit", "0"]):
+                 ["run", "micro", "--limit", "0"], ["run", "micro", "--max-turns", "0"]):
         res = runner.invoke(app, ["bench", *args])
         assert res.exit_code == 2 and "greater than or equal to 1" in res.output, args
     bad = tmp_path / "recipe.toml"
