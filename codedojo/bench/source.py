@@ -21,8 +21,10 @@ from pathlib import Path
 
 from codedojo.paths import staged_dir
 
-# What a test run or an agent must never see in its tree: VCS history and build debris.
-SCRUB_NAMES = (".git", ".hg", ".svn", "__pycache__", ".pytest_cache", ".tox", ".eggs", "build", "dist")
+# What a test run or an agent must never see in its tree: VCS history and build debris (a
+# `build` or `dist` folder that is a package, `pkg/build/__init__.py`, is the package's code).
+SCRUB_NAMES = (".git", ".hg", ".svn", "__pycache__", ".pytest_cache", ".tox", ".eggs")
+BUILD_OUTPUTS = ("build", "dist")
 
 
 def cache_root() -> Path:
@@ -111,7 +113,8 @@ def scrub(root: Path) -> None:
     """Remove VCS history, caches and compiled files under root."""
     for dirpath, dirnames, filenames in os.walk(root):
         for d in list(dirnames):
-            if d in SCRUB_NAMES or d.endswith(".egg-info"):
+            package = (Path(dirpath) / d / "__init__.py").is_file()
+            if d in SCRUB_NAMES or d.endswith(".egg-info") or d in BUILD_OUTPUTS and not package:
                 shutil.rmtree(Path(dirpath) / d, ignore_errors=True)
                 dirnames.remove(d)
         for f in filenames:
