@@ -67,6 +67,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             beta_slow=float(rope.get("beta_slow") or 1.0))
     elif rtype not in ("default", None):
         raise ValueError(f"config.json rope_type: {rtype!r} is not supported (default, yarn)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act: {hf['hidden_act']!r} is not supported (silu)")
+    if hf.get("use_sliding_window"):
+        raise ValueError("config.json use_sliding_window: true is not supported (full attention)")
     n_heads = int(hf["num_attention_heads"])
     return ModelConfig(
         vocab_size=int(hf["vocab_size"]), dim=int(hf["hidden_size"]),
@@ -85,31 +89,44 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig
                        ) -> dict[str, torch.Tensor]:
-    """HF Llama/Qwen2 parameter names -> ours (fusing q/k/v and gate/up)."""
+    """HF Llama/Qwen2 parameter names -> ours (fusing q/k/v and gate/up). Each tensor must
+    have the shape the config gives it: fused, one a row too long beside one a row short
+    would be split at the wrong row."""
     src = {k.removeprefix("model."): v for k, v in hf_sd.items()}
-    sd = {"tok_embeddings.weight": src.pop("embed_tokens.weight"),
-          "norm.weight": src.pop("norm.weight")}
-    lm_head = src.pop("lm_head.weight", None)
+    H, K, D, E = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd, cfg.ffn_dim, cfg.dim
+
+    def take(name: str, *shape: int) -> torch.Tensor:
+        if name not in src:
+            raise ValueError(f"HF checkpoint: tensor model.{name} is missing")
+        t = src.pop(name)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"HF checkpoint: model.{name} has shape {tuple(t.shape)}, the "
+                             f"config gives {shape}")
+        return t
+
+    sd = {"tok_embeddings.weight": take("embed_tokens.weight", cfg.vocab_size, E),
+          "norm.weight": take("norm.weight", E)}
     if not cfg.tie_embeddings:
-        if lm_head is None:
+        if "lm_head.weight" not in src:
             raise ValueError("lm_head.weight missing while tie_word_embeddings is false")
-        sd["output.weight"] = lm_head
+        sd["output.weight"] = take("lm_head.weight", cfg.vocab_size, E)
+    src.pop("lm_head.weight", None)
     for i in range(cfg.n_layers):
         p, o = f"layers.{i}.", f"layers.{i}."
         a = p + "self_attn."
         sd[o + "attn.wqkv.weight"] = torch.cat(
-            [src.pop(a + "q_proj.weight"), src.pop(a + "k_proj.weight"),
-             src.pop(a + "v_proj.weight")])
+            [take(a + "q_proj.weight", H, E), take(a + "k_proj.weight", K, E),
+             take(a + "v_proj.weight", K, E)])
         if cfg.attn_bias:
             sd[o + "attn.wqkv.bias"] = torch.cat(
-                [src.pop(a + "q_proj.bias"), src.pop(a + "k_proj.bias"),
-                 src.pop(a + "v_proj.bias")])
-        sd[o + "attn.wo.weight"] = src.pop(a + "o_proj.weight")
-        sd[o + "attn_norm.weight"] = src.pop(p + "input_layernorm.weight")
-        sd[o + "mlp_norm.weight"] = src.pop(p + "post_attention_layernorm.weight")
+                [take(a + "q_proj.bias", H), take(a + "k_proj.bias", K),
+                 take(a + "v_proj.bias", K)])
+        sd[o + "attn.wo.weight"] = take(a + "o_proj.weight", E, H)
+        sd[o + "attn_norm.weight"] = take(p + "input_layernorm.weight", E)
+        sd[o + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight", E)
         sd[o + "mlp.w_gate_up.weight"] = torch.cat(
-            [src.pop(p + "mlp.gate_proj.weight"), src.pop(p + "mlp.up_proj.weight")])
-        sd[o + "mlp.w_down.weight"] = src.pop(p + "mlp.down_proj.weight")
+            [take(p + "mlp.gate_proj.weight", D, E), take(p + "mlp.up_proj.weight", D, E)])
+        sd[o + "mlp.w_down.weight"] = take(p + "mlp.down_proj.weight", E, D)
     leftover = [k for k in src if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise ValueError(f"HF tensors not understood: {sorted(leftover)[:5]}")

@@ -78,3 +78,30 @@ def test_an_moe_export_is_refused_before_anything_is_written(tmp_path) -> None:
     with pytest.raises(ValueError, match="moe: MoE models have no Llama/Qwen2 HF config"):
         save_hf(Transformer(cfg), cfg, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_settings_and_tensors_that_would_give_other_logits_are_refused(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from codedojo.model.hf import config_from_hf
+
+    hf = {"model_type": "qwen2", "vocab_size": 32, "hidden_size": 64, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "intermediate_size": 64}
+    with pytest.raises(ValueError, match="hidden_act: 'gelu' is not supported"):
+        config_from_hf({**hf, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="use_sliding_window: true is not supported"):
+        config_from_hf({**hf, "use_sliding_window": True})
+    assert config_from_hf({**hf, "hidden_act": "silu", "use_sliding_window": False})
+
+    cfg = ModelConfig.tiny(vocab_size=32)
+    save_hf(Transformer(cfg), cfg, tmp_path)
+    path = tmp_path / "model.safetensors"
+    sd = load_file(str(path))
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    moved = {**sd, q: torch.cat([sd[q], sd[k][:1]]), k: sd[k][1:]}  # the same rows in all
+    save_file(moved, str(path))
+    with pytest.raises(ValueError, match=r"q_proj.weight has shape \(\d+, \d+\), the config"):
+        load_model(tmp_path)
+    save_file({n: t for n, t in sd.items() if "down_proj" not in n}, str(path))
+    with pytest.raises(ValueError, match="tensor model.layers.0.mlp.down_proj.weight is missing"):
+        load_model(tmp_path)
