@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
@@ -90,25 +91,34 @@ def load_suite(name_or_path: str | os.PathLike[str]) -> Suite:
         field = ".".join(str(p) for p in err["loc"])
         raise TaskFormatError(f"{path}/manifest.json: field {field!r}: {err['msg']}") from None
     tasks: list[Task] = []
-    with open(path / "tasks.jsonl", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskFormatError(f"task at tasks.jsonl:{lineno}: not JSON ({e.msg})") from None
-            tasks.append(parse_task(record, where=f"tasks.jsonl:{lineno}"))
+    try:
+        with open(path / "tasks.jsonl", "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError as e:
+        raise TaskFormatError(f"{path}/tasks.jsonl: {e.strerror}") from None
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise TaskFormatError(f"task at tasks.jsonl:{lineno}: not UTF-8 (byte {e.start})"
+                                  ) from None
+        except json.JSONDecodeError as e:
+            raise TaskFormatError(f"task at tasks.jsonl:{lineno}: not JSON ({e.msg})") from None
+        tasks.append(parse_task(record, where=f"tasks.jsonl:{lineno}"))
+    if not tasks:
+        raise TaskFormatError(f"{path}/tasks.jsonl: no tasks")
     _check_against_manifest(manifest, tasks)
     return Suite(manifest, tasks, path)
 
 
 def _check_against_manifest(manifest: Manifest, tasks: list[Task]) -> None:
     by_id = {t.instance_id: t for t in tasks}
-    if len(by_id) != len(tasks):
-        seen: set[str] = set()
-        dup = next(t.instance_id for t in tasks if t.instance_id in seen or seen.add(t.instance_id))  # type: ignore[func-returns-value]
+    if (dup := _repeated(t.instance_id for t in tasks)) is not None:
         raise TaskFormatError(f"task {dup!r}: field 'instance_id': duplicated in tasks.jsonl")
+    if (dup := _repeated(e.id for e in manifest.tasks)) is not None:
+        raise TaskFormatError(f"task {dup!r}: listed twice in manifest {manifest.name!r}")
     listed = {e.id: e.sha256 for e in manifest.tasks}
     for tid in by_id.keys() - listed.keys():
         raise TaskFormatError(f"task {tid!r}: not listed in manifest {manifest.name!r}")
@@ -126,6 +136,19 @@ def _check_against_manifest(manifest: Manifest, tasks: list[Task]) -> None:
             if tid in in_split:
                 raise TaskFormatError(f"task {tid!r}: in both splits {in_split[tid]!r} and {split!r}")
             in_split[tid] = split
+    if manifest.splits and (loose := sorted(by_id.keys() - in_split.keys())):
+        raise TaskFormatError(f"task {loose[0]!r}: in no split (every task is in one of "
+                              f"{sorted(manifest.splits)})")
+
+
+def _repeated(ids: Iterable[str]) -> str | None:
+    """The first id that comes a second time."""
+    seen: set[str] = set()
+    for i in ids:
+        if i in seen:
+            return i
+        seen.add(i)
+    return None
 
 
 def save_suite(

@@ -77,3 +77,29 @@ def test_split_must_partition(tmp_path):
     a = Task.model_validate(record())
     with pytest.raises(TaskFormatError, match="both splits"):
         save_suite(tmp_path, "s", "1", [a], {"train": [a.instance_id], "test": [a.instance_id]})
+
+
+def test_a_suite_whose_files_break_its_rules_is_named_not_loaded(tmp_path):
+    a = Task.model_validate(record())
+    b = Task.model_validate(record(instance_id="pkg-1.0__bug-y"))
+    with pytest.raises(TaskFormatError, match="'pkg-1.0__bug-y': in no split"):
+        save_suite(tmp_path, "s", "1", [a, b], {"train": [a.instance_id]})
+    save_suite(tmp_path, "s", "1", [a, b], {"train": [a.instance_id], "test": [b.instance_id]})
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    good = json.dumps(manifest)
+    manifest["tasks"].insert(0, {**manifest["tasks"][0], "sha256": "f" * 64})
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TaskFormatError, match="'pkg-1.0__bug-x': listed twice in manifest"):
+        load_suite(tmp_path)
+    (tmp_path / "manifest.json").write_text(good)
+    tasks = (tmp_path / "tasks.jsonl").read_bytes()
+    (tmp_path / "tasks.jsonl").write_bytes(tasks.replace(b"it breaks", b"it br\xe9aks", 1))
+    with pytest.raises(TaskFormatError, match=r"tasks.jsonl:1: not UTF-8"):
+        load_suite(tmp_path)
+    (tmp_path / "tasks.jsonl").write_bytes(b"\n")
+    with pytest.raises(TaskFormatError, match="tasks.jsonl: no tasks"):
+        load_suite(tmp_path)
+    (tmp_path / "tasks.jsonl").unlink()
+    (tmp_path / "tasks.jsonl").mkdir()
+    with pytest.raises(TaskFormatError, match="tasks.jsonl: Is a directory"):
+        load_suite(tmp_path)
