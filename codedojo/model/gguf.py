@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from codedojo.model.config import ModelConfig
+from codedojo.model.tensors import Tensors
 
 BLOCK = 32  # elements per quantisation block for the 4/8-bit formats we read
 
@@ -136,27 +137,33 @@ def load_gguf(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig]:
         cfg = cfg.model_copy(update={"tie_embeddings": False})
     # llama.cpp permutes Q/K only for the llama architecture (not qwen2, already rotate-half).
     permuted = arch == "llama"
-    sd: dict[str, torch.Tensor] = {"tok_embeddings.weight": raw.pop("token_embd.weight"),
-                                   "norm.weight": raw.pop("output_norm.weight")}
+    src = Tensors(raw, str(path))
+    take = src.take
+    H, K, D, E = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd, cfg.ffn_dim, cfg.dim
+    sd: dict[str, torch.Tensor] = {"tok_embeddings.weight": take("token_embd.weight",
+                                                                 cfg.vocab_size, E),
+                                   "norm.weight": take("output_norm.weight", E)}
     if not cfg.tie_embeddings:
-        sd["output.weight"] = raw.pop("output.weight")
+        sd["output.weight"] = take("output.weight", cfg.vocab_size, E)
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        q, k, v = raw.pop(p + "attn_q.weight"), raw.pop(p + "attn_k.weight"), raw.pop(
-            p + "attn_v.weight")
+        q, k, v = take(p + "attn_q.weight", H, E), take(p + "attn_k.weight", K, E), take(
+            p + "attn_v.weight", K, E)
         if permuted:
             q, k = unpermute_rope(q, cfg.n_heads), unpermute_rope(k, cfg.n_kv_heads)
         o = f"layers.{i}."
         sd[o + "attn.wqkv.weight"] = torch.cat([q, k, v])
         if cfg.attn_bias:
             sd[o + "attn.wqkv.bias"] = torch.cat(
-                [raw.pop(p + "attn_q.bias"), raw.pop(p + "attn_k.bias"), raw.pop(p + "attn_v.bias")])
-        sd[o + "attn.wo.weight"] = raw.pop(p + "attn_output.weight")
-        sd[o + "attn_norm.weight"] = raw.pop(p + "attn_norm.weight")
-        sd[o + "mlp_norm.weight"] = raw.pop(p + "ffn_norm.weight")
+                [take(p + "attn_q.bias", H), take(p + "attn_k.bias", K),
+                 take(p + "attn_v.bias", K)])
+        sd[o + "attn.wo.weight"] = take(p + "attn_output.weight", E, H)
+        sd[o + "attn_norm.weight"] = take(p + "attn_norm.weight", E)
+        sd[o + "mlp_norm.weight"] = take(p + "ffn_norm.weight", E)
         sd[o + "mlp.w_gate_up.weight"] = torch.cat(
-            [raw.pop(p + "ffn_gate.weight"), raw.pop(p + "ffn_up.weight")])
-        sd[o + "mlp.w_down.weight"] = raw.pop(p + "ffn_down.weight")
+            [take(p + "ffn_gate.weight", D, E), take(p + "ffn_up.weight", D, E)])
+        sd[o + "mlp.w_down.weight"] = take(p + "ffn_down.weight", E, D)
+    raw = src.left
     if "rope_freqs.weight" in raw:  # Llama-3.1's per-frequency RoPE factors
         raise ValueError("rope_freqs.weight: RoPE frequency factors (Llama 3.1 and later) are "
                          "not supported; read as plain RoPE the model would give other logits")

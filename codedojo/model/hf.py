@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from codedojo.model.config import ModelConfig, RopeScaling
+from codedojo.model.tensors import Tensors
 
 
 def _mscale(factor: float, mscale: float = 1.0) -> float:
@@ -92,25 +93,17 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig
     """HF Llama/Qwen2 parameter names -> ours (fusing q/k/v and gate/up). Each tensor must
     have the shape the config gives it: fused, one a row too long beside one a row short
     would be split at the wrong row."""
-    src = {k.removeprefix("model."): v for k, v in hf_sd.items()}
+    src = Tensors({k.removeprefix("model."): v for k, v in hf_sd.items()}, "HF checkpoint")
+    take = src.take
     H, K, D, E = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd, cfg.ffn_dim, cfg.dim
-
-    def take(name: str, *shape: int) -> torch.Tensor:
-        if name not in src:
-            raise ValueError(f"HF checkpoint: tensor model.{name} is missing")
-        t = src.pop(name)
-        if tuple(t.shape) != shape:
-            raise ValueError(f"HF checkpoint: model.{name} has shape {tuple(t.shape)}, the "
-                             f"config gives {shape}")
-        return t
 
     sd = {"tok_embeddings.weight": take("embed_tokens.weight", cfg.vocab_size, E),
           "norm.weight": take("norm.weight", E)}
     if not cfg.tie_embeddings:
-        if "lm_head.weight" not in src:
+        if "lm_head.weight" not in src.left:
             raise ValueError("lm_head.weight missing while tie_word_embeddings is false")
         sd["output.weight"] = take("lm_head.weight", cfg.vocab_size, E)
-    src.pop("lm_head.weight", None)
+    src.left.pop("lm_head.weight", None)
     for i in range(cfg.n_layers):
         p, o = f"layers.{i}.", f"layers.{i}."
         a = p + "self_attn."
@@ -127,7 +120,7 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig
         sd[o + "mlp.w_gate_up.weight"] = torch.cat(
             [take(p + "mlp.gate_proj.weight", D, E), take(p + "mlp.up_proj.weight", D, E)])
         sd[o + "mlp.w_down.weight"] = take(p + "mlp.down_proj.weight", E, D)
-    leftover = [k for k in src if not k.endswith("rotary_emb.inv_freq")]
+    leftover = [k for k in src.left if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise ValueError(f"HF tensors not understood: {sorted(leftover)[:5]}")
     return sd

@@ -55,9 +55,15 @@ def read_gguf_kv(path: str | Path, prefix: str = "") -> dict[str, Any]:
     """Key/values from a GGUF header (keys starting with `prefix`), without touching tensors.
 
     Parsed straight from the bytes with `struct`: `gguf.GGUFReader` also indexes every tensor,
-    which costs seconds on a loaded machine, and the tokenizer needs none of them.
+    which costs seconds on a loaded machine, and the tokenizer needs none of them. Values of
+    other keys are stepped over, not built; every length is checked against the file's, so a
+    cut or corrupt header is a `GGUFMetadataError` naming the byte, not a crash or a huge
+    allocation.
     """
     path = Path(path)
+    if path.stat().st_size < 24:
+        raise GGUFMetadataError(f"{path}: not a GGUF file ({path.stat().st_size} bytes, "
+                                "shorter than a GGUF header)")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF":
             raise GGUFMetadataError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r})")
@@ -65,39 +71,50 @@ def read_gguf_kv(path: str | Path, prefix: str = "") -> dict[str, Any]:
         if version < 2:
             raise GGUFMetadataError(f"{path}: GGUF version {version} is not supported (need >= 2)")
         _, n_kv = struct.unpack_from("<QQ", buf, 8)
-        pos = 24
-        out: dict[str, Any] = {}
 
-        def read_str(p: int) -> tuple[str, int]:
+        def need(p: int, n: int, what: str) -> None:
+            if n > len(buf) - p:
+                raise GGUFMetadataError(f"{path}: {what} at byte {p} runs {n} bytes past the "
+                                        f"end of the file ({len(buf)} bytes): cut or corrupt")
+
+        def read_str(p: int, keep: bool = True) -> tuple[str | None, int]:
+            need(p, 8, "a string's length")
             (n,) = struct.unpack_from("<Q", buf, p)
-            p += 8
-            return buf[p : p + n].decode("utf-8", errors="replace"), p + n
+            need(p + 8, n, "a string")
+            text = buf[p + 8 : p + 8 + n].decode("utf-8", errors="replace") if keep else None
+            return text, p + 8 + n
 
-        def read_value(vtype: int, p: int) -> tuple[Any, int]:
+        def read_value(vtype: int, p: int, keep: bool) -> tuple[Any, int]:
             if vtype in _SCALARS:
                 fmt = _SCALARS[vtype]
-                return struct.unpack_from(fmt, buf, p)[0], p + struct.calcsize(fmt)
+                need(p, struct.calcsize(fmt), "a value")
+                return struct.unpack_from(fmt, buf, p)[0] if keep else None, p + struct.calcsize(fmt)
             if vtype == _STRING:
-                return read_str(p)
+                return read_str(p, keep)
             if vtype == _ARRAY:
+                need(p, 12, "an array's header")
                 itype, count = struct.unpack_from("<IQ", buf, p)
                 p += 12
                 if itype in _SCALARS:
                     fmt = _SCALARS[itype]
-                    size = struct.calcsize(fmt)
-                    values = list(struct.unpack_from(f"<{count}{fmt[1]}", buf, p))
-                    return values, p + size * count
+                    need(p, struct.calcsize(fmt) * count, f"an array of {count} values")
+                    values = list(struct.unpack_from(f"<{count}{fmt[1]}", buf, p)) if keep else None
+                    return values, p + struct.calcsize(fmt) * count
+                need(p, 8 * count, f"an array of {count} items")  # (the least an item takes)
                 items = []
                 for _ in range(count):
-                    item, p = read_value(itype, p)
+                    item, p = read_value(itype, p, keep)
                     items.append(item)
-                return items, p
+                return items if keep else None, p
             raise GGUFMetadataError(f"{path}: unknown GGUF value type {vtype} at byte {p}")
 
+        pos, out = 24, {}
         for _ in range(n_kv):
             key, pos = read_str(pos)
+            assert key is not None
+            need(pos, 4, "a value's type")
             (vtype,) = struct.unpack_from("<I", buf, pos)
-            value, pos = read_value(vtype, pos + 4)
+            value, pos = read_value(vtype, pos + 4, key.startswith(prefix))
             if key.startswith(prefix):
                 out[key] = value
         return out

@@ -44,7 +44,7 @@ def test_unpermute_inverts_llamacpp_permutation() -> None:
 
 
 def _write_tiny_gguf(path, model: Transformer, cfg: ModelConfig, *, bad_type: bool = False,
-                     rope_freqs: bool = False) -> None:
+                     rope_freqs: bool = False, drop: str = "") -> None:
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(cfg.n_layers)
     w.add_context_length(cfg.max_seq_len)
@@ -74,7 +74,8 @@ def _write_tiny_gguf(path, model: Transformer, cfg: ModelConfig, *, bad_type: bo
         else:
             w.add_tensor(b + "ffn_gate.weight", gate)
         w.add_tensor(b + "ffn_up.weight", up)
-        w.add_tensor(b + "ffn_down.weight", sd[p + "mlp.w_down.weight"])
+        if b + "ffn_down.weight" != drop:
+            w.add_tensor(b + "ffn_down.weight", sd[p + "mlp.w_down.weight"])
     if rope_freqs:  # Llama 3.1's per-frequency factors
         w.add_tensor("rope_freqs.weight", np.ones(cfg.hd // 2, dtype=np.float32))
     w.write_header_to_file()
@@ -124,3 +125,12 @@ def test_rope_the_loader_cannot_apply_is_refused_not_dropped(tmp_path) -> None:
     _write_tiny_gguf(tmp_path / "l31.gguf", Transformer(cfg), cfg, rope_freqs=True)
     with pytest.raises(ValueError, match="rope_freqs.weight: RoPE frequency factors"):
         load_gguf(tmp_path / "l31.gguf")
+
+
+def test_a_missing_tensor_is_named_with_its_file(tmp_path) -> None:
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(dim=64, ffn_dim=64)
+    path = tmp_path / "cut.gguf"
+    _write_tiny_gguf(path, Transformer(cfg), cfg, drop="blk.0.ffn_down.weight")
+    with pytest.raises(ValueError, match=r"cut.gguf: tensor blk.0.ffn_down.weight is missing"):
+        load_gguf(path)

@@ -86,6 +86,25 @@ def test_bad_files_are_named(tmp_path, tiny_gguf):
         Tokenizer.from_gguf(spm)
 
 
+def test_a_cut_or_corrupt_header_is_named_with_its_byte(tmp_path, tiny_gguf):
+    import struct
+
+    data = tiny_gguf.read_bytes()
+    meta = read_gguf_kv(tiny_gguf)
+    cut = tmp_path / "cut.gguf"
+    for n in [0, 3, 23, 24, 30, *range(40, len(data), max(1, len(data) // 97))]:
+        cut.write_bytes(data[:n])
+        try:
+            assert read_gguf_kv(cut) == meta  # (cut after the header: all of it is there)
+        except GGUFMetadataError as e:
+            assert str(cut) in str(e) and ("past the end" in str(e) or "not a GGUF" in str(e))
+    at = data.index(b"tokenizer.ggml.tokens") + len("tokenizer.ggml.tokens") + 8
+    huge = data[:at] + struct.pack("<Q", 1 << 40) + data[at + 8:]
+    cut.write_bytes(huge)
+    with pytest.raises(GGUFMetadataError, match=r"an array of 1099511627776 items at byte"):
+        read_gguf_kv(cut)
+
+
 def test_save_and_load_dir_round_trip(tmp_path):
     tok = tiny_tokenizer()
     tok.save(tmp_path / "tk")
