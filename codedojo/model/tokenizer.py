@@ -87,8 +87,9 @@ def read_gguf_kv(path: str | Path, prefix: str = "") -> dict[str, Any]:
         def read_value(vtype: int, p: int, keep: bool) -> tuple[Any, int]:
             if vtype in _SCALARS:
                 fmt = _SCALARS[vtype]
-                need(p, struct.calcsize(fmt), "a value")
-                return struct.unpack_from(fmt, buf, p)[0] if keep else None, p + struct.calcsize(fmt)
+                size = struct.calcsize(fmt)
+                need(p, size, "a value")
+                return struct.unpack_from(fmt, buf, p)[0] if keep else None, p + size
             if vtype == _STRING:
                 return read_str(p, keep)
             if vtype == _ARRAY:
