@@ -18,11 +18,17 @@ from codedojo.sandbox.base import WORKSPACE, SandboxError
 
 MAX_LIST_ENTRIES = 500
 MAX_GLOB_RESULTS = 200
+MAX_TEXT_BYTES = 8 << 20  # a file the file tools read whole (a log of gigabytes is not)
 
 
 def _read_text(ctx: ToolContext, path: str, errors: str = "replace") -> str | None:
     """The file's text, or None when it does not exist. Bytes that are not UTF-8 are shown as
-    U+FFFD; ``errors="surrogateescape"`` keeps them, for a text to be written back."""
+    U+FFFD; ``errors="surrogateescape"`` keeps them, for a text to be written back. A file
+    over `MAX_TEXT_BYTES` is refused before it is read."""
+    size = _size(ctx, path)
+    if size > MAX_TEXT_BYTES:
+        raise ToolError(f"{path} is {size} bytes, more than the file tools read "
+                        f"({MAX_TEXT_BYTES >> 20} MiB): use grep, or head/sed in the terminal")
     try:
         data = ctx.sandbox.read_file(path)
     except (FileNotFoundError, SandboxError) as e:
@@ -32,6 +38,19 @@ def _read_text(ctx: ToolContext, path: str, errors: str = "replace") -> str | No
     if b"\x00" in data[:8192]:
         raise ToolError(f"{path} is a binary file ({len(data)} bytes)")
     return data.decode("utf-8", errors=errors)
+
+
+def _size(ctx: ToolContext, path: str) -> int:
+    """The size of what reading ``path`` reads (through a link: its target's); 0 where it
+    cannot be told (missing, or not to be seen: the read says which)."""
+    try:
+        info = ctx.sandbox.stat(path)
+    except (FileNotFoundError, SandboxError):
+        return 0
+    if info.kind != "symlink":
+        return info.size
+    r = ctx.sandbox.exec(["stat", "-L", "-c", "%s", path], timeout=ctx.timeout_s)
+    return int(r.stdout) if r.exit_code == 0 and r.stdout.strip().isdigit() else 0
 
 
 def _shown(text: str) -> str:

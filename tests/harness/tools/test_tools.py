@@ -106,6 +106,24 @@ def test_an_edit_that_fails_is_not_noted_as_made(session):
     assert session.ctx.state["edited"] == ["/workspace/new.py"]
 
 
+def test_a_file_too_large_to_read_whole_is_refused_unread(session, monkeypatch):
+    """Directly or through a link: the file tools do not take gigabytes into the host."""
+    from codedojo.harness.tools import files
+
+    monkeypatch.setattr(files, "MAX_TEXT_BYTES", 1000)
+    ok(session, "run_terminal_cmd", command="seq 1 1000 > big.log && ln -s big.log link.log")
+    read = []
+    real = session.ctx.sandbox.read_file
+    monkeypatch.setattr(session.ctx.sandbox, "read_file", lambda p: read.append(p) or real(p))
+    for path in ("big.log", "link.log"):
+        assert "is 3893 bytes, more than the file tools read" in err(
+            session, "read_file", target_file=path, limit=5)
+        assert "more than the file tools read" in err(
+            session, "search_replace", file_path=path, old_string="1\n", new_string="2\n")
+    assert read == []
+    assert ok(session, "read_file", target_file="inventory/__init__.py")
+
+
 def test_search_replace(session, sandbox):
     out = ok(session, "search_replace", file_path="inventory/stock.py",
              old_string="i.qty < threshold", new_string="i.qty <= threshold")
