@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import posixpath
 import threading
 import time
 from collections import OrderedDict
@@ -26,10 +27,13 @@ from codedojo.harness.lines import file_lines
 from codedojo.harness.ripgrep import RgError, rg_lines
 from codedojo.sandbox.base import WORKSPACE, Sandbox, SandboxError
 
+# Code before prose before data: past MAX_FILES, the files indexed are the first in this order
 CODE_GLOBS = (
-    "*.py", "*.pyi", "*.md", "*.rst", "*.txt", "*.toml", "*.cfg", "*.ini", "*.yaml", "*.yml",
-    "*.json", "*.js", "*.ts", "*.tsx", "*.go", "*.rs", "*.c", "*.h", "*.cc", "*.cpp", "*.java", "*.sh",
+    "*.py", "*.pyi", "*.js", "*.ts", "*.tsx", "*.go", "*.rs", "*.c", "*.h", "*.cc", "*.cpp",
+    "*.java", "*.sh", "*.md", "*.rst", "*.txt", "*.toml", "*.cfg", "*.ini", "*.yaml", "*.yml",
+    "*.json",
 )
+_RANK = {g[1:]: i for i, g in enumerate(CODE_GLOBS)}  # ".py" -> 0
 MAX_FILE_BYTES = 200_000
 MAX_FILES = 2_000
 EMBED_BATCH = 256  # chunks embedded between two looks at the search's time limit
@@ -162,7 +166,8 @@ class CodebaseIndex:
             files, _ = rg_lines(r)  # (what it cannot read, the search cannot either)
         except RgError as e:
             raise SandboxError(f"cannot list files: {e}") from None
-        return sorted(files)[:MAX_FILES]
+        return sorted(files, key=lambda f: (_RANK.get(posixpath.splitext(f)[1], len(_RANK)),
+                                            f))[:MAX_FILES]
 
     def chunks(self, sandbox: Sandbox, roots: list[str], deadline: float | None = None) -> list[Chunk]:
         out: list[Chunk] = []

@@ -240,6 +240,9 @@ def _search_replace(ctx: ToolContext, args: dict[str, Any]) -> str:
         raise ToolError("old_string and new_string are identical; nothing to change")
     if old == "":
         raise ToolError("old_string is empty; give the exact text to replace")
+    if "\r\n" in text and text.count("\n") == text.count("\r\n"):
+        # a file of CRLF lines, shown (`read_file`) without the CR: the edit keeps its endings
+        old, new = (x.replace("\r\n", "\n").replace("\n", "\r\n") for x in (old, new))
     count = text.count(old)
     if count == 0:
         shown = _shown(text)

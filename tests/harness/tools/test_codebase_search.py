@@ -112,3 +112,11 @@ def test_chunk_line_numbers_are_grep_s():
     chunks = chunk_file("/workspace/m.py", text)
     assert [(c.start_line, c.text.split("\n")[0]) for c in chunks] == [
         (1, "import os"), (6, "def f0():"), (16, "def f1():")]
+
+
+def test_past_the_file_limit_code_is_indexed_before_prose_and_data(sandbox, monkeypatch):
+    sandbox.exec("mkdir -p a_fixtures && for i in 1 2 3; do echo '{}' > a_fixtures/$i.json; done")
+    monkeypatch.setattr(embeddings, "MAX_FILES", 3)
+    files = CodebaseIndex(SlowEmbedder())._files(sandbox, ["/workspace"], None)
+    assert files == ["/workspace/inventory/__init__.py", "/workspace/inventory/stock.py",
+                     "/workspace/tests/test_stock.py"]

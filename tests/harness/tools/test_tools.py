@@ -124,6 +124,17 @@ def test_a_file_too_large_to_read_whole_is_refused_unread(session, monkeypatch):
     assert ok(session, "read_file", target_file="inventory/__init__.py")
 
 
+def test_an_edit_of_a_crlf_file_matches_lines_as_shown_and_keeps_their_endings(session,
+                                                                               sandbox):
+    sandbox.write_file("w.py", b"def f():\r\n    x = 1\r\n    return x\r\n")
+    shown = ok(session, "read_file", target_file="w.py")
+    assert "     2|    x = 1\n     3|    return x" in shown
+    ok(session, "search_replace", file_path="w.py", old_string="    x = 1\n    return x\n",
+       new_string="    x = 2\n    y = 3\n    return x + y\n")
+    assert sandbox.read_file("w.py") == (b"def f():\r\n    x = 2\r\n    y = 3\r\n"
+                                         b"    return x + y\r\n")
+
+
 def test_search_replace(session, sandbox):
     out = ok(session, "search_replace", file_path="inventory/stock.py",
              old_string="i.qty < threshold", new_string="i.qty <= threshold")
