@@ -40,6 +40,9 @@ def ruff_bin() -> str:
     return str(find_ruff_bin())
 
 
+_OUTSIDE = "__outside_workspace__"
+
+
 def ruff_check(
     files: Mapping[str, str], configs: Mapping[str, str] | None = None, timeout: float = 60.0,
     ignore_noqa: bool = False,
@@ -55,9 +58,9 @@ def ruff_check(
             (root / name).write_text(text)
         local: dict[str, str] = {}
         for path, text in files.items():
-            rel = os.path.relpath(path, WORKSPACE) if path.startswith(WORKSPACE + "/") else path.lstrip("/")
-            if rel.startswith(".."):
-                rel = path.lstrip("/")
+            rel = os.path.relpath(path, WORKSPACE) if path.startswith(WORKSPACE + "/") else ".."
+            if rel.startswith(".."):  # (apart: /tmp/a.py is not /workspace/tmp/a.py)
+                rel = _OUTSIDE + "/" + os.path.normpath(path).lstrip("/")
             dest = root / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(text)

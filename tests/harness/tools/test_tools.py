@@ -210,6 +210,15 @@ def test_long_output_is_truncated_with_a_marker(sandbox):
     s.close()
 
 
+def test_a_file_outside_the_workspace_is_linted_apart_from_one_of_the_same_path_inside():
+    from codedojo.harness.lint import ruff_check
+
+    found = ruff_check({"/tmp/a.py": "import os\n", "/workspace/tmp/a.py": "import sys\n"})
+    assert sorted((d.path, d.message) for d in found) == [
+        ("/tmp/a.py", "`os` imported but unused"),
+        ("/workspace/tmp/a.py", "`sys` imported but unused")]
+
+
 def test_read_lints(session):
     assert ok(session, "read_lints", paths=["inventory"]) == "No lint errors in 2 files."
     ok(session, "write", file_path="inventory/bad.py", contents="import os\nimport sys\n\nprint(sys.argv)\n")
