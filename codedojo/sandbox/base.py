@@ -39,7 +39,7 @@ class ExecResult:
     stdout: str
     stderr: str
     timed_out: bool = False
-    truncated: bool = False  # output was cut at Limits.max_output_bytes
+    truncated: bool = False  # a stream past Limits.max_output_bytes: its start and end kept
     duration_s: float = 0.0
 
 

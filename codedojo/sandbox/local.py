@@ -249,13 +249,12 @@ def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
              stop: tuple[bytes, bytes] | None = None) -> tuple[bytes, bytes, bool, bool]:
     """Pump stdin/stdout/stderr/control until the process exits (or `stop` markers appear on
     both streams, for the shell). Returns (stdout, stderr, timed_out, truncated). No more than
-    ``cap`` bytes of a stream are kept; with ``stop``, a stream is its first ``cap + 1`` bytes
-    before the marker (more tells it was cut), then the marker and what follows it, which is
-    looked for in each read and the few bytes before it, never in all of a command's output."""
+    ``cap`` bytes of a stream are kept, its start and its end (`_Kept`); with ``stop``, those of
+    the stream before the marker, then the marker and what follows it, which is looked for in
+    each read and the few bytes before it, never in all of a command's output."""
     sel = selectors.DefaultSelector()
-    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    bufs = {proc.stdout: _Kept(cap), proc.stderr: _Kept(cap)}
     shell = {fd: _MarkerScan(m, cap) for m, fd in zip(stop, bufs, strict=True)} if stop else {}
-    truncated = False
     timed_out = False
     pending = memoryview(stdin) if stdin else None
     if pending is not None:
@@ -311,20 +310,19 @@ def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
                         sel.unregister(fd)
                         open_streams.discard(fd)  # type: ignore[arg-type]
                         continue
-                    buf = bufs[fd]  # type: ignore[index]
-                    room = cap - len(buf)
                     if shell:
                         shell[fd].feed(data)  # type: ignore[index]
-                    elif room > 0:
-                        buf += data[:room]
-                        truncated |= len(data) > room
                     else:
-                        truncated = True
+                        bufs[fd].add(data)  # type: ignore[index]
     finally:
         sel.close()
     if shell:
-        return shell[proc.stdout].output(), shell[proc.stderr].output(), timed_out, truncated
-    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), timed_out, truncated
+        out, err = shell[proc.stdout].output(), shell[proc.stderr].output()
+        kept = [scan.kept for scan in shell.values()]
+    else:
+        out, err = bufs[proc.stdout].output(), bufs[proc.stderr].output()
+        kept = list(bufs.values())
+    return out, err, timed_out, any(k.cut for k in kept)
 
 
 def _files_below(stack: LayerStack, rel: str) -> list[str]:
@@ -340,38 +338,67 @@ def _files_below(stack: LayerStack, rel: str) -> list[str]:
     return out
 
 
+class _Kept:
+    """A stream's bytes, ``cap`` of them at most: past that, its first half and its last (the
+    end of a long test run is where its summary is), with a line between them that says how
+    many were cut."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.head, self.tail, self.total = cap, bytearray(), bytearray(), 0
+
+    def add(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.cap // 2 - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        self.tail += data
+        if len(self.tail) > 2 * self.cap:  # (trimmed now and then, not at every read)
+            del self.tail[: len(self.tail) - self.cap]
+
+    @property
+    def cut(self) -> bool:
+        return self.total > self.cap
+
+    def output(self) -> bytes:
+        if not self.cut:
+            return bytes(self.head + self.tail)
+        keep = self.cap - len(self.head)
+        return (bytes(self.head) + f"\n[... {self.total - self.cap} bytes cut by the sandbox "
+                "...]\n".encode() + bytes(self.tail[len(self.tail) - keep:]))
+
+
 class _MarkerScan:
-    """One stream of a shell command: its first ``cap + 1`` bytes, and the marker that ends it
-    with what follows, found in each read together with the bytes before it that could hold
-    the marker's start."""
+    """One stream of a shell command: its bytes (`_Kept`), and the marker that ends it with
+    what follows, found in each read together with the bytes before it that could hold the
+    marker's start (kept back until it is known they do not)."""
 
     def __init__(self, marker: bytes, cap: int) -> None:
-        self.marker, self.cap = marker, cap
-        self.head = bytearray()  # the stream's first bytes, up to cap + 1
+        self.marker = marker
+        self.kept = _Kept(cap)  # the stream before the marker
         self.window = b""  # its last len(marker) - 1 bytes, before the marker is found
-        self.seen = 0  # bytes of the stream before `window`
         self.found: bytearray | None = None  # the marker and everything after it
-        self.at = 0  # where the marker starts in the stream
 
     def feed(self, data: bytes) -> None:
         if self.found is not None:
             self.found += data
             return
-        if len(self.head) <= self.cap:
-            self.head += data[: self.cap + 1 - len(self.head)]
         scan = self.window + data
         i = scan.find(self.marker)
         if i >= 0:
-            self.at, self.found = self.seen + i, bytearray(scan[i:])
+            self.kept.add(scan[:i])
+            self.window, self.found = b"", bytearray(scan[i:])
             return
-        keep = len(self.marker) - 1
-        self.seen += max(0, len(scan) - keep)
-        self.window = scan[-keep:] if keep else b""
+        cut = max(0, len(scan) - (len(self.marker) - 1))
+        self.kept.add(scan[:cut])
+        self.window = scan[cut:]
 
     def output(self) -> bytes:
-        if self.found is None:
-            return bytes(self.head)
-        return bytes(self.head[: min(self.at, self.cap + 1)]) + bytes(self.found)
+        if self.found is None:  # the stream ended without it: all it had
+            self.kept.add(self.window)
+            self.window = b""
+            return self.kept.output()
+        return self.kept.output() + bytes(self.found)
 
 
 class LocalShell:
@@ -420,8 +447,9 @@ class LocalShell:
                 self._drop()
                 return self.run(command, timeout) if time.monotonic() - t0 < 1 else ExecResult(
                     137, "", "shell died", duration_s=time.monotonic() - t0)
-            out, err, timed_out, _ = _collect(proc, None, t0 + timeout, limits.max_output_bytes,
-                                              stop=(self._marker, self._marker))
+            out, err, timed_out, truncated = _collect(
+                proc, None, t0 + timeout, limits.max_output_bytes,
+                stop=(self._marker, self._marker))
             code: int
             if self._marker in out and self._marker in err:
                 out, _, tail = out.partition(self._marker)
@@ -431,9 +459,7 @@ class LocalShell:
                 _await_status(proc)  # its pipes may close before init reports how it ended
                 code = _exit_code(proc.status) if proc.status is not None else 137
                 self._drop()
-            cap = limits.max_output_bytes
-            truncated = len(out) > cap or len(err) > cap
-            return ExecResult(code, out[:cap].decode(errors="replace"), err[:cap].decode(errors="replace"),
+            return ExecResult(code, out.decode(errors="replace"), err.decode(errors="replace"),
                               timed_out=timed_out, truncated=truncated, duration_s=time.monotonic() - t0)
 
     def _drop(self) -> None:

@@ -44,8 +44,10 @@ def test_exec_timeout_and_output_cap(provider, project):
     try:
         r = sb.exec("echo started; sleep 30", timeout=0.3)
         assert r.timed_out and r.exit_code == 137 and r.stdout == "started\n"
-        r = sb.exec("head -c 5000 /dev/zero | tr '\\0' a")
-        assert r.truncated and r.stdout == "a" * 1000 and r.exit_code == 0
+        r = sb.exec("head -c 5000 /dev/zero | tr '\\0' a; echo END")
+        cut = "\n[... 4004 bytes cut by the sandbox ...]\n"
+        assert r.truncated and r.stdout == "a" * 500 + cut + "a" * 496 + "END\n"
+        assert r.exit_code == 0
         assert sb.exec("echo still alive").stdout == "still alive\n"
     finally:
         sb.destroy()
@@ -562,10 +564,11 @@ def test_a_shell_command_s_output_is_kept_to_the_cap_and_the_shell_goes_on(provi
     try:
         sh = sb.shell()
         sh.run("cd /tmp && export K=v")
-        r = sh.run("head -c 3000000 /dev/zero | tr '\\0' a; echo tail >&2; exit_code() { :; }; "
-                   "false")
+        r = sh.run("head -c 3000000 /dev/zero | tr '\\0' a; echo END; echo tail >&2; "
+                   "exit_code() { :; }; false")
         assert (r.exit_code, r.truncated, r.timed_out) == (1, True, False)
-        assert r.stdout == "a" * 1000 and r.stderr == "tail\n"
+        cut = "\n[... 2999004 bytes cut by the sandbox ...]\n"
+        assert r.stdout == "a" * 500 + cut + "a" * 496 + "END\n" and r.stderr == "tail\n"
         assert sh.run("pwd; echo $K").stdout == "/tmp\nv\n"  # the same shell
     finally:
         sb.destroy()
@@ -574,16 +577,17 @@ def test_a_shell_command_s_output_is_kept_to_the_cap_and_the_shell_goes_on(provi
 @pytest.mark.parametrize("piece", [1, 3, 7, 1000])
 def test_the_shell_s_marker_is_found_across_reads(piece):
     """In reads of any size, the marker is found where it starts, the output before it kept
-    to the cap, and nothing looked for twice."""
+    to the cap (its start and its end), and nothing looked for twice."""
     from codedojo.sandbox.local import _MarkerScan
 
     marker = b"\x1e__mark__"
-    stream = b"x" * 50 + marker + b"0\n"
+    stream = b"a" * 25 + b"z" * 25 + marker + b"0\n"
     scan = _MarkerScan(marker, cap=20)
     for i in range(0, len(stream), piece):
         scan.feed(stream[i:i + piece])
-    assert scan.found is not None and scan.at == 50
-    assert scan.output() == b"x" * 21 + marker + b"0\n"
+    assert scan.found is not None and scan.kept.total == 50
+    cut = b"\n[... 30 bytes cut by the sandbox ...]\n"
+    assert scan.output() == b"a" * 10 + cut + b"z" * 10 + marker + b"0\n"
     whole = _MarkerScan(marker, cap=100)
     whole.feed(stream)
     assert whole.output() == stream

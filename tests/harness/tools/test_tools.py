@@ -219,6 +219,12 @@ def test_a_file_outside_the_workspace_is_linted_apart_from_one_of_the_same_path_
         ("/workspace/tmp/a.py", "`sys` imported but unused")]
 
 
+def test_the_end_of_an_output_past_the_sandboxs_cap_is_seen(session):
+    """A test run's summary is its last line: kept when megabytes came before it."""
+    out = ok(session, "run_terminal_cmd", command="seq 1 400000; echo 'FINAL: 3 failed'")
+    assert out.endswith("400000\nFINAL: 3 failed\n[output truncated by the sandbox]")
+
+
 def test_read_lints(session):
     assert ok(session, "read_lints", paths=["inventory"]) == "No lint errors in 2 files."
     ok(session, "write", file_path="inventory/bad.py", contents="import os\nimport sys\n\nprint(sys.argv)\n")
