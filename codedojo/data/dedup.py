@@ -22,6 +22,7 @@ from codedojo.data.readers import Document
 
 _MERSENNE = (1 << 31) - 1
 _WORD = re.compile(r"\w+|[^\w\s]")
+RECALL = 0.9  # at least, of the pairs at the threshold that LSH proposes (`lsh_bands`)
 
 
 class DedupConfig(BaseModel):
@@ -30,7 +31,8 @@ class DedupConfig(BaseModel):
     threshold: float = Field(0.8, ge=0.0, le=1.0, description="Jaccard similarity above which "
                              "two documents are near-duplicates.")
     num_perm: int = Field(128, ge=8, description="MinHash permutations (= bands * rows).")
-    bands: int = Field(16, ge=1, description="LSH bands; more bands find lower similarities.")
+    bands: int | None = Field(None, ge=1, description="LSH bands; more bands find lower "
+                              "similarities. None: chosen for `threshold` (`lsh_bands`).")
     shingle: int = Field(5, ge=1, description="Word n-gram size of a shingle.")
 
 
@@ -79,22 +81,34 @@ class DedupStats:
     near_dupes: int = 0
 
 
+def lsh_bands(threshold: float, num_perm: int) -> int:
+    """The bands of ``num_perm`` = bands x rows for near-duplicates at ``threshold``: LSH
+    proposes a pair of similarity s with probability 1 - (1 - s^rows)^bands; the most rows
+    (the fewest pairs proposed below the threshold) that still propose one at it with
+    probability `RECALL`. (Fixed bands propose little below their own threshold: 16 x 8
+    proposes a pair at 0.5 with probability 0.06.)"""
+    splits = [b for b in range(1, num_perm + 1) if num_perm % b == 0]  # bands, rows falling
+    return next((b for b in splits
+                 if 1 - (1 - threshold ** (num_perm // b)) ** b >= RECALL), num_perm)
+
+
 def kept_originals(texts: list[str], cfg: DedupConfig) -> list[int]:
     """For each text, the index of the earlier kept text it nearly duplicates, or itself when
     it is kept: a text goes only for one at or above the threshold that stays. (Clustering
     every similar pair would chain: in a series of edits A, B, C, D, E each near the next, E
     went with A though unlike it.) LSH proposes the kept texts to compare; the signatures'
     agreement decides."""
-    if cfg.num_perm % cfg.bands:
+    bands = cfg.bands or lsh_bands(cfg.threshold, cfg.num_perm)
+    if cfg.num_perm % bands:
         raise ValueError("dedup.num_perm must be a multiple of dedup.bands")
-    rows = cfg.num_perm // cfg.bands
+    rows = cfg.num_perm // bands
     hasher = MinHasher(cfg.num_perm)
     sigs = np.stack([hasher.signature(shingles(t, cfg.shingle)) for t in texts]) if texts else \
         np.zeros((0, cfg.num_perm), np.uint32)
-    buckets: list[dict[bytes, list[int]]] = [defaultdict(list) for _ in range(cfg.bands)]
+    buckets: list[dict[bytes, list[int]]] = [defaultdict(list) for _ in range(bands)]
     out: list[int] = []
     for i in range(len(texts)):
-        keys = [sigs[i, b * rows:(b + 1) * rows].tobytes() for b in range(cfg.bands)]
+        keys = [sigs[i, b * rows:(b + 1) * rows].tobytes() for b in range(bands)]
         proposed = sorted({k for b, key in enumerate(keys) for k in buckets[b].get(key, ())})
         like = next((k for k in proposed if float((sigs[i] == sigs[k]).mean()) >= cfg.threshold),
                     None)

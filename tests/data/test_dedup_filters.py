@@ -75,3 +75,23 @@ def test_a_text_goes_only_for_a_kept_text_it_nearly_duplicates():
     text_of = {d.source: d.text for d in docs}  # each kept one is unlike the one kept before
     for a, b in zip(kept, kept[1:], strict=False):
         assert jaccard(text_of[a], text_of[b]) < 0.8
+
+
+def test_a_low_threshold_finds_its_near_duplicates():
+    """Pairs of Jaccard 0.55-0.65 at a threshold of 0.5: the bands are chosen for it (16 fixed
+    bands proposed a fifth of them)."""
+    from codedojo.data.dedup import kept_originals
+
+    rng = random.Random(0)
+    vocab = [f"w{i}" for i in range(5000)]
+    texts: list[str] = []
+    while len(texts) < 60:
+        a = [rng.choice(vocab) for _ in range(300)]
+        b = list(a)
+        for i in rng.sample(range(300), 14):
+            b[i] = rng.choice(vocab)
+        if 0.55 <= jaccard(" ".join(a), " ".join(b)) <= 0.65:
+            texts += [" ".join(a), " ".join(b)]
+    out = kept_originals(texts, DedupConfig(threshold=0.5))
+    assert sum(out[k + 1] == k for k in range(0, 60, 2)) >= 27
+    assert all(out[k] == k for k in range(0, 60, 2))  # unlike one another: all kept
