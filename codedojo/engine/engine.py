@@ -422,7 +422,12 @@ class Engine:
         unknown = [k for k in state_dict if k not in own]
         if unknown:
             raise KeyError(f"load_weights: unknown parameter names {unknown[:5]}")
-        for k, v in state_dict.items():
+        for k, v in state_dict.items():  # (all checked before any is copied: a load that
+            if not isinstance(v, torch.Tensor) or v.is_complex() or (  # failed half-way would
+                    v.is_floating_point() != own[k].is_floating_point()):  # serve a mix)
+                raise TypeError(f"load_weights: {k} must be a "
+                                f"{'floating' if own[k].is_floating_point() else 'integer'}"
+                                f" tensor, got {getattr(v, 'dtype', type(v).__name__)}")
             if tuple(v.shape) != tuple(own[k].shape):
                 raise ValueError(f"load_weights: {k} has shape {tuple(v.shape)}, "
                                  f"expected {tuple(own[k].shape)}")

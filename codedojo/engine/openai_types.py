@@ -24,7 +24,9 @@ _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: JSON's types as they are (`"max_tokens": true` or `"n": "2"` is a 400, as
+    # OpenAI answers, not 1 or 2)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod

@@ -118,6 +118,12 @@ def test_weight_version_tags_completions(model: Transformer) -> None:
     assert after.token_ids == greedy_reference(model, PROMPTS[0], 8)  # the new weights are used
     with pytest.raises(KeyError, match="nope"):
         engine.load_weights({"nope": torch.zeros(1)}, version=8)
+    # a load refused is refused whole: no weight is copied before a later one fails
+    keys = sorted(new)
+    bad = {keys[0]: torch.zeros_like(new[keys[0]]), keys[1]: new[keys[1]].numpy()}
+    with pytest.raises(TypeError, match=f"{keys[1]} must be a floating tensor"):
+        engine.load_weights(bad, version=8)
+    assert torch.equal(model.state_dict()[keys[0]], new[keys[0]]) and engine.weight_version == 7
 
 
 def test_stream_joins_running_batch_and_cancels(model: Transformer) -> None:

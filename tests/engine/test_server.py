@@ -371,6 +371,14 @@ def test_null_means_the_default_and_text_that_is_not_text_is_a_400(client, serve
         assert ("messages[0].content" if "chat" in path else "prompt[1]") in r.text
 
 
+@pytest.mark.parametrize("field, value", [("max_tokens", True), ("n", "2"),
+                                          ("prompt", [1.0, 2.0]), ("prompt", [True, False])])
+def test_a_value_of_another_json_type_is_a_400_not_converted(server, http, field, value):
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 2, field: value}
+    r = http.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith(field), r.text
+
+
 def test_a_port_already_taken_is_said_at_once(tok, server):
     port = int(server.url.rsplit(":", 1)[1])
     t0 = time.monotonic()
