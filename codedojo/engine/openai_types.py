@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+MAX_CHOICES = 4096  # prompts x n of one completions request: each is an engine request
 
 
 class _Request(BaseModel):
@@ -258,6 +259,15 @@ class CompletionRequest(_Sampling):
         if isinstance(v, list) and isinstance(v[0], list) and any(not p for p in v):
             raise ValueError("token-id prompts must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _choices(self) -> CompletionRequest:
+        prompts = len(self.prompt) if isinstance(self.prompt, list) and self.prompt and (
+            isinstance(self.prompt[0], str | list)) else 1
+        if prompts * self.n > MAX_CHOICES:
+            raise ValueError(f"{prompts} prompts x n={self.n} choices is more than one request "
+                             f"may ask for ({MAX_CHOICES})")
+        return self
 
     @field_validator("suffix")
     @classmethod

@@ -379,6 +379,12 @@ def test_a_value_of_another_json_type_is_a_400_not_converted(server, http, field
     assert r.status_code == 400 and r.json()["error"]["param"].startswith(field), r.text
 
 
+def test_a_completions_request_of_too_many_choices_is_refused(server, http):
+    body = {"model": MODEL, "prompt": ["a"] * 100, "n": 41, "max_tokens": 1}
+    r = http.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 400 and "100 prompts x n=41 choices" in r.json()["error"]["message"]
+
+
 def test_a_port_already_taken_is_said_at_once(tok, server):
     port = int(server.url.rsplit(":", 1)[1])
     t0 = time.monotonic()
