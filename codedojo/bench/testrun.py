@@ -108,9 +108,11 @@ class TestReport:
     forged: bool = False  # the canary did not fail: no outcome is the tests' (`Canary`)
 
     def passed(self, strict: bool = False) -> set[str]:
-        """Tests that passed, or failed as expected (xfail) unless ``strict``."""
+        """Tests that passed, or failed as expected (xfail) unless ``strict``. A run that
+        timed out passed none: code that hangs the test process (at its exit, say, after
+        every test reported a pass) is broken code."""
         ok = ("passed",) if strict else ("passed", "xfail")
-        return {t for t, o in self.outcomes.items() if o in ok}
+        return set() if self.timed_out else {t for t, o in self.outcomes.items() if o in ok}
 
     def failed(self) -> set[str]:
         return {t for t, o in self.outcomes.items() if o in ("failed", "error", "xpass")}

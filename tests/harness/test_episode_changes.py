@@ -196,3 +196,22 @@ def test_a_pass_to_pass_test_broken_and_xfailed_fails_on_a_fresh_copy(provider, 
     assert all(report.fail_to_pass.values())
     assert report.pass_to_pass == {"tests/test_stock.py::test_total_value": False,
                                    "tests/test_stock.py::test_restock": True}
+
+
+def test_a_change_that_hangs_the_test_process_at_exit_passes_nothing(provider, repo_image,
+                                                                     sandbox):
+    """Every test reported a pass, then the process hung at its exit: a run that timed out
+    passes no test, whatever it reported."""
+    from codedojo.reward.outcome import grade
+    from tests.harness.conftest import F2P, P2P, SANDBOX_ENV
+
+    src = sandbox.read_file("inventory/stock.py").decode()
+    sandbox.write_file("inventory/stock.py", src.replace("i.qty < threshold", "i.qty <= threshold")
+                       + "\nimport atexit, time\natexit.register(time.sleep, 100)\n")
+    copy = provider.create(SandboxSpec(image=repo_image, limits=LIMITS, env=SANDBOX_ENV))
+    try:
+        report = grade(sandbox, F2P, P2P, fresh=copy, timeout=8)
+    finally:
+        copy.destroy()
+    assert report.infra_error is None
+    assert not any(report.fail_to_pass.values()) and not any(report.pass_to_pass.values())
