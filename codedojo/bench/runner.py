@@ -97,12 +97,13 @@ class HarnessAgent:
     """A policy through the harness's agent loop, with the harness's tools on the sandbox."""
 
     def __init__(self, policy: Any, loop_config: Any = None, tool_config: Any = None, name: str | None = None,
-                 max_prompt_chars: int | None = None):
+                 max_prompt_chars: int | None = None, settings: dict[str, Any] | None = None):
         self.policy = policy
         self.max_prompt_chars = max_prompt_chars
         self.loop_config = loop_config
         self.tool_config = tool_config
         self.name = name or getattr(policy, "name", "model")
+        self.settings = settings or {}  # what else makes its episodes (a stopped run's match)
 
     def solve(self, task: Task, sandbox: Sandbox, out_dir: Path) -> AgentResult:
         from codedojo.harness.loop import Agent, LoopConfig
@@ -296,8 +297,9 @@ def run_agent(
     """Every task `samples` times, `parallel` sandboxes at a time; results under runs/<name>/.
 
     Each episode's result is appended to ``results.partial.jsonl`` as it ends, so a run stopped
-    part-way (interrupted, out of memory) and started again with the same agent, suite and
-    samples goes on with the episodes it had not finished; ``results.json`` replaces the file
+    part-way (interrupted, out of memory) and started again with the same agent (its
+    ``settings`` too), suite and samples goes on with the episodes it had not finished;
+    ``results.json`` replaces the file
     once all have. The tasks it had results for must be among those selected, as they were
     (by content hash); more may be added. Anything else is refused, and the log left as it
     is. A task whose image cannot be built is an infra failure of its own. An agent's files
@@ -308,8 +310,8 @@ def run_agent(
         raise RunNameTaken(f"{out} holds a finished run (results.json): choose another name, "
                            "or move that run away")
     (out / "episodes").mkdir(parents=True, exist_ok=True)
-    header = {"agent": agent.name, "suite": suite, "samples": samples,
-              "tasks": {t.instance_id: t.content_hash() for t in tasks}}
+    header = {"agent": agent.name, "settings": getattr(agent, "settings", {}), "suite": suite,
+              "samples": samples, "tasks": {t.instance_id: t.content_hash() for t in tasks}}
     results = _finished(partial, header)
     done = {(r.instance_id, r.sample) for r in results}
     # the log as it will go on, whole before it replaces the old (a crash keeps one or other)
@@ -365,8 +367,9 @@ def _finished(partial: Path, header: dict[str, Any]) -> list[TaskResult]:
             break
     if not out:  # no result to keep: the log is begun again
         return []
-    why = [f"{k} {was.get(k)!r}, not {header[k]!r}" for k in ("agent", "suite", "samples")
-           if was.get(k) != header[k]]
+    why = [f"{k} {was.get(k)!r}, not {header[k]!r}" for k in ("agent", "settings", "suite",
+                                                              "samples")
+           if was.get(k, {} if k == "settings" else None) != header[k]]
     tasks, had = header["tasks"], was.get("tasks") or {}
     gone = sorted({r.instance_id for r in out if r.instance_id not in tasks})
     changed = sorted({r.instance_id for r in out if r.instance_id in tasks

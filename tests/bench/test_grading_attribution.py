@@ -109,8 +109,9 @@ def test_a_stopped_run_goes_on_with_the_episodes_it_had_not_finished(monkeypatch
 
 
 def test_a_stopped_run_resumes_only_as_it_was(monkeypatch, tmp_path):
-    """Started again with other samples, without a task it had results for, or with a task
-    whose content changed, a stopped run is refused, its log untouched; more tasks may join."""
+    """Started again with other samples, an agent of other settings, without a task it had
+    results for, or with a task whose content changed, a stopped run is refused, its log
+    untouched; more tasks may join."""
     from types import SimpleNamespace
 
     from codedojo.bench.runner import TaskResult, run_agent
@@ -142,6 +143,12 @@ def test_a_stopped_run_resumes_only_as_it_was(monkeypatch, tmp_path):
             run_agent(Images(), _Agent(), tasks,  # type: ignore[arg-type]
                       name="r", samples=samples, out_dir=tmp_path)
         assert (tmp_path / "r" / "results.partial.jsonl").read_text() == log
+    other = _Agent()
+    other.settings = {"max_turns": 8}  # the same agent's name, another agent
+    with pytest.raises(ValueError, match=r"settings \{\}, not \{'max_turns': 8\}"):
+        run_agent(Images(), other, [task(0), task(1)], name="r",  # type: ignore[arg-type]
+                  out_dir=tmp_path)
+    assert (tmp_path / "r" / "results.partial.jsonl").read_text() == log
     ran.append("go")
     run = run_agent(Images(), _Agent(), [task(0), task(1), task(2)],  # type: ignore[arg-type]
                     name="r", out_dir=tmp_path)
