@@ -33,7 +33,13 @@ from codedojo.paths import staged_dir
 from codedojo.sandbox.base import WORKSPACE, Limits, Sandbox, SandboxError, SandboxSpec
 
 VENV = "/opt/venv"
-_SKIP_CHANGE = ("__pycache__", ".pytest_cache", ".pyc")
+_CACHE_DIRS = {"__pycache__", ".pytest_cache"}  # what a run leaves, never the agent's change
+
+
+def _cache_debris(rel: str) -> bool:
+    """Bytecode and test caches (by name: a `config.pyc.md` or a `.pyc_notes/` is the agent's)."""
+    parts = rel.split("/")
+    return any(p in _CACHE_DIRS for p in parts) or parts[-1].endswith((".pyc", ".pyo"))
 
 
 def _hidden(rel: str, hidden: list[str]) -> bool:
@@ -155,7 +161,7 @@ def collect_changes(sb: Sandbox) -> dict[str, bytes | None]:
     out: dict[str, bytes | None] = {}
     for ch in sb.changes():
         rel = ch.path[len(WORKSPACE) + 1:] if ch.path.startswith(WORKSPACE + "/") else ch.path.lstrip("/")
-        if not rel or any(s in rel for s in _SKIP_CHANGE):
+        if not rel or _cache_debris(rel):
             continue
         if ch.kind == "deleted":
             out[rel] = None

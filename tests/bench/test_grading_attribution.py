@@ -154,3 +154,17 @@ def test_a_stopped_run_resumes_only_as_it_was(monkeypatch, tmp_path):
                     name="r", out_dir=tmp_path)
     assert ran == ["t-0", "go", "t-1", "t-2"]
     assert sorted(r.instance_id for r in run.results) == ["t-0", "t-1", "t-2"]
+
+
+def test_an_agents_file_is_not_taken_for_bytecode_by_a_piece_of_its_name():
+    from types import SimpleNamespace
+
+    from codedojo.bench.workspace import collect_changes
+    from codedojo.sandbox.base import Change
+
+    paths = ["a.py", "notes.pyc.md", ".pyc_notes/x.txt", "pkg/__pycache__/a.cpython-311.pyc",
+             "b.pyc", ".pytest_cache/v/x"]
+    sb = SimpleNamespace(
+        changes=lambda: [Change(f"/workspace/{p}", "added") for p in paths],
+        stat=lambda p: SimpleNamespace(kind="file"), read_file=lambda p: b"x")
+    assert sorted(collect_changes(sb)) == [".pyc_notes/x.txt", "a.py", "notes.pyc.md"]
