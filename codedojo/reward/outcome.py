@@ -54,13 +54,15 @@ def default_command(python_path: Sequence[str] = (".",)) -> PytestCommand:
 
 
 def grade(sandbox: Sandbox, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], *,
-          fresh: Sandbox | None = None, command: PytestCommand | None = None,
+          fresh: Callable[[], Sandbox] | None = None, command: PytestCommand | None = None,
           timeout: float = 300.0) -> TestReport:
-    """Both test sets' results for the episode whose sandbox is ``sandbox``: run in ``fresh``
-    (a new sandbox of the task's image) with the episode's changes, or in ``sandbox`` itself
-    when none is given (see the module's docstring). ``command``: how pytest runs there
-    (`default_command`); its ``python_path`` folders are import roots the test machinery
-    cannot be changed in."""
+    """Both test sets' results for the episode whose sandbox is ``sandbox``: run in a new
+    sandbox of the task's image, ``fresh()``, with the episode's changes, or in ``sandbox``
+    itself when there is no ``fresh`` (see the module's docstring). A run that needs the task
+    as it came beside it (see `unmask_xfails`, and a run that says nothing of the tests) takes
+    another ``fresh()``, where nothing of the episode's ran. The sandboxes it makes, it
+    destroys. ``command``: how pytest runs (`default_command`); its ``python_path`` folders are
+    import roots the test machinery cannot be changed in."""
     command = command or default_command()
     tests = [*fail_to_pass, *pass_to_pass]
     if not tests:
@@ -70,19 +72,24 @@ def grade(sandbox: Sandbox, fail_to_pass: Sequence[str], pass_to_pass: Sequence[
     def protected(rel: str) -> bool:
         return rel in files or is_test_machinery(rel, command.python_path)
 
-    changes = collect_changes(sandbox) if fresh is not None else {}
-    if fresh is not None:
-        apply_changes(fresh, changes, protected)
-    else:
+    def in_fresh(changes: dict[str, bytes | None]) -> RunReport:
+        assert fresh is not None
+        sb = fresh()
+        try:
+            apply_changes(sb, changes, protected)
+            return run_pytest(sb, command, tests, timeout)
+        finally:
+            sb.destroy()
+
+    if fresh is None:
         restore(sandbox, protected)
-    run = run_pytest(fresh or sandbox, command, tests, timeout)
+        run, changes = run_pytest(sandbox, command, tests, timeout), {}
+    else:
+        changes = collect_changes(sandbox)
+        run = in_fresh(changes)
     infra_error = run.infra_error
     if fresh is not None and changes:
-        @functools.cache
-        def as_it_came() -> RunReport:
-            restore(fresh, lambda rel: True)
-            return run_pytest(fresh, command, tests, timeout)
-
+        as_it_came = functools.cache(lambda: in_fresh({}))
         if infra_error and not as_it_came().infra_error:
             infra_error = None  # the change hung the tests or kept pytest from starting
         unmask_xfails(run, pass_to_pass, as_it_came)

@@ -18,6 +18,14 @@ PYPROJECT = '[tool.ruff]\nline-length = 40\n\n[tool.ruff.lint]\nselect = ["E501"
 
 
 @pytest.fixture
+def fresh(provider, repo_image):
+    """New sandboxes of the repository's image, as grading takes them (it destroys them)."""
+    from tests.harness.conftest import SANDBOX_ENV
+
+    return lambda: provider.create(SandboxSpec(image=repo_image, limits=LIMITS, env=SANDBOX_ENV))
+
+
+@pytest.fixture
 def linted(provider, tmp_path):
     """A sandbox of a repository whose ruff rules are its own: long lines only, at 40."""
     (tmp_path / "pyproject.toml").write_text(PYPROJECT)
@@ -84,14 +92,12 @@ def test_the_outcome_is_graded_on_the_tests_and_machinery_as_the_image_had_them(
     assert sandbox.exec("test -e conftest.py").exit_code == 1
 
 
-def test_a_fresh_copy_grades_only_what_the_episode_changed_in_its_tree(provider, repo_image,
-                                                                       sandbox):
+def test_a_fresh_copy_grades_only_what_the_episode_changed_in_its_tree(fresh, sandbox):
     """Graded on a fresh sandbox of the image, an episode cannot reach the tests through a
     link put where the tests were (to a folder with a conftest hook), as it could in its own
     sandbox, where the files put back went through the link; its fix in the code counts."""
     from codedojo.reward.outcome import grade
-    from codedojo.sandbox.base import SandboxSpec
-    from tests.harness.conftest import F2P, LIMITS, P2P, SANDBOX_ENV
+    from tests.harness.conftest import F2P, P2P
 
     hook = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
             "def pytest_runtest_makereport(item, call):\n"
@@ -99,25 +105,13 @@ def test_a_fresh_copy_grades_only_what_the_episode_changed_in_its_tree(provider,
     sandbox.exec("mkdir -p /tmp/t && cp -r tests/* /tmp/t/ && rm -rf tests && ln -s /tmp/t tests")
     sandbox.write_file("/tmp/t/conftest.py", hook)
     assert all(grade(sandbox, F2P, P2P).fail_to_pass.values())  # in its own sandbox: passed
-
-    def fresh():
-        return provider.create(SandboxSpec(image=repo_image, limits=LIMITS, env=SANDBOX_ENV))
-
-    copy = fresh()
-    try:
-        report = grade(sandbox, F2P, P2P, fresh=copy)
-        assert not any(report.fail_to_pass.values()) and all(report.pass_to_pass.values())
-    finally:
-        copy.destroy()
+    report = grade(sandbox, F2P, P2P, fresh=fresh)
+    assert not any(report.fail_to_pass.values()) and all(report.pass_to_pass.values())
     src = sandbox.read_file("inventory/stock.py").replace(b"i.qty < threshold",
                                                           b"i.qty <= threshold")
     sandbox.write_file("inventory/stock.py", src)  # the fix itself
-    copy = fresh()
-    try:
-        report = grade(sandbox, F2P, P2P, fresh=copy)
-        assert all(report.fail_to_pass.values()) and all(report.pass_to_pass.values())
-    finally:
-        copy.destroy()
+    report = grade(sandbox, F2P, P2P, fresh=fresh)
+    assert all(report.fail_to_pass.values()) and all(report.pass_to_pass.values())
 
 
 def test_changes_are_applied_deletions_first_and_a_file_may_replace_a_directory(sandbox):
@@ -145,73 +139,57 @@ def test_the_tasks_folders_are_import_roots_before_the_images_own_path(sandbox):
 
 
 def test_a_change_that_hangs_the_tests_fails_them_and_a_broken_environment_is_no_grade(
-        provider, repo_image, sandbox):
+        fresh, sandbox):
     """Graded on a fresh copy, a run that times out with the episode's change and not without
     it is the episode's failure; a run that cannot start either way is reported, and the
     outcome reward refuses it rather than give it 0."""
     from codedojo.reward import GradingError, RewardContext, compute_reward
     from codedojo.reward.outcome import default_command, grade
-    from tests.harness.conftest import F2P, P2P, SANDBOX_ENV
-
-    def fresh():
-        return provider.create(SandboxSpec(image=repo_image, limits=LIMITS, env=SANDBOX_ENV))
+    from tests.harness.conftest import F2P, P2P
 
     src = sandbox.read_file("inventory/stock.py").decode()
     sandbox.write_file("inventory/stock.py", src.replace(
         "def total_value(items):\n", "def total_value(items):\n    while True:\n        pass\n"))
-    copy = fresh()
-    try:
-        report = grade(sandbox, F2P, P2P, fresh=copy, timeout=8)
-    finally:
-        copy.destroy()
+    report = grade(sandbox, F2P, P2P, fresh=fresh, timeout=8)
     assert report.infra_error is None
     assert report.pass_to_pass["tests/test_stock.py::test_total_value"] is False
 
     broken = dataclasses.replace(default_command(), python="/no/python3")
-    copy = fresh()
-    try:
-        report = grade(sandbox, F2P, P2P, fresh=copy, command=broken)
-    finally:
-        copy.destroy()
+    report = grade(sandbox, F2P, P2P, fresh=fresh, command=broken)
     assert report.infra_error and "exit 127" in report.infra_error
     with pytest.raises(GradingError, match="says nothing of the episode"):
         compute_reward(RewardContext(Trajectory(task="t"), tests=report))
 
 
-def test_a_pass_to_pass_test_broken_and_xfailed_fails_on_a_fresh_copy(provider, repo_image,
-                                                                      sandbox):
+def test_a_pass_to_pass_test_broken_and_xfailed_fails_on_a_fresh_copy(fresh, sandbox):
     """The fix, and a function other tests pass on replaced by one that xfails them: on the
-    task as it came those tests pass, so the episode broke them."""
+    task as it came those tests pass, so the episode broke them. The task as it came is run
+    where nothing of the episode's ran (its code leaves a process that writes itself back)."""
     from codedojo.reward.outcome import grade
-    from tests.harness.conftest import F2P, P2P, SANDBOX_ENV
+    from tests.harness.conftest import F2P, P2P
 
     src = sandbox.read_file("inventory/stock.py").decode()
+    keeper = ("\nimport os, shutil, subprocess\nshutil.copy(__file__, '/tmp/keep.py')\n"
+              "subprocess.Popen(['sh', '-c', 'while :; do cp /tmp/keep.py ' + __file__ + "
+              "'; sleep 0.05; done'], start_new_session=True)\n")
     sandbox.write_file("inventory/stock.py", src.replace("i.qty < threshold", "i.qty <= threshold")
-                       + "\n\ndef total_value(items):\n    import pytest\n    pytest.xfail('x')\n")
-    copy = provider.create(SandboxSpec(image=repo_image, limits=LIMITS, env=SANDBOX_ENV))
-    try:
-        report = grade(sandbox, F2P, P2P, fresh=copy)
-    finally:
-        copy.destroy()
+                       + "\n\ndef total_value(items):\n    import pytest\n    pytest.xfail('x')\n"
+                       + keeper)
+    report = grade(sandbox, F2P, P2P, fresh=fresh)
     assert all(report.fail_to_pass.values())
     assert report.pass_to_pass == {"tests/test_stock.py::test_total_value": False,
                                    "tests/test_stock.py::test_restock": True}
 
 
-def test_a_change_that_hangs_the_test_process_at_exit_passes_nothing(provider, repo_image,
-                                                                     sandbox):
+def test_a_change_that_hangs_the_test_process_at_exit_passes_nothing(fresh, sandbox):
     """Every test reported a pass, then the process hung at its exit: a run that timed out
     passes no test, whatever it reported."""
     from codedojo.reward.outcome import grade
-    from tests.harness.conftest import F2P, P2P, SANDBOX_ENV
+    from tests.harness.conftest import F2P, P2P
 
     src = sandbox.read_file("inventory/stock.py").decode()
     sandbox.write_file("inventory/stock.py", src.replace("i.qty < threshold", "i.qty <= threshold")
                        + "\nimport atexit, time\natexit.register(time.sleep, 100)\n")
-    copy = provider.create(SandboxSpec(image=repo_image, limits=LIMITS, env=SANDBOX_ENV))
-    try:
-        report = grade(sandbox, F2P, P2P, fresh=copy, timeout=8)
-    finally:
-        copy.destroy()
+    report = grade(sandbox, F2P, P2P, fresh=fresh, timeout=8)
     assert report.infra_error is None
     assert not any(report.fail_to_pass.values()) and not any(report.pass_to_pass.values())
