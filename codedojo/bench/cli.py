@@ -177,7 +177,8 @@ def _make_agent(agent: str, max_turns: int, max_tokens: int, base_url: str | Non
     return smollm2_agent(max_turns=max_turns, max_tokens=max_tokens, base_url=base_url)
 
 
-def _run_and_report(suite_name, tasks, bench_agent, name, samples, parallel, out_dir):
+def _run_and_report(suite_name, tasks, bench_agent, name, samples, parallel, out_dir,
+                    replace=False):
     from codedojo.bench.report import markdown, write_report
     from codedojo.bench.runner import RunNameTaken, run_agent
     from codedojo.bench.workspace import TaskImages, default_provider
@@ -196,7 +197,7 @@ def _run_and_report(suite_name, tasks, bench_agent, name, samples, parallel, out
             try:
                 result = run_agent(TaskImages(provider), bench_agent, tasks, name=name,
                                    suite=suite_name, samples=samples, parallel=parallel,
-                                   out_dir=out_dir, progress=progress)
+                                   out_dir=out_dir, progress=progress, replace=replace)
             except RunNameTaken as e:
                 raise typer.BadParameter(str(e), param_hint="--name") from None
     finally:

@@ -48,7 +48,8 @@ def run_demo(max_turns: int = 2, max_tokens: int = 192, parallel: int = 2, base_
     t_suite = time.perf_counter() - t0
 
     con.rule("oracle agent (gold patches)")
-    oracle = _run_and_report(suite.name, tasks, OracleAgent(), "demo-oracle", 1, parallel, out_dir)
+    oracle = _run_and_report(suite.name, tasks, OracleAgent(), "demo-oracle", 1, parallel, out_dir,
+                             replace=True)
 
     con.rule("SmolLM2-135M-Instruct through the harness")
     try:
@@ -56,7 +57,8 @@ def run_demo(max_turns: int = 2, max_tokens: int = 192, parallel: int = 2, base_
 
         agent = smollm2_agent(max_turns=max_turns, max_tokens=max_tokens, base_url=base_url)
         # One episode at a time: generation already uses every core.
-        model = _run_and_report(suite.name, tasks, agent, "demo-smollm2", 1, 1, out_dir)
+        model = _run_and_report(suite.name, tasks, agent, "demo-smollm2", 1, 1, out_dir,
+                                replace=True)
     except Exception as e:  # the model path failing must not hide the oracle's verdict
         con.print(f"[red]SmolLM2 evaluation failed:[/] {type(e).__name__}: {e}")
         model = None

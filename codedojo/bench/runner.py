@@ -293,6 +293,7 @@ def run_agent(
     parallel: int = 1,
     out_dir: str | Path = "runs",
     progress: Callable[[TaskResult], None] | None = None,
+    replace: bool = False,
 ) -> RunResult:
     """Every task `samples` times, `parallel` sandboxes at a time; results under runs/<name>/.
 
@@ -302,11 +303,12 @@ def run_agent(
     ``results.json`` replaces the file
     once all have. The tasks it had results for must be among those selected, as they were
     (by content hash); more may be added. Anything else is refused, and the log left as it
-    is. A task whose image cannot be built is an infra failure of its own. An agent's files
+    is. A finished run of the name is refused unless ``replace`` (`dojo demo` runs again
+    over its own). A task whose image cannot be built is an infra failure of its own. An agent's files
     go under ``episodes/s<sample>/``."""
     out = Path(out_dir) / name
     partial = out / "results.partial.jsonl"
-    if (out / "results.json").exists() and not partial.exists():
+    if (out / "results.json").exists() and not partial.exists() and not replace:
         raise RunNameTaken(f"{out} holds a finished run (results.json): choose another name, "
                            "or move that run away")
     (out / "episodes").mkdir(parents=True, exist_ok=True)

@@ -107,13 +107,13 @@ def load_suite(name_or_path: str | os.PathLike[str]) -> Suite:
         except json.JSONDecodeError as e:
             raise TaskFormatError(f"task at tasks.jsonl:{lineno}: not JSON ({e.msg})") from None
         tasks.append(parse_task(record, where=f"tasks.jsonl:{lineno}"))
-    if not tasks:
-        raise TaskFormatError(f"{path}/tasks.jsonl: no tasks")
     _check_against_manifest(manifest, tasks)
     return Suite(manifest, tasks, path)
 
 
 def _check_against_manifest(manifest: Manifest, tasks: list[Task]) -> None:
+    if not tasks:
+        raise TaskFormatError(f"suite {manifest.name!r}: no tasks")
     by_id = {t.instance_id: t for t in tasks}
     if (dup := _repeated(t.instance_id for t in tasks)) is not None:
         raise TaskFormatError(f"task {dup!r}: field 'instance_id': duplicated in tasks.jsonl")

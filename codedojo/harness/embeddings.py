@@ -156,7 +156,8 @@ class CodebaseIndex:
         return len(self._vectors)
 
     def _files(self, sandbox: Sandbox, roots: list[str], deadline: float | None) -> list[str]:
-        argv = ["rg", "--files", "--hidden", "--glob", "!.git"]
+        argv = ["rg", "--files", "--hidden", "--max-filesize", str(MAX_FILE_BYTES), "--glob",
+                "!.git"]
         for g in CODE_GLOBS:
             argv += ["--glob", g]
         r = sandbox.exec(argv + roots, timeout=max(0.1, min(60.0, _left(deadline))))

@@ -681,6 +681,15 @@ def prompt_pool(cfg: PretrainConfig, stage: StageConfig, tok: Any, d: Path) -> P
     return w.close()
 
 
+def base_tokenizer(base: str) -> Any:
+    """The base model's own tokenizer; SmolLM2's for a random tiny model, and for a training
+    checkpoint, which holds none (its run's `final` folder does)."""
+    from codedojo.model.tokenizer import load_tokenizer
+
+    checkpoint = (Path(base) / "model_config.json").is_file()
+    return load_tokenizer() if base == "tiny" or checkpoint else load_tokenizer(base)
+
+
 def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
         branch_from: str | Path | None = None) -> dict[str, Any]:
     """The whole job. Idempotent: finished stages are skipped, a stage with a mid-stage
@@ -692,10 +701,8 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
     console = console or Console()
     run_dir = cfg.run_dir
     seed_rngs(cfg.seed)
-    if tok is None:  # the base model's own (a random tiny model has none: SmolLM2's)
-        from codedojo.model.tokenizer import load_tokenizer
-
-        tok = load_tokenizer() if cfg.model.base == "tiny" else load_tokenizer(cfg.model.base)
+    if tok is None:
+        tok = base_tokenizer(cfg.model.base)
     dev = train_device(cfg.model.device)
     rank, world = init_distributed(dev)  # under torchrun: data parallel over `world` processes
     if rank != 0:

@@ -931,8 +931,8 @@ class LocalSandbox:
                 created = existing is None and st.st_uid == 0 and st.st_size == 0
                 if not created:  # the file opened: the one checked, or one the sandbox's
                     self._check_writable(fd, p)
-                if len(data) > st.st_size:  # the room first: a write that does not fit
-                    os.posix_fallocate(fd, 0, len(data))  # leaves the file as it was
+                if data:  # the room first (a sparse file has its size, not its room): a
+                    os.posix_fallocate(fd, 0, len(data))  # write that does not fit leaves it
                 if created:
                     os.fchown(fd, SANDBOX_UID, SANDBOX_GID)
                 if created or st.st_uid == SANDBOX_UID:

@@ -168,3 +168,21 @@ def test_an_agents_file_is_not_taken_for_bytecode_by_a_piece_of_its_name():
         changes=lambda: [Change(f"/workspace/{p}", "added") for p in paths],
         stat=lambda p: SimpleNamespace(kind="file"), read_file=lambda p: b"x")
     assert sorted(collect_changes(sb)) == [".pyc_notes/x.txt", "a.py", "notes.pyc.md"]
+
+
+def test_a_finished_run_is_replaced_only_when_asked(monkeypatch, tmp_path):
+    """(`dojo demo` runs again over its own runs; `dojo bench run` does not write over one.)"""
+    from types import SimpleNamespace
+
+    from codedojo.bench.runner import RunNameTaken, TaskResult, run_agent
+
+    tasks = [SimpleNamespace(instance_id="t-0", category="bugfix", content_hash=lambda: "h")]
+    monkeypatch.setattr(runner, "run_one", lambda images, agent, task, sample, out: TaskResult(
+        task.instance_id, task.category, sample, "resolved"))
+    images = SimpleNamespace(warm=lambda task: None)
+    run_agent(images, _Agent(), tasks, name="d", out_dir=tmp_path)  # type: ignore[arg-type]
+    with pytest.raises(RunNameTaken, match="holds a finished run"):
+        run_agent(images, _Agent(), tasks, name="d", out_dir=tmp_path)  # type: ignore[arg-type]
+    again = run_agent(images, _Agent(), tasks, name="d", out_dir=tmp_path,  # type: ignore[arg-type]
+                      replace=True)
+    assert [r.instance_id for r in again.results] == ["t-0"]

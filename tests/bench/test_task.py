@@ -97,8 +97,10 @@ def test_a_suite_whose_files_break_its_rules_is_named_not_loaded(tmp_path):
     with pytest.raises(TaskFormatError, match=r"tasks.jsonl:1: not UTF-8"):
         load_suite(tmp_path)
     (tmp_path / "tasks.jsonl").write_bytes(b"\n")
-    with pytest.raises(TaskFormatError, match="tasks.jsonl: no tasks"):
+    with pytest.raises(TaskFormatError, match="suite 's': no tasks"):
         load_suite(tmp_path)
+    with pytest.raises(TaskFormatError, match="suite 'e': no tasks"):
+        save_suite(tmp_path / "e", "e", "1", [], {})
     (tmp_path / "tasks.jsonl").unlink()
     (tmp_path / "tasks.jsonl").mkdir()
     with pytest.raises(TaskFormatError, match="tasks.jsonl: Is a directory"):

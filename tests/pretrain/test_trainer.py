@@ -943,3 +943,18 @@ def test_a_stopped_stage_reports_and_logs_as_an_unstopped_one(tmp_path, monkeypa
         return [(m["step"], m["loss"]) for m in rows]
 
     assert logged(stopped) == logged(cfg) and [s for s, _ in logged(cfg)] == [1, 2, 3, 4]
+
+
+def test_a_run_tokenizes_with_its_base_models_tokenizer(tmp_path):
+    """A folder with its own tokenizer gives that one; a training checkpoint (no tokenizer)
+    and a random tiny model, SmolLM2's."""
+    from codedojo.model.tokenizer import DEFAULT_MODEL, load_tokenizer, tiny_tokenizer
+    from codedojo.pretrain.trainer import base_tokenizer
+
+    tiny_tokenizer().save(tmp_path / "hf")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model_config.json").write_text("{}")
+    assert base_tokenizer(str(tmp_path / "hf")).vocab_size == tiny_tokenizer().vocab_size
+    smollm2 = load_tokenizer(DEFAULT_MODEL).vocab_size
+    assert base_tokenizer(str(tmp_path / "ckpt")).vocab_size == smollm2
+    assert base_tokenizer("tiny").vocab_size == smollm2

@@ -149,6 +149,11 @@ def test_a_write_past_the_size_cap_leaves_the_file_as_it_was(provider, project):
         assert sb.read_file("f.txt") == old
         sb.write_file("f.txt", b"short\n")  # in the room the old bytes held
         assert sb.read_file("f.txt") == b"short\n"
+        # a sparse file's size is no room: written over in place, it would be cut half-way
+        sb.exec("rm -f f.txt && truncate -s 4M sparse.bin && truncate -s -1M filler")
+        with pytest.raises(SandboxError, match="disk limit"):
+            sb.write_file("sparse.bin", b"y" * (3 << 20))
+        assert sb.read_file("sparse.bin") == b"\0" * (4 << 20)
     finally:
         sb.destroy()
 

@@ -21,7 +21,7 @@ MAX_GLOB_RESULTS = 200
 MAX_TEXT_BYTES = 8 << 20  # a file the file tools read whole (a log of gigabytes is not)
 
 
-def _read_text(ctx: ToolContext, path: str, errors: str = "replace") -> str | None:
+def read_text(ctx: ToolContext, path: str, errors: str = "replace") -> str | None:
     """The file's text, or None when it does not exist. Bytes that are not UTF-8 are shown as
     U+FFFD; ``errors="surrogateescape"`` keeps them, for a text to be written back. A file
     over `MAX_TEXT_BYTES` is refused before it is read."""
@@ -54,7 +54,7 @@ def _size(ctx: ToolContext, path: str) -> int:
 
 
 def _shown(text: str) -> str:
-    """A text read with ``errors="surrogateescape"`` as `_read_text` shows it."""
+    """A text read with ``errors="surrogateescape"`` as `read_text` shows it."""
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
@@ -84,7 +84,7 @@ def _write_text(ctx: ToolContext, path: str, text: str) -> int:
 
 def _read_file(ctx: ToolContext, args: dict[str, Any]) -> str:
     path = resolve(args["target_file"])
-    text = _read_text(ctx, path)
+    text = read_text(ctx, path)
     if text is None:
         raise ToolError(f"file not found: {args['target_file']}")
     if text == "":
@@ -229,7 +229,7 @@ GLOB_FILE_SEARCH = FunctionTool(
 def _search_replace(ctx: ToolContext, args: dict[str, Any]) -> str:
     path = resolve(args["file_path"])
     old, new = args["old_string"], args["new_string"]
-    text = _read_text(ctx, path, errors="surrogateescape")  # what is not UTF-8 stays as it was
+    text = read_text(ctx, path, errors="surrogateescape")  # what is not UTF-8 stays as it was
     if text is None:
         if old == "":
             _write_text(ctx, path, new)

@@ -8,6 +8,7 @@ from typing import Any
 from codedojo.harness.lint import CONFIG_FILES, ruff_check
 from codedojo.harness.ripgrep import RgError, rg_lines
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
+from codedojo.harness.tools.files import MAX_TEXT_BYTES, read_text
 from codedojo.sandbox.base import WORKSPACE, SandboxError
 
 MAX_FILES = 200
@@ -15,7 +16,8 @@ MAX_FILES = 200
 
 def _python_files(ctx: ToolContext, root: str) -> list[str]:
     r = ctx.sandbox.exec(
-        ["rg", "--files", "--glob", "*.py", "--glob", "*.pyi", root], timeout=ctx.timeout_s
+        ["rg", "--files", "--max-filesize", str(MAX_TEXT_BYTES), "--glob", "*.py", "--glob",
+         "*.pyi", root], timeout=ctx.timeout_s
     )
     try:
         return rg_lines(r)[0]  # (a file it cannot read, ruff cannot either)
@@ -27,6 +29,8 @@ def workspace_configs(sandbox: Any) -> dict[str, str]:
     configs: dict[str, str] = {}
     for name in CONFIG_FILES:
         try:
+            if sandbox.stat(f"{WORKSPACE}/{name}").size > MAX_TEXT_BYTES:
+                continue  # (no config file is that large; none is read whole into the host)
             configs[name] = sandbox.read_file(f"{WORKSPACE}/{name}").decode("utf-8", "replace")
         except (FileNotFoundError, SandboxError, OSError):
             continue
@@ -49,7 +53,12 @@ def _read_lints(ctx: ToolContext, args: dict[str, Any]) -> str:
             continue
         targets = _python_files(ctx, p) if info.kind == "dir" else [p]
         for t in targets[: MAX_FILES - len(files)]:
-            files[t] = ctx.sandbox.read_file(t).decode("utf-8", "replace")
+            try:
+                files[t] = read_text(ctx, t) or ""
+            except ToolError:
+                if info.kind == "dir":  # a binary or huge file of a tree: not linted
+                    continue
+                raise
     if not files:
         return "No Python files to lint."
     diags = ruff_check(files, workspace_configs(ctx.sandbox), timeout=ctx.timeout_s)

@@ -122,6 +122,10 @@ def test_a_file_too_large_to_read_whole_is_refused_unread(session, monkeypatch):
             session, "search_replace", file_path=path, old_string="1\n", new_string="2\n")
     assert read == []
     assert ok(session, "read_file", target_file="inventory/__init__.py")
+    ok(session, "run_terminal_cmd", command="seq 1 1000 | sed 's/^/x = /' > big.py")
+    assert "more than the file tools read" in err(session, "read_lints", paths=["big.py"])
+    assert ok(session, "read_lints", paths=["/workspace"]).startswith("No lint errors in 3 ")
+    assert "/workspace/big.py" not in read
 
 
 def test_an_edit_of_a_crlf_file_matches_lines_as_shown_and_keeps_their_endings(session,
