@@ -300,12 +300,11 @@ def run_agent(
     Each episode's result is appended to ``results.partial.jsonl`` as it ends, so a run stopped
     part-way (interrupted, out of memory) and started again with the same agent (its
     ``settings`` too), suite and samples goes on with the episodes it had not finished;
-    ``results.json`` replaces the file
-    once all have. The tasks it had results for must be among those selected, as they were
-    (by content hash); more may be added. Anything else is refused, and the log left as it
-    is. A finished run of the name is refused unless ``replace`` (`dojo demo` runs again
-    over its own). A task whose image cannot be built is an infra failure of its own. An agent's files
-    go under ``episodes/s<sample>/``."""
+    ``results.json`` replaces the file once all have. The tasks it had results for must be
+    among those selected, as they were (by content hash); more may be added. Anything else is
+    refused, and the log left as it is. A finished run of the name is refused unless
+    ``replace`` (`dojo demo` runs again over its own). A task whose image cannot be built is
+    an infra failure of its own. An agent's files go under ``episodes/s<sample>/``."""
     out = Path(out_dir) / name
     partial = out / "results.partial.jsonl"
     if (out / "results.json").exists() and not partial.exists() and not replace:
