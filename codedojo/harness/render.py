@@ -88,8 +88,8 @@ def print_trajectory(traj: Trajectory, max_chars: int | None = 1500, console: Co
             tools = ", ".join(f"{c.name}{'!' if c.is_error else ''}" for c in u.tool_calls) or "-"
             row(t, str(u.index), u.kind, str(u.segment), str(u.prompt_tokens or len(u.prompt_ids)),
                 str(u.cached_tokens), str(u.completion_tokens or len(u.completion_ids)),
-                str(sum(u.loss_mask)), mean_lp, tools, f"{u.generate_s:.2f}", f"{u.tools_s:.2f}",
-                u.finish_reason)
+                str(sum(u.trained_mask())), mean_lp, tools, f"{u.generate_s:.2f}",
+                f"{u.tools_s:.2f}", u.finish_reason)
         console.print(t)
     if traj.final_message:
         console.print(Panel(Text(_short(traj.final_message, max_chars)), title="final message",

@@ -53,11 +53,13 @@ def training_sequences(traj: Trajectory) -> list[TrainingSequence]:
     for i, (turn, routing) in enumerate(zip(traj.turns, traj.iter_routed_experts(), strict=True)):
         turn.validate()  # its mask and logprobs fit its tokens
         tokens = turn.prompt_ids + turn.completion_ids
+        if not tokens:  # (a server that returned no token ids: nothing to train)
+            continue
         if not out or tokens[:len(out[-1].token_ids)] != out[-1].token_ids:
             out.append(TrainingSequence([], [], []))
             pieces.append([])
         seq, start = out[-1], len(out[-1].token_ids)
-        mask = turn.loss_mask or [0] * len(turn.prompt_ids) + [1] * len(turn.completion_ids)
+        mask = turn.trained_mask()
         if not turn.logprobs and any(mask[len(turn.prompt_ids):]):  # 0.0 would say "certain"
             raise ValueError(f"turn {turn.index}: {sum(mask)} sampled tokens and no logprobs "
                              f"(the policy's server must return them, or loss_mask leave "
@@ -75,6 +77,9 @@ def training_sequences(traj: Trajectory) -> list[TrainingSequence]:
         if pieces[-1] is not None:
             pieces[-1] = None if routing is None else [*pieces[-1], routing[max(start - 1, 0):]]
     for seq, rows in zip(out, pieces, strict=True):
+        if rows and len({tuple(r.shape[1:]) for r in rows}) > 1:
+            raise ValueError(f"turns {seq.turns}: their routing differs in shape (MoE layers, "
+                             f"top_k): {sorted({tuple(r.shape[1:]) for r in rows})}")
         if rows:
             seq.routed_experts = torch.cat(rows)
     return out

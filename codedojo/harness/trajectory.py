@@ -20,6 +20,7 @@ bytes a token for a large MoE, is kept the same way in memory too (`Trajectory.a
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import uuid
@@ -33,6 +34,7 @@ from typing import Any
 # 3: a stored turn's prompt_ids leave out the prompt_shared tokens it shares with the turn
 # before, and its loss mask is stored as loss_mask_runs; older turns read as they are
 FORMAT_VERSION = 3
+LOGPROB_SLACK = 1e-3  # a logprob above 0 by float rounding is one; past this, not
 
 
 @dataclass
@@ -82,6 +84,11 @@ class Turn:
         t.tool_calls = [ToolCallRecord(**c) for c in d.get("tool_calls", [])]
         return t
 
+    def trained_mask(self) -> list[int]:
+        """The loss mask over prompt and completion: the stored one, or with none stored, the
+        completion (every token the policy sampled)."""
+        return self.loss_mask or [0] * len(self.prompt_ids) + [1] * len(self.completion_ids)
+
     def validate(self) -> None:
         n = len(self.prompt_ids) + len(self.completion_ids)
         if self.loss_mask and len(self.loss_mask) != n:
@@ -90,6 +97,10 @@ class Turn:
             raise ValueError(
                 f"turn {self.index}: {len(self.logprobs)} logprobs for {len(self.completion_ids)} completion tokens"
             )
+        if any(not math.isfinite(lp) or lp > LOGPROB_SLACK for lp in self.logprobs):
+            bad = next(lp for lp in self.logprobs if not math.isfinite(lp) or lp > LOGPROB_SLACK)
+            raise ValueError(f"turn {self.index}: a logprob is a log of a probability (finite, "
+                             f"<= 0), got {bad}")
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError(f"turn {self.index}: loss_mask must hold 0/1 only")
         if any(self.loss_mask[:len(self.prompt_ids)]):
@@ -383,14 +394,14 @@ class TrajectoryWriter:
 
     def step(self, traj: Trajectory) -> None:
         """Write the turns and messages added since the last call."""
-        new_msgs = traj.messages[self._messages_written :]
-        for i in range(self._turns_written, len(traj.turns)):
-            prev = traj.turns[i - 1] if i else None
-            self._line({"type": "turn", "turn": stored_turn(traj.turns[i], prev)})
-        if new_msgs:
-            self._line({"type": "messages", "start": self._messages_written, "messages": new_msgs, "segments": traj.segments})
-        self._messages_written = len(traj.messages)
-        self._turns_written = len(traj.turns)
+        for i in range(self._turns_written, len(traj.turns)):  # (each noted as written as it
+            prev = traj.turns[i - 1] if i else None  # is: a step tried again after a failed
+            self._line({"type": "turn", "turn": stored_turn(traj.turns[i], prev)})  # write
+            self._turns_written = i + 1  # does not store a turn twice)
+        if new_msgs := traj.messages[self._messages_written :]:
+            self._line({"type": "messages", "start": self._messages_written,
+                        "messages": new_msgs, "segments": traj.segments})
+            self._messages_written = len(traj.messages)
 
     def finish(self, traj: Trajectory) -> None:
         self.step(traj)
@@ -405,40 +416,54 @@ class TrajectoryWriter:
 def read_jsonl(path: str | Path) -> Trajectory:
     """Rebuild a trajectory from its step log (a run that crashed reads back as 'running')."""
     traj: Trajectory | None = None
-    with Path(path).open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
+    with Path(path).open("rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            if not raw.strip():
                 continue
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
+                rec = json.loads(raw.decode("utf-8"))
+            except ValueError as e:  # (not JSON, or cut inside a character)
                 # Only the last line can be partial (a crash mid-write); anything else is corrupt.
                 if fh.readline():
-                    raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from e
+                    raise ValueError(f"{path}:{n}: not JSON ({e})") from e
                 break
-            kind = rec.get("type")
-            if kind == "header":
-                traj = _from_record(path, n, rec)
-            elif traj is None:
-                raise ValueError(f"{path}:{n}: the first record must be the header")
-            elif kind == "turn":
-                try:
-                    traj.turns.append(restored_turn(rec["turn"], traj.turns[-1] if traj.turns else None))
-                except ValueError as e:
-                    raise ValueError(f"{path}:{n}: {e}") from None
-            elif kind == "messages":
-                traj.messages[rec["start"] :] = rec["messages"]
-                traj.segments = list(rec["segments"])
-            elif kind == "end":
-                traj.status = rec["status"]
-                traj.error = rec.get("error")
-                traj.final_message = rec.get("final_message")
-                traj.tool_state = rec.get("tool_state") or {}
-                traj.ended_at = rec.get("ended_at")
-            elif kind == "trajectory":
-                traj = _from_record(path, n, rec)
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{n}: a JSON object expected, got {type(rec).__name__}")
+            try:
+                traj = _apply_record(path, n, rec, traj)
+            except (KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{path}:{n}: a {rec.get('type')!r} record that is not one "
+                                 f"({type(e).__name__}: {e})") from None
     if traj is None:
         raise ValueError(f"{path}: no trajectory header")
+    return traj
+
+
+def _apply_record(path: str | Path, n: int, rec: dict[str, Any],
+                  traj: Trajectory | None) -> Trajectory | None:
+    """The trajectory as the step log's record ``n`` leaves it."""
+    kind = rec.get("type")
+    if kind in ("header", "trajectory"):
+        return _from_record(path, n, rec)
+    if traj is None:
+        raise ValueError(f"{path}:{n}: the first record must be the header")
+    if kind == "turn":
+        try:
+            traj.turns.append(restored_turn(rec["turn"], traj.turns[-1] if traj.turns else None))
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: {e}") from None
+    elif kind == "messages":
+        start = rec["start"]
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise ValueError(f"{path}:{n}: messages start {start!r}: a count >= 0 expected")
+        traj.messages[start:] = rec["messages"]
+        traj.segments = list(rec["segments"])
+    elif kind == "end":
+        traj.status = rec["status"]
+        traj.error = rec.get("error")
+        traj.final_message = rec.get("final_message")
+        traj.tool_state = rec.get("tool_state") or {}
+        traj.ended_at = rec.get("ended_at")
     return traj
 
 

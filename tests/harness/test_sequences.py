@@ -84,3 +84,32 @@ def test_sampled_tokens_without_logprobs_are_named_not_trained_as_certain():
     t.turns[0].loss_mask = [0, 0, 0, 0]  # left out of the loss: no logprob needed
     (seq,) = training_sequences(t)
     assert seq.loss_mask == [0, 0, 0, 0] and seq.logprobs == [0.0] * 4
+
+
+def test_turns_without_tokens_train_nothing_and_routing_of_two_shapes_is_named():
+    t = Trajectory(task="t")
+    t.turns = [turn(0, [], []), turn(1, [], [])]  # a server that returned no token ids
+    assert training_sequences(t) == []
+    t.turns = [turn(0, [1, 2], [3], torch.zeros(2, 2, 1, dtype=torch.int16)),
+               turn(1, [1, 2, 3, 4], [5], torch.zeros(4, 3, 1, dtype=torch.int16))]
+    with pytest.raises(ValueError, match=r"turns \[0, 1\]: their routing differs in shape"):
+        training_sequences(t)
+
+
+def test_the_trained_count_shown_is_what_a_turn_without_a_stored_mask_trains():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from codedojo.harness.render import print_trajectory
+
+    t = Trajectory(task="t")
+    u = turn(0, [1, 2], [3, 4, 5])
+    u.loss_mask = []  # none stored: the completion is trained
+    t.turns = [u]
+    assert sum(training_sequences(t)[0].loss_mask) == 3
+    out = StringIO()
+    print_trajectory(t, console=Console(file=out, width=200))
+    row = next(line for line in out.getvalue().splitlines() if "action" in line)
+    cells = [c.strip() for c in row.replace("│", "|").split("|")]
+    assert cells[cells.index("action") + 5] == "3"  # prompt, cached, completion, trained

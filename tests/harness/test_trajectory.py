@@ -285,3 +285,69 @@ def test_traj_show_cli(tmp_path):
     r = CliRunner().invoke(app, ["traj", "export", str(p), "-o", str(exported)])
     assert r.exit_code == 0
     assert json.loads(json.dumps(load(exported)[0].to_dict()))["final_message"] == "all good"
+
+
+def test_a_line_cut_inside_a_character_is_a_partial_last_line(tmp_path):
+    t = _traj()
+    p = tmp_path / "t.jsonl"
+    w = TrajectoryWriter(p)
+    w.start(t)
+    w.step(t)
+    w.close()
+    line = ('{"type": "end", "status": "finished", "final_message": "Voilà"}').encode()
+    with p.open("ab") as fh:
+        fh.write(line[:line.index("à".encode()) + 1])  # killed between the two bytes of "à"
+    back = read_jsonl(p)
+    assert back.status == "running" and len(back.turns) == 1
+
+
+def test_a_step_tried_again_after_a_failed_write_stores_no_turn_twice(tmp_path, monkeypatch):
+    t = _traj()
+    w = TrajectoryWriter(tmp_path / "t.jsonl")
+    w.start(t)
+    real = w._line
+    failed = []
+
+    def flaky(obj):
+        if obj.get("type") == "messages" and not failed:
+            failed.append(1)
+            raise OSError("disk hiccup")
+        real(obj)
+
+    monkeypatch.setattr(w, "_line", flaky)
+    with pytest.raises(OSError):
+        w.step(t)
+    w.finish(t)
+    back = read_jsonl(tmp_path / "t.jsonl")
+    assert len(back.turns) == 1 and back.messages == t.messages
+
+
+@pytest.mark.parametrize("line, why", [
+    ('{"type": "turn"}', "a 'turn' record that is not one"),
+    ('{"type": "turn", "turn": {"index": 1}}', "a 'turn' record that is not one"),
+    ('{"type": "messages", "messages": []}', "a 'messages' record that is not one"),
+    ('{"type": "messages", "start": 5.0, "messages": [], "segments": []}',
+     "messages start 5.0: a count >= 0 expected"),
+    ("[1, 2]", "a JSON object expected, got list"),
+])
+def test_a_malformed_record_is_named_by_its_line(tmp_path, line, why):
+    t = _traj()
+    p = tmp_path / "t.jsonl"
+    w = TrajectoryWriter(p)
+    w.start(t)
+    w.step(t)
+    w.close()
+    with p.open("a") as fh:
+        fh.write(line + "\n" + json.dumps({"type": "end", "status": "finished"}) + "\n")
+    with pytest.raises(ValueError, match=f"t.jsonl:4: {why}".replace("[", r"\[")):
+        read_jsonl(p)
+
+
+def test_a_logprob_that_is_no_log_of_a_probability_is_refused():
+    for bad in (float("nan"), float("inf"), 0.7):
+        t = _traj()
+        t.turns[0].logprobs = [-0.5, bad]
+        with pytest.raises(ValueError, match="turn 0: a logprob is a log of a probability"):
+            t.validate()
+    t.turns[0].logprobs = [-0.5, 1e-7]  # above 0 by rounding only
+    t.validate()
