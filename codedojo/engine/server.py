@@ -164,30 +164,29 @@ class TextAssembler:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
+        held = 0
         if self.stops and not self.stopped:
-            # Only the new tail can hold a stop string that was not there before.
-            start = max(0, self.released - max(len(s) for s in self.stops))
-            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.stopped = True
-                final = True
-        end = len(self.text)
-        if not final and self.stops:
             new, self.fed = self.text[self.fed:], len(self.text)
-            end -= max(start.feed(new) for start in self.starts)
+            held = max(start.feed(new) for start in self.starts)
+            hits = [start.at for start in self.starts if start.at is not None]
+            if hits:  # the earliest a stop string starts
+                self.text = self.text[: min(hits)]
+                self.stopped = final = True
+        end = len(self.text) - (0 if final else held)
         out = self.text[self.released : end] if end > self.released else ""
         self.released = max(self.released, end)
         return out
 
 
 class _Start:
-    """The longest start of ``word`` that the text fed so far ends with, short of the whole
-    word: text to hold back, as it may become the word. Kept as the text grows, a character a
-    step (Knuth-Morris-Pratt), so a long word costs no more per token than a short one."""
+    """Where ``word`` first starts in the text fed so far (``at``), and until it does, the
+    longest start of it the text ends with: text to hold back, as it may become the word.
+    Kept as the text grows, a character a step (Knuth-Morris-Pratt): a long word costs no more
+    per token than a short one."""
 
     def __init__(self, word: str) -> None:
-        self.word, self.k = word, 0
+        self.word, self.k, self.fed = word, 0, 0
+        self.at: int | None = None
         self.fail = [0] * len(word)  # fail[i]: the longest start of word that word[:i+1] ends with
         j = 0
         for i in range(1, len(word)):
@@ -198,13 +197,15 @@ class _Start:
 
     def feed(self, text: str) -> int:
         word, fail, k = self.word, self.fail, self.k
-        for ch in text:
+        for i, ch in enumerate(text):
             if k == len(word):
                 k = fail[k - 1]
             while k and ch != word[k]:
                 k = fail[k - 1]
             k += ch == word[k]
-        self.k = k
+            if k == len(word) and self.at is None:
+                self.at = self.fed + i + 1 - len(word)
+        self.k, self.fed = k, self.fed + len(text)
         return fail[k - 1] if k == len(word) else k  # (the whole word: its longest border)
 
 
@@ -675,8 +676,8 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
                 safe = len(seen[i])
                 if marker:
                     held = starts[i].feed(item.text)
-                    at = seen[i].find(marker, max(0, sent[i] - len(marker)))
-                    safe = at if at >= 0 else len(seen[i]) - held
+                    at = starts[i].at
+                    safe = at if at is not None else len(seen[i]) - held
                 delta = seen[i][sent[i]:safe] if safe > sent[i] else ""
                 sent[i] = max(sent[i], safe)
                 choice: dict[str, Any] = {"index": i, "delta": {"content": delta} if delta else {},

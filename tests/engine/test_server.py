@@ -451,7 +451,8 @@ def test_text_assembler_holds_back_possible_stop_prefixes(tok, stops, pieces, ex
 
 
 def test_the_text_held_back_is_the_longest_start_of_a_stop_the_text_ends_with():
-    """Kept as the text grows, against the definition on every prefix of random texts."""
+    """Kept as the text grows, against the definition on every prefix of random texts; and
+    where the stop first starts, once it does."""
     import random
 
     from codedojo.engine.server import _Start
@@ -468,6 +469,7 @@ def test_the_text_held_back_is_the_longest_start_of_a_stop_the_text_ends_with():
             seen = text[:at]
             want = max((k for k in range(len(word)) if seen.endswith(word[:k])), default=0)
             assert held == want, (word, seen)
+            assert start.at == (seen.find(word) if word in seen else None), (word, seen)
 
 
 def test_named_tool_choice_prefills_the_call(replay, tok):

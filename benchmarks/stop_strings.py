@@ -1,0 +1,49 @@
+"""The server's stop-string check per generated token, with long stop strings against short.
+
+Prints one JSON line:
+  us_per_token_long    16 stop strings of 2,001 characters, over a 1,000-token answer that
+                       never reaches one (the worst case: every token may start one)
+  us_per_token_short   the baseline measured in the same run: 16 stop strings of 5 characters
+  ratio                long / short (the check holds a state per stop: near 1, whatever the length)
+Run: python benchmarks/stop_strings.py [--tokens 1000] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def per_token_us(stops: list[str], ids: list[int], rounds: int) -> float:
+    from codedojo.engine.server import TextAssembler
+    from codedojo.model.tokenizer import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    best = float("inf")
+    for _ in range(rounds):
+        asm = TextAssembler(tok, stops, [], True)
+        t0 = time.perf_counter()
+        for i in ids:
+            asm.push(i)
+        asm.finish()
+        best = min(best, time.perf_counter() - t0)
+    return 1e6 * best / len(ids)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    from codedojo.model.tokenizer import tiny_tokenizer
+
+    ids = tiny_tokenizer().encode("y") * args.tokens
+    long = per_token_us(["z" * 2000 + f"{i:x}" for i in range(16)], ids, args.rounds)
+    short = per_token_us(["zzzz" + f"{i:x}" for i in range(16)], ids, args.rounds)
+    print(json.dumps({"us_per_token_long": round(long, 2), "us_per_token_short": round(short, 2),
+                      "ratio": round(long / short, 3), "tokens": args.tokens}))
+
+
+if __name__ == "__main__":
+    main()
