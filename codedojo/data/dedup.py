@@ -86,7 +86,9 @@ def lsh_bands(threshold: float, num_perm: int) -> int:
     proposes a pair of similarity s with probability 1 - (1 - s^rows)^bands; the most rows
     (the fewest pairs proposed below the threshold) that still propose one at it with
     probability `RECALL`. (Fixed bands propose little below their own threshold: 16 x 8
-    proposes a pair at 0.5 with probability 0.06.)"""
+    proposes a pair at 0.5 with probability 0.06.) A low threshold costs comparisons: at 0.5
+    (64 x 2) a pair at 0.1 is proposed with probability 0.47, so near dedup of many similar
+    texts grows toward all pairs."""
     splits = [b for b in range(1, num_perm + 1) if num_perm % b == 0]  # bands, rows falling
     return next((b for b in splits
                  if 1 - (1 - threshold ** (num_perm // b)) ** b >= RECALL), num_perm)

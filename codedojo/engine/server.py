@@ -543,7 +543,7 @@ def _with_usage(chunk: dict[str, Any], last: bool, include_usage: bool, usage: U
 
 @dataclass(frozen=True)
 class _Failed:
-    error: Exception
+    error: BaseException
 
 
 async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
@@ -557,10 +557,10 @@ async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any
         try:
             async for item in g:
                 await queue.put((i, item))
-        except Exception as e:
-            await queue.put((i, _Failed(e)))
-        else:
-            await queue.put((i, done))
+        except BaseException as e:  # (a cancel too: the reader is not left waiting for it)
+            queue.put_nowait((i, _Failed(e)))
+            raise
+        queue.put_nowait((i, done))
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
     remaining = len(tasks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from codedojo.sandbox.base import ExecResult
+from codedojo.sandbox.base import CUT_LINE, ExecResult
 
 _PATH_ERROR = re.compile(r"\(os error \d+\)$")  # "path: Permission denied (os error 13)"
 
@@ -21,7 +21,12 @@ def rg_lines(r: ExecResult) -> tuple[list[str], list[str]]:
     unreadable = r.exit_code == 2 and bool(errors) and all(_PATH_ERROR.search(e) for e in errors)
     if r.timed_out or not (r.exit_code in (0, 1) or unreadable):
         raise RgError(r.stderr.strip() or f"rg failed with exit code {r.exit_code}")
-    return [line for line in r.stdout.splitlines() if line], errors if unreadable else []
+    lines = r.stdout.splitlines()
+    if r.truncated:  # past the sandbox's cap: its cut line, and the lines cut on either side
+        cut = next((i for i, line in enumerate(lines) if CUT_LINE.fullmatch(line)), None)
+        if cut is not None:
+            lines = lines[:max(0, cut - 1)] + lines[cut + 2:]
+    return [line for line in lines if line], errors if unreadable else []
 
 
 def unread_note(errors: list[str]) -> str:

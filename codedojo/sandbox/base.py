@@ -8,6 +8,7 @@ The sandbox alone decides what a path may touch: a path that escapes its root ra
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -60,6 +61,14 @@ class Limits:
     disk_mb: int = 2048  # size cap of the writable layer
     exec_timeout_s: float = 120.0  # default wall-clock limit of one command
     max_output_bytes: int = 1 << 20  # per stream
+
+
+def cut_line(n: int) -> str:
+    """The line a stream past `Limits.max_output_bytes` holds between its start and its end."""
+    return f"[... {n} bytes cut by the sandbox ...]"
+
+
+CUT_LINE = re.compile(r"\[\.\.\. \d+ bytes cut by the sandbox \.\.\.\]")  # `cut_line`'s
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from codedojo.sandbox.base import (
     Limits,
     SandboxError,
     SandboxSpec,
+    cut_line,
     seconds,
 )
 from codedojo.sandbox.cgroups import Cgroup, CgroupManager
@@ -364,8 +365,8 @@ class _Kept:
         if not self.cut:
             return bytes(self.head + self.tail)
         keep = self.cap - len(self.head)
-        return (bytes(self.head) + f"\n[... {self.total - self.cap} bytes cut by the sandbox "
-                "...]\n".encode() + bytes(self.tail[len(self.tail) - keep:]))
+        return (bytes(self.head) + f"\n{cut_line(self.total - self.cap)}\n".encode()
+                + bytes(self.tail[len(self.tail) - keep:]))
 
 
 class _MarkerScan:

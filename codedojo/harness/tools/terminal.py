@@ -34,7 +34,7 @@ def _run_terminal_cmd(ctx: ToolContext, args: dict[str, Any]) -> str:
     if r.stderr:
         parts.append("stderr:\n" + r.stderr.rstrip("\n"))
     if r.truncated:
-        parts.append("[output truncated by the sandbox]")
+        parts.append("[output past the sandbox's limit: its middle was cut]")
     return "\n".join(parts)
 
 

@@ -226,7 +226,8 @@ def test_a_file_outside_the_workspace_is_linted_apart_from_one_of_the_same_path_
 def test_the_end_of_an_output_past_the_sandboxs_cap_is_seen(session):
     """A test run's summary is its last line: kept when megabytes came before it."""
     out = ok(session, "run_terminal_cmd", command="seq 1 400000; echo 'FINAL: 3 failed'")
-    assert out.endswith("400000\nFINAL: 3 failed\n[output truncated by the sandbox]")
+    assert out.endswith("400000\nFINAL: 3 failed\n"
+                        "[output past the sandbox's limit: its middle was cut]")
 
 
 def test_read_lints(session):
@@ -304,3 +305,12 @@ def test_read_file_numbers_lines_as_grep_does(session, sandbox):
     assert shown.splitlines()[0] == "     5|    return 1  # target"
     assert ok(session, "read_file", target_file="paged.py", offset=4, limit=1).startswith(
         "     4|    s = 'a\u2028b'\n")  # its "\r" is not shown
+
+
+def test_a_listing_past_the_sandboxs_cap_has_no_cut_line_or_cut_path_among_its_paths():
+    from codedojo.harness.ripgrep import rg_lines
+    from codedojo.sandbox.base import ExecResult, cut_line
+
+    out = "/w/a.py\n/w/b.p" + f"\n{cut_line(12345)}\n" + "y.py\n/w/c.py\n"
+    lines, _ = rg_lines(ExecResult(0, out, "", truncated=True))
+    assert lines == ["/w/a.py", "/w/c.py"]
