@@ -41,7 +41,8 @@ def main() -> None:
     ids = tiny_tokenizer().encode("y") * args.tokens
     long = per_token_us(["z" * 2000 + f"{i:x}" for i in range(16)], ids, args.rounds)
     short = per_token_us(["zzzz" + f"{i:x}" for i in range(16)], ids, args.rounds)
-    print(json.dumps({"us_per_token_long": round(long, 2), "us_per_token_short": round(short, 2),
+    print(json.dumps({"bench": "stop_strings", "us_per_token_long": round(long, 2),
+                      "us_per_token_short": round(short, 2),
                       "ratio": round(long / short, 3), "tokens": args.tokens}))
 
 

@@ -31,6 +31,8 @@ SMOKE: dict[str, tuple[list[str], set[str], set[str]]] = {
     "sandbox.py": (["--n", "2", "--concurrent", "2"], {"create_ms_p50", "fork_ms_p50"},
                    {"venv_works", "restore_ok"}),
     "bench_runner.py": (["--reps", "1"], {"tasks_per_hour_1", "setup_ms_p50"}, set()),
+    "stop_strings.py": (["--tokens", "20", "--rounds", "1"],
+                        {"us_per_token_long", "us_per_token_short", "ratio"}, set()),
     "decode.py": (["--new-tokens", "2", "--batch1-prompts", "1", "--skip-bf16", "--skip-hf"],
                   {"batch1_tok_s", "bound_tok_s"}, set()),
     "load_memory.py": (["--model", f"{RUN}/final"],

@@ -35,6 +35,16 @@ def _traj() -> Trajectory:
     return t
 
 
+def _stepped(path):
+    """A step log of `_traj()` as a run leaves it after its first step (no end yet)."""
+    t = _traj()
+    w = TrajectoryWriter(path)
+    w.start(t)
+    w.step(t)
+    w.close()
+    return path
+
+
 def test_jsonl_step_log_round_trip(tmp_path):
     t = _traj()
     w = TrajectoryWriter(tmp_path / "t.jsonl")
@@ -70,12 +80,7 @@ def test_a_lone_surrogate_in_a_message_is_written_and_read_back(tmp_path):
 
 
 def test_partial_last_line_is_tolerated_but_corruption_is_not(tmp_path):
-    t = _traj()
-    p = tmp_path / "t.jsonl"
-    w = TrajectoryWriter(p)
-    w.start(t)
-    w.step(t)
-    w.close()
+    p = _stepped(tmp_path / "t.jsonl")
     with p.open("a") as fh:
         fh.write('{"type": "turn", "tur')  # killed mid-write
     assert len(read_jsonl(p).turns) == 1
@@ -288,12 +293,7 @@ def test_traj_show_cli(tmp_path):
 
 
 def test_a_line_cut_inside_a_character_is_a_partial_last_line(tmp_path):
-    t = _traj()
-    p = tmp_path / "t.jsonl"
-    w = TrajectoryWriter(p)
-    w.start(t)
-    w.step(t)
-    w.close()
+    p = _stepped(tmp_path / "t.jsonl")
     line = ('{"type": "end", "status": "finished", "final_message": "Voilà"}').encode()
     with p.open("ab") as fh:
         fh.write(line[:line.index("à".encode()) + 1])  # killed between the two bytes of "à"
@@ -331,12 +331,7 @@ def test_a_step_tried_again_after_a_failed_write_stores_no_turn_twice(tmp_path, 
     ("[1, 2]", "a JSON object expected, got list"),
 ])
 def test_a_malformed_record_is_named_by_its_line(tmp_path, line, why):
-    t = _traj()
-    p = tmp_path / "t.jsonl"
-    w = TrajectoryWriter(p)
-    w.start(t)
-    w.step(t)
-    w.close()
+    p = _stepped(tmp_path / "t.jsonl")
     with p.open("a") as fh:
         fh.write(line + "\n" + json.dumps({"type": "end", "status": "finished"}) + "\n")
     with pytest.raises(ValueError, match=f"t.jsonl:4: {why}".replace("[", r"\[")):

@@ -40,7 +40,8 @@ def _run_terminal_cmd(ctx: ToolContext, args: dict[str, Any]) -> str:
 
 # Run apart from the shell, whose end on a timeout ends all it started, in its directory and with
 # its exported variables: a command that ends by itself leaves its background jobs running.
-_LAUNCH = 'source "$1" 2>/dev/null; rm -f "$1"; nohup bash -c "$2" > "$3" 2>&1 < /dev/null & echo $!'
+_LAUNCH = ('source "$1" 2>/dev/null; rm -f "$1"; '
+           'nohup bash -c "$2" > "$3" 2>&1 < /dev/null & echo $!')
 
 
 def _start_in_background(ctx: ToolContext, command: str, timeout: float) -> str:

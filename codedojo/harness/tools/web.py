@@ -62,7 +62,8 @@ def _web_fetch(ctx: ToolContext, args: dict[str, Any]) -> str:
     timeout = min(ctx.timeout_s, 30.0)
     r = ctx.sandbox.exec(
         [
-            "curl", "-q", "--globoff", "-sS", "-L", "--max-redirs", "5", "--max-time", str(int(timeout)),
+            "curl", "-q", "--globoff", "-sS", "-L", "--max-redirs", "5",
+            "--max-time", str(max(1, int(timeout))),  # (0 would be no limit to curl)
             "--max-filesize", str(MAX_BYTES), "-w", f"\n{_MARK} %{{http_code}} %{{content_type}}", url,
         ],
         timeout=timeout + 5,
