@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import difflib
 from collections import Counter
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from codedojo.harness.lint import ruff_check
 from codedojo.harness.tools.base import ToolError, validate_args
@@ -94,7 +96,8 @@ def comment_blocks(change: FileChange) -> list[list[str]]:
 
 
 @reward("comment_reasoning")
-def comment_reasoning(ctx: RewardContext, *, max_lines: int = 4, max_chars: int = 300) -> float:
+def comment_reasoning(ctx: RewardContext, *, max_lines: Annotated[int, Field(ge=1)] = 4,
+                      max_chars: Annotated[int, Field(ge=1)] = 300) -> float:
     """Number of added comment blocks longer than `max_lines` lines or `max_chars` characters:
     deliberation ("wait, actually the bug is...") belongs in reasoning, not in the code."""
     n = 0
@@ -106,7 +109,9 @@ def comment_reasoning(ctx: RewardContext, *, max_lines: int = 4, max_chars: int 
 
 
 @reward("tool_collapse")
-def tool_collapse(ctx: RewardContext, *, threshold: float = 0.7, min_calls: int = 6) -> float:
+def tool_collapse(ctx: RewardContext, *,
+                  threshold: Annotated[float, Field(ge=0, lt=1)] = 0.7,
+                  min_calls: Annotated[int, Field(ge=1)] = 6) -> float:
     """0 when no tool takes more than `threshold` of the calls, rising linearly to 1 when one
     tool takes all of them (e.g. everything done through run_terminal_cmd)."""
     names = ctx.trajectory.tool_call_names()

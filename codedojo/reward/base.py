@@ -11,9 +11,12 @@ name, passes their parameters from config, weights them and logs each one on its
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from pydantic import ValidationError, create_model
 
 from codedojo.harness.trajectory import Trajectory
 
@@ -75,11 +78,25 @@ def get_reward(name: str) -> RewardFn:
 
 
 def check_params(name: str, fn: RewardFn, params: dict[str, Any]) -> None:
-    """Raise ValueError naming a parameter the reward does not take."""
+    """Raise ValueError naming a parameter the reward does not take, or a value its annotation
+    refuses (`Annotated[float, Field(gt=0)]`, a `Literal`): a config is checked as it loads,
+    not at the first episode's reward."""
     sig = inspect.signature(fn)
-    accepted = {p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
         return
+    kw = {p.name: p for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     for key in params:
-        if key not in accepted:
-            raise ValueError(f"rewards.{name}.params.{key}: unknown parameter; accepted: {sorted(accepted)}")
+        if key not in kw:
+            raise ValueError(f"rewards.{name}.params.{key}: unknown parameter; accepted: {sorted(kw)}")
+    try:
+        hints = typing.get_type_hints(fn, include_extras=True)
+    except (NameError, TypeError):  # (an annotation not to be resolved here: not checked)
+        hints = {}
+    fields: dict[str, Any] = {k: (hints.get(k, Any), ... if p.default is p.empty else p.default)
+                              for k, p in kw.items()}
+    try:
+        create_model(f"{name}_params", **fields).model_validate(params)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ValueError(f"rewards.{name}.params.{'.'.join(map(str, err['loc']))}: "
+                         f"{err['msg']}") from None

@@ -19,6 +19,9 @@ x = Σ weight_f · f over features of the trajectory:
 from __future__ import annotations
 
 import math
+from typing import Annotated
+
+from pydantic import Field
 
 from codedojo.harness.trajectory import Trajectory
 from codedojo.reward.base import RewardContext, reward
@@ -79,7 +82,9 @@ DEFAULT_WEIGHTS = {
 
 @reward("length_penalty")
 def length_penalty(
-    ctx: RewardContext, *, k: float = 1e-3, q: float = 1.0, weights: dict[str, float] | None = None
+    ctx: RewardContext, *, k: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1e-3,
+    q: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0,
+    weights: dict[str, float] | None = None,
 ) -> float:
     """C_{k,q}(x) of the episode (positive; composition gives it a negative weight). C is in
     units of x, about x itself while k·x is small. ``weights`` change the features' weights

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 from codedojo.bench.testrun import (
     PytestCommand,
@@ -117,7 +118,7 @@ def restore(sandbox: Sandbox, protected: Callable[[str], bool]) -> None:
 
 
 @reward("outcome")
-def outcome(ctx: RewardContext, *, mode: str = "binary") -> float:
+def outcome(ctx: RewardContext, *, mode: Literal["binary", "fraction"] = "binary") -> float:
     """binary: 1 when every fail-to-pass and pass-to-pass test passes, else 0.
     fraction: the share of fail-to-pass tests passing, 0 if any pass-to-pass test broke."""
     rep = ctx.tests

@@ -68,6 +68,14 @@ def test_config_errors_name_the_field(tmp_path):
         RewardConfig.model_validate({"rewards": {"nope": {"weight": 1.0}}})
     with pytest.raises(ValueError, match=r"rewards.tool_collapse.params.bogus"):
         RewardConfig.model_validate({"rewards": {"tool_collapse": {"weight": 1.0, "params": {"bogus": 1}}}})
+    for reward_name, params, where in (
+            ("length_penalty", {"k": 0}, "k: Input should be greater than 0"),
+            ("length_penalty", {"q": "a lot"}, "q: Input should be a valid number"),
+            ("outcome", {"mode": "partial"}, "mode: Input should be 'binary' or 'fraction'"),
+            ("tool_collapse", {"threshold": 1.5}, "threshold: Input should be less than 1")):
+        with pytest.raises(ValueError, match=f"rewards.{reward_name}.params.{where}"):
+            RewardConfig.model_validate({"rewards": {reward_name: {"weight": 1.0,
+                                                                   "params": params}}})
     for weight in (float("nan"), float("inf")):  # a total of NaN trains on nothing
         with pytest.raises(ValueError, match="weight"):
             RewardConfig.model_validate({"rewards": {"outcome": {"weight": weight}}})
