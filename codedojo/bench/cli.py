@@ -65,7 +65,8 @@ def build(
     from codedojo.bench.suite import save_suite
 
     if not recipe.is_file():
-        raise typer.BadParameter(f"{recipe} does not exist", param_hint="RECIPE")
+        why = "is a directory, not a recipe file (.toml)" if recipe.is_dir() else "does not exist"
+        raise typer.BadParameter(f"{recipe} {why}", param_hint="RECIPE")
     con = _console()
     try:
         plan = load_recipe(recipe)

@@ -72,6 +72,8 @@ def test_bad_suite_and_agent_are_named(tmp_path):
     bad.write_text("[packages\n")
     res = runner.invoke(app, ["bench", "build", str(bad), "--out", str(tmp_path / "s")])
     assert res.exit_code == 2 and "recipe.toml:" in res.output, res.output
+    res = runner.invoke(app, ["bench", "build", str(tmp_path), "--out", str(tmp_path / "s")])
+    assert res.exit_code == 2 and "is a directory, not a recipe file" in said(res), res.output
     res = runner.invoke(app, ["bench", "validate", str(tmp_path / "nope")])
     assert res.exit_code != 0 and "no suite" in res.output
     res = runner.invoke(app, ["bench", "run", "micro", "--agent", "gpt"])
