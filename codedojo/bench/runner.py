@@ -158,6 +158,7 @@ class TaskResult:
     grade_s: float = 0.0
     error: str = ""
     changed_files: list[str] = field(default_factory=list)
+    ended_s: float = 0.0  # the run's wall time, all its starts, when this episode ended
 
     @property
     def total_s(self) -> float:
@@ -318,7 +319,13 @@ def run_agent(
     # the log as it will go on, whole before it replaces the old (a crash keeps one or other)
     write_atomic(partial, "".join(json.dumps(x) + "\n"
                                   for x in [header, *(asdict(r) for r in results)]))
-    t0 = time.perf_counter()
+    # the clock goes on from where a stopped start left it
+    t0 = time.perf_counter() - max((r.ended_s for r in results), default=0.0)
+
+    def record(r: TaskResult) -> None:
+        r.ended_s = time.perf_counter() - t0
+        _record(partial, results, progress, r)
+
     jobs = []
     for t in tasks:  # build images up front so parallel workers do not race to build them
         todo = [(t, s) for s in range(samples) if (t.instance_id, s) not in done]
@@ -328,15 +335,14 @@ def run_agent(
             images.warm(t)
         except Exception as e:
             for _, s in todo:
-                _record(partial, results, progress, TaskResult(
-                    t.instance_id, t.category, s, "infra_failure",
-                    error=f"task image: {type(e).__name__}: {e}"[:2000]))
+                record(TaskResult(t.instance_id, t.category, s, "infra_failure",
+                                  error=f"task image: {type(e).__name__}: {e}"[:2000]))
             continue
         jobs += todo
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
         for r in pool.map(lambda job: run_one(images, agent, job[0], job[1],
                                               out / "episodes" / f"s{job[1]}"), jobs):
-            _record(partial, results, progress, r)
+            record(r)
     run = RunResult(name, agent.name, suite, samples, parallel, time.perf_counter() - t0, results)
     (out / "results.json").write_text(json.dumps(run.to_json(), indent=1))
     partial.unlink()

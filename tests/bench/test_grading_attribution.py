@@ -84,21 +84,27 @@ def test_a_stopped_run_goes_on_with_the_episodes_it_had_not_finished(monkeypatch
 
     ran: list[tuple[str, int]] = []
 
+    clock = {"now": 1000.0}  # an episode takes 10 s of the run's clock
+
     def one(images, agent, task, sample, out_dir):
         if len(ran) == 3 and stop["now"]:
             raise KeyboardInterrupt
         ran.append((task.instance_id, sample))
+        clock["now"] += 10
         return TaskResult(task.instance_id, task.category, sample, "resolved")
 
     stop = {"now": True}
     monkeypatch.setattr(runner, "run_one", one)
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock["now"])
     with pytest.raises(KeyboardInterrupt):
         run_agent(Images(), _Agent(), tasks, name="r", samples=2, out_dir=tmp_path)  # type: ignore[arg-type]
     assert not (tmp_path / "r" / "results.json").exists()
     stop["now"] = False
     ran.clear()
+    clock["now"] += 5000  # started again later: the pause is not the run's
     run = run_agent(Images(), _Agent(), tasks, name="r", samples=2, out_dir=tmp_path)  # type: ignore[arg-type]
     assert ran == [("t-1", 1)]  # three finished before the stop
+    assert run.wall_s == 40  # its starts' time: three episodes, then one
     assert sorted((r.instance_id, r.sample, r.status) for r in run.results) == [
         ("t-0", 0, "resolved"), ("t-0", 1, "resolved"), ("t-1", 0, "resolved"),
         ("t-1", 1, "resolved"), ("t-2", 0, "infra_failure"), ("t-2", 1, "infra_failure")]
