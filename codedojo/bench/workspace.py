@@ -93,6 +93,7 @@ class TaskImages:
         self._lock = threading.Lock()
         self._memo: dict[str, str] = {}
         self._baselines: dict[str, TestReport] = {}
+        self._baseline_locks: dict[str, threading.Lock] = {}  # one a task: a run, not two
 
     def _named(self, name: str, build) -> str:
         with self._lock:
@@ -143,12 +144,15 @@ class TaskImages:
         """The hidden tests' run on the task as it came, kept once it ran (a run that says
         nothing of the tests, `TestReport.infra_error`, is not kept)."""
         key = task.content_hash()
-        if key not in self._baselines:
-            _, report = grade_changes(self, task, {})
-            if report.infra_error:
-                return report
-            self._baselines[key] = report
-        return self._baselines[key]
+        with self._lock:
+            lock = self._baseline_locks.setdefault(key, threading.Lock())
+        with lock:
+            if key not in self._baselines:
+                _, report = grade_changes(self, task, {})
+                if report.infra_error:
+                    return report
+                self._baselines[key] = report
+            return self._baselines[key]
 
 
 def pytest_command(task: Task) -> PytestCommand:

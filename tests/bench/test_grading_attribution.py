@@ -192,3 +192,28 @@ def test_a_finished_run_is_replaced_only_when_asked(monkeypatch, tmp_path):
     again = run_agent(images, _Agent(), tasks, name="d", out_dir=tmp_path,  # type: ignore[arg-type]
                       replace=True)
     assert [r.instance_id for r in again.results] == ["t-0"]
+
+
+def test_a_tasks_run_as_it_came_is_made_once_for_workers_asking_together(monkeypatch):
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from codedojo.bench import workspace
+
+    calls = []
+
+    def grade(images, task, changes):
+        calls.append(task.instance_id)
+        time.sleep(0.2)
+        return False, _report(False)
+
+    monkeypatch.setattr(workspace, "grade_changes", grade)
+    images = workspace.TaskImages(SimpleNamespace(images=object()))
+    task = SimpleNamespace(instance_id="t-1", content_hash=lambda: "h")
+    workers = [threading.Thread(target=images.baseline, args=(task,)) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert calls == ["t-1"] and images.baseline(task).outcomes
