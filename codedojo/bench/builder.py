@@ -28,7 +28,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from codedojo.bench.mutate import Site, apply_site, find_sites
-from codedojo.bench.patching import make_diff
+from codedojo.bench.patching import make_diff, parse_patch
 from codedojo.bench.source import (
     Sdist,
     cache_root,
@@ -394,19 +394,53 @@ def _gold_passes(pw: PackageWork, task: Task, runs: int, timeout: float) -> bool
 
 
 def split_tasks(tasks: list[Task], test_fraction: float, rng: random.Random) -> dict[str, list[str]]:
-    """Per package and category, a seeded share of tasks goes to test, the rest to train."""
+    """Per package and category, a seeded share of tasks goes to test, the rest to train; but
+    tasks whose bugs lie in the same lines of a file (a bug and a feature task of one function,
+    two mutations of one line) go to train together: one's gold patch is another's answer, and
+    a test task's answer must not be trained on."""
     groups: dict[tuple[str, str], list[str]] = {}
     for t in tasks:
         groups.setdefault((t.package, t.category), []).append(t.instance_id)
-    train: list[str] = []
-    test: list[str] = []
+    test: set[str] = set()
     for key in sorted(groups):
         ids = sorted(groups[key])
         rng.shuffle(ids)
-        k = round(len(ids) * test_fraction)
-        test += ids[:k]
-        train += ids[k:]
-    return {"train": sorted(train), "test": sorted(test)}
+        test.update(ids[:round(len(ids) * test_fraction)])
+    for related in _related(tasks):
+        if len(related) > 1 and not related <= test:
+            test -= related
+    ids = {t.instance_id for t in tasks}
+    return {"train": sorted(ids - test), "test": sorted(test)}
+
+
+def _related(tasks: list[Task]) -> list[set[str]]:
+    """The tasks of a package joined where their bug patches' hunks (lines of the original
+    file, with their context) overlap, and so on: groups of tasks about the same code."""
+    spans = []  # (package, file, first line, last line, task)
+    for t in tasks:
+        for fp in parse_patch(t.bug_patch):
+            for start, lines in fp.hunks:
+                n = sum(1 for line in lines if line[:1] in (" ", "-"))
+                spans.append((t.package, fp.old_path or fp.new_path, start,
+                              start + max(n, 1) - 1, t.instance_id))
+    parent = {t.instance_id: t.instance_id for t in tasks}
+
+    def root(i: str) -> str:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    spans.sort()  # by start: the spans a span overlaps come right after it
+    for i, (pkg, path, _, hi, tid) in enumerate(spans):
+        for pkg2, path2, lo2, _, tid2 in spans[i + 1:]:
+            if (pkg2, path2) != (pkg, path) or lo2 > hi:
+                break
+            parent[root(tid2)] = root(tid)
+    out: dict[str, set[str]] = {}
+    for t in tasks:
+        out.setdefault(root(t.instance_id), set()).add(t.instance_id)
+    return list(out.values())
 
 
 def build_suite(recipe: BuildRecipe, out: str | os.PathLike[str], log: Log = print, jobs: int = 1) -> Suite:

@@ -105,3 +105,23 @@ def test_a_suite_whose_files_break_its_rules_is_named_not_loaded(tmp_path):
     (tmp_path / "tasks.jsonl").mkdir()
     with pytest.raises(TaskFormatError, match="tasks.jsonl: Is a directory"):
         load_suite(tmp_path)
+
+
+def test_tasks_about_the_same_code_are_not_split_across_train_and_test():
+    """A bug and a feature task of one function: one's gold patch is the other's answer."""
+    import random
+
+    from codedojo.bench.builder import split_tasks
+
+    def diff(line: int) -> str:
+        return f"--- a/x.py\n+++ b/x.py\n@@ -{line},1 +{line},1 @@\n-a = {line}\n+a = 0\n"
+
+    tasks = [Task.model_validate(record(instance_id=f"pkg-1.0__bug-{i}", bug_patch=diff(line),
+                                        patch=diff(line)))
+             for i, line in enumerate([10, 10, 40, 70, 100, 130])]
+    together = {"pkg-1.0__bug-0", "pkg-1.0__bug-1"}
+    for seed in range(20):
+        split = split_tasks(tasks, 0.5, random.Random(seed))
+        assert together <= set(split["train"]) or together <= set(split["test"]), seed
+        assert sorted(split["train"] + split["test"]) == sorted(t.instance_id for t in tasks)
+    assert any(split_tasks(tasks, 0.5, random.Random(s))["test"] for s in range(20))
