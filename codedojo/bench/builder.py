@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import posixpath
 import random
 import shutil
 import sys
@@ -64,6 +65,16 @@ class PackageRecipe(BaseModel):
     environment: list[Pinned] = Field(default_factory=list)
     """Extra pinned requirements the suite needs besides pytest."""
 
+    @field_validator("python_path")
+    @classmethod
+    def _folders(cls, v: list[str]) -> list[str]:
+        """Folders of the sdist, written plainly (`./src` is `src`: module names come from it)."""
+        out = [posixpath.normpath(p) for p in v]
+        bad = [p for p in out if p.startswith(("/", "..")) or not p]
+        if bad:
+            raise ValueError(f"folders inside the sdist expected, got {bad}")
+        return out
+
 
 class BuildRecipe(BaseModel):
     """A suite's recipe; `recipe.toml` beside a shipped suite."""
@@ -85,6 +96,15 @@ class BuildRecipe(BaseModel):
     pytest: str | None = None
     """The pytest version the tasks pin (default: the building interpreter's)."""
     packages: list[PackageRecipe]
+
+    @field_validator("packages")
+    @classmethod
+    def _once_each(cls, v: list[PackageRecipe]) -> list[PackageRecipe]:
+        names = [p.requirement.split("==")[0].lower().replace("_", "-") for p in v]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"each package once: {twice} named more than once")
+        return v
 
     @field_validator("pytest")
     @classmethod
@@ -160,9 +180,14 @@ def prepare_package(recipe: PackageRecipe, runs: int, log: Log) -> PackageWork:
     if not hidden:
         raise BuildError(f"{recipe.requirement}: the sdist ships no tests")
     work = Path(tempfile.mkdtemp(prefix=f"dojobench-{sdist.name}-"))
-    shutil.copytree(tree, work, dirs_exist_ok=True)
-    pw = PackageWork(recipe, sdist, tree, work, hidden, _source_modules(tree, recipe.python_path))
-    pw.baseline = _baseline(pw, runs, log)
+    try:
+        shutil.copytree(tree, work, dirs_exist_ok=True)
+        pw = PackageWork(recipe, sdist, tree, work, hidden,
+                         _source_modules(tree, recipe.python_path))
+        pw.baseline = _baseline(pw, runs, log)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)  # (its scratch copy goes with the package)
+        raise
     return pw
 
 
@@ -454,8 +479,8 @@ def build_suite(recipe: BuildRecipe, out: str | os.PathLike[str], log: Log = pri
 
         try:
             pw = prepare_package(pr, recipe.runs, plog)
-        except BuildError as e:
-            plog(f"package dropped: {e}")
+        except Exception as e:  # (a corrupt sdist, a failed download: the package's, not the
+            plog(f"package dropped: {type(e).__name__}: {e}")  # build's, which goes on)
             return []
         try:
             return build_package(pw, recipe, random.Random(f"{recipe.seed}:{pr.requirement}"), plog, created_at)

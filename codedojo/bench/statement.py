@@ -13,12 +13,14 @@ import re
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 
-# A failure message can carry host paths of the build's scratch tree and source line refs.
-_PATH = re.compile(r"(/[\w.\-]+)+/([\w.\-]+\.py)(:\d+)?")
+# A failure message can carry paths (the build's scratch tree, the package's files) and line
+# numbers: each becomes <source>, so no statement says where the bug is.
+_PATH = re.compile(r"(?:[\w.\-]*/)*[\w.\-]+\.py(?::\d+|(\"?),? line \d+)?")
 
 
 def clean_message(msg: str, max_lines: int = 6) -> str:
-    lines = [_PATH.sub(r"<\2>", ln).rstrip() for ln in msg.splitlines() if ln.strip()]
+    lines = [_PATH.sub(lambda m: "<source>" + (m.group(1) or ""), ln).rstrip()
+             for ln in msg.splitlines() if ln.strip()]
     return "\n".join(lines[:max_lines])
 
 

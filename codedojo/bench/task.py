@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -47,12 +48,19 @@ _REQ = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*==[A-Za-z0-9_.+\-!]+$")
 
 def pinned(requirement: str) -> str:
     """``requirement`` if it pins one version (`name==version`); else ValueError."""
-    if not _REQ.match(requirement):
+    if not _REQ.fullmatch(requirement):
         raise ValueError(f"{requirement!r} is not a pinned requirement 'name==version'")
     return requirement
 
 
 Pinned = Annotated[str, AfterValidator(pinned)]  # a requirement `name==version`
+
+
+def _inside_tree(paths: list[str]) -> list[str]:
+    bad = [p for p in paths if not p or p.startswith("/") or ".." in p.split("/")]
+    if bad:
+        raise ValueError(f"paths inside the sdist expected, got {bad}")
+    return paths
 
 
 class TaskFormatError(ValueError):
@@ -69,12 +77,17 @@ class ImageRecipe(BaseModel):
     pytest_args: list[str] = Field(default_factory=list)
     """Extra pytest arguments the package's own suite needs (e.g. ignoring a broken file)."""
 
+    @field_validator("python_path")
+    @classmethod
+    def _inside(cls, v: list[str]) -> list[str]:
+        return _inside_tree(v)
+
 
 class Timeouts(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    test_s: float = Field(120.0, gt=0)
+    test_s: float = Field(120.0, gt=0, allow_inf_nan=False)
     """One run of the hidden tests."""
-    agent_s: float = Field(600.0, gt=0)
+    agent_s: float = Field(600.0, gt=0, allow_inf_nan=False)
     """The agent's whole episode."""
 
 
@@ -114,7 +127,7 @@ class Task(BaseModel):
     @field_validator("instance_id")
     @classmethod
     def _id(cls, v: str) -> str:
-        if not _ID.match(v):
+        if not _ID.fullmatch(v):
             raise ValueError("must be letters, digits, '_', '.', '-'")
         return v
 
@@ -128,16 +141,34 @@ class Task(BaseModel):
     @field_validator("patch", "bug_patch")
     @classmethod
     def _diff(cls, v: str) -> str:
+        from codedojo.bench.patching import parse_patch
+
         if "--- " not in v or "+++ " not in v or "@@" not in v:
             raise ValueError("must be a unified diff")
+        if not parse_patch(v):  # (its paths checked too: none may leave the tree)
+            raise ValueError("a unified diff of no file")
         return v
 
-    @field_validator("FAIL_TO_PASS")
+    @field_validator("test_patch")
     @classmethod
-    def _f2p(cls, v: list[str]) -> list[str]:
-        if not v:
-            raise ValueError("needs at least one test")
+    def _no_test_patch(cls, v: str) -> str:
+        if v:
+            raise ValueError("must be empty: the hidden tests are the sdist's own, pinned")
         return v
+
+    @field_validator("FAIL_TO_PASS", "PASS_TO_PASS")
+    @classmethod
+    def _tests(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        if not v and info.field_name == "FAIL_TO_PASS":
+            raise ValueError("needs at least one test")
+        if len(set(v)) != len(v):
+            raise ValueError(f"names {sorted({t for t in v if v.count(t) > 1})[0]!r} twice")
+        return v
+
+    @field_validator("hidden_paths")
+    @classmethod
+    def _inside(cls, v: list[str]) -> list[str]:
+        return _inside_tree(v)
 
     @field_validator("bug_kinds")
     @classmethod

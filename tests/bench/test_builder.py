@@ -114,3 +114,48 @@ def test_scrub_removes_build_outputs_but_not_a_package_of_that_name(tmp_path):
     scrub(tmp_path)
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert left == ["pkg/build/__init__.py", "pkg/dist/__init__.py", "pkg/m.py"]
+
+
+def test_a_failure_message_names_no_file_or_line():
+    from codedojo.bench.statement import clean_message
+
+    assert clean_message("cannot import name 'x' from 'pkg.core' (/tmp/work/pkg/core.py)") == \
+        "cannot import name 'x' from 'pkg.core' (<source>)"
+    assert clean_message("pkg/core.py:41: in clamp") == "<source>: in clamp"
+    assert clean_message('File "pkg/core.py", line 12, in f') == 'File "<source>", in f'
+    assert clean_message("ValueError: bad value 3.5") == "ValueError: bad value 3.5"
+
+
+def test_a_recipe_names_each_package_once_and_folders_plainly():
+    from codedojo.bench.builder import BuildRecipe, PackageRecipe
+
+    with pytest.raises(ValueError, match=r"each package once: \['tinycalc'\]"):
+        BuildRecipe.model_validate({"name": "s", "version": "1", "packages": [
+            {"requirement": "tinycalc==0.1.0"}, {"requirement": "TinyCalc==0.2.0"}]})
+    assert PackageRecipe(requirement="a==1", python_path=["./src"]).python_path == ["src"]
+    with pytest.raises(ValueError, match="folders inside the sdist"):
+        PackageRecipe(requirement="a==1", python_path=["../x"])
+
+
+def test_a_package_that_fails_to_prepare_is_dropped_and_leaves_no_scratch(tmp_path, monkeypatch):
+    import tempfile
+    from types import SimpleNamespace
+
+    from codedojo.bench import builder
+
+    tree = tmp_path / "tree"
+    (tree / "tests").mkdir(parents=True)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setattr(builder, "fetch_sdist", lambda req: SimpleNamespace(name=req))
+    monkeypatch.setattr(builder, "unpack", lambda sdist: tree)
+    monkeypatch.setattr(builder, "_baseline", lambda *a: (_ for _ in ()).throw(
+        RuntimeError("pip download failed")))
+    logged: list[str] = []
+    recipe = builder.BuildRecipe.model_validate({"name": "s", "version": "1", "packages": [
+        {"requirement": "a==1"}, {"requirement": "b==1"}]})
+    with pytest.raises(builder.BuildError, match="produced no task"):  # each dropped, in turn
+        builder.build_suite(recipe, tmp_path / "out", log=logged.append)
+    assert sum("package dropped: RuntimeError: pip download failed" in m for m in logged) == 2
+    assert list(scratch.iterdir()) == []

@@ -35,6 +35,13 @@ def test_valid_record_has_defaults_and_canary():
         ({"environment": ["pytest"]}, "environment"),
         ({"bug_kinds": ["typo"]}, "bug_kinds"),
         ({"timeouts": {"test_s": -1}}, "timeouts.test_s"),
+        ({"timeouts": {"test_s": float("inf")}}, "timeouts.test_s"),
+        ({"environment": ["pytest==9.2.0\n"]}, "environment"),
+        ({"test_patch": DIFF}, "test_patch"),
+        ({"patch": DIFF.replace("a/x.py", "a/../x.py").replace("b/x.py", "b/../x.py")}, "patch"),
+        ({"PASS_TO_PASS": ["t.py::a", "t.py::a"]}, "PASS_TO_PASS"),
+        ({"hidden_paths": ["../etc"]}, "hidden_paths"),
+        ({"image": {"python_path": ["/abs"]}}, "image.python_path"),
         ({"surprise": 1}, "surprise"),
     ],
 )
@@ -125,3 +132,8 @@ def test_tasks_about_the_same_code_are_not_split_across_train_and_test():
         assert together <= set(split["train"]) or together <= set(split["test"]), seed
         assert sorted(split["train"] + split["test"]) == sorted(t.instance_id for t in tasks)
     assert any(split_tasks(tasks, 0.5, random.Random(s))["test"] for s in range(20))
+
+
+def test_an_id_with_a_line_end_is_refused():
+    with pytest.raises(TaskFormatError, match="'instance_id'"):
+        parse_task(record(instance_id="pkg-1.0__bug-x\n"))
