@@ -115,16 +115,19 @@ def apply_to_text(original: str | None, fp: FilePatch) -> str | None:
         return None
     src = lines_with_ends(original or "")
     out: list[str] = []
-    pos = 0
+    pos = offset = 0
     for start, body in fp.hunks:
         old = [ln[1:] for ln in body if ln[:1] in (" ", "-")]
         new = [ln[1:] for ln in body if ln[:1] in (" ", "+")]
-        at = max(start - 1, 0) if old else start
-        if src[at:at + len(old)] != old:
-            # Tolerate shifted hunks (another hunk or file edit moved lines), like `patch` does.
-            at = _find(src, old, pos)
-            if at < 0:
-                raise PatchError(f"{fp.path}: hunk at line {start} does not match the file")
+        stated = (max(start - 1, 0) if old else start) + offset
+        if stated < pos:
+            raise PatchError(f"{fp.path}: hunk at line {start} overlaps the hunk before it")
+        # Tolerate shifted hunks (another hunk or file edit moved lines), like `patch` does:
+        # where the block stands nearest the line stated (shifted as the hunk before was).
+        at = _find(src, old, stated, pos)
+        if at < 0:
+            raise PatchError(f"{fp.path}: hunk at line {start} does not match the file")
+        offset += at - stated
         out.extend(src[pos:at])
         out.extend(new)
         pos = at + len(old)
@@ -132,10 +135,13 @@ def apply_to_text(original: str | None, fp: FilePatch) -> str | None:
     return "".join(out)
 
 
-def _find(src: list[str], block: list[str], start: int) -> int:
-    for k in range(start, len(src) - len(block) + 1):
-        if src[k:k + len(block)] == block:
-            return k
+def _find(src: list[str], block: list[str], want: int, lo: int) -> int:
+    """Where ``block`` stands in ``src`` nearest ``want``, at ``lo`` or after; -1 if nowhere."""
+    hi = len(src) - len(block)
+    for d in range(max(want - lo, hi - want) + 1):
+        for k in (want - d, want + d):
+            if lo <= k <= hi and src[k:k + len(block)] == block:
+                return k
     return -1
 
 

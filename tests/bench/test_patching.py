@@ -46,3 +46,20 @@ def test_lines_end_at_newlines_alone_and_paths_stay_in_the_tree():
     for bad in ("../outside.txt", "/etc/passwd", "a/../../x"):
         with pytest.raises(PatchError, match="must stay inside the tree"):
             parse_patch(f"--- /dev/null\n+++ b/{bad}\n@@ -0,0 +1 @@\n+x\n")
+
+
+def test_a_shifted_hunk_goes_where_its_block_stands_nearest_and_hunks_may_not_overlap():
+    """Two identical functions, the file shifted a line by an edit elsewhere: the function the
+    hunk names is patched, not the first that matches; a hunk inside the one before is
+    refused, not applied twice over."""
+    block = "\n\n\ndef f(x):\n    if x:\n        return 1\n    return 0\n\n\n\n"
+    orig = "# header\n" + block + block
+    diff = make_diff({"m.py": orig}, {"m.py": "# header\n" + block +
+                                      block.replace("return 1", "return 2")})
+    out = apply_patch(diff, {"m.py": "import os\n" + orig}.get)["m.py"]
+    assert out == "import os\n# header\n" + block + block.replace("return 1", "return 2")
+    src = "".join(f"l{i}\n" for i in range(1, 11))
+    overlapping = ("--- a/m.py\n+++ b/m.py\n@@ -2,3 +2,3 @@\n l2\n-l3\n+L3\n l4\n"
+                   "@@ -3,2 +3,2 @@\n l3\n-l4\n+L4\n")
+    with pytest.raises(PatchError, match="hunk at line 3 overlaps the hunk before it"):
+        apply_patch(overlapping, {"m.py": src}.get)
