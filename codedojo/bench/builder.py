@@ -223,20 +223,18 @@ def _test_file(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-def _function_info(source: str, qualname: str) -> tuple[str, str]:
-    """(signature text, docstring) of a function named by its dotted qualified name."""
-    tree = ast.parse(source)
-    node: ast.AST = tree
-    for part in qualname.split("."):
-        found = None
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and child.name == part:
-                found = child
-                break
-        if found is None:
-            return "(...)", ""
-        node = found
-    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+def _function_info(source: str, qualname: str, line: int) -> tuple[str, str]:
+    """(signature text, docstring) of the function named ``qualname`` that holds ``line``, the
+    innermost if several do (a property's setter, not its getter; the implementation after
+    `@overload` stubs; a `def` under `if` too); ("(...)", "") where none does."""
+    name = qualname.rsplit(".", 1)[-1]
+    holding = [n for n in ast.walk(ast.parse(source))
+               if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
+               and min([n.lineno, *(d.lineno for d in n.decorator_list)]) <= line
+               <= (n.end_lineno or n.lineno)]
+    if not holding:
+        return "(...)", ""
+    node = min(holding, key=lambda n: (n.end_lineno or n.lineno) - n.lineno)
     sig = "(" + ast.unparse(node.args) + ")"
     if node.returns is not None:
         sig += " -> " + ast.unparse(node.returns)
@@ -383,7 +381,7 @@ def _judge(
     digest = hashlib.sha256(f"{cand.rel}:{site.kind}:{site.index}".encode()).hexdigest()[:6]
     iid = f"{name.lower()}-{version}__{short}-{site.kind.replace('_', '')}-{digest}"
     if category == "feature":
-        sig, doc = _function_info(original, site.function)
+        sig, doc = _function_info(original, site.function, site.line)
         statement = feature_statement(_module_name(cand.rel, pw.recipe.python_path), site.function, sig, doc)
     elif category == "log-investigation":
         outcomes = {t: rep.outcomes[t] for t in baseline if t in rep.outcomes}

@@ -159,3 +159,29 @@ def test_a_package_that_fails_to_prepare_is_dropped_and_leaves_no_scratch(tmp_pa
         builder.build_suite(recipe, tmp_path / "out", log=logged.append)
     assert sum("package dropped: RuntimeError: pip download failed" in m for m in logged) == 2
     assert list(scratch.iterdir()) == []
+
+
+def test_a_feature_statement_is_written_from_the_function_whose_body_was_removed():
+    """A property's setter, an implementation after `@overload` stubs, a `def` under `if`."""
+    from codedojo.bench.builder import _function_info
+    from codedojo.bench.mutate import apply_site, find_sites
+
+    src = ('import sys\nfrom typing import overload\n\n\nclass Box:\n    @property\n'
+           '    def value(self):\n        """The stored value."""\n        return self._v\n\n'
+           '    @value.setter\n    def value(self, new, check=True):\n'
+           '        """Store `new`."""\n        if check and new < 0:\n'
+           '            raise ValueError(new)\n        self._v = new\n\n\n'
+           '@overload\ndef scale(x: int) -> int: ...\n'
+           'def scale(x, factor=2):\n    """Multiply x by factor."""\n    y = x * factor\n'
+           '    return y\n\n\n'
+           'if sys.version_info >= (3, 8):\n    def greet(name):\n'
+           '        """Say hello to name."""\n        msg = "hello " + name\n        return msg\n')
+    found = {}
+    for s in find_sites(src):
+        if s.kind == "remove_body":
+            _, site = apply_site(src, s.kind, s.index)
+            found.setdefault(site.function, []).append(
+                _function_info(src, site.function, site.line))
+    assert ("(self, new, check=True)", "Store `new`.") in found["Box.value"]
+    assert found["scale"] == [("(x, factor=2)", "Multiply x by factor.")]
+    assert found["greet"] == [("(name)", "Say hello to name.")]
