@@ -40,7 +40,7 @@ from codedojo.bench.source import (
 )
 from codedojo.bench.statement import bugfix_statement, feature_statement, log_statement
 from codedojo.bench.suite import Suite, save_suite
-from codedojo.bench.task import ImageRecipe, Pinned, Task, Timeouts, pinned
+from codedojo.bench.task import ImageRecipe, Pinned, Task, Timeouts, inside_tree, pinned
 from codedojo.bench.testrun import LocalExecutor, PytestCommand, TestReport, run_pytest
 from codedojo.bench.workspace import resolves
 
@@ -69,11 +69,7 @@ class PackageRecipe(BaseModel):
     @classmethod
     def _folders(cls, v: list[str]) -> list[str]:
         """Folders of the sdist, written plainly (`./src` is `src`: module names come from it)."""
-        out = [posixpath.normpath(p) for p in v]
-        bad = [p for p in out if p.startswith(("/", "..")) or not p]
-        if bad:
-            raise ValueError(f"folders inside the sdist expected, got {bad}")
-        return out
+        return inside_tree([posixpath.normpath(p) for p in v])
 
 
 class BuildRecipe(BaseModel):

@@ -113,8 +113,8 @@ def scrub(root: Path) -> None:
     """Remove VCS history, caches and compiled files under root."""
     for dirpath, dirnames, filenames in os.walk(root):
         for d in list(dirnames):
-            package = (Path(dirpath) / d / "__init__.py").is_file()
-            if d in SCRUB_NAMES or d.endswith(".egg-info") or d in BUILD_OUTPUTS and not package:
+            if d in SCRUB_NAMES or d.endswith(".egg-info") or (
+                    d in BUILD_OUTPUTS and not (Path(dirpath) / d / "__init__.py").is_file()):
                 shutil.rmtree(Path(dirpath) / d, ignore_errors=True)
                 dirnames.remove(d)
         for f in filenames:

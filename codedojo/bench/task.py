@@ -56,7 +56,8 @@ def pinned(requirement: str) -> str:
 Pinned = Annotated[str, AfterValidator(pinned)]  # a requirement `name==version`
 
 
-def _inside_tree(paths: list[str]) -> list[str]:
+def inside_tree(paths: list[str]) -> list[str]:
+    """``paths`` if each is a path inside the sdist (relative, no `..`); else ValueError."""
     bad = [p for p in paths if not p or p.startswith("/") or ".." in p.split("/")]
     if bad:
         raise ValueError(f"paths inside the sdist expected, got {bad}")
@@ -80,7 +81,7 @@ class ImageRecipe(BaseModel):
     @field_validator("python_path")
     @classmethod
     def _inside(cls, v: list[str]) -> list[str]:
-        return _inside_tree(v)
+        return inside_tree(v)
 
 
 class Timeouts(BaseModel):
@@ -168,7 +169,7 @@ class Task(BaseModel):
     @field_validator("hidden_paths")
     @classmethod
     def _inside(cls, v: list[str]) -> list[str]:
-        return _inside_tree(v)
+        return inside_tree(v)
 
     @field_validator("bug_kinds")
     @classmethod

@@ -147,7 +147,6 @@ class TextAssembler:
         self.stop_ids = set(stop_ids)
         self.text = ""  # everything decoded so far (may run past a stop string)
         self.released = 0  # text[:released] has been handed out
-        self.fed = 0  # text[:fed] has been fed to `starts`
         self.stopped = False
 
     def push(self, token_id: int) -> str:
@@ -166,7 +165,7 @@ class TextAssembler:
     def _release(self, final: bool) -> str:
         held = 0
         if self.stops and not self.stopped:
-            new, self.fed = self.text[self.fed:], len(self.text)
+            new = self.text[self.starts[0].fed:]  # (each start has been fed as much)
             held = max(start.feed(new) for start in self.starts)
             hits = [start.at for start in self.starts if start.at is not None]
             if hits:  # the earliest a stop string starts

@@ -97,8 +97,9 @@ class Turn:
             raise ValueError(
                 f"turn {self.index}: {len(self.logprobs)} logprobs for {len(self.completion_ids)} completion tokens"
             )
-        if any(not math.isfinite(lp) or lp > LOGPROB_SLACK for lp in self.logprobs):
-            bad = next(lp for lp in self.logprobs if not math.isfinite(lp) or lp > LOGPROB_SLACK)
+        bad = next((lp for lp in self.logprobs if not math.isfinite(lp) or lp > LOGPROB_SLACK),
+                   None)
+        if bad is not None:
             raise ValueError(f"turn {self.index}: a logprob is a log of a probability (finite, "
                              f"<= 0), got {bad}")
         if any(m not in (0, 1) for m in self.loss_mask):

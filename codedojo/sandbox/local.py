@@ -254,8 +254,9 @@ def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
     the stream before the marker, then the marker and what follows it, which is looked for in
     each read and the few bytes before it, never in all of a command's output."""
     sel = selectors.DefaultSelector()
-    bufs = {proc.stdout: _Kept(cap), proc.stderr: _Kept(cap)}
-    shell = {fd: _MarkerScan(m, cap) for m, fd in zip(stop, bufs, strict=True)} if stop else {}
+    streams = (proc.stdout, proc.stderr)
+    shell = {fd: _MarkerScan(m, cap) for m, fd in zip(stop, streams, strict=True)} if stop else {}
+    bufs = {} if shell else {fd: _Kept(cap) for fd in streams}
     timed_out = False
     pending = memoryview(stdin) if stdin else None
     if pending is not None:

@@ -133,7 +133,7 @@ def test_a_recipe_names_each_package_once_and_folders_plainly():
         BuildRecipe.model_validate({"name": "s", "version": "1", "packages": [
             {"requirement": "tinycalc==0.1.0"}, {"requirement": "TinyCalc==0.2.0"}]})
     assert PackageRecipe(requirement="a==1", python_path=["./src"]).python_path == ["src"]
-    with pytest.raises(ValueError, match="folders inside the sdist"):
+    with pytest.raises(ValueError, match="paths inside the sdist"):
         PackageRecipe(requirement="a==1", python_path=["../x"])
 
 

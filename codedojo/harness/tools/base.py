@@ -144,9 +144,6 @@ def truncate(text: str, limit: int) -> tuple[str, bool]:
     return text[:head] + marker + text[len(text) - tail :], True
 
 
-def shell_quote(s: str) -> str:
-    return "'" + s.replace("'", "'\"'\"'") + "'"
-
 
 # ---- argument validation -------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import itertools
 from typing import Any
 
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj
+from codedojo.sandbox.base import Shell
 
 _bg_ids = itertools.count(1)
 
@@ -18,7 +19,7 @@ def _run_terminal_cmd(ctx: ToolContext, args: dict[str, Any]) -> str:
     timeout = min(float(args.get("timeout") or ctx.timeout_s), ctx.timeout_s)
     shell = ctx.shell()
     if args.get("is_background"):
-        return _start_in_background(ctx, command, timeout)
+        return _start_in_background(ctx, shell, command, timeout)
     r = shell.run(command, timeout=timeout)
     if r.timed_out:
         # A command that outlived its time leaves the shell in an unknown state: start afresh.
@@ -44,10 +45,10 @@ _LAUNCH = ('source "$1" 2>/dev/null; rm -f "$1"; '
            'nohup bash -c "$2" > "$3" 2>&1 < /dev/null & echo $!')
 
 
-def _start_in_background(ctx: ToolContext, command: str, timeout: float) -> str:
+def _start_in_background(ctx: ToolContext, shell: Shell, command: str, timeout: float) -> str:
     n = next(_bg_ids)
     log, env = f"/tmp/dojo-bg-{n}.log", f"/tmp/dojo-bg-{n}.env"
-    r = ctx.shell().run(f'export -p > {env} && printf %s "$PWD"', timeout=timeout)
+    r = shell.run(f'export -p > {env} && printf %s "$PWD"', timeout=timeout)
     if r.exit_code != 0 or not r.stdout:
         raise ToolError(f"cannot read the shell's directory and variables: {r.stderr.strip()}")
     r = ctx.sandbox.exec(["bash", "-c", _LAUNCH, "bash", env, command, log], cwd=r.stdout,
