@@ -102,18 +102,23 @@ def write_synced(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
         os.fsync(f.fileno())
 
 
-def write_atomic(path: str | Path, text: str | bytes) -> None:
+def write_atomic(path: str | Path, text: str | bytes | Callable[[BinaryIO], object]) -> None:
     """Replace the file's text whole: a reader, or a crash at any point, sees the old text or
     the new, never part of it (a report rewritten after every stage, an index that says a
-    directory is finished). The file is a new one, so a hard link to the old stays as it was.
-    It is on disk before it takes the name, and the name is on disk when this returns."""
+    directory is finished, a data file exported again). ``text`` is the new text, or a
+    function that writes it to the file it is given. The file is a new one, so a hard link to
+    the old stays as it was. It is on disk before it takes the name, and the name is on disk
+    when this returns; a write that fails leaves the old file as it was."""
     path = Path(path)
     mode = path.stat().st_mode & 0o777 if path.exists() else 0o644  # mkstemp's is 0o600
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
-            f.write(text.encode() if isinstance(text, str) else text)
+            if callable(text):
+                text(f)
+            else:
+                f.write(text.encode() if isinstance(text, str) else text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -173,8 +173,8 @@ class Agent:
             toolset_generation=int(getattr(tools, "generation", getattr(getattr(tools, "toolset", None), "generation", 0))),
             metadata=dict(metadata or {}),
         )
-        writer = TrajectoryWriter(out) if out else None
         context = self._fresh_context(task)
+        writer = TrajectoryWriter(out) if out else None
         traj.messages.extend(context)
         if writer:
             writer.start(traj)

@@ -22,12 +22,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from codedojo.paths import write_atomic
 
 # 2: a turn's routed_experts may leave out the rows it shares with the previous turn
 # (routed_experts_shared); version 1 turns, which never do, read as they are
@@ -376,14 +379,20 @@ def json_text(obj: Any) -> str:
 
 
 class TrajectoryWriter:
-    """Appends a trajectory to a JSONL file step by step (header, turns, end)."""
+    """Appends a trajectory to a JSONL file step by step (header, turns, end). The file is
+    new: it takes the name once its header is on disk, so a file of that name stays as it
+    was until then (a log of an earlier episode is replaced by a readable one, never by an
+    empty one), and a hard link to it keeps the old log."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._messages_written = 0
         self._turns_written = 0
-        self._fh = self.path.open("w", encoding="utf-8")
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}-", dir=self.path.parent)
+        self._tmp: str | None = tmp
+        os.fchmod(fd, 0o644)  # (mkstemp's is 0o600)
+        self._fh = os.fdopen(fd, "w", encoding="utf-8")
 
     def _line(self, obj: dict[str, Any]) -> None:
         self._fh.write(json_text(obj) + "\n")
@@ -392,6 +401,8 @@ class TrajectoryWriter:
 
     def start(self, traj: Trajectory) -> None:
         self._line(traj.header())
+        os.replace(self._tmp, self.path)
+        self._tmp = None
 
     def step(self, traj: Trajectory) -> None:
         """Write the turns and messages added since the last call."""
@@ -412,6 +423,9 @@ class TrajectoryWriter:
     def close(self) -> None:
         if not self._fh.closed:
             self._fh.close()
+        if self._tmp is not None:  # (never started)
+            Path(self._tmp).unlink(missing_ok=True)
+            self._tmp = None
 
 
 def read_jsonl(path: str | Path) -> Trajectory:
@@ -559,7 +573,7 @@ def write_parquet(trajs: Iterable[Trajectory], path: str | Path) -> None:
     )
     table = pa.table(rows, schema=schema)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, str(path))
+    write_atomic(path, lambda f: pq.write_table(table, f))  # (an old file stays until then)
 
 
 def read_parquet(path: str | Path) -> list[Trajectory]:

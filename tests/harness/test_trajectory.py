@@ -346,3 +346,43 @@ def test_a_logprob_that_is_no_log_of_a_probability_is_refused():
             t.validate()
     t.turns[0].logprobs = [-0.5, 1e-7]  # above 0 by rounding only
     t.validate()
+
+
+def test_a_failed_export_leaves_the_parquet_file_it_would_replace(tmp_path, monkeypatch):
+    """`dojo traj export -o existing.parquet` stopped mid-write keeps the old dataset."""
+    import pyarrow.parquet as pq
+
+    old = _traj()
+    write_parquet([old], tmp_path / "d.parquet")
+    real = pq.write_table
+
+    def cut_short(table, where, **kw):  # the disk fills up, or the process is stopped
+        real(table, where, **kw)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", cut_short)
+    with pytest.raises(OSError, match="No space"):
+        write_parquet([_traj(), _traj()], tmp_path / "d.parquet")
+    assert [t.to_dict() for t in load(tmp_path / "d.parquet")] == [old.to_dict()]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.parquet"]
+
+
+def test_a_new_step_log_takes_the_name_once_its_header_is_written(tmp_path):
+    """An episode run again to the same path replaces the old log with a readable one, never
+    an empty one, and a writer that never starts leaves neither the old log nor a stray file."""
+    path = tmp_path / "t.jsonl"
+    finished = _traj()
+    finished.status = "finished"
+    w = TrajectoryWriter(path)
+    w.start(finished)
+    w.finish(finished)
+    w = TrajectoryWriter(path)
+    assert read_jsonl(path).status == "finished"  # nothing of the new episode yet
+    w.close()
+    assert read_jsonl(path).status == "finished"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+    w = TrajectoryWriter(path)
+    w.start(_traj())
+    assert read_jsonl(path).status == "running"
+    w.close()
+    assert path.stat().st_mode & 0o777 == 0o644
