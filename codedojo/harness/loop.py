@@ -172,6 +172,7 @@ class Agent:
             tool_versions=dict(tools.versions),
             toolset_generation=int(getattr(tools, "generation", getattr(getattr(tools, "toolset", None), "generation", 0))),
             metadata=dict(metadata or {}),
+            sampling=dict(getattr(self.policy, "sampling", {})),
         )
         context = self._fresh_context(task)
         writer = TrajectoryWriter(out) if out else None

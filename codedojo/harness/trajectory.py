@@ -143,6 +143,10 @@ class Trajectory:
     final_message: str | None = None
     tool_state: dict[str, Any] = field(default_factory=dict)  # todos etc., at the end
     metadata: dict[str, Any] = field(default_factory=dict)
+    # how the policy sampled (`Policy.sampling`): temperature, top_p, top_k, seed, and what
+    # its logprobs are of where the policy knows ("sampled": the distribution it sampled from,
+    # after temperature and top-k/top-p)
+    sampling: dict[str, Any] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
     ended_at: float | None = None
 
@@ -160,6 +164,7 @@ class Trajectory:
             "tool_versions": self.tool_versions,
             "toolset_generation": self.toolset_generation,
             "metadata": self.metadata,
+            "sampling": self.sampling,
             "started_at": self.started_at,
         }
 
@@ -531,7 +536,7 @@ def write_parquet(trajs: Iterable[Trajectory], path: str | Path) -> None:
     rows: dict[str, list[Any]] = {k: [] for k in (
         "id", "task", "env", "model", "status", "error", "final_message", "tool_schemas",
         "tool_versions", "toolset_generation", "messages", "segments", "tool_state", "metadata",
-        "started_at", "ended_at", "turns",
+        "sampling", "started_at", "ended_at", "turns",
     )}
     def text(s: str | None) -> str | None:
         return None if s is None else utf8_safe(s)
@@ -551,6 +556,7 @@ def write_parquet(trajs: Iterable[Trajectory], path: str | Path) -> None:
         rows["segments"].append(t.segments)
         rows["tool_state"].append(json.dumps(t.tool_state))
         rows["metadata"].append(json.dumps(t.metadata))
+        rows["sampling"].append(json.dumps(t.sampling))
         rows["started_at"].append(t.started_at)
         rows["ended_at"].append(t.ended_at)
         turns = []
@@ -567,6 +573,7 @@ def write_parquet(trajs: Iterable[Trajectory], path: str | Path) -> None:
             ("tool_schemas", pa.string()), ("tool_versions", pa.string()),
             ("toolset_generation", pa.int64()), ("messages", pa.string()),
             ("segments", pa.list_(pa.int32())), ("tool_state", pa.string()), ("metadata", pa.string()),
+            ("sampling", pa.string()),
             ("started_at", pa.float64()), ("ended_at", pa.float64()), ("turns", pa.list_(_turn_type())),
         ],
         metadata={b"codedojo.trajectory.format": str(FORMAT_VERSION).encode()},
@@ -584,8 +591,10 @@ def read_parquet(path: str | Path) -> list[Trajectory]:
     _check_format(int(fmt) if fmt else None)
     out = []
     for row in table.to_pylist():
-        for key in ("tool_schemas", "tool_versions", "messages", "tool_state", "metadata"):
-            row[key] = json.loads(row[key])
+        for key in ("tool_schemas", "tool_versions", "messages", "tool_state", "metadata",
+                    "sampling"):
+            if key in row:  # (a file written before sampling was recorded has none)
+                row[key] = json.loads(row[key])
         for d in row["turns"]:
             d["message"] = json.loads(d["message"])
             d["tool_calls"] = json.loads(d["tool_calls"])

@@ -26,7 +26,7 @@ from codedojo.harness.loop import Agent, LoopConfig
 from codedojo.harness.policy import EnginePolicy, OpenAIPolicy, _check_ids, _checked_routing
 from codedojo.harness.tools.base import ToolContext
 from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
-from codedojo.harness.trajectory import Turn, read_jsonl
+from codedojo.harness.trajectory import Turn, load, read_jsonl, write_parquet
 from codedojo.model.chat import ChatTemplate
 from codedojo.model.config import ModelConfig
 from codedojo.model.tokenizer import tiny_tokenizer
@@ -82,6 +82,7 @@ def test_openai_client_path_records_tokens_logprobs_and_masks(scripted_server, s
     assert traj.status == "finished", traj.error
     traj.validate()
     assert traj.final_message == "The README describes stock keeping helpers."
+    assert traj.sampling == {"temperature": 1.0, "top_p": 1.0, "seed": None}  # as asked for
     t0, t1, t2 = traj.turns
     # Turn 0: a parsed call; the ids are the server's prompt and the sampled answer.
     assert t0.message["tool_calls"][0]["function"]["name"] == "read_file"
@@ -132,7 +133,7 @@ def small_session(sandbox) -> ToolSession:
                        ToolContext(sandbox=sandbox))
 
 
-def test_engine_policy_in_process(sandbox):
+def test_engine_policy_in_process(sandbox, tmp_path):
     session = small_session(sandbox)
     tok = tiny_tokenizer()
     torch.manual_seed(0)
@@ -140,10 +141,16 @@ def test_engine_policy_in_process(sandbox):
     model.init_weights(std=0.5)
     engine = Engine(model.eval(), max_batch=2)
     chat = ChatTemplate(tok)
-    policy = EnginePolicy(engine, chat, name="tiny", temperature=1.0, seed=1)
-    traj = Agent(policy, LoopConfig(max_turns=2, max_tokens_per_turn=12)).run("hello", session)
+    policy = EnginePolicy(engine, chat, name="tiny", temperature=0.7, top_k=5, seed=1)
+    traj = Agent(policy, LoopConfig(max_turns=2, max_tokens_per_turn=12)).run(
+        "hello", session, out=tmp_path / "t.jsonl")
     assert traj.status in ("finished", "max_turns", "max_tokens"), traj.error
     traj.validate()
+    # How the logprobs were sampled is recorded, for a trainer to tell them from raw ones.
+    sampling = {"temperature": 0.7, "top_p": 1.0, "top_k": 5, "seed": 1, "logprobs": "sampled"}
+    assert traj.sampling == sampling
+    write_parquet([traj], tmp_path / "t.parquet")
+    assert load(tmp_path / "t.jsonl")[0].sampling == load(tmp_path / "t.parquet")[0].sampling == sampling
     t0 = traj.turns[0]
     expected_prompt = chat.encode(traj.messages[:2], session.schemas, add_generation_prompt=True)
     assert t0.prompt_ids == expected_prompt
