@@ -176,10 +176,10 @@ class CodebaseIndex:
             if _left(deadline) <= 0:
                 raise SearchTimeout(0, 0)
             try:
-                data = sandbox.read_file(path)
-            except (FileNotFoundError, SandboxError, OSError):
+                data = sandbox.read_file(path, max_bytes=MAX_FILE_BYTES)
+            except (FileNotFoundError, SandboxError, OSError):  # (FileTooLarge among them)
                 continue
-            if len(data) > MAX_FILE_BYTES or b"\x00" in data[:4096]:
+            if b"\x00" in data[:4096]:
                 continue
             out.extend(chunk_file(path, data.decode("utf-8", "replace")))
         return out

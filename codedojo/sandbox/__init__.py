@@ -16,6 +16,7 @@ from codedojo.sandbox.base import (
     EgressBinding,
     ExecResult,
     FileInfo,
+    FileTooLarge,
     Limits,
     Sandbox,
     SandboxError,
@@ -44,6 +45,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "WORKSPACE", "Change", "EgressAttachment", "EgressBinding", "ExecResult", "FileInfo",
-    "Limits", "Sandbox", "SandboxError", "SandboxProvider", "SandboxSpec", "Shell",
+    "FileTooLarge", "Limits", "Sandbox", "SandboxError", "SandboxProvider", "SandboxSpec", "Shell",
     "LocalProvider", "LocalSandbox", "Image", "ImageStore", "SandboxClient",
 ]

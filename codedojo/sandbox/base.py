@@ -20,6 +20,14 @@ class SandboxError(Exception):
     """A request the sandbox refuses (bad path, missing layer, limit exceeded, unknown id)."""
 
 
+class FileTooLarge(SandboxError):
+    """`Sandbox.read_file` of a file longer than the ``max_bytes`` asked for."""
+
+    def __init__(self, path: str, size: int, max_bytes: int) -> None:
+        super().__init__(f"path: {path} holds {size} bytes, more than the {max_bytes} asked for")
+        self.path, self.size, self.max_bytes = path, size, max_bytes
+
+
 MAX_SECONDS = 7 * 24 * 3600.0  # a time limit past a week is a mistake (and 1e300 overflows)
 
 
@@ -146,7 +154,10 @@ class Sandbox(Executor, Protocol):
 
     def shell(self) -> Shell: ...
 
-    def read_file(self, path: str) -> bytes: ...
+    def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        """A regular file's bytes (through a link inside the sandbox). ``max_bytes``: a longer
+        file is refused (`FileTooLarge`) before it is read, and one grown past it while read."""
+        ...
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None: ...
 

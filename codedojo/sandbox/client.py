@@ -26,6 +26,7 @@ from codedojo.sandbox.base import (
     Change,
     ExecResult,
     FileInfo,
+    FileTooLarge,
     SandboxError,
     SandboxSpec,
     token_path,
@@ -55,9 +56,12 @@ class _Http:
             raise SandboxError(f"sandbox service unreachable: {e}") from None
         if r.status_code >= 400:
             try:
-                detail = r.json().get("detail", r.text)
+                body = r.json()
+                detail = body.get("detail", r.text)
             except ValueError:
-                detail = r.text
+                body, detail = {}, r.text
+            if r.status_code == 413 and {"path", "size", "max_bytes"} <= body.keys():
+                raise FileTooLarge(body["path"], body["size"], body["max_bytes"])
             if isinstance(detail, list):  # FastAPI validation errors: name the fields
                 detail = "; ".join(f"{'.'.join(str(x) for x in d.get('loc', []))}: {d.get('msg')}" for d in detail)
             raise SandboxError(f"{detail} (HTTP {r.status_code})")
@@ -103,8 +107,11 @@ class RemoteSandbox:
     def shell(self) -> RemoteShell:
         return RemoteShell(self._http, self.id, self._http.call("POST", self._url("/shells"))["shell_id"])
 
-    def read_file(self, path: str) -> bytes:
-        return self._http.call("GET", self._url("/file"), params={"path": path}, raw=True)
+    def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        params: dict[str, Any] = {"path": path}
+        if max_bytes is not None:
+            params["max_bytes"] = max_bytes
+        return self._http.call("GET", self._url("/file"), params=params, raw=True)
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         content = data.encode() if isinstance(data, str) else bytes(data)

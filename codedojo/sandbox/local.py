@@ -55,6 +55,7 @@ from codedojo.sandbox.base import (
     EgressBinding,
     ExecResult,
     FileInfo,
+    FileTooLarge,
     Limits,
     SandboxError,
     SandboxSpec,
@@ -865,8 +866,11 @@ class LocalSandbox:
             return
         raise SandboxError(f"path: {path}: permission denied (not readable by the sandbox user)")
 
-    def read_file(self, path: str) -> bytes:
+    def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
         p = sandbox_path(path)
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(
+                max_bytes, int) or max_bytes < 0):
+            raise SandboxError(f"max_bytes: a count of bytes >= 0 expected, got {max_bytes!r}")
         fd = self._open(p, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens, and is refused below
         try:
             st = self._served(fd, p)
@@ -875,20 +879,26 @@ class LocalSandbox:
             if not stat.S_ISREG(st.st_mode):
                 raise SandboxError(f"path: {p} is not a regular file")
             self._check_readable(st, p)
-            return self._read_all(fd, p)
+            return self._read_all(fd, p, max_bytes)
         finally:
             os.close(fd)
 
-    def _read_all(self, fd: int, p: str) -> bytes:
+    def _read_all(self, fd: int, p: str, max_bytes: int | None = None) -> bytes:
         """A regular file's bytes; refused past the sandbox's disk, which only a sparse file
-        can be (read whole, a `truncate -s 1T` would take the host's memory)."""
+        can be (read whole, a `truncate -s 1T` would take the host's memory), and past
+        ``max_bytes``, as it stands or as it grows while read."""
         size, cap = os.fstat(fd).st_size, self.spec.limits.disk_mb << 20
         if size > cap:
             raise SandboxError(f"path: {p} holds {size} bytes, more than the sandbox's disk "
                                f"({self.spec.limits.disk_mb} MB)")
-        chunks = []
+        if max_bytes is not None and size > max_bytes:
+            raise FileTooLarge(p, size, max_bytes)
+        chunks, read = [], 0
         while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)
+            read += len(chunk)
+            if max_bytes is not None and read > max_bytes:
+                raise FileTooLarge(p, read, max_bytes)
         return b"".join(chunks)
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:

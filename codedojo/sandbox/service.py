@@ -3,6 +3,7 @@
 Every route maps to one `Sandbox`/`ImageStore` method; `client.py` maps them back, so a
 `SandboxClient` sandbox behaves like a local one. Errors are JSON `{"detail": ...}`: 400 for a
 request the sandbox refuses (bad path, malformed command, missing layer, limit exceeded),
+413 for a file longer than the read asked for (with its ``path``, ``size`` and ``max_bytes``),
 404 for an unknown sandbox or shell, 422 for a malformed body (FastAPI names the field), 503
 when admission control refuses a new sandbox (the detail names the resource under pressure).
 A failure in one sandbox never takes the service down: every route catches its own errors.
@@ -29,7 +30,14 @@ from fastapi import Body, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from codedojo.sandbox.base import TOKEN_ENV, Limits, SandboxError, SandboxSpec, token_path
+from codedojo.sandbox.base import (
+    TOKEN_ENV,
+    FileTooLarge,
+    Limits,
+    SandboxError,
+    SandboxSpec,
+    token_path,
+)
 from codedojo.sandbox.local import LocalProvider, LocalSandbox, LocalShell
 
 
@@ -179,6 +187,11 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
             return JSONResponse({"detail": why}, status_code=401)
         return await call_next(request)
 
+    @app.exception_handler(FileTooLarge)
+    async def _too_large(request: Request, exc: FileTooLarge) -> JSONResponse:
+        return JSONResponse({"detail": str(exc), "path": exc.path, "size": exc.size,
+                             "max_bytes": exc.max_bytes}, status_code=413)
+
     @app.exception_handler(SandboxError)
     async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
         msg = str(exc)
@@ -287,8 +300,10 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
         return {"closed": shell_id}
 
     @app.get("/sandboxes/{sandbox_id}/file")
-    def read_file(sandbox_id: str, path: str = Query(...)) -> Response:
-        return Response(sb(sandbox_id).read_file(path), media_type="application/octet-stream")
+    def read_file(sandbox_id: str, path: str = Query(...),
+                  max_bytes: int | None = Query(None, ge=0)) -> Response:
+        return Response(sb(sandbox_id).read_file(path, max_bytes),
+                        media_type="application/octet-stream")
 
     @app.get("/sandboxes/{sandbox_id}/original")
     def read_original(sandbox_id: str, path: str = Query(...)) -> Response:

@@ -12,6 +12,7 @@ from codedojo.sandbox.base import (
     Change,
     EgressBinding,
     ExecResult,
+    FileTooLarge,
     Limits,
     Sandbox,
     SandboxError,
@@ -549,6 +550,11 @@ def test_a_sparse_file_stays_sparse_on_the_host_and_is_not_read_whole(sandbox, p
     with pytest.raises(SandboxError, match="big holds 1073741824 bytes, more than the "
                                            "sandbox's disk"):
         sandbox.read_file("big")
+    sandbox.exec("head -c 5000 /dev/zero > mid && ln -s mid link")
+    for name in ("mid", "link"):  # a limit asked for is held before the file is read
+        with pytest.raises(FileTooLarge, match=f"{name} holds 5000 bytes, more than the 4999"):
+            sandbox.read_file(name, max_bytes=4999)
+    assert sandbox.read_file("link", max_bytes=5000) == bytes(5000)
     layer = provider.images.layer_path(provider.images.resolve(sandbox.snapshot()).layers[0])
     st = os.stat(os.path.join(layer, "workspace", "big"))
     assert st.st_size == 1 << 30 and st.st_blocks * 512 < 1 << 20

@@ -11,7 +11,14 @@ import time
 import pytest
 import uvicorn
 
-from codedojo.sandbox.base import Change, Limits, Sandbox, SandboxError, SandboxSpec
+from codedojo.sandbox.base import (
+    Change,
+    FileTooLarge,
+    Limits,
+    Sandbox,
+    SandboxError,
+    SandboxSpec,
+)
 from codedojo.sandbox.client import SandboxClient
 from codedojo.sandbox.service import ServiceConfig, create_app
 from tests.sandbox.conftest import SMALL
@@ -74,6 +81,13 @@ def test_a_command_allowed_longer_than_the_clients_timeout_is_waited_for(service
 def test_remote_files_and_shell(remote):
     remote.write_file("bin.dat", bytes(range(256)))
     assert remote.read_file("bin.dat") == bytes(range(256))
+    # A read given a limit is refused, as FileTooLarge, by the service before it reads.
+    assert remote.read_file("bin.dat", max_bytes=256) == bytes(range(256))
+    with pytest.raises(FileTooLarge, match="bin.dat holds 256 bytes, more than the 255") as e:
+        remote.read_file("bin.dat", max_bytes=255)
+    assert (e.value.path, e.value.size, e.value.max_bytes) == ("/workspace/bin.dat", 256, 255)
+    with pytest.raises(SandboxError, match="max_bytes"):
+        remote.read_file("bin.dat", max_bytes=-1)
     assert remote.stat("bin.dat").size == 256
     assert "/workspace/bin.dat" in {f.path for f in remote.list_dir()}
     remote.remove("bin.dat")

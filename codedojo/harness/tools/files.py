@@ -14,7 +14,7 @@ from typing import Any
 from codedojo.harness.lines import file_lines
 from codedojo.harness.ripgrep import RgError, rg_lines, unread_note
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
-from codedojo.sandbox.base import WORKSPACE, SandboxError
+from codedojo.sandbox.base import WORKSPACE, FileTooLarge, SandboxError
 
 MAX_LIST_ENTRIES = 500
 MAX_GLOB_RESULTS = 200
@@ -25,12 +25,12 @@ def read_text(ctx: ToolContext, path: str, errors: str = "replace") -> str | Non
     """The file's text, or None when it does not exist. Bytes that are not UTF-8 are shown as
     U+FFFD; ``errors="surrogateescape"`` keeps them, for a text to be written back. A file
     over `MAX_TEXT_BYTES` is refused before it is read."""
-    size = _size(ctx, path)
-    if size > MAX_TEXT_BYTES:
-        raise ToolError(f"{path} is {size} bytes, more than the file tools read "
-                        f"({MAX_TEXT_BYTES >> 20} MiB): use grep, or head/sed in the terminal")
     try:
-        data = ctx.sandbox.read_file(path)
+        data = ctx.sandbox.read_file(path, max_bytes=MAX_TEXT_BYTES)
+    except FileTooLarge as e:
+        raise ToolError(f"{path} is {e.size} bytes, more than the file tools read "
+                        f"({MAX_TEXT_BYTES >> 20} MiB): use grep, or head/sed in the terminal"
+                        ) from None
     except (FileNotFoundError, SandboxError) as e:
         if _exists(ctx, path):
             raise ToolError(f"cannot read {path}: {e}") from e
@@ -38,19 +38,6 @@ def read_text(ctx: ToolContext, path: str, errors: str = "replace") -> str | Non
     if b"\x00" in data[:8192]:
         raise ToolError(f"{path} is a binary file ({len(data)} bytes)")
     return data.decode("utf-8", errors=errors)
-
-
-def _size(ctx: ToolContext, path: str) -> int:
-    """The size of what reading ``path`` reads (through a link: its target's); 0 where it
-    cannot be told (missing, or not to be seen: the read says which)."""
-    try:
-        info = ctx.sandbox.stat(path)
-    except (FileNotFoundError, SandboxError):
-        return 0
-    if info.kind != "symlink":
-        return info.size
-    r = ctx.sandbox.exec(["stat", "-L", "-c", "%s", path], timeout=ctx.timeout_s)
-    return int(r.stdout) if r.exit_code == 0 and r.stdout.strip().isdigit() else 0
 
 
 def _shown(text: str) -> str:

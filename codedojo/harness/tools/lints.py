@@ -28,12 +28,11 @@ def _python_files(ctx: ToolContext, root: str) -> list[str]:
 def workspace_configs(sandbox: Any) -> dict[str, str]:
     configs: dict[str, str] = {}
     for name in CONFIG_FILES:
-        try:
-            if sandbox.stat(f"{WORKSPACE}/{name}").size > MAX_TEXT_BYTES:
-                continue  # (no config file is that large; none is read whole into the host)
-            configs[name] = sandbox.read_file(f"{WORKSPACE}/{name}").decode("utf-8", "replace")
-        except (FileNotFoundError, SandboxError, OSError):
+        try:  # (no config file is that large; none is read whole into the host)
+            data = sandbox.read_file(f"{WORKSPACE}/{name}", max_bytes=MAX_TEXT_BYTES)
+        except (FileNotFoundError, SandboxError, OSError):  # (FileTooLarge among them)
             continue
+        configs[name] = data.decode("utf-8", "replace")
     return configs
 
 
