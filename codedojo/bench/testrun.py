@@ -13,6 +13,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -215,6 +216,29 @@ def unmask_xfails(report: TestReport, tests: Sequence[str],
         if before.get(t) != "xfail":
             report.outcomes[t] = "failed"
             report.messages[t] = XFAIL_HIDES
+
+
+class Baselines:
+    """Each task's tests run on the task as it came, kept once run: one run a task, however
+    many episodes of it ask at once (a bench run's samples, an RL step's rollouts). A run that
+    says nothing of the tests (`TestReport.infra_error`) is returned, not kept."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: dict[str, TestReport] = {}
+        self._locks: dict[str, threading.Lock] = {}
+
+    def get(self, key: str, run: Callable[[], TestReport]) -> TestReport:
+        """The kept run of the task ``key`` names, or ``run()`` now (and kept)."""
+        with self._lock:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            if key in self._runs:
+                return self._runs[key]
+            report = run()
+            if not report.infra_error:
+                self._runs[key] = report
+            return report
 
 
 FORGED = ("the run's outcomes are not the tests': a test that must fail did not (the code under "

@@ -23,6 +23,7 @@ from codedojo.bench.patching import apply_patch_to_dir
 from codedojo.bench.source import cache_root, fetch_sdist, scrub, unpack
 from codedojo.bench.task import Task
 from codedojo.bench.testrun import (
+    Baselines,
     PytestCommand,
     TestReport,
     is_test_machinery,
@@ -92,8 +93,7 @@ class TaskImages:
         self.python = python
         self._lock = threading.Lock()
         self._memo: dict[str, str] = {}
-        self._baselines: dict[str, TestReport] = {}
-        self._baseline_locks: dict[str, threading.Lock] = {}  # one a task: a run, not two
+        self._baselines = Baselines()
 
     def _named(self, name: str, build) -> str:
         with self._lock:
@@ -143,16 +143,7 @@ class TaskImages:
     def baseline(self, task: Task) -> TestReport:
         """The hidden tests' run on the task as it came, kept once it ran (a run that says
         nothing of the tests, `TestReport.infra_error`, is not kept)."""
-        key = task.content_hash()
-        with self._lock:
-            lock = self._baseline_locks.setdefault(key, threading.Lock())
-        with lock:
-            if key not in self._baselines:
-                _, report = grade_changes(self, task, {})
-                if report.infra_error:
-                    return report
-                self._baselines[key] = report
-            return self._baselines[key]
+        return self._baselines.get(task.content_hash(), lambda: grade_changes(self, task, {})[1])
 
 
 def pytest_command(task: Task) -> PytestCommand:

@@ -14,9 +14,11 @@ episode's own, after putting those files back as the image had them: for a trust
 
 A run that says nothing of the tests (it timed out, or pytest did not start) is the
 episode's failure where the task as it came runs (its change hung the tests); otherwise the
-report carries ``infra_error`` (always, graded in the episode's own sandbox) and the outcome
-reward raises `GradingError`: the episode is the environment's to retry, not the policy's to
-be taught by.
+report carries ``infra_error`` and the outcome reward raises `GradingError`: the episode is
+the environment's to retry, not the policy's to be taught by. The task as it came runs in
+another fresh sandbox, or is the run the caller keeps for it (``as_it_came``: a
+`codedojo.bench.testrun.Baselines` shares one between a task's rollouts); graded in the
+episode's own sandbox with none given, the report always carries ``infra_error``.
 """
 
 from __future__ import annotations
@@ -56,14 +58,16 @@ def default_command(python_path: Sequence[str] = (".",)) -> PytestCommand:
 
 def grade(sandbox: Sandbox, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], *,
           fresh: Callable[[], Sandbox] | None = None, command: PytestCommand | None = None,
-          timeout: float = 300.0) -> TestReport:
+          timeout: float = 300.0, as_it_came: Callable[[], RunReport] | None = None
+          ) -> TestReport:
     """Both test sets' results for the episode whose sandbox is ``sandbox``: run in a new
     sandbox of the task's image, ``fresh()``, with the episode's changes, or in ``sandbox``
     itself when there is no ``fresh`` (see the module's docstring). A run that needs the task
-    as it came beside it (see `unmask_xfails`, and a run that says nothing of the tests) takes
-    another ``fresh()``, where nothing of the episode's ran. The sandboxes it makes, it
-    destroys. ``command``: how pytest runs (`default_command`); its ``python_path`` folders are
-    import roots the test machinery cannot be changed in."""
+    as it came beside it (see `unmask_xfails`, and a run that says nothing of the tests) asks
+    ``as_it_came()`` for it, the same tests' run on the task's image (one run a task, kept by
+    the caller), or takes another ``fresh()``, where nothing of the episode's ran. The
+    sandboxes it makes, it destroys. ``command``: how pytest runs (`default_command`); its
+    ``python_path`` folders are import roots the test machinery cannot be changed in."""
     command = command or default_command()
     tests = [*fail_to_pass, *pass_to_pass]
     if not tests:
@@ -73,33 +77,41 @@ def grade(sandbox: Sandbox, fail_to_pass: Sequence[str], pass_to_pass: Sequence[
     def protected(rel: str) -> bool:
         return rel in files or is_test_machinery(rel, command.python_path)
 
-    def in_fresh(changes: dict[str, bytes | None]) -> RunReport:
-        assert fresh is not None
-        sb = fresh()
-        try:
-            apply_changes(sb, changes, protected)
-            return run_pytest(sb, command, tests, timeout)
-        finally:
-            sb.destroy()
-
     if fresh is None:
         restore(sandbox, protected)
         run, changes = run_pytest(sandbox, command, tests, timeout), {}
     else:
         changes = collect_changes(sandbox)
-        run = in_fresh(changes)
+        run = run_fresh(fresh, tests, command, timeout, changes, protected)
     infra_error = run.infra_error
-    if fresh is not None and changes:
-        as_it_came = functools.cache(lambda: in_fresh({}))
-        if infra_error and not as_it_came().infra_error:
+    if as_it_came is None and fresh is not None:
+        as_it_came = functools.partial(run_fresh, fresh, tests, command, timeout)
+    if as_it_came is not None and (changes or fresh is None):  # (none: the same run)
+        before = functools.cache(as_it_came)
+        if infra_error and not before().infra_error:
             infra_error = None  # the change hung the tests or kept pytest from starting
-        unmask_xfails(run, pass_to_pass, as_it_came)
+        unmask_xfails(run, pass_to_pass, before)
     passed, fixed = run.passed(), run.passed(strict=True)
     return TestReport(
         fail_to_pass={t: t in fixed for t in fail_to_pass},
         pass_to_pass={t: t in passed for t in pass_to_pass},
         infra_error=infra_error,
     )
+
+
+def run_fresh(fresh: Callable[[], Sandbox], tests: Sequence[str],
+              command: PytestCommand | None = None, timeout: float = 300.0,
+              changes: dict[str, bytes | None] | None = None,
+              protected: Callable[[str], bool] = lambda rel: False) -> RunReport:
+    """``tests`` run in a new sandbox, ``fresh()``, which it destroys: the task as it came
+    (`grade`'s ``as_it_came``), or with ``changes`` applied, all but those ``protected``
+    names."""
+    sb = fresh()
+    try:
+        apply_changes(sb, changes or {}, protected)
+        return run_pytest(sb, command or default_command(), tests, timeout)
+    finally:
+        sb.destroy()
 
 
 def restore(sandbox: Sandbox, protected: Callable[[str], bool]) -> None:

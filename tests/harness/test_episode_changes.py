@@ -193,3 +193,35 @@ def test_a_change_that_hangs_the_test_process_at_exit_passes_nothing(fresh, sand
     report = grade(sandbox, F2P, P2P, fresh=fresh, timeout=8)
     assert report.infra_error is None
     assert not any(report.fail_to_pass.values()) and not any(report.pass_to_pass.values())
+
+
+def test_rollouts_of_one_task_share_its_run_as_it_came(fresh, sandbox):
+    """The xfail check needs the task as it came: with a `Baselines` the caller keeps, the
+    rollouts of one task run it once between them, and an episode graded in its own sandbox
+    is checked against it too."""
+    from codedojo.bench.testrun import Baselines
+    from codedojo.reward.outcome import grade, run_fresh
+    from tests.harness.conftest import F2P, P2P
+
+    made = []
+
+    def counted():
+        made.append(1)
+        return fresh()
+
+    baselines = Baselines()
+
+    def as_it_came():
+        return baselines.get("the-task", lambda: run_fresh(counted, F2P + P2P))
+
+    src = sandbox.read_file("inventory/stock.py").decode()
+    sandbox.write_file("inventory/stock.py", src.replace("i.qty < threshold", "i.qty <= threshold")
+                       + "\n\ndef total_value(items):\n    import pytest\n    pytest.xfail('x')\n")
+
+    broken = {"tests/test_stock.py::test_total_value": False, "tests/test_stock.py::test_restock": True}
+    for _ in range(2):
+        report = grade(sandbox, F2P, P2P, fresh=counted, as_it_came=as_it_came)
+        assert all(report.fail_to_pass.values()) and report.pass_to_pass == broken
+    assert len(made) == 3  # two episodes' runs, one run as it came
+    assert grade(sandbox, F2P, P2P, as_it_came=as_it_came).pass_to_pass == broken
+    assert len(made) == 3
