@@ -2,9 +2,12 @@
 
 Why on the host: ruff ships in the training venv but not in every task image, and it only
 parses the files (it never runs them), so giving it copies of the sandbox's files is safe and
-gives the same answer on every image. The repository's own ruff settings (ruff.toml,
-.ruff.toml, pyproject.toml at /workspace) travel with the files. Shared by the `read_lints` tool
-and the lint-delta reward.
+gives the same answer on every image. The repository's own ruff settings (.ruff.toml,
+ruff.toml, or pyproject.toml's [tool.ruff] at /workspace, the first that has them, as ruff
+takes them) travel with the files, less ``extend``: a path on the host, which ruff would read
+there (and quote back in its error). Ruff reads those settings alone, or none
+(``--isolated``): no settings of the host's, above the copies or the user's, change the
+answer. Shared by the `read_lints` tool and the lint-delta reward.
 """
 
 from __future__ import annotations
@@ -13,13 +16,17 @@ import json
 import os
 import subprocess
 import tempfile
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import tomli_w
 
 from codedojo.sandbox.base import WORKSPACE
 
-CONFIG_FILES = ("ruff.toml", ".ruff.toml", "pyproject.toml")
+CONFIG_FILES = (".ruff.toml", "ruff.toml", "pyproject.toml")  # ruff's order: the first wins
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,27 @@ def ruff_bin() -> str:
 _OUTSIDE = "__outside_workspace__"
 
 
+def ruff_settings(configs: Mapping[str, str]) -> dict[str, Any] | None:
+    """The repository's ruff settings from its config files' texts (name -> text), as ruff
+    finds them at the root (the first of `CONFIG_FILES` that has any), less ``extend``; None
+    where none has any. A file that is not TOML is a `ValueError` naming it."""
+    for name in CONFIG_FILES:
+        if name not in configs:
+            continue
+        try:
+            data = tomllib.loads(configs[name])
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"the repository's {name} is not TOML: {e}") from None
+        if name == "pyproject.toml":
+            tool = data.get("tool")
+            data = tool.get("ruff") if isinstance(tool, dict) else None
+            if not isinstance(data, dict):
+                continue  # (a pyproject.toml without ruff settings: ruff looks on)
+        data.pop("extend", None)
+        return data
+    return None
+
+
 def ruff_check(
     files: Mapping[str, str], configs: Mapping[str, str] | None = None, timeout: float = 60.0,
     ignore_noqa: bool = False,
@@ -52,10 +80,14 @@ def ruff_check(
     (a reward's count, which a comment must not zero)."""
     if not files:
         return []
+    settings = ruff_settings(configs or {})
     with tempfile.TemporaryDirectory(prefix="dojo-lint-") as tmp:
         root = Path(tmp)
-        for name, text in (configs or {}).items():
-            (root / name).write_text(text)
+        if settings is None:
+            config = ["--isolated"]
+        else:
+            (root / "ruff.toml").write_text(tomli_w.dumps(settings))
+            config = ["--config", str(root / "ruff.toml")]
         local: dict[str, str] = {}
         for path, text in files.items():
             rel = os.path.relpath(path, WORKSPACE) if path.startswith(WORKSPACE + "/") else ".."
@@ -67,7 +99,7 @@ def ruff_check(
             local[str(dest.resolve())] = path
         proc = subprocess.run(
             [ruff_bin(), "check", "--no-cache", "--output-format", "json", "--exit-zero",
-             *(["--ignore-noqa"] if ignore_noqa else []), *sorted(local)],
+             *config, *(["--ignore-noqa"] if ignore_noqa else []), *sorted(local)],
             cwd=root,
             capture_output=True,
             text=True,

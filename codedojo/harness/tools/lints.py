@@ -60,7 +60,10 @@ def _read_lints(ctx: ToolContext, args: dict[str, Any]) -> str:
                 raise
     if not files:
         return "No Python files to lint."
-    diags = ruff_check(files, workspace_configs(ctx.sandbox), timeout=ctx.timeout_s)
+    try:
+        diags = ruff_check(files, workspace_configs(ctx.sandbox), timeout=ctx.timeout_s)
+    except ValueError as e:  # (the repository's config, not TOML)
+        raise ToolError(str(e)) from None
     if not diags:
         return f"No lint errors in {len(files)} file{'s' if len(files) > 1 else ''}."
     return "\n".join(d.render() for d in diags) + f"\n{len(diags)} lint error(s)."

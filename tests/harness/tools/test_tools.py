@@ -229,6 +229,37 @@ def test_a_file_outside_the_workspace_is_linted_apart_from_one_of_the_same_path_
         ("/workspace/tmp/a.py", "`sys` imported but unused")]
 
 
+def test_ruff_reads_the_repositorys_settings_alone_and_no_host_file(tmp_path, monkeypatch):
+    """A repository's `extend` names a file on the host, where ruff runs: it is not read (ruff
+    quoted it back in its error); settings found above the copies (a /tmp/ruff.toml) or the
+    user's are not read either; the repository's own, from the file ruff would take, are."""
+    import tempfile
+
+    from codedojo.harness.lint import ruff_check
+
+    secret = tmp_path / "host.txt"
+    secret.write_text("HOST_SECRET = oops\n")
+    code = {"/workspace/a.py": "import os\n\nx = 'a line of forty-one characters.........'\n"}
+    for config in ({"ruff.toml": f'extend = "{secret}"\nline-length = 40\n'},
+                   {"pyproject.toml": f'[tool.ruff]\nextend = "{secret}"\nline-length = 40\n'}):
+        with_e501 = {k: v + ("[lint]\n" if k == "ruff.toml" else "[tool.ruff.lint]\n")
+                     + 'extend-select = ["E501"]\n' for k, v in config.items()}
+        found = ruff_check(code, with_e501)
+        assert sorted(d.code for d in found) == ["E501", "F401"], found
+    # The first of ruff's names wins; a pyproject.toml with no ruff settings is not one.
+    found = ruff_check(code, {".ruff.toml": "line-length = 40\n[lint]\nselect = ['E501']\n",
+                              "ruff.toml": "[lint]\nselect = ['F401']\n"})
+    assert [d.code for d in found] == ["E501"]
+    assert [d.code for d in ruff_check(code, {"pyproject.toml": "[project]\nname = 'x'\n"})
+            ] == ["F401"]
+    with pytest.raises(ValueError, match="the repository's ruff.toml is not TOML"):
+        ruff_check(code, {"ruff.toml": "extend = \n"})
+    # Settings above the copies on the host do not count.
+    (tmp_path / "ruff.toml").write_text("[lint]\nselect = ['ALL']\n")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert [d.code for d in ruff_check(code)] == ["F401"]
+
+
 def test_the_end_of_an_output_past_the_sandboxs_cap_is_seen(session):
     """A test run's summary is its last line: kept when megabytes came before it."""
     out = ok(session, "run_terminal_cmd", command="seq 1 400000; echo 'FINAL: 3 failed'")
