@@ -241,6 +241,21 @@ def validate_args(
     return out
 
 
+def shown(text: str) -> str:
+    """``text`` as the model is shown it: bytes that are not UTF-8 (a file name or a file's
+    text kept as ``surrogateescape`` reads them) and lone surrogates as U+FFFD, so that every
+    tool's output is text the next prompt can carry (such a name ended the episode)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a lone surrogate that stands for no byte
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
 def invoke(
     tool: Tool,
     ctx: ToolContext,
@@ -262,7 +277,7 @@ def invoke(
         text, is_error = f"Error: {e}", True
     except Exception as e:  # a tool bug must not end the episode; the model sees what failed
         text, is_error = f"Error: {type(e).__name__}: {e}", True
-    text, cut = truncate(text, limit)
+    text, cut = truncate(shown(text), limit)
     return ToolResult(
         content=text,
         is_error=is_error,

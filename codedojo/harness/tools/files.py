@@ -13,7 +13,14 @@ from typing import Any
 
 from codedojo.harness.lines import file_lines
 from codedojo.harness.ripgrep import RgError, rg_lines, unread_note
-from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
+from codedojo.harness.tools.base import (
+    FunctionTool,
+    ToolContext,
+    ToolError,
+    obj,
+    resolve,
+    shown,
+)
 from codedojo.sandbox.base import WORKSPACE, FileTooLarge, SandboxError
 
 MAX_LIST_ENTRIES = 500
@@ -38,11 +45,6 @@ def read_text(ctx: ToolContext, path: str, errors: str = "replace") -> str | Non
     if b"\x00" in data[:8192]:
         raise ToolError(f"{path} is a binary file ({len(data)} bytes)")
     return data.decode("utf-8", errors=errors)
-
-
-def _shown(text: str) -> str:
-    """A text read with ``errors="surrogateescape"`` as `read_text` shows it."""
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _exists(ctx: ToolContext, path: str) -> bool:
@@ -232,10 +234,9 @@ def _search_replace(ctx: ToolContext, args: dict[str, Any]) -> str:
         old, new = (x.replace("\r\n", "\n").replace("\n", "\r\n") for x in (old, new))
     count = text.count(old)
     if count == 0:
-        shown = _shown(text)
         raise ToolError(f"old_string not found in {path}" + (
             " (the file is not all UTF-8: text shown with U+FFFD cannot be matched)"
-            if shown != text else ""))
+            if shown(text) != text else ""))
     if count > 1 and not args.get("replace_all", False):
         raise ToolError(
             f"old_string occurs {count} times in {path}; add context to make it unique or set replace_all"

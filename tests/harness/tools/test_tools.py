@@ -351,3 +351,15 @@ def test_a_listing_past_the_sandboxs_cap_has_no_cut_line_or_cut_path_among_its_p
     out = "/w/a.py\n/w/b.p" + f"\n{cut_line(12345)}\n" + "y.py\n/w/c.py\n"
     lines, _ = rg_lines(ExecResult(0, out, "", truncated=True))
     assert lines == ["/w/a.py", "/w/c.py"]
+
+
+def test_every_tools_output_is_text_the_next_prompt_can_carry(session):
+    """A file name that is not UTF-8 (the model can make one) is listed with U+FFFD, by every
+    tool alike, not as a lone surrogate that failed the next prompt's encoding."""
+    ok(session, "run_terminal_cmd", command="touch $'caf\\xe9.py'")
+    outputs = [ok(session, "list_dir", target_directory="."),
+               ok(session, "glob_file_search", glob_pattern="caf*.py"),
+               ok(session, "run_terminal_cmd", command="ls caf*")]
+    for out in outputs:
+        out.encode("utf-8")  # (a lone surrogate raises)
+        assert "caf\ufffd.py" in out
