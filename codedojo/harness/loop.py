@@ -183,11 +183,11 @@ class Agent:
         used_tokens = 0
         acting_turns = 0
         acted = False  # since the start or the last summary: a summary follows some action
-        next_prompt_estimate = _estimate_messages(context)
+        schemas_estimate = _estimate(json.dumps(tools.schemas))  # written into every prompt
+        next_prompt_estimate = _estimate_messages(context) + schemas_estimate
         # the model's tokens per estimated token (at least 1), as the last prompt counted
         # against its estimate, tool schemas included: a byte-level tokenizer has four
         scale = 1.0
-        schemas_estimate = _estimate(json.dumps(tools.schemas))  # written into every prompt
         call_ids: set[str] = set()  # the episode's tool call ids so far
         started = time.perf_counter()
 
@@ -221,7 +221,8 @@ class Agent:
                         break
                     acted = False  # a context still over the threshold waits for the next turn
                     used_tokens += used
-                    next_prompt_estimate = round(_estimate_messages(context) * scale)
+                    next_prompt_estimate = round(
+                        (_estimate_messages(context) + schemas_estimate) * scale)
                     if writer:
                         writer.step(traj)
                     continue

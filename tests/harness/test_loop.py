@@ -351,3 +351,25 @@ def test_a_summary_is_asked_for_within_the_window_after_a_huge_output(session):
     assert seen and seen[0] <= 4000 - 500
     output = next(m["content"] for m in traj.messages if m.get("role") == "tool")
     assert output.count("x") >= 19_000  # (the tool's own 20,000-character cap, not the cut)
+
+
+def test_the_first_reply_asked_for_leaves_room_for_the_tool_schemas_in_the_prompt(session):
+    """The template writes the tool schemas into every prompt: a first prompt that fits the
+    window with them asks for no more tokens than are left (a server refuses a prompt and
+    max_tokens past its window, and the episode ended with no turn)."""
+    import json
+
+    window = 8192
+    asked: list[tuple[int, int]] = []
+
+    class Counting(ScriptedPolicy):  # four characters a token, as the loop estimates
+        def generate(self, messages, tools, max_tokens, time_left=None):
+            prompt = (len(json.dumps(messages)) + len(json.dumps(tools)) + 3) // 4
+            asked.append((prompt, max_tokens))
+            return PolicyOutput(content="done", prompt_tokens=prompt, completion_tokens=1)
+
+    task = "Fix the bug described below.\n" + "x" * 21_000
+    traj = Agent(Counting([]), LoopConfig(context_window=window)).run(task, session)
+    assert traj.status == "finished"
+    ((prompt, max_tokens),) = asked
+    assert prompt + max_tokens <= window * 1.01 and prompt + 2048 > window
