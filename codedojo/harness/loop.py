@@ -30,7 +30,13 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from codedojo.harness.policy import ContextFull, Policy, PolicyOutput
+from codedojo.harness.policy import (
+    ContextFull,
+    Policy,
+    PolicyOutput,
+    estimate_messages,
+    estimate_tokens,
+)
 from codedojo.harness.tools.base import ToolResult, truncate
 from codedojo.harness.toolset import Seconds
 from codedojo.harness.trajectory import ToolCallRecord, Trajectory, TrajectoryWriter, Turn
@@ -86,22 +92,12 @@ class LoopConfig(BaseModel):
     summary_prompt: str = SUMMARY_PROMPT
 
 
-def _estimate(text: str) -> int:
-    return (len(text) + 3) // 4
-
-
-def _estimate_messages(messages: list[dict[str, Any]]) -> int:
-    """Tokens of ``messages`` by `_estimate`: their text, reasoning and tool calls."""
-    return sum(_estimate(str(m.get("content") or "") + str(m.get("reasoning_content") or "")
-                         + str(m.get("tool_calls") or "")) for m in messages)
-
-
 def _fit(context: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
     """``context`` with its longest tool outputs cut in the middle until the whole is about
-    ``tokens`` long (by `_estimate`): a summary is asked for when the context nears the
+    ``tokens`` long (by `estimate_tokens`): a summary is asked for when the context nears the
     window, and one large output may already have passed it. The trajectory keeps them whole."""
     out = [dict(m) for m in context]
-    over = _estimate_messages(out) - tokens
+    over = estimate_messages(out) - tokens
     while over > 0:
         tool = [m for m in out if m.get("role") == "tool"]
         longest = max(tool, key=lambda m: len(str(m.get("content") or "")), default=None)
@@ -183,8 +179,8 @@ class Agent:
         used_tokens = 0
         acting_turns = 0
         acted = False  # since the start or the last summary: a summary follows some action
-        schemas_estimate = _estimate(json.dumps(tools.schemas))  # written into every prompt
-        next_prompt_estimate = _estimate_messages(context) + schemas_estimate
+        schemas_estimate = estimate_tokens(json.dumps(tools.schemas))  # written into every prompt
+        next_prompt_estimate = estimate_messages(context) + schemas_estimate
         # the model's tokens per estimated token (at least 1), as the last prompt counted
         # against its estimate, tool schemas included: a byte-level tokenizer has four
         scale = 1.0
@@ -222,7 +218,7 @@ class Agent:
                     acted = False  # a context still over the threshold waits for the next turn
                     used_tokens += used
                     next_prompt_estimate = round(
-                        (_estimate_messages(context) + schemas_estimate) * scale)
+                        (estimate_messages(context) + schemas_estimate) * scale)
                     if writer:
                         writer.step(traj)
                     continue
@@ -233,7 +229,7 @@ class Agent:
                     break
                 budget = min(budget, room)
                 # the prompt as estimated, the tool schemas the template writes into it too
-                sent = _estimate_messages(context) + schemas_estimate
+                sent = estimate_messages(context) + schemas_estimate
                 t0 = time.time()
                 g0 = time.perf_counter()
                 out_ = self.policy.generate(context, tools.schemas, budget, time_left())
@@ -268,7 +264,7 @@ class Agent:
                     context.append(tm)
                     traj.messages.append(tm)
                     turn.tool_calls.append(ToolCallRecord(bad["id"], bad.get("name") or "invalid_tool_call", "", True, False, 0.0, len(tm["content"])))
-                    added += _estimate(tm["content"])
+                    added += estimate_tokens(tm["content"])
                 for call in out_.calls if not out_.errors else []:
                     if out_of_time():  # the turn's other calls are answered, not run
                         res = ToolResult(f"Error: not run: {TIME_UP}", is_error=True)
@@ -281,7 +277,7 @@ class Agent:
                     turn.tool_calls.append(
                         ToolCallRecord(call.id, call.name, res.version, res.is_error, res.truncated, res.duration_s, len(res.content))
                     )
-                    added += _estimate(res.content)
+                    added += estimate_tokens(res.content)
                 turn.tools_s = time.perf_counter() - t1
                 added = round(added * scale)
                 turn.tool_output_tokens = added

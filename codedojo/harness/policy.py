@@ -95,8 +95,16 @@ class Policy(Protocol):
                  time_left: float | None = None) -> PolicyOutput: ...
 
 
-def _estimate_tokens(text: str) -> int:
-    return max(1, len(text) // 4) if text else 0
+def estimate_tokens(text: str) -> int:
+    """Tokens of ``text`` as the loop estimates them before a model has counted: four
+    characters a token (the loop scales it by how the model's counts compared)."""
+    return (len(text) + 3) // 4
+
+
+def estimate_messages(messages: list[dict[str, Any]]) -> int:
+    """Tokens of ``messages`` by `estimate_tokens`: their text, reasoning and tool calls."""
+    return sum(estimate_tokens(str(m.get("content") or "") + str(m.get("reasoning_content") or "")
+                               + str(m.get("tool_calls") or "")) for m in messages)
 
 
 # ---- scripted -------------------------------------------------------------------------------
@@ -121,11 +129,13 @@ class ScriptedPolicy:
         if callable(step):
             step = step(messages)
         if isinstance(step, str):
-            return PolicyOutput(content=step, completion_tokens=_estimate_tokens(step))
+            return PolicyOutput(content=step, completion_tokens=estimate_tokens(step))
         calls = [ToolCall(new_call_id(), n, dict(a)) for n, a in step]
         text = json.dumps([{"name": c.name, "arguments": c.arguments} for c in calls])
-        return PolicyOutput(content="", calls=calls, completion_tokens=_estimate_tokens(text),
-                            prompt_tokens=sum(_estimate_tokens(str(m.get("content") or "")) for m in messages))
+        # the prompt as a server counts it: the messages and the tool schemas written in it
+        return PolicyOutput(content="", calls=calls, completion_tokens=estimate_tokens(text),
+                            prompt_tokens=estimate_messages(messages)
+                            + estimate_tokens(json.dumps(tools)))
 
 
 # ---- OpenAI-compatible endpoint -------------------------------------------------------------
