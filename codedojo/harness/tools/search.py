@@ -8,6 +8,7 @@ from typing import Any
 from codedojo.harness.embeddings import SearchTimeout
 from codedojo.harness.lines import file_lines
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
+from codedojo.sandbox.base import SandboxError
 
 SNIPPET_LINES = 12
 
@@ -19,6 +20,11 @@ def _codebase_search(ctx: ToolContext, args: dict[str, Any]) -> str:
     if not query:
         raise ToolError("query is empty")
     roots = [resolve(d) for d in (args.get("target_directories") or [])]
+    for root in roots:  # (one that is not there: "No results." would say the code is not)
+        try:
+            ctx.sandbox.stat(root)
+        except (FileNotFoundError, SandboxError):
+            raise ToolError(f"path not found: {root}") from None
     try:
         hits = ctx.search.search(ctx.sandbox, query, roots or None, timeout_s=ctx.timeout_s)
     except SearchTimeout as e:

@@ -42,6 +42,9 @@ def test_codebase_search_finds_code_by_meaning_and_caches_by_content(sandbox, tm
         r = s.call("codebase_search", {"query": "print a report of items", "target_directories": ["inventory"]})
         assert r.content.startswith("/workspace/inventory/report.py:1-3")
         assert index.cached == cached + 1
+        for dirs in (["no_such_dir"], ["inventory", "no_such_dir"]):  # not "No results."
+            r = s.call("codebase_search", {"query": "stock", "target_directories": dirs})
+            assert r.is_error and r.content == "Error: path not found: /workspace/no_such_dir"
         hits = index.search(sandbox, "tests", ["/workspace/tests"])
         assert hits and all(h.path.startswith("/workspace/tests/") for h in hits)
         # The vector cache survives a restart of the service.
