@@ -22,7 +22,9 @@ from pathlib import Path
 from codedojo.paths import staged_dir
 
 # What a test run or an agent must never see in its tree: VCS history and build debris (a
-# `build` or `dist` folder that is a package, `pkg/build/__init__.py`, is the package's code).
+# `build` or `dist` folder that holds Python modules itself, a package such as
+# `pkg/build/__init__.py` or a namespace package's `pkg/dist/wheel.py`, is the package's code;
+# setuptools' `build/lib/...` and `dist/x.whl` hold none at their top).
 SCRUB_NAMES = (".git", ".hg", ".svn", "__pycache__", ".pytest_cache", ".tox", ".eggs")
 BUILD_OUTPUTS = ("build", "dist")
 
@@ -114,12 +116,20 @@ def scrub(root: Path) -> None:
     for dirpath, dirnames, filenames in os.walk(root):
         for d in list(dirnames):
             if d in SCRUB_NAMES or d.endswith(".egg-info") or (
-                    d in BUILD_OUTPUTS and not (Path(dirpath) / d / "__init__.py").is_file()):
+                    d in BUILD_OUTPUTS and not _holds_modules(Path(dirpath) / d)):
                 shutil.rmtree(Path(dirpath) / d, ignore_errors=True)
                 dirnames.remove(d)
         for f in filenames:
             if f.endswith((".pyc", ".pyo")) or f in (".gitignore", ".gitattributes", ".git"):
                 (Path(dirpath) / f).unlink(missing_ok=True)
+
+
+def _holds_modules(folder: Path) -> bool:
+    try:
+        return any(e.name.endswith((".py", ".pyi")) and e.is_file(follow_symlinks=False)
+                   for e in os.scandir(folder))
+    except OSError:
+        return False
 
 
 def is_test_path(rel: str) -> bool:

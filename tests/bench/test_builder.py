@@ -108,12 +108,13 @@ def test_scrub_removes_build_outputs_but_not_a_package_of_that_name(tmp_path):
     from codedojo.bench.source import scrub
 
     for rel in ("build/lib/x.py", "dist/x.whl", "pkg/build/__init__.py", "pkg/dist/__init__.py",
-                "pkg/__pycache__/m.pyc", "pkg/m.py"):
+                "ns/build/tool.py", "pkg/__pycache__/m.pyc", "pkg/m.py"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("")
     scrub(tmp_path)
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
-    assert left == ["pkg/build/__init__.py", "pkg/dist/__init__.py", "pkg/m.py"]
+    assert left == ["ns/build/tool.py", "pkg/build/__init__.py", "pkg/dist/__init__.py",
+                    "pkg/m.py"]  # (a namespace package's build/ too)
 
 
 def test_a_failure_message_names_no_file_or_line():
