@@ -16,6 +16,7 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -35,6 +36,16 @@ from codedojo.sandbox.base import (
 # What a call that runs a command may take past the command's own limit (the service's work
 # around it) before the client gives up on the answer.
 ANSWER_MARGIN_S = 30.0
+# What a create or fork may take per sandbox it makes, past ANSWER_MARGIN_S (in which a fork
+# also copies the writable layer): a client giving up sooner would leave them alive, unknown
+# to it.
+CREATE_WAIT_S = 10.0
+
+
+def _part(value: str) -> str:
+    """An id or name as one segment of a request's path (a "/" or a control character in it
+    is sent escaped, for the service to refuse by name)."""
+    return quote(str(value), safe="")
 
 
 class _Http:
@@ -45,13 +56,19 @@ class _Http:
 
     def call(self, method: str, url: str, *, raw: bool = False, wait: float | None = None,
              **kw: Any) -> Any:
-        """``wait``: the time limit of the command the call runs, when it has one: its answer
-        is waited for that long and a margin, if longer than the client's timeout."""
+        """``wait``: the time the service may take on the call (a command's time limit, the
+        sandboxes a create makes): its answer is waited for that long and a margin, if longer
+        than the client's timeout."""
+        timeout = self.timeout
         if isinstance(wait, int | float) and 0 < wait <= MAX_SECONDS and (
                 wait + ANSWER_MARGIN_S > self.timeout):  # (a limit past those the service takes
-            kw["timeout"] = wait + ANSWER_MARGIN_S      # is the service's to refuse)
+            timeout = kw["timeout"] = wait + ANSWER_MARGIN_S  # is the service's to refuse)
         try:
             r = self.http.request(method, url, **kw)
+        except httpx.ReadTimeout:
+            raise SandboxError(f"{method} {url}: no answer from the sandbox service within "
+                               f"{timeout:g} s; the request may still complete on the service"
+                               ) from None
         except httpx.HTTPError as e:
             raise SandboxError(f"sandbox service unreachable: {e}") from None
         if r.status_code >= 400:
@@ -69,28 +86,33 @@ class _Http:
 
 
 class RemoteShell:
-    def __init__(self, http: _Http, sandbox_id: str, shell_id: str):
-        self._http, self._sid, self.id = http, sandbox_id, shell_id
+    def __init__(self, sandbox: RemoteSandbox, shell_id: str):
+        self._sandbox, self._http, self.id = sandbox, sandbox._http, shell_id
 
     def run(self, command: str, timeout: float | None = None) -> ExecResult:
-        return ExecResult(**self._http.call("POST", f"/sandboxes/{self._sid}/shells/{self.id}/run",
-                                            json={"command": command, "timeout": timeout},
-                                            wait=timeout))
+        return ExecResult(**self._http.call(
+            "POST", self._sandbox._url(f"/shells/{_part(self.id)}/run"),
+            json={"command": command, "timeout": timeout},
+            wait=self._sandbox.exec_timeout_s if timeout is None else timeout))
 
     def close(self) -> None:
-        self._http.call("DELETE", f"/sandboxes/{self._sid}/shells/{self.id}")
+        self._http.call("DELETE", self._sandbox._url(f"/shells/{_part(self.id)}"))
 
 
 class RemoteSandbox:
-    """A sandbox living in the service; implements `codedojo.sandbox.base.Sandbox`."""
+    """A sandbox living in the service; implements `codedojo.sandbox.base.Sandbox`.
 
-    def __init__(self, client: SandboxClient, sandbox_id: str):
+    ``exec_timeout_s``: its `Limits.exec_timeout_s`, how long a command given no time limit
+    may run (and its answer is waited for)."""
+
+    def __init__(self, client: SandboxClient, sandbox_id: str, exec_timeout_s: float):
         self._client = client
         self._http = client._http
         self.id = sandbox_id
+        self.exec_timeout_s = exec_timeout_s
 
     def _url(self, tail: str) -> str:
-        return f"/sandboxes/{self.id}{tail}"
+        return f"/sandboxes/{_part(self.id)}{tail}"
 
     def exec(self, command: str | Sequence[str], *, stdin: bytes | str | None = None,
              timeout: float | None = None, env: Mapping[str, str] | None = None,
@@ -102,10 +124,11 @@ class RemoteSandbox:
             body["stdin_b64"] = base64.b64encode(stdin).decode()
         else:
             body["stdin"] = stdin
-        return ExecResult(**self._http.call("POST", self._url("/exec"), json=body, wait=timeout))
+        wait = self.exec_timeout_s if timeout is None else timeout
+        return ExecResult(**self._http.call("POST", self._url("/exec"), json=body, wait=wait))
 
     def shell(self) -> RemoteShell:
-        return RemoteShell(self._http, self.id, self._http.call("POST", self._url("/shells"))["shell_id"])
+        return RemoteShell(self, self._http.call("POST", self._url("/shells"))["shell_id"])
 
     def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
         params: dict[str, Any] = {"path": path}
@@ -137,8 +160,10 @@ class RemoteSandbox:
         return self._http.call("POST", self._url("/snapshot"))["snapshot"]
 
     def fork(self, n: int = 1, snapshot: str | None = None) -> list[RemoteSandbox]:
-        ids = self._http.call("POST", self._url("/fork"), json={"n": n, "snapshot": snapshot})["ids"]
-        return [RemoteSandbox(self._client, i) for i in ids]
+        # (a fork has its parent's limits)
+        ids = self._http.call("POST", self._url("/fork"), json={"n": n, "snapshot": snapshot},
+                              wait=CREATE_WAIT_S * n if isinstance(n, int) else None)["ids"]
+        return [RemoteSandbox(self._client, i, self.exec_timeout_s) for i in ids]
 
     def restore(self, snapshot: str) -> None:
         self._http.call("POST", self._url("/restore"), json={"snapshot": snapshot})
@@ -181,7 +206,7 @@ class RemoteImages:
             "name": name, "timeout": timeout}, wait=timeout)["id"]
 
     def resolve(self, ref: str) -> dict:
-        return self._http.call("GET", f"/images/{ref}")
+        return self._http.call("GET", f"/images/{_part(ref)}")
 
     def list(self) -> dict:
         return self._http.call("GET", "/images")
@@ -214,11 +239,12 @@ class SandboxClient:
         if spec.egress is not None:
             raise SandboxError("spec.egress: an egress attachment cannot be sent to the service")
         body = {"image": spec.image, "limits": dataclasses.asdict(spec.limits), "env": dict(spec.env)}
-        return RemoteSandbox(self, self._http.call("POST", "/sandboxes", json=body)["id"])
+        sandbox_id = self._http.call("POST", "/sandboxes", json=body, wait=CREATE_WAIT_S)["id"]
+        return RemoteSandbox(self, sandbox_id, spec.limits.exec_timeout_s)
 
     def get(self, sandbox_id: str) -> RemoteSandbox:
-        self._http.call("GET", f"/sandboxes/{sandbox_id}")
-        return RemoteSandbox(self, sandbox_id)
+        doc = self._http.call("GET", f"/sandboxes/{_part(sandbox_id)}")
+        return RemoteSandbox(self, sandbox_id, doc["limits"]["exec_timeout_s"])
 
     def list(self) -> list[dict]:
         return self._http.call("GET", "/sandboxes")["sandboxes"]

@@ -81,8 +81,10 @@ def _is_opaque(path: str) -> bool:
 
 
 def tree_digest(root: str) -> str:
-    """Content address of a layer tree."""
+    """Content address of a layer tree (a second name of a file counts as a link to the
+    first, so a tree with hard links is not taken for one without)."""
     h = hashlib.sha256()
+    links: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) -> first name seen
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         rel_dir = os.path.relpath(dirpath, root)
@@ -91,7 +93,11 @@ def tree_digest(root: str) -> str:
             rel = os.path.normpath(os.path.join(rel_dir, name))
             st = os.lstat(p)
             h.update(f"{rel}\0{st.st_mode:o}\0{st.st_uid}\0{st.st_gid}\0".encode())
-            if stat.S_ISREG(st.st_mode):
+            first = links.setdefault((st.st_dev, st.st_ino), rel) if (
+                stat.S_ISREG(st.st_mode) and st.st_nlink > 1) else rel
+            if first != rel:
+                h.update(f"link to {first}".encode())
+            elif stat.S_ISREG(st.st_mode):
                 with open(p, "rb") as f:
                     h.update(hashlib.file_digest(f, "sha256").digest())
             elif stat.S_ISLNK(st.st_mode):
@@ -132,18 +138,22 @@ def copy_sparse(src: str, dst: str) -> int:
 
 
 def copy_layer_tree(src: str, dst: str, *, xattrs: bool = True) -> int:
-    """Copy an overlay upper (or any) tree, keeping owners, modes, times, whiteouts and the
-    opaque marker; returns bytes copied. Cost is proportional to the data in `src` (sparse
-    files stay sparse). A file's setuid and setgid bits are dropped: a snapshot must not put
-    a program that runs as the sandbox's user on the host's disk."""
+    """Copy an overlay upper (or any) tree, keeping owners, modes, times, whiteouts, hard
+    links between its files and the opaque marker; returns bytes copied. Cost is proportional
+    to the data in `src` (sparse files stay sparse). A file's setuid and setgid bits are
+    dropped: a snapshot must not put a program that runs as the sandbox's user on the host's
+    disk. `dst` itself keeps its own times (now): a build under the store's tmp/ is told from
+    an abandoned one by its age, and the times of a layer's root are never seen."""
     total = 0
+    links: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) -> the first copy of a file
 
-    def meta(s: str, d: str, st: os.stat_result) -> None:
+    def meta(s: str, d: str, st: os.stat_result, times: bool = True) -> None:
         os.lchown(d, st.st_uid, st.st_gid)
         if not stat.S_ISLNK(st.st_mode):
             mode = stat.S_IMODE(st.st_mode)
             os.chmod(d, mode if stat.S_ISDIR(st.st_mode) else mode & ~(stat.S_ISUID | stat.S_ISGID))
-            os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns))
+            if times:
+                os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns))
         if xattrs and stat.S_ISDIR(st.st_mode) and _is_opaque(s):
             os.setxattr(d, OPAQUE_XATTR, b"y")
 
@@ -161,8 +171,13 @@ def copy_layer_tree(src: str, dst: str, *, xattrs: bool = True) -> int:
                 continue
             if stat.S_ISLNK(st.st_mode):
                 os.symlink(os.readlink(s), d)
+            elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and (st.st_dev, st.st_ino) in links:
+                os.link(links[st.st_dev, st.st_ino], d)  # another name of a file copied
+                continue
             elif stat.S_ISREG(st.st_mode):
                 total += copy_sparse(s, d)
+                if st.st_nlink > 1:
+                    links[st.st_dev, st.st_ino] = d
             elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):
                 os.mknod(d, st.st_mode, st.st_rdev)
             else:
@@ -170,7 +185,7 @@ def copy_layer_tree(src: str, dst: str, *, xattrs: bool = True) -> int:
             meta(s, d, st)
     # Directory times last: filling a directory changes its mtime.
     for s, d, st in reversed(dirs_meta):
-        meta(s, d, st)
+        meta(s, d, st, times=d != dst)
     return total
 
 

@@ -9,7 +9,8 @@ when admission control refuses a new sandbox (the detail names the resource unde
 A failure in one sandbox never takes the service down: every route catches its own errors.
 
 Admission control reads live pressure with psutil before each create/fork: memory in use, the
-store's disk, the 1-minute load per CPU, and the number of live sandboxes.
+store's disk, the 1-minute load per CPU, and the number of live sandboxes; room for the
+sandboxes a create/fork asks for is held from its check until it returns.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import secrets
 import threading
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -124,11 +126,16 @@ class CommandImageIn(BaseModel):
     timeout: float = 600.0
 
 
-def admission_check(config: ServiceConfig, provider: LocalProvider, n: int = 1) -> str | None:
-    """The reason ``n`` new sandboxes must wait, or None."""
+def admission_check(config: ServiceConfig, provider: LocalProvider, n: int = 1,
+                    reserved: int = 0) -> str | None:
+    """The reason ``n`` new sandboxes must wait, or None. ``reserved``: sandboxes admitted and
+    still being made (one already started counts twice until its create returns, so a create
+    may be refused early but none is let past the limit)."""
     live = len(provider.list())
-    if live + n > config.max_sandboxes:
-        return f"sandboxes: {live} live and {n} asked for, the limit is {config.max_sandboxes}"
+    if live + reserved + n > config.max_sandboxes:
+        being_made = f", {reserved} being made" if reserved else ""
+        return (f"sandboxes: {live} live{being_made} and {n} asked for, the limit is "
+                f"{config.max_sandboxes}")
     mem = psutil.virtual_memory().percent
     if mem > config.max_memory_percent:
         return f"memory: {mem:.1f}% in use > {config.max_memory_percent}%"
@@ -167,6 +174,8 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
     provider = provider or LocalProvider(root=config.root)
     shells: dict[str, tuple[str, LocalShell]] = {}
     shells_lock = threading.Lock()
+    admission_lock = threading.Lock()
+    reserved = 0  # sandboxes admitted whose create/fork has not returned yet
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -205,10 +214,21 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
     def sb(sandbox_id: str) -> LocalSandbox:
         return provider.get(sandbox_id)
 
-    def admit(n: int = 1) -> None:
-        reason = admission_check(config, provider, n)
-        if reason:
-            raise HTTPException(503, detail=f"admission refused, {reason}")
+    @contextlib.contextmanager
+    def admitted(n: int = 1) -> Iterator[None]:
+        """Room for ``n`` new sandboxes, checked and held in one step until the block ends
+        (so two creates cannot both take the last place)."""
+        nonlocal reserved
+        with admission_lock:
+            reason = admission_check(config, provider, n, reserved)
+            if reason:
+                raise HTTPException(503, detail=f"admission refused, {reason}")
+            reserved += n
+        try:
+            yield
+        finally:
+            with admission_lock:
+                reserved -= n
 
     @app.get("/health")
     def health() -> dict:
@@ -243,8 +263,10 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
     # ---- sandboxes ----
     @app.post("/sandboxes")
     def create(body: CreateIn) -> dict:
-        admit()
-        s = provider.create(SandboxSpec(image=body.image, limits=Limits(**body.limits.model_dump()), env=body.env))
+        spec = SandboxSpec(image=body.image, limits=Limits(**body.limits.model_dump()),
+                           env=body.env)
+        with admitted():
+            s = provider.create(spec)
         return {"id": s.id, "image": s.image.id}
 
     @app.get("/sandboxes")
@@ -338,8 +360,8 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
 
     @app.post("/sandboxes/{sandbox_id}/fork")
     def fork(sandbox_id: str, body: ForkIn) -> dict:
-        admit(body.n)
-        return {"ids": [s.id for s in sb(sandbox_id).fork(body.n, body.snapshot)]}
+        with admitted(body.n):
+            return {"ids": [s.id for s in sb(sandbox_id).fork(body.n, body.snapshot)]}
 
     @app.post("/sandboxes/{sandbox_id}/restore")
     def restore(sandbox_id: str, body: RestoreIn) -> dict:

@@ -78,6 +78,65 @@ def test_a_command_allowed_longer_than_the_clients_timeout_is_waited_for(service
         c.close()
 
 
+def test_a_command_under_the_sandboxs_own_time_limit_is_waited_for(service, project):
+    """A command given no time limit runs under the sandbox's `Limits.exec_timeout_s`: the
+    client waits that long (a sandbox made, got or forked), not its own timeout (here 1 s);
+    an answer that does not come in time is said to be late, not the service unreachable."""
+    c = SandboxClient(service[0], token="test-token", timeout=1.0)
+    sb = c.create(SandboxSpec(image=project, limits=dataclasses.replace(SMALL, exec_timeout_s=10)))
+    try:
+        assert sb.exec("sleep 2; echo done").stdout == "done\n"
+        assert sb.shell().run("sleep 2; echo done").stdout == "done\n"
+        assert c.get(sb.id).exec("sleep 2; echo got").stdout == "got\n"
+        (f,) = sb.fork(1)
+        try:
+            assert f.exec("sleep 2; echo fork").stdout == "fork\n"
+        finally:
+            f.destroy()
+        with pytest.raises(SandboxError, match=r"no answer .* within 1 s; the request may still "
+                                               r"complete on the service"):
+            sb._http.call("POST", sb._url("/exec"), json={"command": "sleep 5"})
+    finally:
+        sb.destroy()
+        c.close()
+
+
+def test_a_create_or_fork_is_waited_for_past_the_clients_timeout(service, client, remote,
+                                                                  project, provider,
+                                                                  monkeypatch):
+    """A create or fork answered after the client's timeout (here made slow on purpose): the
+    client still learns every sandbox it made (were it to give up, they would live on in the
+    service, unknown to it)."""
+    def slowly(call):
+        def slow(*args, **kw):
+            time.sleep(1.0)
+            return call(*args, **kw)
+        return slow
+
+    monkeypatch.setattr(provider, "create", slowly(provider.create))
+    local = provider.get(remote.id)
+    monkeypatch.setattr(local, "fork", slowly(local.fork))
+    short = SandboxClient(service[0], token="test-token", timeout=0.2)
+    try:
+        made = [short.create(SandboxSpec(image=project, limits=SMALL))]
+        made += short.get(remote.id).fork(4)
+        assert len(made) == 5
+        assert {f.id for f in made} | {remote.id} == {s["id"] for s in client.list()}
+        for f in made:
+            f.destroy()
+    finally:
+        short.close()
+
+
+def test_an_id_or_name_with_a_control_character_is_a_clear_error(client):
+    with pytest.raises(SandboxError, match=r"sandbox_id: .*HTTP 404"):
+        client.get("sb-\n1")
+    with pytest.raises(SandboxError, match=r"HTTP 404"):
+        client.get("../gc")
+    with pytest.raises(SandboxError, match=r"image: no image or name 'x\\x01'"):
+        client.images.resolve("x\x01")
+
+
 def test_remote_files_and_shell(remote):
     remote.write_file("bin.dat", bytes(range(256)))
     assert remote.read_file("bin.dat") == bytes(range(256))
@@ -185,6 +244,44 @@ def test_admission_control_names_the_resource(client, service, project):
     finally:
         config.max_sandboxes = old
         sb.destroy()
+
+
+def test_admission_holds_room_for_a_create_under_way(client, service, project, provider,
+                                                     monkeypatch):
+    """The last place left goes to one create: a second create sent while the first is still
+    being made (not yet live) is refused."""
+    url, config = service
+    entered, release = threading.Event(), threading.Event()
+    real_create = provider.create
+    calls = []
+
+    def slow_create(spec):
+        calls.append(spec)
+        if len(calls) == 1:  # the first create waits, admitted but not yet live
+            entered.set()
+            release.wait(60)
+        return real_create(spec)
+
+    monkeypatch.setattr(provider, "create", slow_create)
+    old = config.max_sandboxes
+    config.max_sandboxes = len(client.list()) + 1
+    other = SandboxClient(url, token="test-token")
+    made = {}
+    first = threading.Thread(target=lambda: made.update(
+        a=client.create(SandboxSpec(image=project, limits=SMALL))))
+    first.start()
+    try:
+        assert entered.wait(60)
+        with pytest.raises(SandboxError, match=r"sandboxes: .*1 being made.*HTTP 503"):
+            made["b"] = other.create(SandboxSpec(image=project, limits=SMALL))
+    finally:
+        release.set()
+        first.join(60)
+        config.max_sandboxes = old
+        for sb in made.values():
+            sb.destroy()
+        other.close()
+    assert "a" in made
 
 
 def test_many_sandboxes_alive_at_once(client, project):
