@@ -7,14 +7,17 @@ A checkpoint directory holds
     mtp.safetensors     MTP modules, when the run has them (+ mtp.json)
     trainer.pt          optimizer state (whole tensors, keyed by parameter name) and RNG
                         states (torch, numpy, python; one set per rank)
-    state.json          stage index, step within the stage, data loader position
+    state.json          stage index, step within the stage, data loader position, and the
+                        number of processes that trained it
 
 It is written into a temporary sibling and renamed, so a crash mid-write never leaves a
 checkpoint that looks complete. HF-compatible export goes through the model package's exporter.
 
 Under FSDP2 the shards are gathered (weights and optimizer moments alike) and rank 0 writes one
 checkpoint of whole tensors; a resume has rank 0 read it and send each rank its shards. The
-file does not depend on the number of processes: a run resumes on one process or on many.
+weights do not depend on the number of processes, but a stage's rows and the loader's position
+in them do (the ranks share them out): a stage stopped part-way resumes on as many processes as
+it was started on (`TrainPosition.world`); a finished stage is taken up by a run on any number.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class TrainPosition:
     step: int
     loader: dict[str, int]
     done: bool = False
+    world: int | None = None  # the processes that trained it (None: not recorded, older)
 
 
 # What a trainer.pt holds besides tensors and Python's plain values: NumPy's RNG state (an
@@ -256,7 +260,8 @@ def load_trainer_state(path: str | Path, model: nn.Module, mtp: MTP | None,
     # (an older version saved one set, as "rng")
     rngs = broadcast_object(None if state is None else state.get("rng_ranks", [state.get("rng")]))
     rank = process_rank()
-    # a run resumed on a different number of processes: the ranks it did not have take rank 0's
+    # read by more processes than wrote it (a checkpoint from before `TrainPosition.world`,
+    # or one read outside a run): the ranks it did not have take rank 0's
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
 
 

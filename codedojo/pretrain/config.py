@@ -132,8 +132,10 @@ class StageConfig(BaseModel):
     betas: tuple[Beta, Beta] = (0.9, 0.95)
     grad_clip: float = Field(1.0, gt=0)
     mix: list[MixEntry] = Field(description="Weighted data for this stage.")
-    rope_scaling: RopeScaling | None = Field(None, description="Applied to the model at the start "
-                                             "of the stage and kept afterwards (long-context).")
+    rope_scaling: RopeScaling | None = Field(
+        None, description="Applied to the model at the start of the stage and kept afterwards "
+        "(long-context). YaRN's `original_max_seq_len` is the model's length before its first "
+        "YaRN extension: that length when left out, refused when another.")
     probe: bool = Field(False, description="Run the passkey retrieval probe before and after.")
     mtp: Literal["off", "distill", "joint"] = Field("off", description="distill: train only the "
                                                     "MTP modules toward the main head (frozen "
@@ -269,9 +271,10 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PretrainConf
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """A copy of a config's TOML tables with ``KEY=VALUE`` settings applied in order. KEY is a
     dotted path; an item of a list (``stages``, ``corpus.sources``) is named by its ``name``
-    or its index: ``stages.mtp_self.lr=3e-3``, ``model.n_mtp=3``, ``corpus.sources.0.max_files=
-    50``. VALUE is read as a TOML value (``3e-3``, ``true``, ``[1, 2]``, ``"a b"``), or else taken
-    as a bare string (``out_dir=runs/exp``). A key the config does not know is refused when the
+    (dots and all: ``stages.v1.5.lr``) or its index: ``stages.mtp_self.lr=3e-3``,
+    ``model.n_mtp=3``, ``corpus.sources.0.max_files=50``. VALUE is read as a TOML value
+    (``3e-3``, ``true``, ``[1, 2]``, ``"a b"``), or else taken as a bare string
+    (``out_dir=runs/exp``). A key the config does not know is refused when the
     result is validated; an item that is not there, here."""
     out = copy.deepcopy(raw)
     for item in overrides:
@@ -284,21 +287,30 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
             value = tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
             value = text
-        *path, leaf = parts
         node: Any = out
-        for i, part in enumerate(path):
+        i = 0  # parts[:i] name the node
+        while True:
             if isinstance(node, list):
-                node = node[_list_index(node, part, ".".join(path[:i]), item)]
+                n = _name_parts(node, parts[i:])
+                at = _list_index(node, ".".join(parts[i:i + n]), ".".join(parts[:i]), item)
             else:
-                node = node.setdefault(part, {})
+                n, at = 1, parts[i]
+            i += n
+            if i == len(parts):
+                node[at] = value
+                break
+            node = node[at] if isinstance(node, list) else node.setdefault(at, {})
             if not isinstance(node, dict | list):
-                raise ValueError(f"--set {item!r}: {'.'.join(path[:i + 1])} is a value, not a "
+                raise ValueError(f"--set {item!r}: {'.'.join(parts[:i])} is a value, not a "
                                  "table")
-        if isinstance(node, list):
-            node[_list_index(node, leaf, ".".join(path), item)] = value
-        else:
-            node[leaf] = value
     return out
+
+
+def _name_parts(items: list[Any], parts: list[str]) -> int:
+    """How many of the leading ``parts`` name an item of a list: a name may hold dots
+    (``stages.v1.5.lr``), the longest one that names an item; else one, a name or an index."""
+    names = {x.get("name") for x in items if isinstance(x, dict)}
+    return next((n for n in range(len(parts), 1, -1) if ".".join(parts[:n]) in names), 1)
 
 
 def _list_index(items: list[Any], part: str, path: str, item: str) -> int:

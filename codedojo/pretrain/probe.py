@@ -21,6 +21,9 @@ class Encoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
+MIN_BODY = 16  # tokens of code around the passkey, at the least
+
+
 def build_probe(filler: Sequence[int], tok: Encoder, length: int, rng: random.Random
                 ) -> tuple[list[int], list[int]]:
     """(prompt ids ending right before the digits, the digit ids)."""
@@ -28,8 +31,13 @@ def build_probe(filler: Sequence[int], tok: Encoder, length: int, rng: random.Ra
     needle = tok.encode(f'\nPASSKEY = "{key}"  # remember this value\n')
     question = tok.encode('\n\n# what was the passkey?\nassert PASSKEY == "')
     answer = tok.encode(key)
-    body = length - len(needle) - len(question) - len(answer)
-    if body < 16 or len(filler) < body:
+    fixed = len(needle) + len(question) + len(answer)
+    body = length - fixed
+    if body < MIN_BODY:
+        raise ValueError(f"probe length {length} is too short: the passkey's lines take "
+                         f"{fixed} tokens and at least {MIN_BODY} of code go around them, "
+                         f"{fixed + MIN_BODY} in all")
+    if len(filler) < body:
         raise ValueError(f"probe: need {body} filler tokens for length {length}, "
                          f"have {len(filler)}")
     start = rng.randrange(0, len(filler) - body + 1)
@@ -39,16 +47,22 @@ def build_probe(filler: Sequence[int], tok: Encoder, length: int, rng: random.Ra
     return prompt, answer
 
 
+def probe_prompts(filler: Sequence[int], tok: Encoder, length: int, trials: int = 4,
+                  seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """The ``trials`` probes `passkey_probe` scores, drawn by ``seed``: built before training
+    too, so that a length or a filler they do not fit is refused before any stage trains."""
+    rng = random.Random(seed)
+    return [build_probe(filler, tok, length, rng) for _ in range(trials)]
+
+
 @torch.no_grad()
 def passkey_probe(model: nn.Module, tok: Encoder, filler: Sequence[int], length: int,
                   trials: int = 4, seed: int = 0) -> dict[str, float]:
-    rng = random.Random(seed)
     was_training = model.training
     model.eval()
     hits, logps = 0, []
     dev = next(model.parameters()).device
-    for _ in range(trials):
-        prompt, answer = build_probe(filler, tok, length, rng)
+    for prompt, answer in probe_prompts(filler, tok, length, trials, seed):
         ids = torch.tensor([prompt + answer], device=dev)
         logits = model(ids[:, :-1])  # (1, T-1, V)
         n = len(answer)

@@ -304,8 +304,8 @@ class ProgressLog:
         """A stretch is finished, up to row ``end`` of the rank's share: with it the feature
         parts on disk, ``parts``, and the rows it made to keep, if any."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        if rows is not None:
-            np.save(self._rows_file(len(self.stretches)), rows)
+        if rows is not None:  # a new file: a branch's may be a hard link to its source's
+            write_atomic(self._rows_file(len(self.stretches)), lambda f: np.save(f, rows))
         self.stretches.append({"end": end, "parts": len(parts), "rows": rows is not None})
         write_atomic(self.file, json.dumps({"settings": self.settings, "parts": parts,
                                             "stretches": self.stretches}))

@@ -80,7 +80,7 @@ from codedojo.pretrain.parallel import (
     train_device,
     world_size,
 )
-from codedojo.pretrain.probe import passkey_probe
+from codedojo.pretrain.probe import Encoder, passkey_probe, probe_prompts
 from codedojo.pretrain.selfgen import (
     continue_windows,
     features_dir,
@@ -226,24 +226,49 @@ def continuations(model: Transformer, held_out: TokenShards, n: int, length: int
 # ---- model setup ------------------------------------------------------------------------------
 
 
-def max_seq_len_after(max_seq_len: int, stage: StageConfig) -> int:
-    """The model's positions once ``stage``'s RoPE change is applied: YaRN's reach (the
-    original length times the factor), a base change's the stage's length; never fewer."""
+def yarn_original_len(mcfg: ModelConfig) -> int:
+    """The length a YaRN extension of the model reaches out from: its length before its first
+    YaRN extension (the one it has, if any)."""
+    rs = mcfg.rope_scaling
+    return rs.original_max_seq_len if rs is not None and rs.kind == "yarn" else mcfg.max_seq_len
+
+
+def config_after(mcfg: ModelConfig, stage: StageConfig) -> ModelConfig:
+    """The model's config once ``stage``'s RoPE change is applied. Its positions grow to what
+    the new tables reach, never fewer: YaRN's, the original length times the factor (its
+    ``original_max_seq_len`` is the model's length before its first YaRN extension: that
+    length when not given, refused when another); a base change's, the stage's length."""
     rs = stage.rope_scaling
     if rs is None:
-        return max_seq_len
-    grown = int(rs.original_max_seq_len * rs.factor) if rs.kind == "yarn" else stage.seq_len
-    return max(max_seq_len, grown)
+        return mcfg
+    if rs.kind == "base":
+        return mcfg.model_copy(update={"rope_scaling": None, "rope_theta": rs.new_theta,
+                                       "max_seq_len": max(mcfg.max_seq_len, stage.seq_len)})
+    original = yarn_original_len(mcfg)
+    if "original_max_seq_len" not in rs.model_fields_set:
+        rs = rs.model_copy(update={"original_max_seq_len": original})
+    elif rs.original_max_seq_len != original:
+        raise ValueError(f"stage {stage.name!r}: rope_scaling.original_max_seq_len "
+                         f"{rs.original_max_seq_len}: the model has {original} positions "
+                         "before its first YaRN extension; leave the field out or set it to "
+                         f"{original}")
+    reach = int(rs.original_max_seq_len * rs.factor)
+    return mcfg.model_copy(update={"rope_scaling": rs,
+                                   "max_seq_len": max(mcfg.max_seq_len, reach)})
 
 
-def check_lengths(cfg: PretrainConfig, max_seq_len: int) -> None:
-    """Every length the run will use fits the model's positions as they are by then: refused
-    here, naming the field, rather than at that stage's first step after the others trained."""
-    if cfg.eval.seq_len > max_seq_len:
-        raise ValueError(f"eval.seq_len {cfg.eval.seq_len}: the model has {max_seq_len} "
+def check_lengths(cfg: PretrainConfig, mcfg: ModelConfig, tok: Encoder | None = None,
+                  filler: Sequence[int] = ()) -> None:
+    """Every length the run will use fits the model's positions as they are by then (``mcfg``
+    before the first stage), and, given the tokenizer and the probe's ``filler``, every passkey
+    probe fits its length: refused here, naming the field, rather than at that stage's first
+    step after the others trained."""
+    if cfg.eval.seq_len > mcfg.max_seq_len:
+        raise ValueError(f"eval.seq_len {cfg.eval.seq_len}: the model has {mcfg.max_seq_len} "
                          "positions (max_seq_len)")
     for i, st in enumerate(cfg.stages):
-        max_seq_len = max_seq_len_after(max_seq_len, st)
+        mcfg = config_after(mcfg, st)
+        max_seq_len = mcfg.max_seq_len
         lengths = {"seq_len": st.seq_len}
         if st.self_gen is not None:
             lengths["self_gen.prompt_len + self_gen.new_tokens"] = (
@@ -253,18 +278,20 @@ def check_lengths(cfg: PretrainConfig, max_seq_len: int) -> None:
                 raise ValueError(f"stages[{i}] ({st.name}).{what} {n}: the model has "
                                  f"{max_seq_len} positions (max_seq_len) by then; a stage "
                                  "with rope_scaling before it extends them")
+        if st.probe and tok is not None:
+            try:  # the probes as the stage's are drawn (`passkey_probe`)
+                probe_prompts(filler, tok, min(cfg.eval.probe_len, max_seq_len),
+                              cfg.eval.probe_trials, cfg.seed)
+            except ValueError as e:
+                raise ValueError(f"eval.probe_len {cfg.eval.probe_len}, for stages[{i}] "
+                                 f"({st.name}).probe: {e}") from None
 
 
 def set_rope_scaling(model: Transformer, mtp: MTP | None, stage: StageConfig) -> ModelConfig:
     """Context extension: new RoPE tables (YaRN or base change) for model and MTP; max_seq_len
-    grows to what they reach (`max_seq_len_after`)."""
-    rs = stage.rope_scaling
-    assert rs is not None
-    upd: dict[str, Any] = {"rope_scaling": rs if rs.kind == "yarn" else None,
-                           "max_seq_len": max_seq_len_after(model.cfg.max_seq_len, stage)}
-    if rs.kind == "base":
-        upd["rope_theta"] = rs.new_theta
-    cfg = model.cfg.model_copy(update=upd)
+    grows to what they reach (`config_after`)."""
+    assert stage.rope_scaling is not None
+    cfg = config_after(model.cfg, stage)
     model.cfg = cfg
     model.rotary = Rotary(cfg).to(model.tok_embeddings.weight.device)
     if mtp is not None:
@@ -570,7 +597,8 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
             # a finished stage is never resumed: its optimizer state would be gathered for nothing
             save_checkpoint(run_dir / "ckpt" / st.name, model, model.cfg, mtp,
                             None if done else opt,
-                            TrainPosition(si, step + 1, loader.state_dict(), done))
+                            TrainPosition(si, step + 1, loader.state_dict(), done,
+                                          world_size()))
         if stop_after is not None and len(losses) >= stop_after:
             break
     return losses
@@ -682,12 +710,14 @@ def prompt_pool(cfg: PretrainConfig, stage: StageConfig, tok: Any, d: Path) -> P
 
 
 def base_tokenizer(base: str) -> Any:
-    """The base model's own tokenizer; SmolLM2's for a random tiny model, and for a training
-    checkpoint, which holds none (its run's `final` folder does)."""
+    """The base model's own tokenizer: a folder's own ``tokenizer.json`` (a run's `final`
+    holds its run's); SmolLM2's for a random tiny model, and for a training checkpoint without
+    one (a stage's)."""
     from codedojo.model.tokenizer import load_tokenizer
 
-    checkpoint = (Path(base) / "model_config.json").is_file()
-    return load_tokenizer() if base == "tiny" or checkpoint else load_tokenizer(base)
+    path = Path(base)
+    without = (path / "model_config.json").is_file() and not (path / "tokenizer.json").is_file()
+    return load_tokenizer() if base == "tiny" or without else load_tokenizer(base)
 
 
 def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
@@ -724,7 +754,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
     with main_rank_first():
         data = prepare_data(cfg, tok, run_dir)
     model, mtp = build_model(cfg)
-    check_lengths(cfg, model.cfg.max_seq_len)
+    check_lengths(cfg, model.cfg, tok, data.probe_filler)
     model.to(dev)
     if mtp is not None:
         mtp.to(dev)
@@ -809,6 +839,11 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
                 console.print(f"stage {st.name}: done (checkpoint), its figures not reported")
                 finish(si, held_out_for(si), [])
             continue
+        if pos is not None and pos.world not in (None, world):
+            # its rows were packed for that many ranks, and the loader's position is in them
+            raise ValueError(f"{ck}: stage {st.name!r} was started on {pos.world} processes "
+                             f"and goes on only on as many ({world} now): resume the run on "
+                             f"{pos.world} processes")
         if st.self_gen is not None:  # by the model as the stage starts, resumed or not
             data.shards["self"] = self_data(cfg, st, model, data, run_dir, console)
         if pos is not None:

@@ -207,6 +207,23 @@ def test_a_rank_that_got_further_goes_on_from_where_every_rank_was(tmp_path, mon
     assert selfgen.ProgressLog(tmp_path, 0, {"batch": 3}).resume() == (0, [], [])
 
 
+def test_a_stretch_written_again_leaves_a_hard_link_to_the_old_one_as_it_was(tmp_path):
+    """A branch's unfinished generation is hard-linked from its source run's: the stretches it
+    writes again are new files, and the source's keep their rows."""
+    import os
+
+    from codedojo.pretrain import selfgen
+
+    first, second = np.arange(8).reshape(2, 4), np.arange(8, 16).reshape(2, 4)
+    selfgen.ProgressLog(tmp_path / "out", 0, {"batch": 2}).save(2, [], first)
+    (tmp_path / "src").mkdir()
+    (written,) = selfgen.progress_dir(tmp_path / "out").glob("rows_*.npy")
+    os.link(written, tmp_path / "src" / written.name)
+    selfgen.ProgressLog(tmp_path / "out", 0, {"batch": 3}).save(2, [], second)  # starts over
+    assert np.array_equal(np.load(written), second)
+    assert np.array_equal(np.load(tmp_path / "src" / written.name), first)
+
+
 def test_a_self_mix_needs_self_gen():
     st = dict(name="s", seq_len=16, steps=1, mtp="distill")
     with pytest.raises(ValueError, match="`self` mix entry and `self_gen` go together"):

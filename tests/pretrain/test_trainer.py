@@ -328,15 +328,75 @@ def test_lengths_past_the_models_positions_are_refused_before_training(tmp_path,
     raw["model"]["tiny_overrides"]["max_seq_len"] = 256
     raw["stages"][2]["seq_len"] = 512
     cfg = PretrainConfig.model_validate(raw)
-    check_lengths(cfg, 256)
     model, mtp = build_model(cfg)
+    check_lengths(cfg, model.cfg)
     assert set_rope_scaling(model, mtp, cfg.stages[2]).max_seq_len == 512
     model(torch.zeros(1, 512, dtype=torch.long))  # every position has its rotation
     with pytest.raises(ValueError, match=error):
-        check_lengths(PretrainConfig.model_validate(apply_overrides(raw, setting.split())), 256)
+        check_lengths(PretrainConfig.model_validate(apply_overrides(raw, setting.split())),
+                      build_model(cfg)[0].cfg)
+
+
+def test_yarn_extends_the_models_own_length(tmp_path):
+    """YaRN reaches out from the model's length before its first YaRN extension (here 256):
+    by default, and for a second YaRN stage too; another original length is refused, naming
+    the field and both lengths, before any stage trains."""
+    from codedojo.pretrain.config import apply_overrides
+    from codedojo.pretrain.trainer import check_lengths
+
+    raw = five_stage_config(tmp_path, "r").model_dump(exclude_unset=True)
+    raw["model"]["tiny_overrides"]["max_seq_len"] = 256
+    raw["stages"][2]["rope_scaling"] = {"kind": "yarn", "factor": 2.0}
+    raw["stages"][2]["seq_len"] = 512
+    raw["stages"][3]["rope_scaling"] = {"kind": "yarn", "factor": 4.0}
+    raw["stages"][3]["seq_len"] = 1024
+    cfg = PretrainConfig.model_validate(raw)
+    model, mtp = build_model(cfg)
+    check_lengths(cfg, model.cfg)
+    after = set_rope_scaling(model, mtp, cfg.stages[2])
+    assert after.max_seq_len == 512 and after.rope_scaling.original_max_seq_len == 256
+    after = set_rope_scaling(model, mtp, cfg.stages[3])
+    assert after.max_seq_len == 1024 and after.rope_scaling.original_max_seq_len == 256
+    assert after.rope_scaling.factor == 4.0
+    with pytest.raises(ValueError, match=r"stages\[2\] \(long\)\.seq_len 513: the model has "
+                                         "512 positions"):
+        check_lengths(PretrainConfig.model_validate(
+            apply_overrides(raw, ["stages.long.seq_len=513"])), build_model(cfg)[0].cfg)
+    given = apply_overrides(raw, ["stages.long.rope_scaling.original_max_seq_len=8192"])
+    with pytest.raises(ValueError, match=r"stage 'long': rope_scaling\.original_max_seq_len "
+                                         r"8192: the model has 256 positions before its first "
+                                         r"YaRN extension; leave the field out or set it to 256"):
+        check_lengths(PretrainConfig.model_validate(given), build_model(cfg)[0].cfg)
+    same = apply_overrides(raw, ["stages.long.rope_scaling.original_max_seq_len=256"])
+    check_lengths(PretrainConfig.model_validate(same), build_model(cfg)[0].cfg)
+
+
+def test_a_probe_too_short_for_its_passkey_is_refused_before_training(tmp_path):
+    """The passkey's lines and 16 tokens of code must fit ``eval.probe_len``: a shorter one
+    is refused, saying so, before the first stage trains."""
+    from rich.console import Console
+
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.pretrain.probe import build_probe
+    from codedojo.pretrain.trainer import run
+
+    tok = load_tokenizer()
+    with pytest.raises(ValueError, match=r"probe length 40 is too short: the passkey's lines "
+                                         r"take \d+ tokens and at least 16 of code go around "
+                                         r"them, \d+ in all"):
+        build_probe(list(range(1000)), tok, 40, random.Random(0))
+    five = five_stage_config(tmp_path, "short")
+    cfg = five.model_copy(update={"stages": [five.stages[0], five.stages[2]],
+                                  "eval": five.eval.model_copy(update={"probe_len": 40})})
+    with pytest.raises(ValueError, match=r"eval\.probe_len 40, for stages\[1\] \(long\)\.probe: "
+                                         r"probe length 40 is too short"):
+        run(cfg, tok=tok, console=Console(quiet=True))
+    assert not (cfg.run_dir / "ckpt").exists()  # no stage trained
 
 
 def test_overrides_set_fields_and_name_what_is_wrong(tmp_path):
+    from codedojo.pretrain.config import apply_overrides
+
     cfg = load_config("configs/cpt-smollm2.toml", [
         "stages.mtp_self.lr=3e-3", "stages.0.steps=7", "model.n_mtp=3", "out_dir=runs/exp",
         "stages.mtp_self.self_gen.prompts=64", "corpus.sources.0.exts=['.py', '.pyi']",
@@ -358,6 +418,12 @@ def test_overrides_set_fields_and_name_what_is_wrong(tmp_path):
         load_config("configs/cpt-smollm2.toml", ["model.n_mtp"])
     with pytest.raises(ValueError, match="model.n_mtp is a value, not a table"):
         load_config("configs/cpt-smollm2.toml", ["model.n_mtp.x=1"])
+    # a stage's name may hold dots
+    raw = {"stages": [{"name": "v1"}, {"name": "v1.5", "mix": [{"data": "code"}]}]}
+    assert apply_overrides(raw, ["stages.v1.5.lr=3e-3", "stages.v1.5.mix.0.weight=2",
+                                 "stages.v1.lr=1e-3"])["stages"] == [
+        {"name": "v1", "lr": 1e-3}, {"name": "v1.5", "lr": 3e-3,
+                                     "mix": [{"data": "code", "weight": 2}]}]
 
 
 def test_repo_config_parses():
@@ -946,8 +1012,8 @@ def test_a_stopped_stage_reports_and_logs_as_an_unstopped_one(tmp_path, monkeypa
 
 
 def test_a_run_tokenizes_with_its_base_models_tokenizer(tmp_path):
-    """A folder with its own tokenizer gives that one; a training checkpoint (no tokenizer)
-    and a random tiny model, SmolLM2's."""
+    """A folder with its own tokenizer gives that one, a run's final checkpoint too; a
+    training checkpoint without one and a random tiny model, SmolLM2's."""
     from codedojo.model.tokenizer import DEFAULT_MODEL, load_tokenizer, tiny_tokenizer
     from codedojo.pretrain.trainer import base_tokenizer
 
@@ -955,6 +1021,45 @@ def test_a_run_tokenizes_with_its_base_models_tokenizer(tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "model_config.json").write_text("{}")
     assert base_tokenizer(str(tmp_path / "hf")).vocab_size == tiny_tokenizer().vocab_size
+    (tmp_path / "final").mkdir()  # a run's final checkpoint, with its run's tokenizer
+    (tmp_path / "final" / "model_config.json").write_text("{}")
+    tiny_tokenizer().save(tmp_path / "final")
+    assert base_tokenizer(str(tmp_path / "final")).fingerprint == tiny_tokenizer().fingerprint
     smollm2 = load_tokenizer(DEFAULT_MODEL).vocab_size
     assert base_tokenizer(str(tmp_path / "ckpt")).vocab_size == smollm2
     assert base_tokenizer("tiny").vocab_size == smollm2
+
+
+def test_a_stage_resumes_only_on_as_many_processes_as_it_was_started_on(tmp_path, monkeypatch):
+    """Its rows are shared out by the processes, and the loader's position is in them: a
+    stage stopped part-way by a run of two processes is not resumed by one."""
+    from rich.console import Console
+
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.pretrain import trainer
+    from codedojo.pretrain.checkpoint import read_position
+
+    five = five_stage_config(tmp_path, "w")
+    bulk = five.stages[0].model_copy(update={"steps": 4, "checkpoint_every": 2})
+    cfg = five.model_copy(update={"stages": [bulk]})
+    tok, quiet = load_tokenizer(), Console(quiet=True)
+    real = trainer.wsd_lr
+
+    def stop_at_3(step, **k):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real(step, **k)
+
+    monkeypatch.setattr(trainer, "wsd_lr", stop_at_3)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(cfg, tok=tok, console=quiet)
+    monkeypatch.setattr(trainer, "wsd_lr", real)
+    state = cfg.run_dir / "ckpt" / "bulk" / "state.json"
+    assert read_position(state.parent).world == 1
+    pos = json.loads(state.read_text())
+    state.write_text(json.dumps({**pos, "world": 2}))  # as a run of two processes leaves it
+    with pytest.raises(ValueError, match=r"stage 'bulk' was started on 2 processes and goes on "
+                                         r"only on as many \(1 now\): resume the run on 2"):
+        trainer.run(cfg, tok=tok, console=quiet)
+    state.write_text(json.dumps(pos))
+    assert trainer.run(cfg, tok=tok, console=quiet)["stages"]["bulk"]["steps"] == 4
