@@ -190,6 +190,22 @@ def _utf8(text: str, field: str) -> bytes:
                            ) from None
 
 
+def validate_env(env: Mapping[str, str], field: str) -> Mapping[str, str]:
+    """``env`` when every variable can reach a command: a name that is a non-empty string
+    without '=' or NUL, a value that is a string without NUL, both UTF-8 text. Raises
+    SandboxError naming the first one that cannot (never its value: it may be a secret)."""
+    if not isinstance(env, Mapping):
+        raise SandboxError(f"{field}: expected a mapping of names to values, got "
+                           f"{type(env).__name__}")
+    for k, v in env.items():
+        if (not isinstance(k, str) or not k or "=" in k or "\0" in k or not isinstance(v, str)
+                or "\0" in v):
+            raise SandboxError(f"{field}: invalid variable {k!r}: a name is a non-empty string "
+                               "without '=' or NUL, a value a string without NUL")
+        _utf8(f"{k}={v}", f"{field} {k!r}")
+    return env
+
+
 class _Process:
     """One command started by the sandbox's init: its pipes and its control connection."""
 
@@ -252,8 +268,8 @@ def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
     """Pump stdin/stdout/stderr/control until the process exits (or `stop` markers appear on
     both streams, for the shell). Returns (stdout, stderr, timed_out, truncated). No more than
     ``cap`` bytes of a stream are kept, its start and its end (`_Kept`); with ``stop``, those of
-    the stream before the marker, then the marker and what follows it, which is looked for in
-    each read and the few bytes before it, never in all of a command's output."""
+    the stream before the marker, then the marker and the status after it, which is looked for
+    in each read and the few bytes before it, never in all of a command's output."""
     sel = selectors.DefaultSelector()
     streams = (proc.stdout, proc.stderr)
     shell = {fd: _MarkerScan(m, cap) for m, fd in zip(stop, streams, strict=True)} if stop else {}
@@ -373,24 +389,27 @@ class _Kept:
 
 class _MarkerScan:
     """One stream of a shell command: its bytes (`_Kept`), and the marker that ends it with
-    what follows, found in each read together with the bytes before it that could hold the
-    marker's start (kept back until it is known they do not)."""
+    the status after it, found in each read together with the bytes before it that could hold
+    the marker's start (kept back until it is known they do not). What comes after the status
+    was written once the command had ended (a background process's output): it is dropped."""
+
+    AFTER = 16  # bytes kept after the marker: the status ("%d\n") and no more
 
     def __init__(self, marker: bytes, cap: int) -> None:
         self.marker = marker
         self.kept = _Kept(cap)  # the stream before the marker
         self.window = b""  # its last len(marker) - 1 bytes, before the marker is found
-        self.found: bytearray | None = None  # the marker and everything after it
+        self.found: bytearray | None = None  # the marker and the few bytes after it
 
     def feed(self, data: bytes) -> None:
         if self.found is not None:
-            self.found += data
+            self.found += data[: len(self.marker) + self.AFTER - len(self.found)]
             return
         scan = self.window + data
         i = scan.find(self.marker)
         if i >= 0:
             self.kept.add(scan[:i])
-            self.window, self.found = b"", bytearray(scan[i:])
+            self.window, self.found = b"", bytearray(scan[i:i + len(self.marker) + self.AFTER])
             return
         cut = max(0, len(scan) - (len(self.marker) - 1))
         self.kept.add(scan[:cut])
@@ -409,9 +428,14 @@ class LocalShell:
 
     Each command is read verbatim by `read -N <bytes>` and run by `eval` (so quoting and syntax
     errors cannot desynchronise the stream; a syntax error is exit status 2) with stdin from
-    /dev/null, then a
-    random marker and the status are printed on stdout and the marker on stderr. A timeout
-    kills the shell (its state is lost) and the next call starts a fresh one in /workspace."""
+    /dev/null, then a random marker and the status are printed on stdout and the marker on
+    stderr: on the shell's own pipes, which it keeps on fds `MARK_FDS` from its start, so a
+    command that moves its stdout or stderr (`exec 2>&1`, `exec >/dev/null`) does not move
+    them. A timeout kills the shell (its state is lost) and the next call starts a fresh one
+    in /workspace. A shell used again after `close` (or a restore, which closes every shell)
+    starts a fresh one too, and is the sandbox's again: `destroy` closes it."""
+
+    MARK_FDS = (198, 199)  # high, so that no command opens them by chance
 
     def __init__(self, sandbox: LocalSandbox):
         self.sandbox = sandbox
@@ -419,11 +443,18 @@ class LocalShell:
         self._lock = threading.Lock()
         self._marker = f"\x1e__codedojo_{uuid.uuid4().hex}__".encode()
 
-    def _start(self) -> _Process:
-        if self._proc is None:
-            env = self.sandbox._env(None)
-            self._proc = _Process(self.sandbox._address, ["/bin/bash", "--noprofile", "--norc"], env, WORKSPACE)
-        return self._proc
+    def _start(self) -> tuple[_Process, bytes]:
+        """The running shell, and what it must read before a command: the copies of its stdout
+        and stderr when it is new."""
+        if self._proc is not None:
+            return self._proc, b""
+        if self not in self.sandbox._shells:  # (used again after a close or a restore)
+            self.sandbox._shells.append(self)  # so that destroy closes what starts below
+        self.sandbox._check_alive()  # after joining: a destroy begun before is seen here
+        env = self.sandbox._env(None)
+        self._proc = _Process(self.sandbox._address, ["/bin/bash", "--noprofile", "--norc"], env, WORKSPACE)
+        out, err = self.MARK_FDS
+        return self._proc, f"exec {out}>&1 {err}>&2\n".encode()
 
     def run(self, command: str, timeout: float | None = None) -> ExecResult:
         if not isinstance(command, str) or "\0" in command:
@@ -433,13 +464,14 @@ class LocalShell:
         timeout = limits.exec_timeout_s if timeout is None else seconds(timeout, "timeout")
         with self._lock:
             payload = _utf8(command, "command")
-            proc = self._start()
-            m = self._marker.decode()
+            proc, setup = self._start()
+            m, (out_fd, err_fd) = self._marker.decode(), self.MARK_FDS
             # `read -N` (bytes, with LC_ALL=C) takes exactly the command off stdin, so no quoting
             # can desynchronise the stream and no helper process is spawned per call.
-            script = (f"LC_ALL=C IFS= read -r -N {len(payload)} __cdj_cmd\n".encode() + payload
-                      + (f"\neval \"$__cdj_cmd\" </dev/null; __cdj=$?; "
-                         f"printf '%s%d\\n' '{m}' \"$__cdj\"; printf '%s' '{m}' >&2\n").encode())
+            script = (setup + f"LC_ALL=C IFS= read -r -N {len(payload)} __cdj_cmd\n".encode()
+                      + payload + (f"\neval \"$__cdj_cmd\" </dev/null; __cdj=$?; "
+                                   f"printf '%s%d\\n' '{m}' \"$__cdj\" >&{out_fd}; "
+                                   f"printf '%s' '{m}' >&{err_fd}\n").encode())
             try:
                 os.set_blocking(proc.stdin, True)
                 view = memoryview(script)
@@ -751,10 +783,7 @@ class LocalSandbox:
         env = {"PATH": BASE_PATH, "HOME": SANDBOX_HOME, "USER": "user", "LOGNAME": "user",
                "LANG": "C.UTF-8", "SHELL": "/bin/bash", "TMPDIR": "/tmp"}
         for source, name in ((self.spec.env, "spec.env"), (self.binding.env, "egress env"), (extra or {}, "env")):
-            for k, v in source.items():
-                if not isinstance(k, str) or not k or "=" in k or "\0" in k or not isinstance(v, str) or "\0" in v:
-                    raise SandboxError(f"{name}: invalid variable {k!r}")
-                env[k] = v
+            env.update(validate_env(source, name))
         return env
 
     def exec(self, command: str | Sequence[str], *, stdin: bytes | str | None = None,
@@ -824,6 +853,16 @@ class LocalSandbox:
         finally:
             os.close(gfd)
         return self._parent(path, create=False)
+
+    @staticmethod
+    def _where(dir_fd: int, path: str) -> str:
+        """The path in the sandbox of directory ``dir_fd`` (opened in it, for ``path``), every
+        link on the way resolved: the kernel names a directory of another mount namespace from
+        that namespace's root, the sandbox's."""
+        where = os.readlink(f"/proc/self/fd/{dir_fd}")
+        if not where.startswith("/"):
+            raise SandboxError(f"path: {path}: its directory has no path in the sandbox")
+        return where
 
     @staticmethod
     def _check_writable(dir_fd: int, path: str, name: str | None = None) -> None:
@@ -924,7 +963,9 @@ class LocalSandbox:
                 # writing through it would be)
                 if hops >= 40:
                     raise SandboxError(f"path: {p}: too many levels of symbolic links")
-                target = posixpath.join(posixpath.dirname(p), os.readlink(name, dir_fd=pfd))
+                # a relative target is taken from where the link is, which a link on the way
+                # there may have moved away from ``p``'s directory
+                target = posixpath.join(self._where(pfd, p), os.readlink(name, dir_fd=pfd))
                 return self._write(sandbox_path(posixpath.normpath(target)), data, mode, hops + 1)
             if existing is not None and stat.S_ISDIR(existing.st_mode):
                 raise SandboxError(f"path: {p} is a directory")
@@ -987,22 +1028,47 @@ class LocalSandbox:
             os.close(fd)
 
     def remove(self, path: str) -> None:
+        """Remove a file, a link (never what it leads to) or a directory with all it holds, as
+        the sandbox user could (`rm -rf`): refused at the first entry it could not remove, and
+        what came before that is gone."""
         p = sandbox_path(path)
         pfd, name = self._parent(p, create=False)
         try:
             try:
-                st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+                os.stat(name, dir_fd=pfd, follow_symlinks=False)
             except FileNotFoundError:
                 raise SandboxError(f"path: {p}: no such file or directory") from None
-            self._check_writable(pfd, p)
-            if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(name, dir_fd=pfd)
-            else:
-                os.unlink(name, dir_fd=pfd)
+            self._remove(pfd, name, p)
         except OSError as e:
             raise SandboxError(f"path: {p}: {e.strerror}") from None
+        except RecursionError:
+            raise SandboxError(f"path: {p}: nested too deep to remove here; remove it with "
+                               "a command") from None
         finally:
             os.close(pfd)
+
+    def _remove(self, dir_fd: int, name: str, path: str) -> None:
+        """Remove entry ``name`` of directory ``dir_fd`` (``path``), and first all it holds
+        should it be a directory; each entry only where the sandbox user may remove it: its
+        directory writable by the user, and when that is sticky (/tmp), the entry or the
+        directory the user's."""
+        self._check_writable(dir_fd, path)
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        d = os.fstat(dir_fd)
+        if d.st_mode & stat.S_ISVTX and SANDBOX_UID not in (d.st_uid, st.st_uid):
+            raise SandboxError(f"path: {path}: permission denied (another user's, in a sticky "
+                               "directory)")
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=dir_fd)
+            return
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+        try:
+            for entry in os.listdir(fd):
+                self._remove(fd, entry, posixpath.join(path, entry))
+        finally:
+            os.close(fd)
+        os.rmdir(name, dir_fd=dir_fd)
 
     @staticmethod
     def _info(path: str, st: os.stat_result) -> FileInfo:
@@ -1254,6 +1320,7 @@ class LocalProvider:
 
     def _create(self, spec: SandboxSpec, image: Image, origin: Image) -> LocalSandbox:
         validate_limits(spec.limits)
+        validate_env(spec.env, "spec.env")  # (every command would fail on a bad one)
         blank = self._take_blank()
         if blank is not None:
             with self._lock:

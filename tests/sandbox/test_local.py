@@ -122,6 +122,13 @@ def test_spec_env_reaches_every_command(provider, project):
         sb.destroy()
 
 
+@pytest.mark.parametrize("env", [{"A=B": "1"}, {"X": "a\0b"}, {"": "x"}, {"X": 1},
+                                 {"X": "\udcff"}, ["X"]])
+def test_a_spec_env_no_command_could_take_is_refused_at_create(provider, project, env):
+    with pytest.raises(SandboxError, match="spec.env"):
+        provider.create(SandboxSpec(image=project, limits=SMALL, env=env))
+
+
 @pytest.mark.parametrize("command", ["", "   ", [], ["ls", 3], ["a\0b"], 42])
 def test_malformed_commands_are_refused(sandbox, command):
     with pytest.raises(SandboxError, match="command"):
@@ -176,6 +183,16 @@ def test_host_writes_respect_sandbox_permissions(sandbox):
     assert not os.path.exists("/usr/evil")
     sandbox.write_file("/tmp/ok", "fine", mode=0o4755)
     assert sandbox.stat("/tmp/ok").mode == 0o755  # no setuid from the host side
+
+
+def test_a_write_through_a_relative_link_lands_where_a_command_s_would(sandbox):
+    """A link's relative target is taken from the directory the link is in, which a link on
+    the way there (/workspace/a) may have moved."""
+    sandbox.exec("mkdir /tmp/real && ln -s /tmp/real /workspace/a && ln -s ../x /tmp/real/f")
+    sandbox.write_file("/workspace/a/f", "from the host\n")
+    assert sandbox.read_file("/tmp/x") == b"from the host\n"
+    r = sandbox.exec("cat /workspace/a/f; ls /workspace/x")
+    assert r.stdout == "from the host\n" and r.exit_code != 0
 
 
 def test_persistent_shell_keeps_cwd_and_env(sandbox):
@@ -597,3 +614,64 @@ def test_the_shell_s_marker_is_found_across_reads(piece):
     whole = _MarkerScan(marker, cap=100)
     whole.feed(stream)
     assert whole.output() == stream
+
+
+def test_what_follows_the_shell_s_status_is_not_kept():
+    """Bytes after the marker and its status were written once the command had ended (by a
+    process it left in the background): they are not kept, however many come."""
+    from codedojo.sandbox.local import _MarkerScan
+
+    marker = b"\x1e__mark__"
+    scan = _MarkerScan(marker, cap=20)
+    scan.feed(b"out" + marker + b"0\n" + b"y" * 100)
+    for _ in range(100):
+        scan.feed(b"y" * 4096)
+    out = scan.output()
+    assert out.startswith(b"out" + marker + b"0\n") and len(out) < 100
+
+
+def test_a_command_that_moves_the_shell_s_stdout_or_stderr_leaves_the_shell_working(sandbox):
+    """The end of each command is marked on the shell's own pipes: `exec 2>&1` or
+    `exec >/dev/null` change where the next commands write, not whether their end is seen."""
+    sh = sandbox.shell()
+    sh.run("cd /tmp; export K=v")
+    r = sh.run("exec 2>&1; echo hi; echo err >&2", timeout=10)
+    assert (r.exit_code, r.timed_out, r.stdout, r.stderr) == (0, False, "hi\nerr\n", "")
+    assert sh.run("pwd; echo $K >&2").stdout == "/tmp\nv\n"  # the same shell
+    r = sh.run("exec >/dev/null; echo gone; false", timeout=10)
+    assert (r.exit_code, r.timed_out, r.stdout) == (1, False, "")
+
+
+def test_a_shell_s_background_writer_neither_holds_the_call_nor_passes_the_cap(provider,
+                                                                               project):
+    """A writer the command left behind, with the shell's stderr gone to /dev/null: the call
+    ends with the command, its output within the cap, and the shell goes on."""
+    sb = provider.create(SandboxSpec(image=project, limits=Limits(max_output_bytes=1000,
+                                                                  disk_mb=16)))
+    try:
+        sh = sb.shell()
+        sh.run("export K=v")
+        r = sh.run("exec 2>/dev/null; echo hi; (head -c 3000000 /dev/zero | tr '\\0' a &)",
+                   timeout=10)
+        assert (r.exit_code, r.timed_out) == (0, False) and r.stdout.startswith("hi\n")
+        assert len(r.stdout) <= 1000 + len("\n[... 3000000 bytes cut by the sandbox ...]\n")
+        assert sh.run('test "$K" = v', timeout=10).exit_code == 0  # the same shell
+    finally:
+        sb.destroy()
+
+
+def test_a_shell_used_after_a_restore_is_closed_with_the_sandbox(provider, project):
+    """A restore closes every shell; one used again starts a fresh bash, which the sandbox's
+    destroy closes (its pipes and connection are not left open in the host)."""
+    sb = provider.create(SandboxSpec(image=project, limits=SMALL))
+    try:
+        snap = sb.snapshot()
+        sh = sb.shell()
+        sh.run("cd /tmp")
+        sb.restore(snap)
+        assert sh.run("pwd").stdout == "/workspace\n"  # a fresh shell
+        proc = sh._proc
+        assert proc is not None
+    finally:
+        sb.destroy()
+    assert sh._proc is None and proc.conn.fileno() == -1

@@ -42,6 +42,29 @@ def test_cannot_write_outside(sandbox):
     assert sandbox.exec(f"cat {marker}").stdout == "y"
 
 
+def test_remove_takes_only_what_the_sandbox_user_could(provider, project, tmp_path):
+    """Not a tree below a directory the user cannot write (a root-owned vendor/ of the image),
+    nor another user's file in sticky /tmp; the user's own file there goes."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "keep.py").write_text("x\n")
+    image = provider.images.from_directory(str(tmp_path), dest="/workspace/vendor",
+                                           parent=project, owner=(0, 0)).id
+    sb = provider.create(SandboxSpec(image=image, limits=Limits(disk_mb=16)))
+    try:
+        assert sb.exec("rm -rf /workspace/vendor").exit_code != 0  # (nor can the user's rm)
+        with pytest.raises(SandboxError, match="permission denied"):
+            sb.remove("/workspace/vendor")
+        assert sb.read_file("/workspace/vendor/lib/keep.py") == b"x\n"
+        sb._write_as_root("/tmp/rootfile", b"root's\n")
+        sb.exec("echo mine > /tmp/mine")
+        with pytest.raises(SandboxError, match="permission denied"):
+            sb.remove("/tmp/rootfile")
+        sb.remove("/tmp/mine")
+        assert sb.exec("ls /tmp/rootfile /tmp/mine").stdout == "/tmp/rootfile\n"
+    finally:
+        sb.destroy()
+
+
 @pytest.fixture
 def host_secret():
     path = f"/root/codedojo-secret-{uuid.uuid4().hex}"
