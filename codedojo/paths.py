@@ -95,8 +95,11 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def write_synced(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
     """Write a new file by ``write`` and have it on disk when this returns: before an index
-    that names it (`write_atomic`) says its directory is finished."""
-    with open(path, "wb") as f:
+    that names it (`write_atomic`) says its directory is finished. A file of that name is
+    unlinked first, not written over: a hard link to it (a branch's copy of a run's data)
+    keeps its bytes."""
+    Path(path).unlink(missing_ok=True)
+    with open(path, "xb") as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())

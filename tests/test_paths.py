@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from codedojo.paths import staged_dir, write_atomic
+from codedojo.paths import staged_dir, write_atomic, write_synced
 
 
 def entries(parent):
@@ -142,3 +144,12 @@ def test_what_is_written_is_on_disk_before_it_takes_its_name(tmp_path, monkeypat
     (_, written), name, parent = events
     assert written.startswith(str(tmp_path / ".report.json-")) and name == ("name",)
     assert parent == ("sync", str(tmp_path))
+
+
+def test_a_file_written_again_leaves_a_hard_link_to_the_old_one_as_it_was(tmp_path):
+    """A branch hard-links a run's data: a part the branch writes again is a new file."""
+    write_synced(tmp_path / "part.bin", lambda f: f.write(b"source"))
+    os.link(tmp_path / "part.bin", tmp_path / "linked.bin")
+    write_synced(tmp_path / "part.bin", lambda f: f.write(b"branch"))
+    assert (tmp_path / "part.bin").read_bytes() == b"branch"
+    assert (tmp_path / "linked.bin").read_bytes() == b"source"
