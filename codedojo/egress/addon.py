@@ -6,32 +6,37 @@ request the addon
 
 1. names the destination: the absolute URL or CONNECT target (explicit mode), or the Host
    header / TLS SNI (transparent mode, where the address the client dialled is our own DNS
-   answer and means nothing);
+   answer and means nothing); every other host the request names must be the same one;
 2. checks method, host glob, port, rate and declared size, answering 403/413/429 with a body
    that says why;
 3. resolves the name itself, refuses it if *any* answer is not public, and rewrites the
    request's target to the checked IP so the connection goes exactly there (the Host header and
    TLS SNI keep the name);
-4. strips sensitive headers and redacts registered secrets in headers, URL and body;
+4. strips sensitive headers and redacts registered secrets in headers, URL and body, and
+   refuses a body in which its reader would find one all the same (JSON escapes, another
+   charset, a transfer coding other than chunked);
 5. writes one audit record when the flow ends.
 
 `server_connect` re-checks every address mitmproxy is about to dial, so a path that skipped the
 request hooks (raw TCP after CONNECT, a new mitmproxy feature) still cannot reach a private
-address; non-HTTP streams are refused outright.
+address; non-HTTP streams are refused outright. The upstream TLS hello names the checked host
+and offers no ALPN protocol but HTTP/2 and HTTP/1.1, whatever the sandbox's hello said.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import functools
 import ipaddress
 import json
+import re
 import socket
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from urllib.parse import unquote_plus
+from urllib.parse import unquote_plus, unquote_to_bytes
 
 from mitmproxy import connection, http, tcp, tls
 from mitmproxy.net.http import url
@@ -79,26 +84,56 @@ class TokenBucket:
 AUDIT_TEXT_CHARS = 2048
 
 
-def _json_secrets(sc: SandboxClient, body: bytes) -> set[str]:
-    """The secrets a JSON body holds as its reader reads it: escapes other encoders write
-    (``\\u0074``, ``\\/``) and UTF-16 or UTF-32 text, which the forms `redact` looks for miss."""
-    if not sc.secrets or not body:
-        return set()
-    try:
-        value = json.loads(body)  # (the encoding found as json does: UTF-8, -16 or -32)
-    except (ValueError, RecursionError):
-        return set()
-    strings, stack = [], [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-        elif isinstance(v, str):
-            strings.append(v)
-    return sc.secrets.redact_name_str("\n".join(strings))[1]
+# A JSON string escape: a UTF-16 surrogate pair, one \uXXXX, or a one-letter escape.
+_JSON_ESCAPE = re.compile(rb'\\(?:u([dD][89abAB][0-9a-fA-F]{2})\\u([dD][c-fC-F][0-9a-fA-F]{2})'
+                          rb'|u([0-9a-fA-F]{4})|(["\\/bfnrt]))')  # fmt: skip
+_SHORT_ESCAPES = {bytes([k]): bytes([v]) for k, v in zip(b'"\\/bfnrt', b'"\\/\b\f\n\r\t',
+                                                         strict=True)}  # fmt: skip
+
+
+def _json_unescaped(data: bytes) -> bytes:
+    """UTF-8 ``data`` with every JSON string escape read as a JSON reader reads it, wherever
+    the strings are: a whole document, one per line (NDJSON), a part of a multipart body, a
+    form value. Escapes are read left to right, so ``\\\\u0041`` is a backslash then "u0041",
+    as in a string (outside strings JSON has no backslash). A lone surrogate is left as
+    written."""
+
+    def one(m: re.Match[bytes]) -> bytes:
+        high, low, code, short = m.groups()
+        if high:
+            return chr(0x10000 + ((int(high, 16) - 0xD800) << 10) + int(low, 16) - 0xDC00
+                       ).encode()  # fmt: skip
+        if code:
+            c = int(code, 16)
+            return m[0] if 0xD800 <= c < 0xE000 else chr(c).encode()
+        return _SHORT_ESCAPES[short]
+
+    return _JSON_ESCAPE.sub(one, data)
+
+
+def _body_readings(body: bytes, ctype: str) -> list[bytes]:
+    """``body`` as each reader may read it, in UTF-8: as it is; in the charset its media type
+    ``ctype`` declares (UTF-16 and UTF-32 in both byte orders, as the declaration need not say
+    which); in UTF-16 or UTF-32 where its first bytes say so (a BOM, or the zero bytes a JSON
+    reader looks for). Bytes a charset cannot read become U+FFFD."""
+    encodings = {json.detect_encoding(body)}
+    declared = re.search(r'charset\s*=\s*"?([^\s";,]+)', ctype)
+    if declared:
+        try:
+            name = codecs.lookup(declared[1]).name
+        except LookupError:
+            name = ""  # a charset Python does not know: the readings above are all there is
+        if name in ("utf-16", "utf-32"):
+            encodings |= {f"{name}-le", f"{name}-be"}
+        elif name:
+            encodings.add(name)
+    readings = [body]
+    for encoding in sorted(encodings - {"utf-8", "utf-8-sig"}):
+        try:
+            readings.append(body.decode(encoding, "replace").encode())
+        except LookupError:  # a codec that is not a text encoding (rot13, hex)
+            continue
+    return readings
 
 
 def _ip_literal(host: str) -> IPAddress | None:
@@ -201,6 +236,10 @@ class EgressAddon:
         if sc is None or data.server.address is None:
             data.server.error = "egress: no sandbox for this connection"
             return
+        # mitmproxy would offer upstream, in clear text, what the sandbox's TLS hello offered:
+        # only the protocols spoken here go.
+        offers = [p for p in data.client.alpn_offers or () if p in (b"h2", b"http/1.1")]
+        data.server.alpn_offers = tuple(offers) or (b"http/1.1",)
         host, port = data.server.address
         try:
             if (str(host), int(port)) not in sc.sni:
@@ -252,12 +291,13 @@ class EgressAddon:
         sc = self.registry.lookup(data.context.client.peername)
         if sc is None:
             return
+        error = (f"TLS handshake with the sandbox failed ({data.conn.error}); "
+                 "does the client trust the egress CA?")  # fmt: skip
         sc.audit.write(
             AuditRecord(
                 sandbox=sc.sandbox_id, mode=sc.mode, method="TLS",
                 host=self._clean(sc, data.context.client.sni or ""), port=0, path="",
-                error=f"TLS handshake with the sandbox failed ({data.conn.error}); "
-                "does the client trust the egress CA?",
+                error=self._clean(sc, error),  # mitmproxy's error text quotes the SNI
             )
         )  # fmt: skip
 
@@ -294,6 +334,13 @@ class EgressAddon:
                 raise Blocked(403, f"method {req.method} is not allowed (allowed: "
                               f"{', '.join(sc.policy.allow_methods)})")  # fmt: skip
             self._check_host_port(sc, name, port)
+            coding = req.headers.get("transfer-encoding")
+            if coding and "".join(coding.split()).lower() != "chunked":
+                # A body under another transfer coding (gzip, chunked) is decoded by the
+                # upstream, never by the body checks: refused as a coding not understood.
+                raise Blocked(501, f"transfer-encoding {coding!r} is not supported; send the "
+                              "body chunked or whole (a compression goes in Content-Encoding)"
+                              )  # fmt: skip
             declared = req.headers.get("content-length")
             if declared and declared.isdigit() and int(declared) > sc.policy.max_request_bytes:
                 raise Blocked(413, f"request body of {declared} bytes exceeds "
@@ -305,6 +352,8 @@ class EgressAddon:
             return
         meta.update(ip=str(ip), override=override)
         sc.sni[(str(ip), port)] = name
+        if not (req.is_http2 or req.is_http3):
+            req.authority = ""  # origin-form: the upstream reads the checked Host header alone
         # Connect to exactly the address we checked; Host header and SNI keep the name.
         req.data.host = str(ip)
         req.data.port = port
@@ -360,12 +409,18 @@ class EgressAddon:
                           f"{e}) to check it for secrets") from None
         new, found = sc.secrets.redact(body)
         ctype = req.headers.get("content-type", "").lower()  # media types have no case
-        form = "x-www-form-urlencoded" in ctype or "multipart/" in ctype
-        if form and sc.secrets.escaped(new.decode("latin-1")):
-            raise Blocked(403, "the form body holds a registered secret in percent-escapes")
-        if _json_secrets(sc, new):
-            raise Blocked(403, "the JSON body holds a registered secret in escapes (\\u, \\/) "
-                          "or in another encoding")
+        urlencoded = "x-www-form-urlencoded" in ctype
+        form = urlencoded or "multipart/" in ctype
+        # What `redact` cannot rewrite, as the body's reader reads it, is refused: percent-
+        # escapes in a form, JSON escapes (in a form value too), another charset.
+        for reading in _body_readings(new, ctype):
+            if form and sc.secrets.escaped(reading.decode("utf-8", "surrogateescape")):
+                raise Blocked(403, "the form body holds a registered secret in percent-escapes")
+            if urlencoded:
+                reading = unquote_to_bytes(reading.replace(b"+", b" "))
+            if sc.secrets.redact(_json_unescaped(reading))[1]:
+                raise Blocked(403, "the body holds a registered secret in JSON escapes (\\u, "
+                              "\\/) or in another charset")  # fmt: skip
         if found:
             report.found(found, "body")
             req.set_content(new)
@@ -381,7 +436,7 @@ class EgressAddon:
         if declared and declared.isdigit() and int(declared) > sc.policy.max_response_bytes:
             reason = (f"response body of {declared} bytes exceeds "
                       f"max_response_bytes={sc.policy.max_response_bytes}")  # fmt: skip
-            flow.metadata.setdefault("egress", {})["blocked"] = reason
+            flow.metadata.setdefault("egress", {})["response_refused"] = reason
             blocked = _blocked_response(502, reason)
             body = blocked.raw_content or b""
             flow.response = blocked
@@ -394,11 +449,12 @@ class EgressAddon:
         meta = flow.metadata.setdefault("egress", {})
         if (
             not meta.get("blocked")
+            and not meta.get("response_refused")
             and len(flow.response.raw_content or b"") > sc.policy.max_response_bytes
         ):
             reason = (f"response body of {len(flow.response.raw_content or b'')} bytes exceeds "
                       f"max_response_bytes={sc.policy.max_response_bytes}")  # fmt: skip
-            meta["blocked"] = reason
+            meta["response_refused"] = reason  # the request went out: it was not blocked
             flow.response = _blocked_response(502, reason)
         self._audit(sc, flow, blocked=meta.get("blocked"))
 
@@ -420,29 +476,35 @@ class EgressAddon:
 
     def _destination(self, flow: http.HTTPFlow) -> tuple[str, int]:
         """The name the client wants and the port. In transparent mode the dialled address is
-        meaningless (our DNS answered it), so the Host header or the TLS SNI names the host."""
+        meaningless (our DNS answered it), so the Host header or the TLS SNI names the host.
+        Every host the request names (Host header; an absolute-form target, or HTTP/2's
+        :authority) must be that one: the upstream reads whichever it likes."""
         req = flow.request
-        header = req.host_header
-        hhost: str | None = None
-        if header:
-            try:
-                hhost, _ = url.parse_authority(header, check=True)
-            except ValueError:
-                raise Blocked(400, f"malformed Host header {header!r}") from None
+        named: list[tuple[str, str]] = []  # (where, host)
+        for where, value in (("Host header", req.headers.get("host")),
+                             ("request target", req.authority)):  # fmt: skip
+            if value:
+                try:
+                    host, _ = url.parse_authority(value, check=True)
+                except ValueError:
+                    raise Blocked(400, f"malformed {where} {value!r}") from None
+                named.append((where, host.lower().rstrip(".")))
         if isinstance(flow.client_conn.proxy_mode, TransparentMode):
-            sni = flow.client_conn.sni
-            if hhost and sni and sni.lower().rstrip(".") != hhost.lower().rstrip("."):
+            sni = (flow.client_conn.sni or "").lower().rstrip(".")
+            if named and sni and sni != named[0][1]:
                 # (neither named: either may hold a secret, which the name checks come to later)
-                raise Blocked(403, "the TLS SNI and the Host header name different hosts")
-            name = hhost or sni
+                raise Blocked(403, f"the TLS SNI and the {named[0][0]} name different hosts")
+            name = named[0][1] if named else sni
             if not name:
                 raise Blocked(400, "request names no host (no Host header, no TLS SNI)")
-            return name.lower().rstrip("."), req.port
-        name = req.host.lower().rstrip(".")
-        # Inside a CONNECT tunnel or with an absolute URL the proxy connects to `name`; a
-        # different Host header would let a request ride an allowed connection to another host.
-        if hhost and hhost.lower().rstrip(".") != name:
-            raise Blocked(403, f"Host header {hhost!r} does not match the destination {name!r}")
+        else:
+            # Inside a CONNECT tunnel or with an absolute URL the proxy connects to `name`.
+            name = req.host.lower().rstrip(".")
+        flow.metadata.setdefault("egress", {})["name"] = name  # what the audit names, if refused
+        # A different name would let a request ride an allowed connection to another host.
+        for where, host in named:
+            if host != name:
+                raise Blocked(403, f"{where} {host!r} does not match the destination {name!r}")
         return name, req.port
 
     @staticmethod
@@ -530,6 +592,7 @@ class EgressAddon:
         report: StripReport = meta.get("report") or StripReport()
         req, resp = flow.request, flow.response
         path = req.path if req.method != "CONNECT" else ""
+        refused = meta.get("response_refused")
         clean = functools.partial(self._clean, sc)  # never log a secret, even a blocked one
         sc.audit.write(
             AuditRecord(
@@ -547,6 +610,7 @@ class EgressAddon:
                 stripped_headers=[clean(h) for h in report.headers],
                 redacted_secrets=report.secrets,
                 blocked=clean(blocked) if blocked else blocked,
+                response_refused=clean(refused) if refused else None,
                 error=clean(error) if error else error,
                 override=bool(meta.get("override")),
             )

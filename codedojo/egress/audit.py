@@ -3,7 +3,8 @@
 Every request the proxy sees from a sandbox gets one line, whether it was forwarded, blocked by
 policy or failed: time, method, host, port, path, the address actually connected to, status,
 bytes each way, the headers stripped, the secrets redacted (by name and where), and the reason
-when blocked. Secret values never reach this file: paths are logged after redaction.
+when the request was blocked or the response withheld. Secret values never reach this file:
+paths are logged after redaction.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ class AuditRecord:
     bytes_in: int = 0  # response body bytes returned to the sandbox
     stripped_headers: list[str] = field(default_factory=list)
     redacted_secrets: dict[str, list[str]] = field(default_factory=dict)
-    blocked: str | None = None  # why the proxy refused, None when forwarded
+    blocked: str | None = None  # why the proxy refused the request, None when forwarded
+    # why the proxy withheld the upstream's response (the request was forwarded; `status` is
+    # the proxy's answer to the sandbox)
+    response_refused: str | None = None
     error: str | None = None  # transport failure (upstream unreachable, TLS, ...)
     override: bool = False  # reached through the test-only allow_addresses override
     time: float = field(default_factory=time.time)

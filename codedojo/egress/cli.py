@@ -18,9 +18,11 @@ def serve(
         typer.Option(help="CA, audit logs, control socket (default: the config's, else "
                      "runs/egress)."),
     ] = None,
-    explicit_port: Annotated[int, typer.Option(min=0, help="HTTP_PROXY listener; 0 = any.")] = 0,
+    explicit_port: Annotated[
+        int, typer.Option(min=0, max=65535, help="HTTP_PROXY listener; 0 = any.")
+    ] = 0,
     transparent_port: Annotated[
-        int, typer.Option(min=0, help="Transparent listener; 0 = any.")
+        int, typer.Option(min=0, max=65535, help="Transparent listener; 0 = any.")
     ] = 0,
     control_socket: Annotated[
         Path | None,
@@ -38,6 +40,7 @@ def serve(
     import threading
     import tomllib
 
+    from pydantic import ValidationError
     from rich.console import Console
 
     from codedojo.egress.control import ControlServer
@@ -45,12 +48,18 @@ def serve(
 
     console = Console()
     data: dict = {}
+    where = ""  # the table the config's fields are read from
     if config is not None:
         try:
             raw = tomllib.loads(config.read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise typer.BadParameter(f"{config}: {e}", param_hint="--config") from None
-        data = raw.get("egress", {}).get("proxy", raw)
+        egress = raw.get("egress", {})
+        if not isinstance(egress, dict) or not isinstance(egress.get("proxy", {}), dict):
+            what = "egress" if not isinstance(egress, dict) else "egress.proxy"
+            raise typer.BadParameter(f"{config}: {what} must be a table ([egress.proxy])",
+                                     param_hint="--config")  # fmt: skip
+        data, where = (egress["proxy"], "egress.proxy.") if "proxy" in egress else (raw, "")
     if state_dir is not None or "state_dir" not in data:
         data = {**data, "state_dir": state_dir or Path("runs/egress")}
     if explicit_port:
@@ -59,8 +68,10 @@ def serve(
         data["transparent_port"] = transparent_port
     try:
         cfg = EgressProxyConfig.model_validate(data)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--config") from None
+    except ValidationError as e:  # (the options' values are in range: the config's are wrong)
+        problems = "; ".join(f"{where}{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                             for err in e.errors())  # fmt: skip
+        raise typer.BadParameter(f"{config}: {problems}", param_hint="--config") from None
     proxy = EgressProxy(cfg).start()
     sock = control_socket or cfg.state_dir / "control.sock"
     control = ControlServer(proxy, sock).start()

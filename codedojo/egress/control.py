@@ -22,7 +22,9 @@ import socketserver
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from codedojo.egress.policy import EgressPolicy
 from codedojo.egress.proxy import EgressProxy, Mode
@@ -68,18 +70,40 @@ class ControlServer:
         self.path.unlink(missing_ok=True)
 
 
-def _handle(proxy: EgressProxy, req: dict[str, Any]) -> dict[str, Any]:
+_M = TypeVar("_M", bound=BaseModel)
+
+
+class AttachRequest(BaseModel):
+    """An attach request as it comes over the socket: every field is checked, none converted
+    (a pid of ``true`` or ``1.9`` is not pid 1, an id of ``null`` is not "None")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    op: Literal["attach"]
+    sandbox_id: str = Field(min_length=1, strict=True)
+    netns_pid: int = Field(gt=0, strict=True)
+    mode: Mode = "transparent"
+    policy: EgressPolicy
+    secrets: dict[str, str] | None = None
+
+
+class DetachRequest(BaseModel):
+    """A detach request, checked as `AttachRequest` is."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    op: Literal["detach"]
+    sandbox_id: str = Field(min_length=1, strict=True)
+
+
+def _handle(proxy: EgressProxy, req: Any) -> dict[str, Any]:
+    if not isinstance(req, dict):
+        raise ValueError(f"request: a JSON object is expected, not {type(req).__name__}")
     op = req.get("op")
     if op == "attach":
-        for key in ("sandbox_id", "netns_pid", "policy"):
-            if key not in req:
-                raise ValueError(f"attach: missing field {key!r}")
+        a = _parse(AttachRequest, req)
         binding = proxy.attach(
-            str(req["sandbox_id"]),
-            int(req["netns_pid"]),
-            EgressPolicy.model_validate(req["policy"]),
-            req.get("mode", "transparent"),
-            SecretSet.from_mapping(req.get("secrets") or {}),
+            a.sandbox_id, a.netns_pid, a.policy, a.mode, SecretSet.from_mapping(a.secrets or {})
         )
         return {
             "ok": True,
@@ -87,9 +111,20 @@ def _handle(proxy: EgressProxy, req: dict[str, Any]) -> dict[str, Any]:
             "files": {p: base64.b64encode(d).decode() for p, d in binding.files.items()},
         }
     if op == "detach":
-        proxy.detach(str(req["sandbox_id"]))
+        proxy.detach(_parse(DetachRequest, req).sandbox_id)
         return {"ok": True}
     raise ValueError(f"op: unknown operation {op!r} (attach, detach)")
+
+
+def _parse(model: type[_M], req: dict[str, Any]) -> _M:
+    """``req`` as ``model``; a ValueError naming each bad field (never quoting its value,
+    which may be a secret)."""
+    try:
+        return model.model_validate(req)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                             for err in e.errors())  # fmt: skip
+        raise ValueError(f"{req['op']}: {problems}") from None
 
 
 class RemoteEgress:

