@@ -14,6 +14,7 @@ that make common clients trust it (and, in explicit mode, the proxy variables).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ipaddress
 import logging
 import os
@@ -264,6 +265,7 @@ class EgressProxy:
             raise ValueError(f"mode: {mode!r} is not 'explicit' or 'transparent'")
         self.reap()
         link = self.network.add(sandbox_id, netns_pid, mode)
+        audit = None
         try:
             audit = AuditLog(self.audit_path(sandbox_id))
             self.registry.add(
@@ -273,6 +275,8 @@ class EgressProxy:
                 )
             )  # fmt: skip
         except BaseException:
+            if audit is not None:
+                audit.close()
             self.network.remove(sandbox_id)  # no half-attached sandbox
             raise
         with self._lock:
@@ -368,4 +372,9 @@ def _free_port(host: str) -> int:
 
 
 def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "_"
+    """``name`` as a file name: other characters become "_", and a name so changed gets a
+    hash of itself, so two sandboxes' names (``a/b``, ``a_b``) never share one file."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    if safe == name and name not in ("", ".", ".."):
+        return name
+    return f"{safe}-{hashlib.sha256(name.encode('utf-8', 'surrogatepass')).hexdigest()[:12]}"

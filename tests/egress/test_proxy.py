@@ -535,3 +535,13 @@ def test_a_response_too_large_is_logged_as_withheld_not_as_a_blocked_request(egr
     (rec,) = read_audit(proxy.audit_path(sb.id))
     assert rec["blocked"] is None and rec["bytes_out"] == 800
     assert "max_response_bytes=5000" in rec["response_refused"]
+
+
+
+def test_sandbox_names_that_read_alike_as_file_names_keep_their_own_audit_logs():
+    """``a/b`` and ``a_b`` (ids come from the control API too) do not share one log."""
+    from codedojo.egress.proxy import _safe
+
+    assert _safe("sb-1.x") == "sb-1.x"
+    assert len({_safe("a/b"), _safe("a_b"), _safe("a:b"), _safe(".."), _safe("")}) == 5
+    assert all(_safe(n) not in ("", ".", "..") and "/" not in _safe(n) for n in ("..", "", "/"))
