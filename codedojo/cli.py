@@ -7,6 +7,8 @@ stage's heavy imports (torch, mitmproxy) happen when its command runs, not at st
 from __future__ import annotations
 
 import importlib
+import signal
+import sys
 
 import typer
 
@@ -27,7 +29,18 @@ def _register_stages() -> None:
 _register_stages()
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (`kill`, `timeout`, a scheduler's preemption, torchrun stopping its workers)
+    ends a command as Ctrl-C does, with status 143: its ``finally`` blocks and exit handlers
+    run, so its sandboxes, mounts and half-written files are cleaned up. Python's default is
+    to die at once, running none of them. A server that takes SIGTERM itself (uvicorn) still
+    does."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def main() -> None:
+    exit_on_sigterm()
     app()
 
 
