@@ -6,6 +6,7 @@ Heavy imports (the sandbox, torch, matplotlib) happen inside the commands.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated
@@ -17,6 +18,41 @@ bench_app = typer.Typer(help="dojobench: build, validate and run benchmark suite
                         no_args_is_help=True)
 
 AGENTS = ("oracle", "null", "smollm2")
+# A run's name is a directory's (<out-dir>/<name>): one path component, and neither "." nor
+# "..", which name the directories around it (the rule of `dojo pretrain`'s names).
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
+
+def _check_run_name(name: str) -> str:
+    if not RUN_NAME.fullmatch(name):
+        raise typer.BadParameter(
+            f"{name!r} is not a plain name: letters, digits, '_', '.' and '-', starting with a "
+            "letter or digit, at most 100 characters (the run goes to <out-dir>/<name>/)",
+            param_hint="--name")
+    return name
+
+
+def _check_base_url(base_url: str | None) -> str | None:
+    """An endpoint that is no http(s) URL is refused here, not found out as every episode's
+    infra failure."""
+    from urllib.parse import urlsplit
+
+    if base_url is not None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise typer.BadParameter(f"{base_url!r} is not an http(s) URL (e.g. "
+                                     "http://127.0.0.1:8000/v1)", param_hint="--base-url")
+    return base_url
+
+
+def failed_entirely(run) -> str | None:
+    """Why a run measured nothing, when every episode of it was an infra failure (the agent
+    could not start, its endpoint did not answer); None when any episode ran."""
+    if not run.results or any(r.status != "infra_failure" for r in run.results):
+        return None
+    first = next((r.error.strip() for r in run.results if r.error.strip()), "no error recorded")
+    return (f"every one of the run's {len(run.results)} episode(s) was an infra failure "
+            f"(the first: {first.splitlines()[0][:200]})")
 
 
 def _console():
@@ -59,10 +95,12 @@ def build(
     out: Annotated[Path, typer.Option("--out", "-o", help="Suite directory to write.")],
     jobs: Annotated[int, typer.Option(help="Packages built at a time.")] = 1,
     reconcile: Annotated[bool, typer.Option(help="Drop PASS_TO_PASS tests that fail in the grading sandbox.")] = True,
+    force: Annotated[bool, typer.Option(help="Replace a suite of another name or version that "
+                                        "is in --out.")] = False,
 ) -> None:
     """Build a suite from real PyPI packages: sdists, baselines, libcst mutants, validation."""
     from codedojo.bench.builder import BuildError, build_suite, load_recipe
-    from codedojo.bench.suite import save_suite
+    from codedojo.bench.suite import other_suite_at, save_suite
 
     if not recipe.is_file():
         why = "is a directory, not a recipe file (.toml)" if recipe.is_dir() else "does not exist"
@@ -72,6 +110,11 @@ def build(
         plan = load_recipe(recipe)
     except (tomllib.TOMLDecodeError, ValidationError) as e:
         raise typer.BadParameter(f"{recipe}: {e}", param_hint="RECIPE") from None
+    # refused before the build, which takes minutes: the same suite built again replaces itself
+    if not force and (other := other_suite_at(out, plan.name, plan.version)):
+        raise typer.BadParameter(f"{out} holds {other}, not suite {plan.name!r} {plan.version}: "
+                                 "choose another directory, or give --force to replace it",
+                                 param_hint="--out")
     try:
         suite = build_suite(plan, out, log=lambda m: con.print(m, markup=False, highlight=False), jobs=jobs)
     except BuildError as e:
@@ -156,14 +199,24 @@ def run(
     base_url: Annotated[str | None, typer.Option(help="Model agent: an OpenAI-compatible endpoint (else in process).")] = None,
     out_dir: Annotated[Path, typer.Option(help="Where runs go.")] = Path("runs"),
 ) -> None:
-    """Run an agent on a suite in sandboxes, grade on fresh copies, write the report."""
+    """Run an agent on a suite in sandboxes, grade on fresh copies, write the report.
+
+    Exits 1 when every episode was an infra failure: such a run measured nothing."""
     if agent not in AGENTS:
         raise typer.BadParameter(f"unknown agent {agent!r}; one of {', '.join(AGENTS)}", param_hint="--agent")
+    _check_base_url(base_url)
+    if name is not None:
+        _check_run_name(name)
     s = _load(suite)
     tasks = _select(s, split, limit, task)
+    name = name or _check_run_name("-".join([s.name, agent, *([split] if split else [])]))
     bench_agent = _make_agent(agent, max_turns, max_tokens, base_url)
-    default = "-".join([s.name, agent, *([split] if split else [])])
-    _run_and_report(s.name, tasks, bench_agent, name or default, samples, parallel, out_dir)
+    result = _run_and_report(s.name, tasks, bench_agent, name, samples, parallel, out_dir)
+    if why := failed_entirely(result):
+        _console().print(f"{bench_agent.name} run failed: {why}; its results are under "
+                         f"{out_dir / name}: move them away or choose another --name to run it "
+                         "again", style="red", markup=False, highlight=False)
+        raise typer.Exit(1)
 
 
 def _make_agent(agent: str, max_turns: int, max_tokens: int, base_url: str | None):
@@ -219,6 +272,7 @@ def report(
     from codedojo.bench.report import markdown, write_report
     from codedojo.bench.runner import RunResult
 
+    run_dir = run_dir.resolve()  # `.` has no name of its own
     path = run_dir / "results.json"
     if not path.is_file():
         raise typer.BadParameter(f"{path} does not exist", param_hint="RUN_DIR")
@@ -242,9 +296,13 @@ def demo(
     base_url: Annotated[str | None, typer.Option(help="Serve SmolLM2 from this endpoint instead of in process.")] = None,
     out_dir: Annotated[Path, typer.Option(help="Where runs go.")] = Path("runs"),
 ) -> None:
-    """The main job: build (or load) the micro suite, evaluate the oracle and SmolLM2, print the report."""
+    """The main job: build (or load) the micro suite, evaluate the oracle and SmolLM2, print the
+    report.
+
+    Exits 1 when the oracle misses a task, or SmolLM2's evaluation raised or ran no episode."""
     from codedojo.bench.demo import run_demo
 
+    _check_base_url(base_url)
     ok = run_demo(max_turns=max_turns, max_tokens=max_tokens, parallel=parallel, base_url=base_url, out_dir=out_dir)
     if not ok:
         raise typer.Exit(1)

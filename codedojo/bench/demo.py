@@ -6,6 +6,9 @@
    proves the suite, the sandboxes and the grading path end to end.
 3. Evaluate SmolLM2-135M-Instruct through the harness with a few turns and a small budget.
 4. Print both reports and a summary; outputs under runs/demo-oracle/ and runs/demo-smollm2/.
+
+It succeeds when the oracle resolved every task and SmolLM2's evaluation ran: it did not
+raise, and not every episode of it was an infra failure (an endpoint that does not answer).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def run_demo(max_turns: int = 2, max_tokens: int = 192, parallel: int = 2, base_
     from rich.console import Console
     from rich.table import Table
 
-    from codedojo.bench.cli import _run_and_report
+    from codedojo.bench.cli import _run_and_report, failed_entirely
     from codedojo.bench.runner import OracleAgent
 
     con = Console()
@@ -78,4 +81,7 @@ def run_demo(max_turns: int = 2, max_tokens: int = 192, parallel: int = 2, base_
     con.print(table)
     ok = oracle.counts()["resolved"] == len(tasks)
     con.print("[green]oracle resolved every task[/]" if ok else "[red]the oracle did not resolve every task[/]")
-    return ok
+    why = "it raised an error (printed above)" if model is None else failed_entirely(model)
+    if why:
+        con.print(f"SmolLM2 evaluation failed: {why}", style="red", markup=False, highlight=False)
+    return ok and not why

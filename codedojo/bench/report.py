@@ -8,6 +8,7 @@ from pathlib import Path
 from statistics import median
 
 from codedojo.bench.runner import RunResult, TaskResult
+from codedojo.paths import write_atomic
 from codedojo.stats import ratio_interval, wilson_interval
 
 CATEGORY_ORDER = ("bugfix", "feature", "log-investigation", "refactor", "multi-file")
@@ -128,18 +129,19 @@ def plot(run: RunResult, path: Path, data: dict | None = None) -> Path:
     ax2.tick_params(axis="x", labelrotation=15)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=100))
     plt.close(fig)
     return path
 
 
 def write_report(run: RunResult, out_dir: str | Path = "runs") -> dict[str, Path]:
-    """report.md, report.json and report.png under runs/<name>/."""
+    """report.md, report.json and report.png under runs/<name>/, each replaced whole; the plot
+    first, so a failure while drawing leaves the old report as it was."""
     out = Path(out_dir) / run.name
     out.mkdir(parents=True, exist_ok=True)
     data = summary(run)
     paths = {"json": out / "report.json", "markdown": out / "report.md", "plot": out / "report.png"}
-    paths["json"].write_text(json.dumps(data, indent=1))
-    paths["markdown"].write_text(markdown(run, data))
     plot(run, paths["plot"], data)
+    write_atomic(paths["json"], json.dumps(data, indent=1))
+    write_atomic(paths["markdown"], markdown(run, data))
     return paths

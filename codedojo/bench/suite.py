@@ -79,6 +79,10 @@ def resolve_suite_path(name_or_path: str | os.PathLike[str]) -> Path:
     built = cache_root() / "suites" / str(name_or_path)  # a recipe-only suite built by `dojo demo`
     if (built / "manifest.json").is_file():
         return built
+    if Path(name_or_path).name == str(name_or_path) and (shipped / "recipe.toml").is_file():
+        raise FileNotFoundError(
+            f"suite {str(name_or_path)!r} ships as a recipe only and is not built yet: "
+            f"`dojo demo` builds it, or `dojo bench build {shipped / 'recipe.toml'} -o {built}`")
     raise FileNotFoundError(f"no suite {str(name_or_path)!r}: neither a directory with manifest.json nor a shipped suite")
 
 
@@ -149,6 +153,22 @@ def _repeated(ids: Iterable[str]) -> str | None:
             return i
         seen.add(i)
     return None
+
+
+def other_suite_at(path: str | os.PathLike[str], name: str, version: str) -> str | None:
+    """What ``path`` holds when it is a suite of another name or version than the one that
+    would be saved there (`save_suite` writes over it), else None."""
+    manifest = Path(path) / "manifest.json"
+    if not manifest.is_file():
+        return None
+    try:
+        was = json.loads(manifest.read_text(encoding="utf-8"))
+        was_name, was_version = was["name"], was["version"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return f"a {manifest.name} that names no suite"
+    if (was_name, was_version) == (name, version):
+        return None
+    return f"suite {was_name!r} {was_version}"
 
 
 def save_suite(

@@ -1,3 +1,4 @@
+import pytest
 from typer.testing import CliRunner
 
 from codedojo.cli import app
@@ -20,6 +21,12 @@ def test_bench_commands_on_the_fixture_suite(tiny_suite, provider, monkeypatch, 
     assert (tmp_path / "cli" / "report.md").is_file() and (tmp_path / "cli" / "report.png").is_file()
     res = runner.invoke(app, ["bench", "report", str(tmp_path / "cli")])
     assert res.exit_code == 0 and "dojobench run `cli`" in res.output
+    # `.` inside a run directory is that run, by its directory's name
+    monkeypatch.chdir(tmp_path / "cli")
+    res = runner.invoke(app, ["bench", "report", "."])
+    assert res.exit_code == 0 and "dojobench run `cli`" in res.output, res.output
+    assert (tmp_path / "cli" / "report.md").read_text().startswith("# dojobench run `cli`")
+    monkeypatch.chdir(tmp_path)
     # a task is run only from the split asked for: a train task named in a test run would leak
     train = tiny_suite.manifest.splits["train"]
     res = runner.invoke(app, ["bench", "run", str(tiny_suite.path), "--agent", "null", "--split",
@@ -78,3 +85,104 @@ def test_bad_suite_and_agent_are_named(tmp_path):
     assert res.exit_code != 0 and "no suite" in res.output
     res = runner.invoke(app, ["bench", "run", "micro", "--agent", "gpt"])
     assert res.exit_code != 0 and "unknown agent" in res.output
+
+
+def test_run_names_endpoints_and_unbuilt_suites_are_refused_up_front(tmp_path, monkeypatch):
+    runner = CliRunner()
+    out = tmp_path / "runs"
+    # a run's name is one plain path component: it cannot lead out of --out-dir
+    for name in ("../escaped", str(tmp_path / "abs"), ".", "a/b", ""):
+        res = runner.invoke(app, ["bench", "run", "micro", "--agent", "null", "--name", name,
+                                  "--out-dir", str(out)])
+        assert res.exit_code == 2 and "--name" in res.output, (name, res.output)
+        assert "is not a plain name" in said(res), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    # an endpoint that is no http(s) URL is named before anything runs
+    for cmd in (["bench", "run", "micro", "--agent", "smollm2"], ["demo"]):
+        for url in ("not-a-url", "ftp://host/v1", "http://"):
+            res = runner.invoke(app, [*cmd, "--base-url", url, "--out-dir", str(out)])
+            assert res.exit_code == 2 and "--base-url" in res.output, (cmd, url, res.output)
+            assert "is not an http(s) URL" in said(res), (cmd, url)
+    assert not out.exists()
+    # a suite shipped as a recipe only says how to build it where `bench run` looks
+    monkeypatch.setenv("CODEDOJO_CACHE", str(tmp_path / "cache"))
+    res = runner.invoke(app, ["bench", "run", "micro", "--agent", "null", "--out-dir", str(out)])
+    assert res.exit_code == 2 and "ships as a recipe only" in said(res), res.output
+    assert "`dojo demo` builds it" in said(res)
+    from codedojo.bench.suite import SUITES_DIR, load_suite
+
+    recipe, built = SUITES_DIR / "micro" / "recipe.toml", tmp_path / "cache" / "bench" / "suites"
+    with pytest.raises(FileNotFoundError) as e:
+        load_suite("micro")
+    assert f"`dojo bench build {recipe} -o {built / 'micro'}`" in str(e.value)
+
+
+def test_a_run_with_no_episode_that_ran_fails(tiny_suite, provider, monkeypatch, tmp_path):
+    monkeypatch.setenv("CODEDOJO_SANDBOX_ROOT", provider.root)
+    import socket
+
+    runner = CliRunner()
+    # a port held but not listened on refuses every connection: every episode is an infra failure
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{held.getsockname()[1]}/v1"
+    res = runner.invoke(app, ["bench", "run", str(tiny_suite.path), "--agent", "smollm2",
+                              "--base-url", dead, "--limit", "1", "--name", "dead",
+                              "--out-dir", str(tmp_path)])
+    assert res.exit_code == 1, res.output
+    assert "every one of the run's 1 episode(s) was an infra failure" in said(res)
+    assert "Connection" in said(res) and "choose another --name" in said(res)
+    # the demo fails when SmolLM2's half does, even though the oracle resolved every task
+    import codedojo.bench.demo as demo
+
+    monkeypatch.setattr(demo, "micro_suite", lambda log: tiny_suite)
+    res = runner.invoke(app, ["demo", "--base-url", dead, "--out-dir", str(tmp_path)])
+    assert res.exit_code == 1, res.output
+    assert "oracle resolved every task" in res.output
+    assert "SmolLM2 evaluation failed: every one of the run's 3 episode(s)" in said(res)
+
+    def broken(**kw):
+        raise RuntimeError("no model here")
+
+    monkeypatch.setattr("codedojo.bench.models.smollm2_agent", broken)
+    res = runner.invoke(app, ["demo", "--out-dir", str(tmp_path)])
+    assert res.exit_code == 1, res.output
+    assert "oracle resolved every task" in res.output and "no model here" in res.output
+    assert "SmolLM2 evaluation failed: it raised an error" in said(res)
+    held.close()
+
+
+def test_build_keeps_a_suite_of_another_name_or_version(tiny_suite, tmp_path, monkeypatch):
+    import shutil
+
+    import codedojo.bench.builder as builder
+    from codedojo.bench.suite import load_suite, save_suite
+
+    out = tmp_path / "suite"
+    shutil.copytree(tiny_suite.path, out)
+    built = []
+
+    def build_suite(plan, path, log=print, jobs=1):  # the tiny suite's tasks, named as asked
+        built.append((plan.name, plan.version))
+        return save_suite(path, plan.name, plan.version, tiny_suite.tasks,
+                          tiny_suite.manifest.splits)
+
+    monkeypatch.setattr(builder, "build_suite", build_suite)
+    runner = CliRunner()
+    recipe = tmp_path / "recipe.toml"
+    pkg = '[[packages]]\nrequirement = "tinycalc==0.1.0"\n'
+    for name, version in (("other", "0.0.1"), ("tiny", "0.0.2")):
+        recipe.write_text(f'name = "{name}"\nversion = "{version}"\n{pkg}')
+        res = runner.invoke(app, ["bench", "build", str(recipe), "-o", str(out), "--no-reconcile"])
+        assert res.exit_code == 2 and "--out" in res.output, res.output
+        assert "holds suite 'tiny' 0.0.1" in said(res) and "--force" in said(res)
+    assert built == [] and load_suite(out).manifest.version == "0.0.1"
+    # the same suite is built again over itself; another replaces it with --force
+    recipe.write_text(f'name = "tiny"\nversion = "0.0.1"\n{pkg}')
+    res = runner.invoke(app, ["bench", "build", str(recipe), "-o", str(out), "--no-reconcile"])
+    assert res.exit_code == 0, res.output
+    recipe.write_text(f'name = "other"\nversion = "1"\n{pkg}')
+    res = runner.invoke(app, ["bench", "build", str(recipe), "-o", str(out), "--no-reconcile",
+                              "--force"])
+    assert res.exit_code == 0, res.output
+    assert built == [("tiny", "0.0.1"), ("other", "1")] and load_suite(out).name == "other"

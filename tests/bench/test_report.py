@@ -1,6 +1,8 @@
 """The run report's figures from results alone (no sandbox)."""
 
-from codedojo.bench.report import markdown, summary
+import pytest
+
+from codedojo.bench.report import markdown, summary, write_report
 from codedojo.bench.runner import RunResult, TaskResult
 
 
@@ -34,3 +36,25 @@ def test_the_resolved_rate_comes_with_its_interval():
     lo, hi = summary(_run({"a": ["resolved"] * 2 + ["unresolved"] * 3}))["overall"][
         "resolved_rate_ci95"]
     assert lo < 0.1 and hi > 0.85
+
+
+def test_a_report_that_fails_to_draw_leaves_the_old_one_whole(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from matplotlib.figure import Figure
+
+    write_report(_run({"a": ["resolved"]}), tmp_path)
+    old = {p.name: p.read_bytes() for p in (tmp_path / "r").iterdir()}
+    assert sorted(old) == ["report.json", "report.md", "report.png"]
+
+    def broken(self, fname, *args, **kwargs):  # part of a PNG, then the drawing fails
+        if hasattr(fname, "write"):
+            fname.write(b"\x89PNG")
+        else:
+            Path(fname).write_bytes(b"\x89PNG")
+        raise RuntimeError("drawing failed")
+
+    monkeypatch.setattr(Figure, "savefig", broken)
+    with pytest.raises(RuntimeError, match="drawing failed"):
+        write_report(_run({"a": ["unresolved"], "b": ["resolved"]}), tmp_path)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "r").iterdir()} == old
