@@ -79,6 +79,10 @@ class LoopConfig(BaseModel):
     max_turns: int = Field(30, ge=1, description="Model calls that may act (summaries excluded).")
     max_tokens: int = Field(32_768, ge=1, description="Completion tokens over the whole episode.")
     max_tokens_per_turn: int = Field(2_048, ge=1, description="Completion tokens of one call.")
+    max_calls_per_turn: int = Field(
+        32, ge=1, description="Tool calls run from one reply; those past it are answered, not "
+        "run (a reply that repeats a call thousands of times)."
+    )
     max_seconds: Seconds | None = Field(
         None, description="Wall-clock seconds of the episode: a model or tool call running "
         "at the limit is cut there."
@@ -265,9 +269,12 @@ class Agent:
                     traj.messages.append(tm)
                     turn.tool_calls.append(ToolCallRecord(bad["id"], bad.get("name") or "invalid_tool_call", "", True, False, 0.0, len(tm["content"])))
                     added += estimate_tokens(tm["content"])
-                for call in out_.calls if not out_.errors else []:
+                for n, call in enumerate(out_.calls if not out_.errors else []):
                     if out_of_time():  # the turn's other calls are answered, not run
                         res = ToolResult(f"Error: not run: {TIME_UP}", is_error=True)
+                    elif n >= cfg.max_calls_per_turn:
+                        res = ToolResult(f"Error: not run: a reply runs at most "
+                                         f"{cfg.max_calls_per_turn} tool calls", is_error=True)
                     else:
                         # raises only if the service fails
                         res = tools.call(call.name, call.arguments, time_left())

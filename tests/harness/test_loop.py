@@ -374,3 +374,16 @@ def test_the_first_reply_asked_for_leaves_room_for_the_tool_schemas_in_the_promp
     assert traj.status == "finished"
     ((prompt, max_tokens),) = asked
     assert prompt + max_tokens <= window * 1.01 and prompt + 2048 > window
+
+
+def test_a_reply_runs_at_most_max_calls_per_turn_and_the_rest_are_answered(session):
+    """A degenerate reply that repeats a call is not run thousands of times: each call past
+    the limit gets an answer saying so (every call id is answered, as the API requires)."""
+    calls = [("run_terminal_cmd", {"command": "echo ran >> log.txt"})] * 5
+    cfg = LoopConfig(max_turns=2, max_calls_per_turn=3)
+    traj = Agent(ScriptedPolicy([calls, "done"]), cfg).run("t", session)
+    assert traj.status == "finished"
+    answers = [m["content"] for m in traj.messages if m.get("role") == "tool"]
+    assert len(answers) == 5
+    assert answers[3:] == ["Error: not run: a reply runs at most 3 tool calls"] * 2
+    assert session.call("read_file", {"target_file": "log.txt"}).content.count("ran") == 3
