@@ -40,6 +40,8 @@ from codedojo.model.toolcalls import ToolCall, ToolCallFormat, from_openai, get_
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Marks a control token's spelling that came from a message, not from the template.
 _MARK = "\ufdd0"
+# Stand-in content that no message renders to: the messages' own `_MARK`s are dropped.
+_HOLE = _MARK * 2
 
 
 class ChatFormatError(ValueError):
@@ -297,7 +299,8 @@ class ChatTemplate:
 
         A trained piece is one assistant turn's text after its header, up to and including the
         end-of-turn token; it is found by rendering the conversation up to that turn with and
-        without the turn, so this works for any template whose renderings extend each other.
+        without the turn (or, where the earlier messages render otherwise without the turn,
+        with a stand-in turn), so this works for any template whose renderings extend each other.
         """
         return [(text.replace(_MARK, ""), trained)
                 for text, trained in self._marked_parts(messages, tools)]
@@ -312,9 +315,21 @@ class ChatTemplate:
         for i, flag in enumerate(is_assistant):
             if not flag:
                 continue
-            before = self._render_prepared(prepared[:i], tools, add_generation_prompt=True)
             upto = self._render_prepared(prepared[: i + 1], tools, add_generation_prompt=False)
-            if not (upto.startswith(before) and full.startswith(upto) and len(before) >= cursor):
+            try:
+                before = self._render_prepared(prepared[:i], tools, add_generation_prompt=True)
+            except ChatFormatError:  # a template may refuse the conversation cut short
+                before = None
+            if before is None or not upto.startswith(before):
+                # The messages before the turn render otherwise without it (SmolLM2's template
+                # writes its default system prompt only before a first message, so an empty
+                # conversation has none): the turn starts where a stand-in turn's content does.
+                stand_in = {"role": "assistant", "content": _HOLE}
+                held = self._render_prepared(prepared[:i] + [stand_in], tools,
+                                             add_generation_prompt=False)
+                before = held[:held.rfind(_HOLE)] if _HOLE in held else None
+            if before is None or not (upto.startswith(before) and full.startswith(upto)
+                                      and len(before) >= cursor):
                 raise ChatFormatError(
                     f"messages[{i}]: the chat template does not render this conversation "
                     "incrementally, so assistant turns cannot be located for the loss mask", "messages")

@@ -32,7 +32,24 @@ def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not JSON")
 
 
-_JSON = json.JSONDecoder(parse_constant=_not_json)
+class _TooLarge:
+    """A number past the float range, such as 1e999 (float() reads it as Infinity), kept as its
+    text so that `_check_json_value` can name it."""
+
+    def __init__(self, literal: str) -> None:
+        self.literal = literal
+
+
+def _float(literal: str) -> float | _TooLarge:
+    value = float(literal)
+    return value if math.isfinite(value) else _TooLarge(literal)
+
+
+_JSON = json.JSONDecoder(parse_constant=_not_json, parse_float=_float)
+# `_json_at` decodes a window of the text this long first, doubling it while the answer could
+# depend on what lies past the window; the decoder reads at most _LOOKAHEAD characters past
+# where it stops (the "e+5" after "1", the "-Infinity" after "-").
+_WINDOW, _LOOKAHEAD = 256, 16
 # Errors quote at most this much of the offending text back to the model.
 _RAW_QUOTE = 2000
 
@@ -104,17 +121,42 @@ class ToolCallFormat(Protocol):
 
 def _json_at(text: str, start: int = 0) -> tuple[Any, int]:
     """The JSON value that begins at ``text[start]`` and where it ends. ValueError saying what
-    is wrong for anything but JSON a call's arguments can go on as: also NaN and Infinity,
-    integers past Python's digit limit, and lone surrogates (an escape such as ``\\ud83d``
-    alone is no text, and no UTF-8 writer takes it)."""
-    try:
-        value, end = _JSON.raw_decode(text, start)
-    except json.JSONDecodeError as e:
-        raise ValueError(e.msg) from None
-    except RecursionError:
-        raise ValueError("nesting too deep") from None
-    except ValueError as e:  # NaN, or an integer too long to convert
-        raise ValueError(str(e).split(";")[0]) from None
+    is wrong for anything but JSON a call's arguments can go on as: NaN and Infinity, numbers
+    too large for a float, integers past Python's digit limit, lone surrogates.
+
+    The value is decoded from a window of the text that doubles until the answer cannot depend
+    on what lies past it: a decode error counts its line and column from the start of the
+    string decoded, so decoding the whole text would cost each of many bad calls in a long
+    text the length of the text before it.
+    """
+    size = _WINDOW
+    while True:
+        doc = text[start:start + size]
+        # The decoder reads a few characters past where a value ends or an error is (the "e5"
+        # that may follow "1"); past the window, an unterminated string may yet end.
+        whole = start + size >= len(text)
+        try:
+            value, end = _JSON.raw_decode(doc)
+        except json.JSONDecodeError as e:
+            if whole or (e.pos + _LOOKAHEAD <= len(doc)
+                         and not e.msg.startswith("Unterminated string")):
+                raise ValueError(e.msg) from None
+        except RecursionError:
+            raise ValueError("nesting too deep") from None
+        except ValueError as e:  # NaN, or an integer too long to convert: whole in the window
+            raise ValueError(str(e).split(";")[0]) from None
+        else:
+            if whole or end + _LOOKAHEAD <= len(doc):
+                _check_json_value(value)
+                return value, start + end
+        size *= 2
+
+
+def _check_json_value(value: Any) -> None:
+    """ValueError unless ``value`` can be written back as JSON and as text: no NaN or
+    infinite float (`json.dumps` writes them as NaN and Infinity, which are not JSON) and no
+    lone surrogates (an escape such as ``\\ud83d`` alone is no text, and no UTF-8 writer
+    takes it)."""
     stack = [value]
     while stack:
         v = stack.pop()
@@ -123,13 +165,16 @@ def _json_at(text: str, start: int = 0) -> tuple[Any, int]:
             stack.extend(v.values())
         elif isinstance(v, list):
             stack.extend(v)
+        elif isinstance(v, _TooLarge):
+            raise ValueError(f"{v.literal[:40]} is a number too large for JSON")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{v} is not a JSON number")
         elif isinstance(v, str):
             try:
                 v.encode("utf-8")
             except UnicodeEncodeError as e:
                 code = ord(v[e.start])
                 raise ValueError(f"a lone surrogate (\\u{code:04x}) is not text") from None
-    return value, end
 
 
 def loads_json(text: str) -> Any:
@@ -147,6 +192,24 @@ def _quote(raw: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # JSON in <tool_call> blocks (Hermes / Qwen2.5 / SmolLM2)
 # ----------------------------------------------------------------------------------------------
+
+
+class _Find:
+    """`text.find(sub, pos)` for one text that remembers its last answer for each `sub`, so
+    that searches from positions that move forward read the text about once in all, not once
+    per search (a search that finds nothing reads to the end)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.last: dict[str, tuple[int, int]] = {}  # sub -> (where the search began, its answer)
+
+    def __call__(self, sub: str, pos: int) -> int:
+        start, hit = self.last.get(sub, (len(self.text) + 1, -1))
+        # The answer from `start` is the answer from any `pos` between `start` and the hit.
+        if not (start <= pos and (hit < 0 or pos <= hit)):
+            start, hit = pos, self.text.find(sub, pos)
+            self.last[sub] = (start, hit)
+        return hit
 
 
 def _scan_blocks(
@@ -187,16 +250,18 @@ class JsonToolCallFormat:
 
     def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None,
               id_factory: Callable[[], str] = new_call_id) -> ParsedOutput:
-        return _scan_blocks(text, self.open_tag, lambda start: self._parse_block(text, start, id_factory))
+        find = _Find(text)
+        return _scan_blocks(text, self.open_tag,
+                            lambda start: self._parse_block(text, start, id_factory, find))
 
-    def _parse_block(self, text: str, start: int,
-                     id_factory: Callable[[], str]) -> tuple[list[ToolCall | ToolCallError], int]:
+    def _parse_block(self, text: str, start: int, id_factory: Callable[[], str],
+                     find: _Find) -> tuple[list[ToolCall | ToolCallError], int]:
         n = len(text)
         body = _WS.match(text, start + len(self.open_tag)).end()
         try:
             value, end = _json_at(text, body)
         except ValueError as e:
-            stop, closed = self._resync(text, body)
+            stop, closed = self._resync(text, body, find)
             where = "tool call" if closed else "unclosed <tool_call> block"
             error = ToolCallError(id_factory(), f"{where}: invalid JSON ({e})",
                                   _quote(text[start:stop]))
@@ -207,19 +272,19 @@ class JsonToolCallFormat:
         elif after == n:
             pos = n
         else:
-            stop, _ = self._resync(text, after)
+            stop, _ = self._resync(text, after, find)
             return [ToolCallError(
                 id_factory(), f"unexpected text after the tool call JSON: {_quote(text[after:after + 40])!r}",
                 _quote(text[start:stop]))], stop
         items = value if isinstance(value, list) else [value]
         return [_call_from_json(item, id_factory, _quote(text[start:pos])) for item in items], pos
 
-    def _resync(self, text: str, pos: int) -> tuple[int, bool]:
+    def _resync(self, text: str, pos: int, find: _Find) -> tuple[int, bool]:
         """Where the text resumes after a malformed block read up to ``pos``: past its closing
         tag, or at the next block's opening tag if that comes first (a block whose closing tag
         is missing does not take the next call with it); and whether the block was closed."""
-        close = text.find(self.close_tag, pos)
-        nxt = text.find(self.open_tag, pos)
+        close = find(self.close_tag, pos)
+        nxt = find(self.open_tag, pos)
         if nxt >= 0 and (close < 0 or nxt < close):
             return nxt, False
         return (len(text), False) if close < 0 else (close + len(self.close_tag), True)
@@ -235,13 +300,29 @@ class JsonToolCallFormat:
         return "\n".join(f"{self.open_tag}\n{o}\n{self.close_tag}" for o in objs)
 
 
+# The keys of a call object: Hermes, Qwen and SmolLM2 write "name" and "arguments"; Llama 3
+# writes "parameters" for the arguments and may add "type": "function"; Mistral adds an "id".
+_CALL_KEYS = ("name", "arguments", "parameters", "id", "type")
+
+
 def _call_from_json(item: Any, id_factory: Callable[[], str], raw: str) -> ToolCall | ToolCallError:
     if not isinstance(item, dict):
         return ToolCallError(id_factory(), f"a tool call must be a JSON object, got {type(item).__name__}", raw)
+    unknown = [k for k in item if k not in _CALL_KEYS]
     name = item.get("name")
+    if unknown:
+        # A misspelt "arguments" would otherwise be a call with no arguments.
+        keys = ", ".join(json.dumps(k, ensure_ascii=False) for k in unknown)
+        return ToolCallError(id_factory(), f"tool call has unknown keys {_quote(keys)}; write "
+                             '{"name": ..., "arguments": {...}}', raw,
+                             name if isinstance(name, str) and name else None)
     if not isinstance(name, str) or not name:
         return ToolCallError(id_factory(), "tool call has no \"name\" string", raw)
-    args = item.get("arguments", item.get("parameters", {}))
+    given = [k for k in ("arguments", "parameters") if item.get(k) is not None]
+    if len(given) > 1:
+        return ToolCallError(id_factory(), f"tool call to {name} has both \"arguments\" and "
+                             "\"parameters\"; write the arguments once", raw, name)
+    args = item[given[0]] if given else {}
     if isinstance(args, str):
         # Some models write arguments as a JSON string, as the OpenAI API does.
         try:
@@ -249,8 +330,6 @@ def _call_from_json(item: Any, id_factory: Callable[[], str], raw: str) -> ToolC
         except ValueError as e:
             return ToolCallError(id_factory(), f"\"arguments\" of {name} is a string that is not "
                                  f"JSON ({e})", raw, name)
-    if args is None:
-        args = {}
     if not isinstance(args, dict):
         return ToolCallError(id_factory(), f"\"arguments\" of {name} must be a JSON object, got "
                              f"{type(args).__name__}", raw, name)
@@ -278,27 +357,29 @@ class XmlToolCallFormat:
     def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None,
               id_factory: Callable[[], str] = new_call_id) -> ParsedOutput:
         schemas = _param_schemas(tools)
+        find = _Find(text)
 
         def block(start: int) -> tuple[list[ToolCall | ToolCallError], int]:
-            call, end = self._parse_block(text, start, schemas, id_factory)
+            call, end = self._parse_block(text, start, schemas, id_factory, find)
             return [call], end
 
         return _scan_blocks(text, self.open_tag, block)
 
     def _parse_block(self, text: str, start: int, schemas: dict[str, dict[str, Any]],
-                     id_factory: Callable[[], str]) -> tuple[ToolCall | ToolCallError, int]:
+                     id_factory: Callable[[], str],
+                     find: _Find) -> tuple[ToolCall | ToolCallError, int]:
         n = len(text)
 
         def fail(msg: str, name: str | None = None) -> tuple[ToolCallError, int]:
-            close = text.find(self.close_tag, start)
+            close = find(self.close_tag, start)
             stop = n if close < 0 else close + len(self.close_tag)
             return ToolCallError(id_factory(), msg, _quote(text[start:stop]), name), stop
 
         i = _WS.match(text, start + len(self.open_tag)).end()
         if not text.startswith("<function=", i):
             return fail("expected <function=NAME> after <tool_call>")
-        gt = text.find(">", i)
-        nl = text.find("\n", i)
+        gt = find(">", i)
+        nl = find("\n", i)
         if gt < 0 or (0 <= nl < gt):
             return fail("unclosed <function=NAME> tag")
         name = text[i + len("<function=") : gt].strip()
@@ -310,12 +391,12 @@ class XmlToolCallFormat:
         while True:
             i = _WS.match(text, i).end()
             if text.startswith("<parameter=", i):
-                pgt = text.find(">", i)
+                pgt = find(">", i)
                 if pgt < 0:
                     return fail(f"unclosed <parameter=...> tag in call to {name}", name)
                 key = text[i + len("<parameter=") : pgt].strip()
                 vstart = pgt + 1
-                vend = text.find("</parameter>", vstart)
+                vend = find("</parameter>", vstart)
                 if vend < 0:
                     return fail(f"parameter {key!r} of {name} has no </parameter>", name)
                 raw_value = text[vstart:vend]
@@ -365,6 +446,10 @@ def _param_schemas(tools: Sequence[dict[str, Any]] | None) -> dict[str, dict[str
     return out
 
 
+_INTEGER = re.compile(r"-?[0-9]+")
+_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
+
+
 def _convert(value: str, kind: Any) -> Any:
     if isinstance(kind, list):  # ["integer", "null"]: try each declared type
         for k in kind:
@@ -376,19 +461,22 @@ def _convert(value: str, kind: Any) -> Any:
     if kind in (None, "string"):
         return value
     v = value.strip()
-    if kind == "integer":
+    # int() and float() also take "1_000", other scripts' digits, "inf" and "nan": only JSON's
+    # spellings are numbers. An integer stays an int, exact at any size.
+    if kind in ("integer", "number") and _INTEGER.fullmatch(v):
         try:
             return int(v)
-        except ValueError:
-            raise ValueError(f"{v[:40]!r} is not an integer") from None
+        except ValueError:  # past Python's digit limit
+            raise ValueError(f"an integer of {len(v)} digits is too long") from None
+    if kind == "integer":
+        raise ValueError(f"{v[:40]!r} is not an integer")
     if kind == "number":
-        try:
-            f = float(v)
-        except ValueError:
-            raise ValueError(f"{v[:40]!r} is not a number") from None
-        if not math.isfinite(f):  # JSON has no NaN or Infinity
-            raise ValueError(f"{v[:40]!r} is not a finite number")
-        return int(f) if f.is_integer() and "." not in v and "e" not in v.lower() else f
+        if not _NUMBER.fullmatch(v):
+            raise ValueError(f"{v[:40]!r} is not a number")
+        f = float(v)
+        if not math.isfinite(f):
+            raise ValueError(f"{v[:40]} is a number too large for JSON")
+        return f
     if kind == "boolean":
         if v.lower() in ("true", "false"):
             return v.lower() == "true"
@@ -433,13 +521,15 @@ def from_openai(tool_calls: Iterable[Any] | None) -> list[ToolCall | ToolCallErr
             out.append(ToolCallError(call_id, "tool call has no function name", _quote(raw)))
             continue
         args = fn.get("arguments")
-        if isinstance(args, str):
-            try:
+        try:
+            if isinstance(args, str):
                 args = loads_json(args) if args.strip() else {}
-            except ValueError as e:
-                out.append(ToolCallError(call_id, f"arguments of {name} are not valid JSON ({e})",
-                                         _quote(raw), name))
-                continue
+            else:  # a dict or list as it is, from a message built in Python
+                _check_json_value(args)
+        except ValueError as e:
+            out.append(ToolCallError(call_id, f"arguments of {name} are not valid JSON ({e})",
+                                     _quote(raw), name))
+            continue
         if args is None:
             args = {}
         if not isinstance(args, dict):

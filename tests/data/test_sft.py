@@ -36,6 +36,19 @@ def test_sft_loss_only_on_assistant_tokens(tmp_path, chat):
     assert "Write the Python function" in tok.decode(untrained)
 
 
+def test_a_conversation_opening_with_the_assistant_is_rendered(tmp_path, chat):
+    tok, tmpl = chat
+    convs = [([{"role": "assistant", "content": "Hi, what shall we fix?"},
+               {"role": "user", "content": "main.py"},
+               {"role": "assistant", "content": "On it."}], None)]
+    render_to_shards(convs, tmpl.render_with_mask, tmp_path, tok.vocab_size, tok.eos_id)
+    (doc,) = list(mix([MixtureSource(name="sft", path=str(tmp_path))], 2000, seed=0))[:1]
+    p = pack([doc], seq_len=2048)
+    b = make_batch(p.tokens, p.segments, p.mask)
+    assert tok.decode(b["targets"][b["loss_mask"]].tolist()) == (
+        "Hi, what shall we fix?<|im_end|>On it.<|im_end|>")
+
+
 def test_a_conversation_the_renderer_refuses_is_named_by_its_file_and_line(tmp_path, chat):
     from codedojo.data.sft import read_sft_jsonl
 

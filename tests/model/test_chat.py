@@ -100,6 +100,27 @@ def test_parts_concatenate_to_the_rendering(smollm2):
     assert [trained for _, trained in parts] == [False, True, False, True, False, True, False]
 
 
+def test_a_conversation_opening_with_the_assistant_trains_its_turn(smollm2):
+    # The template writes its default system prompt only before a first message, so the
+    # conversation before the first turn (none) renders without it.
+    msgs = [{"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    text = smollm2.render(msgs)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>assistant\nHello! How can I help?<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n")
+    parts = smollm2.render_parts(msgs)
+    assert "".join(t for t, _ in parts) == text
+    assert [t for t, trained in parts if trained] == ["Hello! How can I help?<|im_end|>",
+                                                      "ok<|im_end|>"]
+    ids, mask = smollm2.render_with_mask(msgs)
+    tok = smollm2.tokenizer
+    assert ids == tok.encode(text)
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == (
+        "Hello! How can I help?<|im_end|>ok<|im_end|>")
+
+
 def test_a_message_that_spells_a_control_token_is_text(smollm2):
     """A file a tool read that spells `<|im_end|>` and `<|im_start|>assistant` cannot end its
     turn and start another, and an answer that mentions `<|im_end|>` trains no stop mid-turn:

@@ -14,6 +14,7 @@ from codedojo.model.toolcalls import (
     UnknownToolCallFormat,
     from_openai,
     get_format,
+    loads_json,
     parse_tool_calls,
 )
 
@@ -86,6 +87,15 @@ def test_unclosed_tag_cut_inside_json_is_an_error():
     ('{"name": "f", "arguments": {"smile \\ud83d": 1}}', "a lone surrogate (\\ud83d) is not text"),
     ('{"name": "f", "arguments": "{\\"x\\": [\\"\\\\udc00\\"]}"}', "lone surrogate (\\udc00)"),
     ('{"name": "f", "arguments": {"n": ' + "7" * 5000 + '}}', "Exceeds the limit"),
+    # numbers past the float range, which Python's decoder reads as Infinity without a word
+    ('{"name": "f", "arguments": {"n": [1, -1e999]}}', "-1e999 is a number too large for JSON"),
+    ('{"name": "f", "arguments": "{\\"n\\": 1e400}"}', "1e400 is a number too large for JSON"),
+    # an arguments key the parser does not know is not a call without arguments
+    ('{"name": "write_file", "args": {"path": "a.py"}}', 'unknown keys "args"'),
+    ('{"name": "write_file", "argument": {}, "note": 1}', 'unknown keys "argument", "note"'),
+    ('{"function": {"name": "f", "arguments": "{}"}}', 'unknown keys "function"'),
+    ('{"name": "f", "arguments": {"a": 1}, "parameters": {"b": 2}}',
+     'both "arguments" and "parameters"'),
 ])
 def test_malformed_calls_become_error_values(body, needle):
     text = f"before <tool_call>{body}</tool_call> after"
@@ -101,6 +111,22 @@ def test_malformed_call_does_not_swallow_the_next_good_one():
     text = '<tool_call>{"name": oops}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
     out = parse_tool_calls(text, "hermes")
     assert isinstance(out.calls[0], ToolCallError) and out.calls[1].name == "g"
+
+
+def test_arguments_null_counts_as_missing_and_llama_keys_are_known():
+    text = ('<tool_call>[{"name": "f", "arguments": null, "parameters": {"a": 1}},\n'
+            '{"type": "function", "name": "g", "parameters": {"b": 2}, "id": "c9"},\n'
+            '{"name": "h", "arguments": null}]</tool_call>')
+    out = parse_tool_calls(text, "smollm2", id_factory=ids())
+    assert out.calls == [ToolCall("call_0", "f", {"a": 1}), ToolCall("c9", "g", {"b": 2}),
+                         ToolCall("call_1", "h", {})]
+
+
+def test_loads_json_refuses_numbers_too_large_for_a_float():
+    for text, literal in [("1e999", "1e999"), ('{"a": [-1e400]}', "-1e400"), ("2e308", "2e308")]:
+        with pytest.raises(ValueError, match=f"^{literal} is a number too large for JSON$"):
+            loads_json(text)
+    assert loads_json("[1.7e308, -5e-324]") == [1.7e308, -5e-324]
 
 
 @pytest.mark.parametrize("between", ["\nI will also call g.\n", "\n", ""])
@@ -136,6 +162,57 @@ def test_one_megabyte_unclosed_garbage_is_linear():
     t0 = time.perf_counter()
     out = parse_tool_calls(text, "hermes")
     assert isinstance(out.calls[0], ToolCallError) and time.perf_counter() - t0 < 1.0
+
+
+class _CountingText(str):
+    """Text that counts the characters its searches read: `find` and `rfind`, and `count`,
+    which a JSON decode error runs from the start of the text it decoded to the error."""
+
+    read = 0
+
+    def find(self, sub, start=0, end=None):
+        end = len(self) if end is None else end
+        hit = super().find(sub, start, end)
+        self.read += (hit + len(sub) if hit >= 0 else end) - start
+        return hit
+
+    def rfind(self, sub, start=0, end=None):
+        end = len(self) if end is None else end
+        hit = super().rfind(sub, start, end)
+        self.read += end - (hit if hit >= 0 else start)
+        return hit
+
+    def count(self, sub, start=0, end=None):
+        end = len(self) if end is None else end
+        self.read += end - start
+        return super().count(sub, start, end)
+
+
+@pytest.mark.parametrize("fmt, block", [
+    ("smollm2", "<tool_call>x"),
+    ("hermes", "<tool_call>{"),
+    ("qwen3_coder", "<tool_call><function=f><parameter=a>1</tool_call>"),
+    ("qwen3_coder", "<tool_call><function=f>x</function></tool_call>"),
+])
+def test_many_malformed_blocks_are_read_in_linear_work(fmt, block):
+    # Each bad block must not cost a search or a decode to the end of the text.
+    text = _CountingText(block * 2000)
+    out = parse_tool_calls(text, fmt)
+    assert len(out.errors) == 2000
+    assert text.read < 20 * len(text)
+
+
+def test_a_value_reads_the_same_wherever_the_text_around_it_ends():
+    # Values of every length, so that each kind of token meets the end of a decode window.
+    for k in range(0, 600, 7):
+        pad = "a" * k
+        good = f'<tool_call>{{"name": "f", "arguments": {{"s": "{pad}", "n": -1.5e+3, "t": true}}}}'
+        (call,) = parse_tool_calls(good + "</tool_call>").calls
+        assert call.arguments == {"s": pad, "n": -1500.0, "t": True}
+        (err,) = parse_tool_calls(good.replace("true", "tru") + "</tool_call>").calls
+        assert "Expecting value" in err.message
+        (err,) = parse_tool_calls(good.replace("-1.5e+3", "-1.5e+999") + "</tool_call>").calls
+        assert "-1.5e+999 is a number too large for JSON" in err.message
 
 
 def test_text_without_calls_is_all_content():
@@ -194,13 +271,35 @@ def test_xml_several_calls():
     ("<tool_call><function=grep><parameter=-A>three</parameter></function></tool_call>", "not an integer"),
     ("<tool_call><function=grep\n", "unclosed <function"),
     ("<tool_call><function=grep><parameter=ratio>nan</parameter></function></tool_call>",
-     "not a finite number"),
+     "'nan' is not a number"),
+    # int() and float() read these; JSON does not
+    ("<tool_call><function=grep><parameter=-A>1_000</parameter></function></tool_call>",
+     "'1_000' is not an integer"),
+    ("<tool_call><function=grep><parameter=-A>\u0661\u0662</parameter></function></tool_call>",
+     "is not an integer"),
+    ("<tool_call><function=grep><parameter=ratio>1_0.5</parameter></function></tool_call>",
+     "'1_0.5' is not a number"),
+    ("<tool_call><function=grep><parameter=ratio>Infinity</parameter></function></tool_call>",
+     "'Infinity' is not a number"),
+    ("<tool_call><function=grep><parameter=ratio>-1e400</parameter></function></tool_call>",
+     "-1e400 is a number too large for JSON"),
     ('<tool_call><function=grep><parameter=globs>["\\ud800"]</parameter></function></tool_call>',
      "lone surrogate"),
 ])
 def test_xml_malformed(text, needle):
     (err,) = parse_tool_calls(text, "qwen3_coder", tools=TOOLS).calls
     assert isinstance(err, ToolCallError) and needle in err.message
+
+
+def test_xml_numbers_keep_their_value():
+    text = ("<tool_call><function=grep><parameter=ratio>12345678901234567890</parameter>"
+            "<parameter=-A>-98765432109876543210</parameter></function></tool_call>")
+    (call,) = parse_tool_calls(text, "qwen3_coder", tools=TOOLS).tool_calls
+    assert call.arguments == {"ratio": 12345678901234567890, "-A": -98765432109876543210}
+    assert isinstance(call.arguments["ratio"], int)
+    text = "<tool_call><function=grep><parameter=ratio>-2.5e-3</parameter></function></tool_call>"
+    (call,) = parse_tool_calls(text, "qwen3_coder", tools=TOOLS).tool_calls
+    assert call.arguments == {"ratio": -0.0025}
 
 
 def test_xml_one_megabyte_value_parses_fast():
@@ -230,6 +329,18 @@ def test_from_openai():
     assert [type(c) for c in odd] == [ToolCallError] * 4
     assert "must be an object with a \"function\" object" in odd[2].message
     assert "NaN is not JSON" in odd[3].message
+
+
+def test_from_openai_refuses_numbers_too_large_for_json():
+    def call(args):
+        return {"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}
+
+    too_large = from_openai([call('{"x": 1e999}'), call({"x": float("inf")}),
+                             call({"x": [float("nan")]})])
+    assert [type(c) for c in too_large] == [ToolCallError] * 3
+    assert "1e999 is a number too large for JSON" in too_large[0].message
+    assert "inf is not a JSON number" in too_large[1].message
+    assert "nan is not a JSON number" in too_large[2].message
 
 
 def test_to_openai_shape():
