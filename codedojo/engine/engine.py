@@ -16,9 +16,11 @@ which ``stream`` and concurrent callers use.
 
 Finish reasons: "stop" (a stop token was sampled; it is kept in ``token_ids`` because RL trains
 on it), "length" (``max_tokens`` reached, or the cache's ``max_seq_len``), "cancelled".
-``Completion.weight_version`` is the version of the weights that produced the request's first
-token; ``load_weights`` swaps weights between steps, so a request in flight during a push
-finishes on the new weights (its older-version KV entries are kept, as in asynchronous RL).
+``load_weights`` swaps weights between steps, so a request in flight during a push finishes on
+the new weights (its older-version KV entries are kept, as in asynchronous RL). Every token is
+tagged with the version of the weights of the step that sampled it (``TokenEvent.
+weight_version``, ``Completion.weight_versions``); ``Completion.weight_version`` is its first
+token's.
 
 Speculative decoding (``drafter=``, MTP modules): a request decodes speculatively while it is
 the only one live, which is when decoding is latency-bound and a verify pass over k + 1 tokens
@@ -144,7 +146,7 @@ class Request:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None  # why it failed (finish_reason "error")
-    weight_version: int = -1
+    weight_versions: list[int] = field(default_factory=list)  # per token, the step's weights
     loads: int = -1  # the engine's `load_weights` calls before its prefill
     cancelled: bool = False
     # failed steps it was in; once in a failed step with others, it is prefilled again (with
@@ -181,6 +183,11 @@ class Request:
         after a failed step)."""
         return self.prompt_ids + self.token_ids
 
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights that sampled its first token (-1: none yet)."""
+        return self.weight_versions[0] if self.weight_versions else -1
+
     def routed_experts(self) -> torch.Tensor | None:
         """The routing recorded so far, as one (tokens, MoE layers, top_k) tensor."""
         return torch.cat(self.routed) if self.routed else None
@@ -192,7 +199,8 @@ class Request:
                           logprobs=self.logprobs, finish_reason=self.finish_reason or "cancelled",
                           weight_version=self.weight_version, top_logprobs=self.top_logprobs,
                           cached_tokens=self.cached_tokens,
-                          routed_experts=None if routed is None else routed[:fed])
+                          routed_experts=None if routed is None else routed[:fed],
+                          weight_versions=self.weight_versions)
 
 
 class Engine:
@@ -220,7 +228,7 @@ class Engine:
         of every draft stays current. When no draft pays, rounds draft nothing but those:
         speculation pauses, and resumes if the drafts come to pay (on text they know better).
         ``spec_explore_every=0``: no exploring rounds, and when no draft pays speculation stops
-        for good.
+        (until MTP weights are pushed, `load_weights`).
         ``spec_draft_cost``: that cost, fixed; None: measured while probing, where every
         fourth round drafts nothing to time a plain step (a draft costs about 0.2 steps on a
         2-core CPU, far less on a GPU); 0: always draft with every module.
@@ -260,6 +268,9 @@ class Engine:
         self._loads = 0  # load_weights calls (a version number may be pushed twice)
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.drafter = drafter
+        self._drafter = drafter  # kept should speculation be switched off (`_restart_probing`)
+        # an MTP drafter's modules, whose weights `load_weights` takes too ("mtp." names)
+        self._mtp: torch.nn.Module | None = getattr(drafter, "mtp", None)
         self.spec_stats = SpecStats()  # over every speculative round of this engine
         self.spec_draft_cost = spec_draft_cost
         self.spec_probe_rounds = max(1, spec_probe_rounds)  # the first round always drafts
@@ -338,15 +349,18 @@ class Engine:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         deadline = math.inf if timeout is None else time.perf_counter() + timeout
         reqs = [self._enqueue(p, sp) for p, sp in zip(prompts, plist, strict=True)]
-        for r in reqs:
-            while not r.done.is_set():
-                left = deadline - time.perf_counter()
-                if left <= 0 and not r.cancelled:  # the next step ends it, keeping its tokens
-                    self._cancel(r)
-                if self._running:
-                    r.done.wait(None if left == math.inf or left <= 0 else left)
-                else:
-                    self.step()
+        over = False
+        while (r := next((r for r in reqs if not r.done.is_set()), None)) is not None:
+            left = deadline - time.perf_counter()
+            if left <= 0 and not over:  # all at once: the next step ends them, keeping tokens
+                over = True
+                for late in reqs:
+                    if not late.done.is_set():
+                        self._cancel(late)
+            if self._running:
+                r.done.wait(None if over or left == math.inf else left)
+            else:
+                self.step()
         failed = next((r for r in reqs if r.finish_reason == "error"), None)
         if failed is not None:
             raise GenerationError(f"generation failed: {failed.error}")
@@ -408,38 +422,86 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._end_all("cancelled")
+
+    def _end_all(self, reason: str, error: str | None = None) -> None:
+        """End every request queued, being admitted or live, with ``reason`` (and ``error``),
+        and empty every cache slot."""
         with self._step_lock, self._wake:  # (callers may be queueing requests meanwhile)
-            for r in list(self._live) + list(self._waiting):
-                self._finish(r, "cancelled")
+            for r in [*self._live, *self._admitting, *self._waiting]:
+                self._finish(r, reason, error)
             self._live.clear()
+            self._admitting = []
             self._waiting.clear()
+            self._spec = None
+            for slot in range(self.max_batch):
+                self.cache.reset(slot)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Swap in new weights (all or some parameters, our names) between scheduler steps.
-        Prefixes are not shared across it: the prefix cache is emptied, and requests prefilled
-        before it are no source for requests after it (even under the same version number)."""
+        """Swap in new weights between scheduler steps: all or some parameters, by their names
+        in the model's state dict, and with an MTP drafter its modules' by theirs in
+        ``drafter.mtp``'s, after ``mtp.``. Tokens sampled from then on carry ``version`` (an
+        integer >= 0). Prefixes are not shared across it: the prefix cache is emptied, and
+        requests prefilled before it are no source for requests after it (even under the same
+        version number). MTP weights restart the probing of speculative decoding
+        (`_restart_probing`): what it saw of the old drafts tells nothing of the new.
+
+        Everything is checked before anything changes: a version, a name or a tensor refused
+        raises with the engine as it was. A copy that fails even so (out of memory on the
+        device) raises with some parameters new and some old, the engine already on ``version``
+        and no keys and values of the old weights left to share: push again."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise TypeError(f"load_weights: version must be an integer, got {version!r}")
+        if version < 0:  # (-1 tags what no weights made)
+            raise ValueError(f"load_weights: version must be >= 0, got {version}")
         own = self.model.state_dict()
+        if self._mtp is not None:
+            own.update({f"mtp.{k}": v for k, v in self._mtp.state_dict().items()})
         unknown = [k for k in state_dict if k not in own]
         if unknown:
-            raise KeyError(f"load_weights: unknown parameter names {unknown[:5]}")
+            hint = (" (mtp. names need an engine with an MTP drafter)"
+                    if self._mtp is None and any(k.startswith("mtp.") for k in unknown) else "")
+            raise KeyError(f"load_weights: unknown parameter names {unknown[:5]}{hint}")
         for k, v in state_dict.items():  # (all checked before any is copied: a load that
             if not isinstance(v, torch.Tensor) or v.is_complex() or (  # failed half-way would
                     v.is_floating_point() != own[k].is_floating_point()):  # serve a mix)
                 raise TypeError(f"load_weights: {k} must be a "
                                 f"{'floating' if own[k].is_floating_point() else 'integer'}"
                                 f" tensor, got {getattr(v, 'dtype', type(v).__name__)}")
+            if (type(v) not in (torch.Tensor, torch.nn.Parameter) or v.layout != torch.strided
+                    or v.is_meta or v.is_nested):
+                raise TypeError(f"load_weights: {k} must be a dense tensor holding its values, "
+                                f"got a {type(v).__name__} ({v.layout}) on {v.device}")
             if tuple(v.shape) != tuple(own[k].shape):
                 raise ValueError(f"load_weights: {k} has shape {tuple(v.shape)}, "
                                  f"expected {tuple(own[k].shape)}")
         with self._step_lock, torch.no_grad():
-            for k, v in state_dict.items():
-                own[k].copy_(v)
-            self.weight_version = int(version)
+            # the old weights' keys and values go before the first copy, should one fail
+            self.weight_version = version
             self._loads += 1
-            self.prefix_cache.clear()  # keys and values of the old weights
-            refresh = getattr(self.drafter, "refresh", None)  # drafts read the new head
-            if refresh is not None:
-                refresh()
+            self.prefix_cache.clear()
+            try:
+                for k, v in state_dict.items():
+                    own[k].copy_(v)
+            finally:
+                refresh = getattr(self.drafter, "refresh", None)  # drafts read the new head
+                if refresh is not None:
+                    refresh()
+                if any(k.startswith("mtp.") for k in state_dict):
+                    self._restart_probing()
+
+    def _restart_probing(self) -> None:
+        """Judge the drafts afresh: the window of the latest rounds (`SpecStats.window`) is
+        emptied, speculation switched off is on again, and the next ``spec_probe_rounds``
+        rounds probe as the first did (every module; the tree in half of them, whether it pays
+        decided again on the tokens they emit); the costs measured stay (they are the
+        hardware's, not the weights')."""
+        self.drafter = self._drafter
+        self.spec_stats.clear_recent()
+        self._spec_steps = 0
+        self._tree_pays = None
+        self._tree_probe["tree_tokens"].clear()
+        self._tree_probe["chain_tokens"].clear()
 
     @property
     def n_live(self) -> int:
@@ -451,8 +513,13 @@ class Engine:
             with self._wake:
                 while self._running and not self._waiting and not self._live:
                     self._wake.wait()
-            if self._running:
+            if not self._running:
+                break
+            try:
                 self.step()
+            except Exception as e:  # beyond what a step recovers from (`_fail_step` failed)
+                log.exception("the engine's scheduler failed: every request ends")
+                self._end_all("error", f"{type(e).__name__}: {e}")
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -671,7 +738,8 @@ class Engine:
         assert self.drafter is not None
         n, e = self._spec_steps, self.spec_explore_every
         if n < self.spec_probe_rounds:
-            return 0 if self.spec_draft_cost is None and n % 4 == 3 else self.drafter.depth
+            timing = self.spec_draft_cost is None and self._measured_cost is None
+            return 0 if timing and n % 4 == 3 else self.drafter.depth
         if e and (n - self.spec_probe_rounds) % e == e - 1:
             return self.drafter.depth
         return self._paying_depth(own)
@@ -713,8 +781,6 @@ class Engine:
                                      for r, n in zip(batch, lens, strict=True)])
         for i, r in enumerate(batch):
             self.cache.truncate(start + i, r.context_len)
-            if not r.token_ids:  # (one put back keeps the version its tokens came with)
-                r.weight_version = self.weight_version
             r.loads = self._loads
         self._live.extend(batch)
         self._emit(batch, logits[:, -1])
@@ -730,7 +796,7 @@ class Engine:
                                   stats=self.spec_stats, tree=self.spec_tree)
         sess.prefill(req.prompt_ids, start=start)
         self._record_routing([req], [sess.kept_rows])
-        req.weight_version, req.loads = self.weight_version, self._loads
+        req.loads = self._loads
         self._live.append(req)
         self._spec = (req, sess)
         self._record_logits(req, sess)
@@ -810,9 +876,12 @@ class Engine:
             self._record(slot_req, tok, lp, top)
 
     def _record(self, req: Request, tok: int, lp: float, top: list[tuple[int, float]]) -> None:
+        """Record a token sampled by this step (of the current weights: `load_weights` waits
+        for the step to end) and hand it to the request's callback."""
         req.token_ids.append(tok)
         req.logprobs.append(lp)
         req.top_logprobs.append(top)
+        req.weight_versions.append(self.weight_version)
         p = req.params
         reason = None
         if tok in p.stop_token_ids:
@@ -823,9 +892,8 @@ class Engine:
         req.finish_reason = reason
         n = len(req.token_ids)
         routed = req.routed[n - 1] if n <= len(req.routed) else None  # the rows it followed
-        if req.on_event is not None:
-            req.on_event(TokenEvent(tok, lp, top, reason, req.cached_tokens, routed,
-                                    weight_version=req.weight_version))
+        self._notify(req, TokenEvent(tok, lp, top, reason, req.cached_tokens, routed,
+                                     weight_version=self.weight_version))
         if reason is not None:
             req.done.set()
 
@@ -833,9 +901,26 @@ class Engine:
         """End a request without a token: cancelled, or failed (``error`` says why)."""
         if req.finish_reason is None:
             req.finish_reason, req.error = reason, error
-            if req.on_event is not None:
-                req.on_event(TokenEvent(-1, 0.0, [], reason, req.cached_tokens, error=error))
+            self._notify(req, TokenEvent(-1, 0.0, [], reason, req.cached_tokens, error=error))
         req.done.set()
+
+    @staticmethod
+    def _notify(req: Request, ev: TokenEvent) -> None:
+        """Hand ``ev`` to the request's ``on_event``, if it has one. A callback that raises is
+        the consumer's fault, not the engine's: it is logged and not called again, and the
+        request alone ends, with finish reason "error" saying so (unless ``ev`` ended it
+        already); the step and the other requests go on."""
+        on_event = req.on_event  # (read once: a stream's consumer may drop it meanwhile)
+        if on_event is None:
+            return
+        try:
+            on_event(ev)
+        except Exception as e:
+            log.exception("a request's on_event raised: the request ends")
+            req.on_event = None
+            if ev.finish_reason is None:
+                req.finish_reason, req.error = "error", f"on_event raised {type(e).__name__}: {e}"
+                req.done.set()
 
     def _retire(self) -> None:
         """Drop finished/cancelled requests, keeping live slots contiguous."""

@@ -126,7 +126,7 @@ class ChoiceResult:
     finish_reason: str = "stop"
     cached_tokens: int = 0  # prompt tokens the engine took from an earlier sequence
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # recorded: pieces, in order
-    weight_version: int = -1  # of the weights that made it (-1: no token came)
+    weight_version: int = -1  # of the weights that made its first token (-1: no token came)
 
     def routed_for(self, req: ChatCompletionRequest | CompletionRequest) -> str | None:
         """The response's ``routed_experts`` (vLLM's encoding): when asked for and recorded."""
@@ -370,8 +370,10 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
             if ev.token_id < 0:  # the engine ended the request without a token
                 finish = ev.finish_reason or finish
                 break
+            if not result.token_ids:  # the oldest weights that made the choice: its first token's
+                result.weight_version = ev.weight_version
             result.token_ids.append(ev.token_id)
-            result.cached_tokens, result.weight_version = ev.cached_tokens, ev.weight_version
+            result.cached_tokens = ev.cached_tokens
             if ev.routed_experts is not None:
                 result.routed_experts.append(ev.routed_experts)
             result.logprobs.append(ev.logprob)

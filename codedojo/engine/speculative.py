@@ -282,6 +282,12 @@ class SpecStats:
         if len(self.recent) > self.window:
             _tally(self.recent_reached, self.recent_passed, *self.recent.popleft(), sign=-1)
 
+    def clear_recent(self) -> None:
+        """Forget the latest rounds (the drafts changed); the totals stay."""
+        self.recent.clear()
+        self.recent_reached.clear()
+        self.recent_passed.clear()
+
     def counts(self, depth: int, recent: bool = False) -> tuple[list[int], list[int]]:
         """(reached, passed) per draft depth up to ``depth``, over every round or over the
         latest ``window``."""

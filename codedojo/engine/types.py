@@ -80,14 +80,19 @@ class TokenEvent:
     # it (one pass may feed several: a verify pass); else None
     routed_experts: torch.Tensor | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
-    weight_version: int = -1  # the weights it came from (the request's, at its prefill)
+    # the version of the weights of the step that sampled it (-1: an event without a token)
+    weight_version: int = -1
 
 
 @dataclass
 class Completion:
-    """A finished request. ``weight_version`` is the engine's version when it was produced;
-    ``cached_tokens`` how many of the prompt's tokens were not prefilled again but taken from
-    an earlier sequence's keys and values (`codedojo.engine.prefix_cache`).
+    """A finished request. ``weight_versions`` holds, per token of ``token_ids``, the version
+    of the weights of the step that sampled it; ``weight_version`` is its first (-1: no token
+    came). A push mid-request (`Engine.load_weights`) leaves later tokens of a newer version,
+    sampled over keys and values the older weights made: a trainer that wants one policy per
+    sample masks (or corrects) the tokens whose version is not ``weight_version``.
+    ``cached_tokens`` is how many of the prompt's tokens were not prefilled again but taken
+    from an earlier sequence's keys and values (`codedojo.engine.prefix_cache`).
 
     ``routed_experts`` (an MoE model on an engine that records routing; else None, as for a
     request cancelled before its prefill): the experts every MoE layer chose for every token
@@ -105,6 +110,7 @@ class Completion:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     cached_tokens: int = 0
     routed_experts: torch.Tensor | None = None
+    weight_versions: list[int] = field(default_factory=list)
 
 
 def encode_routed_experts(routed: torch.Tensor | np.ndarray) -> str:

@@ -126,6 +126,72 @@ def test_weight_version_tags_completions(model: Transformer) -> None:
     assert torch.equal(model.state_dict()[keys[0]], new[keys[0]]) and engine.weight_version == 7
 
 
+def test_a_refused_load_changes_nothing_and_a_failed_copy_shares_no_old_keys(
+        model: Transformer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `load_weights` can check, it checks before anything changes: a bad version or
+    tensor leaves the weights, the version and the prefix cache as they were. A copy that fails
+    even so leaves the engine on the new version, no keys and values of the old weights
+    shared: what it serves is what its weights now give."""
+    engine = Engine(model, max_batch=2)
+    prompt, params = list(range(1, 41)), SamplingParams(max_tokens=4, temperature=0)
+    engine.generate([prompt], params)  # its keys and values go to the prefix cache
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    keys = sorted(k for k in before if "wqkv" in k)
+    new = {k: before[k] * 1.5 for k in keys}
+    for version, error in [(None, TypeError), ("2", TypeError), (1.9, TypeError),
+                           (True, TypeError), (-1, ValueError)]:
+        with pytest.raises(error, match="load_weights: version must be"):
+            engine.load_weights(new, version=version)  # type: ignore[arg-type]
+    for bad in (new[keys[1]].to_sparse(), torch.empty(new[keys[1]].shape, device="meta")):
+        with pytest.raises(TypeError, match=f"{keys[1]} must be a dense tensor"):
+            engine.load_weights({keys[0]: new[keys[0]], keys[1]: bad}, version=2)
+    with pytest.raises(KeyError, match="mtp. names need an engine with an MTP drafter"):
+        engine.load_weights({"mtp.layers.0.proj.weight": torch.zeros(1)}, version=2)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert engine.weight_version == 0
+    assert engine.generate([prompt + [50]], params)[0].cached_tokens == 40
+
+    real, copies = torch.Tensor.copy_, []
+
+    def second_fails(self, src, *args, **kwargs):
+        copies.append(src)
+        if len(copies) == 2:
+            raise RuntimeError("out of memory")
+        return real(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", second_fails)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.load_weights(new, version=2)
+    monkeypatch.undo()
+    now = model.state_dict()
+    assert torch.equal(now[keys[0]], new[keys[0]]) and torch.equal(now[keys[1]], before[keys[1]])
+    c = engine.generate([prompt + [50]], params)[0]
+    assert engine.weight_version == c.weight_version == 2 and c.cached_tokens == 0
+    torch.testing.assert_close(c.logprobs, sequence_logprobs(model, prompt + [50], c.token_ids),
+                               atol=1e-4, rtol=0)
+
+
+def test_each_token_carries_the_version_of_the_weights_that_sampled_it(
+        model: Transformer) -> None:
+    """A push mid-request: the tokens after it are the new weights', and say so, streamed and
+    in the completion; ``weight_version`` stays the first token's."""
+    engine = Engine(model, max_batch=2)
+    events: list = []
+    req = engine.submit(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0), events.append)
+    for _ in range(3):
+        engine.step()
+    assert len(req.token_ids) == 4
+    engine.load_weights({k: v * 1.5 for k, v in model.state_dict().items() if "wqkv" in k},
+                        version=1)
+    while not req.done.is_set():
+        engine.step()
+    c = req.completion()
+    assert [ev.weight_version for ev in events] == c.weight_versions == [0] * 4 + [1] * 4
+    assert c.weight_version == 0
+    (none,) = engine.generate([PROMPTS[0]], SamplingParams(), timeout=0)  # never prefilled
+    assert none.weight_version == -1 and none.weight_versions == []
+
+
 def test_stream_joins_running_batch_and_cancels(model: Transformer) -> None:
     engine = Engine(model, max_batch=4)
     engine.start()
@@ -179,6 +245,37 @@ def test_a_timeout_cancels_what_is_not_done_and_keeps_what_it_generated(
         assert none.finish_reason == "cancelled" and none.token_ids == []
         with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
             engine.generate([PROMPTS[2]], SamplingParams(), timeout=float("nan"))
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_timeout_cancels_every_request_at_once(model: Transformer, background: bool) -> None:
+    """At the deadline every request not done is cancelled together, and they all end at the
+    next step: not one a step, which would run on past the deadline a step a request."""
+    engine = slow_steps(Engine(model, max_batch=8, max_seq_len=512), 0.05)
+    decoded, cancelled_at = [0], []
+    decode, cancel = engine._decode_step, engine._cancel
+
+    def counted(live):
+        decoded[0] += 1
+        decode(live)
+
+    def noted(req):
+        cancelled_at.append(decoded[0])
+        cancel(req)
+
+    engine._decode_step, engine._cancel = counted, noted  # type: ignore[method-assign]
+    if background:
+        engine.start()
+    try:
+        out = engine.generate([[1, 2, 3 + i] for i in range(8)],
+                              SamplingParams(max_tokens=400, temperature=0), timeout=0.3)
+        assert [c.finish_reason for c in out] == ["cancelled"] * 8
+        assert len(cancelled_at) == 8
+        # none after the first cancel inline; on the scheduler thread, the step under way
+        # then (and one that began while the cancels were made, at most)
+        assert decoded[0] - cancelled_at[0] <= (2 if background else 0), (decoded, cancelled_at)
     finally:
         engine.stop()
 
@@ -266,6 +363,52 @@ def test_a_request_alone_in_a_failed_step_ends_with_the_error_and_the_engine_goe
         assert doomed.finish_reason == "error" and doomed.error == "RuntimeError: boom"
         assert events[-1].finish_reason == "error" and events[-1].error == "RuntimeError: boom"
         assert [c.token_ids for c in engine.generate(PROMPTS[:2], params)] == want
+    finally:
+        engine.stop()
+
+
+def test_an_on_event_that_raises_ends_its_request_alone(model: Transformer) -> None:
+    """A consumer's callback that raises is the consumer's fault: its request ends with the
+    error, the scheduler goes on, and so do the other requests."""
+    params = SamplingParams(max_tokens=40, temperature=0)
+    engine = Engine(model, max_batch=4, max_seq_len=512)
+    engine.start()
+    try:
+        def bad(ev):
+            raise ValueError("consumer bug")
+
+        other = engine.submit(PROMPTS[1], params)
+        doomed = engine.submit(PROMPTS[0], params, on_event=bad)
+        assert doomed.done.wait(10) and other.done.wait(10)
+        assert doomed.finish_reason == "error" and len(doomed.token_ids) == 1
+        assert doomed.error == "on_event raised ValueError: consumer bug"
+        assert other.completion().token_ids == greedy_reference(model, PROMPTS[1], 40)
+        assert engine.generate([PROMPTS[2]], SamplingParams(max_tokens=4, temperature=0))[
+            0].token_ids == greedy_reference(model, PROMPTS[2], 4)
+        assert engine.n_live == 0
+    finally:
+        engine.stop()
+
+
+def test_a_failure_past_what_a_step_recovers_from_ends_its_requests_and_not_the_engine(
+        model: Transformer, failing_steps, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should recovering from a failed step fail too, the scheduler thread ends every request
+    it holds with that error (none is left waiting for ever) and goes on serving."""
+    params = SamplingParams(max_tokens=6, temperature=0)
+    engine = Engine(model, max_batch=4)
+
+    def worse(error: str) -> None:
+        raise RuntimeError("worse")
+
+    monkeypatch.setattr(engine, "_fail_step", worse)
+    failing_steps(1)
+    engine.start()
+    try:
+        doomed = engine.submit(PROMPTS[0], params)
+        assert doomed.done.wait(10)
+        assert doomed.finish_reason == "error" and doomed.error == "RuntimeError: worse"
+        c = engine.generate([PROMPTS[1]], params)[0]
+        assert c.token_ids == greedy_reference(model, PROMPTS[1], 6)
     finally:
         engine.stop()
 

@@ -195,6 +195,34 @@ def test_weak_drafts_pause_speculation(model: Transformer, explore: int) -> None
     assert (engine.drafter is None) == (explore == 0)
 
 
+@pytest.mark.parametrize("explore", [32, 0])
+def test_pushed_mtp_weights_are_drafted_with_and_judged_afresh(model: Transformer,
+                                                               explore: int) -> None:
+    """`load_weights` takes the MTP modules' weights too (``mtp.`` names), checked with the
+    rest before any is copied; a push of them restarts probing, so drafts paused (or switched
+    off) on the old modules' record draft again, and the tokens stay plain decoding's."""
+    params = SamplingParams(max_tokens=12, temperature=0)
+    drafter = mtp_drafter(model, 0)
+    engine = Engine(model, max_batch=2, drafter=drafter, spec_draft_cost=5.0,
+                    spec_probe_rounds=8, spec_explore_every=explore)
+    ref = plain(model, params)[0].token_ids
+    for _ in range(3):
+        assert engine.generate([PROMPT], params)[0].token_ids == ref
+    assert not engine.speculating
+    new = {f"mtp.{k}": v + 0.01 for k, v in drafter.mtp.state_dict().items()}
+    first = next(iter(new))
+    with pytest.raises(ValueError, match=f"{first} has shape"):  # refused whole
+        engine.load_weights({**new, first: torch.zeros(3)}, version=1)
+    assert not engine.speculating and not any(
+        torch.equal(drafter.mtp.state_dict()[k[4:]], v) for k, v in new.items())
+    engine.load_weights(new, version=1)
+    assert all(torch.equal(drafter.mtp.state_dict()[k[4:]], v) for k, v in new.items())
+    assert engine.speculating and engine.drafter is drafter and not engine.spec_stats.recent
+    rounds = engine.spec_stats.rounds
+    assert engine.generate([PROMPT], params)[0].token_ids == ref
+    assert engine.spec_stats.rounds > rounds
+
+
 class LateDrafter(OracleDrafter):
     """Wrong for its first ``wrong`` rounds, then the target's own continuation."""
 
