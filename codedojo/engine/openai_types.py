@@ -5,7 +5,9 @@ Requests are validated here, so a bad request fails with the path of the bad fie
 error shape. Unknown request fields are ignored, as OpenAI-compatible servers do.
 
 Extensions, vLLM-style, for RL: `top_k`, `return_token_ids` (the response then carries
-`prompt_token_ids` and per-choice `token_ids`, the exact ids sampled, end-of-turn token included),
+`prompt_token_ids` and per-choice `token_ids`, the exact ids sampled, end-of-turn token included,
+with `weight_versions`, the version of the weights that sampled each: a push while the choice
+was made shows there),
 `return_routed_experts` (on an engine that records an MoE model's routing, each choice carries
 `routed_experts` as vLLM sends it: a base64-encoded NumPy array (tokens fed, MoE layers, top_k),
 the prompt's tokens and then each sampled one but the last; streamed, in the choice's last
@@ -330,6 +332,7 @@ class ChatChoice(BaseModel):
     finish_reason: str
     logprobs: ChoiceLogprobs | None = None
     token_ids: list[int] | None = None
+    weight_versions: list[int] | None = None  # one a token id, with them
     routed_experts: str | None = None  # base64 .npy, (tokens fed, MoE layers, top_k)
 
 
@@ -359,6 +362,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None
+    weight_versions: list[int] | None = None  # one a token id, with them
     prompt_token_ids: list[int] | None = None
     routed_experts: str | None = None  # base64 .npy, (tokens fed, MoE layers, top_k)
 

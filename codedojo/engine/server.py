@@ -127,6 +127,7 @@ class ChoiceResult:
     cached_tokens: int = 0  # prompt tokens the engine took from an earlier sequence
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # recorded: pieces, in order
     weight_version: int = -1  # of the weights that made its first token (-1: no token came)
+    weight_versions: list[int] = field(default_factory=list)  # of each token's
 
     def routed_for(self, req: ChatCompletionRequest | CompletionRequest) -> str | None:
         """The response's ``routed_experts`` (vLLM's encoding): when asked for and recorded."""
@@ -373,6 +374,7 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
             if not result.token_ids:  # the oldest weights that made the choice: its first token's
                 result.weight_version = ev.weight_version
             result.token_ids.append(ev.token_id)
+            result.weight_versions.append(ev.weight_version)
             result.cached_tokens = ev.cached_tokens
             if ev.routed_experts is not None:
                 result.routed_experts.append(ev.routed_experts)
@@ -639,7 +641,8 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
         choices.append(ChatChoice(index=i, message=ResponseMessage(content=content, tool_calls=tool_calls),
                                   finish_reason=finish, logprobs=lp,
                                   token_ids=r.token_ids if req.return_token_ids else None,
-                                  routed_experts=r.routed_for(req)))
+                                  weight_versions=r.weight_versions if req.return_token_ids
+                                  else None, routed_experts=r.routed_for(req)))
     completion_tokens = sum(len(r.token_ids) for r in results)
     version = _made_by(results, version)
     resp = ChatCompletion(id=rid, created=created, model=req.model, choices=choices,
@@ -777,6 +780,8 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
                 req.skip_special_tokens))
         choices.append(CompletionChoice(index=idx, text=prefix + r.text, finish_reason=r.finish_reason, logprobs=lp,
                                         token_ids=r.token_ids if req.return_token_ids else None,
+                                        weight_versions=r.weight_versions
+                                        if req.return_token_ids else None,
                                         prompt_token_ids=p if req.return_token_ids else None,
                                         routed_experts=r.routed_for(req)))
     prompt_tokens = sum(len(p) for p in prompts)

@@ -141,7 +141,10 @@ def _turn(traj: Trajectory, kind: str, msg: dict[str, Any], out: PolicyOutput, g
         index=len(traj.turns), segment=len(traj.segments) - 1, kind=kind, message=msg,
         prompt_ids=out.prompt_ids, completion_ids=out.completion_ids, logprobs=out.logprobs,
         loss_mask=_mask(out), routed_experts=out.routed_experts, finish_reason=out.finish_reason,
-        weight_version=out.weight_version, prompt_tokens=out.prompt_tokens,
+        weight_version=out.weight_version,
+        # kept where they differ: a push while the reply was made
+        weight_versions=out.weight_versions if len(set(out.weight_versions)) > 1 else [],
+        prompt_tokens=out.prompt_tokens,
         cached_tokens=out.cached_tokens, completion_tokens=out.completion_tokens,
         reasoning_tokens=out.reasoning_tokens, generate_s=generate_s, started_at=started_at,
     )

@@ -43,7 +43,10 @@ class PolicyOutput:
     # (`codedojo.engine.types.decode_routed_experts`), for router replay in training
     routed_experts: str | None = None
     finish_reason: str = "stop"
-    weight_version: int | None = None
+    weight_version: int | None = None  # of the weights that sampled the first token
+    # of the weights that sampled each completion token, where the policy says (a push while
+    # the reply was made shows there); else empty
+    weight_versions: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of prompt_tokens, those the server reused rather than prefilled
     completion_tokens: int = 0
@@ -255,6 +258,8 @@ class OpenAIPolicy:
                                             len(prompt_ids) + len(completion_ids) - 1),
             finish_reason=choice.finish_reason or "stop",
             weight_version=_extra(resp, "weight_version"),
+            weight_versions=_checked_versions(_extra(choice, "weight_versions"),
+                                              len(completion_ids)),
             prompt_tokens=usage.prompt_tokens if usage else len(prompt_ids),
             cached_tokens=(getattr(prompt_details, "cached_tokens", 0) or 0) if prompt_details else 0,
             completion_tokens=usage.completion_tokens if usage else len(completion_ids),
@@ -270,6 +275,18 @@ def _check_ids(prompt_ids: list[int], completion_ids: list[int], logprobs: list[
     if completion_ids and len(logprobs) != len(completion_ids):
         raise ValueError(f"logprobs: {len(logprobs)} for the {len(completion_ids)} completion "
                          f"token ids the server sent")
+
+
+def _checked_versions(value: Any, tokens: int) -> list[int]:
+    """A server's per-token ``weight_versions``: one integer a completion token, or none sent
+    (a server that does not say); ValueError naming what is wrong."""
+    if value is None:
+        return []
+    if (not isinstance(value, list) or len(value) != tokens
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in value)):
+        raise ValueError(f"weight_versions: one integer for each of the {tokens} completion "
+                         f"tokens expected, got {str(value)[:80]}")
+    return value
 
 
 def _checked_routing(value: Any, fed: int) -> str | None:
@@ -396,6 +413,7 @@ class EnginePolicy:
             content=content.strip(), calls=calls, errors=errors, raw_text=text, prompt_ids=list(c.prompt_ids or prompt_ids),
             completion_ids=list(c.token_ids), logprobs=list(c.logprobs), finish_reason=c.finish_reason,
             routed_experts=None if c.routed_experts is None else encode_routed_experts(c.routed_experts),
-            weight_version=c.weight_version, prompt_tokens=len(prompt_ids), cached_tokens=c.cached_tokens,
+            weight_version=c.weight_version, weight_versions=list(c.weight_versions),
+            prompt_tokens=len(prompt_ids), cached_tokens=c.cached_tokens,
             completion_tokens=len(c.token_ids),
         )

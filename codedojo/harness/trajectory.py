@@ -69,7 +69,11 @@ class Turn:
     routed_experts: str | None = None
     routed_experts_shared: int = 0
     finish_reason: str = ""
-    weight_version: int | None = None
+    weight_version: int | None = None  # of the weights that sampled its first token
+    # of the weights that sampled each completion token, where they differ (weights pushed
+    # while the reply was made: a trainer may mask or correct the later tokens); empty where
+    # every token is weight_version's, or the policy does not say
+    weight_versions: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of prompt_tokens, those the engine reused (prefix cache)
     completion_tokens: int = 0
@@ -96,6 +100,9 @@ class Turn:
         n = len(self.prompt_ids) + len(self.completion_ids)
         if self.loss_mask and len(self.loss_mask) != n:
             raise ValueError(f"turn {self.index}: loss_mask has {len(self.loss_mask)} entries for {n} tokens")
+        if self.weight_versions and len(self.weight_versions) != len(self.completion_ids):
+            raise ValueError(f"turn {self.index}: {len(self.weight_versions)} weight versions "
+                             f"for {len(self.completion_ids)} completion tokens")
         if self.logprobs and len(self.logprobs) != len(self.completion_ids):
             raise ValueError(
                 f"turn {self.index}: {len(self.logprobs)} logprobs for {len(self.completion_ids)} completion tokens"
@@ -515,6 +522,7 @@ def _turn_type() -> Any:
             ("routed_experts_shared", pa.int32()),
             ("finish_reason", pa.string()),
             ("weight_version", pa.int64()),
+            ("weight_versions", pa.list_(pa.int64())),
             ("prompt_tokens", pa.int32()),
             ("cached_tokens", pa.int32()),
             ("completion_tokens", pa.int32()),

@@ -605,6 +605,9 @@ def test_the_weight_version_is_that_of_the_weights_that_made_the_tokens(tok, htt
         for route, body in (("chat/completions", {"messages": MSGS}), ("completions", {"prompt": "x"})):
             url, body = f"{srv.url}/v1/{route}", {"model": MODEL, "max_tokens": 8, **body}
             assert http.post(url, json=body).json()["weight_version"] == 5
+            # with the token ids, the version of each token's weights
+            (choice,) = http.post(url, json={**body, "return_token_ids": True}).json()["choices"]
+            assert choice["weight_versions"] == [5] + [6] * (len(answer) - 1)
             chunks = [json.loads(line[6:]) for line in http.post(url, json={
                 **body, "stream": True, "return_token_ids": True}).text.splitlines()
                 if line.startswith("data: {")]

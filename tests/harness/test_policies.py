@@ -23,7 +23,13 @@ from codedojo.engine.types import (
     encode_routed_experts,
 )
 from codedojo.harness.loop import Agent, LoopConfig
-from codedojo.harness.policy import EnginePolicy, OpenAIPolicy, _check_ids, _checked_routing
+from codedojo.harness.policy import (
+    EnginePolicy,
+    OpenAIPolicy,
+    _check_ids,
+    _checked_routing,
+    _checked_versions,
+)
 from codedojo.harness.tools.base import ToolContext
 from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
 from codedojo.harness.trajectory import Turn, load, read_jsonl, write_parquet
@@ -55,7 +61,10 @@ class ScriptedEngine:
             reason = "stop" if t in params.stop_token_ids else ("length" if last else None)
             # as an MoE model routes: the prompt's rows with the first token, then one a token
             routed = torch.full((len(prompt_ids) if i == 0 else 1, 1, 2), i, dtype=torch.int16)
-            yield TokenEvent(t, -0.25, [], reason, cached_tokens=cached, routed_experts=routed)
+            # weights pushed while the third reply is made: its later tokens are version 8's
+            version = 8 if len(self.prompts) >= 3 and i > 0 else 7
+            yield TokenEvent(t, -0.25, [], reason, cached_tokens=cached, routed_experts=routed,
+                             weight_version=version)
             if reason:
                 return
 
@@ -99,6 +108,10 @@ def test_openai_client_path_records_tokens_logprobs_and_masks(scripted_server, s
     assert traj.messages[4]["content"].startswith('<tool_call>[{"name": "grep"')  # as written
     assert traj.messages[5]["content"].startswith("Error: unclosed <tool_call>")
     assert t2.tool_calls == [] and t2.finish_reason == "stop"
+    # Each token's weights' version, kept where a turn's differ.
+    assert [t.weight_version for t in traj.turns] == [7, 7, 7]
+    assert t0.weight_versions == t1.weight_versions == []
+    assert t2.weight_versions == [7] + [8] * (len(t2.completion_ids) - 1)
     # The server's usage.prompt_tokens_details.cached_tokens reaches each turn.
     assert [t.cached_tokens for t in traj.turns] == [0, 10, 20]
     # And so do the routed experts of every token fed, in order: a turn keeps those after the
@@ -110,6 +123,8 @@ def test_openai_client_path_records_tokens_logprobs_and_masks(scripted_server, s
         assert routed[:len(t.prompt_ids)].unique().tolist() == [0]
         assert routed[len(t.prompt_ids):, 0, 0].tolist() == list(range(1, len(t.completion_ids)))
     assert read_jsonl(tmp_path / "t.jsonl").to_dict() == traj.to_dict()
+    write_parquet([traj], tmp_path / "t.parquet")
+    assert load(tmp_path / "t.parquet")[0].turns[2].weight_versions == t2.weight_versions
     session.close()
 
 
@@ -413,3 +428,10 @@ def test_loop_against_dojo_serve_with_smollm2(dojo_serve, sandbox, tmp_path):
         assert len(b.prompt_ids) > len(a.prompt_ids)
     back = read_jsonl(tmp_path / "smol.jsonl")
     assert back.to_dict() == traj.to_dict()
+
+
+def test_a_servers_weight_versions_are_one_integer_a_completion_token():
+    assert _checked_versions(None, 3) == [] and _checked_versions([1, 1, 2], 3) == [1, 1, 2]
+    for bad in ([1, 2], [1, 2, "3"], [1, 2, True], "123"):
+        with pytest.raises(ValueError, match="weight_versions: one integer for each of the 3"):
+            _checked_versions(bad, 3)
