@@ -384,7 +384,10 @@ class EnginePolicy:
         from codedojo.engine.types import SamplingParams, encode_routed_experts
 
         tok = self.chat.tokenizer
-        prompt_ids = self.chat.encode(_for_api(messages), tools or None, add_generation_prompt=True)
+        # the conversation as `OpenAIPolicy` sends it to a server: one episode conditions the
+        # model alike on either path (answers to a malformed call included)
+        prompt_ids = self.chat.encode(_for_openai(messages), tools or None,
+                                      add_generation_prompt=True)
         max_seq = getattr(self.engine, "max_seq_len", None)
         if max_seq is not None:
             if len(prompt_ids) >= max_seq:

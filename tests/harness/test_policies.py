@@ -435,3 +435,38 @@ def test_a_servers_weight_versions_are_one_integer_a_completion_token():
     for bad in ([1, 2], [1, 2, "3"], [1, 2, True], "123"):
         with pytest.raises(ValueError, match="weight_versions: one integer for each of the 3"):
             _checked_versions(bad, 3)
+
+
+def test_both_paths_give_the_model_the_same_prompt_after_a_malformed_call(scripted_server):
+    """The in-process engine and a server render one conversation alike, the answers to a
+    malformed call included (they went in as tool responses on one path, a user message on
+    the other)."""
+    from codedojo.engine.types import Completion
+    from codedojo.harness.policy import PolicyOutput
+    from codedojo.model.toolcalls import parse_tool_calls
+
+    srv, engine, tok = scripted_server
+    chat = ChatTemplate(tok)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {}}}}]
+    bad = '<tool_call>[{"name": "f", "arguments": {]</tool_call>'
+    parsed = parse_tool_calls(bad, "smollm2")
+    msg = PolicyOutput(content=parsed.content, calls=parsed.tool_calls, errors=parsed.errors,
+                       raw_text=bad).message()
+    conversation = [{"role": "user", "content": "go"}, msg] + [
+        {"role": "tool", "tool_call_id": e["id"], "content": "Error: " + e["error"]}
+        for e in msg["invalid_tool_calls"]]
+
+    class Recording:
+        max_seq_len = 1 << 16
+
+        def generate(self, prompts, params, timeout=None):
+            self.prompt = prompts[0]
+            return [Completion(prompt_ids=prompts[0], token_ids=[tok.eos_id], logprobs=[0.0],
+                               finish_reason="stop", weight_version=0)]
+
+    local = Recording()
+    EnginePolicy(local, chat).generate(conversation, tools, 8)
+    OpenAIPolicy("scripted", base_url=srv.url + "/v1", text_format="smollm2").generate(
+        conversation, tools, 8)
+    assert local.prompt == engine.prompts[-1]
