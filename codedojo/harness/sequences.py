@@ -8,11 +8,17 @@ where a turn's prompt begins with the whole of the turn before (prompt and compl
 template renders the model's reply as it was sampled), one pass over the later turn's tokens
 sees every earlier sampled token in exactly the context it was sampled in, causal attention
 being what it is. `training_sequences` merges such chains: a new sequence starts only where a
-prompt departs from the turn before (a self-summary's fresh context, a re-rendered reply).
+prompt departs from the turn before (a self-summary's fresh context, a re-rendered reply) or,
+for an MoE policy, where the routing does.
 
 Every token is taken from the turn that added it: its loss mask (1 where the policy sampled it),
-its sampling logprob and, for an MoE policy, the experts it was routed to when it was first fed
-(router replay trains on the routing that sampled, not on a later prefill's).
+its sampling logprob and, for an MoE policy, the experts it was routed to. A later turn sampled
+from the keys and values its own prefill made, with that prefill's routing: it joins the
+sequence only when it routed every token they share as the sequence has them (a prefix cache
+reused them, or the weights and numerics did not change between the turns). Where its prefill
+routed an earlier token otherwise (a weight update between turns), or only one of the two has
+routing, it starts a sequence of its own, so that replay feeds each sampled token the routing
+that sampled it, and no sequence loses its routing to one turn without.
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ class TrainingSequence:
     logprobs: list[float]  # their sampling logprobs; 0.0 where loss_mask is 0
     turns: list[int] = field(default_factory=list)  # positions in Trajectory.turns, merged
     starts: list[int] = field(default_factory=list)  # where each of them adds its tokens
-    # (len(token_ids) - 1, MoE layers, top_k) int64: every fed token's experts, when every
-    # merged turn recorded its routing; else None
+    # (len(token_ids) - 1, MoE layers, top_k) int64: every fed token's experts, when the
+    # merged turns recorded their routing (all of them do, or none); else None
     routed_experts: Any = None
 
     def turn_of(self, position: int) -> int:
@@ -45,19 +51,16 @@ class TrainingSequence:
 
 def training_sequences(traj: Trajectory) -> list[TrainingSequence]:
     """The trajectory's turns as token sequences, each turn merged into the one before when its
-    prompt begins with all of that turn's prompt and completion."""
-    import torch
-
+    prompt begins with all of that turn's prompt and completion and its routing with all of
+    that turn's routing (or neither turn has routing)."""
     out: list[TrainingSequence] = []
-    pieces: list[list[torch.Tensor] | None] = []  # per sequence, its routing rows so far
     for i, (turn, routing) in enumerate(zip(traj.turns, traj.iter_routed_experts(), strict=True)):
         turn.validate()  # its mask and logprobs fit its tokens
         tokens = turn.prompt_ids + turn.completion_ids
         if not tokens:  # (a server that returned no token ids: nothing to train)
             continue
-        if not out or tokens[:len(out[-1].token_ids)] != out[-1].token_ids:
+        if not out or not _continues(out[-1], tokens, routing, i):
             out.append(TrainingSequence([], [], []))
-            pieces.append([])
         seq, start = out[-1], len(out[-1].token_ids)
         mask = turn.trained_mask()
         if not turn.logprobs and any(mask[len(turn.prompt_ids):]):  # 0.0 would say "certain"
@@ -72,14 +75,24 @@ def training_sequences(traj: Trajectory) -> list[TrainingSequence]:
                                                            strict=True)]
         seq.turns.append(i)
         seq.starts.append(start)
-        # The rows this turn feeds first: from the token before its own (the last sampled token
-        # of the turn before, which that turn never fed) to its last but one.
-        if pieces[-1] is not None:
-            pieces[-1] = None if routing is None else [*pieces[-1], routing[max(start - 1, 0):]]
-    for seq, rows in zip(out, pieces, strict=True):
-        if rows and len({tuple(r.shape[1:]) for r in rows}) > 1:
-            raise ValueError(f"turns {seq.turns}: their routing differs in shape (MoE layers, "
-                             f"top_k): {sorted({tuple(r.shape[1:]) for r in rows})}")
-        if rows:
-            seq.routed_experts = torch.cat(rows)
+        # Its rows begin with the sequence's (see _continues): they are the sequence's now.
+        seq.routed_experts = routing
     return out
+
+
+def _continues(seq: TrainingSequence, tokens: list[int], routing: Any, turn: int) -> bool:
+    """Whether a turn of these tokens and routing (None: none recorded) extends ``seq``: its
+    tokens begin with all of the sequence's, and it routed the tokens the sequence feeds (all
+    but its last) as the sequence has them, or neither has routing."""
+    import torch
+
+    if tokens[:len(seq.token_ids)] != seq.token_ids:
+        return False
+    have = seq.routed_experts
+    if have is None or routing is None:
+        return have is None and routing is None
+    if have.shape[1:] != routing.shape[1:]:
+        shapes = sorted({tuple(have.shape[1:]), tuple(routing.shape[1:])})
+        raise ValueError(f"turns {[*seq.turns, turn]}: their routing differs in shape (MoE "
+                         f"layers, top_k): {shapes}")
+    return torch.equal(routing[:len(have)], have)

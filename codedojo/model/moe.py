@@ -90,25 +90,34 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.init_weights()
 
-    def init_weights(self, std: float = 0.02) -> None:
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, out_std: float | None = None) -> None:
+        """Normal(0, std) for the router and the gate/up projections, Normal(0, out_std) for
+        the down projections, which write to the residual stream (default: std)."""
+        out_std = std if out_std is None else out_std
         nn.init.normal_(self.router.weight, std=std)
-        for w in (self.w1, self.w3, self.w2):
+        for w in (self.w1, self.w3):
             nn.init.normal_(w, std=std)
+        nn.init.normal_(self.w2, std=out_std)
         if self.n_shared > 0:
-            for lin in (self.shared_w1, self.shared_w3, self.shared_w2):
+            for lin in (self.shared_w1, self.shared_w3):
                 nn.init.normal_(lin.weight, std=std)
+            nn.init.normal_(self.shared_w2.weight, std=out_std)
 
     # ---- routing -------------------------------------------------------------------------
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N, D) -> indices (N, k), gates (N, k), scores (N, E); fp32 router math."""
-        scores = torch.sigmoid(self.router(x).float())  # (N, E)
+    def route(self, x: torch.Tensor, tokens: tuple[int, int] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, D) -> indices (N, k), gates (N, k), scores (N, E); fp32 router math (in a
+        bfloat16 model too: rounded logits would pick other experts, and tie). ``tokens``: the
+        forward's (B, T), which replayed indices must match (default (1, N))."""
+        w = self.router.weight.float()
+        b = None if self.router.bias is None else self.router.bias.float()
+        scores = torch.sigmoid(F.linear(x.float(), w, b))  # (N, E)
         if self.replay_indices is not None:
-            rec = self.replay_indices
-            if rec.numel() != x.shape[0] * self.top_k:
-                raise ValueError(f"replay_indices: {tuple(rec.shape)} for {x.shape[0]} tokens of "
-                                 f"top_k {self.top_k} each")
-            idx = rec.reshape(-1, self.top_k).to(x.device, torch.long)  # (checked: router_replay)
+            _check_replay(self.replay_indices, self.top_k, tokens or (1, x.shape[0]))
+            # (expert ids in range and distinct: checked once, by router_replay)
+            idx = self.replay_indices.reshape(-1, self.top_k).to(x.device, torch.long)
         else:
             # The bias steers selection only; it never enters the gate values.
             idx = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
@@ -144,7 +153,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         flat = x.reshape(-1, D)  # (N, D)
-        idx, gates, scores = self.route(flat)
+        idx, gates, scores = self.route(flat, (B, T))
         self._bookkeeping(idx, scores, B, T)
         N, k, E = flat.shape[0], self.top_k, self.n_experts
         # Sort (token, slot) pairs by expert; lay each expert's tokens out in its own row of a
@@ -169,7 +178,7 @@ class MoE(nn.Module):
         """Per-token, per-expert loop: the definition the fast path must match."""
         B, T, D = x.shape
         flat = x.reshape(-1, D)
-        idx, gates, scores = self.route(flat)
+        idx, gates, scores = self.route(flat, (B, T))
         self._bookkeeping(idx, scores, B, T)
         rows = []
         for n in range(flat.shape[0]):
@@ -205,6 +214,23 @@ class MoE(nn.Module):
             return
         self.expert_bias += gamma * torch.sign(load.mean() - load)
         self.tokens_per_expert.zero_()
+
+
+def _check_replay(idx: torch.Tensor, top_k: int, tokens: tuple[int, int] | None = None) -> None:
+    """Replayed expert indices must be integer ids, (B, T, top_k) or, when B == 1, (T, top_k);
+    for a forward of ``tokens`` (B, T), that forward's B and T exactly."""
+    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        raise ValueError(f"replay_indices: expert ids must be integers, got {idx.dtype}")
+    if tokens is None:
+        if idx.ndim in (2, 3) and idx.shape[-1] == top_k:
+            return
+        raise ValueError(f"replay_indices: {tuple(idx.shape)} must be (B, T, {top_k}) or "
+                         f"(T, {top_k}): top_k expert ids a token")
+    B, T = tokens
+    shapes = [(B, T, top_k), *([(T, top_k)] if B == 1 else [])]
+    if tuple(idx.shape) not in shapes:
+        raise ValueError(f"replay_indices: {tuple(idx.shape)} for a forward of {B}x{T} tokens "
+                         f"of top_k {top_k}: must be {' or '.join(map(str, shapes))}")
 
 
 # ---- model-level helpers (the MoE layers are found by type, the model needs no hooks) ------
@@ -243,7 +269,7 @@ def router_replay(model: nn.Module, indices: Sequence[torch.Tensor]):
     if len(indices) != len(layers):
         raise ValueError(f"router_replay: {len(indices)} index tensors for {len(layers)} MoE layers")
     for m, idx in zip(layers, indices, strict=True):  # once, not at every forward that reads them
-        idx = idx.reshape(-1, m.top_k) if idx.numel() % m.top_k == 0 else idx
+        _check_replay(idx, m.top_k)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= m.n_experts):
             raise ValueError(f"replay_indices: expert ids {int(idx.min())}..{int(idx.max())} "
                              f"outside [0, {m.n_experts})")

@@ -252,7 +252,7 @@ class Transformer(FusedModule):
     def init_weights(self, std: float = 0.02) -> None:
         """Normal(0, std) everywhere, residual-output projections scaled by 1/sqrt(2·layers)
         (GPT-2), norms at one, biases at zero. Submodules with their own ``init_weights``
-        (the MoE layer) initialise themselves."""
+        (the MoE layer) initialise themselves, given both stds."""
         out_std = std / (2 * self.cfg.n_layers) ** 0.5
         for name, p in self.named_parameters():
             if p.ndim == 1:
@@ -263,7 +263,7 @@ class Transformer(FusedModule):
                 nn.init.normal_(p, std=std)
         for m in self.modules():
             if m is not self and hasattr(m, "init_weights"):
-                m.init_weights()
+                m.init_weights(std, out_std)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) -> (B, T, dim)."""

@@ -185,8 +185,9 @@ def test_engine_policy_records_an_moe_models_routing(sandbox, tmp_path):
     model = tiny_moe(tok.vocab_size, max_seq_len=4096)
     policy = EnginePolicy(Engine(model, record_routing=True), ChatTemplate(tok), name="moe",
                           temperature=0)
+    # (a task whose greedy reply is whole UTF-8, so the next prompt renders it as sampled)
     traj = Agent(policy, LoopConfig(max_turns=1, max_tokens_per_turn=6)).run(
-        "hello", session, out=tmp_path / "moe.jsonl")
+        "hello world", session, out=tmp_path / "moe.jsonl")
     session.close()
     assert traj.turns, traj.error
     t0 = traj.turns[0]

@@ -46,24 +46,48 @@ def test_a_reply_rendered_back_differently_breaks_the_chain():
     assert [s.turns for s in training_sequences(t)] == [[0], [1]]
 
 
-def test_each_token_keeps_the_routing_it_was_first_fed_with():
-    """A later turn's prefill may route an earlier token differently (numerics, or a changed
-    bias): the merged rows take each fed token's experts from the turn that fed it first."""
+def test_a_turn_joins_the_sequence_only_where_its_prefill_routed_it_alike():
+    """A later turn sampled from its own prefill's keys and values. What decides: it merges into
+    the sequence only when its rows for the tokens they share equal the sequence's (a prefix
+    cache, unchanged weights); where its prefill routed an earlier token otherwise (a weight
+    update between the turns) it starts a sequence of its own, as does a turn with routing
+    next to one without, so that each sampled token is replayed with the routing that
+    sampled it and no sequence loses its routing."""
     def rows(n: int, offset: int = 0) -> torch.Tensor:  # (n fed tokens, 1 layer, top 2)
         r = torch.arange(n) + offset
         return torch.stack([r % 8, (r + 1) % 8], -1)[:, None, :]
 
+    first = turn(0, [1, 2, 3], [10, 11], rows(4))  # feeds 1 2 3 10
     t = Trajectory(task="t")
-    t.add_turn(turn(0, [1, 2, 3], [10, 11], rows(4)))  # feeds 1 2 3 10
+    t.add_turn(first)
+    t.add_turn(turn(1, [1, 2, 3, 10, 11, 4, 5], [12], rows(7, 0)))  # routed 1 2 3 10 alike
+    (seq,) = training_sequences(t)
+    assert seq.turns == [0, 1] and seq.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1]
+    assert seq.routed_experts.shape == (len(seq.token_ids) - 1, 1, 2)
+    assert torch.equal(seq.routed_experts, rows(7))
+
     later = rows(7)
     later[1] = torch.tensor([[7, 6]])  # its prefill routed token 2 otherwise
-    t.add_turn(turn(1, [1, 2, 3, 10, 11, 4, 5], [12], later))  # feeds all but 12
-    (seq,) = training_sequences(t)
-    want = torch.cat([rows(4), later[4:]])
-    assert seq.routed_experts.shape == (len(seq.token_ids) - 1, 1, 2)
-    assert torch.equal(seq.routed_experts, want)
-    t.turns.append(turn(2, seq.token_ids + [6], [13]))  # a turn without routing: none for all
-    assert training_sequences(t)[0].routed_experts is None
+    t = Trajectory(task="t")
+    t.add_turn(turn(0, [1, 2, 3], [10, 11], rows(4)))
+    t.add_turn(turn(1, [1, 2, 3, 10, 11, 4, 5], [12], later))
+    one, two = training_sequences(t)
+    assert one.turns == [0] and torch.equal(one.routed_experts, rows(4))
+    assert two.turns == [1] and torch.equal(two.routed_experts, later)
+    assert two.loss_mask == [0, 0, 0, 0, 0, 0, 0, 1]  # turn 0's tokens trained once, in `one`
+
+    # A turn without routing between two with: three sequences, the routed ones keep theirs.
+    t.turns[1] = turn(1, [1, 2, 3, 10, 11, 4, 5], [12], rows(7))
+    t.turns.insert(1, turn(1, [1, 2, 3, 10, 11, 4], [5]))
+    t.turns[2].index = 2
+    seqs = training_sequences(t)
+    assert [s.turns for s in seqs] == [[0], [1], [2]]
+    assert [s.routed_experts is None for s in seqs] == [False, True, False]
+    assert torch.equal(seqs[2].routed_experts, rows(7))
+    # Without routing at all (a dense policy), the chain is one sequence.
+    for u in t.turns:
+        u.routed_experts, u.routed_experts_shared = None, 0
+    assert [s.turns for s in training_sequences(t)] == [[0, 1, 2]]
 
 
 def test_a_turn_that_does_not_fit_its_tokens_is_named():

@@ -7,6 +7,7 @@ from codedojo.model.config import ModelConfig, MoEConfig
 from codedojo.model.moe import (
     MoE,
     moe_aux_loss,
+    moe_layers,
     recorded_routing,
     router_replay,
     upcycle_mlp,
@@ -108,11 +109,55 @@ def test_router_replay_uses_given_indices_and_router_gets_grads():
         with router_replay(m, forced * 2):
             pass
     # recorded routing that cannot be this input's is named, not an index error deep inside
+    # (nor, where only the count of ids fits, taken as some other tokens' or slots' experts)
+    x_shape = r"for a forward of 2x4 tokens of top_k 2: must be \(2, 4, 2\)$"
     for bad, why in ((forced[0] + 8, r"expert ids \d+\.\.\d+ outside \[0, 8\)"),
                      (forced[0] * 0, "a token's experts must differ"),
-                     (forced[0][:, :3], r"replay_indices: \(2, 3, 2\) for 8 tokens")):
+                     (forced[0] + 0.7, "expert ids must be integers, got torch.float32"),
+                     (forced[0].reshape(16, 1), r"\(16, 1\) must be \(B, T, 2\) or \(T, 2\)"),
+                     (forced[0].reshape(8, 2), r"replay_indices: \(8, 2\) " + x_shape),
+                     (forced[0].reshape(4, 2, 2), r"replay_indices: \(4, 2, 2\) " + x_shape),
+                     (forced[0][:, :3], r"replay_indices: \(2, 3, 2\) " + x_shape)):
         with pytest.raises(ValueError, match=why), router_replay(m, [bad]):
             m(x)
+    with router_replay(m, [forced[0][0].to(torch.int16)]):  # one sequence's rows as (T, k)
+        torch.testing.assert_close(m(x[:1]), m.forward_reference(x[:1]))
+        assert torch.equal(recorded_routing(m)[0], forced[0][:1])
+
+
+def test_the_router_scores_in_float32_in_a_bfloat16_model():
+    """Router logits rounded to bfloat16 (8 bits of mantissa) would make some tokens pick
+    other experts than the same weights' exact scores do, and tie."""
+    torch.manual_seed(0)
+    m = MoE(_cfg(n_routed_experts=16, top_k=4)).to(torch.bfloat16)
+    x = torch.randn(256, 24).to(torch.bfloat16)
+    idx, _, scores = m.route(x)
+    want = torch.sigmoid(x.float() @ m.router.weight.float().T)
+    torch.testing.assert_close(scores, want)
+    assert torch.equal(idx, torch.topk(want + m.expert_bias, 4, dim=-1).indices)
+
+
+def test_model_init_reaches_the_moe_layers_so_wrong_routing_shows():
+    """`Transformer.init_weights(std)` initialises the MoE layers at that std, their down
+    projections at the residual-output std. Left at 0.02 under a model at 0.5, the experts
+    would hardly move the logits, and a replay one token off would pass a 1e-4 check."""
+    from tests.engine.tiny_moe import tiny_moe
+
+    model = tiny_moe()  # init_weights(std=0.5)
+    out_std = 0.5 / (2 * model.cfg.n_layers) ** 0.5
+    for layer in moe_layers(model):
+        for w, std in ((layer.router.weight, 0.5), (layer.w1, 0.5), (layer.w3, 0.5),
+                       (layer.w2, out_std), (layer.shared_w1.weight, 0.5),
+                       (layer.shared_w2.weight, out_std)):
+            got = float(w.detach().std())
+            assert abs(got / std - 1) < 0.2, (tuple(w.shape), got, std)
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids), -1)
+        late = [torch.cat([r[:, :1], r[:, :-1]], 1) for r in recorded_routing(model)]
+        with router_replay(model, late):  # each token given the experts of the one before
+            off = torch.log_softmax(model(ids), -1)
+    assert float((logp - off).abs().max()) > 0.1
 
 
 def test_sequence_aux_loss_prefers_balance():
