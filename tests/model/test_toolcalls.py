@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 
 import pytest
 
@@ -145,23 +144,21 @@ def test_deep_nesting_is_an_error_not_a_crash():
     assert isinstance(err, ToolCallError)
 
 
-def test_one_megabyte_arguments_parse_fast():
+def test_one_megabyte_arguments_parse_whole():
     big = "x = {'a': [1, 2, 3]}\n" * 50_000  # ~1 MB of code with braces and quotes
-    text = "<tool_call>" + json.dumps({"name": "write", "arguments": {"contents": big}}) + "</tool_call>"
+    text = _CountingText("<tool_call>" + json.dumps({"name": "write", "arguments": {
+        "contents": big}}) + "</tool_call>")
     assert len(text) > 1_000_000
-    t0 = time.perf_counter()
     out = parse_tool_calls(text, "hermes")
-    elapsed = time.perf_counter() - t0
     assert out.tool_calls[0].arguments["contents"] == big
-    # Not a benchmark: a generous bound that only a quadratic/backtracking parser would break.
-    assert elapsed < 1.0
+    assert text.read < 2 * len(text)  # (no search of the text again and again)
 
 
-def test_one_megabyte_unclosed_garbage_is_linear():
-    text = "<tool_call>{" + '"a":' * 250_000
-    t0 = time.perf_counter()
+def test_one_megabyte_unclosed_garbage_is_one_error_read_in_linear_work():
+    text = _CountingText("<tool_call>{" + '"a":' * 250_000)
     out = parse_tool_calls(text, "hermes")
-    assert isinstance(out.calls[0], ToolCallError) and time.perf_counter() - t0 < 1.0
+    assert isinstance(out.calls[0], ToolCallError)
+    assert text.read < 4 * len(text)
 
 
 class _CountingText(str):
@@ -302,12 +299,12 @@ def test_xml_numbers_keep_their_value():
     assert call.arguments == {"ratio": -0.0025}
 
 
-def test_xml_one_megabyte_value_parses_fast():
+def test_xml_one_megabyte_value_parses_whole():
     big = "<div>{x}</div>\n" * 70_000
-    text = f"<tool_call><function=write><parameter=contents>\n{big}\n</parameter></function></tool_call>"
-    t0 = time.perf_counter()
+    text = _CountingText(f"<tool_call><function=write><parameter=contents>\n{big}\n"
+                         "</parameter></function></tool_call>")
     (call,) = parse_tool_calls(text, "qwen3_coder").tool_calls
-    assert call.arguments["contents"] == big and time.perf_counter() - t0 < 1.0
+    assert call.arguments["contents"] == big and text.read < 2 * len(text)
 
 
 # -- OpenAI API tool_calls and the registry -----------------------------------------------------
