@@ -19,7 +19,7 @@ x = Σ weight_f · f over features of the trajectory:
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -27,6 +27,10 @@ from codedojo.harness.trajectory import Trajectory
 from codedojo.reward.base import RewardContext, reward
 
 FEATURES = ("thinking_tokens", "tool_call_tokens", "tool_output_tokens", "final_tokens", "tool_calls", "turns")
+Feature = Literal["thinking_tokens", "tool_call_tokens", "tool_output_tokens", "final_tokens",
+                  "tool_calls", "turns"]
+# a feature's weight: a cost grows with it (a negative one would pay for length)
+Weight = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 def concave_penalty(x: float, k: float, q: float) -> float:
@@ -84,7 +88,7 @@ DEFAULT_WEIGHTS = {
 def length_penalty(
     ctx: RewardContext, *, k: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1e-3,
     q: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0,
-    weights: dict[str, float] | None = None,
+    weights: dict[Feature, Weight] | None = None,
 ) -> float:
     """C_{k,q}(x) of the episode (positive; composition gives it a negative weight). C is in
     units of x, about x itself while k·x is small. ``weights`` change the features' weights

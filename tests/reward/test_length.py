@@ -50,6 +50,20 @@ def test_bad_parameters_name_the_field():
         concave_penalty(1.0, 0.1, -1.0)
 
 
+@pytest.mark.parametrize("weights, field", [
+    ({"thinking": 1.0}, "weights.thinking"),  # a feature it does not know
+    ({"turns": -100.0}, "weights.turns"),  # a weight that pays for length
+    ({"turns": float("nan")}, "weights.turns"),
+])
+def test_feature_weights_are_checked_as_the_config_loads(weights, field):
+    from codedojo.reward.base import check_params
+    from codedojo.reward.length import length_penalty as fn
+
+    with pytest.raises(ValueError, match=f"rewards.length_penalty.params.{field}"):
+        check_params("length_penalty", fn, {"weights": weights})
+    check_params("length_penalty", fn, {"weights": {"turns": 0.0, "final_tokens": 2}})
+
+
 def _traj() -> Trajectory:
     t = Trajectory(task="t", messages=[{"role": "user", "content": "x"}])
     t.turns = [
