@@ -64,34 +64,34 @@ _COMMENT_PREFIX = {".py": "#", ".sh": "#", ".toml": "#", ".yaml": "#", ".yml": "
                    ".h": "//", ".cc": "//", ".cpp": "//", ".java": "//"}
 
 
-def added_lines(change: FileChange) -> list[list[str]]:
-    """Runs of consecutive added lines (a file created whole is one run)."""
+def added_line_numbers(change: FileChange) -> set[int]:
+    """The indices of the lines of the file after the change that the change added."""
     before = (change.before or "").splitlines()
     after = (change.after or "").splitlines()
-    runs: list[list[str]] = []
     sm = difflib.SequenceMatcher(a=before, b=after, autojunk=False)
-    for op, _, _, j1, j2 in sm.get_opcodes():
-        if op in ("insert", "replace"):
-            runs.append(after[j1:j2])
-    return runs
+    return {j for op, _, _, j1, j2 in sm.get_opcodes() if op in ("insert", "replace")
+            for j in range(j1, j2)}
 
 
 def comment_blocks(change: FileChange) -> list[list[str]]:
-    """Added comment blocks: consecutive added lines that are comments."""
+    """Added comment blocks: of each run of consecutive comment lines in the file after the
+    change, the lines the change added (a comment line that was there before, a bare ``#``
+    the diff matched inside a new block, joins what is around it; it does not count)."""
     prefix = next((p for ext, p in _COMMENT_PREFIX.items() if change.path.endswith(ext)), None)
     if prefix is None or change.after is None:
         return []
+    added = added_line_numbers(change)
     blocks: list[list[str]] = []
-    for run in added_lines(change):
-        cur: list[str] = []
-        for line in run + [""]:
-            s = line.strip()
-            if s.startswith(prefix) and not s.startswith("#!"):
+    cur: list[str] = []
+    for j, line in enumerate([*change.after.splitlines(), ""]):
+        s = line.strip()
+        if s.startswith(prefix) and not s.startswith("#!"):
+            if j in added:
                 cur.append(s[len(prefix):].strip())
-            else:
-                if cur:
-                    blocks.append(cur)
-                cur = []
+            continue
+        if cur:
+            blocks.append(cur)
+        cur = []
     return blocks
 
 

@@ -4,6 +4,7 @@ import pytest
 
 from codedojo.harness.trajectory import Trajectory
 from codedojo.reward.auxiliary import (
+    comment_blocks,
     comment_reasoning,
     final_todos,
     lint_delta,
@@ -74,6 +75,22 @@ def test_comment_reasoning_counts_long_added_comment_blocks():
     # Comments that were already there are not the agent's.
     assert comment_reasoning(RewardContext(_traj([]), changes=[FileChange("/workspace/a.py", after, after + "\n")])) == 0.0
     assert comment_reasoning(ctx, max_lines=10, max_chars=10_000) == 0.0
+
+
+def test_a_long_added_comment_is_one_block_around_a_comment_line_that_was_there():
+    """The diff matches a bare "#" of the file inside the new block and splits it in two
+    short runs; the block is still one, of the lines added (the old "#" not counted)."""
+    block = ["# Wait, actually the bug is in the loop.", "# First I thought it was the index,",
+             "# but the test fails at the boundary.", "# So let me reconsider the condition.",
+             "#", "# The condition should be <= not <,", "# because the last element counts.",
+             "# Let me fix it that way and re-run."]
+    before = "x = 1\n#\ny = 2\n"
+    change = FileChange("/workspace/a.py", before, "x = 1\n" + "\n".join(block) + "\ny = 2\n")
+    assert [len(b) for b in comment_blocks(change)] == [7]  # (was [4, 3])
+    assert comment_reasoning(RewardContext(_traj([]), changes=[change])) == 1.0
+    # One line added to a long comment that was there is one short block.
+    grown = FileChange("/workspace/a.py", "\n".join(block) + "\n", "\n".join(block) + "\n# ok\n")
+    assert comment_blocks(grown) == [["ok"]]
 
 
 def test_tool_collapse():
