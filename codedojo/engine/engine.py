@@ -441,9 +441,9 @@ class Engine:
         """Swap in new weights between scheduler steps: all or some parameters, by their names
         in the model's state dict, and with an MTP drafter its modules' by theirs in
         ``drafter.mtp``'s, after ``mtp.``. Tokens sampled from then on carry ``version`` (an
-        integer >= 0). Prefixes are not shared across it: the prefix cache is emptied, and
-        requests prefilled before it are no source for requests after it (even under the same
-        version number). MTP weights restart the probing of speculative decoding
+        integer >= 0, never below the engine's: versions only go up). Prefixes are not shared
+        across it: the prefix cache is emptied, and requests prefilled before it are no source
+        for requests after it (even under the same version number). MTP weights restart the probing of speculative decoding
         (`_restart_probing`): what it saw of the old drafts tells nothing of the new.
 
         Everything is checked before anything changes: a version, a name or a tensor refused
@@ -454,6 +454,9 @@ class Engine:
             raise TypeError(f"load_weights: version must be an integer, got {version!r}")
         if version < 0:  # (-1 tags what no weights made)
             raise ValueError(f"load_weights: version must be >= 0, got {version}")
+        if version < self.weight_version:  # (how far behind a sample is counts on it)
+            raise ValueError(f"load_weights: version must not go back: {version} after "
+                             f"{self.weight_version}")
         own = self.model.state_dict()
         if self._mtp is not None:
             own.update({f"mtp.{k}": v for k, v in self._mtp.state_dict().items()})

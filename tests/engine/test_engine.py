@@ -124,6 +124,11 @@ def test_weight_version_tags_completions(model: Transformer) -> None:
     with pytest.raises(TypeError, match=f"{keys[1]} must be a floating tensor"):
         engine.load_weights(bad, version=8)
     assert torch.equal(model.state_dict()[keys[0]], new[keys[0]]) and engine.weight_version == 7
+    # versions never go back (a sample's staleness is counted on them); the same one again may
+    with pytest.raises(ValueError, match="version must not go back: 3 after 7"):
+        engine.load_weights(new, version=3)
+    engine.load_weights(new, version=7)
+    assert engine.weight_version == 7
 
 
 def test_a_refused_load_changes_nothing_and_a_failed_copy_shares_no_old_keys(
