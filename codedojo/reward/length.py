@@ -10,7 +10,10 @@ to be short while hard tasks may still spend what they need.
 x = Σ weight_f · f over features of the trajectory:
     thinking_tokens    reasoning tokens (and self-summary turns, which are deliberation too)
     tool_call_tokens   completion tokens of turns that call tools (minus their reasoning)
-    tool_output_tokens tokens of tool output the model had to read
+    tool_output_tokens tokens of tool output the model had to read: counted by the model, as
+                       the next prompt's growth past the turn's prompt and completion where the
+                       next call in the same context says its prompt's length, else as the loop
+                       estimated it (the last turn, a policy that counts no prompt)
     final_tokens       completion tokens of the final answer
     tool_calls         number of tool calls
     turns              number of model calls
@@ -23,7 +26,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from codedojo.harness.trajectory import Trajectory
+from codedojo.harness.trajectory import Trajectory, Turn
 from codedojo.reward.base import RewardContext, reward
 
 FEATURES = ("thinking_tokens", "tool_call_tokens", "tool_output_tokens", "final_tokens", "tool_calls", "turns")
@@ -49,7 +52,7 @@ def concave_penalty(x: float, k: float, q: float) -> float:
 
 def length_features(traj: Trajectory) -> dict[str, float]:
     f = dict.fromkeys(FEATURES, 0.0)
-    for t in traj.turns:
+    for i, t in enumerate(traj.turns):
         completion = t.completion_tokens or len(t.completion_ids)
         f["turns"] += 1
         if t.kind == "summary":
@@ -60,10 +63,25 @@ def length_features(traj: Trajectory) -> dict[str, float]:
         if t.tool_calls:
             f["tool_call_tokens"] += visible
             f["tool_calls"] += len(t.tool_calls)
-            f["tool_output_tokens"] += t.tool_output_tokens
+            f["tool_output_tokens"] += _tool_output_tokens(t, traj.turns[i + 1:i + 2], completion)
         else:
             f["final_tokens"] += visible
     return f
+
+
+def _tool_output_tokens(turn: Turn, after: list[Turn], completion: int) -> float:
+    """The tokens of ``turn``'s tool output as the model counted them, from the prompt of the
+    call ``after`` it (a one-item list, or none): what it holds past the turn's prompt and
+    completion, the template's few tokens around each output with it; the loop's estimate
+    where that cannot be told (no next call, a summary's call, whose context may cut long
+    outputs, another context after it, no counts)."""
+    nxt = after[0] if after else None
+    if nxt is not None and nxt.kind == "action" and nxt.segment == turn.segment and (
+            nxt.prompt_tokens and turn.prompt_tokens):
+        grown = nxt.prompt_tokens - turn.prompt_tokens - completion
+        if grown >= 0:
+            return float(grown)
+    return float(turn.tool_output_tokens)
 
 
 def episode_cost(traj: Trajectory, weights: dict[str, float]) -> float:
