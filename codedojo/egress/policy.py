@@ -169,6 +169,8 @@ class EgressPolicy(BaseModel):
         """Load a policy from a TOML file (optionally from one `[table]` in it)."""
         try:
             data: Any = tomllib.loads(Path(path).read_text())
+        except UnicodeDecodeError as e:
+            raise PolicyError(f"{path}: not UTF-8 text (byte {e.start})") from None
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise PolicyError(f"{path}: {e}") from None
         if table is not None:

@@ -100,7 +100,10 @@ def serve(
         chat = ChatTemplate(tokenizer, tool_format=tool_format)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--tool-format") from None
-    net, _ = load_model(model, dtype=getattr(torch, dtype))
+    try:
+        net, _ = load_model(model, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as e:  # a tokenizer without weights, a file that is not one
+        raise typer.BadParameter(str(e), param_hint="--model") from None
     net = net.to(dev)
     drafter = None
     if speculative and Path(model).is_dir():
@@ -129,6 +132,8 @@ def serve(
             pass
     except KeyboardInterrupt:
         pass
+    except RuntimeError as e:  # from `start`: it could not listen there (a port taken)
+        raise typer.BadParameter(str(e), param_hint="--host/--port") from None
     finally:
         srv.stop()
         engine.stop()

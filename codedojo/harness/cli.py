@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from codedojo.harness.trajectory import Trajectory
 
 traj_app = typer.Typer(help="Inspect and convert agent trajectories (.jsonl step logs, .parquet).", no_args_is_help=True)
 
@@ -15,18 +18,13 @@ def show(
     path: Annotated[Path, typer.Argument(help="A trajectory .jsonl or a .parquet of trajectories.")],
     index: Annotated[int, typer.Option("--index", "-i", help="Which trajectory of a parquet file.")] = 0,
     full: Annotated[bool, typer.Option("--full", help="Do not shorten long messages.")] = False,
-    width: Annotated[int, typer.Option("--max-chars", help="Characters shown per message unless --full.")] = 1500,
+    width: Annotated[int, typer.Option("--max-chars", min=0,
+                                       help="Characters shown per message unless --full.")] = 1500,
 ) -> None:
     """Print a trajectory readably: header, messages with tool calls, per-turn statistics."""
     from codedojo.harness.render import print_trajectory
-    from codedojo.harness.trajectory import load
 
-    if not path.exists():
-        raise typer.BadParameter(f"{path} does not exist", param_hint="PATH")
-    try:
-        trajs = load(path)
-    except (ValueError, KeyError) as e:
-        raise typer.BadParameter(f"{path}: {e}", param_hint="PATH") from e
+    trajs = _load(path, "PATH")
     if not 0 <= index < len(trajs):
         raise typer.BadParameter(f"{path} holds {len(trajs)} trajectories", param_hint="--index")
     print_trajectory(trajs[index], max_chars=None if full else width)
@@ -38,11 +36,30 @@ def export(
     out: Annotated[Path, typer.Option("--out", "-o", help="The .parquet file to write.")],
 ) -> None:
     """Collect .jsonl trajectories into one parquet file (one row per trajectory)."""
-    from codedojo.harness.trajectory import read_jsonl, write_parquet
+    from codedojo.harness.trajectory import write_parquet
 
-    trajs = [read_jsonl(p) for p in inputs]
-    write_parquet(trajs, out)
+    trajs = [t for p in inputs for t in _load(p, "INPUTS", parquet=False)]
+    try:
+        write_parquet(trajs, out)
+    except OSError as e:
+        raise typer.BadParameter(f"{out}: {e.strerror or e}", param_hint="--out") from e
     typer.echo(f"wrote {len(trajs)} trajectories to {out}")
+
+
+def _load(path: Path, hint: str, parquet: bool = True) -> list[Trajectory]:
+    """The trajectories of a .jsonl step log (or, with ``parquet``, a .parquet file); a file
+    that is missing, unreadable or not a trajectory is a bad ``hint`` argument."""
+    from codedojo.harness.trajectory import load, read_jsonl
+
+    if not path.exists():
+        raise typer.BadParameter(f"{path} does not exist", param_hint=hint)
+    try:
+        return load(path) if parquet else [read_jsonl(path)]
+    except OSError as e:  # a directory, unreadable
+        raise typer.BadParameter(f"{path}: {e.strerror or e}", param_hint=hint) from e
+    except (ValueError, KeyError) as e:
+        why = str(e) if str(e).startswith(str(path)) else f"{path}: {e}"  # (not named twice)
+        raise typer.BadParameter(why, param_hint=hint) from e
 
 
 tools_app = typer.Typer(help="The tool service (JSON-RPC) beside a sandbox.", no_args_is_help=True)
@@ -53,12 +70,14 @@ def tools_serve(
     image: Annotated[str | None, typer.Option(help="Image id or name to start the sandbox from.")] = None,
     directory: Annotated[Path | None, typer.Option("--dir", help="Build the image from this directory.")] = None,
     root: Annotated[str | None, typer.Option(help="Sandbox store (default: the provider's).")] = None,
-    port: Annotated[int, typer.Option(help="TCP port on 127.0.0.1 (0 = any free port).")] = 0,
+    port: Annotated[int, typer.Option(min=0, max=65535,
+                                      help="TCP port on 127.0.0.1 (0 = any free port).")] = 0,
     uds: Annotated[str | None, typer.Option(help="Serve on this unix socket instead.")] = None,
     env: Annotated[list[str] | None, typer.Option(help="NAME=TOML: an environment's tool config.")] = None,
 ) -> None:
     """Start a sandbox and serve its tools; prints {url, sandbox_id} as one JSON line."""
     from codedojo.harness.service import main as service_main
+    from codedojo.sandbox.base import SandboxError
 
     argv = ["--port", str(port)]
     for flag, value in (("--image", image), ("--dir", directory), ("--root", root), ("--uds", uds)):
@@ -66,7 +85,11 @@ def tools_serve(
             argv += [flag, str(value)]
     for item in env or []:
         argv += ["--env", item]
-    service_main(argv)
+    try:
+        service_main(argv)
+    except SandboxError as e:  # no such image, a directory it cannot build from
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 def register(app: typer.Typer) -> None:

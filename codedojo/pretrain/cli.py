@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -29,27 +29,41 @@ def register(app: typer.Typer) -> None:
         --nproc_per_node N` it trains data-parallel with FSDP2 (NCCL on GPUs, gloo on CPUs)."""
         import json
 
+        from pydantic import ValidationError
         from rich.console import Console
 
         from codedojo.pretrain.branch import BranchError
         from codedojo.pretrain.config import load_config
         from codedojo.pretrain.parallel import exit_distributed, is_main
         from codedojo.pretrain.trainer import run
+        from codedojo.progress import progress
 
         console = Console()
         try:
             cfg = load_config(config, overrides or ())
         except ValueError as e:
-            console.print(f"[red]config error[/]: {e}")
-            raise typer.Exit(2) from e
+            _fail(console, "config error", str(e))
         if out_dir is not None:
             cfg = cfg.model_copy(update={"out_dir": out_dir})
         try:
+            progress(console)  # a bad $CODEDOJO_PROGRESS_EVERY is named now, not after the data
             report = run(cfg, console=console, branch_from=branch_from)
-        except BranchError as e:
-            console.print(f"[red]--from[/]: {e}")
-            raise typer.Exit(2) from e
+        except BranchError as e:  # from the branch, or a run's own settings changed
+            _fail(console, "--from" if branch_from is not None else "resume", str(e))
+        except ValidationError as e:  # a model the settings make (model.tiny_overrides)
+            _fail(console, "error", f"{e.title}: " + "; ".join(
+                f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()))
+        except (ValueError, OSError) as e:  # a base model, a file or a setting it cannot use
+            _fail(console, "error", str(e))
         if is_main():
             keys = ("eval_loss", "mtp_agree", "mtp_agree_text", "probe")
             console.print_json(json.dumps({k: report[k] for k in keys if k in report}))
         exit_distributed()  # under torchrun; after a failure torchrun stops the others
+
+
+def _fail(console: Any, what: str, why: str) -> NoReturn:
+    """Say what is wrong on one line (brackets in ``why`` are text, not markup); exit 2."""
+    from rich.markup import escape
+
+    console.print(f"[red]{what}[/]: {escape(why)}", soft_wrap=True)
+    raise typer.Exit(2)

@@ -632,6 +632,7 @@ def prepare_data(cfg: PretrainConfig, tok: Any, run_dir: Path) -> RunData:
             raise ValueError(f"{d}: the data was tokenized by another tokenizer ({was}, this one "
                              f"is {made_by}): start the run anew in another directory")
     else:
+        check_inputs(cfg)
         _, _, stats, train_docs = build_corpus(cfg.corpus, tok, d, vocab, eos)
         lo, hi = cfg.long_docs_chars
         tokenize_to_shards(concat_by_dir(train_docs, lo, hi), tok, shards["long"], vocab, eos)
@@ -668,6 +669,22 @@ def prepare_data(cfg: PretrainConfig, tok: Any, run_dir: Path) -> RunData:
     prompts = {st.name: prompt_pool(cfg, st, tok, d) for st in cfg.stages
                if st.self_gen is not None and st.self_gen.sources and "code" in shards}
     return RunData(shards, Packed.load(ev_dir), np.load(filler_f).tolist(), prompts)
+
+
+def check_inputs(cfg: PretrainConfig) -> None:
+    """The files the data is made from are all there: a missing one is named before any is
+    read and tokenized (minutes on a real corpus), not when its turn comes."""
+    from codedojo.data.readers import resolve_path
+
+    named = [(f"corpus.sources[{i}].path", resolve_path(s.path))
+             for i, s in enumerate(cfg.corpus.sources)]
+    named += [(f"stages[{i}].self_gen.sources[{k}].path", resolve_path(s.path))
+              for i, st in enumerate(cfg.stages) if st.self_gen is not None
+              for k, s in enumerate(st.self_gen.sources)]
+    named += [("sft_jsonl", Path(cfg.sft_jsonl))] if cfg.sft_jsonl else []
+    for what, path in named:
+        if not path.exists():
+            raise FileNotFoundError(f"{what}: {path} does not exist")
 
 
 def prompt_pool(cfg: PretrainConfig, stage: StageConfig, tok: Any, d: Path) -> Path:
@@ -749,11 +766,11 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
     check_resume(run_dir, cfg)
     if rank == 0:  # what this run was last started with, `--set` overrides applied
         write_atomic(run_dir / "config.json", cfg.model_dump_json(indent=1))
+    model, mtp = build_model(cfg)  # before the data: what makes it fail is named at once
     console.print(f"[bold]{cfg.name}[/]: preparing data under {run_dir / 'data'}"
                   + (f" ({world} processes)" if world > 1 else ""))
     with main_rank_first():
         data = prepare_data(cfg, tok, run_dir)
-    model, mtp = build_model(cfg)
     check_lengths(cfg, model.cfg, tok, data.probe_filler)
     model.to(dev)
     if mtp is not None:

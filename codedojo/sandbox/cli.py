@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import NoReturn
 
 import typer
 
@@ -29,20 +30,45 @@ def _client(url: str | None):
     return SandboxClient(url or os.environ.get("CODEDOJO_SANDBOX_URL", "http://127.0.0.1:8181"))
 
 
-def _fail(e: Exception) -> None:
+def _fail(e: Exception | str) -> NoReturn:
     typer.echo(f"error: {e}", err=True)
     raise typer.Exit(2)
 
 
 @sandbox_app.command()
-def serve(root: str = ROOT, host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8181),
-          max_sandboxes: int = typer.Option(512), max_memory_percent: float = typer.Option(90.0)) -> None:
-    """Run the sandbox service (HTTP/JSON) until interrupted."""
-    from codedojo.sandbox.service import ServiceConfig
-    from codedojo.sandbox.service import serve as run
+def serve(root: str = ROOT, host: str = typer.Option("127.0.0.1"),
+          port: int = typer.Option(8181, min=0, max=65535, help="0 picks a free port."),
+          max_sandboxes: int = typer.Option(512, min=1),
+          max_memory_percent: float = typer.Option(90.0)) -> None:
+    """Run the sandbox service (HTTP/JSON) until interrupted; prints its URL and where its
+    token is once it listens."""
+    import socket
 
-    run(ServiceConfig(root=root, host=host, port=port, max_sandboxes=max_sandboxes,
-                      max_memory_percent=max_memory_percent))
+    import uvicorn
+
+    from codedojo.sandbox.base import TOKEN_ENV, SandboxError, token_path
+    from codedojo.sandbox.service import ServiceConfig, create_app
+
+    v6 = ":" in host
+    sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM)
+    try:  # bound here: a port taken is named, and the one 0 picks is known
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        _fail(f"cannot listen on {host}:{port} ({e.strerror or e})")
+    try:
+        app = create_app(ServiceConfig(root=root, host=host, port=port,
+                                       max_sandboxes=max_sandboxes,
+                                       max_memory_percent=max_memory_percent))
+    except (SandboxError, OSError) as e:
+        sock.close()
+        _fail(e)
+    token = f"${TOKEN_ENV}" if os.environ.get(TOKEN_ENV) else token_path(app.state.provider.root)
+    url = f"http://{f'[{host}]' if v6 else host}:{sock.getsockname()[1]}"
+    typer.echo(f"Sandbox service at {url} (token: {token})")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 
 
 @sandbox_app.command()
@@ -60,7 +86,8 @@ def create(image: str, memory_mb: int = 2048, pids: int = 512, cpus: float = 1.0
 
 @sandbox_app.command("exec")
 def exec_(sandbox_id: str, command: list[str], timeout: float = typer.Option(None), url: str = URL) -> None:
-    """Run a command (one argument: through sh -c; several: as argv); exits with its status."""
+    """Run a command (one argument: through sh -c; several: as argv); exits with its status.
+    Put -- before a command that has options: dojo sandbox exec ID -- ls -la."""
     from codedojo.sandbox.base import SandboxError
 
     try:
@@ -122,15 +149,19 @@ def ls(url: str = URL) -> None:
 
 @sandbox_app.command("rm")
 def rm(sandbox_ids: list[str], url: str = URL) -> None:
-    """Destroy sandboxes."""
+    """Destroy sandboxes: each one there is, naming each one that is not (exit status 2)."""
     from codedojo.sandbox.base import SandboxError
 
     client = _client(url)
-    try:
-        for i in sandbox_ids:
+    failed = False
+    for i in sandbox_ids:
+        try:
             client.get(i).destroy()
-    except SandboxError as e:
-        _fail(e)
+        except SandboxError as e:
+            typer.echo(f"error: {e}", err=True)
+            failed = True
+    if failed:
+        raise typer.Exit(2)
 
 
 @sandbox_app.command()

@@ -66,6 +66,11 @@ def test_policy_from_toml_and_errors_name_the_field(tmp_path):
     f.write_text("allow_hosts = ['http://x.org/']\n")
     with pytest.raises(PolicyError, match="allow_hosts"):
         EgressPolicy.from_toml(f)
+    f.write_bytes(b"\xffallow_hosts = []\n")
+    with pytest.raises(PolicyError, match=r"p.toml: not UTF-8 text \(byte 0\)"):
+        EgressPolicy.from_toml(f)
+    with pytest.raises(PolicyError, match="Is a directory"):
+        EgressPolicy.from_toml(tmp_path)
 
 
 def test_the_test_override_cannot_come_from_a_file_and_is_exact(tmp_path):

@@ -83,3 +83,35 @@ def test_dojo_serve_names_a_negative_prefix_cache():
 
     r = CliRunner().invoke(app, ["serve", "--prefix-cache-tokens", "-1"])
     assert r.exit_code == 2 and "--prefix-cache-tokens" in r.output
+
+
+def test_dojo_serve_names_a_model_without_weights_and_a_port_taken(tmp_path):
+    """A directory with a tokenizer but no weights, and a port another server listens on: one
+    line naming it, exit status 2, no traceback."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    from codedojo.cli import app
+
+    tok = tiny_tokenizer()
+    tok.save(tmp_path / "tok")
+    r = CliRunner().invoke(app, ["serve", "--model", str(tmp_path / "tok")],
+                           env={"COLUMNS": "300"})
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), r.output
+    assert "--model" in r.output and "config.json not found" in r.output
+
+    cfg = ModelConfig.tiny(vocab_size=tok.vocab_size, max_seq_len=128)
+    save_hf(Transformer(cfg), cfg, tmp_path / "m")
+    tok.save(tmp_path / "m")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # in a process of its own: `serve` sets the process's SIGTERM handler
+        r = subprocess.run([sys.executable, "-c", "from codedojo.cli import main; main()",
+                            "serve", "--model", str(tmp_path / "m"), "--port", str(port)],
+                           capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "COLUMNS": "300"})
+    assert r.returncode == 2, r.stderr
+    assert f"could not listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr

@@ -242,3 +242,20 @@ def test_calls_beyond_a_thread_pools_size_do_not_hold_up_the_others():
             t.join()
         running.stop()
         server.close()
+
+
+def test_tools_serve_names_what_it_cannot_start_from(provider, tmp_path):
+    """An image or directory that is not there, or a port out of range: one line, exit 2."""
+    from typer.testing import CliRunner
+
+    from codedojo.cli import app
+
+    root = provider.root
+    for args, said in [(["--image", "nosuch"], "error: image: no image or name 'nosuch'"),
+                       (["--dir", str(tmp_path / "nosuch")], "is not a directory"),
+                       (["--image", "x", "--port", "-1"], "--port"),
+                       (["--image", "x", "--port", "70000"], "--port")]:
+        r = CliRunner().invoke(app, ["tools", "serve", "--root", root, *args],
+                               env={"COLUMNS": "200"})
+        assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (args, r.output)
+        assert said in r.output and "Traceback" not in r.output, (args, r.output)

@@ -292,6 +292,32 @@ def test_traj_show_cli(tmp_path):
     assert json.loads(json.dumps(load(exported)[0].to_dict()))["final_message"] == "all good"
 
 
+def test_traj_cli_names_a_file_it_cannot_read_or_write(tmp_path):
+    """A directory, a missing file, one that is not a step log, a place the output cannot go or
+    a negative width: one line naming it, exit status 2, no traceback."""
+    from typer.testing import CliRunner
+
+    from codedojo.cli import app
+
+    good = _stepped(tmp_path / "t.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"type": "end", "status": "finished"}\n')
+    out = str(tmp_path / "all.parquet")
+    for args, said in [
+        (["show", str(tmp_path)], f"{tmp_path}: Is a directory"),
+        (["show", str(good), "--max-chars", "-5"], "--max-chars"),
+        (["export", str(tmp_path / "missing.jsonl"), "-o", out], "missing.jsonl does not exist"),
+        (["export", str(good), str(bad), "-o", out],
+         f"{bad}:1: the first record must be the header"),
+        (["export", str(good), str(tmp_path), "-o", out], f"{tmp_path}: Is a directory"),
+        (["export", str(good), "-o", str(good / "all.parquet")], "--out"),
+    ]:
+        r = CliRunner().invoke(app, ["traj", *args], env={"COLUMNS": "300"})
+        assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (args, r.output)
+        assert said in r.output and "Traceback" not in r.output, (args, r.output)
+    assert not (tmp_path / "all.parquet").exists()
+
+
 def test_a_line_cut_inside_a_character_is_a_partial_last_line(tmp_path):
     p = _stepped(tmp_path / "t.jsonl")
     line = ('{"type": "end", "status": "finished", "final_message": "Voilà"}').encode()

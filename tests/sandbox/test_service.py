@@ -295,6 +295,14 @@ def test_many_sandboxes_alive_at_once(client, project):
             s.destroy()
 
 
+def _live_ids(url: str) -> set[str]:
+    c = SandboxClient(url, token="test-token")
+    try:
+        return {s["id"] for s in c.list()}
+    finally:
+        c.close()
+
+
 def test_cli_drives_the_service(service, project):
     # In-process (the `dojo` entry point imports every stage, which takes seconds per call).
     from typer.testing import CliRunner
@@ -318,10 +326,67 @@ def test_cli_drives_the_service(service, project):
     forks = dojo("fork", sid, "-n", "2", "--snapshot", snap).stdout.split()
     assert len(forks) == 2
     assert sid in dojo("ls").stdout
-    assert dojo("rm", sid, *forks).returncode == 0
-    assert sid not in dojo("ls").stdout
+    assert dojo("rm", forks[0]).returncode == 0
+    r = dojo("rm", sid, "sb-nosuch", *forks)  # each one there is destroyed, each other named
+    assert r.returncode == 2 and r.stderr.count("error: ") == 2, r.stderr
+    assert f"no live sandbox {forks[0]!r}" in r.stderr and "'sb-nosuch'" in r.stderr
+    assert not {sid, *forks} & _live_ids(url)
     r = dojo("exec", sid, "true")
     assert r.returncode == 2 and "no live sandbox" in r.stderr
+
+
+def test_cli_serve_says_where_it_listens_and_where_its_token_is(provider, monkeypatch):
+    """`serve` prints its URL (the port 0 picked) and the token's file, not the token; a port
+    taken or out of range, and a limit below one, are named before it starts."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from codedojo.sandbox.cli import sandbox_app
+
+    monkeypatch.delenv("CODEDOJO_SANDBOX_TOKEN", raising=False)
+    root = provider.root
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from codedojo.sandbox.cli import sandbox_app; sandbox_app()",
+         "serve", "--root", root, "--port", "0"], stdout=subprocess.PIPE, text=True)
+    killer = threading.Timer(120, proc.kill)  # a service that never says where it is fails
+    killer.start()
+    try:
+        line = proc.stdout.readline()
+        killer.cancel()
+        token_file = os.path.join(root, "service.token")
+        assert line.startswith("Sandbox service at http://127.0.0.1:"), line
+        assert line.endswith(f" (token: {token_file})\n"), line
+        url = line.split()[3]
+        token = open(token_file).read().strip()
+        assert token not in line
+        c = SandboxClient(url, token=token)
+        assert c.list() == []
+        c.close()
+        port = url.rsplit(":", 1)[1]
+        runner = CliRunner()
+        for args, said in [(["--port", port], f"error: cannot listen on 127.0.0.1:{port} "
+                                               "(Address already in use)"),
+                           (["--port", "70000"], "--port"), (["--port", "-1"], "--port"),
+                           (["--max-sandboxes", "0"], "--max-sandboxes")]:
+            r = runner.invoke(sandbox_app, ["serve", "--root", root, *args],
+                              env={"COLUMNS": "200"})
+            assert r.exit_code == 2 and said in r.output, (args, r.output)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)  # (uvicorn, once shut down, ends by the signal it was sent)
+
+
+def test_cli_exec_help_says_how_to_pass_a_commands_options():
+    from typer.testing import CliRunner
+
+    from codedojo.sandbox.cli import sandbox_app
+
+    r = CliRunner().invoke(sandbox_app, ["exec", "--help"], env={"COLUMNS": "200"})
+    assert "Put -- before a command that has options" in " ".join(r.output.split())
 
 
 def test_cli_image_and_gc(provider, tmp_path):
