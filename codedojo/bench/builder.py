@@ -19,7 +19,6 @@ import random
 import shutil
 import sys
 import tempfile
-import tomllib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from codedojo.bench.suite import Suite, save_suite
 from codedojo.bench.task import ImageRecipe, Pinned, Task, Timeouts, inside_tree, pinned
 from codedojo.bench.testrun import LocalExecutor, PytestCommand, TestReport, run_pytest
 from codedojo.bench.workspace import resolves
+from codedojo.configfile import read_toml
 
 Log = Callable[[str], None]
 
@@ -115,8 +115,7 @@ class BuildRecipe(BaseModel):
 
 
 def load_recipe(path: str | os.PathLike[str]) -> BuildRecipe:
-    with open(path, "rb") as f:
-        return BuildRecipe.model_validate(tomllib.load(f))
+    return BuildRecipe.model_validate(read_toml(path))
 
 
 def pytest_pin(version: str | None = None) -> str:

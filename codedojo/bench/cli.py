@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import tomllib
 from pathlib import Path
 from typing import Annotated
 
@@ -108,8 +107,10 @@ def build(
     con = _console()
     try:
         plan = load_recipe(recipe)
-    except (tomllib.TOMLDecodeError, ValidationError) as e:
+    except ValidationError as e:
         raise typer.BadParameter(f"{recipe}: {e}", param_hint="RECIPE") from None
+    except ValueError as e:  # (not to be read as TOML: it names the file)
+        raise typer.BadParameter(str(e), param_hint="RECIPE") from None
     # refused before the build, which takes minutes: the same suite built again replaces itself
     if not force and (other := other_suite_at(out, plan.name, plan.version)):
         raise typer.BadParameter(f"{out} holds {other}, not suite {plan.name!r} {plan.version}: "

@@ -38,11 +38,11 @@ def serve(
     """Run the proxy until interrupted; sandboxes attach over the control socket."""
     import signal
     import threading
-    import tomllib
 
     from pydantic import ValidationError
     from rich.console import Console
 
+    from codedojo.configfile import read_toml
     from codedojo.egress.control import ControlServer
     from codedojo.egress.proxy import EgressProxy, EgressProxyConfig
 
@@ -51,9 +51,9 @@ def serve(
     where = ""  # the table the config's fields are read from
     if config is not None:
         try:
-            raw = tomllib.loads(config.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise typer.BadParameter(f"{config}: {e}", param_hint="--config") from None
+            raw = read_toml(config)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--config") from None
         egress = raw.get("egress", {})
         if not isinstance(egress, dict) or not isinstance(egress.get("proxy", {}), dict):
             what = "egress" if not isinstance(egress, dict) else "egress.proxy"

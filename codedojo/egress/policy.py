@@ -32,13 +32,14 @@ from __future__ import annotations
 import fnmatch
 import ipaddress
 import re
-import tomllib
 from collections.abc import Collection
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from codedojo.configfile import read_toml
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -168,11 +169,9 @@ class EgressPolicy(BaseModel):
     def from_toml(cls, path: str | Path, table: str | None = None) -> EgressPolicy:
         """Load a policy from a TOML file (optionally from one `[table]` in it)."""
         try:
-            data: Any = tomllib.loads(Path(path).read_text())
-        except UnicodeDecodeError as e:
-            raise PolicyError(f"{path}: not UTF-8 text (byte {e.start})") from None
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise PolicyError(f"{path}: {e}") from None
+            data: Any = read_toml(path)
+        except ValueError as e:
+            raise PolicyError(str(e)) from None
         if table is not None:
             if table not in data or not isinstance(data[table], dict):
                 raise PolicyError(f"{path}: no [{table}] table")

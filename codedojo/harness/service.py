@@ -11,6 +11,7 @@ accepts calls, and destroys the sandbox when it gets SIGTERM or SIGINT.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -38,30 +39,41 @@ def serve(
         raise ValueError("image/dir: give exactly one of --image and --dir")
     envs = {"default": EnvToolConfig()}
     for name, path in (env_configs or {}).items():
-        envs[name] = EnvToolConfig.from_toml(path)
-    provider = LocalProvider(root=root)
+        try:
+            envs[name] = EnvToolConfig.from_toml(path)
+        except ValueError as e:  # (the file, or a field of it)
+            raise ValueError(f"--env {name}: {e}") from None
+    provider = LocalProvider(root=root, pool_size=0)  # (one sandbox: none kept ready)
     if directory is not None:
         image = provider.images.from_directory(directory).id
     assert image is not None
     sandbox = provider.create(SandboxSpec(image=image))
-    search = None
-    if codebase_search:
-        from codedojo.harness.embeddings import CodebaseIndex
+    try:  # (a port taken, a signal: the sandbox goes with the service)
+        search = None
+        if codebase_search:
+            from codedojo.harness.embeddings import CodebaseIndex
 
-        search = CodebaseIndex()  # the model loads on the first search
-    server = ToolServer(sandbox=sandbox, envs=envs, search=search)
-    running = serve_in_thread(server, host=host, port=port, uds=uds)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    # the token on stdout, to the process that started this one (`ToolClient(url, token=...)`)
-    print(json.dumps({"url": running.url, "uds": uds, "token": running.token,
-                      "sandbox_id": sandbox.id, "pid": __import__("os").getpid()}), flush=True)
-    try:
-        stop.wait()
+            search = CodebaseIndex()  # the model loads on the first search
+        server = ToolServer(sandbox=sandbox, envs=envs, search=search)
+        try:
+            running = serve_in_thread(server, host=host, port=port, uds=uds)
+        except OSError as e:  # a port taken, an address not this host's
+            where = uds or f"{host}:{port}"
+            raise ValueError(f"--host/--port: cannot listen on {where} ({e.strerror or e})"
+                             ) from None
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        # the token on stdout, to the process that started this one (`ToolClient(url,
+        # token=...)`)
+        print(json.dumps({"url": running.url, "uds": uds, "token": running.token,
+                          "sandbox_id": sandbox.id, "pid": os.getpid()}), flush=True)
+        try:
+            stop.wait()
+        finally:
+            running.stop()
+            server.close()
     finally:
-        running.stop()
-        server.close()
         sandbox.destroy()
 
 

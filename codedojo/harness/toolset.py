@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from codedojo.configfile import read_toml
 from codedojo.harness.tools import DEFAULT_TOOLS
 from codedojo.harness.tools.base import (
     Strictness,
@@ -67,7 +67,7 @@ class EnvToolConfig(BaseModel):
 
     @classmethod
     def from_toml(cls, path: str | Path) -> EnvToolConfig:
-        return cls.model_validate(tomllib.loads(Path(path).read_text()))
+        return cls.model_validate(read_toml(path))
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from pydantic import (
     model_validator,
 )
 
+from codedojo.configfile import read_toml
 from codedojo.data.corpus import CorpusConfig
 from codedojo.data.readers import SourceConfig
 from codedojo.model.config import RopeScaling
@@ -250,15 +251,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PretrainConf
     """TOML -> config, with ``overrides`` (`apply_overrides`) set over it; errors name the file
     and the field path."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise ValueError(f"{path}: no such config file") from e
-    except (OSError, UnicodeDecodeError) as e:  # a directory, unreadable, not UTF-8 text
-        raise ValueError(f"{path}: cannot read the config ({e})") from e
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: invalid TOML ({e})") from e
-    raw = apply_overrides(raw, overrides)
+    raw = apply_overrides(read_toml(path), overrides)
     try:
         return PretrainConfig.model_validate(raw)
     except ValidationError as e:

@@ -8,7 +8,6 @@ function registered with `@reward(name)` plus a `[rewards.name]` table in the TO
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Importing the modules registers their rewards.
+from codedojo.configfile import read_toml
 from codedojo.reward import auxiliary, length, outcome  # noqa: F401
 from codedojo.reward.base import RewardContext, check_params, get_reward
 
@@ -63,7 +63,7 @@ class RewardConfig(BaseModel):
 
     @classmethod
     def from_toml(cls, path: str | Path) -> RewardConfig:
-        data = tomllib.loads(Path(path).read_text())
+        data = read_toml(path)
         return cls.model_validate(data)
 
 

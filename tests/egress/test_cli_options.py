@@ -9,7 +9,7 @@ from codedojo.egress.cli import egress_app
 
 def test_a_config_that_cannot_be_read_is_named(tmp_path):
     runner = CliRunner()
-    for config, says in ((tmp_path / "missing.toml", "No such file"),
+    for config, says in ((tmp_path / "missing.toml", "no such file"),
                          (tmp_path / "bad.toml", "bad.toml: ")):
         if config.name == "bad.toml":
             config.write_text("[egress\n")

@@ -69,7 +69,7 @@ def test_policy_from_toml_and_errors_name_the_field(tmp_path):
     f.write_bytes(b"\xffallow_hosts = []\n")
     with pytest.raises(PolicyError, match=r"p.toml: not UTF-8 text \(byte 0\)"):
         EgressPolicy.from_toml(f)
-    with pytest.raises(PolicyError, match="Is a directory"):
+    with pytest.raises(PolicyError, match="a directory, not a TOML file"):
         EgressPolicy.from_toml(tmp_path)
 
 

@@ -259,3 +259,33 @@ def test_tools_serve_names_what_it_cannot_start_from(provider, tmp_path):
                                env={"COLUMNS": "200"})
         assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (args, r.output)
         assert said in r.output and "Traceback" not in r.output, (args, r.output)
+
+
+def test_tools_serve_names_a_bad_env_file_and_a_taken_port_and_leaves_no_sandbox(
+        provider, repo_image, tmp_path):
+    import os
+    import socket
+
+    from typer.testing import CliRunner
+
+    from codedojo.cli import app
+
+    (tmp_path / "bad.toml").write_text("[tools\n")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    sandboxes = os.path.join(provider.root, "sandboxes")
+    before = set(os.listdir(sandboxes))
+    for args, said in [
+        (["--env", f"ci={tmp_path / 'missing.toml'}"], f"--env ci: {tmp_path}/missing.toml: no "
+                                                       "such file"),
+        (["--env", f"ci={tmp_path / 'bad.toml'}"], f"--env ci: {tmp_path}/bad.toml: not TOML"),
+        (["--port", str(port)], f"--host/--port: cannot listen on 127.0.0.1:{port}"),
+    ]:
+        r = CliRunner().invoke(app, ["tools", "serve", "--root", provider.root, "--image",
+                                     repo_image, *args], env={"COLUMNS": "200"})
+        assert r.exit_code == 2 and said in r.output, (args, r.output)
+        assert "Traceback" not in r.output
+    taken.close()
+    assert set(os.listdir(sandboxes)) == before  # (the one made for the taken port is gone)

@@ -1,0 +1,33 @@
+"""Reading a TOML config file, with one error for whatever keeps it from being read.
+
+Every config of codedojo (a pretraining recipe, a bench recipe, an egress policy, a tool
+environment, the rewards) is TOML; each loader validates the tables it gets and names the
+field that is wrong. This is the step before: the file itself.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The tables of the TOML file at ``path``; ValueError naming the file and what keeps it
+    from being read: missing, a directory, unreadable, not UTF-8 text, not TOML (the line and
+    column)."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: a directory, not a TOML file") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not TOML ({e})") from None
