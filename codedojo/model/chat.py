@@ -6,7 +6,9 @@ The template is the GGUF's `tokenizer.chat_template`, run with jinja2 the way HF
 
 Templates that know tools (they mention `tools`, like Qwen's) get `tools` and assistant
 `tool_calls` as they are. Templates that do not (SmolLM2's only writes `role` and `content`) get
-the model's tool-call format spelled out by us, the way SmolLM2-Instruct was trained:
+the model's tool-call format spelled out by us, in the shape of SmolLM2-Instruct's tool-calling
+data (in words of our own, not the prompt it was trained with: a model may call tools less
+reliably than with that one):
 - the tool JSON schemas go into the system message inside `<tools>...</tools>`, with the
   instruction to answer with `<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>`;
 - an assistant turn's `tool_calls` are written back in that same shape after its content;
