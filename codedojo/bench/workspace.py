@@ -151,9 +151,17 @@ def pytest_command(task: Task) -> PytestCommand:
                          extra_args=tuple(task.image.pytest_args))
 
 
-def collect_changes(sb: Sandbox) -> dict[str, bytes | None]:
-    """What the agent changed under /workspace: relative path -> new bytes (None = deleted)."""
+# What the changes an episode made are read into the host, in all: a sandbox's sparse files
+# cost it nothing on its disk, and read back whole, a few of them would take the host's memory.
+MAX_CHANGE_BYTES = 256 << 20
+
+
+def collect_changes(sb: Sandbox, max_bytes: int = MAX_CHANGE_BYTES) -> dict[str, bytes | None]:
+    """What the agent changed under /workspace: relative path -> new bytes (None = deleted).
+    Files past ``max_bytes`` in all are left out, as unreadable ones are (the grading copy
+    has them as the task had them: the episode's loss, never the host's memory)."""
     out: dict[str, bytes | None] = {}
+    left = max_bytes
     for ch in sb.changes():
         rel = ch.path[len(WORKSPACE) + 1:] if ch.path.startswith(WORKSPACE + "/") else ch.path.lstrip("/")
         if not rel or _cache_debris(rel):
@@ -164,9 +172,10 @@ def collect_changes(sb: Sandbox) -> dict[str, bytes | None]:
         try:
             if sb.stat(ch.path).kind != "file":
                 continue
-            out[rel] = sb.read_file(ch.path)
-        except SandboxError:
+            out[rel] = data = sb.read_file(ch.path, max_bytes=left)
+        except SandboxError:  # (FileTooLarge among them)
             continue
+        left -= len(data)
     return out
 
 

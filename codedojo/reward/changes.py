@@ -17,7 +17,7 @@ from collections.abc import Callable
 from codedojo.harness.lint import CONFIG_FILES
 from codedojo.harness.trajectory import Trajectory
 from codedojo.reward.base import FileChange, RewardContext, TestReport
-from codedojo.sandbox.base import WORKSPACE, Sandbox, SandboxError
+from codedojo.sandbox.base import WORKSPACE, FileTooLarge, Sandbox, SandboxError
 
 MAX_BYTES = 1_000_000
 
@@ -34,6 +34,8 @@ def _side(read: Callable[[str], bytes], path: str) -> str | object | None:
     """The text of one side: None where there is no file, `_UNREADABLE` where it is no text."""
     try:
         return _text(read(path))
+    except FileTooLarge:
+        return _UNREADABLE
     except (FileNotFoundError, SandboxError):
         return None
 
@@ -44,7 +46,8 @@ def collect_changes(sandbox: Sandbox) -> list[FileChange]:
     for ch in sandbox.changes():
         path = ch.path if ch.path.startswith("/") else f"{WORKSPACE}/{ch.path}"
         before = None if ch.kind == "added" else _side(sandbox.read_original, path)
-        after = None if ch.kind == "deleted" else _side(sandbox.read_file, path)
+        after = None if ch.kind == "deleted" else _side(  # (a file past it is not read)
+            lambda p: sandbox.read_file(p, max_bytes=MAX_BYTES), path)
         if _UNREADABLE in (before, after) or before == after:  # directories: None on both
             continue
         out.append(FileChange(path, before, after))  # type: ignore[arg-type]

@@ -172,7 +172,7 @@ def test_an_agents_file_is_not_taken_for_bytecode_by_a_piece_of_its_name():
              "b.pyc", ".pytest_cache/v/x"]
     sb = SimpleNamespace(
         changes=lambda: [Change(f"/workspace/{p}", "added") for p in paths],
-        stat=lambda p: SimpleNamespace(kind="file"), read_file=lambda p: b"x")
+        stat=lambda p: SimpleNamespace(kind="file"), read_file=lambda p, max_bytes=None: b"x")
     assert sorted(collect_changes(sb)) == [".pyc_notes/x.txt", "a.py", "notes.pyc.md"]
 
 

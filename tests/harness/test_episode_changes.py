@@ -225,3 +225,30 @@ def test_rollouts_of_one_task_share_its_run_as_it_came(fresh, sandbox):
     assert len(made) == 3  # two episodes' runs, one run as it came
     assert grade(sandbox, F2P, P2P, as_it_came=as_it_came).pass_to_pass == broken
     assert len(made) == 3
+
+
+def test_changes_past_what_the_host_reads_are_left_out_not_read(sandbox):
+    """A sparse file costs the sandbox nothing and would cost the host its size: grading
+    reads the changes up to a budget, the rewards' texts up to MAX_BYTES each, and a file
+    grown past that is no text, not a deleted file."""
+    from codedojo.bench.workspace import collect_changes as changed_files
+
+    sandbox.exec("for f in a b c; do head -c 100 /dev/zero | tr '\\0' x > $f.txt; done; "
+                 "truncate -s 1G sparse.bin")
+    reads = []
+    real = sandbox.read_file
+
+    def read_file(path, max_bytes=None):
+        reads.append(max_bytes)
+        return real(path, max_bytes)
+
+    sandbox.read_file = read_file
+    try:
+        got = changed_files(sandbox, max_bytes=250)
+    finally:
+        del sandbox.read_file
+    assert len(got) == 2 and all(v == b"x" * 100 for v in got.values())
+    assert all(m is not None and m <= 250 for m in reads)
+    sandbox.write_file("inventory/stock.py", b"# " + b"x" * MAX_BYTES + b"\n")
+    texts = {c.path: c for c in collect_changes(sandbox)}
+    assert "/workspace/inventory/stock.py" not in texts  # (no text: not listed as deleted)
