@@ -1,11 +1,16 @@
-"""Sandbox speed: create, fork, restore, snapshot, exec round trip, sandboxes alive at once.
+"""Sandbox speed: create, fork, restore, snapshot, exec round trip, sandboxes alive at once,
+and how a fork and a destroy scale with the sandboxes alive.
 
 Workspace: a git checkout of this project (a real package) plus its venv at /workspace/.venv
 (packages installed by pip from the configured registry), >= 5,000 files. Baselines measured in
 the same run: `cp -a` of the same workspace (what copying per rollout would cost) and a plain
 bubblewrap run of /bin/true (what spawning a sandbox per command would cost).
 
-    python benchmarks/sandbox.py [--n 30] [--concurrent 64]
+    python benchmarks/sandbox.py [--n 30] [--concurrent 64] [--live 64]
+
+Scaling: a fork plus its destroy with no other fork alive, then with `--live` forks alive (a
+cost that grows with the sandboxes alive, as a scan of the host's mount table per destroy did,
+shows as the ratio), and the destroy of those `--live` each.
 
 Prints one JSON line. The image is cached in the store by name, so only the first run pays
 for pip; set CODEDOJO_SANDBOX_ROOT to choose the store (default /tmp/codedojo-sandbox-bench).
@@ -68,6 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=30)
     ap.add_argument("--concurrent", type=int, default=64)
+    ap.add_argument("--live", type=int, default=64, help="forks alive for the scaling figures")
     args = ap.parse_args()
     provider = LocalProvider(root=os.environ.get("CODEDOJO_SANDBOX_ROOT", "/tmp/codedojo-sandbox-bench"))
     provider.gc()
@@ -110,6 +116,29 @@ def main() -> None:
             fork.append(took)
             forks[0].destroy()
         out["fork_ms_p50"] = p50(fork)
+
+        def fork_destroy() -> None:
+            sb.fork(1, snap)[0].destroy()
+
+        # (the pool off, so that both sides take the same path: `--live` forks would empty it)
+        pool_size, provider.pool_size = provider.pool_size, 0
+        provider.drain_pool()
+        out["live"] = args.live
+        out["fork_destroy_ms_p50_0_live"] = p50([ms(fork_destroy) for _ in range(args.n)])
+        t = time.perf_counter()
+        alive = sb.fork(args.live, snap)
+        out["fork_ms_each_to_live"] = round((time.perf_counter() - t) * 1000 / args.live, 3)
+        try:
+            out["fork_destroy_ms_p50_at_live"] = p50([ms(fork_destroy) for _ in range(args.n)])
+        finally:
+            t = time.perf_counter()
+            for s in alive:
+                s.destroy()
+            took = (time.perf_counter() - t) * 1000
+            out["destroy_ms_each_from_live"] = round(took / args.live, 3)
+            provider.pool_size = pool_size
+        out["fork_destroy_ratio_live_vs_0"] = round(
+            out["fork_destroy_ms_p50_at_live"] / out["fork_destroy_ms_p50_0_live"], 2)
         restore = []
         for _ in range(args.n):
             sb.exec("rm -rf new; echo junk > junk.txt")

@@ -7,6 +7,10 @@ Store layout (under the provider's root):
     names/<name>        the image id a name points to
     tmp/                layers under construction (renamed into place when complete)
 
+A layer is shared by every image built on it, so removing an image (`ImageStore.remove`)
+removes only its file and names; `prune` (run by the provider's `gc`) then deletes the layers no
+image file names and no mounted sandbox uses.
+
 A layer id is the sha256 of its tree (paths, types, modes, owners, contents, link targets and
 overlay whiteouts), so building the same thing twice stores it once, and an image id is the
 sha256 of its layer list. Layers are overlayfs lower directories: a deletion is a character
@@ -30,6 +34,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -52,6 +57,9 @@ SANDBOX_HOME = "/home/user"
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 OPAQUE_XATTR = "trusted.overlay.opaque"
 ID_LEN = 32  # hex chars of sha256 kept; short ids keep overlay's option string small
+_LAYER_ID = re.compile(f"[0-9a-f]{{{ID_LEN}}}")
+# `prune` leaves a layer this new: a layer is committed before the image that names it is written.
+PRUNE_MIN_AGE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -279,6 +287,7 @@ class ImageStore:
             if not os.path.isdir(dst):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)  # the same content is already stored
+        os.utime(dst)  # new to `prune` until an image names it (its root's times are unseen)
         return layer_id
 
     def copy_layer(self, layer_id: str, salt: str) -> str:
@@ -293,6 +302,7 @@ class ImageStore:
                 os.rename(tmp, dst)
             except OSError:
                 shutil.rmtree(tmp, ignore_errors=True)
+        os.utime(dst)  # (as in commit_layer)
         return new_id
 
     def put_image(self, layers: Sequence[str], base: str = "host", name: str | None = None,
@@ -322,8 +332,8 @@ class ImageStore:
             f.write(image_id)
         os.rename(tmp, path)
 
-    def resolve(self, ref: str) -> Image:
-        """An image by id or name; a missing image or layer is a clear error."""
+    def _image_file(self, ref: str) -> str:
+        """The file of an image given by id or name; a missing one is a clear error."""
         if not isinstance(ref, str) or not ref:
             raise SandboxError(f"image: expected an image id or name, got {ref!r}")
         image_id = ref
@@ -334,12 +344,87 @@ class ImageStore:
         path = os.path.join(self.root, "images", f"{image_id}.json")
         if "/" in image_id or not os.path.isfile(path):
             raise SandboxError(f"image: no image or name {ref!r} in {self.root}")
+        return path
+
+    def resolve(self, ref: str) -> Image:
+        """An image by id or name; a missing image or layer is a clear error."""
+        path = self._image_file(ref)
         with open(path) as f:
             doc = json.load(f)
         for layer in doc["layers"]:
             if not os.path.isdir(self.layer_path(layer)):
                 raise SandboxError(f"image {ref!r}: layer {layer} is missing from the store")
         return Image(doc["id"], tuple(doc["layers"]), doc.get("base", "host"))
+
+    def remove(self, ref: str) -> str:
+        """Delete an image (by id or name) and every name that points to it; returns its id.
+        Its layers stay until `prune` finds that no image names them (other images may be
+        built on them). Refused while a live sandbox of this store's provider runs on it:
+        created from it, forked from it or restored to it (`LocalSandbox.source`). A snapshot
+        that `fork(n)` took itself is its forks' `source`: remove it once they are gone."""
+        path = self._image_file(ref)
+        image_id = os.path.basename(path).removesuffix(".json")
+        if self.provider is not None:
+            users = sorted(sb.id for sb in self.provider.list()
+                           if image_id in (sb.source, sb.image.id))
+            if users:
+                raise SandboxError(f"image: {ref!r} is in use by live sandboxes: "
+                                   f"{', '.join(users)}")
+        names = os.path.join(self.root, "names")
+        for n in os.listdir(names):  # (hidden keys too: the base's)
+            with contextlib.suppress(FileNotFoundError):
+                with open(os.path.join(names, n)) as f:
+                    points_here = f.read().strip() == image_id
+                if points_here:
+                    os.unlink(os.path.join(names, n))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        if self._base is not None and self._base.id == image_id:
+            self._base = None
+        return image_id
+
+    def prune(self, min_age_s: float = PRUNE_MIN_AGE_S) -> list[str]:
+        """Delete the layers that no image file names and no sandbox of the store has mounted
+        (any process's, read from the mount table); returns their ids. A layer younger than
+        ``min_age_s`` stays: it may be one whose image is still being written. An image file
+        that cannot be read stops it before anything is deleted (SandboxError)."""
+        keep: set[str] = set()
+        images = os.path.join(self.root, "images")
+        for n in os.listdir(images):
+            if not n.endswith(".json"):
+                continue  # one being written: its layers are new
+            try:
+                with open(os.path.join(images, n)) as f:
+                    keep.update(json.load(f)["layers"])
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise SandboxError(f"prune: image file {n} cannot be read ({e}); no layer was "
+                                   "deleted") from None
+        if self.provider is not None:  # (this process's: mounted or about to be)
+            for sb in self.provider.list():
+                keep.update(sb.lowers)
+                keep.update(sb.image.layers)
+        # overlay's options in the mount table name each lower directory, escaped as there
+        prefix = "".join(f"\\{ord(c):03o}" if c in ",= \t\n\\" else c
+                         for c in self.layer_path(""))
+        with open("/proc/self/mountinfo") as f:
+            keep.update(re.findall(re.escape(prefix) + f"([0-9a-f]{{{ID_LEN}}})", f.read()))
+        removed = []
+        now = time.time()
+        for n in sorted(os.listdir(os.path.join(self.root, "layers"))):
+            if n in keep or not _LAYER_ID.fullmatch(n):
+                continue
+            doomed = os.path.join(self.root, "tmp", f"pruned-{n}-{uuid.uuid4().hex}")
+            try:
+                if now - os.lstat(self.layer_path(n)).st_mtime < min_age_s:
+                    continue
+                os.rename(self.layer_path(n), doomed)  # gone from the store in one step
+            except FileNotFoundError:
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)  # (what is left, gc removes later)
+            removed.append(n)
+        return removed
 
     def names(self) -> dict[str, str]:
         out = {}

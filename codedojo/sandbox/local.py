@@ -23,6 +23,11 @@ Snapshots copy the upper layer (only what changed since the sandbox started) int
 content-addressed layer while the cgroup is frozen; fork and restore mount a fresh upper over
 [snapshot layer, *image layers]. Only the filesystem is snapshotted: `criu check` fails on this
 project's kernel, so running processes are not (restore kills them); see `CRIU_AVAILABLE`.
+A snapshot stays in the store until `images.remove(id)` (refused while a sandbox runs on it:
+a sandbox's `source` is the image or snapshot its layers come from, so `fork(n)` without a
+snapshot names the one it took in its forks' `source`); `gc` then deletes the layers no image
+names (`ImageStore.prune`). An RL loop that snapshots per step removes each snapshot once its
+forks are destroyed, or the store only grows.
 """
 
 from __future__ import annotations
@@ -33,8 +38,11 @@ import dataclasses
 import errno
 import hashlib
 import json
+import logging
 import os
 import posixpath
+import resource
+import select
 import selectors
 import shutil
 import signal
@@ -46,7 +54,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from codedojo.sandbox.agent import agent_binary
 from codedojo.sandbox.base import (
@@ -92,6 +100,8 @@ _KERNEL_FS = {"proc", "sysfs", "devtmpfs", "devpts", "mqueue", "cgroup", "cgroup
 # After a command exits, how long to keep reading output that a background child still holds.
 EXIT_GRACE_S = 0.05
 
+log = logging.getLogger(__name__)
+
 
 def criu_available() -> bool:
     """True when `criu check` passes, i.e. process trees could be checkpointed here."""
@@ -121,6 +131,51 @@ def _mounts_under(prefix: str) -> list[str]:
             if target == prefix or target.startswith(prefix.rstrip("/") + "/"):
                 out.append(target)
     return out
+
+
+def _umount_if_mounted(target: str) -> None:
+    """Detach the mount at ``target``; nothing mounted there (EINVAL) or no such path is no
+    error, any other failure is raised."""
+    try:
+        umount(target, MNT_DETACH)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOENT):
+            raise
+
+
+_nofile_raised = False
+
+
+def _raise_nofile_limit() -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard limit, once per process. A live sandbox holds
+    two file descriptors and a running command five, so the usual soft limit (1024) runs out
+    at a few hundred sandboxes, long before memory does; no fd here is ever passed to
+    select(), whose 1024 bound is why that soft limit exists."""
+    global _nofile_raised
+    if _nofile_raised:
+        return
+    _nofile_raised = True
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _out_of_fds(what: str) -> OSError:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return OSError(errno.EMFILE, f"the host is out of file descriptors (this process's "
+                                 f"RLIMIT_NOFILE is {soft}): {what}")
+
+
+@contextlib.contextmanager
+def _fd_exhaustion_named(what: str):
+    """A full fd table (EMFILE) raised in the block says so, and what it stopped."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.EMFILE or "out of file descriptors" in str(e):
+            raise
+        raise _out_of_fds(what) from e
 
 
 MS_SHARED = 1 << 20
@@ -214,14 +269,22 @@ class _Process:
                   *(_utf8(a, "command") for a in argv), str(len(env)).encode(),
                   *(_utf8(f"{k}={v}", f"env {k!r}") for k, v in env.items())]
         payload = b"\0".join(fields) + b"\0"
-        self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        with _fd_exhaustion_named("no command can be started"):
+            self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             self.conn.connect(address)
             self.conn.sendall(struct.pack("=I", len(payload)) + payload)
-            msg, fds, _, _ = socket.recv_fds(self.conn, 256, 3)
+            msg, fds, flags, _ = socket.recv_fds(self.conn, 256, 3)
         except OSError as e:
             self.conn.close()
             raise SandboxError(f"sandbox is not running ({e.strerror or e})") from None
+        if msg.startswith(b"F ") and (len(fds) != 3 or flags & socket.MSG_CTRUNC):
+            # The command started, but the kernel dropped the pipes init sent with it: this
+            # process's fd table had no room for them. Closing the connection kills it.
+            for fd in fds:
+                os.close(fd)
+            self.conn.close()
+            raise _out_of_fds("the command's pipes could not be received, so it was killed")
         if not msg.startswith(b"F ") or len(fds) != 3:
             for fd in fds:
                 os.close(fd)
@@ -270,7 +333,8 @@ def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
     ``cap`` bytes of a stream are kept, its start and its end (`_Kept`); with ``stop``, those of
     the stream before the marker, then the marker and the status after it, which is looked for
     in each read and the few bytes before it, never in all of a command's output."""
-    sel = selectors.DefaultSelector()
+    with _fd_exhaustion_named("the command's output cannot be read"):
+        sel = selectors.DefaultSelector()
     streams = (proc.stdout, proc.stderr)
     shell = {fd: _MarkerScan(m, cap) for m, fd in zip(stop, streams, strict=True)} if stop else {}
     bufs = {} if shell else {fd: _Kept(cap) for fd in streams}
@@ -482,9 +546,13 @@ class LocalShell:
                 self._drop()
                 return self.run(command, timeout) if time.monotonic() - t0 < 1 else ExecResult(
                     137, "", "shell died", duration_s=time.monotonic() - t0)
-            out, err, timed_out, truncated = _collect(
-                proc, None, t0 + timeout, limits.max_output_bytes,
-                stop=(self._marker, self._marker))
+            try:
+                out, err, timed_out, truncated = _collect(
+                    proc, None, t0 + timeout, limits.max_output_bytes,
+                    stop=(self._marker, self._marker))
+            except BaseException:
+                self._drop()  # where its streams stand is unknown: a fresh shell next time
+                raise
             code: int
             if self._marker in out and self._marker in err:
                 out, _, tail = out.partition(self._marker)
@@ -521,6 +589,11 @@ def _await_status(proc: _Process, timeout: float = 5.0) -> None:
             pass
 
 
+class _InitGone(SandboxError):
+    """A pooled sandbox's init was found dead as it was claimed (the host's OOM killer, an
+    admin's kill): the create goes on without it."""
+
+
 class LocalSandbox:
     """One sandbox (see the module docstring). Implements `codedojo.sandbox.base.Sandbox`."""
 
@@ -530,6 +603,9 @@ class LocalSandbox:
         self.spec = spec
         self.image = image  # what the sandbox was created from (changes() compares to it)
         self.lowers: tuple[str, ...] = image.layers  # the current lower stack (restore moves it)
+        # The image whose layers `lowers` are: `image` for a create, the snapshot for a fork or
+        # after a restore (`ImageStore.remove` refuses it while the sandbox lives).
+        self.source = image.id
         self.dir = os.path.join(provider.root, "sandboxes", sandbox_id)
         self.binding = EgressBinding()
         self._address = b"\0codedojo-" + uuid.uuid4().hex.encode()
@@ -542,6 +618,7 @@ class LocalSandbox:
         self.cgroup: Cgroup | None = None
         self._shells: list[LocalShell] = []
         self._lock = threading.RLock()
+        self._self_bind = False  # its directory is bound on itself (a pooled sandbox's is)
         self.destroyed = False
 
     # ---- lifecycle ----
@@ -670,6 +747,7 @@ class LocalSandbox:
         try:
             self._prepare(self.spec.limits)
             mount(self.dir, self.dir, None, MS_BIND)
+            self._self_bind = True
             mount("none", self.dir, None, MS_SHARED)
             self._start_init(new_netns=True, wait_go=True)
             self._write_state()
@@ -678,8 +756,9 @@ class LocalSandbox:
             raise
 
     def _claim(self, spec: SandboxSpec, image: Image, origin: Image) -> None:
-        """Turn a pooled sandbox into the one asked for: limits, filesystem, go."""
-        self.spec, self.image, self.lowers = spec, origin, image.layers
+        """Turn a pooled sandbox into the one asked for: limits, filesystem, go. Raises
+        `_InitGone` when its init was found dead (killed while it waited in the pool)."""
+        self.spec, self.image, self.lowers, self.source = spec, origin, image.layers, image.id
         try:
             assert self.cgroup is not None
             limits = spec.limits
@@ -688,9 +767,20 @@ class LocalSandbox:
             self._go()
             # state.json from the blank already names the init, cgroups and owner (all gc needs)
             self._attach_egress()
-        except BaseException:
+        except BaseException as e:
+            gone = not self._init_alive()  # (asked before the teardown, which kills it)
             self._teardown(keep_dir=False)
+            if gone and isinstance(e, Exception):
+                raise _InitGone(f"sandbox {self.id}: its init was gone") from e
             raise
+
+    def _init_alive(self) -> bool:
+        """Whether init runs still: its pidfd turns readable when it exits."""
+        if self._init_fd < 0:
+            return self._waiter is not None and self._waiter.poll() is None
+        poll = select.poll()
+        poll.register(self._init_fd, select.POLLIN)
+        return not poll.poll(0)
 
     def _finish_start(self) -> None:
         self._write_state()
@@ -725,36 +815,64 @@ class LocalSandbox:
                 signal.pidfd_send_signal(self._init_fd, signal.SIGKILL)  # pid 1: its whole pid ns
             os.close(self._init_fd)
             self._init_fd = -1
-        if self.cgroup is not None:
-            self.cgroup.kill()  # anything that got out of the pid ns the cgroup still holds
-        if self._waiter is not None:
-            for pipe in (self._waiter.stdin, self._waiter.stdout):
-                if pipe is not None:
-                    with contextlib.suppress(OSError):
-                        pipe.close()
-            self._waiter.wait()
-            self._waiter = None
-        self.init_pid = 0
-        for sh in list(self._shells):
-            sh.close()
+        try:
+            if self.cgroup is not None:
+                self.cgroup.kill()  # anything that got out of the pid ns the cgroup still holds
+        finally:
+            if self._waiter is not None:
+                for pipe in (self._waiter.stdin, self._waiter.stdout):
+                    if pipe is not None:
+                        with contextlib.suppress(OSError):
+                            pipe.close()
+                self._waiter.wait()
+                self._waiter = None
+            self.init_pid = 0
+            for sh in list(self._shells):
+                sh.close()
 
     def _unmount_fs(self) -> None:
+        """Detach the overlay and the tmpfs under it (both tried; the first failure raised)."""
+        failed: list[OSError] = []
         for target in (self._mnt, self._rw):
-            with contextlib.suppress(OSError):
-                umount(target, MNT_DETACH)
+            try:
+                _umount_if_mounted(target)
+            except OSError as e:
+                failed.append(e)
+        if failed:
+            raise failed[0]
 
-    def _teardown(self, keep_dir: bool) -> None:
-        self._stop_processes()
-        self._unmount_fs()
-        with contextlib.suppress(OSError):
-            umount(os.path.join(self.dir, "netns"), MNT_DETACH)
-        if any(m == self.dir for m in _mounts_under(self.dir)):
-            with contextlib.suppress(OSError):
-                umount(self.dir, MNT_DETACH)  # a pooled sandbox's shared self-bind
+    def _teardown(self, keep_dir: bool) -> list[Exception]:
+        """Undo what the start made: processes, mounts, cgroups, the directory. Each step is
+        tried whatever became of the others (the directory only once nothing is mounted in
+        it: it is never removed through a mount). What is left puts the id where `gc` finds
+        it, and is logged; returns the failures, first first."""
+        failed: list[tuple[str, Exception]] = []
+
+        def attempt(what: str, step: Callable[[], object]) -> bool:
+            try:
+                step()
+                return True
+            except Exception as e:
+                failed.append((what, e))
+                return False
+
+        attempt("processes", self._stop_processes)
+        unmounted = attempt("mounts", self._unmount_fs)
+        unmounted &= attempt("netns", lambda: _umount_if_mounted(os.path.join(self.dir, "netns")))
+        if self._self_bind:  # a pooled sandbox's shared self-bind
+            self._self_bind = not attempt("self-bind", lambda: _umount_if_mounted(self.dir))
+            unmounted &= not self._self_bind
         if self.cgroup is not None:
-            self.cgroup.remove()
-        if not keep_dir:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            attempt("cgroups", self.cgroup.remove)
+        if not keep_dir and unmounted:
+            attempt("directory", lambda: shutil.rmtree(self.dir) if os.path.lexists(self.dir)
+                    else None)
+        if failed or (not keep_dir and os.path.lexists(self.dir)):
+            self.provider._unfinished.add(self.id)
+            left = "; ".join(f"{what}: {e}" for what, e in failed) or "the directory"
+            log.warning("sandbox %s: teardown left %s; the provider's gc() removes what is left",
+                        self.id, left)
+        return [e for _, e in failed]
 
     def destroy(self) -> None:
         """Kill every process, unmount, remove cgroups and directories; idempotent."""
@@ -763,10 +881,9 @@ class LocalSandbox:
                 return
             self.destroyed = True
             try:
-                self._teardown(keep_dir=False)
-            except BaseException:
-                self.provider._unfinished.add(self.id)  # for gc, though this process lives on
-                raise
+                failed = self._teardown(keep_dir=False)  # (what is left is gc's)
+                if failed:
+                    raise failed[0]
             finally:
                 if self.spec.egress is not None:
                     with contextlib.suppress(Exception):
@@ -1245,10 +1362,10 @@ class LocalSandbox:
             self._check_alive()
             image = self._own_snapshot(snapshot)
             self._stop_processes()
-            self._unmount_fs()
             self._shells.clear()
-            self.lowers = image.layers
+            self.lowers, self.source = image.layers, image.id
             try:
+                self._unmount_fs()
                 self._mount_fs()
                 self._start_init(new_netns=False)
                 self._write_state()
@@ -1286,6 +1403,7 @@ class LocalProvider:
 
     def __init__(self, root: str | None = None, *, pool_size: int = 4):
         self.root = os.path.abspath(root or os.environ.get("CODEDOJO_SANDBOX_ROOT") or DEFAULT_ROOT)
+        _raise_nofile_limit()
         self.sandboxes_dir = os.path.join(self.root, "sandboxes")
         os.makedirs(self.sandboxes_dir, exist_ok=True)
         _ensure_tmpfs(self.sandboxes_dir)
@@ -1319,6 +1437,10 @@ class LocalProvider:
         return self._create(spec, image, origin=image)
 
     def _create(self, spec: SandboxSpec, image: Image, origin: Image) -> LocalSandbox:
+        with _fd_exhaustion_named("no sandbox can be started"):
+            return self._make(spec, image, origin)
+
+    def _make(self, spec: SandboxSpec, image: Image, origin: Image) -> LocalSandbox:
         validate_limits(spec.limits)
         validate_env(spec.env, "spec.env")  # (every command would fail on a bad one)
         blank = self._take_blank()
@@ -1327,13 +1449,15 @@ class LocalProvider:
                 self._sandboxes[blank.id] = blank
             try:
                 blank._claim(spec, image, origin)
+                return blank
+            except _InitGone:
+                self._forget(blank.id)  # (torn down) and made below instead
             except BaseException:
                 self._forget(blank.id)
                 raise
-            return blank
         sandbox_id = "sb-" + uuid.uuid4().hex[:12]
         sb = LocalSandbox(self, sandbox_id, spec, origin)
-        sb.lowers = image.layers
+        sb.lowers, sb.source = image.layers, image.id
         with self._lock:
             self._sandboxes[sandbox_id] = sb
         try:
@@ -1346,15 +1470,25 @@ class LocalProvider:
     # ---- the pool ----
 
     def _take_blank(self) -> LocalSandbox | None:
+        """A pooled sandbox whose init runs, or None; those whose init died while they
+        waited are torn down."""
         if self.pool_size <= 0 or self._closed:
             return None
+        dead: list[LocalSandbox] = []
         with self._pool_cv:
             if self._pool_thread is None:
                 self._pool_thread = threading.Thread(target=self._fill_pool, name="sandbox-pool", daemon=True)
                 self._pool_thread.start()
-            blank = self._pool.pop() if self._pool else None
+            blank = None
+            while self._pool and blank is None:
+                blank = self._pool.pop()
+                if not blank._init_alive():
+                    dead.append(blank)
+                    blank = None
             self._last_take = time.monotonic()
             self._pool_cv.notify_all()
+        for b in dead:
+            b._teardown(keep_dir=False)
         return blank
 
     def _fill_pool(self) -> None:
@@ -1418,10 +1552,12 @@ class LocalProvider:
 
     def gc(self, *, all_owners: bool = False) -> list[str]:
         """Clean up sandboxes whose owning process is gone (a crash), and this process's own
-        whose `destroy` failed partway: processes, cgroups, mounts, directories. With
-        all_owners, also those of live processes other than this one. Returns the ids cleaned."""
+        whose teardown left something (a failed `destroy` or create): processes, cgroups,
+        mounts, directories. With all_owners, also those of live processes other than this
+        one. Then layers no image names (`ImageStore.prune`). Returns the sandbox ids cleaned."""
         cleaned: list[str] = []
         sdir = os.path.join(self.root, "sandboxes")
+        mounts = _mounts_under(sdir)  # (read once: the host's table may be long)
         with self._pool_cv:
             live = set(self._sandboxes) | {b.id for b in self._pool}
         for sid in sorted(os.listdir(sdir)):
@@ -1443,12 +1579,15 @@ class LocalProvider:
             cg = Cgroup(state.get("cgroups") or {}, bool(state.get("cgroup_v2")))
             with contextlib.suppress(OSError, TimeoutError):
                 cg.kill()
-            for target in sorted(_mounts_under(d), key=len, reverse=True):
+            mine = [m for m in mounts if m == d or m.startswith(d + "/")]
+            for target in sorted(mine, key=len, reverse=True):
                 with contextlib.suppress(OSError):
                     umount(target, MNT_DETACH)
             with contextlib.suppress(OSError, TimeoutError):
                 cg.remove()
             shutil.rmtree(d, ignore_errors=True)
+            if os.path.lexists(d):
+                continue  # (still this process's to clean, at the next gc)
             self._unfinished.discard(sid)
             cleaned.append(sid)
         # Cgroups of this store that no sandbox directory accounts for.
@@ -1458,11 +1597,17 @@ class LocalProvider:
                 with contextlib.suppress(OSError, TimeoutError):
                     cg.kill()
                     cg.remove()
-                cleaned.append(sid)
+                self._unfinished.discard(sid)  # (a teardown that removed all but these)
+                if sid not in cleaned:
+                    cleaned.append(sid)
         # Leftover layer builds.
         tmp = os.path.join(self.root, "tmp")
         for n in os.listdir(tmp):
             p = os.path.join(tmp, n)
             if time.time() - os.lstat(p).st_mtime > 3600:
                 shutil.rmtree(p, ignore_errors=True)
+        try:
+            self.images.prune()
+        except SandboxError as e:  # (an image file it cannot read: nothing deleted)
+            log.warning("gc: %s", e)
         return cleaned

@@ -9,8 +9,9 @@ when admission control refuses a new sandbox (the detail names the resource unde
 A failure in one sandbox never takes the service down: every route catches its own errors.
 
 Admission control reads live pressure with psutil before each create/fork: memory in use, the
-store's disk, the 1-minute load per CPU, and the number of live sandboxes; room for the
-sandboxes a create/fork asks for is held from its check until it returns.
+store's disk, the 1-minute load per CPU, the number of live sandboxes and the file descriptors
+this process has left; room for the sandboxes a create/fork asks for is held from its check
+until it returns.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import dataclasses
 import hmac
 import os
+import resource
 import secrets
 import threading
 import uuid
@@ -126,6 +128,13 @@ class CommandImageIn(BaseModel):
     timeout: float = 600.0
 
 
+# File descriptors each live sandbox holds (its init's pidfd and root), and those kept free for
+# what runs meanwhile: commands (five each: a connection, three pipes, a selector), the pool's
+# refill and the server's sockets.
+FDS_PER_SANDBOX = 2
+FD_HEADROOM = 256
+
+
 def admission_check(config: ServiceConfig, provider: LocalProvider, n: int = 1,
                     reserved: int = 0) -> str | None:
     """The reason ``n`` new sandboxes must wait, or None. ``reserved``: sandboxes admitted and
@@ -136,6 +145,13 @@ def admission_check(config: ServiceConfig, provider: LocalProvider, n: int = 1,
         being_made = f", {reserved} being made" if reserved else ""
         return (f"sandboxes: {live} live{being_made} and {n} asked for, the limit is "
                 f"{config.max_sandboxes}")
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY:
+        used = psutil.Process().num_fds()
+        if used + FDS_PER_SANDBOX * (reserved + n) + FD_HEADROOM > soft:
+            return (f"file descriptors: {used} open, {FDS_PER_SANDBOX} for each of {n} asked "
+                    f"for and {FD_HEADROOM} kept for commands would pass this process's limit "
+                    f"(RLIMIT_NOFILE {soft})")
     mem = psutil.virtual_memory().percent
     if mem > config.max_memory_percent:
         return f"memory: {mem:.1f}% in use > {config.max_memory_percent}%"

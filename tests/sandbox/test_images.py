@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
+
+import pytest
 
 from codedojo.sandbox import images
-from codedojo.sandbox.images import copy_layer_tree, tree_digest
+from codedojo.sandbox.base import SandboxError, SandboxSpec
+from codedojo.sandbox.images import ImageStore, copy_layer_tree, tree_digest
+from tests.sandbox.conftest import SMALL
 
 
 def test_a_snapshot_being_built_is_not_taken_for_a_leftover(sandbox, provider, monkeypatch):
@@ -57,3 +62,54 @@ def test_a_tree_with_hard_links_is_copied_and_addressed_as_such(tmp_path):
     # The same content without the link is another tree (a fork of it would differ).
     assert tree_digest(str(tmp_path / "out")) == tree_digest(str(tmp_path / "linked"))
     assert tree_digest(str(tmp_path / "linked")) != tree_digest(str(tmp_path / "copied"))
+
+
+def _age(store: ImageStore, *layers: str) -> None:
+    old = time.time() - 7200
+    for layer in layers:
+        os.utime(store.layer_path(layer), (old, old))
+
+
+def test_removed_images_give_back_the_layers_nothing_else_uses(provider, project, tmp_path):
+    """A layer is shared: removing an image leaves those another image names, a live
+    sandbox's (any process's, from the mount table) and new ones; `gc` prunes the rest. An
+    image a live sandbox runs on, a fork's snapshot included, is not removed."""
+    store = provider.images
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "f.txt").write_text(uuid.uuid4().hex)  # layers no other test has
+    a = store.from_directory(str(tmp_path / "a"), name="prune-a")
+    b = store.from_directory(str(tmp_path / "b"), parent=a.id, name="prune-b")
+    top_a, top_b = a.layers[0], b.layers[0]
+    _age(store, top_a, top_b)
+    assert store.remove("prune-a") == a.id
+    for ref in ("prune-a", a.id):
+        with pytest.raises(SandboxError, match="no image or name"):
+            store.resolve(ref)
+    assert top_a not in store.prune()  # b is built on it
+    sb = provider.create(SandboxSpec(image="prune-b", limits=SMALL))
+    try:
+        with pytest.raises(SandboxError, match=f"in use by live sandboxes: {sb.id}"):
+            store.remove(b.id)
+        sb.write_file("new.txt", "x")
+        (fork,) = sb.fork(1)  # the snapshot it takes is the fork's source
+        (snap_layer,) = set(store.resolve(fork.source).layers) - set(b.layers)
+        with pytest.raises(SandboxError, match=f"in use by live sandboxes: {fork.id}"):
+            store.remove(fork.source)
+        fork.destroy()
+        store.remove(fork.source)
+        assert snap_layer not in store.prune()  # new: its image may be being written
+        _age(store, snap_layer)
+        # seen from another process, which knows nothing of `sb`: its layers are mounted
+        other = ImageStore(provider.root)
+        other.remove(b.id)
+        assert {top_a, top_b} & set(other.prune()) == set()
+        assert snap_layer not in os.listdir(os.path.join(provider.root, "layers"))
+        assert sb.exec("cat f.txt").exit_code == 0
+    finally:
+        sb.destroy()
+    provider.gc()
+    kept = os.listdir(os.path.join(provider.root, "layers"))
+    assert top_a not in kept and top_b not in kept
+    assert set(store.base().layers) <= set(kept)
+    assert store.resolve(project)
