@@ -433,7 +433,9 @@ class ToolClient:
 
 
 class RemoteEpisode:
-    """The client side of one episode: same shape as `ToolSession` (schemas, versions, call)."""
+    """The client side of one episode: same shape as `ToolSession` (schemas, versions, call).
+    The service holds its state (a shell, todos) until `close`: ``with client.open_episode()
+    as episode:`` closes it however the episode ends."""
 
     def __init__(self, client: ToolClient, opened: dict[str, Any]) -> None:
         self.client = client
@@ -462,3 +464,9 @@ class RemoteEpisode:
             self.client.request("episode.close", episode_id=self.episode_id)
         except (RPCError, OSError):
             pass
+
+    def __enter__(self) -> RemoteEpisode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -195,3 +195,9 @@ class ToolSession:
 
     def close(self) -> None:
         self.ctx.close()
+
+    def __enter__(self) -> ToolSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

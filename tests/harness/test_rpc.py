@@ -289,3 +289,17 @@ def test_tools_serve_names_a_bad_env_file_and_a_taken_port_and_leaves_no_sandbox
         assert "Traceback" not in r.output
     taken.close()
     assert set(os.listdir(sandboxes)) == before  # (the one made for the taken port is gone)
+
+
+def test_an_episode_in_a_with_block_is_closed_however_it_ends(service):
+    """The service keeps an episode's shell until it is closed: a with block closes it, an
+    error inside it too."""
+    server, _, client = service
+    with client.open_episode() as episode:
+        episode.call("run_terminal_cmd", {"command": "cd /tmp"})
+        assert len(server.episodes) == 1
+    assert len(server.episodes) == 0
+    with pytest.raises(RuntimeError), client.open_episode():
+        assert len(server.episodes) == 1
+        raise RuntimeError("the loop failed")
+    assert len(server.episodes) == 0
