@@ -3,7 +3,8 @@ the memory-bandwidth bound, all measured in this process.
 
 Prints one JSON line:
 - ``batch1_tok_s``: greedy tokens/s, one request at a time (prefill included, as for HF);
-  ``batch1_decode_tok_s`` after each prompt's first token, and ``batch1_decode_over_bound``;
+  ``batch1_decode_tok_s`` after each prompt's first step, and ``batch1_decode_over_bound``
+  (``--new-tokens`` too few to leave a decode step after the first is refused);
 - ``batch16_tok_s``: greedy tokens/s with 16 requests decoding together;
 - ``hf_batch1_tok_s``: transformers ``generate`` (greedy, KV cache) on the same prompts;
 - ``bound_tok_s``: read bandwidth / weight bytes read per token. The bandwidth (a sum over a
@@ -113,9 +114,10 @@ def time_request(engine: Engine, prompt: list[int], params: SamplingParams) -> T
 
 
 def batch1_tok_s(engine: Engine, prompts: list[list[int]], n: int,
-                 rate: ReadRate | None = None) -> tuple[float, float]:
+                 rate: ReadRate | None = None) -> tuple[float, float | None]:
     """One prompt at a time; samples the read bandwidth into ``rate`` before each.
-    Returns tokens/s with the prefill (the prompt and the first token) and without it."""
+    Returns tokens/s with the prefill (the prompt and the first token) and without it (None
+    when every request ended in its first step: ``n`` too few to leave a decode step)."""
     params = SamplingParams(max_tokens=n, temperature=0)
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0))
     runs = []
@@ -123,8 +125,9 @@ def batch1_tok_s(engine: Engine, prompts: list[list[int]], n: int,
         if rate is not None:
             rate.sample()
         runs.append(time_request(engine, p, params))
+    decoded = sum(r.decoded for r in runs)
     return (sum(len(r.token_ids) for r in runs) / sum(r.first_s + r.decode_s for r in runs),
-            sum(r.decoded for r in runs) / sum(r.decode_s for r in runs))
+            decoded / sum(r.decode_s for r in runs) if decoded else None)
 
 
 def hf_tok_s(prompts: list[list[int]], n: int) -> float:
@@ -152,6 +155,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
     a = ap.parse_args()
+    if a.new_tokens < 1 or a.batch1_prompts < 1:
+        ap.error(f"--new-tokens {a.new_tokens}, --batch1-prompts {a.batch1_prompts}: "
+                 "each must be at least 1")
     if a.threads:
         torch.set_num_threads(a.threads)
     n, p1 = a.new_tokens, PROMPTS[: a.batch1_prompts]
@@ -168,6 +174,9 @@ def main() -> None:
     wb = weight_bytes_per_token(model)
     res["weight_mb_per_token"] = round(wb / 2**20, 1)
     b1, b1_decode = batch1_tok_s(eng, p1, n, rate)
+    if b1_decode is None:
+        ap.error(f"--new-tokens {n}: every request ended in its first step, which makes the "
+                 "first tokens; no decode step left to measure: ask for more")
     res["batch1_tok_s"], res["batch1_decode_tok_s"] = round(b1, 2), round(b1_decode, 2)
     rate.sample()
     # the faster of the two kinds of memory (huge pages, almost always)

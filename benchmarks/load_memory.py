@@ -1,14 +1,19 @@
 """Peak memory of loading a model for serving (`codedojo.model.weights.build_model`) against the
 earlier way of building it, on the same weights in the same run: each way in a fresh process,
 whose peak resident size (``ru_maxrss``) is read after the build, less that of the process
-with the weights read (and touched, all of them resident) and nothing built.
+with the weights read (and touched, all of them resident) and nothing built. Every process,
+that one too, first builds the model on the meta device (no memory for its tensors), which pays
+the one-off imports a first build makes (tens of MB of modules) before the build measured.
 
 - ``build``: the model made on the meta device, the state dict's tensors assigned to it, then
   each weight copied once into its huge-page place, converted to the dtype.
 - ``baseline``: the earlier build: the model allocated in float32 (`to_empty`), the state dict
   copied in, converted with `.to(dtype)`, then moved into huge pages.
 
-Prints one JSON line per dtype (``extra_mb_*``: peak MB above the weights as read).
+Prints one JSON line per dtype: ``weights_read_mb``, the peak MB of the process with the weights
+read (the interpreter and the imports included); ``extra_mb_*``, each way's peak MB above it;
+``model_mb``, the parameters' MB as built; ``no_imports_measured`` (checked), that neither build
+imported a module (its one-off imports were paid before, as in the process it is set against).
 
     python benchmarks/load_memory.py [--model smollm2-135m-instruct | FILE.gguf | DIR]
 """
@@ -41,7 +46,9 @@ def baseline_build(sd: dict[str, torch.Tensor], cfg: object, dtype: torch.dtype)
 
 
 def child(model: str, way: str, dtype: str) -> None:
-    """Runs in its own process: read the weights, build one way, print the peak MB."""
+    """Runs in its own process: read the weights, build one way, print the peak MB (and the
+    modules the build imported)."""
+    from codedojo.model.transformer import Transformer
     from codedojo.model.weights import build_model, read_weights
 
     try:
@@ -50,6 +57,9 @@ def child(model: str, way: str, dtype: str) -> None:
         sys.exit(str(e))
     for t in sd.values():  # make them resident (safetensors may map the file)
         t.sum()
+    with torch.device("meta"):  # the one-off imports of a first build, in every child
+        Transformer(cfg)  # type: ignore[arg-type]
+    modules = len(sys.modules)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if way == "build":
         m = build_model(sd, cfg, DTYPES[dtype])
@@ -59,7 +69,8 @@ def child(model: str, way: str, dtype: str) -> None:
         m = None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     params = 0 if m is None else sum(p.numel() * p.element_size() for p in m.parameters())
-    print(json.dumps({"read_mb": before, "peak_mb": peak, "param_mb": params / 2**20}))
+    print(json.dumps({"read_mb": before, "peak_mb": peak, "param_mb": params / 2**20,
+                      "imported": len(sys.modules) - modules}))
 
 
 def measure(model: str, way: str, dtype: str) -> dict[str, float]:
@@ -89,6 +100,7 @@ def main() -> None:
             "weights_read_mb": round(read["peak_mb"]), "model_mb": round(new["param_mb"]),
             "extra_mb_build": round(new["peak_mb"] - read["peak_mb"]),
             "extra_mb_baseline": round(old["peak_mb"] - read["peak_mb"]),
+            "no_imports_measured": new["imported"] == old["imported"] == 0,
         }))
 
 

@@ -4,7 +4,8 @@ group, with the prefix cache and without it (``prefix_cache_tokens=0``), in this
 - agent: ``--turns`` turns; each sends the whole conversation again (system prompt, then per
   turn a tool output of ``--tool-tokens`` tokens of standard-library source and the model's
   reply), greedy, ``--reply`` tokens a turn. ``agent_s_*`` seconds for all turns; without the
-  cache every turn prefills the conversation from its first token.
+  cache every turn prefills the conversation from its first token. With it the first turn does
+  too (checked: ``first_turn_cold``; the cache starts empty, as for a new episode).
 - group: ``--group`` requests with one prompt of ``--group-prompt`` tokens, sampled with
   different seeds (a GRPO group); ``group_s_*`` seconds for the group.
 
@@ -84,6 +85,7 @@ def main() -> None:
     fresh = Engine(model, max_batch=args.group, prefix_cache_tokens=0, drafter=drafter())
     for e in (cached, fresh):  # warm-up
         e.generate([system], SamplingParams(max_tokens=2, temperature=0))
+    cached.prefix_cache.clear()  # (the first turn starts cold, as a new episode's does)
     agent_cached, a1 = agent(cached, system, tools, args.reply)
     agent_fresh, a2 = agent(fresh, system, tools, args.reply)
     group_fresh, g2 = group(fresh, prompt, args.group)
@@ -95,6 +97,7 @@ def main() -> None:
         "agent_speedup": round(agent_fresh / agent_cached, 3),
         "agent_prompt_tokens": sum(len(c.prompt_ids) for c in a1),
         "agent_cached_tokens": sum(c.cached_tokens for c in a1),
+        "first_turn_cold": a1[0].cached_tokens == 0,
         "group_s_cached": round(group_cached, 3), "group_s_fresh": round(group_fresh, 3),
         "group_speedup": round(group_fresh / group_cached, 3),
         "group_cached_tokens": sum(c.cached_tokens for c in g1),
