@@ -29,7 +29,8 @@ lint: setup
 	$(BIN)/ruff check codedojo tests benchmarks
 
 # A benchmark that cannot run here yet exits 77 (automake's "skipped") and says why: the MTP
-# ones until `dojo pretrain configs/cpt-smollm2.toml` has written their checkpoint.
+# ones until `dojo pretrain configs/cpt-smollm2.toml` has written their checkpoint, and the
+# sandbox, harness and egress ones without root.
 bench: setup
 	for b in benchmarks/*.py; do \
 		$(BIN)/python $$b; rc=$$?; \

@@ -122,7 +122,7 @@ def test_a_benchmark_without_its_checkpoint_is_skipped_and_says_what_makes_one(s
                                    "configs/cpt-smollm2.toml` first")
 
 
-@pytest.mark.parametrize("script", ["egress.py", "harness.py"])
+@pytest.mark.parametrize("script", ["egress.py", "harness.py", "sandbox.py"])
 def test_a_benchmark_that_needs_root_is_skipped_without_it(script):
     """Run as another user (its effective uid is not 0): exit status 77, which `make bench` goes
     on past, and the reason."""
@@ -133,7 +133,8 @@ def test_a_benchmark_that_needs_root_is_skipped_without_it(script):
     assert done.returncode == 77 and done.stdout == ""
     assert done.stderr.strip() == f"benchmarks/{script}: needs root " + {
         "egress.py": "(network namespaces, iptables)",
-        "harness.py": "(local sandboxes: mounts, cgroups, namespaces)"}[script]
+        "harness.py": "(local sandboxes: mounts, cgroups, namespaces)",
+        "sandbox.py": "(local sandboxes: mounts, cgroups, namespaces)"}[script]
 
 
 @pytest.mark.slow
