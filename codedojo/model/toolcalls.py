@@ -447,7 +447,8 @@ def _param_schemas(tools: Sequence[dict[str, Any]] | None) -> dict[str, dict[str
 
 
 _INTEGER = re.compile(r"-?[0-9]+")
-_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
+# a decimal number as a model writes one: "2.5", "-1e-3", also ".5" and "5." (ASCII digits only)
+_NUMBER = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 
 def _convert(value: str, kind: Any) -> Any:

@@ -144,7 +144,25 @@ def test_deep_nesting_is_an_error_not_a_crash():
     assert isinstance(err, ToolCallError)
 
 
-def test_one_megabyte_arguments_parse_whole():
+@pytest.fixture
+def decoded(monkeypatch):
+    """The characters the parser hands its JSON decoder, in all (a window decoded again and
+    again as it grows would be quadratic)."""
+    from codedojo.model import toolcalls
+
+    real = toolcalls._JSON
+    count = [0]
+
+    class Counting:
+        def raw_decode(self, doc, *args):
+            count[0] += len(doc)
+            return real.raw_decode(doc, *args)
+
+    monkeypatch.setattr(toolcalls, "_JSON", Counting())
+    return count
+
+
+def test_one_megabyte_arguments_parse_whole(decoded):
     big = "x = {'a': [1, 2, 3]}\n" * 50_000  # ~1 MB of code with braces and quotes
     text = _CountingText("<tool_call>" + json.dumps({"name": "write", "arguments": {
         "contents": big}}) + "</tool_call>")
@@ -152,13 +170,14 @@ def test_one_megabyte_arguments_parse_whole():
     out = parse_tool_calls(text, "hermes")
     assert out.tool_calls[0].arguments["contents"] == big
     assert text.read < 2 * len(text)  # (no search of the text again and again)
+    assert decoded[0] < 4 * len(text)
 
 
-def test_one_megabyte_unclosed_garbage_is_one_error_read_in_linear_work():
+def test_one_megabyte_unclosed_garbage_is_one_error_read_in_linear_work(decoded):
     text = _CountingText("<tool_call>{" + '"a":' * 250_000)
     out = parse_tool_calls(text, "hermes")
     assert isinstance(out.calls[0], ToolCallError)
-    assert text.read < 4 * len(text)
+    assert text.read < 4 * len(text) and decoded[0] < 4 * len(text)
 
 
 class _CountingText(str):
@@ -294,9 +313,11 @@ def test_xml_numbers_keep_their_value():
     (call,) = parse_tool_calls(text, "qwen3_coder", tools=TOOLS).tool_calls
     assert call.arguments == {"ratio": 12345678901234567890, "-A": -98765432109876543210}
     assert isinstance(call.arguments["ratio"], int)
-    text = "<tool_call><function=grep><parameter=ratio>-2.5e-3</parameter></function></tool_call>"
-    (call,) = parse_tool_calls(text, "qwen3_coder", tools=TOOLS).tool_calls
-    assert call.arguments == {"ratio": -0.0025}
+    for written, value in (("-2.5e-3", -0.0025), (".5", 0.5), ("5.", 5.0), ("+1.5", 1.5)):
+        text = (f"<tool_call><function=grep><parameter=ratio>{written}</parameter></function>"
+                "</tool_call>")
+        (call,) = parse_tool_calls(text, "qwen3_coder", tools=TOOLS).tool_calls
+        assert call.arguments == {"ratio": value}, written
 
 
 def test_xml_one_megabyte_value_parses_whole():
