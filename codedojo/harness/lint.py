@@ -5,7 +5,8 @@ parses the files (it never runs them), so giving it copies of the sandbox's file
 gives the same answer on every image. The repository's own ruff settings (.ruff.toml,
 ruff.toml, or pyproject.toml's [tool.ruff] at /workspace, the first that has them, as ruff
 takes them) travel with the files, less ``extend``: a path on the host, which ruff would read
-there (and quote back in its error). Ruff reads those settings alone, or none
+there (and quote back in its error); so does pyproject.toml's ``requires-python``, from which
+ruff takes the Python version its rules judge by. Ruff reads those settings alone, or none
 (``--isolated``): no settings of the host's, above the copies or the user's, change the
 answer. Shared by the `read_lints` tool and the lint-delta reward.
 """
@@ -50,6 +51,13 @@ def ruff_bin() -> str:
 _OUTSIDE = "__outside_workspace__"
 
 
+def _parsed(configs: Mapping[str, str], name: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(configs[name])
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"the repository's {name} is not TOML: {e}") from None
+
+
 def ruff_settings(configs: Mapping[str, str]) -> dict[str, Any] | None:
     """The repository's ruff settings from its config files' texts (name -> text), as ruff
     finds them at the root (the first of `CONFIG_FILES` that has any), less ``extend``; None
@@ -57,10 +65,7 @@ def ruff_settings(configs: Mapping[str, str]) -> dict[str, Any] | None:
     for name in CONFIG_FILES:
         if name not in configs:
             continue
-        try:
-            data = tomllib.loads(configs[name])
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"the repository's {name} is not TOML: {e}") from None
+        data = _parsed(configs, name)
         if name == "pyproject.toml":
             tool = data.get("tool")
             data = tool.get("ruff") if isinstance(tool, dict) else None
@@ -69,6 +74,15 @@ def ruff_settings(configs: Mapping[str, str]) -> dict[str, Any] | None:
         data.pop("extend", None)
         return data
     return None
+
+
+def requires_python(configs: Mapping[str, str]) -> str | None:
+    """pyproject.toml's ``[project].requires-python``, where the repository says it."""
+    if "pyproject.toml" not in configs:
+        return None
+    project = _parsed(configs, "pyproject.toml").get("project")
+    value = project.get("requires-python") if isinstance(project, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def ruff_check(
@@ -81,13 +95,17 @@ def ruff_check(
     if not files:
         return []
     settings = ruff_settings(configs or {})
+    python = requires_python(configs or {})
     with tempfile.TemporaryDirectory(prefix="dojo-lint-") as tmp:
         root = Path(tmp)
-        if settings is None:
+        if settings is None and python is None:
             config = ["--isolated"]
         else:
-            (root / "ruff.toml").write_text(tomli_w.dumps(settings))
-            config = ["--config", str(root / "ruff.toml")]
+            doc: dict[str, Any] = {"tool": {"ruff": settings or {}}}
+            if python is not None:
+                doc["project"] = {"requires-python": python}
+            (root / "pyproject.toml").write_text(tomli_w.dumps(doc))
+            config = ["--config", str(root / "pyproject.toml")]
         local: dict[str, str] = {}
         for path, text in files.items():
             rel = os.path.relpath(path, WORKSPACE) if path.startswith(WORKSPACE + "/") else ".."

@@ -254,6 +254,12 @@ def test_ruff_reads_the_repositorys_settings_alone_and_no_host_file(tmp_path, mo
             ] == ["F401"]
     with pytest.raises(ValueError, match="the repository's ruff.toml is not TOML"):
         ruff_check(code, {"ruff.toml": "extend = \n"})
+    # The Python version the repository requires is the one its rules judge by.
+    alias = {"/workspace/m.py": "from typing import TypeAlias\n\nX: TypeAlias = int\n"}
+    project = '[project]\nname = "x"\nrequires-python = ">=3.12"\n'
+    for config in ({"pyproject.toml": project + '[tool.ruff.lint]\nselect = ["UP"]\n'},
+                   {"pyproject.toml": project, "ruff.toml": '[lint]\nselect = ["UP"]\n'}):
+        assert [d.code for d in ruff_check(alias, config)] == ["UP040"], config
     # Settings above the copies on the host do not count.
     (tmp_path / "ruff.toml").write_text("[lint]\nselect = ['ALL']\n")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
