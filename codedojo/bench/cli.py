@@ -31,6 +31,13 @@ def _check_run_name(name: str) -> str:
     return name
 
 
+def _default_run_name(*parts: str) -> str:
+    """``<suite>-<agent>[-<split>]`` made a plain name: other characters become "_" (a suite
+    may be named "swe lite")."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join(parts))[:100]
+    return name if RUN_NAME.fullmatch(name) else "run-" + name[:96]
+
+
 def _check_base_url(base_url: str | None) -> str | None:
     """An endpoint that is no http(s) URL is refused here, not found out as every episode's
     infra failure."""
@@ -210,7 +217,7 @@ def run(
         _check_run_name(name)
     s = _load(suite)
     tasks = _select(s, split, limit, task)
-    name = name or _check_run_name("-".join([s.name, agent, *([split] if split else [])]))
+    name = name or _default_run_name(s.name, agent, *([split] if split else []))
     bench_agent = _make_agent(agent, max_turns, max_tokens, base_url)
     result = _run_and_report(s.name, tasks, bench_agent, name, samples, parallel, out_dir)
     if why := failed_entirely(result):

@@ -14,7 +14,6 @@ that make common clients trust it (and, in explicit mode, the proxy variables).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import ipaddress
 import logging
 import os
@@ -24,6 +23,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
+from urllib.parse import quote
 
 import psutil
 from pydantic import BaseModel, ConfigDict, Field
@@ -372,9 +372,9 @@ def _free_port(host: str) -> int:
 
 
 def _safe(name: str) -> str:
-    """``name`` as a file name: other characters become "_", and a name so changed gets a
-    hash of itself, so two sandboxes' names (``a/b``, ``a_b``) never share one file."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-    if safe == name and name not in ("", ".", ".."):
-        return name
-    return f"{safe}-{hashlib.sha256(name.encode('utf-8', 'surrogatepass')).hexdigest()[:12]}"
+    """``name`` as a file name, percent-escaped (letters, digits and "_.-~" as they are), so
+    two sandboxes' names (``a/b``, ``a_b``, ``a%2Fb``) never share one file; "", "." and ".."
+    escaped whole."""
+    if name in ("", ".", ".."):
+        return "%" + "%2E" * len(name)
+    return quote(name, safe="", errors="surrogatepass")

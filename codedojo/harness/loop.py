@@ -3,7 +3,8 @@
     while turns remain:
         if the context is nearly full: the model writes a summary; a new context starts from it
         the model answers; no tool call = it is done
-        each call runs through the tool service; its output (or its error) goes back as a tool message
+        each call (up to max_calls_per_turn) runs through the tool service; its output (or
+        its error) goes back as a tool message; a call past that is answered, not run
         the trajectory is saved
 
 An episode whose prompt outgrows the model's window (`context_window`, or the model's own)

@@ -153,6 +153,11 @@ def _extra(obj: Any, key: str) -> Any:
     return value
 
 
+# what an OpenAI policy's `extra_body` may hold that is no sampling setting (top_k, min_p and
+# the other vLLM sampling keys are)
+_NOT_SAMPLING = ("return_token_ids", "return_routed_experts")
+
+
 class OpenAIPolicy:
     """Chat completions from any OpenAI-compatible server.
 
@@ -184,7 +189,8 @@ class OpenAIPolicy:
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
         # (what its logprobs are of is the server's choice: vLLM's are the model's own by
         # default, `dojo serve`'s those of the distribution it sampled from)
-        self.sampling = {"temperature": temperature, "top_p": top_p, "seed": seed}
+        self.sampling = {"temperature": temperature, "top_p": top_p, "seed": seed, **{
+            k: v for k, v in (extra_body or {}).items() if k not in _NOT_SAMPLING}}
         self.text_format = text_format
         self.extra_body = {"return_token_ids": True, **(extra_body or {})}
         if routed_experts:

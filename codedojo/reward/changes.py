@@ -45,10 +45,12 @@ def collect_changes(sandbox: Sandbox) -> list[FileChange]:
     out: list[FileChange] = []
     for ch in sandbox.changes():
         path = ch.path if ch.path.startswith("/") else f"{WORKSPACE}/{ch.path}"
-        before = None if ch.kind == "added" else _side(sandbox.read_original, path)
         after = None if ch.kind == "deleted" else _side(  # (a file past it is not read)
             lambda p: sandbox.read_file(p, max_bytes=MAX_BYTES), path)
-        if _UNREADABLE in (before, after) or before == after:  # directories: None on both
+        if after is _UNREADABLE:  # (no text: the image's side need not be read)
+            continue
+        before = None if ch.kind == "added" else _side(sandbox.read_original, path)
+        if before is _UNREADABLE or before == after:  # directories: None on both
             continue
         out.append(FileChange(path, before, after))  # type: ignore[arg-type]
     return out

@@ -186,3 +186,13 @@ def test_build_keeps_a_suite_of_another_name_or_version(tiny_suite, tmp_path, mo
                               "--force"])
     assert res.exit_code == 0, res.output
     assert built == [("tiny", "0.0.1"), ("other", "1")] and load_suite(out).name == "other"
+
+
+def test_a_default_run_name_is_made_plain_not_refused():
+    """A suite or split named with other characters still runs without --name."""
+    from codedojo.bench.cli import RUN_NAME, _default_run_name
+
+    for parts, name in ((("swe lite", "oracle"), "swe_lite-oracle"),
+                        (("v0+fix", "null", "dev"), "v0_fix-null-dev"),
+                        (("..", "x"), "run-..-x")):
+        assert _default_run_name(*parts) == name and RUN_NAME.fullmatch(name)

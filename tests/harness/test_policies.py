@@ -471,3 +471,10 @@ def test_both_paths_give_the_model_the_same_prompt_after_a_malformed_call(script
     OpenAIPolicy("scripted", base_url=srv.url + "/v1", text_format="smollm2").generate(
         conversation, tools, 8)
     assert local.prompt == engine.prompts[-1]
+
+
+def test_an_openai_policy_records_the_sampling_settings_it_sends_in_extra_body():
+    policy = OpenAIPolicy("m", "http://127.0.0.1:9/v1", temperature=0.7, routed_experts=True,
+                          extra_body={"top_k": 20, "min_p": 0.05})
+    assert policy.sampling == {"temperature": 0.7, "top_p": 1.0, "seed": None, "top_k": 20,
+                               "min_p": 0.05}
