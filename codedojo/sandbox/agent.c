@@ -86,7 +86,10 @@ static int n_cgroups;
  *   capabilities over the kernel's largest attack surface. clone3 passes its flags in memory a
  *   filter cannot read, so it answers ENOSYS and the C library falls back to clone;
  * - bpf, perf_event_open, userfaultfd and io_uring: kernel surface no build or test needs
- *   (io_uring answers ENOSYS, which its users take as "fall back to plain calls").
+ *   (io_uring answers ENOSYS, which its users take as "fall back to plain calls");
+ * - sockets of any family but unix, IPv4, IPv6 and netlink (EAFNOSUPPORT): the network
+ *   namespace confines those four, not the others (AF_VSOCK reaches the hypervisor and the
+ *   VM's other users, whatever the namespace).
  * Calls of another ABI (32-bit x86, x32) would bypass the numbers below and are refused. */
 #if defined(__x86_64__)
 #define SECCOMP_ARCH AUDIT_ARCH_X86_64
@@ -121,6 +124,16 @@ static int install_seccomp(void) {
       SC_DENY(__NR_io_uring_enter, ENOSYS),
       SC_DENY(__NR_io_uring_register, ENOSYS),
       SC_DENY(__NR_clone3, ENOSYS),
+      /* socket and socketpair take the address family in the first argument */
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_socket, 1, 0),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_socketpair, 0, 7),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, SC_ARG0),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AF_UNIX, 3, 0),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AF_INET, 2, 0),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AF_INET6, 1, 0),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AF_NETLINK, 0, 1),
+      SC_RET(SECCOMP_RET_ALLOW),
+      SC_RET(SECCOMP_RET_ERRNO | EAFNOSUPPORT),
       /* clone and unshare both take their flags in the first argument on these two ABIs */
       BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_clone, 1, 0),
       BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_unshare, 0, 3),

@@ -34,6 +34,7 @@ import errno
 import hashlib
 import json
 import os
+import posixpath
 import re
 import shutil
 import stat
@@ -41,11 +42,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from codedojo.sandbox.base import WORKSPACE, SandboxError
+from codedojo.sandbox.syscalls import open_beneath
 
 if TYPE_CHECKING:
     from codedojo.sandbox.local import LocalProvider
@@ -81,11 +83,160 @@ def is_whiteout(st: os.stat_result) -> bool:
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
-def _is_opaque(path: str) -> bool:
+# Every host-side walk of a tree a sandbox wrote (its live upper layer, a layer frozen from it)
+# opens each directory from its parent's fd and each file by its name there, never following a
+# link and never blocking on a FIFO: such a tree is the sandbox's, and a link or FIFO in it would
+# otherwise lead the host (root) to a host path, or hang it.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# What opening an entry listed earlier meets once it is gone, or is no longer a directory.
+_GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+PATH_MAX = 4096  # the kernel's limit on a path, its final NUL included
+
+
+def _is_opaque(path: str | int) -> bool:
     try:
+        if isinstance(path, int):  # (an fd: no link to follow)
+            return os.getxattr(path, OPAQUE_XATTR) == b"y"
         return os.getxattr(path, OPAQUE_XATTR, follow_symlinks=False) == b"y"
     except OSError:
         return False
+
+
+Entries = list[tuple[str, os.stat_result]]  # a directory's: (name, lstat)
+
+
+def _entries(fd: int, rel: str) -> Entries:
+    """The entries of directory ``fd`` (``rel`` in its tree), sorted by name, with their lstat;
+    one gone meanwhile is left out."""
+    out = []
+    for name in sorted(os.listdir(fd)):
+        path = posixpath.join(rel, name)
+        if len(os.fsencode(path)) + 1 >= PATH_MAX:
+            raise SandboxError(f"path: /{path[:60]}... is {len(os.fsencode(path)) + 1} bytes "
+                               f"long, past the {PATH_MAX - 1} that a sandbox's path may have "
+                               "to be snapshotted or compared")
+        with contextlib.suppress(FileNotFoundError):
+            out.append((name, os.stat(name, dir_fd=fd, follow_symlinks=False)))
+    return out
+
+
+def walk_tree(root: str, under: str = "") -> Iterator[tuple[str, int, Entries]]:
+    """Every directory of the tree at ``root`` (from its directory ``under`` down, if given),
+    parents first and siblings in name order, as (its path relative to ``root``, "" for the
+    root; an fd of it, open until the walk goes on; its entries sorted by name, with their
+    lstat).
+
+    Nothing is followed (see `_DIR_FLAGS`): however the tree changes meanwhile, the walk stays
+    in it, and what is gone (or is no longer a directory) when the walk reaches it is left
+    out. A deep tree costs no recursion and no long host path; a path longer than a sandbox's
+    path may be (`PATH_MAX`, counted from its `/`) is a SandboxError."""
+    rel = ""
+    try:
+        fd = os.open(root, _DIR_FLAGS)
+    except OSError as e:
+        if e.errno in _GONE:
+            return
+        raise
+    for part in [p for p in under.split("/") if p]:
+        try:
+            sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
+        except OSError as e:
+            if e.errno in _GONE:
+                return
+            raise
+        finally:
+            os.close(fd)
+        fd, rel = sub, posixpath.join(rel, part)
+    stack: list[tuple[str, int, Iterator[str] | None]] = [(rel, fd, None)]  # the open path
+    try:
+        while stack:
+            rel, fd, subdirs = stack[-1]
+            if subdirs is None:  # just entered
+                entries = _entries(fd, rel)
+                stack[-1] = (rel, fd, iter([n for n, st in entries if stat.S_ISDIR(st.st_mode)]))
+                yield rel, fd, entries
+                continue
+            name = next(subdirs, None)
+            if name is None:
+                stack.pop()
+                os.close(fd)
+                continue
+            try:
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                if e.errno in _GONE:
+                    continue
+                raise
+            stack.append((posixpath.join(rel, name), sub, None))
+    finally:
+        for _, fd, _ in stack:
+            os.close(fd)
+
+
+def _open_file(dir_fd: int, name: str, st: os.stat_result) -> int | None:
+    """An fd of regular file ``name`` of directory ``dir_fd``, if it is still the file ``st``
+    (its lstat, taken earlier) describes; else None."""
+    try:
+        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in _GONE:
+            return None
+        raise
+    now = os.fstat(fd)
+    if stat.S_ISREG(now.st_mode) and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+        return fd
+    os.close(fd)
+    return None
+
+
+def data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """The (start, end) ranges of a file's first ``size`` bytes that hold data; the rest are
+    holes, which read as zeros and take no disk."""
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno != errno.ENXIO:  # ENXIO: only a hole is left
+                raise
+            return
+        if start >= size:
+            return
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        yield start, end
+        pos = end
+
+
+def _has_holes(fd: int, size: int) -> bool:
+    try:
+        return size > 0 and os.lseek(fd, 0, os.SEEK_HOLE) < size
+    except OSError as e:
+        if e.errno != errno.ENXIO:
+            raise
+        return False
+
+
+def _file_digest(fd: int, size: int) -> bytes:
+    """What a layer's digest takes of a regular file: the sha256 of its bytes; for a file with
+    holes, of its data ranges (offsets, lengths, bytes) and size instead, marked as such, so
+    that holes cost nothing (a sandbox's `truncate -s 15T` is free, and hashing its zeros
+    would take hours)."""
+    h = hashlib.sha256()
+    holes = _has_holes(fd, size)
+    for start, end in data_extents(fd, size) if holes else [(0, size)]:
+        if holes:
+            h.update(f"{start}:{end}\0".encode())
+        while start < end:
+            chunk = os.pread(fd, min(1 << 20, end - start), start)
+            if not chunk:
+                break
+            h.update(chunk)
+            start += len(chunk)
+    if holes:
+        h.update(f"size {size}".encode())
+        return b"holes " + h.digest()
+    return h.digest()
 
 
 def tree_digest(root: str) -> str:
@@ -93,55 +244,52 @@ def tree_digest(root: str) -> str:
     first, so a tree with hard links is not taken for one without)."""
     h = hashlib.sha256()
     links: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) -> first name seen
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        rel_dir = os.path.relpath(dirpath, root)
-        for name in [".", *sorted(filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))])]:
-            p = os.path.join(dirpath, name) if name != "." else dirpath
-            rel = os.path.normpath(os.path.join(rel_dir, name))
-            st = os.lstat(p)
+    for dir_rel, dir_fd, entries in walk_tree(root):
+        st = os.fstat(dir_fd)
+        h.update(f"{dir_rel or '.'}\0{st.st_mode:o}\0{st.st_uid}\0{st.st_gid}\0".encode())
+        if _is_opaque(dir_fd):
+            h.update(b"opaque")
+        h.update(b"\n")
+        for name, st in entries:
+            if stat.S_ISDIR(st.st_mode):
+                continue  # (hashed where the walk enters it)
+            rel = posixpath.join(dir_rel, name)
             h.update(f"{rel}\0{st.st_mode:o}\0{st.st_uid}\0{st.st_gid}\0".encode())
             first = links.setdefault((st.st_dev, st.st_ino), rel) if (
                 stat.S_ISREG(st.st_mode) and st.st_nlink > 1) else rel
             if first != rel:
                 h.update(f"link to {first}".encode())
             elif stat.S_ISREG(st.st_mode):
-                with open(p, "rb") as f:
-                    h.update(hashlib.file_digest(f, "sha256").digest())
+                fd = _open_file(dir_fd, name, st)
+                if fd is None:
+                    raise SandboxError(f"path: /{rel}: changed while the layer was hashed")
+                try:
+                    h.update(_file_digest(fd, st.st_size))
+                finally:
+                    os.close(fd)
             elif stat.S_ISLNK(st.st_mode):
-                h.update(os.readlink(p).encode())
+                h.update(os.readlink(name, dir_fd=dir_fd).encode())
             elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
                 h.update(str(st.st_rdev).encode())
-            elif stat.S_ISDIR(st.st_mode) and _is_opaque(p):
-                h.update(b"opaque")
             h.update(b"\n")
     return h.hexdigest()[:ID_LEN]
 
 
-def copy_sparse(src: str, dst: str) -> int:
-    """Copy a regular file's data, its holes left holes (a sandbox's `truncate -s 1T` takes no
-    disk, and its copy takes none either); returns the bytes of data copied."""
+def copy_sparse(fi: int, fo: int) -> int:
+    """Copy a regular file's data (fd ``fi``) to ``fo``, its holes left holes (a sandbox's
+    `truncate -s 1T` takes no disk, and its copy takes none either); returns the bytes of data
+    copied."""
     copied = 0
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
-        size = os.fstat(fi.fileno()).st_size
-        pos = 0
-        while pos < size:
-            try:
-                start = os.lseek(fi.fileno(), pos, os.SEEK_DATA)
-            except OSError as e:
-                if e.errno != errno.ENXIO:  # ENXIO: only a hole is left
-                    raise
+    size = os.fstat(fi).st_size
+    for start, end in data_extents(fi, size):
+        while start < end:  # (copy_file_range refuses to cross file systems)
+            os.lseek(fo, start, os.SEEK_SET)
+            n = os.sendfile(fo, fi, start, end - start)
+            if n == 0:
                 break
-            end = os.lseek(fi.fileno(), start, os.SEEK_HOLE)
-            os.lseek(fo.fileno(), start, os.SEEK_SET)
-            while start < end:  # (copy_file_range refuses to cross file systems)
-                n = os.sendfile(fo.fileno(), fi.fileno(), start, end - start)
-                if n == 0:
-                    break
-                start += n
-                copied += n
-            pos = end
-        fo.truncate(size)
+            start += n
+            copied += n
+    os.ftruncate(fo, size)
     return copied
 
 
@@ -151,108 +299,256 @@ def copy_layer_tree(src: str, dst: str, *, xattrs: bool = True) -> int:
     to the data in `src` (sparse files stay sparse). A file's setuid and setgid bits are
     dropped: a snapshot must not put a program that runs as the sandbox's user on the host's
     disk. `dst` itself keeps its own times (now): a build under the store's tmp/ is told from
-    an abandoned one by its age, and the times of a layer's root are never seen."""
+    an abandoned one by its age, and the times of a layer's root are never seen. `src` is
+    read as `walk_tree` reads it: nothing in it is followed."""
     total = 0
     links: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) -> the first copy of a file
+    # The copies of the directories on the walk's path, with their sources' stat: a directory's
+    # times are set once it is full (filling it changes its mtime).
+    filling: list[tuple[str, int, os.stat_result]] = []
 
-    def meta(s: str, d: str, st: os.stat_result, times: bool = True) -> None:
-        os.lchown(d, st.st_uid, st.st_gid)
-        if not stat.S_ISLNK(st.st_mode):
-            mode = stat.S_IMODE(st.st_mode)
-            os.chmod(d, mode if stat.S_ISDIR(st.st_mode) else mode & ~(stat.S_ISUID | stat.S_ISGID))
-            if times:
-                os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns))
-        if xattrs and stat.S_ISDIR(st.st_mode) and _is_opaque(s):
-            os.setxattr(d, OPAQUE_XATTR, b"y")
+    def done() -> None:
+        rel, fd, st = filling.pop()
+        try:
+            if rel:
+                os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+        finally:
+            os.close(fd)
 
     os.makedirs(dst, exist_ok=True)
-    dirs_meta: list[tuple[str, str, os.stat_result]] = [(src, dst, os.lstat(src))]
-    for dirpath, dirnames, filenames in os.walk(src):
-        out_dir = os.path.join(dst, os.path.relpath(dirpath, src))
-        for name in dirnames + filenames:
-            s = os.path.join(dirpath, name)
-            d = os.path.join(out_dir, name)
-            st = os.lstat(s)
-            if stat.S_ISDIR(st.st_mode):
-                os.mkdir(d, 0o700)
-                dirs_meta.append((s, d, st))
-                continue
-            if stat.S_ISLNK(st.st_mode):
-                os.symlink(os.readlink(s), d)
-            elif stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and (st.st_dev, st.st_ino) in links:
-                os.link(links[st.st_dev, st.st_ino], d)  # another name of a file copied
-                continue
-            elif stat.S_ISREG(st.st_mode):
-                total += copy_sparse(s, d)
-                if st.st_nlink > 1:
-                    links[st.st_dev, st.st_ino] = d
-            elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):
-                os.mknod(d, st.st_mode, st.st_rdev)
-            else:
-                continue  # sockets are not content
-            meta(s, d, st)
-    # Directory times last: filling a directory changes its mtime.
-    for s, d, st in reversed(dirs_meta):
-        meta(s, d, st, times=d != dst)
+    try:
+        for rel, sfd, entries in walk_tree(src):
+            while filling and not (filling[-1][0] == "" or rel.startswith(filling[-1][0] + "/")):
+                done()  # (the walk has left it)
+            st = os.fstat(sfd)
+            dfd = os.open(posixpath.basename(rel), _DIR_FLAGS, dir_fd=filling[-1][1]) if rel \
+                else os.open(dst, _DIR_FLAGS)
+            filling.append((rel, dfd, st))
+            os.fchown(dfd, st.st_uid, st.st_gid)
+            os.fchmod(dfd, stat.S_IMODE(st.st_mode))
+            if xattrs and _is_opaque(sfd):
+                os.setxattr(dfd, OPAQUE_XATTR, b"y")
+            for name, est in entries:
+                mode = est.st_mode
+                if stat.S_ISDIR(mode):
+                    os.mkdir(name, 0o700, dir_fd=dfd)  # (filled, and its owner set, when entered)
+                    continue
+                if stat.S_ISLNK(mode):
+                    try:
+                        os.symlink(os.readlink(name, dir_fd=sfd), name, dir_fd=dfd)
+                    except FileNotFoundError:
+                        continue  # gone meanwhile
+                elif stat.S_ISREG(mode) and est.st_nlink > 1 and (est.st_dev, est.st_ino) in links:
+                    # another name of a file copied (the first copy's path is in `dst`, which
+                    # is this walk's own: no link of the sandbox's is on it)
+                    os.link(links[est.st_dev, est.st_ino], name, src_dir_fd=filling[0][1],
+                            dst_dir_fd=dfd, follow_symlinks=False)
+                    continue
+                elif stat.S_ISREG(mode):
+                    fi = _open_file(sfd, name, est)
+                    if fi is None:
+                        raise SandboxError(f"path: /{posixpath.join(rel, name)}: changed while "
+                                           "it was copied")
+                    try:
+                        fo = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                     | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+                        try:
+                            total += copy_sparse(fi, fo)
+                        finally:
+                            os.close(fo)
+                    finally:
+                        os.close(fi)
+                    if est.st_nlink > 1:
+                        links[est.st_dev, est.st_ino] = posixpath.join(rel, name)
+                elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode):
+                    os.mknod(name, mode, est.st_rdev, dir_fd=dfd)
+                else:
+                    continue  # sockets are not content
+                os.chown(name, est.st_uid, est.st_gid, dir_fd=dfd, follow_symlinks=False)
+                if not stat.S_ISLNK(mode):  # (what was made here: no link to follow)
+                    os.chmod(name, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID), dir_fd=dfd)
+                    os.utime(name, ns=(est.st_atime_ns, est.st_mtime_ns), dir_fd=dfd)
+        while filling:
+            done()
+    finally:
+        for _, fd, _ in filling:
+            os.close(fd)
     return total
 
 
+def remove_tree(path: str) -> None:
+    """Remove a tree however deep, without following a link in it (shutil.rmtree recurses
+    once per level, and a sandbox's tree past ~1000 levels stops it). What cannot be removed
+    stays, as with ``shutil.rmtree(path, ignore_errors=True)``."""
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # (not a directory)
+        return
+    stack: list[tuple[int, str, list[str]]] = []  # (fd, its name, its subdirectories left)
+
+    def enter(fd: int, name: str) -> None:
+        subdirs = []
+        stack.append((fd, name, subdirs))
+        with contextlib.suppress(OSError):
+            for n in os.listdir(fd):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISDIR(os.stat(n, dir_fd=fd, follow_symlinks=False).st_mode):
+                        subdirs.append(n)
+                    else:
+                        os.unlink(n, dir_fd=fd)
+
+    try:
+        enter(fd, "")
+        while stack:
+            fd, name, subdirs = stack[-1]
+            if subdirs:
+                sub = subdirs.pop()
+                with contextlib.suppress(OSError):
+                    enter(os.open(sub, _DIR_FLAGS, dir_fd=fd), sub)
+                continue
+            stack.pop()
+            os.close(fd)
+            if stack:
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=stack[-1][0])
+    finally:
+        for fd, _, _ in stack:
+            os.close(fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
 class LayerStack:
-    """Resolve paths through a stack of layer directories the way overlayfs does."""
+    """Resolve paths through a stack of layer directories the way overlayfs does. A path is
+    taken as it is written, through directories only (`open_beneath`): a link on the way is
+    not a directory, and hides what lower layers hold below it. What is learnt of a directory
+    is kept for the stack's life: make one per look at a tree that changes."""
 
     def __init__(self, dirs: Sequence[str]):
         self.dirs = list(dirs)  # top first
-
-    def lookup(self, rel: str) -> str | None:
-        """Real path of the topmost entry for `rel` (relative, normalised), None if absent."""
-        parts = [p for p in rel.split("/") if p and p != "."]
-        for top in self.dirs:
-            p = os.path.join(top, *parts)
-            try:
-                st = os.lstat(p)
-            except OSError:
-                # A whiteout or opaque directory higher up on the path hides lower layers.
-                if self._hidden_below(top, parts):
-                    return None
-                continue
-            if is_whiteout(st):
-                return None
-            return p
-        return None
+        # (layer, directory) -> (a directory there, whether the layer hides what lower layers
+        # have below it: a whiteout, a file or a link on the way, or an opaque directory)
+        self._known: dict[tuple[str, tuple[str, ...]], tuple[bool, bool]] = {}
 
     @staticmethod
-    def _hidden_below(top: str, parts: list[str]) -> bool:
-        cur = top
-        for part in parts[:-1]:
-            cur = os.path.join(cur, part)
-            try:
-                st = os.lstat(cur)
-            except OSError:
-                return False
-            if is_whiteout(st) or not stat.S_ISDIR(st.st_mode):
-                return True
-            if _is_opaque(cur):
-                return True
-        return False
+    def _parts(rel: str) -> tuple[str, ...]:
+        return tuple(p for p in rel.split("/") if p and p != ".")
+
+    @staticmethod
+    def _open(top: str, parts: Sequence[str], flags: int) -> int:
+        root = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            # (openat2 takes no O_NONBLOCK with O_PATH, which opens nothing that could block)
+            nonblock = 0 if flags & os.O_PATH else os.O_NONBLOCK
+            return open_beneath(root, "/".join(parts), flags | os.O_NOFOLLOW | nonblock)
+        finally:
+            os.close(root)
+
+    def _dir(self, top: str, parts: tuple[str, ...]) -> tuple[bool, bool]:
+        """Whether layer ``top`` has directory ``parts``, and whether it hides what lower
+        layers have below it."""
+        todo = []  # the directories on the way not known yet, deepest first
+        while parts and (top, parts) not in self._known:
+            todo.append(parts)
+            parts = parts[:-1]
+        state = self._known.get((top, parts), (True, False))  # (a layer's root: a directory)
+        for parts in reversed(todo):
+            is_dir, hides = state  # the parent's; below what is no directory, none is either
+            if is_dir:
+                try:
+                    fd = self._open(top, parts, os.O_RDONLY | os.O_DIRECTORY)
+                except OSError as e:
+                    if e.errno not in (*_GONE, errno.EXDEV):
+                        raise
+                    # absent; or a whiteout, a file or a link, which hide lower layers' entry
+                    state = (False, hides or e.errno != errno.ENOENT)
+                else:
+                    state = (True, hides or _is_opaque(fd))
+                    os.close(fd)
+            self._known[top, parts] = state
+        return state
+
+    def lookup(self, rel: str) -> tuple[str, os.stat_result] | None:
+        """The topmost entry for `rel` (relative): the layer directory that holds it and its
+        lstat; None if absent."""
+        parts = self._parts(rel)
+        if not parts:
+            return self.dirs[0], os.lstat(self.dirs[0])
+        for top in self.dirs:
+            is_dir, hides = self._dir(top, parts[:-1])
+            fd = self._parent(top, parts) if is_dir else None
+            st = None
+            if fd is not None:
+                try:
+                    st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    pass
+                finally:
+                    os.close(fd)
+            if st is not None:
+                return None if is_whiteout(st) else (top, st)
+            if hides:
+                return None
+        return None
+
+    def _parent(self, top: str, parts: tuple[str, ...]) -> int | None:
+        """An O_PATH fd of the directory of ``parts`` in layer ``top``; None if it is gone."""
+        try:
+            return self._open(top, parts[:-1], os.O_PATH | os.O_DIRECTORY)
+        except OSError as e:
+            if e.errno in _GONE:
+                return None
+            raise
+
+    def open(self, top: str, rel: str, st: os.stat_result) -> int | None:
+        """An fd of the regular file `rel` of layer ``top`` that `lookup` found (``st``); None
+        if it is no longer that file."""
+        parts = self._parts(rel)
+        fd = self._parent(top, parts)
+        if fd is None:
+            return None
+        try:
+            return _open_file(fd, parts[-1], st)
+        finally:
+            os.close(fd)
+
+    def readlink(self, top: str, rel: str) -> str | None:
+        """The target of link `rel` of layer ``top``; None if it is no longer a link."""
+        parts = self._parts(rel)
+        fd = self._parent(top, parts)
+        if fd is None:
+            return None
+        try:
+            return os.readlink(parts[-1], dir_fd=fd)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.EINVAL):
+                return None
+            raise
+        finally:
+            os.close(fd)
 
     def listdir(self, rel: str) -> set[str]:
         names: set[str] = set()
         hidden: set[str] = set()
-        parts = [p for p in rel.split("/") if p and p != "."]
+        parts = self._parts(rel)
         for top in self.dirs:
-            d = os.path.join(top, *parts)
-            if self._hidden_below(top, [*parts, "x"]) and d != top:
-                break
-            try:
-                entries = list(os.scandir(d))
-            except OSError:
-                continue
-            for e in entries:
-                if e.name in hidden or e.name in names:
-                    continue
-                st = e.stat(follow_symlinks=False)
-                (hidden if is_whiteout(st) else names).add(e.name)
-            if _is_opaque(d):
+            is_dir, hides = self._dir(top, parts)
+            if is_dir:
+                try:
+                    fd = self._open(top, parts, os.O_RDONLY | os.O_DIRECTORY)
+                except OSError as e:
+                    if e.errno not in _GONE:
+                        raise
+                else:
+                    try:
+                        for name, st in _entries(fd, "/".join(parts)):
+                            if name not in hidden and name not in names:
+                                (hidden if is_whiteout(st) else names).add(name)
+                    finally:
+                        os.close(fd)
+            if hides:  # (what lower layers have here is gone)
                 break
         return names
 
@@ -286,7 +582,7 @@ class ImageStore:
         except OSError:
             if not os.path.isdir(dst):
                 raise
-            shutil.rmtree(tmp, ignore_errors=True)  # the same content is already stored
+            remove_tree(tmp)  # the same content is already stored
         os.utime(dst)  # new to `prune` until an image names it (its root's times are unseen)
         return layer_id
 
@@ -301,7 +597,7 @@ class ImageStore:
             try:
                 os.rename(tmp, dst)
             except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)
+                remove_tree(tmp)
         os.utime(dst)  # (as in commit_layer)
         return new_id
 
@@ -422,7 +718,7 @@ class ImageStore:
                 os.rename(self.layer_path(n), doomed)  # gone from the store in one step
             except FileNotFoundError:
                 continue
-            shutil.rmtree(doomed, ignore_errors=True)  # (what is left, gc removes later)
+            remove_tree(doomed)  # (what is left, gc removes later)
             removed.append(n)
         return removed
 
@@ -485,8 +781,8 @@ class ImageStore:
         for i, part in enumerate(parts[:-1]):
             cur = os.path.join(cur, part)
             os.mkdir(cur)
-            src = stack.lookup("/".join(parts[: i + 1]))
-            st = os.stat(src) if src else None
+            found = stack.lookup("/".join(parts[: i + 1]))
+            st = found[1] if found and stat.S_ISDIR(found[1].st_mode) else None
             os.chown(cur, st.st_uid if st else 0, st.st_gid if st else 0)
             os.chmod(cur, stat.S_IMODE(st.st_mode) if st else 0o755)
         return os.path.join(tmp, rel)

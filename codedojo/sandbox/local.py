@@ -17,7 +17,9 @@ create one overlay mount plus one small process, and exec one connect plus two f
 Files are read and written by the host, not by commands: paths are opened with openat2
 (RESOLVE_IN_ROOT) relative to `/proc/<init>/root`, so they are resolved exactly as the sandbox
 sees them and a symlink or `..` can never leave it. The host acts as the sandbox user would:
-files it creates belong to uid 1000 and it refuses to write where uid 1000 could not.
+files it creates belong to uid 1000 and it refuses to write where uid 1000 could not. Where
+the host reads the writable layer itself (`changes`, `snapshot`), the sandbox is frozen and
+the layer is walked directory fd by directory fd, never following a link (`walk_tree`).
 
 Snapshots copy the upper layer (only what changed since the sandbox started) into a new
 content-addressed layer while the cgroup is frozen; fork and restore mount a fresh upper over
@@ -79,6 +81,9 @@ from codedojo.sandbox.images import (
     ImageStore,
     LayerStack,
     copy_layer_tree,
+    data_extents,
+    remove_tree,
+    walk_tree,
 )
 from codedojo.sandbox.syscalls import (
     MNT_DETACH,
@@ -411,14 +416,17 @@ def _collect(proc: _Process, stdin: bytes | None, deadline: float, cap: int,
 def _files_below(stack: LayerStack, rel: str) -> list[str]:
     """Every entry under directory ``rel`` of a layer stack that is not a directory itself."""
     out: list[str] = []
-    for name in sorted(stack.listdir(rel)):
-        p = os.path.join(rel, name)
-        found = stack.lookup(p)
-        if found is not None and stat.S_ISDIR(os.lstat(found).st_mode):
-            out += _files_below(stack, p)
-        elif found is not None:
-            out.append(p)
-    return out
+    todo = [rel]  # (no recursion: a tree may be deeper than Python's stack)
+    while todo:
+        d = todo.pop()
+        for name in stack.listdir(d):
+            p = posixpath.join(d, name)
+            found = stack.lookup(p)
+            if found is not None and stat.S_ISDIR(found[1].st_mode):
+                todo.append(p)
+            elif found is not None:
+                out.append(p)
+    return sorted(out)
 
 
 class _Kept:
@@ -1092,8 +1100,10 @@ class LocalSandbox:
                 self._check_writable(pfd, p)
             else:
                 self._check_writable(pfd, p, name)
-            # no following a symlink put there since, and no blocking on a FIFO
-            fd = self._open(p, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
+            # in the directory checked (``p`` resolved again could lead elsewhere by now), no
+            # following a symlink put there since, and no blocking on a FIFO
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC, mode, dir_fd=pfd)
             try:
                 st = self._served(fd, p)
                 if not stat.S_ISREG(st.st_mode):
@@ -1132,9 +1142,12 @@ class LocalSandbox:
             with contextlib.suppress(FileNotFoundError):
                 if not stat.S_ISREG(os.stat(name, dir_fd=pfd, follow_symlinks=False).st_mode):
                     os.unlink(name, dir_fd=pfd)
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                         | os.O_NONBLOCK | os.O_CLOEXEC, 0o644, dir_fd=pfd)
+        except OSError as e:
+            raise SandboxError(f"path: {path}: {e.strerror}") from None
         finally:
             os.close(pfd)
-        fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         try:
             os.fchown(fd, 0, 0)
             os.fchmod(fd, 0o644)
@@ -1242,27 +1255,35 @@ class LocalSandbox:
         p = sandbox_path(path)
         rel = p.lstrip("/")
         store = self.provider.images
-        found = LayerStack([store.layer_path(x) for x in self.image.layers]).lookup(rel)
+        stack = LayerStack([store.layer_path(x) for x in self.image.layers])
+        found = stack.lookup(rel)  # (the path as written, as `changes` names it: no link on it)
         if found is None:
             raise SandboxError(f"path: {p}: not in the sandbox's image")
-        layer = os.open(found[: -len(rel) - 1], os.O_PATH | os.O_DIRECTORY)
-        try:  # resolved in the layer as in a root: a link in the image cannot reach the host
-            fd = open_in_root(layer, rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as e:
-            raise SandboxError(f"path: {p}: {e.strerror} in the sandbox's image") from None
-        finally:
-            os.close(layer)
+        top, st = found
+        fd = stack.open(top, rel, st) if stat.S_ISREG(st.st_mode) else None
+        if fd is None:
+            raise SandboxError(f"path: {p} is not a regular file in the sandbox's image")
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise SandboxError(f"path: {p} is not a regular file in the sandbox's image")
             return self._read_all(fd, p)
         finally:
             os.close(fd)
 
     def changes(self) -> list[Change]:
         """Paths under /workspace that differ from the image the sandbox was created from:
-        compares the current stack (upper + snapshot layers) with the image's stack."""
-        self._check_alive()
+        compares the current stack (upper + snapshot layers) with the image's stack. The
+        sandbox's tasks are frozen meanwhile, as for a snapshot, and its writable layer is read
+        as `walk_tree` reads it: nothing a command puts there (a link, a FIFO) leads the host
+        elsewhere or stops it."""
+        with self._lock:
+            self._check_alive()
+            assert self.cgroup is not None
+            try:
+                self.cgroup.freeze(True)  # (and thawed below, should the freeze time out)
+                return self._changes()
+            finally:
+                self.cgroup.freeze(False)
+
+    def _changes(self) -> list[Change]:
         store = self.provider.images
         upper = os.path.join(self._rw, "upper")
         now = LayerStack([upper, *(store.layer_path(x) for x in self.lowers)])
@@ -1271,20 +1292,16 @@ class LocalSandbox:
         ws = WORKSPACE.strip("/")
         candidates: set[str] = set()
         for top in changed_layers:
-            base = os.path.join(top, ws)
-            for dirpath, dirnames, filenames in os.walk(base):
-                rel_dir = os.path.relpath(dirpath, top)
-                for n in filenames + dirnames:
-                    candidates.add(os.path.join(rel_dir, n))
-                if os.path.isdir(dirpath) and dirpath != base:
+            for rel_dir, _, entries in walk_tree(top, under=ws):
+                candidates.update(posixpath.join(rel_dir, n) for n, _ in entries)
+                if rel_dir != ws:
                     # an opaque directory hides everything the image had below it
-                    for n in then.listdir(rel_dir):
-                        candidates.add(os.path.join(rel_dir, n))
+                    candidates.update(posixpath.join(rel_dir, n) for n in then.listdir(rel_dir))
         out: list[Change] = []
         for rel in sorted(candidates):
             a, b = then.lookup(rel), now.lookup(rel)
-            sa = os.lstat(a) if a else None
-            sb = os.lstat(b) if b else None
+            sa = a[1] if a else None
+            sb = b[1] if b else None
             if sa is not None and stat.S_ISDIR(sa.st_mode):
                 if sb is not None and stat.S_ISDIR(sb.st_mode):
                     continue
@@ -1305,7 +1322,7 @@ class LocalSandbox:
                 out.append(Change("/" + rel, "deleted"))
             elif sa is None:
                 out.append(Change("/" + rel, "added"))
-            elif not _same_entry(a, sa, b, sb):  # type: ignore[arg-type]
+            elif not _same_entry(rel, then, a, now, b):  # type: ignore[arg-type]
                 out.append(Change("/" + rel, "modified"))
         return sorted(set(out), key=lambda c: c.path)
 
@@ -1321,14 +1338,15 @@ class LocalSandbox:
             tmp = store._tmpdir()
             assert self.cgroup is not None
             try:
-                self.cgroup.freeze(True)  # (and thawed below, should the freeze time out)
-                copy_layer_tree(upper, tmp)
+                try:
+                    self.cgroup.freeze(True)  # (and thawed below, should the freeze time out)
+                    copy_layer_tree(upper, tmp)
+                finally:
+                    self.cgroup.freeze(False)
+                layer = store.commit_layer(tmp)
             except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
+                remove_tree(tmp)
                 raise
-            finally:
-                self.cgroup.freeze(False)
-            layer = store.commit_layer(tmp)
             # overlayfs refuses the same directory twice in one stack (ELOOP). The same content
             # on top of itself changes nothing; deeper in the stack it needs its own copy.
             if self.lowers and layer == self.lowers[0]:
@@ -1375,21 +1393,46 @@ class LocalSandbox:
                 raise
 
 
-def _same_entry(a: str, sa: os.stat_result, b: str, sb: os.stat_result) -> bool:
+def _same_entry(rel: str, then: LayerStack, a: tuple[str, os.stat_result], now: LayerStack,
+                b: tuple[str, os.stat_result]) -> bool:
+    """Whether entry ``rel`` is the same in the image (``a``, as `LayerStack.lookup` found it
+    in ``then``) and now (``b``, in ``now``): type, mode, link target, bytes. An entry that
+    changed as it was looked at is not."""
+    (top_a, sa), (top_b, sb) = a, b
     if stat.S_IFMT(sa.st_mode) != stat.S_IFMT(sb.st_mode) or stat.S_IMODE(sa.st_mode) != stat.S_IMODE(sb.st_mode):
         return False
     if stat.S_ISLNK(sa.st_mode):
-        return os.readlink(a) == os.readlink(b)
+        target = then.readlink(top_a, rel)
+        return target is not None and target == now.readlink(top_b, rel)
     if stat.S_ISREG(sa.st_mode):
         if sa.st_size != sb.st_size:
             return False
-        with open(a, "rb") as fa, open(b, "rb") as fb:
-            while True:
-                x, y = fa.read(1 << 20), fb.read(1 << 20)
-                if x != y:
-                    return False
-                if not x:
-                    return True
+        fa = then.open(top_a, rel, sa)
+        fb = now.open(top_b, rel, sb) if fa is not None else None
+        try:
+            return fb is not None and _same_bytes(fa, fb, sa.st_size)  # type: ignore[arg-type]
+        finally:
+            for fd in (fa, fb):
+                if fd is not None:
+                    os.close(fd)
+    return True
+
+
+def _same_bytes(fa: int, fb: int, size: int) -> bool:
+    """Whether two files of ``size`` bytes hold the same bytes, read where either holds data:
+    where both have holes, both read as zeros (a sparse file costs its data, not its size)."""
+    pos = 0  # compared up to here
+    for start, end in sorted([*data_extents(fa, size), *data_extents(fb, size)]):
+        start = max(start, pos)
+        while start < end:
+            n = min(1 << 20, end - start)
+            x, y = os.pread(fa, n, start), os.pread(fb, n, start)
+            if x != y:
+                return False
+            if not x:
+                break
+            start += len(x)
+        pos = max(pos, end)
     return True
 
 
@@ -1585,7 +1628,7 @@ class LocalProvider:
                     umount(target, MNT_DETACH)
             with contextlib.suppress(OSError, TimeoutError):
                 cg.remove()
-            shutil.rmtree(d, ignore_errors=True)
+            remove_tree(d)  # (a writable layer still there may be deeper than rmtree goes)
             if os.path.lexists(d):
                 continue  # (still this process's to clean, at the next gc)
             self._unfinished.discard(sid)
@@ -1605,7 +1648,7 @@ class LocalProvider:
         for n in os.listdir(tmp):
             p = os.path.join(tmp, n)
             if time.time() - os.lstat(p).st_mtime > 3600:
-                shutil.rmtree(p, ignore_errors=True)
+                remove_tree(p)
         try:
             self.images.prune()
         except SandboxError as e:  # (an image file it cannot read: nothing deleted)

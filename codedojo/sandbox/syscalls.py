@@ -2,7 +2,9 @@
 
 openat2 with RESOLVE_IN_ROOT is how the host touches a sandbox's files safely: every path is
 resolved as if the sandbox's root were `/`, so `..` and symlinks (absolute or relative) written by
-the sandbox can never lead outside it.
+the sandbox can never lead outside it. With RESOLVE_BENEATH and RESOLVE_NO_SYMLINKS it reads a
+layer's tree (a sandbox's writable layer, or one frozen from it) as plain directories, following
+no link at all.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ MNT_DETACH = 2
 
 SYS_openat2 = 437
 RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
 RESOLVE_IN_ROOT = 0x10
 
 
@@ -54,16 +58,26 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-def open_in_root(root_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
-    """Open `path` (relative or absolute) with the sandbox root `root_fd` as `/`."""
-    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0,
-                   RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+def _openat2(dir_fd: int, path: str, flags: int, mode: int, resolve: int) -> int:
+    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0, resolve)
     rel = path.lstrip("/") or "."
-    fd = _libc.syscall(SYS_openat2, root_fd, rel.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    fd = _libc.syscall(SYS_openat2, dir_fd, os.fsencode(rel), ctypes.byref(how),
+                       ctypes.sizeof(how))
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), path)
     return fd
+
+
+def open_in_root(root_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
+    """Open `path` (relative or absolute) with the sandbox root `root_fd` as `/`."""
+    return _openat2(root_fd, path, flags, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+
+
+def open_beneath(dir_fd: int, path: str, flags: int) -> int:
+    """Open `path` below directory `dir_fd` through directories only: a link anywhere on it,
+    the last name included, is ELOOP, and a `..` leaving `dir_fd` is EXDEV."""
+    return _openat2(dir_fd, path, flags, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
 
 
 # The new mount API: one fsconfig call per lower layer ("lowerdir+", Linux 6.8+), so a stack

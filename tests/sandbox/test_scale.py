@@ -35,6 +35,21 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd")) - 1  # (not the one the listing used)
 
 
+def _limit_leaving(room: int) -> int:
+    """A soft RLIMIT_NOFILE under which this process can open ``room`` more fds: the limit
+    bounds fd numbers, and a new fd takes the lowest free one (a long session's closed fds
+    leave holes below its highest)."""
+    fd = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        taken = {int(n) for n in os.listdir(fd)} - {fd}
+    finally:
+        os.close(fd)
+    free = (n for n in range(len(taken) + room + 1) if n not in taken)
+    for _ in range(room - 1):
+        next(free)
+    return next(free) + 1
+
+
 def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -155,7 +170,7 @@ def test_a_command_whose_pipes_find_no_room_is_named_and_killed(sandbox, provide
     provider.drain_pool()  # (no pooled sandbox is being made meanwhile)
     monkeypatch.setattr(provider, "pool_size", 0)
     sandbox.exec("true")
-    with soft_fd_limit(_open_fds() + 1), pytest.raises(OSError) as caught:
+    with soft_fd_limit(_limit_leaving(1)), pytest.raises(OSError) as caught:
         sandbox.exec("sleep 0.3; touch /workspace/ran")
     assert caught.value.errno == errno.EMFILE
     assert "out of file descriptors" in str(caught.value) and "RLIMIT_NOFILE" in str(caught.value)

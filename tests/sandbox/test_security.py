@@ -254,3 +254,243 @@ def test_only_the_user_who_started_a_sandbox_may_run_commands_in_it(sandbox):
     assert r.stdout.strip() == "closed"
     assert sandbox.read_file("README.md") == b"hello\n"
     assert sandbox.exec("echo still served").stdout == "still served\n"
+
+
+_SOCKET_PROBE = """
+import errno, socket
+def make(family, kind, proto=0):
+    try:
+        socket.socket(family, kind, proto).close()
+        return "ok"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+def pair(family):
+    try:
+        for s in socket.socketpair(family, socket.SOCK_STREAM):
+            s.close()
+        return "ok"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+print("unix", make(socket.AF_UNIX, socket.SOCK_STREAM), pair(socket.AF_UNIX))
+print("inet", make(socket.AF_INET, socket.SOCK_STREAM), make(socket.AF_INET6, socket.SOCK_DGRAM))
+print("netlink", make(socket.AF_NETLINK, socket.SOCK_RAW))
+print("vsock", make(socket.AF_VSOCK, socket.SOCK_STREAM), pair(socket.AF_VSOCK))
+print("alg", make(38, socket.SOCK_SEQPACKET))  # AF_ALG: the kernel's crypto, unprivileged
+"""
+
+
+def test_sockets_of_families_no_network_namespace_confines_are_refused(sandbox):
+    """AF_VSOCK's ports are the VM's, whatever the namespace: a sandbox could listen where
+    the host's services connect. Unix, IPv4, IPv6 and netlink sockets still work."""
+    r = sandbox.exec(["python3", "-c", _SOCKET_PROBE])
+    assert r.exit_code == 0, r
+    got = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    assert got == {"unix": "ok ok", "inet": "ok ok", "netlink": "ok",
+                   "vsock": "EAFNOSUPPORT EAFNOSUPPORT", "alg": "EAFNOSUPPORT"}
+
+
+def test_write_file_creates_the_file_in_the_directory_it_checked(sandbox, monkeypatch):
+    """A directory swapped for a link to /etc once write_file has checked that the sandbox
+    user may write in it: the file is still made in the directory checked, never in /etc."""
+    from codedojo.sandbox.local import LocalSandbox
+
+    sandbox.exec("mkdir /workspace/d")
+    check = LocalSandbox._check_writable
+    swapped = []
+
+    def check_then_swap(dir_fd, path, name=None):
+        check(dir_fd, path, name)
+        if path == "/workspace/d/ld.so.preload" and not swapped:  # as a racing command would
+            swapped.append(sandbox.exec("mv /workspace/d /workspace/d2 && ln -s /etc /workspace/d"))
+
+    monkeypatch.setattr(LocalSandbox, "_check_writable", staticmethod(check_then_swap))
+    sandbox.write_file("/workspace/d/ld.so.preload", "/tmp/evil.so\n")
+    assert swapped[0].exit_code == 0
+    assert sandbox.exec("test -e /etc/ld.so.preload").exit_code == 1
+    assert sandbox.read_file("/workspace/d2/ld.so.preload") == b"/tmp/evil.so\n"
+
+
+def test_changes_never_follows_a_link_of_the_sandbox_to_the_host(provider, project, tmp_path):
+    """A directory of a snapshot's layer replaced by a link to a host directory: what that
+    host directory holds is no concern of the sandbox's, and is never looked at."""
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "secret").write_text("TOP-SECRET")
+    sb = provider.create(SandboxSpec(image=project, limits=Limits(disk_mb=16)))
+    try:
+        sb.exec("mkdir /workspace/d && echo x > /workspace/d/secret")
+        (fork,) = sb.fork(1)
+        try:
+            fork.exec(f"rm -r /workspace/d && ln -s {host} /workspace/d")
+            assert [(c.path, c.kind) for c in fork.changes()] == [("/workspace/d", "added")]
+        finally:
+            fork.destroy()
+    finally:
+        sb.destroy()
+
+
+def test_changes_reads_the_writable_layer_of_a_frozen_sandbox(sandbox, monkeypatch):
+    """Nothing in the sandbox runs while changes() reads its writable layer (a command
+    swapping its files meanwhile could otherwise lead the host's reads elsewhere)."""
+    from codedojo.sandbox.images import LayerStack
+
+    sandbox.exec("(while true; do echo x >> busy.log; done) >/dev/null 2>&1 &")
+    sandbox.write_file("state.txt", "s")
+    lookup = LayerStack.lookup
+    frozen = []
+
+    def watched(self, rel):
+        frozen.append(sandbox.cgroup._frozen())
+        return lookup(self, rel)
+
+    monkeypatch.setattr(LayerStack, "lookup", watched)
+    assert "/workspace/state.txt" in [c.path for c in sandbox.changes()]
+    assert frozen and all(frozen)
+    monkeypatch.undo()
+    assert sandbox.exec("echo alive").stdout == "alive\n"  # thawed
+
+
+_SWAPPER = r"""
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+  char a[64], b[64];
+  for (;;) {
+    for (int i = 0; i < 8; i++) {  /* a file and a FIFO, a directory and a link to the host */
+      snprintf(a, sizeof a, "/workspace/f%d", i);
+      snprintf(b, sizeof b, "/workspace/f%d.fifo", i);
+      syscall(SYS_renameat2, AT_FDCWD, a, AT_FDCWD, b, 2 /* RENAME_EXCHANGE */);
+    }
+    syscall(SYS_renameat2, AT_FDCWD, "/workspace/d", AT_FDCWD, "/workspace/s", 2);
+  }
+}
+"""
+
+
+def test_changes_stays_in_the_layer_of_a_sandbox_swapping_its_files(provider, tmp_path,
+                                                                     monkeypatch):
+    """Even unfrozen (as where the cgroup has no freezer), changes() walks a writable layer
+    that a command changes as it is read without following a link out of it, blocking on a
+    FIFO or failing on an entry gone meanwhile."""
+    from codedojo.sandbox.cgroups import Cgroup
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"f{i}").write_text("orig\n")
+    image = provider.images.from_directory(str(src)).id
+    host = tmp_path / "host"
+    (host / "sub").mkdir(parents=True)
+    (host / "HOST-ONLY").write_text("x")
+    os.mkfifo(host / "f0")
+    monkeypatch.setattr(Cgroup, "freeze", lambda self, frozen, timeout=None: None)
+    sb = provider.create(SandboxSpec(image=image, limits=Limits(disk_mb=16)))
+    upper = os.path.join(sb._rw, "upper", "workspace")
+    try:
+        sb.write_file("/tmp/swapper.c", _SWAPPER)
+        r = sb.exec("cd /workspace && for i in $(seq 0 7); do echo same > f$i; mkfifo f$i.fifo; "
+                    f"done; mkdir d && ln -s {host} s && gcc -O2 -o /tmp/swapper /tmp/swapper.c "
+                    "&& (/tmp/swapper >/dev/null 2>&1 &) && echo started")
+        assert r.stdout == "started\n", r
+        def call(out: list) -> None:
+            try:
+                out.append(sb.changes())
+            except Exception as e:
+                out.append(e)
+
+        for _ in range(100):
+            got: list = []
+            t = threading.Thread(target=call, args=(got,), daemon=True)
+            t.start()
+            t.join(60)
+            if t.is_alive():  # blocked on a FIFO: set it free, then fail
+                for name in os.listdir(upper):
+                    try:
+                        os.close(os.open(os.path.join(upper, name), os.O_WRONLY | os.O_NONBLOCK))
+                    except OSError:
+                        pass
+                t.join(10)
+                pytest.fail("changes() blocked on a FIFO of the sandbox's")
+            assert isinstance(got[0], list), got[0]
+            paths = {c.path for c in got[0]}
+            assert all(p.count("/") == 2 for p in paths), paths  # nothing below d/ or s/
+    finally:
+        sb.destroy()
+
+
+def _bytes_read() -> int:
+    """What this process has read so far (rchar: bytes returned by read calls, holes too)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def test_a_sparse_file_costs_a_snapshot_and_changes_its_data_not_its_size(provider, project):
+    """A `truncate -s` is free in the sandbox; hashing or comparing its holes byte by byte
+    would cost the host minutes (hours for the terabytes of a `truncate -s 15T`)."""
+    sb = provider.create(SandboxSpec(image=project, limits=Limits(disk_mb=16)))
+    try:
+        sb.exec("truncate -s 4G huge && printf x | dd of=huge bs=1 seek=4096 conv=notrunc "
+                "2>/dev/null")
+        before = _bytes_read()
+        snap = sb.snapshot()
+        assert _bytes_read() - before < 64 << 20
+        # a sandbox of that snapshot: the file touched is compared with the image's
+        other = provider.create(SandboxSpec(image=snap, limits=Limits(disk_mb=16)))
+        try:
+            other.exec("touch huge")
+            before = _bytes_read()
+            assert other.changes() == []
+            assert _bytes_read() - before < 64 << 20
+            other.exec("printf y | dd of=huge bs=1 seek=3000000000 conv=notrunc 2>/dev/null")
+            assert [(c.path, c.kind) for c in other.changes()] == [("/workspace/huge",
+                                                                      "modified")]
+        finally:
+            other.destroy()
+    finally:
+        sb.destroy()
+
+
+def test_deep_and_long_trees_are_snapshotted_and_compared(provider, project):
+    """A tree 1000 levels deep, or a path of 4035 bytes, is fine in the sandbox, and so for
+    changes(), a snapshot, a fork and the removal of its layer (no recursion per level, no
+    host path past PATH_MAX); a path past what a sandbox path may be is a clear error."""
+    sb = provider.create(SandboxSpec(image=project, limits=Limits(disk_mb=32)))
+    deep = "cd /workspace && for i in $(seq 1000); do cd d; done"
+    long = "cd /workspace && for i in $(seq 16); do cd $(printf 'x%.0s' $(seq 250)); done"
+    try:
+        sb.exec("cd /workspace && for i in $(seq 1000); do mkdir d && cd d; done && echo deep > f")
+        sb.exec(long.replace("cd $(", "mkdir $(printf 'x%.0s' $(seq 250)) && cd $(") +
+                " && echo long > f")
+        got = [c.path for c in sb.changes()]
+        assert got == ["/workspace" + "/d" * 1000 + "/f", "/workspace" + ("/" + "x" * 250) * 16
+                       + "/f"]
+        snap = sb.snapshot()
+        (fork,) = sb.fork(1, snap)
+        try:
+            assert fork.exec(f"{deep} && cat f").stdout == "deep\n"
+            assert fork.exec(f"{long} && cat f").stdout == "long\n"
+            assert [c.path for c in fork.changes()] == got
+        finally:
+            fork.destroy()
+        store = provider.images
+        (layer,) = set(store.resolve(snap).layers) - set(sb.image.layers)
+        store.remove(snap)
+        old = time.time() - 7200
+        os.utime(store.layer_path(layer), (old, old))
+        assert layer in store.prune()
+        assert not os.path.exists(store.layer_path(layer))
+        # one level more than a path in the sandbox may have
+        sb.exec(f"{long} && mkdir $(printf 'y%.0s' $(seq 250)) && cd y* && echo x > g")
+        tmp = os.path.join(store.root, "tmp")
+        left = set(os.listdir(tmp))
+        for call in (sb.changes, sb.snapshot):
+            with pytest.raises(SandboxError, match="bytes long, past the 4095 that a sandbox's "
+                                                   "path may have"):
+                call()
+        assert set(os.listdir(tmp)) <= left  # the snapshot begun is removed
+        assert sb.exec("echo alive").stdout == "alive\n"
+    finally:
+        sb.destroy()
