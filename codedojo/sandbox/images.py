@@ -121,6 +121,17 @@ def _entries(fd: int, rel: str) -> Entries:
     return out
 
 
+def _open_dir(name: str, dir_fd: int | None = None) -> int | None:
+    """An fd of directory ``name`` (of ``dir_fd``), never through a link; None where it is
+    gone or is no longer a directory."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in _GONE:
+            return None
+        raise
+
+
 def walk_tree(root: str, under: str = "") -> Iterator[tuple[str, int, Entries]]:
     """Every directory of the tree at ``root`` (from its directory ``under`` down, if given),
     parents first and siblings in name order, as (its path relative to ``root``, "" for the
@@ -132,21 +143,16 @@ def walk_tree(root: str, under: str = "") -> Iterator[tuple[str, int, Entries]]:
     out. A deep tree costs no recursion and no long host path; a path longer than a sandbox's
     path may be (`PATH_MAX`, counted from its `/`) is a SandboxError."""
     rel = ""
-    try:
-        fd = os.open(root, _DIR_FLAGS)
-    except OSError as e:
-        if e.errno in _GONE:
-            return
-        raise
+    fd = _open_dir(root)
+    if fd is None:
+        return
     for part in [p for p in under.split("/") if p]:
         try:
-            sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
-        except OSError as e:
-            if e.errno in _GONE:
-                return
-            raise
+            sub = _open_dir(part, fd)
         finally:
             os.close(fd)
+        if sub is None:
+            return
         fd, rel = sub, posixpath.join(rel, part)
     stack: list[tuple[str, int, Iterator[str] | None]] = [(rel, fd, None)]  # the open path
     try:
@@ -162,13 +168,9 @@ def walk_tree(root: str, under: str = "") -> Iterator[tuple[str, int, Entries]]:
                 stack.pop()
                 os.close(fd)
                 continue
-            try:
-                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            except OSError as e:
-                if e.errno in _GONE:
-                    continue
-                raise
-            stack.append((posixpath.join(rel, name), sub, None))
+            sub = _open_dir(name, fd)
+            if sub is not None:
+                stack.append((posixpath.join(rel, name), sub, None))
     finally:
         for _, fd, _ in stack:
             os.close(fd)
