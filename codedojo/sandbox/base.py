@@ -172,8 +172,9 @@ class Sandbox(Executor, Protocol):
         ...
 
     def read_original(self, path: str) -> bytes:
-        """A file's bytes in the image the sandbox started from (the other side of `changes`);
-        SandboxError where the image has no regular file there."""
+        """A file's bytes in the image the sandbox started from (the other side of `changes`,
+        by the path as it names it: a link on the way is not followed); SandboxError where the
+        image has no regular file there."""
         ...
 
     def snapshot(self) -> str:

@@ -559,11 +559,11 @@ class ImageStore:
     """Content-addressed layers and named images under `root`."""
 
     def __init__(self, root: str, provider: LocalProvider | None = None):
-        self.root = root
-        self.provider = provider
-        self._base: Image | None = None
         for d in ("layers", "images", "names", "tmp"):
             os.makedirs(os.path.join(root, d), exist_ok=True)
+        self.root = os.path.realpath(root)  # (the mount table names layers by it: `prune`)
+        self.provider = provider
+        self._base: Image | None = None
 
     # ---- store ----
 
@@ -654,12 +654,15 @@ class ImageStore:
                 raise SandboxError(f"image {ref!r}: layer {layer} is missing from the store")
         return Image(doc["id"], tuple(doc["layers"]), doc.get("base", "host"))
 
-    def remove(self, ref: str) -> str:
+    def remove(self, ref: str, *, force: bool = False) -> str:
         """Delete an image (by id or name) and every name that points to it; returns its id.
         Its layers stay until `prune` finds that no image names them (other images may be
         built on them). Refused while a live sandbox of this store's provider runs on it:
-        created from it, forked from it or restored to it (`LocalSandbox.source`). A snapshot
-        that `fork(n)` took itself is its forks' `source`: remove it once they are gone."""
+        created from it, forked from it or restored to it (`LocalSandbox.source`), and, unless
+        ``force``, when a name points to it: a task's image is named, and a snapshot of a
+        sandbox that changed nothing is its image (images are addressed by their layers). A
+        snapshot that `fork(n)` took itself is its forks' `source`: remove it once they are
+        gone."""
         path = self._image_file(ref)
         image_id = os.path.basename(path).removesuffix(".json")
         if self.provider is not None:
@@ -668,18 +671,28 @@ class ImageStore:
             if users:
                 raise SandboxError(f"image: {ref!r} is in use by live sandboxes: "
                                    f"{', '.join(users)}")
+        named = [n for n in os.listdir(os.path.join(self.root, "names"))
+                 if not n.startswith(".") and self._points_to(n, image_id)]
+        if named and not force:
+            raise SandboxError(f"image: {ref!r} is named ({', '.join(sorted(named))}): kept "
+                               "(force=True removes it and its names)")
         names = os.path.join(self.root, "names")
         for n in os.listdir(names):  # (hidden keys too: the base's)
-            with contextlib.suppress(FileNotFoundError):
-                with open(os.path.join(names, n)) as f:
-                    points_here = f.read().strip() == image_id
-                if points_here:
+            if self._points_to(n, image_id):
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(names, n))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         if self._base is not None and self._base.id == image_id:
             self._base = None
         return image_id
+
+    def _points_to(self, name: str, image_id: str) -> bool:
+        try:
+            with open(os.path.join(self.root, "names", name)) as f:
+                return f.read().strip() == image_id
+        except FileNotFoundError:  # (removed meanwhile)
+            return False
 
     def prune(self, min_age_s: float = PRUNE_MIN_AGE_S) -> list[str]:
         """Delete the layers that no image file names and no sandbox of the store has mounted

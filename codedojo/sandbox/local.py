@@ -29,7 +29,8 @@ A snapshot stays in the store until `images.remove(id)` (refused while a sandbox
 a sandbox's `source` is the image or snapshot its layers come from, so `fork(n)` without a
 snapshot names the one it took in its forks' `source`); `gc` then deletes the layers no image
 names (`ImageStore.prune`). An RL loop that snapshots per step removes each snapshot once its
-forks are destroyed, or the store only grows.
+forks are destroyed, or the store only grows; a named image (a task's) is kept, and so is a
+snapshot of a sandbox that changed nothing, which is its image.
 """
 
 from __future__ import annotations
@@ -1258,7 +1259,8 @@ class LocalSandbox:
         stack = LayerStack([store.layer_path(x) for x in self.image.layers])
         found = stack.lookup(rel)  # (the path as written, as `changes` names it: no link on it)
         if found is None:
-            raise SandboxError(f"path: {p}: not in the sandbox's image")
+            raise SandboxError(f"path: {p}: not in the sandbox's image (as written: a link "
+                               "on the way is not followed)")
         top, st = found
         fd = stack.open(top, rel, st) if stat.S_ISREG(st.st_mode) else None
         if fd is None:
@@ -1407,9 +1409,12 @@ def _same_entry(rel: str, then: LayerStack, a: tuple[str, os.stat_result], now: 
     if stat.S_ISREG(sa.st_mode):
         if sa.st_size != sb.st_size:
             return False
+        if (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino):  # one file of one layer
+            return True
         fa = then.open(top_a, rel, sa)
-        fb = now.open(top_b, rel, sb) if fa is not None else None
+        fb = None
         try:
+            fb = now.open(top_b, rel, sb) if fa is not None else None
             return fb is not None and _same_bytes(fa, fb, sa.st_size)  # type: ignore[arg-type]
         finally:
             for fd in (fa, fb):
@@ -1445,7 +1450,10 @@ class LocalProvider:
     """
 
     def __init__(self, root: str | None = None, *, pool_size: int = 4):
-        self.root = os.path.abspath(root or os.environ.get("CODEDOJO_SANDBOX_ROOT") or DEFAULT_ROOT)
+        # its real path: the mount table names layers by it, whatever link a caller took to it
+        # (`ImageStore.prune` keeps what any process has mounted)
+        self.root = os.path.realpath(root or os.environ.get("CODEDOJO_SANDBOX_ROOT")
+                                     or DEFAULT_ROOT)
         _raise_nofile_limit()
         self.sandboxes_dir = os.path.join(self.root, "sandboxes")
         os.makedirs(self.sandboxes_dir, exist_ok=True)

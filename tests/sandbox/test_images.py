@@ -82,7 +82,9 @@ def test_removed_images_give_back_the_layers_nothing_else_uses(provider, project
     b = store.from_directory(str(tmp_path / "b"), parent=a.id, name="prune-b")
     top_a, top_b = a.layers[0], b.layers[0]
     _age(store, top_a, top_b)
-    assert store.remove("prune-a") == a.id
+    with pytest.raises(SandboxError, match="is named \\(prune-a\\): kept"):
+        store.remove(a.id)  # (a task's image is named)
+    assert store.remove("prune-a", force=True) == a.id
     for ref in ("prune-a", a.id):
         with pytest.raises(SandboxError, match="no image or name"):
             store.resolve(ref)
@@ -91,6 +93,8 @@ def test_removed_images_give_back_the_layers_nothing_else_uses(provider, project
     try:
         with pytest.raises(SandboxError, match=f"in use by live sandboxes: {sb.id}"):
             store.remove(b.id)
+        # a snapshot of a sandbox that changed nothing is its image, which stays
+        assert sb.snapshot() == b.id
         sb.write_file("new.txt", "x")
         (fork,) = sb.fork(1)  # the snapshot it takes is the fork's source
         (snap_layer,) = set(store.resolve(fork.source).layers) - set(b.layers)
@@ -102,7 +106,7 @@ def test_removed_images_give_back_the_layers_nothing_else_uses(provider, project
         _age(store, snap_layer)
         # seen from another process, which knows nothing of `sb`: its layers are mounted
         other = ImageStore(provider.root)
-        other.remove(b.id)
+        other.remove(b.id, force=True)
         assert {top_a, top_b} & set(other.prune()) == set()
         assert snap_layer not in os.listdir(os.path.join(provider.root, "layers"))
         assert sb.exec("cat f.txt").exit_code == 0
