@@ -443,8 +443,9 @@ class Engine:
         ``drafter.mtp``'s, after ``mtp.``. Tokens sampled from then on carry ``version`` (an
         integer >= 0, never below the engine's: versions only go up). Prefixes are not shared
         across it: the prefix cache is emptied, and requests prefilled before it are no source
-        for requests after it (even under the same version number). MTP weights restart the probing of speculative decoding
-        (`_restart_probing`): what it saw of the old drafts tells nothing of the new.
+        for requests after it (even under the same version number). MTP weights restart the
+        probing of speculative decoding (`_restart_probing`): what it saw of the old drafts
+        tells nothing of the new.
 
         Everything is checked before anything changes: a version, a name or a tensor refused
         raises with the engine as it was. A copy that fails even so (out of memory on the

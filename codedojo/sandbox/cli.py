@@ -17,7 +17,8 @@ from typing import NoReturn
 
 import typer
 
-sandbox_app = typer.Typer(help="Sandboxes: serve, create, exec, snapshot, fork, restore, ls, rm, gc, image.",
+sandbox_app = typer.Typer(help="Sandboxes: serve, create, exec, snapshot, fork, restore, ls, rm, "
+                               "gc, image.",
                           no_args_is_help=True)
 
 URL = typer.Option(None, "--url", help="Service URL (default $CODEDOJO_SANDBOX_URL or http://127.0.0.1:8181).")

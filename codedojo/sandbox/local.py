@@ -525,7 +525,8 @@ class LocalShell:
             self.sandbox._shells.append(self)  # so that destroy closes what starts below
         self.sandbox._check_alive()  # after joining: a destroy begun before is seen here
         env = self.sandbox._env(None)
-        self._proc = _Process(self.sandbox._address, ["/bin/bash", "--noprofile", "--norc"], env, WORKSPACE)
+        self._proc = _Process(self.sandbox._address, ["/bin/bash", "--noprofile", "--norc"],
+                              env, WORKSPACE)
         out, err = self.MARK_FDS
         return self._proc, f"exec {out}>&1 {err}>&2\n".encode()
 

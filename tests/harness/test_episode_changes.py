@@ -218,7 +218,8 @@ def test_rollouts_of_one_task_share_its_run_as_it_came(fresh, sandbox):
     sandbox.write_file("inventory/stock.py", src.replace("i.qty < threshold", "i.qty <= threshold")
                        + "\n\ndef total_value(items):\n    import pytest\n    pytest.xfail('x')\n")
 
-    broken = {"tests/test_stock.py::test_total_value": False, "tests/test_stock.py::test_restock": True}
+    broken = {"tests/test_stock.py::test_total_value": False,
+              "tests/test_stock.py::test_restock": True}
     for _ in range(2):
         report = grade(sandbox, F2P, P2P, fresh=counted, as_it_came=as_it_came)
         assert all(report.fail_to_pass.values()) and report.pass_to_pass == broken

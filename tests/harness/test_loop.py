@@ -325,7 +325,8 @@ def test_a_long_task_is_not_summarised_again_before_any_action(session):
 
     steps = [[("run_terminal_cmd", {"command": f"echo step {i}"})] for i in range(4)]
     # (the tool schemas in every prompt: about 1,700 tokens, the task's 1,300 beside them)
-    cfg = LoopConfig(context_window=4000, summary_threshold=0.6, max_tokens_per_turn=200, max_turns=20)
+    cfg = LoopConfig(context_window=4000, summary_threshold=0.6, max_tokens_per_turn=200,
+                     max_turns=20)
     traj = Agent(Summarising([*steps, "done"]), cfg).run("x" * 5200, session)
     kinds = [t.kind for t in traj.turns]
     assert traj.status == "finished" and "summary" in kinds

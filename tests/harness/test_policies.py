@@ -165,7 +165,8 @@ def test_engine_policy_in_process(sandbox, tmp_path):
     sampling = {"temperature": 0.7, "top_p": 1.0, "top_k": 5, "seed": 1, "logprobs": "sampled"}
     assert traj.sampling == sampling
     write_parquet([traj], tmp_path / "t.parquet")
-    assert load(tmp_path / "t.jsonl")[0].sampling == load(tmp_path / "t.parquet")[0].sampling == sampling
+    assert load(tmp_path / "t.jsonl")[0].sampling == sampling
+    assert load(tmp_path / "t.parquet")[0].sampling == sampling
     t0 = traj.turns[0]
     expected_prompt = chat.encode(traj.messages[:2], session.schemas, add_generation_prompt=True)
     assert t0.prompt_ids == expected_prompt
