@@ -54,11 +54,27 @@ def register(app: typer.Typer) -> None:
             _fail(console, "error", f"{e.title}: " + "; ".join(
                 f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()))
         except (ValueError, OSError) as e:  # a base model, a file or a setting it cannot use
-            _fail(console, "error", str(e))
+            # (or a fault of the trainer's that is one: its traceback goes to the run's folder)
+            _fail(console, "error", str(e) + _traceback_kept(cfg.run_dir))
         if is_main():
             keys = ("eval_loss", "mtp_agree", "mtp_agree_text", "probe")
             console.print_json(json.dumps({k: report[k] for k in keys if k in report}))
         exit_distributed()  # under torchrun; after a failure torchrun stops the others
+
+
+def _traceback_kept(run_dir: Path) -> str:
+    """Write the exception being handled's traceback to ``run_dir``/error.txt, where the run
+    has a folder; what to add to its one-line message."""
+    import traceback
+
+    if not run_dir.is_dir():
+        return ""
+    path = run_dir / "error.txt"
+    try:
+        path.write_text(traceback.format_exc())
+    except OSError:
+        return ""
+    return f" (traceback: {path})"
 
 
 def _fail(console: Any, what: str, why: str) -> NoReturn:

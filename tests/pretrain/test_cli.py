@@ -119,3 +119,21 @@ def test_a_failure_of_its_own_keeps_its_traceback(config, monkeypatch):
     monkeypatch.setattr(trainer, "run", broken)
     r = pretrain(str(config))
     assert isinstance(r.exception, RuntimeError) and r.exit_code == 1
+
+
+def test_a_value_error_deep_in_the_run_is_one_line_with_its_traceback_kept(config, monkeypatch,
+                                                                            tmp_path):
+    """A ValueError may be a setting the run cannot use or a fault of the trainer's: the line
+    says it, and the run's folder keeps the traceback."""
+    import codedojo.pretrain.trainer as trainer
+
+    def broken(cfg, **kwargs):
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        raise ValueError("a shape that does not fit")
+
+    monkeypatch.setattr(trainer, "run", broken)
+    r = pretrain(str(config))
+    error = tmp_path / "runs" / "r" / "error.txt"
+    refused(r, f"error: a shape that does not fit (traceback: {error})")
+    assert "Traceback" in error.read_text()
+    assert "a shape that does not fit" in error.read_text()
