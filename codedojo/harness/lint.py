@@ -51,38 +51,34 @@ def ruff_bin() -> str:
 _OUTSIDE = "__outside_workspace__"
 
 
-def _parsed(configs: Mapping[str, str], name: str) -> dict[str, Any]:
-    try:
-        return tomllib.loads(configs[name])
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"the repository's {name} is not TOML: {e}") from None
-
-
-def ruff_settings(configs: Mapping[str, str]) -> dict[str, Any] | None:
-    """The repository's ruff settings from its config files' texts (name -> text), as ruff
-    finds them at the root (the first of `CONFIG_FILES` that has any), less ``extend``; None
-    where none has any. A file that is not TOML is a `ValueError` naming it."""
+def ruff_config(configs: Mapping[str, str]) -> dict[str, Any] | None:
+    """The pyproject.toml ruff is to read, from the repository's config files' texts (name ->
+    text): its ruff settings as ruff finds them at the root (the first of `CONFIG_FILES` that
+    has any) less ``extend``, and pyproject.toml's ``requires-python``; None where it has
+    neither. A file that is not TOML is a `ValueError` naming it."""
+    parsed: dict[str, dict[str, Any]] = {}
     for name in CONFIG_FILES:
-        if name not in configs:
-            continue
-        data = _parsed(configs, name)
-        if name == "pyproject.toml":
-            tool = data.get("tool")
-            data = tool.get("ruff") if isinstance(tool, dict) else None
-            if not isinstance(data, dict):
-                continue  # (a pyproject.toml without ruff settings: ruff looks on)
-        data.pop("extend", None)
-        return data
-    return None
-
-
-def requires_python(configs: Mapping[str, str]) -> str | None:
-    """pyproject.toml's ``[project].requires-python``, where the repository says it."""
-    if "pyproject.toml" not in configs:
+        if name in configs:
+            try:
+                parsed[name] = tomllib.loads(configs[name])
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"the repository's {name} is not TOML: {e}") from None
+    pyproject = parsed.get("pyproject.toml", {})
+    tool = pyproject.get("tool")
+    if isinstance(tool, dict) and isinstance(tool.get("ruff"), dict):
+        parsed["pyproject.toml"] = tool["ruff"]  # (one without ruff settings: ruff looks on)
+    else:
+        parsed.pop("pyproject.toml", None)
+    settings = next((parsed[n] for n in CONFIG_FILES if n in parsed), None)
+    project = pyproject.get("project")
+    python = project.get("requires-python") if isinstance(project, dict) else None
+    if settings is None and not isinstance(python, str):
         return None
-    project = _parsed(configs, "pyproject.toml").get("project")
-    value = project.get("requires-python") if isinstance(project, dict) else None
-    return value if isinstance(value, str) else None
+    doc: dict[str, Any] = {"tool": {"ruff": {k: v for k, v in (settings or {}).items()
+                                             if k != "extend"}}}
+    if isinstance(python, str):
+        doc["project"] = {"requires-python": python}
+    return doc
 
 
 def ruff_check(
@@ -94,16 +90,12 @@ def ruff_check(
     (a reward's count, which a comment must not zero)."""
     if not files:
         return []
-    settings = ruff_settings(configs or {})
-    python = requires_python(configs or {})
+    doc = ruff_config(configs or {})
     with tempfile.TemporaryDirectory(prefix="dojo-lint-") as tmp:
         root = Path(tmp)
-        if settings is None and python is None:
+        if doc is None:
             config = ["--isolated"]
         else:
-            doc: dict[str, Any] = {"tool": {"ruff": settings or {}}}
-            if python is not None:
-                doc["project"] = {"requires-python": python}
             (root / "pyproject.toml").write_text(tomli_w.dumps(doc))
             config = ["--config", str(root / "pyproject.toml")]
         local: dict[str, str] = {}

@@ -389,10 +389,3 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
         return {"cleaned": provider.gc()}
 
     return app
-
-
-def serve(config: ServiceConfig) -> None:
-    import uvicorn
-
-    app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
