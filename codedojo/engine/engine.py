@@ -269,8 +269,6 @@ class Engine:
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.drafter = drafter
         self._drafter = drafter  # kept should speculation be switched off (`_restart_probing`)
-        # an MTP drafter's modules, whose weights `load_weights` takes too ("mtp." names)
-        self._mtp: torch.nn.Module | None = getattr(drafter, "mtp", None)
         self.spec_stats = SpecStats()  # over every speculative round of this engine
         self.spec_draft_cost = spec_draft_cost
         self.spec_probe_rounds = max(1, spec_probe_rounds)  # the first round always drafts
@@ -459,12 +457,13 @@ class Engine:
             raise ValueError(f"load_weights: version must not go back: {version} after "
                              f"{self.weight_version}")
         own = self.model.state_dict()
-        if self._mtp is not None:
-            own.update({f"mtp.{k}": v for k, v in self._mtp.state_dict().items()})
+        mtp = getattr(self._drafter, "mtp", None)  # an MTP drafter's modules ("mtp." names)
+        if mtp is not None:
+            own.update({f"mtp.{k}": v for k, v in mtp.state_dict().items()})
         unknown = [k for k in state_dict if k not in own]
         if unknown:
             hint = (" (mtp. names need an engine with an MTP drafter)"
-                    if self._mtp is None and any(k.startswith("mtp.") for k in unknown) else "")
+                    if mtp is None and any(k.startswith("mtp.") for k in unknown) else "")
             raise KeyError(f"load_weights: unknown parameter names {unknown[:5]}{hint}")
         for k, v in state_dict.items():  # (all checked before any is copied: a load that
             if not isinstance(v, torch.Tensor) or v.is_complex() or (  # failed half-way would

@@ -126,8 +126,12 @@ class ChoiceResult:
     finish_reason: str = "stop"
     cached_tokens: int = 0  # prompt tokens the engine took from an earlier sequence
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # recorded: pieces, in order
-    weight_version: int = -1  # of the weights that made its first token (-1: no token came)
     weight_versions: list[int] = field(default_factory=list)  # of each token's
+
+    @property
+    def weight_version(self) -> int:
+        """Of the weights that made its first token, the oldest (-1: no token came)."""
+        return self.weight_versions[0] if self.weight_versions else -1
 
     def routed_for(self, req: ChatCompletionRequest | CompletionRequest) -> str | None:
         """The response's ``routed_experts`` (vLLM's encoding): when asked for and recorded."""
@@ -371,8 +375,6 @@ async def _run_choice(state: ServerState, prompt_ids: list[int], params: Samplin
             if ev.token_id < 0:  # the engine ended the request without a token
                 finish = ev.finish_reason or finish
                 break
-            if not result.token_ids:  # the oldest weights that made the choice: its first token's
-                result.weight_version = ev.weight_version
             result.token_ids.append(ev.token_id)
             result.weight_versions.append(ev.weight_version)
             result.cached_tokens = ev.cached_tokens

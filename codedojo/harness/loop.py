@@ -23,7 +23,6 @@ trajectory: its `segments` say where each context starts.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +35,7 @@ from codedojo.harness.policy import (
     Policy,
     PolicyOutput,
     estimate_messages,
+    estimate_prompt,
     estimate_tokens,
 )
 from codedojo.harness.tools.base import ToolResult, truncate
@@ -187,8 +187,7 @@ class Agent:
         used_tokens = 0
         acting_turns = 0
         acted = False  # since the start or the last summary: a summary follows some action
-        schemas_estimate = estimate_tokens(json.dumps(tools.schemas))  # written into every prompt
-        next_prompt_estimate = estimate_messages(context) + schemas_estimate
+        next_prompt_estimate = estimate_prompt(context, tools.schemas)
         # the model's tokens per estimated token (at least 1), as the last prompt counted
         # against its estimate, tool schemas included: a byte-level tokenizer has four
         scale = 1.0
@@ -226,7 +225,7 @@ class Agent:
                     acted = False  # a context still over the threshold waits for the next turn
                     used_tokens += used
                     next_prompt_estimate = round(
-                        (estimate_messages(context) + schemas_estimate) * scale)
+                        estimate_prompt(context, tools.schemas) * scale)
                     if writer:
                         writer.step(traj)
                     continue
@@ -237,7 +236,7 @@ class Agent:
                     break
                 budget = min(budget, room)
                 # the prompt as estimated, the tool schemas the template writes into it too
-                sent = estimate_messages(context) + schemas_estimate
+                sent = estimate_prompt(context, tools.schemas)
                 t0 = time.time()
                 g0 = time.perf_counter()
                 out_ = self.policy.generate(context, tools.schemas, budget, time_left())

@@ -104,6 +104,12 @@ def estimate_tokens(text: str) -> int:
     return (len(text) + 3) // 4
 
 
+def estimate_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
+    """Tokens of a prompt by `estimate_tokens`: its messages and the tool schemas the
+    template writes into it."""
+    return estimate_messages(messages) + estimate_tokens(json.dumps(tools))
+
+
 def estimate_messages(messages: list[dict[str, Any]]) -> int:
     """Tokens of ``messages`` by `estimate_tokens`: their text, reasoning and tool calls."""
     return sum(estimate_tokens(str(m.get("content") or "") + str(m.get("reasoning_content") or "")
@@ -137,8 +143,7 @@ class ScriptedPolicy:
         text = json.dumps([{"name": c.name, "arguments": c.arguments} for c in calls])
         # the prompt as a server counts it: the messages and the tool schemas written in it
         return PolicyOutput(content="", calls=calls, completion_tokens=estimate_tokens(text),
-                            prompt_tokens=estimate_messages(messages)
-                            + estimate_tokens(json.dumps(tools)))
+                            prompt_tokens=estimate_prompt(messages, tools))
 
 
 # ---- OpenAI-compatible endpoint -------------------------------------------------------------

@@ -22,16 +22,16 @@ x = Σ weight_f · f over features of the trajectory:
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field
 
 from codedojo.harness.trajectory import Trajectory, Turn
 from codedojo.reward.base import RewardContext, reward
 
-FEATURES = ("thinking_tokens", "tool_call_tokens", "tool_output_tokens", "final_tokens", "tool_calls", "turns")
 Feature = Literal["thinking_tokens", "tool_call_tokens", "tool_output_tokens", "final_tokens",
                   "tool_calls", "turns"]
+FEATURES: tuple[str, ...] = get_args(Feature)
 # a feature's weight: a cost grows with it (a negative one would pay for length)
 Weight = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
@@ -63,19 +63,19 @@ def length_features(traj: Trajectory) -> dict[str, float]:
         if t.tool_calls:
             f["tool_call_tokens"] += visible
             f["tool_calls"] += len(t.tool_calls)
-            f["tool_output_tokens"] += _tool_output_tokens(t, traj.turns[i + 1:i + 2], completion)
+            nxt = traj.turns[i + 1] if i + 1 < len(traj.turns) else None
+            f["tool_output_tokens"] += _tool_output_tokens(t, nxt, completion)
         else:
             f["final_tokens"] += visible
     return f
 
 
-def _tool_output_tokens(turn: Turn, after: list[Turn], completion: int) -> float:
+def _tool_output_tokens(turn: Turn, nxt: Turn | None, completion: int) -> float:
     """The tokens of ``turn``'s tool output as the model counted them, from the prompt of the
-    call ``after`` it (a one-item list, or none): what it holds past the turn's prompt and
+    call ``nxt`` after it (if any): what it holds past the turn's prompt and
     completion, the template's few tokens around each output with it; the loop's estimate
     where that cannot be told (no next call, a summary's call, whose context may cut long
     outputs, another context after it, no counts)."""
-    nxt = after[0] if after else None
     if nxt is not None and nxt.kind == "action" and nxt.segment == turn.segment and (
             nxt.prompt_tokens and turn.prompt_tokens):
         grown = nxt.prompt_tokens - turn.prompt_tokens - completion

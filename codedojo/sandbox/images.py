@@ -671,16 +671,15 @@ class ImageStore:
             if users:
                 raise SandboxError(f"image: {ref!r} is in use by live sandboxes: "
                                    f"{', '.join(users)}")
-        named = [n for n in os.listdir(os.path.join(self.root, "names"))
-                 if not n.startswith(".") and self._points_to(n, image_id)]
+        names = os.path.join(self.root, "names")
+        pointing = [n for n in os.listdir(names) if self._points_to(n, image_id)]
+        named = [n for n in pointing if not n.startswith(".")]  # (hidden keys: the base's)
         if named and not force:
             raise SandboxError(f"image: {ref!r} is named ({', '.join(sorted(named))}): kept "
                                "(force=True removes it and its names)")
-        names = os.path.join(self.root, "names")
-        for n in os.listdir(names):  # (hidden keys too: the base's)
-            if self._points_to(n, image_id):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(names, n))
+        for n in pointing:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(names, n))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         if self._base is not None and self._base.id == image_id:
