@@ -425,7 +425,7 @@ def split_tasks(tasks: list[Task], test_fraction: float, rng: random.Random) -> 
         rng.shuffle(ids)
         test.update(ids[:round(len(ids) * test_fraction)])
     for related in _related(tasks):
-        if len(related) > 1 and not related <= test:
+        if not related <= test:
             test -= related
     ids = {t.instance_id for t in tasks}
     return {"train": sorted(ids - test), "test": sorted(test)}
@@ -439,7 +439,7 @@ def _related(tasks: list[Task]) -> list[set[str]]:
         for fp in parse_patch(t.bug_patch):
             for start, lines in fp.hunks:
                 n = sum(1 for line in lines if line[:1] in (" ", "-"))
-                spans.append((t.package, fp.old_path or fp.new_path, start,
+                spans.append((t.package, fp.path, start,
                               start + max(n, 1) - 1, t.instance_id))
     parent = {t.instance_id: t.instance_id for t in tasks}
 

@@ -51,16 +51,6 @@ def _check_base_url(base_url: str | None) -> str | None:
     return base_url
 
 
-def failed_entirely(run) -> str | None:
-    """Why a run measured nothing, when every episode of it was an infra failure (the agent
-    could not start, its endpoint did not answer); None when any episode ran."""
-    if not run.results or any(r.status != "infra_failure" for r in run.results):
-        return None
-    first = next((r.error.strip() for r in run.results if r.error.strip()), "no error recorded")
-    return (f"every one of the run's {len(run.results)} episode(s) was an infra failure "
-            f"(the first: {first.splitlines()[0][:200]})")
-
-
 def _console():
     from rich.console import Console
 
@@ -220,7 +210,7 @@ def run(
     name = name or _default_run_name(s.name, agent, *([split] if split else []))
     bench_agent = _make_agent(agent, max_turns, max_tokens, base_url)
     result = _run_and_report(s.name, tasks, bench_agent, name, samples, parallel, out_dir)
-    if why := failed_entirely(result):
+    if why := result.failed_entirely():
         _console().print(f"{bench_agent.name} run failed: {why}; its results are under "
                          f"{out_dir / name}: move them away or choose another --name to run it "
                          "again", style="red", markup=False, highlight=False)

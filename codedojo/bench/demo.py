@@ -41,7 +41,7 @@ def run_demo(max_turns: int = 2, max_tokens: int = 192, parallel: int = 2, base_
     from rich.console import Console
     from rich.table import Table
 
-    from codedojo.bench.cli import _run_and_report, failed_entirely
+    from codedojo.bench.cli import _run_and_report
     from codedojo.bench.runner import OracleAgent
 
     con = Console()
@@ -81,7 +81,7 @@ def run_demo(max_turns: int = 2, max_tokens: int = 192, parallel: int = 2, base_
     con.print(table)
     ok = oracle.counts()["resolved"] == len(tasks)
     con.print("[green]oracle resolved every task[/]" if ok else "[red]the oracle did not resolve every task[/]")
-    why = "it raised an error (printed above)" if model is None else failed_entirely(model)
+    why = "it raised an error (printed above)" if model is None else model.failed_entirely()
     if why:
         con.print(f"SmolLM2 evaluation failed: {why}", style="red", markup=False, highlight=False)
     return ok and not why

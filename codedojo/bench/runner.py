@@ -252,6 +252,16 @@ class RunResult:
     wall_s: float
     results: list[TaskResult]
 
+    def failed_entirely(self) -> str | None:
+        """Why the run measured nothing, when every episode of it was an infra failure (the
+        agent could not start, its endpoint did not answer); None when any episode ran."""
+        if not self.results or any(r.status != "infra_failure" for r in self.results):
+            return None
+        first = next((r.error.strip() for r in self.results if r.error.strip()),
+                     "no error recorded")
+        return (f"every one of the run's {len(self.results)} episode(s) was an infra failure "
+                f"(the first: {first.splitlines()[0][:200]})")
+
     def counts(self) -> dict[str, int]:
         out = {"resolved": 0, "unresolved": 0, "infra_failure": 0}
         for r in self.results:

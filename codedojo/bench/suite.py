@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from codedojo.bench.task import CANARY, Task, TaskFormatError, parse_task
+from codedojo.bench.task import CANARY, Task, TaskFormatError, parse_task, repeated
 
 SUITES_DIR = Path(str(resources.files("codedojo.bench") / "suites"))
 
@@ -119,9 +118,9 @@ def _check_against_manifest(manifest: Manifest, tasks: list[Task]) -> None:
     if not tasks:
         raise TaskFormatError(f"suite {manifest.name!r}: no tasks")
     by_id = {t.instance_id: t for t in tasks}
-    if (dup := _repeated(t.instance_id for t in tasks)) is not None:
+    if (dup := repeated(t.instance_id for t in tasks)) is not None:
         raise TaskFormatError(f"task {dup!r}: field 'instance_id': duplicated in tasks.jsonl")
-    if (dup := _repeated(e.id for e in manifest.tasks)) is not None:
+    if (dup := repeated(e.id for e in manifest.tasks)) is not None:
         raise TaskFormatError(f"task {dup!r}: listed twice in manifest {manifest.name!r}")
     listed = {e.id: e.sha256 for e in manifest.tasks}
     for tid in by_id.keys() - listed.keys():
@@ -143,16 +142,6 @@ def _check_against_manifest(manifest: Manifest, tasks: list[Task]) -> None:
     if manifest.splits and (loose := sorted(by_id.keys() - in_split.keys())):
         raise TaskFormatError(f"task {loose[0]!r}: in no split (every task is in one of "
                               f"{sorted(manifest.splits)})")
-
-
-def _repeated(ids: Iterable[str]) -> str | None:
-    """The first id that comes a second time."""
-    seen: set[str] = set()
-    for i in ids:
-        if i in seen:
-            return i
-        seen.add(i)
-    return None
 
 
 def other_suite_at(path: str | os.PathLike[str], name: str, version: str) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -162,8 +163,8 @@ class Task(BaseModel):
     def _tests(cls, v: list[str], info: ValidationInfo) -> list[str]:
         if not v and info.field_name == "FAIL_TO_PASS":
             raise ValueError("needs at least one test")
-        if len(set(v)) != len(v):
-            raise ValueError(f"names {sorted({t for t in v if v.count(t) > 1})[0]!r} twice")
+        if (dup := repeated(v)) is not None:
+            raise ValueError(f"names {dup!r} twice")
         return v
 
     @field_validator("hidden_paths")
@@ -218,3 +219,13 @@ def parse_task(record: Any, where: str = "") -> Task:
             field = ".".join(str(p) for p in err["loc"]) or "(record)"
             lines.append(f"{label}: field {field!r}: {err['msg']}")
         raise TaskFormatError("\n".join(lines)) from None
+
+
+def repeated(ids: Iterable[str]) -> str | None:
+    """The first id that comes a second time."""
+    seen: set[str] = set()
+    for i in ids:
+        if i in seen:
+            return i
+        seen.add(i)
+    return None
