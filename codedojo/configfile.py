@@ -1,13 +1,15 @@
-"""Reading a TOML config file, with one error for whatever keeps it from being read.
+"""Reading a TOML config file, with one error for whatever keeps it from being read, and
+saying on one line which fields of what was read are wrong.
 
 Every config of codedojo (a pretraining recipe, a bench recipe, an egress policy, a tool
 environment, the rewards) is TOML; each loader validates the tables it gets and names the
-field that is wrong. This is the step before: the file itself.
+field that is wrong (`field_errors`). `read_toml` is the step before: the file itself.
 """
 
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,3 +33,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not TOML ({e})") from None
+
+
+def field_errors(errors: Iterable[Mapping[str, Any]], prefix: str = "") -> str:
+    """Validation errors (pydantic's ``e.errors()``, or the list a FastAPI 422 answers) on one
+    line: each field's dotted path after ``prefix``, and what is wrong with it."""
+    return "; ".join(f"{prefix}{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}"
+                     for err in errors)

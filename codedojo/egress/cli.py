@@ -42,7 +42,7 @@ def serve(
     from pydantic import ValidationError
     from rich.console import Console
 
-    from codedojo.configfile import read_toml
+    from codedojo.configfile import field_errors, read_toml
     from codedojo.egress.control import ControlServer
     from codedojo.egress.proxy import EgressProxy, EgressProxyConfig
 
@@ -69,9 +69,8 @@ def serve(
     try:
         cfg = EgressProxyConfig.model_validate(data)
     except ValidationError as e:  # (the options' values are in range: the config's are wrong)
-        problems = "; ".join(f"{where}{'.'.join(map(str, err['loc']))}: {err['msg']}"
-                             for err in e.errors())  # fmt: skip
-        raise typer.BadParameter(f"{config}: {problems}", param_hint="--config") from None
+        raise typer.BadParameter(f"{config}: {field_errors(e.errors(), where)}",
+                                 param_hint="--config") from None
     proxy = EgressProxy(cfg).start()
     sock = control_socket or cfg.state_dir / "control.sock"
     control = ControlServer(proxy, sock).start()

@@ -26,6 +26,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from codedojo.configfile import field_errors
 from codedojo.egress.policy import EgressPolicy
 from codedojo.egress.proxy import EgressProxy, Mode
 from codedojo.egress.strip import SecretSet
@@ -122,9 +123,7 @@ def _parse(model: type[_M], req: dict[str, Any]) -> _M:
     try:
         return model.model_validate(req)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
-                             for err in e.errors())  # fmt: skip
-        raise ValueError(f"{req['op']}: {problems}") from None
+        raise ValueError(f"{req['op']}: {field_errors(e.errors())}") from None
 
 
 class RemoteEgress:

@@ -32,6 +32,7 @@ def register(app: typer.Typer) -> None:
         from pydantic import ValidationError
         from rich.console import Console
 
+        from codedojo.configfile import field_errors
         from codedojo.pretrain.branch import BranchError
         from codedojo.pretrain.config import load_config
         from codedojo.pretrain.parallel import exit_distributed, is_main
@@ -51,8 +52,7 @@ def register(app: typer.Typer) -> None:
         except BranchError as e:  # from the branch, or a run's own settings changed
             _fail(console, "--from" if branch_from is not None else "resume", str(e))
         except ValidationError as e:  # a model the settings make (model.tiny_overrides)
-            _fail(console, "error", f"{e.title}: " + "; ".join(
-                f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()))
+            _fail(console, "error", f"{e.title}: {field_errors(e.errors())}")
         except (ValueError, OSError) as e:  # a base model, a file or a setting it cannot use
             # (or a fault of the trainer's that is one: its traceback goes to the run's folder)
             _fail(console, "error", str(e) + _traceback_kept(cfg.run_dir))

@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from codedojo.configfile import read_toml
+from codedojo.configfile import field_errors, read_toml
 from codedojo.data.corpus import CorpusConfig
 from codedojo.data.readers import SourceConfig
 from codedojo.model.config import RopeScaling
@@ -255,10 +255,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PretrainConf
     try:
         return PretrainConfig.model_validate(raw)
     except ValidationError as e:
-        errs = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
-                         for err in e.errors())
         where = f"{path}" + (f" with --set {' '.join(overrides)}" if overrides else "")
-        raise ValueError(f"{where}: {errs}") from e
+        raise ValueError(f"{where}: {field_errors(e.errors())}") from e
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

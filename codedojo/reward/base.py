@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError, create_model
 
+from codedojo.configfile import field_errors
 from codedojo.harness.trajectory import Trajectory
 
 
@@ -97,6 +98,4 @@ def check_params(name: str, fn: RewardFn, params: dict[str, Any]) -> None:
     try:
         create_model(f"{name}_params", **fields).model_validate(params)
     except ValidationError as e:
-        err = e.errors()[0]
-        raise ValueError(f"rewards.{name}.params.{'.'.join(map(str, err['loc']))}: "
-                         f"{err['msg']}") from None
+        raise ValueError(field_errors(e.errors()[:1], f"rewards.{name}.params.")) from None

@@ -20,6 +20,7 @@ from urllib.parse import quote
 
 import httpx
 
+from codedojo.configfile import field_errors
 from codedojo.sandbox.base import (
     MAX_SECONDS,
     TOKEN_ENV,
@@ -80,7 +81,7 @@ class _Http:
             if r.status_code == 413 and {"path", "size", "max_bytes"} <= body.keys():
                 raise FileTooLarge(body["path"], body["size"], body["max_bytes"])
             if isinstance(detail, list):  # FastAPI validation errors: name the fields
-                detail = "; ".join(f"{'.'.join(str(x) for x in d.get('loc', []))}: {d.get('msg')}" for d in detail)
+                detail = field_errors(detail)
             raise SandboxError(f"{detail} (HTTP {r.status_code})")
         return r.content if raw else r.json()
 
