@@ -23,12 +23,22 @@ def progress(console: Any, *columns: Any) -> Any:
         from rich.progress import Progress
 
         return Progress(*columns, console=console, transient=False)
+    return LineProgress(console, every=progress_every())
+
+
+def progress_every() -> float:
+    """Seconds between a task's lines where there are no live bars: ``$CODEDOJO_PROGRESS_EVERY``
+    when set (ValueError naming it unless a positive number), else `EVERY_S`."""
     every = os.environ.get("CODEDOJO_PROGRESS_EVERY")
+    if every is None:
+        return EVERY_S
     try:
-        return LineProgress(console, every=EVERY_S if every is None else float(every))
+        value = float(every)
     except ValueError:
-        raise ValueError(f"CODEDOJO_PROGRESS_EVERY={every!r}: not a positive number of "
-                         "seconds") from None
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise ValueError(f"CODEDOJO_PROGRESS_EVERY={every!r}: not a positive number of seconds")
+    return value
 
 
 @dataclass

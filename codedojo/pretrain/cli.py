@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
         from codedojo.pretrain.config import load_config
         from codedojo.pretrain.parallel import exit_distributed, is_main
         from codedojo.pretrain.trainer import run
-        from codedojo.progress import progress
+        from codedojo.progress import progress_every
 
         console = Console()
         try:
@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
         if out_dir is not None:
             cfg = cfg.model_copy(update={"out_dir": out_dir})
         try:
-            progress(console)  # a bad $CODEDOJO_PROGRESS_EVERY is named now, not after the data
+            progress_every()  # a bad $CODEDOJO_PROGRESS_EVERY is named now, not after the data
             report = run(cfg, console=console, branch_from=branch_from)
         except BranchError as e:  # from the branch, or a run's own settings changed
             _fail(console, "--from" if branch_from is not None else "resume", str(e))
