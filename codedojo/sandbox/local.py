@@ -875,7 +875,8 @@ class LocalSandbox:
         if self.cgroup is not None:
             attempt("cgroups", self.cgroup.remove)
         if not keep_dir and unmounted:
-            attempt("directory", lambda: remove_tree(self.dir))  # (however deep the sandbox's tree)
+            attempt("directory", lambda: shutil.rmtree(self.dir) if os.path.lexists(self.dir)
+                    else None)
         if failed or (not keep_dir and os.path.lexists(self.dir)):
             self.provider._unfinished.add(self.id)
             left = "; ".join(f"{what}: {e}" for what, e in failed) or "the directory"
