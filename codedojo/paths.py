@@ -113,10 +113,8 @@ def write_atomic(path: str | Path, text: str | bytes | Callable[[BinaryIO], obje
     the old stays as it was. It is on disk before it takes the name, and the name is on disk
     when this returns; a write that fails leaves the old file as it was."""
     path = Path(path)
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644  # mkstemp's is 0o600
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    fd, tmp = temp_beside(path)
     try:
-        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             if callable(text):
                 text(f)
@@ -124,8 +122,22 @@ def write_atomic(path: str | Path, text: str | bytes | Callable[[BinaryIO], obje
                 f.write(text.encode() if isinstance(text, str) else text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _sync(path.parent)
+        publish(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def temp_beside(path: Path) -> tuple[int, str]:
+    """(fd, name) of a new file in ``path``'s directory, to write and then `publish` as
+    ``path``; it has the mode of the file it will replace, else 0o644 (mkstemp's is 0o600)."""
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    os.fchmod(fd, mode)
+    return fd, tmp
+
+
+def publish(tmp: str, path: Path) -> None:
+    """Give the written file ``tmp`` the name ``path`` in one step, and put the name on disk."""
+    os.replace(tmp, path)
+    _sync(path.parent)

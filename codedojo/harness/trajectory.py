@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -30,7 +29,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from codedojo.paths import write_atomic
+from codedojo.paths import publish, temp_beside, write_atomic
 
 # 2: a turn's routed_experts may leave out the rows it shares with the previous turn
 # (routed_experts_shared); version 1 turns, which never do, read as they are
@@ -401,9 +400,8 @@ class TrajectoryWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._messages_written = 0
         self._turns_written = 0
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}-", dir=self.path.parent)
+        fd, tmp = temp_beside(self.path)
         self._tmp: str | None = tmp
-        os.fchmod(fd, 0o644)  # (mkstemp's is 0o600)
         self._fh = os.fdopen(fd, "w", encoding="utf-8")
 
     def _line(self, obj: dict[str, Any]) -> None:
@@ -413,7 +411,7 @@ class TrajectoryWriter:
 
     def start(self, traj: Trajectory) -> None:
         self._line(traj.header())
-        os.replace(self._tmp, self.path)
+        publish(self._tmp, self.path)
         self._tmp = None
 
     def step(self, traj: Trajectory) -> None:
