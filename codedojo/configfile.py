@@ -8,10 +8,13 @@ field that is wrong (`field_errors`). `read_toml` is the step before: the file i
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -33,6 +36,23 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not TOML ({e})") from None
+
+
+_PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def plain_name(name: str, max_length: int | None = 100) -> str:
+    """``name`` when it can name a directory of its own (a run, a stage, a task): one path
+    component, and neither "." nor "..", which name the directories around it; else a
+    ValueError saying what such a name is."""
+    if not _PLAIN.fullmatch(name) or (max_length is not None and len(name) > max_length):
+        most = f", at most {max_length} characters" if max_length is not None else ""
+        raise ValueError(f"{name!r} is not a plain name: letters, digits, '_', '.' and '-', "
+                         f"starting with a letter or digit{most}")
+    return name
+
+
+PlainName = Annotated[str, AfterValidator(plain_name)]
 
 
 def field_errors(errors: Iterable[Mapping[str, Any]], prefix: str = "") -> str:

@@ -13,29 +13,26 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 
+from codedojo.configfile import plain_name
+
 bench_app = typer.Typer(help="dojobench: build, validate and run benchmark suites of real engineering tasks.",
                         no_args_is_help=True)
 
 AGENTS = ("oracle", "null", "smollm2")
-# A run's name is a directory's (<out-dir>/<name>): one path component, and neither "." nor
-# "..", which name the directories around it (the rule of `dojo pretrain`'s names).
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
-
 
 def _check_run_name(name: str) -> str:
-    if not RUN_NAME.fullmatch(name):
-        raise typer.BadParameter(
-            f"{name!r} is not a plain name: letters, digits, '_', '.' and '-', starting with a "
-            "letter or digit, at most 100 characters (the run goes to <out-dir>/<name>/)",
-            param_hint="--name")
-    return name
+    try:
+        return plain_name(name)
+    except ValueError as e:
+        raise typer.BadParameter(f"{e} (the run goes to <out-dir>/<name>/)",
+                                 param_hint="--name") from None
 
 
 def _default_run_name(*parts: str) -> str:
     """``<suite>-<agent>[-<split>]`` made a plain name: other characters become "_" (a suite
     may be named "swe lite")."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join(parts))[:100]
-    return name if RUN_NAME.fullmatch(name) else "run-" + name[:96]
+    return name if name[:1].isalnum() else "run-" + name[:96]
 
 
 def _check_base_url(base_url: str | None) -> str | None:

@@ -27,6 +27,8 @@ from pydantic import (
     model_validator,
 )
 
+from codedojo.configfile import plain_name
+
 # Text whose presence in a training corpus proves contamination; every record carries it.
 CANARY = "CODEDOJO-BENCH CANARY 7f3c9a1e-52d4-4b8e-9d0a-6e1f2b3c4d5e: benchmark data, never train on it"
 
@@ -43,7 +45,6 @@ BUG_KINDS = (
     "broken_exception",
     "remove_body",
 )
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _REQ = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*==[A-Za-z0-9_.+\-!]+$")
 
 
@@ -129,9 +130,7 @@ class Task(BaseModel):
     @field_validator("instance_id")
     @classmethod
     def _id(cls, v: str) -> str:
-        if not _ID.fullmatch(v):
-            raise ValueError("must be letters, digits, '_', '.', '-'")
-        return v
+        return plain_name(v, max_length=None)
 
     @field_validator("base_sha256")
     @classmethod

@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from codedojo.configfile import field_errors, read_toml
+from codedojo.configfile import PlainName, field_errors, read_toml
 from codedojo.data.corpus import CorpusConfig
 from codedojo.data.readers import SourceConfig
 from codedojo.model.config import RopeScaling
@@ -103,9 +103,6 @@ class SelfGenConfig(BaseModel):
         return d
 
 
-# A run's and a stage's name is a directory's (<out_dir>/<name>, ckpt/<stage>): one path
-# component, and neither "." nor "..", which name the directories around it.
-Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)]
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
@@ -120,7 +117,7 @@ class StageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: Name
+    name: PlainName  # a directory: ckpt/<stage>
     seq_len: int = Field(ge=8)
     batch_size: int = Field(4, ge=1, description="Rows per micro-batch.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
@@ -208,7 +205,7 @@ class EvalConfig(BaseModel):
 class PretrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: Name = Field(description="Run name: outputs go to <out_dir>/<name>/.")
+    name: PlainName = Field(description="Run name: outputs go to <out_dir>/<name>/.")
     out_dir: str = "runs"
     seed: int = 0
     model: ModelSpec = Field(default_factory=ModelSpec)

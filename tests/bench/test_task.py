@@ -134,6 +134,8 @@ def test_tasks_about_the_same_code_are_not_split_across_train_and_test():
     assert any(split_tasks(tasks, 0.5, random.Random(s))["test"] for s in range(20))
 
 
-def test_an_id_with_a_line_end_is_refused():
-    with pytest.raises(TaskFormatError, match="'instance_id'"):
-        parse_task(record(instance_id="pkg-1.0__bug-x\n"))
+@pytest.mark.parametrize("iid", ["pkg-1.0__bug-x\n", "..", "a/b", "-x", ""])
+def test_an_id_that_is_no_plain_name_is_refused(iid):
+    with pytest.raises(TaskFormatError, match="'instance_id'.*is not a plain name"):
+        parse_task(record(instance_id=iid))
+    assert parse_task(record(instance_id="p" * 150)).instance_id == "p" * 150  # no length cap
