@@ -9,6 +9,8 @@ A checkpoint directory holds
                         states (torch, numpy, python; one set per rank)
     state.json          stage index, step within the stage, data loader position, and the
                         number of processes that trained it
+    tokenizer.json      the run's tokenizer (+ tokenizer_config.json): a checkpoint loads,
+                        serves or starts another run on its own
 
 It is written into a temporary sibling and renamed, so a crash mid-write never leaves a
 checkpoint that looks complete. HF-compatible export goes through the model package's exporter.
@@ -155,9 +157,11 @@ def optimizer_state_dict(model: nn.Module, mtp: MTP | None,
 
 def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: MTP | None,
                     optimizer: torch.optim.Optimizer | None, pos: TrainPosition,
-                    full: dict[str, torch.Tensor] | None = None) -> Path:
+                    full: dict[str, torch.Tensor] | None = None,
+                    tokenizer: Any | None = None) -> Path:
     """``full``: the model's `full_state_dict`, when the caller has gathered it already. Under
-    FSDP2 every rank calls it (the shards are gathered) and rank 0 writes."""
+    FSDP2 every rank calls it (the shards are gathered) and rank 0 writes. ``tokenizer``: the
+    run's, saved with the weights, so that any checkpoint loads and serves on its own."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -175,6 +179,8 @@ def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: M
             save_mtp(mtp, tmp)
         torch.save({"optimizer": osd, "rng_ranks": rngs}, tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps(asdict(pos)))
+        if tokenizer is not None:
+            tokenizer.save(tmp)
     return path
 
 

@@ -498,10 +498,12 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
                 loader: PackedLoader, run_dir: Path, resume_from: Path | None = None,
                 log: Callable[[dict[str, Any]], None] | None = None,
                 stop_after: int | None = None,
-                held_out: Callable[[], dict[str, Any]] | None = None) -> list[float]:
+                held_out: Callable[[], dict[str, Any]] | None = None,
+                tok: Any | None = None) -> list[float]:
     """Run stage `si` (from its start or from a mid-stage checkpoint). Returns per-step losses.
     `stop_after` ends early after that many steps of this call (tests). ``held_out``: the
-    figures (`evaluate`'s) logged as ``eval_<name>`` with every ``cfg.eval.every``-th step."""
+    figures (`evaluate`'s) logged as ``eval_<name>`` with every ``cfg.eval.every``-th step.
+    ``tok``: the run's tokenizer, saved in each checkpoint."""
     st = cfg.stages[si]
     sharded(model)  # under FSDP2: the parameters to freeze or train are the shards
     dev = model_device(model)
@@ -598,7 +600,7 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
             save_checkpoint(run_dir / "ckpt" / st.name, model, model.cfg, mtp,
                             None if done else opt,
                             TrainPosition(si, step + 1, loader.state_dict(), done,
-                                          world_size()))
+                                          world_size()), tokenizer=tok)
         if stop_after is not None and len(losses) >= stop_after:
             break
     return losses
@@ -727,14 +729,11 @@ def prompt_pool(cfg: PretrainConfig, stage: StageConfig, tok: Any, d: Path) -> P
 
 
 def base_tokenizer(base: str) -> Any:
-    """The base model's own tokenizer: a folder's own ``tokenizer.json`` (a run's `final`
-    holds its run's); SmolLM2's for a random tiny model, and for a training checkpoint without
-    one (a stage's)."""
+    """The base model's own tokenizer (a checkpoint of a run holds its run's); SmolLM2's for
+    a random tiny model."""
     from codedojo.model.tokenizer import load_tokenizer
 
-    path = Path(base)
-    without = (path / "model_config.json").is_file() and not (path / "tokenizer.json").is_file()
-    return load_tokenizer() if base == "tiny" or without else load_tokenizer(base)
+    return load_tokenizer() if base == "tiny" else load_tokenizer(base)
 
 
 def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
@@ -892,16 +891,14 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
 
             losses = train_stage(cfg, si, model, mtp, loader, run_dir,
                                  resume_from=ck if pos is not None else None, log=log,
-                                 held_out=held_out)
+                                 held_out=held_out, tok=tok)
         finish(si, held_out, losses)
     if metrics_f is not None:
         metrics_f.close()
     final = run_dir / "final"
     full = full_state_dict(model)  # gathered once (a collective under FSDP) for both writes
-    save_checkpoint(final, model, model.cfg, mtp, None,
-                    TrainPosition(len(cfg.stages), 0, {}, True), full=full)
-    if is_main() and hasattr(tok, "save"):
-        tok.save(final)  # `dojo serve --model runs/<name>/final` serves it (an MoE model too)
+    save_checkpoint(final, model, model.cfg, mtp, None,  # `dojo serve --model runs/<name>/final`
+                    TrainPosition(len(cfg.stages), 0, {}, True), full=full, tokenizer=tok)
     if cfg.export_hf and model.cfg.moe is None:
         hf_dir = run_dir / "hf"
         if is_main():

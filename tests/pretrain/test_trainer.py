@@ -481,6 +481,10 @@ def test_run_end_to_end_tiny(tmp_path):
     # `dojo serve` takes the checkpoint as it takes the HF export: same tokenizer, same logits
     text = "def scale(value):\n    return value * 2\n"
     assert load_tokenizer(str(final)).encode(text) == tok.encode(text)
+    # and so does each stage's checkpoint (a `--from` branch's base, or served as it is)
+    for stage in ("bulk", "mtp", "long", "sft", "mtp_self"):
+        ckpt = tmp_path / "runs" / "e2e" / "ckpt" / stage
+        assert load_tokenizer(str(ckpt)).fingerprint == tok.fingerprint, stage
     served, served_cfg = load_model(final)
     exported, _ = load_model(tmp_path / "runs" / "e2e" / "hf")
     assert served_cfg.rope_theta == 40000.0
@@ -1012,22 +1016,13 @@ def test_a_stopped_stage_reports_and_logs_as_an_unstopped_one(tmp_path, monkeypa
 
 
 def test_a_run_tokenizes_with_its_base_models_tokenizer(tmp_path):
-    """A folder with its own tokenizer gives that one, a run's final checkpoint too; a
-    training checkpoint without one and a random tiny model, SmolLM2's."""
+    """A folder's own tokenizer, a checkpoint's too; SmolLM2's for a random tiny model."""
     from codedojo.model.tokenizer import DEFAULT_MODEL, load_tokenizer, tiny_tokenizer
     from codedojo.pretrain.trainer import base_tokenizer
 
     tiny_tokenizer().save(tmp_path / "hf")
-    (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "model_config.json").write_text("{}")
-    assert base_tokenizer(str(tmp_path / "hf")).vocab_size == tiny_tokenizer().vocab_size
-    (tmp_path / "final").mkdir()  # a run's final checkpoint, with its run's tokenizer
-    (tmp_path / "final" / "model_config.json").write_text("{}")
-    tiny_tokenizer().save(tmp_path / "final")
-    assert base_tokenizer(str(tmp_path / "final")).fingerprint == tiny_tokenizer().fingerprint
-    smollm2 = load_tokenizer(DEFAULT_MODEL).vocab_size
-    assert base_tokenizer(str(tmp_path / "ckpt")).vocab_size == smollm2
-    assert base_tokenizer("tiny").vocab_size == smollm2
+    assert base_tokenizer(str(tmp_path / "hf")).fingerprint == tiny_tokenizer().fingerprint
+    assert base_tokenizer("tiny").vocab_size == load_tokenizer(DEFAULT_MODEL).vocab_size
 
 
 def test_a_stage_resumes_only_on_as_many_processes_as_it_was_started_on(tmp_path, monkeypatch):
