@@ -113,19 +113,20 @@ def _json_unescaped(data: bytes) -> bytes:
 
 def _body_readings(body: bytes, ctype: str) -> list[bytes]:
     """``body`` as each reader may read it, in UTF-8: as it is; in the charset its media type
-    ``ctype`` declares (UTF-16 and UTF-32 in both byte orders, as the declaration need not say
-    which); in UTF-16 or UTF-32 where its first bytes say so (a BOM, or the zero bytes a JSON
-    reader looks for). Bytes a charset cannot read become U+FFFD."""
+    ``ctype`` declares (the first and the last, where it declares more: readers differ; UTF-16
+    and UTF-32 in both byte orders, as the declaration need not say which); in UTF-16 or
+    UTF-32 where its first bytes say so (a BOM, or the zero bytes a JSON reader looks for).
+    Bytes a charset cannot read become U+FFFD."""
     encodings = {json.detect_encoding(body)}
-    declared = re.search(r'charset\s*=\s*"?([^\s";,]+)', ctype)
-    if declared:
+    charsets = re.findall(r'charset\s*=\s*"?([^\s";,]+)', ctype)
+    for charset in {*charsets[:1], *charsets[-1:]}:  # a reader takes the first or the last
         try:
-            name = codecs.lookup(declared[1]).name
+            name = codecs.lookup(charset).name
         except LookupError:
-            name = ""  # a charset Python does not know: the readings above are all there is
+            continue  # a charset Python does not know: the other readings are all there is
         if name in ("utf-16", "utf-32"):
             encodings |= {f"{name}-le", f"{name}-be"}
-        elif name:
+        else:
             encodings.add(name)
     readings = [body]
     for encoding in sorted(encodings - {"utf-8", "utf-8-sig"}):

@@ -356,6 +356,7 @@ def test_json_escapes_anywhere_in_a_body_and_other_charsets_do_not_hide_a_secret
         _post(xml.encode("utf-16"), content_type="application/xml"),  # a BOM says it
         _post(xml.encode("utf-16-be"), content_type="application/xml; charset=UTF-16"),
         _post(xml.encode("utf-32-le"), content_type='text/xml; charset="utf-32"'),
+        _post(xml.encode("cp500"), content_type="text/xml; charset=utf-8; charset=cp500"),
     ]
     for f in refused:
         addon.request(f)
