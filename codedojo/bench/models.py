@@ -52,8 +52,5 @@ def smollm2_agent(max_turns: int = 4, max_tokens: int = 512, base_url: str | Non
     policy = smollm2_policy(base_url, temperature=temperature, max_seq_len=context_window)
     # A long statement (a log of hundreds of lines) is cut to its head and tail: on a CPU the
     # prompt's length, not the reply, dominates a small model's episode time.
-    settings = {"max_turns": max_turns, "max_tokens": max_tokens, "base_url": base_url,
-                "context_window": context_window, "temperature": temperature,
-                "max_tokens_per_turn": max_tokens_per_turn, "max_prompt_chars": max_prompt_chars}
     return HarnessAgent(policy, loop_config=cfg, tool_config=EnvToolConfig(tools=SMALL_MODEL_TOOLS),
-                        name="smollm2", max_prompt_chars=max_prompt_chars, settings=settings)
+                        name="smollm2", max_prompt_chars=max_prompt_chars)

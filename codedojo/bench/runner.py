@@ -97,26 +97,36 @@ class HarnessAgent:
     """A policy through the harness's agent loop, with the harness's tools on the sandbox."""
 
     def __init__(self, policy: Any, loop_config: Any = None, tool_config: Any = None, name: str | None = None,
-                 max_prompt_chars: int | None = None, settings: dict[str, Any] | None = None):
+                 max_prompt_chars: int | None = None):
+        from codedojo.harness.loop import LoopConfig
+        from codedojo.harness.toolset import EnvToolConfig
+
         self.policy = policy
         self.max_prompt_chars = max_prompt_chars
-        self.loop_config = loop_config
-        self.tool_config = tool_config
-        self.name = name or getattr(policy, "name", "model")
-        self.settings = settings or {}  # what else makes its episodes (a stopped run's match)
-
-    def solve(self, task: Task, sandbox: Sandbox, out_dir: Path) -> AgentResult:
-        from codedojo.harness.loop import Agent, LoopConfig
-        from codedojo.harness.tools.base import ToolContext
-        from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
-
-        loop = self.loop_config or LoopConfig()
-        if loop.max_seconds is None or loop.max_seconds > task.timeouts.agent_s:
-            loop = loop.model_copy(update={"max_seconds": task.timeouts.agent_s})
-        cfg = self.tool_config or EnvToolConfig(
+        self.loop_config = loop_config or LoopConfig()
+        self.tool_config = tool_config or EnvToolConfig(
             tools=[t for t in EnvToolConfig().tools if t not in ("codebase_search", "web_fetch")]
         )
-        session = ToolSession(ToolRegistry().resolve(cfg), ToolContext(sandbox=sandbox))
+        self.name = name or getattr(policy, "name", "model")
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What makes its episodes besides its name: a stopped run goes on only with the same."""
+        return {"model": getattr(self.policy, "name", None),
+                "sampling": getattr(self.policy, "sampling", None),
+                "loop": self.loop_config.model_dump(mode="json"),
+                "tools": self.tool_config.model_dump(mode="json"),
+                "max_prompt_chars": self.max_prompt_chars}
+
+    def solve(self, task: Task, sandbox: Sandbox, out_dir: Path) -> AgentResult:
+        from codedojo.harness.loop import Agent
+        from codedojo.harness.tools.base import ToolContext
+        from codedojo.harness.toolset import ToolRegistry, ToolSession
+
+        loop = self.loop_config
+        if loop.max_seconds is None or loop.max_seconds > task.timeouts.agent_s:
+            loop = loop.model_copy(update={"max_seconds": task.timeouts.agent_s})
+        session = ToolSession(ToolRegistry().resolve(self.tool_config), ToolContext(sandbox=sandbox))
         try:
             traj_path = out_dir / f"{task.instance_id}.traj.jsonl"
             traj = Agent(self.policy, loop).run(
@@ -384,9 +394,10 @@ def _finished(partial: Path, header: dict[str, Any]) -> list[TaskResult]:
             break
     if not out:  # no result to keep: the log is begun again
         return []
-    why = [f"{k} {was.get(k)!r}, not {header[k]!r}" for k in ("agent", "settings", "suite",
-                                                              "samples")
-           if was.get(k, {} if k == "settings" else None) != header[k]]
+    why = [f"{k} {was.get(k)!r}, not {header[k]!r}" for k in ("agent", "suite", "samples")
+           if was.get(k) != header[k]]
+    why += [f"settings {key} {a!r}, not {b!r}"
+            for key, a, b in _differences(was.get("settings") or {}, header["settings"])]
     tasks, had = header["tasks"], was.get("tasks") or {}
     gone = sorted({r.instance_id for r in out if r.instance_id not in tasks})
     changed = sorted({r.instance_id for r in out if r.instance_id in tasks
@@ -400,6 +411,17 @@ def _finished(partial: Path, header: dict[str, Any]) -> list[TaskResult]:
                          f"{'; '.join(why)}); start it again as it was, or give this run "
                          f"another name (its log {partial.name} is left as it is)")
     return out
+
+
+def _differences(was: Any, now: Any, at: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, was, now) for each leaf of two nested dicts that differs (a table one of
+    them lacks is an empty one)."""
+    if was is None and isinstance(now, dict) or now is None and isinstance(was, dict):
+        was, now = was or {}, now or {}
+    if not (isinstance(was, dict) and isinstance(now, dict)):
+        return [] if was == now else [(at or "(all)", was, now)]
+    return [d for k in sorted({*was, *now}, key=str)
+            for d in _differences(was.get(k), now.get(k), f"{at}.{k}" if at else str(k))]
 
 
 def _record(partial: Path, results: list[TaskResult],

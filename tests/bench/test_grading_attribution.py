@@ -150,8 +150,8 @@ def test_a_stopped_run_resumes_only_as_it_was(monkeypatch, tmp_path):
                       name="r", samples=samples, out_dir=tmp_path)
         assert (tmp_path / "r" / "results.partial.jsonl").read_text() == log
     other = _Agent()
-    other.settings = {"max_turns": 8}  # the same agent's name, another agent
-    with pytest.raises(ValueError, match=r"settings \{\}, not \{'max_turns': 8\}"):
+    other.settings = {"loop": {"max_turns": 8}}  # the same agent's name, another agent
+    with pytest.raises(ValueError, match=r"settings loop\.max_turns None, not 8\)"):
         run_agent(Images(), other, [task(0), task(1)], name="r",  # type: ignore[arg-type]
                   out_dir=tmp_path)
     assert (tmp_path / "r" / "results.partial.jsonl").read_text() == log

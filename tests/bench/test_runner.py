@@ -206,3 +206,19 @@ def test_reconcile_drops_pass_to_pass_tests_failing_in_the_sandbox(images, tiny_
     fixed, dropped = reconcile_pass_to_pass(images, broken)
     assert dropped == [wrong]
     assert fixed.PASS_TO_PASS == task.PASS_TO_PASS and fixed.FAIL_TO_PASS == task.FAIL_TO_PASS
+
+
+def test_a_harness_agents_settings_are_read_from_the_agent_itself():
+    """What makes its episodes (loop, tools, sampling, prompt cut), so a stopped run is not
+    taken up by an agent configured otherwise under the same name."""
+    from codedojo.harness.loop import LoopConfig
+    from codedojo.harness.policy import ScriptedPolicy
+
+    plain = HarnessAgent(ScriptedPolicy(["Done."]), name="a")
+    assert plain.settings == HarnessAgent(ScriptedPolicy(["Other."]), name="a").settings
+    assert plain.settings["loop"]["max_turns"] == LoopConfig().max_turns
+    assert "codebase_search" not in plain.settings["tools"]["tools"]
+    for other in (HarnessAgent(ScriptedPolicy([]), LoopConfig(max_turns=3), name="a"),
+                  HarnessAgent(ScriptedPolicy([]), name="a", max_prompt_chars=100)):
+        assert other.settings != plain.settings
+    json.dumps(plain.settings)  # it goes into the run's log
