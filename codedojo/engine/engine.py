@@ -347,22 +347,26 @@ class Engine:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         deadline = math.inf if timeout is None else time.perf_counter() + timeout
         reqs = [self._enqueue(p, sp) for p, sp in zip(prompts, plist, strict=True)]
-        over = False
-        while (r := next((r for r in reqs if not r.done.is_set()), None)) is not None:
-            left = deadline - time.perf_counter()
-            if left <= 0 and not over:  # all at once: the next step ends them, keeping tokens
-                over = True
-                for late in reqs:
-                    if not late.done.is_set():
-                        self._cancel(late)
-            if self._running:
-                r.done.wait(None if over or left == math.inf else left)
-            else:
-                self.step()
+        for r in reqs:
+            self._wait(r, deadline)
+        late = [r for r in reqs if not r.done.is_set()]
+        for r in late:  # all at once: the next step ends them, keeping their tokens
+            self._cancel(r)
+        for r in late:
+            self._wait(r, math.inf)
         failed = next((r for r in reqs if r.finish_reason == "error"), None)
         if failed is not None:
             raise GenerationError(f"generation failed: {failed.error}")
         return [r.completion() for r in reqs]
+
+    def _wait(self, req: Request, deadline: float) -> None:
+        """Until ``req`` is done or it is ``deadline`` (`time.perf_counter`): with no scheduler
+        running, the caller's thread runs the steps."""
+        while not req.done.is_set() and (left := deadline - time.perf_counter()) > 0:
+            if self._running:
+                req.done.wait(None if left == math.inf else left)
+            else:
+                self.step()
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams
                      ) -> AsyncIterator[TokenEvent]:
