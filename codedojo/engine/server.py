@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI on uvicorn, backed by one `Engine`.
 
 Routes: `GET /health`, `GET /v1/models`, `POST /v1/chat/completions` (streaming, `tools`,
-`tool_choice` auto/none, parsed `tool_calls`), `POST /v1/completions` (text or token-id prompts).
+`tool_choice`, `parallel_tool_calls`, parsed `tool_calls`: `_answer` says what each does),
+`POST /v1/completions` (text or token-id prompts).
 
 Division of labour: the engine works on token ids only; this module owns text. It renders chat
 messages to prompt ids (`ChatTemplate`), turns sampled ids back into text incrementally, cuts the
@@ -43,6 +44,7 @@ from codedojo.engine.openai_types import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     ResponseMessage,
     TextCompletion,
     TokenLogprob,
@@ -53,6 +55,7 @@ from codedojo.engine.openai_types import (
 from codedojo.engine.types import SamplingParams, TokenEvent, encode_routed_experts
 from codedojo.model.chat import ChatFormatError, ChatTemplate
 from codedojo.model.tokenizer import Tokenizer
+from codedojo.model.toolcalls import ToolCall
 
 log = logging.getLogger(__name__)
 
@@ -589,6 +592,38 @@ async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any
 # ----------------------------------------------------------------------------------------------
 
 
+def _answer(state: ServerState, req: ChatCompletionRequest, text: str,
+            tools: list[dict[str, Any]] | None) -> tuple[str, list[ToolCall]]:
+    """A chat choice's content and tool calls, from its text: the one rule for answers sent
+    whole and streamed (a stream sends its content as it comes, holding back what may yet turn
+    out not to be content).
+
+    Without tools (none given, or ``tool_choice`` "none", where the model is not shown them),
+    the text is the content, tool-call syntax and all, and there are no calls. With tools, the
+    content is stripped of whitespace at both ends, and:
+    - the calls kept are the well-formed ones, with a named ``tool_choice`` only those to that
+      function (the server prefills the start of a call to it, but cannot stop the model from
+      calling others after it), with ``parallel_tool_calls`` false only the first;
+    - with calls kept and none malformed, the content is the text outside every call (a call
+      dropped is no content either), and the finish reason "tool_calls";
+    - otherwise the content is the whole text with no calls (a caller's own parser can turn a
+      malformed call into a tool error for the model), and the engine's finish reason stands.
+      So with ``tool_choice`` "required" or named, a finish reason other than "tool_calls"
+      says that the model made no (well-formed) call that honours it.
+    """
+    if not tools:
+        return text, []
+    parsed = state.chat.parse(text, tools)
+    calls = parsed.tool_calls
+    if isinstance(req.tool_choice, NamedToolChoice):
+        calls = [c for c in calls if c.name == req.tool_choice.function.get("name")]
+    if req.parallel_tool_calls is False:
+        calls = calls[:1]
+    if calls and not parsed.errors:
+        return parsed.content, calls
+    return text.strip(), []
+
+
 async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request) -> Any:
     _check_model(state, req.model)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -625,23 +660,15 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     results = await _collect_all(request, gens)
     choices = []
     for i, r in enumerate(results):
-        content: str | None = r.text
-        tool_calls = None
-        finish = r.finish_reason
-        if use_tools:
-            parsed = state.chat.parse(r.text, tools)
-            # All calls well-formed: return them parsed. Any malformed call: return the raw text,
-            # so the caller's own parser can turn it into a tool error for the model.
-            if parsed.calls and not parsed.errors:
-                tool_calls = [c.to_openai() for c in parsed.tool_calls]
-                content = parsed.content or None
-                finish = "tool_calls"
+        content, calls = _answer(state, req, r.text, tools if use_tools else None)
+        message = ResponseMessage(content=(content or None) if calls else content,
+                                  tool_calls=[c.to_openai() for c in calls] or None)
         lp = None
         if req.logprobs:
             lp = ChoiceLogprobs(content=[_token_logprob(state.tokenizer, t, p, top)
                                          for t, p, top in zip(r.token_ids, r.logprobs, r.top_logprobs, strict=True)])
-        choices.append(ChatChoice(index=i, message=ResponseMessage(content=content, tool_calls=tool_calls),
-                                  finish_reason=finish, logprobs=lp,
+        choices.append(ChatChoice(index=i, message=message,
+                                  finish_reason="tool_calls" if calls else r.finish_reason, logprobs=lp,
                                   token_ids=r.token_ids if req.return_token_ids else None,
                                   weight_versions=r.weight_versions if req.return_token_ids
                                   else None, routed_experts=r.routed_for(req)))
@@ -660,7 +687,8 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
     marker = state.chat.tool_format.start_marker if tools else ""
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
             "weight_version": version}
-    # Per choice: text seen so far, and how much of it went out as content.
+    # Per choice: text seen so far (with tools, from its first text that is not whitespace:
+    # `_answer` strips the content), and how much of it went out as content.
     seen = ["" for _ in gens]
     sent = [0 for _ in gens]
     starts = [_Start(marker) for _ in gens] if marker else []
@@ -677,13 +705,17 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
             if isinstance(item, Piece):
                 if item.token_id >= 0:
                     completion_tokens += 1
-                seen[i] += item.text
-                # With tools, text from the tool-call marker on is held back until it is parsed.
+                text = item.text.lstrip() if marker and not seen[i] else item.text
+                seen[i] += text
+                # With tools, text from the tool-call marker on is held back until it is parsed,
+                # and whitespace until text follows it (at the end, it is no content).
                 safe = len(seen[i])
                 if marker:
-                    held = starts[i].feed(item.text)
+                    held = starts[i].feed(text)
                     at = starts[i].at
                     safe = at if at is not None else len(seen[i]) - held
+                    while safe > sent[i] and seen[i][safe - 1].isspace():
+                        safe -= 1
                 delta = seen[i][sent[i]:safe] if safe > sent[i] else ""
                 sent[i] = max(sent[i], safe)
                 choice: dict[str, Any] = {"index": i, "delta": {"content": delta} if delta else {},
@@ -701,14 +733,11 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
             finish = result.finish_reason
             cached[i] = result.cached_tokens
             delta_out: dict[str, Any] = {}
-            rest = result.text[sent[i]:]
-            if tools:
-                parsed = state.chat.parse(result.text, tools)
-                if parsed.calls and not parsed.errors:
-                    finish = "tool_calls"
-                    delta_out["tool_calls"] = [{"index": k, **c.to_openai()} for k, c in enumerate(parsed.tool_calls)]
-                    before = result.text[: sent[i]].strip()
-                    rest = parsed.content[len(before):].strip() if parsed.content.startswith(before) else ""
+            content, calls = _answer(state, req, result.text, tools)
+            if calls:
+                finish = "tool_calls"
+                delta_out["tool_calls"] = [{"index": k, **c.to_openai()} for k, c in enumerate(calls)]
+            rest = content[sent[i]:]  # (what went out, seen[i][:sent[i]], is its start)
             if rest:
                 delta_out["content"] = rest
             last: dict[str, Any] = {"index": i, "delta": delta_out, "finish_reason": finish}

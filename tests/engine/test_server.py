@@ -428,6 +428,69 @@ def test_malformed_tool_call_comes_back_as_text(replay):
     assert r.choices[0].finish_reason == "stop"
 
 
+def answers(client, **kw) -> tuple[tuple, tuple]:
+    """The first choice's (content, calls, finish reason), sent whole and streamed."""
+    args = dict(model=MODEL, messages=MSGS, max_tokens=200, **kw)
+    ch = client.chat.completions.create(**args).choices[0]
+    whole = (ch.message.content or "", [(c.function.name, json.loads(c.function.arguments))
+                                        for c in ch.message.tool_calls or []], ch.finish_reason)
+    chunks = [c.choices[0] for c in client.chat.completions.create(**args, stream=True) if c.choices]
+    calls = [tc for c in chunks for tc in c.delta.tool_calls or []]
+    assert [tc.index for tc in calls] == list(range(len(calls)))
+    streamed = ("".join(c.delta.content or "" for c in chunks),
+                [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls],
+                next(c.finish_reason for c in chunks if c.finish_reason))
+    return whole, streamed
+
+
+TWO_CALLS = ('<tool_call>[\n{"name": "read_file", "arguments": {"target_file": "a.py"}},\n'
+             '{"name": "read_file", "arguments": {"target_file": "b.py"}}\n]</tool_call>')
+
+
+@pytest.mark.parametrize("answer, content", [
+    (" Reading.\n\n" + TWO_CALLS + "\n Done. \n", "Reading.\n\n\n Done."),
+    ("\n" + TWO_CALLS + "\n", ""),
+    ("  plain text, \n no call  \n", "plain text, \n no call"),
+    (' Bad:\n<tool_call>{"name": </tool_call>\n', 'Bad:\n<tool_call>{"name": </tool_call>'),
+], ids=["text around calls", "calls alone", "no call", "a malformed call"])
+def test_streamed_and_whole_answers_have_the_same_content(replay, answer, content):
+    """With tools, the content is stripped at both ends, streamed as sent whole."""
+    client, _, _ = replay(answer)
+    whole, streamed = answers(client, tools=TOOLS)
+    assert whole == streamed and whole[0] == content
+    # Without tools (or with tool_choice "none"), the text is the content as it is.
+    for kw in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        whole, streamed = answers(client, **kw)
+        assert whole == streamed == (answer, [], "stop")
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(replay):
+    client, _, _ = replay("Reading." + TWO_CALLS)
+    both = [("read_file", {"target_file": "a.py"}), ("read_file", {"target_file": "b.py"})]
+    for parallel, calls in ((None, both), (True, both), (False, both[:1])):
+        kw = {} if parallel is None else {"parallel_tool_calls": parallel}
+        whole, streamed = answers(client, tools=TOOLS, **kw)
+        assert whole == streamed == ("Reading.", calls, "tool_calls")
+
+
+TWO_TOOLS = [*TOOLS, {"type": "function", "function": {"name": "ls", "parameters": {
+    "type": "object", "properties": {}}}}]
+
+
+def test_a_named_tool_choice_answers_with_calls_to_it_alone(replay):
+    read_file = {"type": "function", "function": {"name": "read_file"}}
+    # The server prefills '<tool_call>[\n{"name": "read_file", "arguments": '.
+    client, _, _ = replay('{"target_file": "a.py"}},\n{"name": "ls", "arguments": {}}\n]</tool_call>')
+    whole, streamed = answers(client, tools=TWO_TOOLS, tool_choice=read_file)
+    assert whole == streamed == ("", [("read_file", {"target_file": "a.py"})], "tool_calls")
+    # No call to it (a repeated key renames the call): the text, and not "tool_calls".
+    answer = '{}, "name": "ls"}\n]</tool_call>'
+    client, _, _ = replay(answer)
+    whole, streamed = answers(client, tools=TWO_TOOLS, tool_choice=read_file)
+    prefilled = '<tool_call>[\n{"name": "read_file", "arguments": '
+    assert whole == streamed == (prefilled + answer, [], "stop")
+
+
 def test_stop_string_closes_the_engine_stream(replay):
     client, _, engine = replay("abc STOP def ghi")
     r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=200, stop="STOP")
