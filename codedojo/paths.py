@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 def cache_dir() -> Path:
     """``$CODEDOJO_CACHE``, else ``~/.cache/codedojo``."""
-    return Path(os.environ.get("CODEDOJO_CACHE") or Path.home() / ".cache" / "codedojo")
+    return Path(os.environ.get("CODEDOJO_CACHE") or "~/.cache/codedojo").expanduser()
 
 
 @contextmanager

@@ -19,18 +19,20 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from codedojo.paths import staged_dir
+from codedojo.paths import cache_dir, staged_dir
 
 # What a test run or an agent must never see in its tree: VCS history and build debris (a
 # `build` or `dist` folder that holds Python modules itself, a package such as
 # `pkg/build/__init__.py` or a namespace package's `pkg/dist/wheel.py`, is the package's code;
 # setuptools' `build/lib/...` and `dist/x.whl` hold none at their top).
-SCRUB_NAMES = (".git", ".hg", ".svn", "__pycache__", ".pytest_cache", ".tox", ".eggs")
+RUN_CACHES = ("__pycache__", ".pytest_cache")  # what running the code leaves, by name
+BYTECODE = (".pyc", ".pyo")
+SCRUB_NAMES = (".git", ".hg", ".svn", *RUN_CACHES, ".tox", ".eggs")
 BUILD_OUTPUTS = ("build", "dist")
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("CODEDOJO_CACHE") or "~/.cache/codedojo").expanduser() / "bench"
+    return cache_dir() / "bench"
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def scrub(root: Path) -> None:
                 shutil.rmtree(Path(dirpath) / d, ignore_errors=True)
                 dirnames.remove(d)
         for f in filenames:
-            if f.endswith((".pyc", ".pyo")) or f in (".gitignore", ".gitattributes", ".git"):
+            if f.endswith(BYTECODE) or f in (".gitignore", ".gitattributes", ".git"):
                 (Path(dirpath) / f).unlink(missing_ok=True)
 
 

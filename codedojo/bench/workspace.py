@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from codedojo.bench.patching import apply_patch_to_dir
-from codedojo.bench.source import cache_root, fetch_sdist, scrub, unpack
+from codedojo.bench.source import BYTECODE, RUN_CACHES, cache_root, fetch_sdist, scrub, unpack
 from codedojo.bench.task import Task
 from codedojo.bench.testrun import (
     Baselines,
@@ -34,13 +34,13 @@ from codedojo.paths import staged_dir
 from codedojo.sandbox.base import WORKSPACE, Limits, Sandbox, SandboxError, SandboxSpec
 
 VENV = "/opt/venv"
-_CACHE_DIRS = {"__pycache__", ".pytest_cache"}  # what a run leaves, never the agent's change
 
 
 def _cache_debris(rel: str) -> bool:
-    """Bytecode and test caches (by name: a `config.pyc.md` or a `.pyc_notes/` is the agent's)."""
+    """What a run leaves, never the agent's change: bytecode and test caches (by name: a
+    `config.pyc.md` or a `.pyc_notes/` is the agent's)."""
     parts = rel.split("/")
-    return any(p in _CACHE_DIRS for p in parts) or parts[-1].endswith((".pyc", ".pyo"))
+    return any(p in RUN_CACHES for p in parts) or parts[-1].endswith(BYTECODE)
 
 
 def _hidden(rel: str, hidden: list[str]) -> bool:
