@@ -17,6 +17,7 @@ import posixpath
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,11 @@ from typing import Any
 import numpy as np
 
 from codedojo.harness.lines import file_lines
-from codedojo.harness.ripgrep import RgError, rg_lines
+from codedojo.harness.ripgrep import RgError, RgTimeout, missing_paths, rg_files
 from codedojo.sandbox.base import WORKSPACE, Sandbox, SandboxError
 
 # Code before prose before data: past MAX_FILES, the files indexed are the first in this order
+# (a search tells how many it left out)
 CODE_GLOBS = (
     "*.py", "*.pyi", "*.js", "*.ts", "*.tsx", "*.go", "*.rs", "*.c", "*.h", "*.cc", "*.cpp",
     "*.java", "*.sh", "*.md", "*.rst", "*.txt", "*.toml", "*.cfg", "*.ini", "*.yaml", "*.yml",
@@ -109,6 +111,14 @@ class Hit:
     text: str
 
 
+class Hits(list[Hit]):
+    """A search's hits, best first, and how many files it left out past `MAX_FILES`."""
+
+    def __init__(self, hits: Iterable[Hit] = (), left_out: int = 0) -> None:
+        super().__init__(hits)
+        self.left_out = left_out
+
+
 def chunk_file(path: str, text: str, max_lines: int = 40, min_lines: int = 4) -> list[Chunk]:
     """Split at top-level definitions where possible, else every `max_lines` lines."""
     lines = file_lines(text)
@@ -155,24 +165,30 @@ class CodebaseIndex:
     def cached(self) -> int:
         return len(self._vectors)
 
-    def _files(self, sandbox: Sandbox, roots: list[str], deadline: float | None) -> list[str]:
-        argv = ["rg", "--files", "--hidden", "--max-filesize", str(MAX_FILE_BYTES), "--glob",
-                "!.git"]
-        for g in CODE_GLOBS:
-            argv += ["--glob", g]
-        r = sandbox.exec(argv + roots, timeout=max(0.1, min(60.0, _left(deadline))))
-        if r.timed_out:
-            raise SearchTimeout(0, 0)
-        try:
-            files, _ = rg_lines(r)  # (what it cannot read, the search cannot either)
+    def _files(self, sandbox: Sandbox, roots: list[str],
+               deadline: float | None) -> tuple[list[str], int]:
+        """The files to index, and how many more past `MAX_FILES` are left out. A root that
+        is not there is `FileNotFoundError` (no hits would say the code is not)."""
+        flags = ["--hidden", "--max-filesize", str(MAX_FILE_BYTES), "--glob", "!.git"]
+        try:  # (what it cannot read, the search cannot either)
+            files, unread = rg_files(sandbox, roots, CODE_GLOBS, flags,
+                                     timeout=max(0.1, min(60.0, _left(deadline))))
+        except RgTimeout:
+            raise SearchTimeout(0, 0) from None
         except RgError as e:
             raise SandboxError(f"cannot list files: {e}") from None
-        return sorted(files, key=lambda f: (_RANK.get(posixpath.splitext(f)[1], len(_RANK)),
-                                            f))[:MAX_FILES]
+        if missing := missing_paths(unread, roots):
+            raise FileNotFoundError(2, "No such file or directory", missing[0])
+        files.sort(key=lambda f: (_RANK.get(posixpath.splitext(f)[1], len(_RANK)), f))
+        return files[:MAX_FILES], max(0, len(files) - MAX_FILES)
 
     def chunks(self, sandbox: Sandbox, roots: list[str], deadline: float | None = None) -> list[Chunk]:
+        """The chunks of the files under `roots` (the first `MAX_FILES`)."""
+        return self._read(sandbox, self._files(sandbox, roots, deadline)[0], deadline)
+
+    def _read(self, sandbox: Sandbox, files: list[str], deadline: float | None) -> list[Chunk]:
         out: list[Chunk] = []
-        for path in self._files(sandbox, roots, deadline):
+        for path in files:
             if _left(deadline) <= 0:
                 raise SearchTimeout(0, 0)
             try:
@@ -206,20 +222,20 @@ class CodebaseIndex:
     def search(
         self, sandbox: Sandbox, query: str, roots: list[str] | None = None, k: int = 8,
         timeout_s: float | None = None,
-    ) -> list[Hit]:
-        """The k best chunks; past timeout_s, `SearchTimeout` (the vectors made are kept)."""
+    ) -> Hits:
+        """The k best chunks; past timeout_s, `SearchTimeout` (the vectors made are kept); a
+        root that is not there, `FileNotFoundError`."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        chunks = self.chunks(sandbox, roots or [WORKSPACE], deadline)
+        files, left_out = self._files(sandbox, roots or [WORKSPACE], deadline)
+        chunks = self._read(sandbox, files, deadline)
         if not chunks:
-            return []
+            return Hits(left_out=left_out)
         mat = self._embed(chunks, deadline)
         q = self.embedder.encode([query])[0]
         scores = mat @ q  # (N,)
         order = np.argsort(-scores)[:k]
-        return [
-            Hit(chunks[i].path, chunks[i].start_line, chunks[i].end_line, float(scores[i]), chunks[i].text)
-            for i in order
-        ]
+        return Hits((Hit(chunks[i].path, chunks[i].start_line, chunks[i].end_line,
+                         float(scores[i]), chunks[i].text) for i in order), left_out=left_out)
 
     def save(self, path: str | Path) -> None:
         with self._lock:

@@ -12,7 +12,7 @@ import posixpath
 from typing import Any
 
 from codedojo.harness.lines import file_lines
-from codedojo.harness.ripgrep import RgError, rg_lines, unread_note
+from codedojo.harness.ripgrep import RgError, rg_files, unread_note
 from codedojo.harness.tools.base import (
     FunctionTool,
     ToolContext,
@@ -171,19 +171,16 @@ def _glob_file_search(ctx: ToolContext, args: dict[str, Any]) -> str:
         raise ToolError("glob_pattern is empty")
     root = resolve(args.get("target_directory") or WORKSPACE)
     # A pattern matches at any depth, as in an IDE's file search, unless it starts with "/":
-    # ripgrep anchors that at the directory it runs in (here the search root, as a .gitignore
-    # does), and an absolute path under the root is made that.
+    # that anchors it at the search root (as a .gitignore does), and an absolute path under
+    # the root is made that.
     base = root.rstrip("/") + "/"
     if pattern.startswith(base):
         pattern = "/" + pattern[len(base):]
     elif not pattern.startswith(("**/", "/")):
         pattern = "**/" + pattern
-    r = ctx.sandbox.exec(
-        ["rg", "--files", "--hidden", "--glob", "!.git", "--glob", pattern, "--sort", "path", root],
-        cwd=root, timeout=ctx.timeout_s,
-    )
     try:
-        files, unread = rg_lines(r)
+        files, unread = rg_files(ctx.sandbox, [root], [pattern], ["--hidden", "--glob", "!.git"],
+                                 cwd=root, timeout=ctx.timeout_s)
     except RgError as e:
         raise ToolError(str(e)) from None
     if not files:

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from codedojo.harness.ripgrep import RgError, rg_lines, unread_note
+from codedojo.harness.ripgrep import RgError, RgTimeout, rg_files, rg_lines, unread_note
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
 from codedojo.sandbox.base import WORKSPACE
 
 DEFAULT_HEAD_LIMIT = 500
 
 
-def rg_argv(args: dict[str, Any], root: str) -> list[str]:
-    """The ripgrep command line for a grep call (exposed for tests)."""
+def _walk_flags(args: dict[str, Any]) -> list[str]:
+    """The flags that choose which files rg walks into."""
+    return ["--hidden", "--glob", "!.git"] + (["--type", args["type"]] if args.get("type") else [])
+
+
+def rg_argv(args: dict[str, Any], paths: list[str]) -> list[str]:
+    """The ripgrep command line for a grep call over `paths` (exposed for tests). The glob is
+    not among its flags: rg's --glob would list files its ignore rules leave out (see
+    `rg_files`), so `_grep` names the files it chose."""
     mode = args.get("output_mode", "content")
-    argv = ["rg", "--color", "never", "--no-heading", "--hidden", "--glob", "!.git"]
+    argv = ["rg", "--color", "never", "--no-heading", *_walk_flags(args)]
     if mode == "files_with_matches":
         argv.append("--files-with-matches")
     elif mode == "count":
@@ -28,22 +35,26 @@ def rg_argv(args: dict[str, Any], root: str) -> list[str]:
         argv.append("--ignore-case")
     if args.get("multiline"):
         argv += ["--multiline", "--multiline-dotall"]
-    if args.get("glob"):
-        argv += ["--glob", args["glob"]]
-    if args.get("type"):
-        argv += ["--type", args["type"]]
     # -e keeps a pattern that starts with '-' from being read as a flag.
-    argv += ["-e", args["pattern"], root]
-    return argv
+    return argv + ["-e", args["pattern"], "--", *paths]
 
 
 def _grep(ctx: ToolContext, args: dict[str, Any]) -> str:
     root = resolve(args.get("path") or WORKSPACE)
-    r = ctx.sandbox.exec(rg_argv(args, root), timeout=ctx.timeout_s)
-    if r.timed_out:
-        raise ToolError(f"grep timed out after {ctx.timeout_s:.0f}s; narrow the path or glob")
     try:
-        lines, unread = rg_lines(r)
+        paths, unread = [root], []
+        if args.get("glob"):  # the files rg would walk, those the glob chooses among them
+            paths, unread = rg_files(ctx.sandbox, [root], [args["glob"]], _walk_flags(args),
+                                     timeout=ctx.timeout_s)  # (read from /workspace, its cwd)
+        lines: list[str] = []
+        if paths:  # (searched by name; rg names a line's file only when it searches several)
+            argv = rg_argv(args, paths)
+            if paths != [root]:
+                argv.insert(1, "--with-filename")
+            lines, more = rg_lines(ctx.sandbox.exec(argv, timeout=ctx.timeout_s))
+            unread += more
+    except RgTimeout:
+        raise ToolError(f"grep timed out after {ctx.timeout_s:.0f}s; narrow the path or glob") from None
     except RgError as e:
         raise ToolError(str(e)) from None
     if not lines:

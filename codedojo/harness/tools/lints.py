@@ -6,21 +6,19 @@ from __future__ import annotations
 from typing import Any
 
 from codedojo.harness.lint import CONFIG_FILES, ruff_check
-from codedojo.harness.ripgrep import RgError, rg_lines
+from codedojo.harness.ripgrep import RgError, rg_files
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
 from codedojo.harness.tools.files import MAX_TEXT_BYTES, read_text
 from codedojo.sandbox.base import WORKSPACE, SandboxError
 
 MAX_FILES = 200
+PYTHON_GLOBS = ("*.py", "*.pyi")
 
 
 def _python_files(ctx: ToolContext, root: str) -> list[str]:
-    r = ctx.sandbox.exec(
-        ["rg", "--files", "--max-filesize", str(MAX_TEXT_BYTES), "--glob", "*.py", "--glob",
-         "*.pyi", root], timeout=ctx.timeout_s
-    )
-    try:
-        return rg_lines(r)[0]  # (a file it cannot read, ruff cannot either)
+    try:  # (a file it cannot read, ruff cannot either)
+        return rg_files(ctx.sandbox, [root], PYTHON_GLOBS, ["--max-filesize", str(MAX_TEXT_BYTES)],
+                        timeout=ctx.timeout_s)[0]
     except RgError as e:
         raise ToolError(f"cannot list files under {root}: {e}") from None
 

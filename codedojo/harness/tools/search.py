@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from codedojo.harness import embeddings
 from codedojo.harness.embeddings import SearchTimeout
 from codedojo.harness.lines import file_lines
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
-from codedojo.sandbox.base import SandboxError
 
 SNIPPET_LINES = 12
 
@@ -20,19 +20,20 @@ def _codebase_search(ctx: ToolContext, args: dict[str, Any]) -> str:
     if not query:
         raise ToolError("query is empty")
     roots = [resolve(d) for d in (args.get("target_directories") or [])]
-    for root in roots:  # (one that is not there: "No results." would say the code is not)
-        try:
-            ctx.sandbox.stat(root)
-        except (FileNotFoundError, SandboxError):
-            raise ToolError(f"path not found: {root}") from None
     try:
         hits = ctx.search.search(ctx.sandbox, query, roots or None, timeout_s=ctx.timeout_s)
     except SearchTimeout as e:
         done = f" with {e.indexed} of {e.total} chunks indexed" if e.total else ""
         raise ToolError(f"codebase_search timed out after {ctx.timeout_s:g}s{done}; "
                         "call it again to go on, or narrow target_directories") from None
+    except FileNotFoundError as e:  # ("No results." would say the code is not there)
+        raise ToolError(f"path not found: {e.filename}") from None
+    left_out = getattr(hits, "left_out", 0)
+    note = (f"\n\n[only part of the code was searched: {left_out} files were left out past "
+            f"the index's limit of {embeddings.MAX_FILES} files; pass target_directories to "
+            "search the rest]" if left_out else "")
     if not hits:
-        return "No results."
+        return "No results." + note
     blocks = []
     for h in hits:
         lines = file_lines(h.text)
@@ -40,7 +41,7 @@ def _codebase_search(ctx: ToolContext, args: dict[str, Any]) -> str:
         if len(lines) > SNIPPET_LINES:
             snippet += f"\n... ({len(lines) - SNIPPET_LINES} more lines)"
         blocks.append(f"{h.path}:{h.start_line}-{h.end_line} (score {h.score:.3f})\n{snippet}")
-    return "\n\n".join(blocks)
+    return "\n\n".join(blocks) + note
 
 
 CODEBASE_SEARCH = FunctionTool(

@@ -120,6 +120,52 @@ def test_chunk_line_numbers_are_grep_s():
 def test_past_the_file_limit_code_is_indexed_before_prose_and_data(sandbox, monkeypatch):
     sandbox.exec("mkdir -p a_fixtures && for i in 1 2 3; do echo '{}' > a_fixtures/$i.json; done")
     monkeypatch.setattr(embeddings, "MAX_FILES", 3)
-    files = CodebaseIndex(SlowEmbedder())._files(sandbox, ["/workspace"], None)
+    files, left_out = CodebaseIndex(SlowEmbedder())._files(sandbox, ["/workspace"], None)
     assert files == ["/workspace/inventory/__init__.py", "/workspace/inventory/stock.py",
                      "/workspace/tests/test_stock.py"]
+    assert left_out == 5  # README.md, pyproject.toml and the three .json
+
+
+def test_a_missing_target_directory_is_named_by_the_search_itself(sandbox, monkeypatch):
+    """No sandbox round trip per root before the search: the listing meets a missing root."""
+    s = ToolSession(ToolRegistry().resolve(EnvToolConfig()),
+                    ToolContext(sandbox=sandbox, search=CodebaseIndex(SlowEmbedder())))
+    stats = []
+    monkeypatch.setattr(sandbox, "stat", lambda p: stats.append(p))
+    try:
+        r = s.call("codebase_search", {"query": "stock", "target_directories": ["inventory"]})
+        assert not r.is_error and r.content.startswith("/workspace/inventory/"), r.content
+        for dirs in (["no_such_dir"], ["inventory", "no_such_dir"]):
+            r = s.call("codebase_search", {"query": "stock", "target_directories": dirs})
+            assert r.is_error and r.content == "Error: path not found: /workspace/no_such_dir"
+        assert stats == []
+    finally:
+        s.close()
+
+
+def test_a_search_past_the_file_limit_says_how_many_files_it_left_out(sandbox, monkeypatch):
+    monkeypatch.setattr(embeddings, "MAX_FILES", 2)
+    s = ToolSession(ToolRegistry().resolve(EnvToolConfig()),
+                    ToolContext(sandbox=sandbox, search=CodebaseIndex(SlowEmbedder())))
+    try:
+        r = s.call("codebase_search", {"query": "stock"})
+        assert not r.is_error, r.content
+        # (5 files: the 3 .py, README.md, pyproject.toml)
+        assert r.content.endswith(
+            "\n\n[only part of the code was searched: 3 files were left out past the index's "
+            "limit of 2 files; pass target_directories to search the rest]")
+        r = s.call("codebase_search", {"query": "stock", "target_directories": ["inventory"]})
+        assert "only part" not in r.content
+    finally:
+        s.close()
+
+
+def test_the_index_leaves_out_what_gitignore_does(sandbox):
+    sandbox.write_file("/workspace/.gitignore", b"*.json\nsecret_*.py\n")
+    sandbox.write_file("/workspace/inventory/secret_keys.py", b"KEY = 1\n")
+    sandbox.write_file("/workspace/inventory/cache.json", b"{}\n")
+    chunks = CodebaseIndex(SlowEmbedder()).chunks(sandbox, ["/workspace"])
+    assert sorted({c.path for c in chunks}) == [
+        "/workspace/README.md", "/workspace/inventory/__init__.py",
+        "/workspace/inventory/stock.py", "/workspace/pyproject.toml",
+        "/workspace/tests/test_stock.py"]

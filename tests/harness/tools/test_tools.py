@@ -369,3 +369,37 @@ def test_every_tools_output_is_text_the_next_prompt_can_carry(session):
     for out in outputs:
         out.encode("utf-8")  # (a lone surrogate raises)
         assert "caf\ufffd.py" in out
+
+
+def test_a_glob_narrows_a_search_and_never_widens_it_past_gitignore(session, sandbox):
+    """rg's --glob would list what .gitignore leaves out (a '*.log', a whole ignored build/,
+    even .git for '*'); a glob only chooses among the files a search without it sees."""
+    sandbox.write_file("/workspace/.gitignore", b"build/\n*.log\ngenerated.py\n")
+    for path in ("build/lib/x.py", "app.log", "inventory/generated.py", "inventory/notes.txt"):
+        sandbox.write_file(f"/workspace/{path}", b"import os  # needle\n")
+    seen = {"/workspace/inventory/notes.txt"}
+    assert ok(session, "grep", pattern="needle", glob="*.log") == "No matches found."
+    for glob in ("*", "**", "**/*", "*.{py,txt}", "!*.md"):
+        out = ok(session, "grep", pattern="needle", glob=glob, output_mode="files_with_matches")
+        assert set(out.splitlines()) == seen, glob
+        files = ok(session, "glob_file_search", glob_pattern=glob).splitlines()
+        assert not any("/build/" in f or f.endswith(("app.log", "generated.py")) or "/.git/" in f
+                       for f in files), (glob, files)
+    assert ok(session, "grep", pattern="needle", glob="**/*.py") == "No matches found."
+    assert "No files matching" in ok(session, "glob_file_search", glob_pattern="*.log")
+    assert ok(session, "glob_file_search", glob_pattern="*.py").splitlines() == [
+        "/workspace/inventory/__init__.py", "/workspace/inventory/stock.py",
+        "/workspace/tests/test_stock.py"]
+    assert ok(session, "read_lints", paths=["/workspace"]) == "No lint errors in 3 files."
+    # A path named is searched whatever ignores it (as rg does), through a glob too.
+    assert ok(session, "grep", pattern="needle", path="app.log", glob="*.py") == \
+        "1:import os  # needle"
+    assert ok(session, "grep", pattern="needle", path="build", glob="*.py") == \
+        "/workspace/build/lib/x.py:1:import os  # needle"
+    # rg's glob syntax and errors
+    assert ok(session, "grep", pattern="def low_stock", glob="inventory/{stock,x}.py") == \
+        "/workspace/inventory/stock.py:17:def low_stock(items, threshold):"
+    assert ok(session, "grep", pattern="qty", glob="!inventory/**",
+              output_mode="files_with_matches") == "/workspace/tests/test_stock.py"
+    assert "unclosed alternate group" in err(session, "grep", pattern="x", glob="{a,b")
+    assert "unclosed character class" in err(session, "glob_file_search", glob_pattern="[ab")
