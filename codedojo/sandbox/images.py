@@ -5,7 +5,8 @@ Store layout (under the provider's root):
     layers/<id>/        one layer: a tree laid out as seen from `/` inside the sandbox
     images/<id>.json    {"id", "layers": [top, ..., bottom], "base": "host" | "rootfs", ...}
     names/<name>        the image id a name points to
-    tmp/                layers under construction (renamed into place when complete)
+    tmp/                layers under construction (renamed into place when complete), each
+                        with its lock beside it (`<dir>.lock`: see `ImageStore.build_dir`)
 
 A layer is shared by every image built on it, so removing an image (`ImageStore.remove`)
 removes only its file and names; `prune` (run by the provider's `gc`) then deletes the layers no
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -62,6 +64,9 @@ ID_LEN = 32  # hex chars of sha256 kept; short ids keep overlay's option string 
 _LAYER_ID = re.compile(f"[0-9a-f]{{{ID_LEN}}}")
 # `prune` leaves a layer this new: a layer is committed before the image that names it is written.
 PRUNE_MIN_AGE_S = 600.0
+BUILD_LOCK = ".lock"  # the suffix of a build's lock file, beside its directory under tmp/
+# An entry under tmp/ without a lock (a pruned layer being deleted) this old is a leftover.
+TMP_MAX_AGE_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -300,9 +305,8 @@ def copy_layer_tree(src: str, dst: str, *, xattrs: bool = True) -> int:
     links between its files and the opaque marker; returns bytes copied. Cost is proportional
     to the data in `src` (sparse files stay sparse). A file's setuid and setgid bits are
     dropped: a snapshot must not put a program that runs as the sandbox's user on the host's
-    disk. `dst` itself keeps its own times (now): a build under the store's tmp/ is told from
-    an abandoned one by its age, and the times of a layer's root are never seen. `src` is
-    read as `walk_tree` reads it: nothing in it is followed."""
+    disk. `dst` itself keeps its own times (the times of a layer's root are never seen).
+    `src` is read as `walk_tree` reads it: nothing in it is followed."""
     total = 0
     links: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) -> the first copy of a file
     # The copies of the directories on the walk's path, with their sources' stat: a directory's
@@ -426,27 +430,45 @@ class LayerStack:
     """Resolve paths through a stack of layer directories the way overlayfs does. A path is
     taken as it is written, through directories only (`open_beneath`): a link on the way is
     not a directory, and hides what lower layers hold below it. What is learnt of a directory
-    is kept for the stack's life: make one per look at a tree that changes."""
+    is kept for the stack's life: make one per look at a tree that changes.
+
+    Each layer's root is held open (an O_PATH fd) for the stack's life, so a lookup opens no
+    root: `close` it, or use it as a context manager."""
 
     def __init__(self, dirs: Sequence[str]):
         self.dirs = list(dirs)  # top first
         # (layer, directory) -> (a directory there, whether the layer hides what lower layers
         # have below it: a whiteout, a file or a link on the way, or an opaque directory)
         self._known: dict[tuple[str, tuple[str, ...]], tuple[bool, bool]] = {}
+        self._roots: dict[str, int] = {}  # layer -> an fd of its root
+        try:
+            for top in self.dirs:
+                if top not in self._roots:
+                    self._roots[top] = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close the layers' roots; the stack is of no use after."""
+        roots, self._roots = self._roots, {}
+        for fd in roots.values():
+            os.close(fd)
+
+    def __enter__(self) -> LayerStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @staticmethod
     def _parts(rel: str) -> tuple[str, ...]:
         return tuple(p for p in rel.split("/") if p and p != ".")
 
-    @staticmethod
-    def _open(top: str, parts: Sequence[str], flags: int) -> int:
-        root = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            # (openat2 takes no O_NONBLOCK with O_PATH, which opens nothing that could block)
-            nonblock = 0 if flags & os.O_PATH else os.O_NONBLOCK
-            return open_beneath(root, "/".join(parts), flags | os.O_NOFOLLOW | nonblock)
-        finally:
-            os.close(root)
+    def _open(self, top: str, parts: Sequence[str], flags: int) -> int:
+        # (openat2 takes no O_NONBLOCK with O_PATH, which opens nothing that could block)
+        nonblock = 0 if flags & os.O_PATH else os.O_NONBLOCK
+        return open_beneath(self._roots[top], "/".join(parts), flags | os.O_NOFOLLOW | nonblock)
 
     def _dir(self, top: str, parts: tuple[str, ...]) -> tuple[bool, bool]:
         """Whether layer ``top`` has directory ``parts``, and whether it hides what lower
@@ -477,7 +499,7 @@ class LayerStack:
         lstat; None if absent."""
         parts = self._parts(rel)
         if not parts:
-            return self.dirs[0], os.lstat(self.dirs[0])
+            return self.dirs[0], os.fstat(self._roots[self.dirs[0]])
         for top in self.dirs:
             is_dir, hides = self._dir(top, parts[:-1])
             fd = self._parent(top, parts) if is_dir else None
@@ -570,10 +592,64 @@ class ImageStore:
     def layer_path(self, layer_id: str) -> str:
         return os.path.join(self.root, "layers", layer_id)
 
-    def _tmpdir(self) -> str:
-        d = os.path.join(self.root, "tmp", uuid.uuid4().hex)
-        os.mkdir(d, 0o755)
-        return d
+    @contextlib.contextmanager
+    def build_dir(self) -> Iterator[str]:
+        """A new directory under tmp/ to build a layer in, for the block's life; what is left
+        of it after (all of it, unless `commit_layer` moved it into the store) is removed.
+        Meanwhile the build holds an flock on its lock file beside it (`BUILD_LOCK`), which
+        tells `remove_abandoned_builds` that it is live however long it takes."""
+        while True:
+            path = os.path.join(self.root, "tmp", uuid.uuid4().hex)
+            lock = os.open(path + BUILD_LOCK, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                           0o600)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.samestat(os.fstat(lock), os.stat(path + BUILD_LOCK)):
+                    break
+            os.close(lock)  # (taken for an abandoned build's and removed, before it was locked)
+        try:
+            os.mkdir(path, 0o755)
+            yield path
+        finally:
+            try:
+                remove_tree(path)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path + BUILD_LOCK)
+            finally:
+                os.close(lock)
+
+    def remove_abandoned_builds(self, max_age_s: float = TMP_MAX_AGE_S) -> list[str]:
+        """Remove what is left under tmp/ by builds no process runs any more: a build whose
+        lock nobody holds (its process ended), and an entry without a lock (a pruned layer
+        whose deletion stopped) older than ``max_age_s``. Returns the names removed."""
+        tmp = os.path.join(self.root, "tmp")
+        names = set(os.listdir(tmp))
+        removed = []
+        for n in sorted(names):
+            p = os.path.join(tmp, n)
+            if n.endswith(BUILD_LOCK):
+                try:
+                    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue  # (its build ended meanwhile)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue  # a live build
+                try:
+                    remove_tree(p.removesuffix(BUILD_LOCK))
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(p)
+                finally:
+                    os.close(fd)
+                removed.append(n)
+            elif n + BUILD_LOCK not in names:
+                with contextlib.suppress(FileNotFoundError):
+                    if time.time() - os.lstat(p).st_mtime > max_age_s:
+                        remove_tree(p)
+                        removed.append(n)
+        return removed
 
     def commit_layer(self, tmp: str) -> str:
         """Move a finished tree into the store under its content address."""
@@ -593,13 +669,10 @@ class ImageStore:
         new_id = hashlib.sha256(f"{layer_id}:{salt}".encode()).hexdigest()[:ID_LEN]
         dst = self.layer_path(new_id)
         if not os.path.isdir(dst):
-            tmp = self._tmpdir()
-            os.rmdir(tmp)
-            copy_layer_tree(self.layer_path(layer_id), tmp)
-            try:
-                os.rename(tmp, dst)
-            except OSError:
-                remove_tree(tmp)
+            with self.build_dir() as tmp:
+                copy_layer_tree(self.layer_path(layer_id), tmp)
+                with contextlib.suppress(OSError):  # (else stored meanwhile: the copy goes)
+                    os.rename(tmp, dst)
         os.utime(dst)  # (as in commit_layer)
         return new_id
 
@@ -768,13 +841,9 @@ class ImageStore:
         with contextlib.suppress(OSError, SandboxError), open(key_path) as f:
             self._base = self.resolve(f.read().strip())
             return self._base
-        tmp = self._tmpdir()
-        try:
+        with self.build_dir() as tmp:
             _build_host_skeleton(tmp)
             layer = self.commit_layer(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         self._base = self.put_image([layer], "host", name="base", meta={"kind": "base"})
         tmp_key = f"{key_path}.{uuid.uuid4().hex}"
         with open(tmp_key, "w") as f:
@@ -789,16 +858,16 @@ class ImageStore:
         """Create `dest`'s parent directories in a new layer with the attributes they have in
         `parent` (overlayfs takes a directory's owner and mode from the topmost layer)."""
         rel = _clean_dest(dest)
-        stack = LayerStack([self.layer_path(x) for x in parent.layers])
         cur = tmp
         parts = rel.split("/")
-        for i, part in enumerate(parts[:-1]):
-            cur = os.path.join(cur, part)
-            os.mkdir(cur)
-            found = stack.lookup("/".join(parts[: i + 1]))
-            st = found[1] if found and stat.S_ISDIR(found[1].st_mode) else None
-            os.chown(cur, st.st_uid if st else 0, st.st_gid if st else 0)
-            os.chmod(cur, stat.S_IMODE(st.st_mode) if st else 0o755)
+        with LayerStack([self.layer_path(x) for x in parent.layers]) as stack:
+            for i, part in enumerate(parts[:-1]):
+                cur = os.path.join(cur, part)
+                os.mkdir(cur)
+                found = stack.lookup("/".join(parts[: i + 1]))
+                st = found[1] if found and stat.S_ISDIR(found[1].st_mode) else None
+                os.chown(cur, st.st_uid if st else 0, st.st_gid if st else 0)
+                os.chmod(cur, stat.S_IMODE(st.st_mode) if st else 0o755)
         return os.path.join(tmp, rel)
 
     def from_directory(self, path: str, *, dest: str = WORKSPACE, parent: str | None = None,
@@ -809,25 +878,20 @@ class ImageStore:
         if not os.path.isdir(path):
             raise SandboxError(f"path: {path!r} is not a directory")
         base = self._parent(parent)
-        tmp = self._tmpdir()
-        try:
+        with self.build_dir() as tmp:
             target = self._stage_dest(tmp, base, dest)
             ignore = shutil.ignore_patterns(*exclude) if exclude else None
             shutil.copytree(path, target, symlinks=True, ignore=ignore)
             os.chmod(target, 0o755)  # the source may be a private temp dir (0700)
             _chown_tree(target, *owner)
             layer = self.commit_layer(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return self.put_image([layer, *base.layers], base.base, name=name,
                               meta={"kind": "directory", "source": os.path.abspath(path)})
 
     def from_git(self, repo: str, *, rev: str | None = None, dest: str = WORKSPACE,
                  parent: str | None = None, name: str | None = None) -> Image:
         """A checkout of `repo` (a URL or local path) at `rev`, `.git` included."""
-        work = self._tmpdir()
-        try:
+        with self.build_dir() as work:
             checkout = os.path.join(work, "checkout")
             run = subprocess.run(["git", "clone", "--quiet", repo, checkout],
                                  capture_output=True, text=True)
@@ -839,8 +903,6 @@ class ImageStore:
                 if run.returncode != 0:
                     raise SandboxError(f"rev: git checkout {rev!r} failed: {run.stderr.strip()}")
             return self.from_directory(checkout, dest=dest, parent=parent, name=name)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
 
     def from_python_env(self, packages: Sequence[str] = (), *, dest: str = "/opt/venv",
                         parent: str | None = None, name: str | None = None,
@@ -853,8 +915,7 @@ class ImageStore:
         base = self._parent(parent)
         if base.base == "host" and not python.startswith("/usr/"):
             raise SandboxError(f"python: {python!r} is not inside the sandbox's bound /usr")
-        tmp = self._tmpdir()
-        try:
+        with self.build_dir() as tmp:
             target = self._stage_dest(tmp, base, dest)
             # --without-pip plus the host's pip (`pip --python`) keeps pip itself out of the layer
             # and skips ensurepip, which costs seconds.
@@ -872,9 +933,6 @@ class ImageStore:
             _rewrite_prefix(target, dest)
             _chown_tree(target, SANDBOX_UID, SANDBOX_GID)
             layer = self.commit_layer(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return self.put_image([layer, *base.layers], base.base, name=name,
                               meta={"kind": "python-env", "packages": list(packages)})
 
@@ -906,8 +964,7 @@ class ImageStore:
         and the Debian mirror). Nothing from the host is bound into sandboxes of this image."""
         if shutil.which("debootstrap") is None:
             raise SandboxError("debootstrap: not installed (apt-get install debootstrap)")
-        tmp = self._tmpdir()
-        try:
+        with self.build_dir() as tmp:
             cmd = ["debootstrap", "--variant=minbase"]
             if packages:
                 cmd.append("--include=" + ",".join(packages))
@@ -921,9 +978,6 @@ class ImageStore:
                 os.chmod(p, mode)
             _add_sandbox_user(os.path.join(tmp, "etc"))
             layer = self.commit_layer(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return self.put_image([layer], "rootfs", name=name, meta={"kind": "debootstrap"})
 
 

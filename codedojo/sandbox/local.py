@@ -797,12 +797,17 @@ class LocalSandbox:
         self._attach_egress()
 
     def _attach_egress(self) -> None:
-        """Join the egress proxy and place its files (CA, resolver); should the files fail,
-        the attachment is undone (its address, rules and log would outlive the sandbox)."""
+        """Join the egress proxy and place its files (CA, resolver); should its variables or
+        files fail, the attachment is undone (its address, rules and log would outlive the
+        sandbox)."""
         if self.spec.egress is None:
             return
-        self.binding = self.spec.egress.attach(self.id, self.init_pid)
+        binding = self.spec.egress.attach(self.id, self.init_pid)
         try:
+            # its variables checked once, here (as the spec's are at create), and kept as
+            # checked: a bad one refuses the sandbox rather than every command
+            self.binding = dataclasses.replace(
+                binding, env=dict(validate_env(binding.env, "egress env")))
             self._place_binding_files()
         except BaseException:
             with contextlib.suppress(Exception):
@@ -907,10 +912,13 @@ class LocalSandbox:
     # ---- exec ----
 
     def _env(self, extra: Mapping[str, str] | None) -> dict[str, str]:
+        """A command's variables: the defaults, the spec's and the egress binding's (each
+        checked once, at create and at attach), then the call's own ``extra``, checked here."""
         env = {"PATH": BASE_PATH, "HOME": SANDBOX_HOME, "USER": "user", "LOGNAME": "user",
-               "LANG": "C.UTF-8", "SHELL": "/bin/bash", "TMPDIR": "/tmp"}
-        for source, name in ((self.spec.env, "spec.env"), (self.binding.env, "egress env"), (extra or {}, "env")):
-            env.update(validate_env(source, name))
+               "LANG": "C.UTF-8", "SHELL": "/bin/bash", "TMPDIR": "/tmp",
+               **self.spec.env, **self.binding.env}
+        if extra is not None:
+            env.update(validate_env(extra, "env"))
         return env
 
     def exec(self, command: str | Sequence[str], *, stdin: bytes | str | None = None,
@@ -1257,13 +1265,14 @@ class LocalSandbox:
         p = sandbox_path(path)
         rel = p.lstrip("/")
         store = self.provider.images
-        stack = LayerStack([store.layer_path(x) for x in self.image.layers])
-        found = stack.lookup(rel)  # (the path as written, as `changes` names it: no link on it)
-        if found is None:
-            raise SandboxError(f"path: {p}: not in the sandbox's image (as written: a link "
-                               "on the way is not followed)")
-        top, st = found
-        fd = stack.open(top, rel, st) if stat.S_ISREG(st.st_mode) else None
+        with LayerStack([store.layer_path(x) for x in self.image.layers]) as stack:
+            # (the path as written, as `changes` names it: no link on it)
+            found = stack.lookup(rel)
+            if found is None:
+                raise SandboxError(f"path: {p}: not in the sandbox's image (as written: a link "
+                                   "on the way is not followed)")
+            top, st = found
+            fd = stack.open(top, rel, st) if stat.S_ISREG(st.st_mode) else None
         if fd is None:
             raise SandboxError(f"path: {p} is not a regular file in the sandbox's image")
         try:
@@ -1280,18 +1289,20 @@ class LocalSandbox:
         with self._lock:
             self._check_alive()
             assert self.cgroup is not None
+            store = self.provider.images
+            upper = os.path.join(self._rw, "upper")
             try:
                 self.cgroup.freeze(True)  # (and thawed below, should the freeze time out)
-                return self._changes()
+                with LayerStack([upper, *(store.layer_path(x) for x in self.lowers)]) as now, \
+                        LayerStack([store.layer_path(x) for x in self.image.layers]) as then:
+                    return self._changes(now, then)
             finally:
                 self.cgroup.freeze(False)
 
-    def _changes(self) -> list[Change]:
+    def _changes(self, now: LayerStack, then: LayerStack) -> list[Change]:
+        """`changes`, between the stacks of the sandbox (``now``) and of its image."""
         store = self.provider.images
-        upper = os.path.join(self._rw, "upper")
-        now = LayerStack([upper, *(store.layer_path(x) for x in self.lowers)])
-        then = LayerStack([store.layer_path(x) for x in self.image.layers])
-        changed_layers = [upper, *(store.layer_path(x) for x in self._snapshot_layers())]
+        changed_layers = [now.dirs[0], *(store.layer_path(x) for x in self._snapshot_layers())]
         ws = WORKSPACE.strip("/")
         candidates: set[str] = set()
         for top in changed_layers:
@@ -1338,18 +1349,14 @@ class LocalSandbox:
             upper = os.path.join(self._rw, "upper")
             if not os.listdir(upper):
                 return store.put_image(self.lowers, self.image.base, meta={"kind": "snapshot", "of": self.id}).id
-            tmp = store._tmpdir()
             assert self.cgroup is not None
-            try:
+            with store.build_dir() as tmp:
                 try:
                     self.cgroup.freeze(True)  # (and thawed below, should the freeze time out)
                     copy_layer_tree(upper, tmp)
                 finally:
                     self.cgroup.freeze(False)
                 layer = store.commit_layer(tmp)
-            except BaseException:
-                remove_tree(tmp)
-                raise
             # overlayfs refuses the same directory twice in one stack (ELOOP). The same content
             # on top of itself changes nothing; deeper in the stack it needs its own copy.
             if self.lowers and layer == self.lowers[0]:
@@ -1494,7 +1501,9 @@ class LocalProvider:
 
     def _make(self, spec: SandboxSpec, image: Image, origin: Image) -> LocalSandbox:
         validate_limits(spec.limits)
-        validate_env(spec.env, "spec.env")  # (every command would fail on a bad one)
+        # Checked here once (every command would fail on a bad one), and kept as checked: a
+        # later change to the caller's mapping reaches no command.
+        spec = dataclasses.replace(spec, env=dict(validate_env(spec.env, "spec.env")))
         blank = self._take_blank()
         if blank is not None:
             with self._lock:
@@ -1606,7 +1615,9 @@ class LocalProvider:
         """Clean up sandboxes whose owning process is gone (a crash), and this process's own
         whose teardown left something (a failed `destroy` or create): processes, cgroups,
         mounts, directories. With all_owners, also those of live processes other than this
-        one. Then layers no image names (`ImageStore.prune`). Returns the sandbox ids cleaned."""
+        one. Then what builds no process runs any more left under the store's tmp/
+        (`ImageStore.remove_abandoned_builds`), and layers no image names (`ImageStore.prune`).
+        Returns the sandbox ids cleaned."""
         cleaned: list[str] = []
         sdir = os.path.join(self.root, "sandboxes")
         mounts = _mounts_under(sdir)  # (read once: the host's table may be long)
@@ -1652,12 +1663,7 @@ class LocalProvider:
                 self._unfinished.discard(sid)  # (a teardown that removed all but these)
                 if sid not in cleaned:
                     cleaned.append(sid)
-        # Leftover layer builds.
-        tmp = os.path.join(self.root, "tmp")
-        for n in os.listdir(tmp):
-            p = os.path.join(tmp, n)
-            if time.time() - os.lstat(p).st_mtime > 3600:
-                remove_tree(p)
+        self.images.remove_abandoned_builds()
         try:
             self.images.prune()
         except SandboxError as e:  # (an image file it cannot read: nothing deleted)

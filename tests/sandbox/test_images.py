@@ -10,7 +10,7 @@ import pytest
 
 from codedojo.sandbox import images
 from codedojo.sandbox.base import SandboxError, SandboxSpec
-from codedojo.sandbox.images import ImageStore, copy_layer_tree, tree_digest
+from codedojo.sandbox.images import ImageStore, LayerStack, copy_layer_tree, tree_digest
 from tests.sandbox.conftest import SMALL
 
 
@@ -36,6 +36,53 @@ def test_a_snapshot_being_built_is_not_taken_for_a_leftover(sandbox, provider, m
         assert f.read_file("new.txt") == b"v1\n"
     finally:
         f.destroy()
+
+
+def test_a_live_build_is_kept_however_old_and_an_abandoned_one_goes(sandbox, provider,
+                                                                    monkeypatch):
+    """A build under tmp/ is told live by its lock, not its age: one two hours old is kept by
+    `gc` while it is built, one whose process ended (its lock held by none) goes however new,
+    and an entry without a lock (a pruned layer left half deleted) goes once old."""
+    tmp = os.path.join(provider.root, "tmp")
+    old = time.time() - 7200
+    abandoned = os.path.join(tmp, uuid.uuid4().hex)
+    os.mkdir(abandoned)
+    open(abandoned + ".lock", "w").close()  # as a build whose process was killed leaves them
+    leftover = os.path.join(tmp, f"pruned-{uuid.uuid4().hex}")
+    os.mkdir(leftover)
+    os.utime(leftover, (old, old))
+    sandbox.exec("echo v1 > /workspace/new.txt")
+    real_digest = images.tree_digest
+    kept = []
+
+    def digest_after_gc(root: str) -> str:
+        os.utime(root, (old, old))
+        provider.gc()  # another caller's gc, two hours into the build
+        kept.append(os.path.isdir(root))
+        return real_digest(root)
+
+    monkeypatch.setattr(images, "tree_digest", digest_after_gc)
+    sandbox.snapshot()
+    assert kept == [True]
+    for gone in (abandoned, abandoned + ".lock", leftover):
+        assert not os.path.lexists(gone)
+    assert [n for n in os.listdir(tmp) if n.endswith(".lock")] == []  # (the build's own: gone)
+
+
+def test_a_layer_stack_holds_its_layers_open_until_closed(tmp_path):
+    for d in ("top", "low"):
+        (tmp_path / d).mkdir()
+    (tmp_path / "low" / "f").write_text("x")
+    before = set(os.listdir("/proc/self/fd"))
+    with LayerStack([str(tmp_path / "top"), str(tmp_path / "low")]) as stack:
+        assert len(set(os.listdir("/proc/self/fd")) - before) == 2
+        os.rename(tmp_path / "low", tmp_path / "moved")  # (held: still read)
+        found = stack.lookup("f")
+        assert found is not None and found[1].st_size == 1
+    assert set(os.listdir("/proc/self/fd")) == before
+    with pytest.raises(FileNotFoundError):  # a missing layer: nothing is left open
+        LayerStack([str(tmp_path / "top"), str(tmp_path / "low")])
+    assert set(os.listdir("/proc/self/fd")) == before
 
 
 def test_hard_links_survive_a_snapshot(sandbox):

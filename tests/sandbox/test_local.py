@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from codedojo.sandbox import local
 from codedojo.sandbox.base import (
     Change,
     EgressBinding,
@@ -127,6 +128,20 @@ def test_spec_env_reaches_every_command(provider, project):
 def test_a_spec_env_no_command_could_take_is_refused_at_create(provider, project, env):
     with pytest.raises(SandboxError, match="spec.env"):
         provider.create(SandboxSpec(image=project, limits=SMALL, env=env))
+
+
+def test_the_spec_env_is_kept_as_checked_at_create(provider, project):
+    """The spec's variables are checked once, at create, and the sandbox keeps them as they
+    were then: a later change to the caller's mapping reaches no command."""
+    env = {"TASK": "t1"}
+    sb = provider.create(SandboxSpec(image=project, limits=SMALL, env=env))
+    try:
+        env["TASK"], env["BAD=NAME"] = "t2", "x"
+        assert sb.exec("echo $TASK").stdout == "t1\n"
+        with pytest.raises(SandboxError, match="env: invalid variable 'A=B'"):
+            sb.exec("true", env={"A=B": "1"})  # the call's own variables: checked per call
+    finally:
+        sb.destroy()
 
 
 @pytest.mark.parametrize("command", ["", "   ", [], ["ls", 3], ["a\0b"], 42])
@@ -281,6 +296,29 @@ def test_changes_lists_what_the_agent_did(sandbox):
         assert fork.read_original("pkg/__init__.py") == b"VALUE = 41\n"
     finally:
         fork.destroy()
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_changes_closes_the_layers_it_holds_open(provider, sandbox, monkeypatch):
+    """`changes` and `read_original` hold the layers' roots open while they look, and close
+    them after, also when the comparison fails."""
+    provider.drain_pool()  # (no pooled sandbox is started meanwhile: its fds would count)
+    sandbox.write_file("pkg/__init__.py", "VALUE = 42\n")
+    before = _open_fds()
+    assert sandbox.changes() == [Change("/workspace/pkg/__init__.py", "modified")]
+    assert sandbox.read_original("pkg/__init__.py") == b"VALUE = 41\n"
+    assert _open_fds() == before
+
+    def fail(*args: object) -> bool:
+        raise SandboxError("compare failed")
+
+    monkeypatch.setattr(local, "_same_entry", fail)
+    with pytest.raises(SandboxError, match="compare failed"):
+        sandbox.changes()
+    assert _open_fds() == before
 
 
 def test_a_directory_removed_or_replaced_reports_what_it_held(provider, tmp_path):
@@ -444,12 +482,12 @@ def test_deep_layer_stack_beyond_the_mount_option_limit(provider, project):
     store = provider.images
     layers = list(store.resolve(project).layers)
     for i in range(120):
-        tmp = store._tmpdir()
-        os.makedirs(os.path.join(tmp, "workspace"))
-        os.chown(os.path.join(tmp, "workspace"), 1000, 1000)
-        with open(os.path.join(tmp, "workspace", f"layer{i:03d}.txt"), "w") as f:
-            f.write(str(i))
-        layers.insert(0, store.commit_layer(tmp))
+        with store.build_dir() as tmp:
+            os.makedirs(os.path.join(tmp, "workspace"))
+            os.chown(os.path.join(tmp, "workspace"), 1000, 1000)
+            with open(os.path.join(tmp, "workspace", f"layer{i:03d}.txt"), "w") as f:
+                f.write(str(i))
+            layers.insert(0, store.commit_layer(tmp))
     image = store.put_image(layers)
     sb = provider.create(SandboxSpec(image=image.id, limits=SMALL))
     try:
@@ -521,6 +559,20 @@ def test_egress_files_replace_a_link_and_a_failed_attachment_is_undone(provider,
     assert ok.calls == ["attach", "detach"]
     bad = _Recorder({"/proc/sys/kernel/nope": b"x"})  # a place no file can go
     with pytest.raises(SandboxError):
+        provider.create(SandboxSpec(image=project, limits=SMALL, egress=bad))
+    assert bad.calls == ["attach", "detach"]
+
+
+def test_a_binding_env_no_command_could_take_is_refused_at_attach(provider, project):
+    """An egress binding's variables are checked once, as it is attached: a bad one refuses
+    the sandbox (naming the variable), and the attachment is undone."""
+    class BadEnv(_Recorder):
+        def attach(self, sandbox_id: str, netns_pid: int) -> EgressBinding:
+            super().attach(sandbox_id, netns_pid)
+            return EgressBinding(env={"BAD=NAME": "1"})
+
+    bad = BadEnv({})
+    with pytest.raises(SandboxError, match="egress env: invalid variable 'BAD=NAME'"):
         provider.create(SandboxSpec(image=project, limits=SMALL, egress=bad))
     assert bad.calls == ["attach", "detach"]
 
