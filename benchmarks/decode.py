@@ -92,7 +92,8 @@ class TimedRequest:
     first_s: float
     decode_s: float
     decode_steps: int
-    decode_drafts: int = 0  # drafts made in the decode steps (speculative: the first is apart)
+    # tokens drafted in the decode steps, a tree's every node (speculative: the first is apart)
+    decode_drafts: int = 0
 
     @property
     def decoded(self) -> int:
@@ -105,12 +106,12 @@ def time_request(engine: Engine, prompt: list[int], params: SamplingParams) -> T
     t0 = time.perf_counter()
     engine.step()
     t1 = time.perf_counter()
-    first, steps, drafted = len(req.token_ids), 0, engine.spec_stats.drafted
+    first, steps, drafted = len(req.token_ids), 0, engine.spec_stats.verified
     while engine.n_live:
         engine.step()
         steps += 1
     return TimedRequest(req.completion().token_ids, first, t1 - t0,
-                        time.perf_counter() - t1, steps, engine.spec_stats.drafted - drafted)
+                        time.perf_counter() - t1, steps, engine.spec_stats.verified - drafted)
 
 
 def batch1_tok_s(engine: Engine, prompts: list[list[int]], n: int,

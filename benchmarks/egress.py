@@ -29,6 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common import skip  # benchmarks/
+
 LOAD_CLIENT = r"""
 import asyncio, json, sys, time
 mode, host, port, target, rate, seconds, conc = sys.argv[1:8]
@@ -97,11 +99,6 @@ print(json.dumps({"p50_ms": pct(lat, 0.5), "p95_ms": pct(lat, 0.95), "p99_ms": p
                   "n": len(lat), "achieved_rps": achieved, "rps_max": rps}))
 """
 
-
-# The exit status of a benchmark that cannot run here (automake's "skipped"): `make bench` goes
-# on past it.
-SKIPPED = 77
-
 # The upstream runs in its own process: in the proxy's process it would share the GIL with it.
 UPSTREAM = r"""
 import asyncio, sys
@@ -160,8 +157,7 @@ def main() -> None:
         if rate * args.seconds < 2:  # (the rate achieved is measured between the sends)
             ap.error(f"{flag} {rate} over --seconds {args.seconds}: fewer than 2 requests")
     if os.geteuid() != 0:
-        print("benchmarks/egress.py: needs root (network namespaces, iptables)", file=sys.stderr)
-        sys.exit(SKIPPED)
+        skip("benchmarks/egress.py: needs root (network namespaces, iptables)")
 
     from codedojo.egress.policy import EgressPolicy
     from codedojo.egress.proxy import EgressProxy, EgressProxyConfig

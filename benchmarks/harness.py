@@ -23,15 +23,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from common import skip  # benchmarks/
+
 from codedojo.harness.rpc import ToolClient, ToolServer, serve_in_thread
 from codedojo.harness.tools.base import ToolContext
 from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
 from codedojo.sandbox.base import SandboxSpec
 from codedojo.sandbox.local import LocalProvider
-
-# The exit status of a benchmark that cannot run here (automake's "skipped"): `make bench` goes
-# on past it.
-SKIPPED = 77
 
 
 def timings(fn: Callable[[], object], n: int, warmup: int = 10) -> list[float]:
@@ -58,9 +56,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=200, help="calls per measured kind")
     n = ap.parse_args().n
     if os.geteuid() != 0:
-        print("benchmarks/harness.py: needs root (local sandboxes: mounts, cgroups, namespaces)",
-              file=sys.stderr)
-        sys.exit(SKIPPED)
+        skip("benchmarks/harness.py: needs root (local sandboxes: mounts, cgroups, namespaces)")
 
     root = tempfile.mkdtemp(prefix="cdj-bench-harness-")
     src = Path(tempfile.mkdtemp(prefix="cdj-bench-src-"))

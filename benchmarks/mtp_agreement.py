@@ -19,8 +19,9 @@ when deep rounds skip the easy stretches they accept, so `spec_decode.py`'s `acc
 with the number of drafts a round (a three-module checkpoint whose first module agrees 0.768 here
 replays 0.764, 0.754 and 0.731 for K = 1, 2, 3). `outside_draft_vocab` is the share of the generated
 tokens outside the heads' draft vocabulary, which no draft can be (every depth's agreement is at
-most one minus it). `agree_depthK_ci95` is the 95% interval of `agree_depthK` over the prompts (a
-bootstrap): how far it would move with as many other prompts. `dojo pretrain` reports the
+most one minus it). `agree_depthK_ci95` is the 95% interval of `agree_depthK` over the files the
+prompts were cut from (a bootstrap of files, as windows of one file are alike): how far it would
+move with as many other prompts from as many other files. `dojo pretrain` reports the
 depths' figure after each stage as `mtp_agree`, on fewer windows (`eval.continuations`). Prints
 one JSON line.
 
@@ -38,6 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from common import skip  # benchmarks/
 
 from codedojo.data.shards import TokenShards
 from codedojo.engine.speculative import SpecStats, replay_greedy
@@ -45,20 +47,14 @@ from codedojo.model.config import ModelConfig
 from codedojo.model.mtp import MTP, load_mtp
 from codedojo.model.transformer import Transformer
 from codedojo.model.weights import build_model, load_checkpoint_weights
-from codedojo.pretrain.selfgen import continue_windows
+from codedojo.pretrain.selfgen import continue_windows, draw_windows
 from codedojo.stats import ratio_interval
-
-# The exit status of a benchmark that cannot run here yet (automake's "skipped"): `make bench`
-# goes on past it.
-SKIPPED = 77
 
 
 def require_checkpoint(d: Path) -> None:
-    """Exits with `SKIPPED`, saying what makes one, when ``d`` holds no checkpoint."""
+    """Exits with `common.SKIPPED`, saying what makes one, when ``d`` holds no checkpoint."""
     if not (d / "model.safetensors").exists():
-        print(f"{d}: no checkpoint; run `dojo pretrain configs/cpt-smollm2.toml` first",
-              file=sys.stderr)
-        sys.exit(SKIPPED)
+        skip(f"{d}: no checkpoint; run `dojo pretrain configs/cpt-smollm2.toml` first")
 
 
 def checkpoint(d: Path) -> tuple[dict[str, torch.Tensor], ModelConfig, MTP]:
@@ -87,10 +83,13 @@ def parse_held_out(ap: argparse.ArgumentParser, prompts: int) -> argparse.Namesp
 
 
 def held_out(model: Transformer, data: str | Path, prompts: int, prompt_len: int, new: int,
-             seed: int) -> torch.Tensor:
+             seed: int) -> tuple[torch.Tensor, list[int]]:
     """(prompts, prompt_len + new): distinct windows of the eval documents, continued greedily
-    by ``model`` (the text the drafts will follow when serving)."""
-    return continue_windows(model, TokenShards(data), prompts, prompt_len, new, seed)
+    by ``model`` (the text the drafts will follow when serving); and the document each window
+    was cut from."""
+    code = TokenShards(data)
+    rows = continue_windows(model, code, prompts, prompt_len, new, seed)
+    return rows, draw_windows(code, prompts, prompt_len, seed)[0].tolist()
 
 
 def newest_self(data: str | Path) -> Path | None:
@@ -130,12 +129,13 @@ def draft_hits(model: Transformer, heads: MTP, tokens: torch.Tensor, hidden: tor
 
 
 def agreement(model: Transformer, heads: MTP, rows: torch.Tensor, hidden: torch.Tensor,
-              prompt_len: int) -> tuple[list[float], list[SpecStats], list[list[float]]]:
+              prompt_len: int, files: Sequence[int] | None = None
+              ) -> tuple[list[float], list[SpecStats], list[list[float]]]:
     """The share of generated tokens (those after the first ``prompt_len``) each depth
     predicts; the rounds greedy speculative decoding drafting k = 1 .. depth tokens each
     would make over these continuations (`replay_greedy`); and per depth the 95% interval of
-    the share over the rows (`ratio_interval`: how far it would move with other prompts).
-    ``hidden`` as `draft_hits`."""
+    the share over the files the rows were cut from (`ratio_interval` by ``files``, each row's:
+    how far it would move with other prompts). ``hidden`` as `draft_hits`."""
     B, T = rows.shape
     hits: list[list[int]] = [[] for _ in range(heads.depth)]  # per depth, per row
     seen = [0] * heads.depth  # per depth, a row's positions
@@ -151,7 +151,7 @@ def agreement(model: Transformer, heads: MTP, rows: torch.Tensor, hidden: torch.
             for k, stats in enumerate(rounds, start=1):
                 replay_greedy(row, prompt_len, T, k, stats)
     shares = [sum(h) / (n * B) for h, n in zip(hits, seen, strict=True)]
-    spread = [list(ratio_interval(h, [n] * B)) for h, n in zip(hits, seen, strict=True)]
+    spread = [list(ratio_interval(h, [n] * B, units=files)) for h, n in zip(hits, seen, strict=True)]
     return shares, rounds, spread
 
 
@@ -174,12 +174,12 @@ def main() -> None:
                  "must read the same hidden states")
     model: Transformer = build_model(weights, cfg, torch.float32).eval()
 
-    rows = held_out(model, args.data, args.prompts, args.prompt_len, args.new, args.seed)
+    rows, files = held_out(model, args.data, args.prompts, args.prompt_len, args.new, args.seed)
     layers = sorted({*mtp.taps, *base_mtp.taps})  # one pass serves both sets of heads
     states = hidden_states(model, rows, layers)
     (ours, replayed, spread), (base, _, _) = [
         agreement(model, heads, rows, read_by(states, layers, heads.taps, cfg.dim),
-                  args.prompt_len)
+                  args.prompt_len, files)
         for heads in (mtp, base_mtp)]
     generated = rows[:, args.prompt_len:]
     outside = (0.0 if mtp.draft_vocab is None

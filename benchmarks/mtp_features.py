@@ -101,7 +101,7 @@ def main() -> None:
         sys.exit(f"{train_dir}: rows of several lengths; self-generated rows (prompt and "
                  "continuation, one length) expected")
     train = torch.stack([torch.from_numpy(shards.doc(i).astype("int64")) for i in picks])
-    rows = held_out(model, args.data, args.prompts, args.prompt_len, args.new, args.seed)
+    rows, _ = held_out(model, args.data, args.prompts, args.prompt_len, args.new, args.seed)
     last = cfg.n_layers - 1
     # every tapped layer once, then each variant's columns of them: D wide blocks, the last
     # hidden state first (as `Transformer.hidden` gives them)

@@ -24,17 +24,14 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from common import skip  # benchmarks/
+
 from codedojo.sandbox.base import Limits, SandboxError, SandboxSpec
 from codedojo.sandbox.local import LocalProvider, criu_available
-
-# The exit status of a benchmark that cannot run here (automake's "skipped"): `make bench` goes
-# on past it.
-SKIPPED = 77
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ["numpy", "pandas", "rich", "httpx", "pydantic", "typer", "requests"]
@@ -81,9 +78,7 @@ def main() -> None:
     ap.add_argument("--live", type=int, default=64, help="forks alive for the scaling figures")
     args = ap.parse_args()
     if os.geteuid() != 0:
-        print("benchmarks/sandbox.py: needs root (local sandboxes: mounts, cgroups, namespaces)",
-              file=sys.stderr)
-        sys.exit(SKIPPED)
+        skip("benchmarks/sandbox.py: needs root (local sandboxes: mounts, cgroups, namespaces)")
     provider = LocalProvider(root=os.environ.get("CODEDOJO_SANDBOX_ROOT", "/tmp/codedojo-sandbox-bench"))
     provider.gc()
     image = workspace_image(provider)

@@ -19,16 +19,20 @@ when they differ by more than a quarter, `steady_machine` is false and a warning
 VM changes pace between stretches). The engine drafts with every module for its first 64 rounds
 (every fourth without drafts, to time a plain step), then as many tokens per round as pay by the
 acceptance seen and what a draft costs (`draft_cost`, in plain steps: measured then, or
-`--draft-cost`): `drafts_per_round` is the mean, `accept_depthJ` the acceptance of draft J when
-drafts 1..J-1 passed (with `--tree`, of any node at depth J, while `accept_first` stays the most
-likely first draft's). Both count rounds, not positions, so they move with the drafts a round:
-deeper rounds skip more of the easy stretches (`mtp_agreement.py` replays the rounds of each depth
-over held-out continuations). `modelled_speedup` prices the same decode steps by the cost model the
-engine decides by (a step drafting k tokens costs 1 + k * draft_cost plain steps): with
+`--draft-cost`): `drafts_per_round` is the mean (a tree round's depth), `draft_tokens_per_round`
+the tokens drafted and verified a round (a tree round's nodes), `accept_depthJ` the acceptance of
+draft J when drafts 1..J-1 passed (with `--tree`, of any node at depth J, while `accept_first`
+stays the most likely first draft's). Both count rounds, not positions, so they move with the
+drafts a round: deeper rounds skip more of the easy stretches (`mtp_agreement.py` replays the
+rounds of each depth over held-out continuations); `tokens_per_pass` counts a tree's pass as one,
+whatever its nodes. `modelled_speedup` prices the same decode steps by the cost model the engine
+decides by (a step drafting k tokens costs 1 + k * draft_cost plain steps, k a tree's nodes, as
+the target verifies every one): with
 `--draft-cost` given it depends on the checkpoint and the policy alone, not on this machine's timing
 (on a shared 2-core VM the wall-clock speedup of one checkpoint read 1.08 and 1.18 in two runs).
-`accept_first_ci95` and `speedup_ci95` are 95% intervals over the prompts (a bootstrap): how far
-the figures would move with as many other prompts of the same kind.
+`accept_first_ci95` and `speedup_ci95` are 95% intervals over the files the prompts were cut from
+(a bootstrap of files, as windows of one file are alike): how far the figures would move with as
+many other prompts of the same kind.
 
     python benchmarks/spec_decode.py [--ckpt runs/cpt-smollm2/final] [--prompts 24] [--new 64]
                                     [--mid-file 0.5 --seed 123]
@@ -103,7 +107,7 @@ def main() -> None:
     from codedojo.engine.types import SamplingParams
     from codedojo.model.weights import load_model
     from codedojo.ops import kernel_status
-    from codedojo.pretrain.selfgen import prompt_windows
+    from codedojo.pretrain.selfgen import draw_windows
     from codedojo.stats import ratio_interval
 
     ck = Path(args.ckpt)
@@ -117,14 +121,17 @@ def main() -> None:
     shards = TokenShards(args.data)
     if args.mid_file:
         try:
-            prompts = prompt_windows(shards, args.prompts, args.prompt_len, args.seed,
-                                     doc_start_frac=1.0 - args.mid_file).tolist()
+            docs, offs = draw_windows(shards, args.prompts, args.prompt_len, args.seed,
+                                      doc_start_frac=1.0 - args.mid_file)
         except ValueError as e:
             sys.exit(f"--prompts {args.prompts}, --prompt-len {args.prompt_len}: {e}")
+        files = docs.tolist()
+        prompts = [shards.doc(d)[o:o + args.prompt_len].tolist()
+                   for d, o in zip(files, offs.tolist(), strict=True)]
     else:
-        starts = (shards.doc(i) for i in range(len(shards)))
-        prompts = [d[:args.prompt_len].tolist() for d in starts
-                   if len(d) >= args.prompt_len][:args.prompts]
+        files = [i for i in range(len(shards))
+                 if len(shards.doc(i)) >= args.prompt_len][:args.prompts]
+        prompts = [shards.doc(i)[:args.prompt_len].tolist() for i in files]
     if not prompts:
         sys.exit(f"{args.data}: no held-out file of --prompt-len {args.prompt_len} tokens or "
                  f"more (--prompts {args.prompts})")
@@ -167,14 +174,15 @@ def main() -> None:
               f"the prompts ({spread:.2f}x): the machine changed pace during the run, so the "
               "draft cost the engine measured and the speedup come from an unsteady machine "
               "(--draft-cost fixes the first)", file=sys.stderr)
-    # How far the figures would move with other prompts of the same kind (their spread): the
-    # speedup's where both sides emit the same tokens (greedy), as plain seconds over
-    # speculative seconds.
-    accept_ci = ratio_interval(*zip(*firsts, strict=True)) if st.rounds else None
+    # How far the figures would move with other prompts of the same kind (the spread of the
+    # files they were cut from, as several windows of one file are alike): the speedup's where
+    # both sides emit the same tokens (greedy), as plain seconds over speculative seconds.
+    accept_ci = ratio_interval(*zip(*firsts, strict=True), units=files) if st.rounds else None
     speedup_ci = ratio_interval([r.first_s + r.decode_s for r in runs["plain"]],
-                                [r.first_s + r.decode_s for r in runs["spec"]]) if same else None
-    # the decode steps and their drafts (a first step prefills, samples and runs a round: its
-    # drafts are not priced, as its tokens are not counted)
+                                [r.first_s + r.decode_s for r in runs["spec"]],
+                                units=files) if same else None
+    # the decode steps and their drafts, a tree's nodes (a first step prefills, samples and runs
+    # a round: its drafts are not priced, as its tokens are not counted)
     priced = sum(r.decode_steps + spec.draft_cost * r.decode_drafts for r in runs["spec"])
     modelled = sum(r.decoded for r in runs["spec"]) / priced
     plain_tok_s, spec_tok_s = tok_s("plain"), tok_s("spec")
@@ -189,7 +197,7 @@ def main() -> None:
         "tokens_per_pass": round(st.tokens_per_pass, 4),
         "spec_tok_s": round(spec_tok_s, 2), "plain_tok_s": round(plain_tok_s, 2),
         "speedup": round(spec_tok_s / plain_tok_s, 3), "greedy_identical": same,
-        # 95% intervals over the prompts (a bootstrap: `codedojo.stats.ratio_interval`)
+        # 95% intervals over the prompts' files (a bootstrap: `codedojo.stats.ratio_interval`)
         "accept_first_ci95": accept_ci and [round(x, 4) for x in accept_ci],
         "speedup_ci95": speedup_ci and [round(x, 3) for x in speedup_ci],
         # Without the prompt: a plain step, a speculative round, and what they give.
@@ -202,6 +210,7 @@ def main() -> None:
         **{k: round(v, 4) for k, v in st.as_dict().items() if k.startswith("accept_depth")},
         "draft_cost": round(spec.draft_cost, 3), "draft_cost_measured": args.draft_cost is None,
         "drafts_per_round": round(st.drafts_per_round, 3),
+        "draft_tokens_per_round": round(st.verified / max(1, st.rounds), 3),
         "speculating_at_end": spec.speculating,
         "tree": None if spec.spec_tree is None else len(spec.spec_tree),
         "tree_pays": spec.tree_pays,  # after probing: whether greedy rounds drafted it

@@ -5,7 +5,7 @@ sums over prompts, as acceptance rates and tokens per second are (`ratio_interva
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from statistics import NormalDist
 
 import numpy as np
@@ -25,15 +25,24 @@ def wilson_interval(k: float, n: int, level: float = 0.95) -> tuple[float, float
 
 
 def ratio_interval(num: Sequence[float], den: Sequence[float], level: float = 0.95,
-                   draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+                   draws: int = 2000, seed: int = 0,
+                   units: Sequence[Hashable] | None = None) -> tuple[float, float]:
     """A percentile bootstrap interval of sum(num) / sum(den) over units (prompts, requests):
     the units are drawn again with replacement ``draws`` times, each draw's ratio of sums
     taken. Units differ (one prompt's text is easy to draft, another's is not), so the
-    interval is that of the units' spread, not of the tokens' within them."""
+    interval is that of the units' spread, not of the tokens' within them. ``units``: each
+    row's unit, where rows are not independent (windows cut from one file are alike): the
+    rows of a unit are summed into one; default, every row a unit of its own."""
     a, b = np.asarray(num, np.float64), np.asarray(den, np.float64)
     if a.ndim != 1 or a.shape != b.shape or len(a) == 0:
         raise ValueError(f"ratio_interval: {a.shape} numerators against {b.shape} "
                          "denominators; one of each per unit, at least one unit")
+    if units is not None:
+        if len(units) != len(a):
+            raise ValueError(f"ratio_interval: {len(units)} units for {len(a)} rows")
+        index = {u: i for i, u in enumerate(dict.fromkeys(units))}
+        of = np.array([index[u] for u in units])
+        a, b = np.bincount(of, weights=a), np.bincount(of, weights=b)
     if b.sum() <= 0 or (b < 0).any():
         raise ValueError("ratio_interval: denominators must be >= 0 with a positive sum")
     picks = np.random.default_rng(seed).integers(0, len(a), size=(draws, len(a)))

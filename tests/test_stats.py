@@ -36,6 +36,19 @@ def test_a_ratio_of_sums_over_units_has_the_units_spread():
     assert ratio_interval([1, 0], [2, 0]) == pytest.approx((0.5, 0.5))  # a unit with no rounds
 
 
+def test_rows_of_one_unit_are_drawn_together():
+    """Twenty windows of a file the drafts always follow and twenty of one they never do: two
+    files, which tell little (the share could be anything), not forty independent prompts."""
+    num, den = [1.0] * 20 + [0.0] * 20, [1.0] * 40
+    files = ["a.py"] * 20 + ["b.py"] * 20
+    assert ratio_interval(num, den, units=files) == (0.0, 1.0)
+    lo, hi = ratio_interval(num, den)  # every row a unit of its own
+    assert 0.2 < lo < 0.5 < hi < 0.8
+    assert ratio_interval(num, den, units=range(40)) == (lo, hi)
+    with pytest.raises(ValueError, match="3 units for 40 rows"):
+        ratio_interval(num, den, units=[0, 1, 2])
+
+
 def test_a_ratio_interval_names_bad_input():
     with pytest.raises(ValueError, match="one of each per unit"):
         ratio_interval([1, 2], [1])

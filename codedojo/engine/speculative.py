@@ -251,7 +251,8 @@ class SpecStats:
     round, as a decision per round reads them)."""
 
     rounds: int = 0
-    drafted: int = 0
+    drafted: int = 0  # the rounds' depths
+    verified: int = 0  # the tokens drafted, each verified by the target: a tree's every node
     accepted: int = 0
     emitted: int = 0  # tokens emitted by verify rounds
     top_first: int = 0  # rounds whose most likely first draft passed
@@ -267,12 +268,14 @@ class SpecStats:
     recent_passed: list[int] = field(default_factory=list)
 
     def record(self, drafted: int, accepted: int, emitted: int,
-               top_first: bool | None = None) -> None:
+               top_first: bool | None = None, nodes: int | None = None) -> None:
         """One verify round: ``drafted`` the depth of its drafts (a chain's length, a tree's
         depth), ``accepted`` the drafts accepted. ``top_first``: whether the most likely
-        first draft passed (a tree's round can pass another; default: ``accepted >= 1``)."""
+        first draft passed (a tree's round can pass another; default: ``accepted >= 1``).
+        ``nodes``: a tree's tokens, which the target verifies all (default: ``drafted``)."""
         self.rounds += 1
         self.drafted += drafted
+        self.verified += drafted if nodes is None else nodes
         self.accepted += accepted
         self.emitted += emitted
         self.top_first += int(accepted >= 1 if top_first is None else top_first)
@@ -547,11 +550,11 @@ class SpeculativeSession:
         return emitted
 
     def _count(self, drafted: int, accepted: int, emitted: int,
-               top_first: bool | None = None) -> None:
+               top_first: bool | None = None, nodes: int | None = None) -> None:
         """A verify round, in the shared stats and in this sequence's own."""
-        self.stats.record(drafted, accepted, emitted, top_first)
+        self.stats.record(drafted, accepted, emitted, top_first, nodes)
         if self.own is not self.stats:
-            self.own.record(drafted, accepted, emitted, top_first)
+            self.own.record(drafted, accepted, emitted, top_first, nodes)
 
     def _tree_round(self, tree: DraftTree) -> list[int]:
         """A greedy round over a draft tree: the target reads the last token and every node in
@@ -575,7 +578,7 @@ class SpeculativeSession:
             top += 1
         self.chain_emitted = top + 1
         first = tree.children(-1)[0]  # the most likely first draft
-        self._count(tree.depth, len(path), len(emitted), nodes[first] == best[0])
+        self._count(tree.depth, len(path), len(emitted), nodes[first] == best[0], len(nodes))
         self.kept_rows = [0, *(i + 1 for i in path)]
         self.logits = logits[self.kept_rows]
         self.target.keep(L, [L + i for i in path])  # the last token's at L - 1, nodes after it

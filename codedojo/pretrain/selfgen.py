@@ -78,7 +78,18 @@ def prompt_windows(code: TokenShards, n: int, length: int, seed: int,
     up to a share `doc_start_frac` at the start of a document (writing a file from its top), one
     per document, the rest drawn from the other windows of a tiling of every document (at a
     random phase each), continuing one mid-way. A window seen twice teaches the drafts one
-    continuation twice, so a corpus without n windows is refused, naming how many it holds."""
+    continuation twice, so a corpus without n windows is refused, naming how many it holds.
+    Where each is cut from: `draw_windows`."""
+    docs, offs = draw_windows(code, n, length, seed, doc_start_frac)
+    out = np.empty((n, length), np.int64)
+    for i, (d, s) in enumerate(zip(docs.tolist(), offs.tolist(), strict=True)):
+        out[i] = code.doc(d)[s:s + length]
+    return out
+
+
+def draw_windows(code: TokenShards, n: int, length: int, seed: int,
+                 doc_start_frac: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
+    """(the document, the offset in it) of each of `prompt_windows`' windows, in its order."""
     lens = code.doc_lengths()
     ok = np.flatnonzero(lens >= length)
     if len(ok) == 0:
@@ -107,11 +118,7 @@ def prompt_windows(code: TokenShards, n: int, length: int, seed: int,
         raise ValueError(f"{n} distinct windows of {length} tokens asked for, and the code "
                          f"to draw from holds {len(docs)}")
     order = rng.permutation(n)  # batches mix starts and middles
-    docs, offs = docs[order], offs[order]
-    out = np.empty((n, length), np.int64)
-    for i, (d, s) in enumerate(zip(docs.tolist(), offs.tolist(), strict=True)):
-        out[i] = code.doc(d)[s:s + length]
-    return out
+    return docs[order], offs[order]
 
 
 def features_dir(self_dir: Path, taps: Sequence[int] = ()) -> Path:

@@ -85,6 +85,8 @@ def test_greedy_tree_speculation_equals_plain_greedy(fuse: bool):
     assert out[:40] == plain
     assert st.top_first < st.passed[0] and st.emitted > st.rounds
     assert st.emitted == st.accepted + st.rounds
+    # a tree round is as deep as its tree (2), and the target verifies its every node (7)
+    assert st.drafted <= 2 * st.rounds < st.verified <= 7 * st.rounds
     target.model.fuse = drafter.mtp.fuse = True
 
 

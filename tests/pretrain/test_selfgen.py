@@ -14,6 +14,7 @@ from codedojo.model.config import ModelConfig
 from codedojo.model.transformer import Transformer
 from codedojo.pretrain.config import SelfGenConfig, StageConfig
 from codedojo.pretrain.selfgen import (
+    draw_windows,
     features_dir,
     greedy_continue,
     prompt_windows,
@@ -59,6 +60,7 @@ def test_windows_are_distinct_slices_of_long_enough_documents(tmp_path):
     w = prompt_windows(code, 9, 12, seed=0)
     spans = [_where(row, docs) for row in w.tolist()]
     assert all(len(s) == 1 for s in spans)  # random tokens: each window sits in one place
+    assert [{(d, o)} for d, o in zip(*draw_windows(code, 9, 12, seed=0), strict=True)] == spans
     spans_ = sorted(next(iter(s)) for s in spans)
     assert {d for d, _ in spans_} <= {1, 2, 3, 4}  # never the 5-token document
     for (d0, s0), (d1, s1) in zip(spans_, spans_[1:], strict=False):
