@@ -38,6 +38,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -156,7 +157,8 @@ class MTP(FusedModule):
 
     @torch.no_grad()
     def set_draft_vocab(self, token_counts: torch.Tensor) -> None:
-        """Choose the draft vocabulary: the ``len(draft_vocab)`` most frequent ids (sorted)."""
+        """Choose the draft vocabulary: the ``len(draft_vocab)`` most frequent ids (sorted);
+        ``token_counts`` (V,) per id, of packed rows as `draft_counts` counts them."""
         if self.draft_vocab is None:
             raise ValueError("set_draft_vocab: this MTP was built without a draft vocabulary")
         top = token_counts.topk(len(self.draft_vocab)).indices.sort().values
@@ -327,6 +329,18 @@ class MTP(FusedModule):
                                                    else (module.fuse.weight,))))
 
 
+def draft_counts(tokens: np.ndarray, segments: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """How often each id occurs in packed rows (`codedojo.data.packing.Packed`'s ``tokens`` and
+    ``segments``), for `MTP.set_draft_vocab`. Padding (segment -1) is left out: it fills the
+    last row, and the end of rows of whole documents, with the pad id, which counted would win
+    a place in the draft vocabulary as if it were text."""
+    tokens, segments = np.asarray(tokens), np.asarray(segments)
+    if tokens.shape != segments.shape:
+        raise ValueError(f"draft_counts: tokens {tokens.shape} and segments {segments.shape} "
+                         "do not line up")
+    return torch.from_numpy(np.bincount(tokens[segments >= 0], minlength=vocab_size))
+
+
 def save_mtp(mtp: MTP, out_dir: str | Path) -> Path:
     """`mtp.safetensors` + `mtp.json` beside the model weights of a checkpoint."""
     from safetensors.torch import save_file
@@ -397,7 +411,17 @@ def distill_loss(mtp_logits: list[torch.Tensor], main_logits: torch.Tensor,
                  loss_mask: torch.Tensor, greedy: float = 0.0,
                  positions: Sequence[float] | None = None) -> torch.Tensor:
     """Self-distillation: mean over depths of KL(p_main(. | i+k) || q_k(. | i)), masked.
-    The teacher is detached: the main head is the target, never pulled toward the drafts.
+
+    ``main_logits`` are detached: the teacher's distribution is a fixed target, and no
+    gradient flows back through it. The gradient leaves through ``mtp_logits`` only; where it
+    goes from there is the stage's choice (`codedojo.pretrain.trainer.stage_loss`):
+    - ``distill``: the main model is frozen and its states are computed without gradient, so
+      only the MTP modules' own weights learn (norms, projections, blocks, taps' F_k).
+    - ``joint``: the modules' logits come from the shared final norm and output projection
+      and their inputs from the trunk's last (and tapped) hidden states and the shared
+      embedding, so this loss (times ``mtp_weight``) also trains those: the trunk learns to
+      serve the drafts, as in DeepSeek-V3's MTP. Only the teacher's side is cut: the head's
+      logits at i+k are never pulled toward the drafts, but its weights are trained by them.
 
     Depth k's loss is its sum over the positions it trains on (`mtp_valid_mask`) divided by
     ``positions[k - 1]``, by default their number here: its mean. A step of several

@@ -341,19 +341,41 @@ class Tokenizer:
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Ids for `text`; no BOS/EOS is added (the chat template writes special tokens).
         ``special=False``: text that spells a control token (a source file that mentions
-        `<|im_end|>`) is text, split as any other, never the control token itself."""
+        `<|im_end|>`) is text, split as any other, never the control token itself.
+
+        A lone surrogate (``"\\ud83d"`` alone: a Python string or a JSON escape can hold
+        one, but UTF-8 has no bytes for it, so it is no text) is a ValueError naming its
+        position and code point; it is never replaced (the check runs only on text the
+        backend refuses)."""
         if special:
-            return self.backend.encode(text, add_special_tokens=False).ids
-        if self._as_text is None:
-            self._as_text = _HFTokenizer.from_str(self.backend.to_str())
-            self._as_text.encode_special_tokens = True
-        return self._as_text.encode(text, add_special_tokens=False).ids
+            backend = self.backend
+        else:
+            if self._as_text is None:
+                self._as_text = _HFTokenizer.from_str(self.backend.to_str())
+                self._as_text.encode_special_tokens = True
+            backend = self._as_text
+        try:
+            return backend.encode(text, add_special_tokens=False).ids
+        except TypeError:  # what the backend raises for a lone surrogate, or for no str
+            _check_text(text, "text")
+            raise
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+        """`encode` of each text (a lone surrogate: the ValueError names ``texts[i]``)."""
+        try:
+            return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+        except TypeError:
+            for i, text in enumerate(texts):
+                _check_text(text, f"texts[{i}]")
+            raise
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        enc = self.backend.encode(text, add_special_tokens=False)
+        """`encode`'s ids and each one's (start, end) in ``text``."""
+        try:
+            enc = self.backend.encode(text, add_special_tokens=False)
+        except TypeError:
+            _check_text(text, "text")
+            raise
         return enc.ids, enc.offsets
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -389,6 +411,18 @@ class Tokenizer:
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
 
 
+def _check_text(text: object, where: str) -> None:
+    """A clear error for what `Tokenizer.encode` cannot take: not a string, or a string with
+    a lone surrogate (``where[i]``: its position)."""
+    if not isinstance(text, str):
+        raise TypeError(f"{where}: a str to encode, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}[{e.start}]: a lone surrogate (\\u{ord(text[e.start]):04x}) is "
+                         "not text: UTF-8 has no bytes for it") from None
+
+
 @lru_cache(maxsize=1)
 def _inverse_alphabet() -> dict[str, int]:
     return {c: b for b, c in byte_alphabet().items()}
@@ -401,6 +435,12 @@ class IncrementalDecoder:
     time would emit U+FFFD. We keep a short window of ids: text is released only once decoding
     the window no longer ends in an incomplete character, and the window then slides forward so
     the work per token stays constant.
+
+    A byte-level decoder turns each id into its bytes whatever stands beside it, so once text
+    is released up to a whole character, the ids after it decode alone to what follows: only
+    they are decoded, each id once where it completes a character. Other decoders (one that
+    drops a word's leading space at the start of a text) decode the released ids before them
+    again, as context.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
@@ -409,6 +449,7 @@ class IncrementalDecoder:
         self.ids: list[int] = []
         self._prefix = 0  # window start: ids[_prefix:_read] is already-released context
         self._read = 0  # ids before this index have had their text released
+        self._alone = isinstance(tokenizer.backend.decoder, decoders.ByteLevel)
 
     def push(self, token_id: int) -> str:
         """Add one id; return the newly completed text (possibly empty)."""
@@ -420,12 +461,13 @@ class IncrementalDecoder:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        dec = self.tokenizer.decode
-        skip = self.skip_special_tokens
-        before = dec(self.ids[self._prefix : self._read], skip_special_tokens=skip)
-        full = dec(self.ids[self._prefix :], skip_special_tokens=skip)
         if len(self.ids) == self._read:
             return ""
+        dec = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        start = self._read if self._alone else self._prefix
+        before = "" if self._alone else dec(self.ids[start : self._read], skip_special_tokens=skip)
+        full = dec(self.ids[start:], skip_special_tokens=skip)
         if full.endswith("\ufffd") and not final:
             return ""
         delta = full[len(before) :] if full.startswith(before) else full

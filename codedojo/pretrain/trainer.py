@@ -41,7 +41,14 @@ from codedojo.data.packing import Packed, PackedLoader, make_batch, pack
 from codedojo.data.shards import TokenShards
 from codedojo.model.config import ModelConfig
 from codedojo.model.moe import moe_aux_loss, moe_layers, update_moe_biases
-from codedojo.model.mtp import MTP, distill_loss, mtp_positions, mtp_valid_mask, save_mtp
+from codedojo.model.mtp import (
+    MTP,
+    distill_loss,
+    draft_counts,
+    mtp_positions,
+    mtp_valid_mask,
+    save_mtp,
+)
 from codedojo.model.rope import Rotary
 from codedojo.model.transformer import Transformer
 from codedojo.paths import write_atomic
@@ -536,8 +543,8 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
             hidden = model.hidden(b["tokens"], positions=b["positions"], doc_ids=b["doc_ids"])
         mtp.calibrate(hidden)
         if mtp.draft_vocab is not None:
-            counts = np.bincount(loader.packed.tokens.reshape(-1), minlength=model.cfg.vocab_size)
-            mtp.set_draft_vocab(torch.from_numpy(counts))
+            mtp.set_draft_vocab(draft_counts(loader.packed.tokens, loader.packed.segments,
+                                             model.cfg.vocab_size))
     trainable = [p for _, p in params]
     losses = []
     gamma = model.cfg.moe.bias_update_speed if model.cfg.moe is not None else 0.0

@@ -2,11 +2,19 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from codedojo.model.config import ModelConfig
-from codedojo.model.mtp import MTP, distill_loss, load_mtp, mtp_valid_mask, save_mtp
+from codedojo.model.mtp import (
+    MTP,
+    distill_loss,
+    draft_counts,
+    load_mtp,
+    mtp_valid_mask,
+    save_mtp,
+)
 from codedojo.model.transformer import Transformer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -145,6 +153,22 @@ def test_draft_vocabulary_is_saved_and_bounded(tmp_path):
         MTP(cfg, 2, draft_vocab=51)
     with pytest.raises(ValueError, match="without a draft vocabulary"):
         MTP(cfg, 2).set_draft_vocab(counts)
+
+
+def test_the_draft_vocabulary_is_chosen_from_text_not_padding():
+    from codedojo.data.packing import pack
+
+    # whole documents: the second does not fit beside the first, so both rows end in padding
+    # (the pad id 0, also a token of the text, once)
+    packed = pack([np.array([5, 6, 7, 5]), np.array([6, 7, 0])], seq_len=5, allow_split=False)
+    assert (packed.tokens[packed.segments < 0] == 0).sum() == 5
+    counts = draft_counts(packed.tokens, packed.segments, 10)
+    assert counts.tolist() == [1, 0, 0, 0, 0, 2, 2, 2, 0, 0]
+    mtp = MTP(ModelConfig.tiny(vocab_size=10, n_layers=2, n_mtp=1), 1, draft_vocab=3)
+    mtp.set_draft_vocab(counts)
+    assert mtp.draft_vocab.tolist() == [5, 6, 7]
+    with pytest.raises(ValueError, match="do not line up"):
+        draft_counts(packed.tokens, packed.segments[:1], 10)
 
 
 def test_modules_read_tapped_layers_through_projections_that_start_at_zero(tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from tokenizers import decoders
 
 from codedojo.model.tokenizer import (
     CHATML_TEMPLATE,
@@ -174,12 +175,47 @@ def test_incremental_decoder_skips_specials_and_flushes_broken_tail():
     assert dec.push(first_byte_of_e_acute) == "" and dec.flush() == "\ufffd"
 
 
+def test_incremental_decoder_decodes_each_id_once(monkeypatch):
+    tok = tiny_tokenizer()
+    ids = tok.encode("def add(a, b):\n    return a + b  # the sum\n")
+    expected = [tok.incremental_decoder().push(i) for i in ids]
+    decoded: list[int] = []
+    decode = tok.decode
+
+    def counted(some: list[int], skip_special_tokens: bool = False) -> str:
+        decoded.extend(some)
+        return decode(some, skip_special_tokens=skip_special_tokens)
+
+    monkeypatch.setattr(tok, "decode", counted)
+    dec = tok.incremental_decoder()
+    assert [dec.push(i) for i in ids] == expected and decoded == ids
+    # a decoder that is not byte-level alone (here wrapped) decodes the released ids again,
+    # as context, and releases the same text
+    monkeypatch.setattr(tok.backend, "decoder", decoders.Sequence([decoders.ByteLevel()]))
+    dec = tok.incremental_decoder()
+    assert [dec.push(i) for i in ids] == expected and len(decoded) > 2 * len(ids)
+
+
 def test_token_text_and_bytes():
     tok = tiny_tokenizer()
     (space_the,) = tok.encode(" the")
     assert tok.token_text(space_the) == " the" and tok.token_bytes(space_the) == b" the"
     assert tok.token_text(2) == "<|im_end|>" and tok.is_special(2) and not tok.is_special(space_the)
     assert tok.token_bytes(tok.encode("é")[0]) == "é".encode()[:1]
+
+
+def test_a_lone_surrogate_is_an_error_naming_its_position():
+    tok = tiny_tokenizer()
+    for special in (True, False):
+        with pytest.raises(ValueError, match=r"text\[2\]: a lone surrogate \(\\ud83d\)"):
+            tok.encode("ab\ud83dc", special=special)
+    with pytest.raises(ValueError, match=r"texts\[1\]\[0\]: a lone surrogate \(\\udc80\)"):
+        tok.encode_batch(["ok", "\udc80"])
+    with pytest.raises(ValueError, match=r"text\[1\]: a lone surrogate"):
+        tok.encode_with_offsets("a\ud800")
+    with pytest.raises(TypeError, match="text: a str to encode, got bytes"):
+        tok.encode(b"ab")  # type: ignore[arg-type]
+    assert tok.decode(tok.encode("text beyond the BMP: 😀")) == "text beyond the BMP: 😀"
 
 
 def test_smollm2_tokenizer_from_the_wheel():

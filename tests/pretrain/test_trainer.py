@@ -534,10 +534,14 @@ def test_the_first_mtp_stage_drafts_over_the_frequent_tokens_from_calibrated_mod
     calibrated: list[float] = []
     real = mtp.calibrate
     mtp.calibrate = lambda hidden: calibrated.append(real(hidden)) or calibrated[-1]
-    loader = _loader()
+    rng = np.random.default_rng(0)  # whole documents: rows end in padding (the pad id 0)
+    loader = PackedLoader(pack([rng.integers(1, 64, size=n) for n in rng.integers(5, 12, size=30)],
+                               seq_len=16, allow_split=False), batch_size=2, seed=0)
     losses = train_stage(cfg, 0, model, mtp, loader, tmp_path)
     assert len(calibrated) == 1 and calibrated[0] > 0  # fresh modules: scaled to the model's
-    counts = np.bincount(loader.packed.tokens.reshape(-1), minlength=64)
+    text = loader.packed.segments >= 0  # (padding is no text to draft)
+    assert 0 not in mtp.draft_vocab.tolist() and (loader.packed.tokens[~text] == 0).sum() > 50
+    counts = np.bincount(loader.packed.tokens[text], minlength=64)
     chosen = mtp.draft_vocab.tolist()
     assert len(chosen) == 8 and chosen == sorted(chosen)
     assert min(counts[chosen]) >= max(np.delete(counts, chosen))  # the 8 most frequent
