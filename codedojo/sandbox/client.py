@@ -212,6 +212,12 @@ class RemoteImages:
     def list(self) -> dict:
         return self._http.call("GET", "/images")
 
+    def remove(self, ref: str, force: bool = False) -> str:
+        """Delete an image and its names as `ImageStore.remove` does (a named one only with
+        ``force``); returns its id."""
+        return self._http.call("DELETE", f"/images/{_part(ref)}",
+                               params={"force": force})["removed"]
+
 
 def _local_token() -> str | None:
     token = os.environ.get(TOKEN_ENV)

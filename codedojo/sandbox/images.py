@@ -44,7 +44,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -67,6 +67,10 @@ PRUNE_MIN_AGE_S = 600.0
 BUILD_LOCK = ".lock"  # the suffix of a build's lock file, beside its directory under tmp/
 # An entry under tmp/ without a lock (a pruned layer being deleted) this old is a leftover.
 TMP_MAX_AGE_S = 3600.0
+
+
+class NoSuchImage(SandboxError):
+    """An image id or name the store does not hold."""
 
 
 @dataclass(frozen=True)
@@ -111,73 +115,93 @@ def _is_opaque(path: str | int) -> bool:
 Entries = list[tuple[str, os.stat_result]]  # a directory's: (name, lstat)
 
 
-def _entries(fd: int, rel: str) -> Entries:
+def _entries(fd: int, rel: str, strict: bool = True) -> Entries:
     """The entries of directory ``fd`` (``rel`` in its tree), sorted by name, with their lstat;
-    one gone meanwhile is left out."""
+    one gone meanwhile is left out. Not ``strict``: one that cannot be read is left out too,
+    and a path of any length is taken."""
     out = []
-    for name in sorted(os.listdir(fd)):
+    try:
+        names = sorted(os.listdir(fd))
+    except OSError:
+        if strict:
+            raise
+        return out
+    for name in names:
         path = posixpath.join(rel, name)
-        if len(os.fsencode(path)) + 1 >= PATH_MAX:
+        if strict and len(os.fsencode(path)) + 1 >= PATH_MAX:
             raise SandboxError(f"path: /{path[:60]}... is {len(os.fsencode(path)) + 1} bytes "
                                f"long, past the {PATH_MAX - 1} that a sandbox's path may have "
                                "to be snapshotted or compared")
-        with contextlib.suppress(FileNotFoundError):
+        try:
             out.append((name, os.stat(name, dir_fd=fd, follow_symlinks=False)))
+        except OSError as e:
+            if strict and not isinstance(e, FileNotFoundError):
+                raise
     return out
 
 
-def _open_dir(name: str, dir_fd: int | None = None) -> int | None:
+def _open_dir(name: str, dir_fd: int | None = None, strict: bool = True) -> int | None:
     """An fd of directory ``name`` (of ``dir_fd``), never through a link; None where it is
-    gone or is no longer a directory."""
+    gone or is no longer a directory (not ``strict``: where it cannot be opened at all)."""
     try:
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as e:
-        if e.errno in _GONE:
+        if e.errno in _GONE or not strict:
             return None
         raise
 
 
-def walk_tree(root: str, under: str = "") -> Iterator[tuple[str, int, Entries]]:
+def walk_tree(root: str, under: str = "", *, strict: bool = True,
+              on_leave: Callable[[str, int, Entries], None] | None = None
+              ) -> Iterator[tuple[str, int, Entries]]:
     """Every directory of the tree at ``root`` (from its directory ``under`` down, if given),
     parents first and siblings in name order, as (its path relative to ``root``, "" for the
     root; an fd of it, open until the walk goes on; its entries sorted by name, with their
-    lstat).
+    lstat). ``on_leave`` is called with the same three once all below a directory has been
+    walked, before its fd is closed.
 
     Nothing is followed (see `_DIR_FLAGS`): however the tree changes meanwhile, the walk stays
     in it, and what is gone (or is no longer a directory) when the walk reaches it is left
     out. A deep tree costs no recursion and no long host path; a path longer than a sandbox's
-    path may be (`PATH_MAX`, counted from its `/`) is a SandboxError."""
+    path may be (`PATH_MAX`, counted from its `/`) is a SandboxError. Not ``strict``, what
+    cannot be read is left out too, and a path may be of any length (to remove a tree)."""
     rel = ""
-    fd = _open_dir(root)
+    fd = _open_dir(root, strict=strict)
     if fd is None:
         return
     for part in [p for p in under.split("/") if p]:
         try:
-            sub = _open_dir(part, fd)
+            sub = _open_dir(part, fd, strict)
         finally:
             os.close(fd)
         if sub is None:
             return
         fd, rel = sub, posixpath.join(rel, part)
-    stack: list[tuple[str, int, Iterator[str] | None]] = [(rel, fd, None)]  # the open path
+    # the open path: (path, fd, entries, subdirectories left; None until entered)
+    stack: list[tuple[str, int, Entries, Iterator[str] | None]] = [(rel, fd, [], None)]
     try:
         while stack:
-            rel, fd, subdirs = stack[-1]
+            rel, fd, entries, subdirs = stack[-1]
             if subdirs is None:  # just entered
-                entries = _entries(fd, rel)
-                stack[-1] = (rel, fd, iter([n for n, st in entries if stat.S_ISDIR(st.st_mode)]))
+                entries = _entries(fd, rel, strict)
+                subdirs = iter([n for n, st in entries if stat.S_ISDIR(st.st_mode)])
+                stack[-1] = (rel, fd, entries, subdirs)
                 yield rel, fd, entries
                 continue
             name = next(subdirs, None)
             if name is None:
                 stack.pop()
-                os.close(fd)
+                try:
+                    if on_leave is not None:
+                        on_leave(rel, fd, entries)
+                finally:
+                    os.close(fd)
                 continue
-            sub = _open_dir(name, fd)
+            sub = _open_dir(name, fd, strict)
             if sub is not None:
-                stack.append((posixpath.join(rel, name), sub, None))
+                stack.append((posixpath.join(rel, name), sub, [], None))
     finally:
-        for _, fd, _ in stack:
+        for _, fd, _, _ in stack:
             os.close(fd)
 
 
@@ -310,10 +334,10 @@ def copy_layer_tree(src: str, dst: str, *, xattrs: bool = True) -> int:
     total = 0
     links: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) -> the first copy of a file
     # The copies of the directories on the walk's path, with their sources' stat: a directory's
-    # times are set once it is full (filling it changes its mtime).
+    # times are set once it is full (filling it changes its mtime), as the walk leaves it.
     filling: list[tuple[str, int, os.stat_result]] = []
 
-    def done() -> None:
+    def done(*_: object) -> None:
         rel, fd, st = filling.pop()
         try:
             if rel:
@@ -323,9 +347,7 @@ def copy_layer_tree(src: str, dst: str, *, xattrs: bool = True) -> int:
 
     os.makedirs(dst, exist_ok=True)
     try:
-        for rel, sfd, entries in walk_tree(src):
-            while filling and not (filling[-1][0] == "" or rel.startswith(filling[-1][0] + "/")):
-                done()  # (the walk has left it)
+        for rel, sfd, entries in walk_tree(src, on_leave=done):
             st = os.fstat(sfd)
             dfd = os.open(posixpath.basename(rel), _DIR_FLAGS, dir_fd=filling[-1][1]) if rel \
                 else os.open(dst, _DIR_FLAGS)
@@ -374,8 +396,6 @@ def copy_layer_tree(src: str, dst: str, *, xattrs: bool = True) -> int:
                 if not stat.S_ISLNK(mode):  # (what was made here: no link to follow)
                     os.chmod(name, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID), dir_fd=dfd)
                     os.utime(name, ns=(est.st_atime_ns, est.st_mtime_ns), dir_fd=dfd)
-        while filling:
-            done()
     finally:
         for _, fd, _ in filling:
             os.close(fd)
@@ -386,44 +406,25 @@ def remove_tree(path: str) -> None:
     """Remove a tree however deep, without following a link in it (shutil.rmtree recurses
     once per level, and a sandbox's tree past ~1000 levels stops it). What cannot be removed
     stays, as with ``shutil.rmtree(path, ignore_errors=True)``."""
-    try:
-        fd = os.open(path, _DIR_FLAGS)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(path)  # (not a directory)
-        return
-    stack: list[tuple[int, str, list[str]]] = []  # (fd, its name, its subdirectories left)
 
-    def enter(fd: int, name: str) -> None:
-        subdirs = []
-        stack.append((fd, name, subdirs))
-        with contextlib.suppress(OSError):
-            for n in os.listdir(fd):
+    def empty(_: str, fd: int, entries: Entries) -> None:  # its subdirectories: empty by now
+        for name, st in entries:
+            if stat.S_ISDIR(st.st_mode):
                 with contextlib.suppress(OSError):
-                    if stat.S_ISDIR(os.stat(n, dir_fd=fd, follow_symlinks=False).st_mode):
-                        subdirs.append(n)
-                    else:
-                        os.unlink(n, dir_fd=fd)
+                    os.rmdir(name, dir_fd=fd)
 
+    for _, fd, entries in walk_tree(path, strict=False, on_leave=empty):
+        for name, st in entries:
+            if not stat.S_ISDIR(st.st_mode):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=fd)
     try:
-        enter(fd, "")
-        while stack:
-            fd, name, subdirs = stack[-1]
-            if subdirs:
-                sub = subdirs.pop()
-                with contextlib.suppress(OSError):
-                    enter(os.open(sub, _DIR_FLAGS, dir_fd=fd), sub)
-                continue
-            stack.pop()
-            os.close(fd)
-            if stack:
-                with contextlib.suppress(OSError):
-                    os.rmdir(name, dir_fd=stack[-1][0])
-    finally:
-        for fd, _, _ in stack:
-            os.close(fd)
-    with contextlib.suppress(OSError):
         os.rmdir(path)
+    except NotADirectoryError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 class LayerStack:
@@ -714,7 +715,7 @@ class ImageStore:
                 image_id = f.read().strip()
         path = os.path.join(self.root, "images", f"{image_id}.json")
         if "/" in image_id or not os.path.isfile(path):
-            raise SandboxError(f"image: no image or name {ref!r} in {self.root}")
+            raise NoSuchImage(f"image: no image or name {ref!r} in {self.root}")
         return path
 
     def resolve(self, ref: str) -> Image:

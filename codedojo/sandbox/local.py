@@ -167,19 +167,24 @@ def _raise_nofile_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _out_of_fds(what: str) -> OSError:
+class OutOfFds(OSError):
+    """EMFILE: this process's fd table is full; the message says so, and what it stopped."""
+
+
+def _out_of_fds(what: str) -> OutOfFds:
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return OSError(errno.EMFILE, f"the host is out of file descriptors (this process's "
-                                 f"RLIMIT_NOFILE is {soft}): {what}")
+    return OutOfFds(errno.EMFILE, f"the host is out of file descriptors (this process's "
+                                  f"RLIMIT_NOFILE is {soft}): {what}")
 
 
 @contextlib.contextmanager
 def _fd_exhaustion_named(what: str):
-    """A full fd table (EMFILE) raised in the block says so, and what it stopped."""
+    """A full fd table (EMFILE) raised in the block says so, and what it stopped (one named
+    already, deeper in, is left as it is)."""
     try:
         yield
     except OSError as e:
-        if e.errno != errno.EMFILE or "out of file descriptors" in str(e):
+        if e.errno != errno.EMFILE or isinstance(e, OutOfFds):
             raise
         raise _out_of_fds(what) from e
 

@@ -4,8 +4,9 @@ Every route maps to one `Sandbox`/`ImageStore` method; `client.py` maps them bac
 `SandboxClient` sandbox behaves like a local one. Errors are JSON `{"detail": ...}`: 400 for a
 request the sandbox refuses (bad path, malformed command, missing layer, limit exceeded),
 413 for a file longer than the read asked for (with its ``path``, ``size`` and ``max_bytes``),
-404 for an unknown sandbox or shell, 422 for a malformed body (FastAPI names the field), 503
-when admission control refuses a new sandbox (the detail names the resource under pressure).
+404 for an unknown sandbox, shell or image (where the route names one), 422 for a malformed
+body (FastAPI names the field), 503 when admission control refuses a new sandbox (the detail
+names the resource under pressure).
 A failure in one sandbox never takes the service down: every route catches its own errors.
 
 Admission control reads live pressure with psutil before each create/fork: memory in use, the
@@ -42,6 +43,7 @@ from codedojo.sandbox.base import (
     SandboxSpec,
     token_path,
 )
+from codedojo.sandbox.images import NoSuchImage
 from codedojo.sandbox.local import LocalProvider, LocalSandbox, LocalShell
 
 
@@ -255,9 +257,25 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
     def images() -> dict:
         return {"images": provider.images.list(), "names": provider.images.names()}
 
+    @contextlib.contextmanager
+    def named_image() -> Iterator[None]:
+        """For a route that names an image: an unknown one is a 404 (elsewhere, as a create's
+        image or a build's parent, it is a 400, like any other bad field)."""
+        try:
+            yield
+        except NoSuchImage as e:
+            raise HTTPException(404, detail=str(e)) from None
+
     @app.get("/images/{ref}")
     def image(ref: str) -> dict:
-        return dataclasses.asdict(provider.images.resolve(ref))
+        with named_image():
+            return dataclasses.asdict(provider.images.resolve(ref))
+
+    @app.delete("/images/{ref}")
+    def remove_image(ref: str, force: bool = Query(False)) -> dict:
+        """`ImageStore.remove`: its layers stay until `/gc` prunes them."""
+        with named_image():
+            return {"removed": provider.images.remove(ref, force=force)}
 
     @app.post("/images/directory")
     def image_directory(body: DirectoryImageIn) -> dict:

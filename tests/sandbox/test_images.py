@@ -111,6 +111,45 @@ def test_a_tree_with_hard_links_is_copied_and_addressed_as_such(tmp_path):
     assert tree_digest(str(tmp_path / "linked")) != tree_digest(str(tmp_path / "copied"))
 
 
+def test_a_tree_past_path_max_is_removed_and_nothing_in_it_followed(tmp_path):
+    """`remove_tree` takes a tree of any depth and path length (3000 levels, 6000 bytes),
+    removes a link or a FIFO in it, never what a link leads to, and a link or a file given
+    itself; a tree copied keeps its directories' times (set as the copy leaves each)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "kept.txt").write_text("x")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    fd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(3000):
+            os.mkdir("d", dir_fd=fd)
+            sub = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+        os.symlink(str(outside), "link", dir_fd=fd)
+        os.mkfifo("fifo", dir_fd=fd)
+        with open(os.open("f", os.O_WRONLY | os.O_CREAT, dir_fd=fd), "w") as f:
+            f.write("deep")
+    finally:
+        os.close(fd)
+    (tree / "top.txt").write_text("t")
+    os.symlink(str(outside), tree / "top-link")
+    images.remove_tree(str(tree))
+    assert not tree.exists() and (outside / "kept.txt").read_text() == "x"
+    os.symlink(str(outside), tmp_path / "link")
+    images.remove_tree(str(tmp_path / "link"))
+    assert not os.path.lexists(tmp_path / "link") and (outside / "kept.txt").exists()
+    images.remove_tree(str(outside / "kept.txt"))
+    images.remove_tree(str(tmp_path / "missing"))
+    assert os.listdir(outside) == []
+    (outside / "a" / "b").mkdir(parents=True)
+    for d, t in ((outside / "a" / "b", 1000), (outside / "a", 2000)):
+        os.utime(d, (t, t))
+    copy_layer_tree(str(outside), str(tmp_path / "copy"))
+    assert [os.stat(tmp_path / "copy" / p).st_mtime for p in ("a/b", "a")] == [1000, 2000]
+
+
 def _age(store: ImageStore, *layers: str) -> None:
     old = time.time() - 7200
     for layer in layers:

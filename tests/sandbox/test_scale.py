@@ -179,6 +179,23 @@ def test_a_command_whose_pipes_find_no_room_is_named_and_killed(sandbox, provide
     assert sandbox.exec("echo fine").stdout == "fine\n"
 
 
+def test_a_full_fd_table_is_told_apart_by_its_errno_and_type():
+    """EMFILE met in a block is named, with what it stopped, whatever its own text says (here
+    a path that reads like the named error); one named already, deeper in, is left as it is."""
+    with pytest.raises(OSError, match="no sandbox can be started") as caught:
+        with local._fd_exhaustion_named("no sandbox can be started"):
+            raise OSError(errno.EMFILE, "Too many open files", "/store/out of file descriptors")
+    assert caught.value.errno == errno.EMFILE and "RLIMIT_NOFILE" in str(caught.value)
+    with pytest.raises(OSError, match="its pipes") as caught:
+        with local._fd_exhaustion_named("no command can be started"):
+            raise local._out_of_fds("its pipes")
+    assert "no command can be started" not in str(caught.value)
+    with pytest.raises(OSError) as caught:
+        with local._fd_exhaustion_named("no command can be started"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert caught.value.errno == errno.ENOSPC and "file descriptors" not in str(caught.value)
+
+
 def test_a_provider_raises_the_soft_fd_limit_to_the_hard_one(provider, monkeypatch):
     """A live sandbox holds two fds: the usual soft limit of 1024 would cap a provider at a
     few hundred."""

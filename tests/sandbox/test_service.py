@@ -4,9 +4,11 @@ gets a clear error and the service keeps serving the other sandboxes; admission 
 from __future__ import annotations
 
 import dataclasses
+import re
 import socket
 import threading
 import time
+import uuid
 
 import pytest
 import uvicorn
@@ -135,6 +137,35 @@ def test_an_id_or_name_with_a_control_character_is_a_clear_error(client):
         client.get("../gc")
     with pytest.raises(SandboxError, match=r"image: no image or name 'x\\x01'"):
         client.images.resolve("x\x01")
+
+
+def test_an_image_is_removed_through_the_service(client, provider, project, tmp_path):
+    """`DELETE /images/{ref}` removes as `ImageStore.remove` does: an unknown image is a 404
+    naming it; a named one is kept unless forced, and one a live sandbox runs on is kept
+    (400s, as other refusals are)."""
+    (tmp_path / "f.txt").write_text(uuid.uuid4().hex)
+    named = provider.images.from_directory(str(tmp_path), name="remote-rm")
+    plain = provider.images.from_directory(str(tmp_path), parent=named.id, dest="/opt/x")
+    for ref in ("no-such-image", "x\x01"):
+        with pytest.raises(SandboxError, match=re.escape(f"image: no image or name {ref!r} in")
+                           + ".*HTTP 404"):
+            client.images.remove(ref)
+    with pytest.raises(SandboxError, match=r"'remote-rm' is named \(remote-rm\): kept.*HTTP 400"):
+        client.images.remove("remote-rm")
+    sb = client.create(SandboxSpec(image="remote-rm", limits=SMALL))
+    try:
+        with pytest.raises(SandboxError, match=f"in use by live sandboxes: {sb.id} .*HTTP 400"):
+            client.images.remove("remote-rm", force=True)
+    finally:
+        sb.destroy()
+    assert client.images.remove(plain.id) == plain.id  # (no name: no force needed)
+    assert client.images.remove("remote-rm", force=True) == named.id
+    assert "remote-rm" not in client.images.list()["names"]
+    for ref in ("remote-rm", named.id, plain.id):
+        with pytest.raises(SandboxError, match=re.escape(f"no image or name {ref!r} in")
+                           + ".*HTTP 404"):
+            client.images.resolve(ref)
+    assert client.images.resolve(project)["id"] == project
 
 
 def test_remote_files_and_shell(remote):
