@@ -15,8 +15,9 @@ Architectural choices (DeepSeek-V3 report, sec. 2.1.2):
   to it; the indices actually used are always left in `last_indices` so rollouts can return them.
 
 Two implementations of the same math: `forward_reference` loops over tokens and experts (slow,
-obviously right), `forward` sorts tokens by expert and runs all experts in one padded batched
-matmul. Tests check one against the other. The layer does not know about parallelism.
+obviously right), `forward` sorts tokens by expert and runs each expert on its own contiguous
+slice, so its work is that of the routed tokens however unevenly they are spread. Tests check one
+against the other. The layer does not know about parallelism.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class MoE(nn.Module):
             raise ValueError(f"config.moe.top_k must be in [1, {self.n_experts}]")
         E, D, H = self.n_experts, self.dim, self.hidden
         self.router = nn.Linear(D, E, bias=False)
-        # Stacked expert weights: one tensor each so the fast path is a single batched matmul.
+        # Stacked expert weights: one (E, ...) tensor each.
         self.w1 = nn.Parameter(torch.empty(E, D, H))  # gate proj
         self.w3 = nn.Parameter(torch.empty(E, D, H))  # up proj
         self.w2 = nn.Parameter(torch.empty(E, H, D))  # down proj
@@ -156,21 +157,21 @@ class MoE(nn.Module):
         idx, gates, scores = self.route(flat, (B, T))
         self._bookkeeping(idx, scores, B, T)
         N, k, E = flat.shape[0], self.top_k, self.n_experts
-        # Sort (token, slot) pairs by expert; lay each expert's tokens out in its own row of a
-        # (E, C, D) buffer, C = the largest expert load, and run every expert in one bmm.
+        # Sort the (token, slot) pairs by expert, so each expert's tokens form one contiguous
+        # slice, and run each expert on its slice alone (idle experts not at all). Padding every
+        # expert to the busiest one's load for a single batched matmul would cost up to E/k
+        # times the routed tokens' memory and compute when routing is skewed.
         expert_of = idx.reshape(-1)  # (N*k,)
         order = torch.argsort(expert_of, stable=True)
         token_of = order // k
-        counts = torch.bincount(expert_of, minlength=E)  # (E,)
-        C = int(counts.max())
-        starts = torch.cumsum(counts, 0) - counts
-        sorted_e = expert_of[order]
-        slot = torch.arange(N * k, device=x.device) - starts[sorted_e]
-        buf = flat.new_zeros(E, C, D)
-        buf[sorted_e, slot] = flat[token_of]
-        h = F.silu(torch.bmm(buf, self.w1)) * torch.bmm(buf, self.w3)  # (E, C, H)
-        out_e = torch.bmm(h, self.w2)  # (E, C, D)
-        contrib = out_e[sorted_e, slot] * gates.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
+        counts = torch.bincount(expert_of, minlength=E).tolist()
+        xs = flat[token_of]  # (N*k, D), grouped by expert
+        weights = zip(self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0), strict=True)
+        outs = [(F.silu(xe @ w1) * (xe @ w3)) @ w2
+                for xe, n, (w1, w3, w2) in zip(xs.split(counts), counts, weights, strict=True)
+                if n]
+        out = torch.cat(outs) if outs else xs  # no tokens: (0, D)
+        contrib = out * gates.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
         routed = flat.new_zeros(N, D).index_add_(0, token_of, contrib)
         return (routed + self._shared(flat)).reshape(B, T, D)
 

@@ -36,6 +36,51 @@ def test_fast_matches_reference_forward_and_grads():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def _skewed(T: int) -> torch.Tensor:
+    """(1, T, 2) expert ids: every token on expert 0, nearly all also on 1, a few on 5, the
+    other experts idle."""
+    second = torch.ones(T, dtype=torch.long)
+    second[::7] = 5
+    return torch.stack([torch.zeros(T, dtype=torch.long), second], -1)[None]
+
+
+def test_fast_matches_reference_under_skewed_routing():
+    torch.manual_seed(7)
+    m = MoE(_cfg())
+    x = torch.randn(1, 40, 24, requires_grad=True)
+    params = [x, m.w1, m.w3, m.w2, m.router.weight, m.shared_w1.weight]
+    idx = _skewed(40)
+    with router_replay(m, [idx]):
+        fast = m(x)
+        assert torch.equal(recorded_routing(m)[0], idx)
+        gf = torch.autograd.grad(fast.square().sum(), params)
+        ref = m.forward_reference(x)
+        gr = torch.autograd.grad(ref.square().sum(), params)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(gf, gr, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    busy = torch.tensor([1, 1, 0, 0, 0, 1, 0, 0], dtype=torch.bool)
+    for g in gf[1:4]:  # expert weights: the busy experts learn, the idle ones not at all
+        assert torch.equal(g.flatten(1).abs().amax(1) > 0, busy)
+    assert m(torch.randn(2, 0, 24)).shape == (2, 0, 24)  # no tokens at all
+
+
+def test_expert_work_is_that_of_the_routed_tokens_however_skewed():
+    """Each expert multiplies only the tokens routed to it: the same flops with all tokens
+    on one expert as spread evenly, not every expert padded to the busiest one's load."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    E, k, D, H, T = 8, 2, 24, 16, 64
+    m = MoE(_cfg(n_shared_experts=0))
+    x = torch.randn(1, T, D)
+    even = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], -1)[None]
+    want = 2 * T * D * E + 2 * T * k * 3 * D * H  # router, then gate, up and down projections
+    for idx in (even, _skewed(T)):
+        with torch.no_grad(), router_replay(m, [idx]), FlopCounterMode(display=False) as fc:
+            m(x)
+        assert fc.get_total_flops() == want
+
+
 def test_bias_changes_selection_not_gates():
     torch.manual_seed(1)
     m = MoE(_cfg(n_shared_experts=0))
