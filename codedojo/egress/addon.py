@@ -15,7 +15,12 @@ request the addon
 4. strips sensitive headers and redacts registered secrets in headers, URL and body, and
    refuses a body in which its reader would find one all the same (JSON escapes, another
    charset, a transfer coding other than chunked);
-5. writes one audit record when the flow ends.
+5. writes one audit record when the flow ends; a connection on which mitmproxy itself refused
+   what the sandbox sent (a request line or headers it cannot parse), or which closed before any
+   request, gets one when it closes, with mitmproxy's reason.
+
+CONNECT requests and the WebSocket messages the sandbox sends spend its rate limit as requests
+do.
 
 `server_connect` re-checks every address mitmproxy is about to dial, so a path that skipped the
 request hooks (raw TCP after CONNECT, a new mitmproxy feature) still cannot reach a private
@@ -30,6 +35,7 @@ import codecs
 import functools
 import ipaddress
 import json
+import logging
 import re
 import socket
 import threading
@@ -42,6 +48,7 @@ from mitmproxy import connection, http, tcp, tls
 from mitmproxy.net.http import url
 from mitmproxy.proxy.mode_specs import TransparentMode
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+from mitmproxy.utils import human
 
 from codedojo.egress.audit import AuditLog, AuditRecord
 from codedojo.egress.policy import EgressPolicy, IPAddress, address_denied
@@ -217,6 +224,32 @@ class _DiscardThen:
         return self.body if data == b"" else b""
 
 
+# mitmproxy's logger for what happens on a connection; `extra={"client": peername}` on each record.
+_SERVER_LOG = logging.getLogger("mitmproxy.proxy.server")
+
+
+class _Refusals(logging.Filter):
+    """Why mitmproxy refused what a sandbox sent (a request line or header block it cannot
+    parse, an HTTP/2 protocol error): no addon hook is told, only mitmproxy's log, at INFO, as
+    "<client address>: <why>". As a filter on that logger this keeps the latest such reason per
+    registered client until its connection closes, and lets no record below ERROR go on (the
+    proxy's level for mitmproxy, as before: they may quote what the sandbox sent)."""
+
+    def __init__(self, registry: Registry) -> None:
+        super().__init__()
+        self.registry = registry
+        self.reasons: dict[tuple, str] = {}  # client peername -> why
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        client = getattr(record, "client", None)
+        if client and self.registry.lookup(client) is not None:
+            prefix = f"{human.format_address(client)}: "
+            message = record.getMessage()
+            if message.startswith(prefix):
+                self.reasons[client] = message[len(prefix):]
+        return record.levelno >= logging.ERROR
+
+
 class EgressAddon:
     def __init__(self, registry: Registry, own_addresses: Iterable[IPAddress] = ()) -> None:
         self.registry = registry
@@ -224,6 +257,20 @@ class EgressAddon:
         # address -> why it is denied (None: public). ipaddress' range checks walk lists of
         # networks; addresses repeat, so each is classified once.
         self._verdicts: dict[IPAddress, str | None] = {}
+        self._refusals = _Refusals(registry)
+        # sandbox connections that reached a hook with a flow (and so have an audit record)
+        self._seen: set[tuple] = set()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def running(self) -> None:
+        _SERVER_LOG.setLevel(logging.INFO)  # the refusals are logged at INFO
+        _SERVER_LOG.addFilter(self._refusals)
+
+    def done(self) -> None:
+        _SERVER_LOG.removeFilter(self._refusals)
+        if not _SERVER_LOG.filters:
+            _SERVER_LOG.setLevel(logging.NOTSET)  # mitmproxy's level again
 
     # ---- connections ------------------------------------------------------------------------
 
@@ -231,6 +278,25 @@ class EgressAddon:
         if self.registry.lookup(client.peername) is None:
             # Not a sandbox we serve: the listener is on the veth gateways, nothing else may use it.
             client.error = "egress: unknown client address"
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        """A sandbox connection with no audit record yet gets one: mitmproxy refused what was
+        sent before any hook saw a request (its reason, where it logged one), or it closed
+        before a whole request came. So does one on which mitmproxy refused a later request."""
+        peer = client.peername
+        why = self._refusals.reasons.pop(peer, None)
+        seen = peer in self._seen
+        self._seen.discard(peer)
+        sc = self.registry.lookup(peer)
+        if sc is None or (seen and why is None):
+            return
+        why = (f"mitmproxy refused the request as malformed HTTP: {why}" if why else
+               "the connection closed with no request the proxy could serve (none, part of "
+               "one, or one that names no host)")  # fmt: skip
+        sc.audit.write(
+            AuditRecord(sandbox=sc.sandbox_id, mode=sc.mode, method="HTTP", host="", port=0,
+                        path="", blocked=self._clean(sc, why))
+        )  # fmt: skip
 
     async def server_connect(self, data: ServerConnectionHookData) -> None:
         sc = self.registry.lookup(data.client.peername)
@@ -269,6 +335,7 @@ class EgressAddon:
     def tcp_start(self, flow: tcp.TCPFlow) -> None:
         sc = self.registry.lookup(flow.client_conn.peername)
         if sc is not None and flow.server_conn.address:
+            self._seen.add(flow.client_conn.peername)
             host, port = flow.server_conn.address
             sc.audit.write(
                 AuditRecord(
@@ -280,18 +347,38 @@ class EgressAddon:
         flow.kill()
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
-        # The upgrade request passed the policy; its messages still may not carry a secret.
+        """The upgrade request passed the policy; each message the sandbox sends still spends
+        one request of its rate limit (whatever its size: the limit counts requests), and may
+        not carry a secret. Past the limit the message is dropped, and logged as refused."""
         sc = self.registry.lookup(flow.client_conn.peername)
-        if sc is None or not sc.secrets or flow.websocket is None:
+        if sc is None or flow.websocket is None:
             return
         msg = flow.websocket.messages[-1]
-        if msg.from_client:
+        if not msg.from_client:
+            return
+        try:
+            self._spend(sc)
+        except Blocked as b:
+            msg.drop()
+            meta = flow.metadata.get("egress", {})
+            sc.audit.write(
+                AuditRecord(
+                    sandbox=sc.sandbox_id, mode=sc.mode, method="WEBSOCKET",
+                    host=self._clean(sc, str(meta.get("name", flow.request.host))),
+                    port=int(meta.get("port", flow.request.port)),
+                    path=self._clean(sc, flow.request.path), scheme=flow.request.scheme,
+                    blocked=f"{b.reason}: the WebSocket message was dropped",
+                )
+            )  # fmt: skip
+            return
+        if sc.secrets:
             msg.content, _ = sc.secrets.redact(msg.content)
 
     def tls_failed_client(self, data: tls.TlsData) -> None:
         sc = self.registry.lookup(data.context.client.peername)
         if sc is None:
             return
+        self._seen.add(data.context.client.peername)
         error = (f"TLS handshake with the sandbox failed ({data.conn.error}); "
                  "does the client trust the egress CA?")  # fmt: skip
         sc.audit.write(
@@ -311,6 +398,7 @@ class EgressAddon:
         host, port = flow.request.host, flow.request.port
         meta = flow.metadata["egress"] = {"name": host, "port": port}
         try:
+            self._spend(sc)  # a CONNECT is a request too, refused or not
             meta["name"] = self._check_name(sc, host)
             self._check_host_port(sc, host, port)
             await self._check_destination(sc, host, port)
@@ -326,9 +414,7 @@ class EgressAddon:
         meta: dict = {"name": req.host, "port": req.port, "override": False}
         flow.metadata["egress"] = meta
         try:
-            if not sc.bucket.take():  # first: refused requests count too (each is logged)
-                raise Blocked(429, f"rate limit of {sc.policy.rate_limit_rps:g} requests/s "
-                              "exceeded")  # fmt: skip
+            self._spend(sc)  # first: refused requests count too (each is logged)
             name, port = self._destination(flow)
             meta.update(name=self._check_name(sc, name), port=port)
             if req.method.upper() not in sc.policy.allow_methods:
@@ -473,7 +559,15 @@ class EgressAddon:
         sc = self.registry.lookup(flow.client_conn.peername)
         if sc is None:
             flow.kill()
+        else:
+            self._seen.add(flow.client_conn.peername)
         return sc
+
+    @staticmethod
+    def _spend(sc: SandboxClient) -> None:
+        """One request's worth of the sandbox's rate limit; Blocked (429) when none is left."""
+        if not sc.bucket.take():
+            raise Blocked(429, f"rate limit of {sc.policy.rate_limit_rps:g} requests/s exceeded")
 
     def _destination(self, flow: http.HTTPFlow) -> tuple[str, int]:
         """The name the client wants and the port. In transparent mode the dialled address is

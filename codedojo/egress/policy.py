@@ -91,8 +91,10 @@ class EgressPolicy(BaseModel):
         default=32 << 20, gt=0, description="Largest response body let back in (502 above)."
     )
     rate_limit_rps: float = Field(
-        default=20.0, gt=0, description="Sustained requests per second per sandbox (429 above)."
-    )
+        default=20.0, gt=0,
+        description="Sustained requests per second per sandbox (429 above). A CONNECT counts as "
+        "one, and so does each WebSocket message the sandbox sends (dropped above).",
+    )  # fmt: skip
     rate_limit_burst: int = Field(
         default=40, gt=0, description="Requests a sandbox may make at once before the rate applies."
     )

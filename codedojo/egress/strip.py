@@ -4,8 +4,9 @@ A secret is registered by the environment as `name -> value`. It is looked for i
 and trailer value, in the URL (path and query) and in the body, in the forms it is commonly sent
 in: as is, URL-encoded (`quote`, `quote_plus`, with "/" kept or not, hex digits in either case),
 JSON-escaped and base64 (Basic auth, tokens in blobs: at whichever of the three byte offsets the
-secret starts in the encoded data). Each occurrence becomes the marker `__REDACTED_<NAME>__`,
-which is safe in every one of those places.
+secret starts in the encoded data), that base64 line-wrapped too (MIME's 76 characters a line,
+PEM's 64, or any width, with CRLF or LF). Each occurrence becomes the marker
+`__REDACTED_<NAME>__`, which is safe in every one of those places.
 """
 
 from __future__ import annotations
@@ -97,8 +98,11 @@ class SecretSet:
         return bool(self.forms)
 
     def redact(self, data: bytes) -> tuple[bytes, set[str]]:
-        """`data` with every secret form replaced; and the names of the secrets found."""
-        return _replace(data, self.forms)
+        """`data` with every secret form replaced, also where line breaks split the form (as
+        wrapped base64 has them); and the names of the secrets found."""
+        data, found = _replace(data, self.forms)
+        data, wrapped = _replace_wrapped(data, self.forms)
+        return data, found | wrapped
 
     def redact_str(self, text: str) -> tuple[str, set[str]]:
         out, found = self.redact(text.encode("utf-8", "surrogateescape"))
@@ -134,6 +138,61 @@ def _replace(data: bytes, forms: Iterable[tuple[bytes | re.Pattern[bytes], bytes
         if hit:
             found.add(name)
     return data, found
+
+
+# A line break (LF, or the LF of a CRLF) between two characters of base64 (either alphabet, "="
+# too): where an encoder wraps its output, and what a base64 reader skips. It starts with the LF,
+# so that the search for it is a fast one.
+_B64 = rb"[A-Za-z0-9+/=_-]"
+_WRAP_BREAK = re.compile(rb"\n(?:(?<=%s\r\n)|(?<=%s\n))(?=%s)" % (_B64, _B64, _B64))
+
+
+def _replace_wrapped(data: bytes, forms: list[tuple[bytes | re.Pattern[bytes], bytes, str]]
+                     ) -> tuple[bytes, set[str]]:
+    """Each form that line breaks split in ``data`` (base64 wrapped at any width) replaced by
+    its marker, the breaks inside it dropped and every other one kept where it was; the names
+    found. ``data`` without any CR or LF tells first, at the cost of a plain search, whether
+    there may be one at all (finding the breaks that wrap base64 costs several times that)."""
+    if b"\n" not in data or not _replace(data.translate(None, b"\r\n"), forms)[1]:
+        return data, set()
+    pieces: list[bytes] = []  # `data` between the breaks
+    breaks: list[tuple[int, bytes]] = []  # (where in the pieces joined, the break)
+    start = size = 0
+    for m in _WRAP_BREAK.finditer(data):
+        at = m.start() - (data[m.start() - 1] == 13)  # the CR of a CRLF too
+        pieces.append(data[start:at])
+        size += at - start
+        breaks.append((size, data[at:m.end()]))
+        start = m.end()
+    joined = b"".join([*pieces, data[start:]])
+    found: set[str] = set()
+    for form, marker, name in forms:
+        if isinstance(form, bytes):
+            spans, i = [], joined.find(form)
+            while i >= 0:
+                spans.append((i, i + len(form)))
+                i = joined.find(form, i + len(form))
+            new = joined.replace(form, marker)
+        else:
+            spans = [m.span() for m in form.finditer(joined)]
+            new = form.sub(marker, joined)
+        if not spans:
+            continue
+        found.add(name)
+        kept, shift, s = [], 0, 0
+        for at, eol in breaks:  # each break not inside a span kept, where the span moved it
+            while s < len(spans) and spans[s][1] <= at:
+                shift += len(marker) - (spans[s][1] - spans[s][0])
+                s += 1
+            if s == len(spans) or spans[s][0] >= at:
+                kept.append((at + shift, eol))
+        joined, breaks = new, kept
+    out, start = [], 0
+    for at, eol in breaks:
+        out += [joined[start:at], eol]
+        start = at
+    out.append(joined[start:])
+    return b"".join(out), found
 
 
 class BodyTooLarge(ValueError):

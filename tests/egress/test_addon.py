@@ -401,3 +401,43 @@ def test_a_response_refused_for_its_size_does_not_make_the_request_blocked(setup
     (rec,) = read_audit(audit)
     assert rec["blocked"] is None and rec["bytes_out"] == 800
     assert "exceeds max_response_bytes" in rec["response_refused"]
+
+
+def test_connect_requests_spend_the_rate_limit(setup, looked_up):
+    """Each CONNECT counts as a request: past the burst the tunnel is refused with 429."""
+    from codedojo.egress.addon import TokenBucket
+
+    addon, sc, audit = setup
+    sc.bucket = TokenBucket(0.001, 2)
+    codes = []
+    for _ in range(3):
+        f = _flow()
+        f.request.method, f.request.port = "CONNECT", 443
+        asyncio.run(addon.http_connect(f))
+        codes.append(f.response.status_code if f.response else None)
+    assert codes == [None, None, 429]
+    (rec,) = read_audit(audit)
+    assert rec["method"] == "CONNECT" and "rate limit" in rec["blocked"]
+
+
+def test_websocket_messages_from_the_sandbox_spend_the_rate_limit(setup):
+    """Each message the sandbox sends counts as one request: past the burst it is dropped, and
+    logged; the upstream's messages count for nothing."""
+    from mitmproxy import websocket
+
+    from codedojo.egress.addon import TokenBucket
+
+    addon, sc, audit = setup
+    sc.bucket = TokenBucket(0.001, 2)
+    f = tflow.twebsocketflow()
+    f.client_conn.peername = (SANDBOX_IP, 40000)
+    messages = []
+    for i, from_client in enumerate([True, False, True, False, True]):
+        messages.append(websocket.WebSocketMessage(1, from_client, f"{i} tok-123456".encode()))
+        f.websocket.messages.append(messages[-1])
+        addon.websocket_message(f)
+    assert [not m.dropped for m in messages] == [True, True, True, True, False]
+    assert messages[0].content == b"0 __REDACTED_TOKEN__"  # and what goes is redacted
+    (rec,) = read_audit(audit)
+    assert rec["method"] == "WEBSOCKET" and "rate limit" in rec["blocked"]
+    assert "dropped" in rec["blocked"] and "123456" not in audit.read_text()

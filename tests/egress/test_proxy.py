@@ -546,3 +546,39 @@ def test_sandbox_names_that_read_alike_as_file_names_keep_their_own_audit_logs()
     names = ("a/b", "a_b", "a:b", "..", "", "a%2Fb", "a_b-c14cddc033f6", "a_b-" + "0" * 12)
     assert len({_safe(n) for n in names}) == len(names)
     assert all(_safe(n) not in ("", ".", "..") and "/" not in _safe(n) for n in ("..", "", "/"))
+
+
+@pytest.mark.parametrize("mode", ["explicit", "transparent"])
+def test_a_request_mitmproxy_refuses_as_malformed_is_audited(egress_env, sandbox, mode):
+    """mitmproxy answers a request line or header block it cannot parse itself, before any
+    request hook; the sandbox's audit log still gets a record saying why (redacted), when the
+    connection closes, as it does for a request that names no host."""
+    import time
+
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    proxy = egress_env["proxy"]
+    sb = sandbox(proxy.attachment(upstream_policy(http_up, https_up), mode=mode,
+                                  secrets={"KEY": SECRET}))  # fmt: skip
+    if mode == "explicit":
+        to = {"host": _gateway(sb), "port": proxy.ports.explicit}
+    else:
+        to = {"host": "up.test", "port": http_up.port}
+    payloads = {
+        "Bad HTTP request line": f"GET /?k={SECRET}\r\n\r\n".encode(),
+        "Invalid header line": b"GET / HTTP/1.1\r\nHost: up.test\r\nno-colon-here\r\n\r\n",
+    }
+    if mode == "explicit":
+        payloads["names no host"] = b"GET /relative HTTP/1.1\r\n\r\n"
+    out = _raw(sb, [{**to, "payload": p} for p in payloads.values()])
+    assert all(o.startswith("HTTP/1.1 400") for o in out), out
+    path = proxy.audit_path(sb.id)
+    for _ in range(50):  # written when mitmproxy has closed each connection
+        records = read_audit(path)
+        if len(records) >= len(payloads):
+            break
+        time.sleep(0.1)
+    assert len(records) == len(payloads), records
+    for why, r in zip(payloads, records, strict=True):
+        assert r["sandbox"] == sb.id and r["mode"] == mode and why in r["blocked"], r
+    assert redaction_marker("KEY") in records[0]["blocked"]
+    assert SECRET not in path.read_text()

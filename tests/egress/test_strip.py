@@ -81,3 +81,31 @@ def test_headers_are_stripped_and_values_redacted():
     assert out[1][1] == b"v=__REDACTED_K__"
     assert report.headers == ["authorization", "cookie", "x-internal-trace"]
     assert report.secrets == {"K": ["header:x-note"]}
+
+
+@pytest.mark.parametrize("width,eol", [(76, b"\r\n"), (76, b"\n"), (64, b"\n"), (5, b"\n")])
+def test_a_secret_in_line_wrapped_base64_is_redacted(width, eol):
+    """Base64 wrapped as MIME bodies and PEM blocks carry it: wherever a line break falls in
+    the secret, it is found; the lines around it and the rest of the body stay as they were."""
+    s = SecretSet.from_mapping({"k": SECRET})
+    for before in range(0, 60, 7):
+        blob = b"x" * before + SECRET.encode() + b" and some more text after it" * 4
+        enc = base64.b64encode(blob)
+        wrapped = eol.join(enc[i : i + width] for i in range(0, len(enc), width))
+        body = b"--b\r\nContent-Transfer-Encoding: base64\r\n\r\n" + wrapped + b"\r\n--b--\r\n"
+        out, found = s.redact(body)
+        assert found == {"k"}, (width, before)
+        head, _, block = out.partition(b"\r\n\r\n")
+        block, _, tail = block.partition(b"\r\n--b--")
+        assert head == body.partition(b"\r\n\r\n")[0] and tail == b"\r\n"
+        lines = block.split(eol)  # the lines the secret spanned become one, the rest stay
+        assert [n for n in lines if b"__REDACTED_K__" not in n] == [
+            n for n in wrapped.split(eol) if n in lines
+        ] and len([n for n in lines if b"__REDACTED_K__" in n]) == 1, block
+        assert SECRET.encode() not in _decoded(block.replace(eol, b"")), (width, before)
+
+
+def test_text_over_lines_is_left_as_it_is():
+    s = SecretSet.from_mapping({"k": SECRET})
+    text = b"first\nsecond line\nthird\n" + base64.b64encode(b"nothing secret" * 20) + b"\n"
+    assert s.redact(text) == (text, set())
