@@ -212,7 +212,7 @@ class RemoteImages:
     def list(self) -> dict:
         return self._http.call("GET", "/images")
 
-    def remove(self, ref: str, force: bool = False) -> str:
+    def remove(self, ref: str, *, force: bool = False) -> str:
         """Delete an image and its names as `ImageStore.remove` does (a named one only with
         ``force``); returns its id."""
         return self._http.call("DELETE", f"/images/{_part(ref)}",

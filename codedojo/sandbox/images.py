@@ -433,22 +433,26 @@ class LayerStack:
     not a directory, and hides what lower layers hold below it. What is learnt of a directory
     is kept for the stack's life: make one per look at a tree that changes.
 
-    Each layer's root is held open (an O_PATH fd) for the stack's life, so a lookup opens no
-    root: `close` it, or use it as a context manager."""
+    A layer's root is opened (an O_PATH fd) when a lookup first reaches it, and held for the
+    stack's life, so later lookups open no root (a lookup the top layer answers opens none
+    below it): `close` it, or use it as a context manager."""
 
     def __init__(self, dirs: Sequence[str]):
         self.dirs = list(dirs)  # top first
         # (layer, directory) -> (a directory there, whether the layer hides what lower layers
         # have below it: a whiteout, a file or a link on the way, or an opaque directory)
         self._known: dict[tuple[str, tuple[str, ...]], tuple[bool, bool]] = {}
-        self._roots: dict[str, int] = {}  # layer -> an fd of its root
-        try:
-            for top in self.dirs:
-                if top not in self._roots:
-                    self._roots[top] = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        except BaseException:
-            self.close()
-            raise
+        self._roots: dict[str, int] = {}  # layer -> an fd of its root, once reached
+
+    def _root(self, top: str) -> int:
+        """Layer ``top``'s root; a layer gone is a SandboxError (not an empty layer)."""
+        fd = self._roots.get(top)
+        if fd is None:
+            try:
+                fd = self._roots[top] = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as e:
+                raise SandboxError(f"layer {top}: cannot open it ({e.strerror})") from e
+        return fd
 
     def close(self) -> None:
         """Close the layers' roots; the stack is of no use after."""
@@ -469,7 +473,7 @@ class LayerStack:
     def _open(self, top: str, parts: Sequence[str], flags: int) -> int:
         # (openat2 takes no O_NONBLOCK with O_PATH, which opens nothing that could block)
         nonblock = 0 if flags & os.O_PATH else os.O_NONBLOCK
-        return open_beneath(self._roots[top], "/".join(parts), flags | os.O_NOFOLLOW | nonblock)
+        return open_beneath(self._root(top), "/".join(parts), flags | os.O_NOFOLLOW | nonblock)
 
     def _dir(self, top: str, parts: tuple[str, ...]) -> tuple[bool, bool]:
         """Whether layer ``top`` has directory ``parts``, and whether it hides what lower
@@ -500,7 +504,7 @@ class LayerStack:
         lstat; None if absent."""
         parts = self._parts(rel)
         if not parts:
-            return self.dirs[0], os.fstat(self._roots[self.dirs[0]])
+            return self.dirs[0], os.fstat(self._root(self.dirs[0]))
         for top in self.dirs:
             is_dir, hides = self._dir(top, parts[:-1])
             fd = self._parent(top, parts) if is_dir else None

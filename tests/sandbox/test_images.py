@@ -73,15 +73,20 @@ def test_a_layer_stack_holds_its_layers_open_until_closed(tmp_path):
     for d in ("top", "low"):
         (tmp_path / d).mkdir()
     (tmp_path / "low" / "f").write_text("x")
+    (tmp_path / "top" / "g").write_text("y")
     before = set(os.listdir("/proc/self/fd"))
     with LayerStack([str(tmp_path / "top"), str(tmp_path / "low")]) as stack:
+        assert stack.lookup("g") is not None  # (answered by the top layer: low not opened)
+        assert len(set(os.listdir("/proc/self/fd")) - before) == 1
+        assert stack.lookup("f") is not None
         assert len(set(os.listdir("/proc/self/fd")) - before) == 2
         os.rename(tmp_path / "low", tmp_path / "moved")  # (held: still read)
         found = stack.lookup("f")
         assert found is not None and found[1].st_size == 1
     assert set(os.listdir("/proc/self/fd")) == before
-    with pytest.raises(FileNotFoundError):  # a missing layer: nothing is left open
-        LayerStack([str(tmp_path / "top"), str(tmp_path / "low")])
+    with LayerStack([str(tmp_path / "top"), str(tmp_path / "low")]) as stack:
+        with pytest.raises(SandboxError, match="low: cannot open it"):  # (not an empty layer)
+            stack.lookup("f")
     assert set(os.listdir("/proc/self/fd")) == before
 
 
