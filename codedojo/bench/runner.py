@@ -113,6 +113,8 @@ class HarnessAgent:
     def settings(self) -> dict[str, Any]:
         """What makes its episodes besides its name: a stopped run goes on only with the same."""
         return {"model": getattr(self.policy, "name", None),
+                "endpoint": getattr(self.policy, "base_url", None),  # (None: in this process)
+                "text_format": getattr(self.policy, "text_format", None),
                 "sampling": getattr(self.policy, "sampling", None),
                 "loop": self.loop_config.model_dump(mode="json"),
                 "tools": self.tool_config.model_dump(mode="json"),

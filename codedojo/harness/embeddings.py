@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from codedojo.harness.lines import file_lines
-from codedojo.harness.ripgrep import RgError, RgTimeout, missing_paths, rg_files
+from codedojo.harness.ripgrep import RgError, RgTimeout, rg_files, root_errors
 from codedojo.sandbox.base import WORKSPACE, Sandbox, SandboxError
 
 # Code before prose before data: past MAX_FILES, the files indexed are the first in this order
@@ -168,7 +168,7 @@ class CodebaseIndex:
     def _files(self, sandbox: Sandbox, roots: list[str],
                deadline: float | None) -> tuple[list[str], int]:
         """The files to index, and how many more past `MAX_FILES` are left out. A root that
-        is not there is `FileNotFoundError` (no hits would say the code is not)."""
+        rg cannot read (not there, no directory, unreadable) is an OSError naming it."""
         flags = ["--hidden", "--max-filesize", str(MAX_FILE_BYTES), "--glob", "!.git"]
         try:  # (what it cannot read, the search cannot either)
             files, unread = rg_files(sandbox, roots, CODE_GLOBS, flags,
@@ -177,8 +177,8 @@ class CodebaseIndex:
             raise SearchTimeout(0, 0) from None
         except RgError as e:
             raise SandboxError(f"cannot list files: {e}") from None
-        if missing := missing_paths(unread, roots):
-            raise FileNotFoundError(2, "No such file or directory", missing[0])
+        for root, err in root_errors(unread, roots).items():  # ("No results." would say
+            raise OSError(err, os.strerror(err), root)  # the code is not there)
         files.sort(key=lambda f: (_RANK.get(posixpath.splitext(f)[1], len(_RANK)), f))
         return files[:MAX_FILES], max(0, len(files) - MAX_FILES)
 
@@ -224,7 +224,7 @@ class CodebaseIndex:
         timeout_s: float | None = None,
     ) -> Hits:
         """The k best chunks; past timeout_s, `SearchTimeout` (the vectors made are kept); a
-        root that is not there, `FileNotFoundError`."""
+        root it cannot read, an OSError naming it (`_files`)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         files, left_out = self._files(sandbox, roots or [WORKSPACE], deadline)
         chunks = self._read(sandbox, files, deadline)

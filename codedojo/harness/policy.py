@@ -52,7 +52,9 @@ class PolicyOutput:
     completion_tokens: int = 0
     reasoning_tokens: int = 0
 
-    raw_text: str | None = None  # the model's text as written (kept when a call is malformed)
+    # the model's text as the policy got it (kept when a call is malformed; a server may have
+    # stripped the whitespace at its ends)
+    raw_text: str | None = None
 
     def message(self) -> dict[str, Any]:
         """The assistant message in OpenAI form.
@@ -190,6 +192,7 @@ class OpenAIPolicy:
 
         self.name = model
         self.timeout = timeout
+        self.base_url = base_url
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=1)
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
         # (what its logprobs are of is the server's choice: vLLM's are the model's own by

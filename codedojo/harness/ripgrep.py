@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Sequence
 
 from codedojo.sandbox.base import CUT_LINE, ExecResult, Sandbox
 
 _PATH_ERROR = re.compile(r"\(os error \d+\)$")  # "path: Permission denied (os error 13)"
+_OS_ERROR = re.compile(r"\(os error (\d+)\)$")
 
 
 class RgError(RuntimeError):
@@ -44,11 +46,29 @@ def unread_note(errors: list[str]) -> str:
     return f"\n[not searched: {errors[0]}{more}]"
 
 
-def missing_paths(errors: list[str], paths: list[str]) -> list[str]:
-    """The paths among ``paths`` that rg's errors say do not exist (``<path>: ... No such
-    file or directory (os error 2)``, worded otherwise with ``--sort``)."""
-    gone = [e.removeprefix("rg: ") for e in errors if e.endswith("(os error 2)")]
-    return [p for p in paths if any(e.startswith(f"{p}: ") for e in gone)]
+def root_errors(errors: list[str], roots: Sequence[str]) -> dict[str, int]:
+    """The roots among ``roots`` that rg's errors say it could not read, with the errno (a
+    root not there: ENOENT; ``README.md/x``: ENOTDIR; unreadable: EACCES). rg words them
+    ``<path>: ... (os error N)``, otherwise with ``--sort``."""
+    out: dict[str, int] = {}
+    for e in errors:
+        m = _OS_ERROR.search(e)
+        root = next((r for r in roots if e.removeprefix("rg: ").startswith(f"{r}: ")), None)
+        if m and root is not None:
+            out.setdefault(root, int(m[1]))
+    return out
+
+
+# Both listings stay in the sandbox: the whole tree's can be far longer than a command's
+# output may be, and only the files both name come out (rg's status and errors are the glob
+# listing's). A name is a line, as rg writes them.
+_BOTH = """t=$(mktemp -d) || exit 2
+trap 'rm -rf "$t"' EXIT
+{chosen} >"$t/g" 2>"$t/e"; s=$?
+{every} 2>/dev/null | LC_ALL=C sort >"$t/a"
+LC_ALL=C sort "$t/g" | LC_ALL=C comm -12 - "$t/a"
+cat "$t/e" >&2
+exit $s"""
 
 
 def rg_files(sandbox: Sandbox, roots: Sequence[str], globs: Sequence[str] = (),
@@ -60,12 +80,11 @@ def rg_files(sandbox: Sandbox, roots: Sequence[str], globs: Sequence[str] = (),
     overrides its ignore rules (``-g '*'`` lists .git and an ignored venv, ``-g '*.log'``
     ignored logs), so a file is kept where rg lists it both with the globs and without.
     `RgError` for a bad glob or a timeout."""
-    def listing(extra: list[str]) -> tuple[list[str], list[str]]:
-        argv = ["rg", "--files", "--sort", "path", *flags, *extra, "--", *roots]
-        return rg_lines(sandbox.exec(argv, cwd=cwd, timeout=timeout))
-
+    every = ["rg", "--files", *flags, "--", *roots]
     if not globs:
-        return listing([])
-    chosen = set(listing([a for g in globs for a in ("--glob", g)])[0])  # (a bad glob: first)
-    files, unread = listing([])
-    return [f for f in files if f in chosen], unread
+        return rg_lines(sandbox.exec([*every[:2], "--sort", "path", *every[2:]], cwd=cwd,
+                                     timeout=timeout))
+    chosen = ["rg", "--files", *flags, *(a for g in globs for a in ("--glob", g)), "--", *roots]
+    script = _BOTH.format(chosen=shlex.join(chosen), every=shlex.join(every))
+    files, unread = rg_lines(sandbox.exec(["sh", "-c", script], cwd=cwd, timeout=timeout))
+    return sorted(files, key=lambda f: f.split("/")), unread  # (rg's --sort path order)

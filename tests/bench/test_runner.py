@@ -222,3 +222,8 @@ def test_a_harness_agents_settings_are_read_from_the_agent_itself():
                   HarnessAgent(ScriptedPolicy([]), name="a", max_prompt_chars=100)):
         assert other.settings != plain.settings
     json.dumps(plain.settings)  # it goes into the run's log
+    from codedojo.harness.policy import OpenAIPolicy
+
+    served = [HarnessAgent(OpenAIPolicy(model="m", base_url=url), name="a").settings
+              for url in ("http://a:8000/v1", "http://b:8000/v1")]
+    assert served[0]["endpoint"] == "http://a:8000/v1" and served[0] != served[1]

@@ -17,7 +17,7 @@ def _walk_flags(args: dict[str, Any]) -> list[str]:
 
 
 def rg_argv(args: dict[str, Any], paths: list[str]) -> list[str]:
-    """The ripgrep command line for a grep call over `paths` (exposed for tests). The glob is
+    """The ripgrep command line for a grep call over `paths`. The glob is
     not among its flags: rg's --glob would list files its ignore rules leave out (see
     `rg_files`), so `_grep` names the files it chose."""
     mode = args.get("output_mode", "content")

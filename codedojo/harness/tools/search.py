@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 from codedojo.harness import embeddings
@@ -26,8 +27,10 @@ def _codebase_search(ctx: ToolContext, args: dict[str, Any]) -> str:
         done = f" with {e.indexed} of {e.total} chunks indexed" if e.total else ""
         raise ToolError(f"codebase_search timed out after {ctx.timeout_s:g}s{done}; "
                         "call it again to go on, or narrow target_directories") from None
-    except FileNotFoundError as e:  # ("No results." would say the code is not there)
-        raise ToolError(f"path not found: {e.filename}") from None
+    except OSError as e:  # a root it could not search ("No results." would say the code is
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):  # not there)
+            raise ToolError(f"path not found: {e.filename}") from None
+        raise ToolError(f"cannot search {e.filename}: {e.strerror}") from None
     left_out = getattr(hits, "left_out", 0)
     note = (f"\n\n[only part of the code was searched: {left_out} files were left out past "
             f"the index's limit of {embeddings.MAX_FILES} files; pass target_directories to "

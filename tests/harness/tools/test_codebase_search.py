@@ -138,6 +138,9 @@ def test_a_missing_target_directory_is_named_by_the_search_itself(sandbox, monke
         for dirs in (["no_such_dir"], ["inventory", "no_such_dir"]):
             r = s.call("codebase_search", {"query": "stock", "target_directories": dirs})
             assert r.is_error and r.content == "Error: path not found: /workspace/no_such_dir"
+        for dirs in (["README.md/x"], ["inventory", "README.md/x"]):  # (no directory on the way)
+            r = s.call("codebase_search", {"query": "stock", "target_directories": dirs})
+            assert r.is_error and r.content == "Error: path not found: /workspace/README.md/x"
         assert stats == []
     finally:
         s.close()

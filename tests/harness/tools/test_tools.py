@@ -403,3 +403,26 @@ def test_a_glob_narrows_a_search_and_never_widens_it_past_gitignore(session, san
               output_mode="files_with_matches") == "/workspace/tests/test_stock.py"
     assert "unclosed alternate group" in err(session, "grep", pattern="x", glob="{a,b")
     assert "unclosed character class" in err(session, "glob_file_search", glob_pattern="[ab")
+
+
+def test_a_glob_finds_files_however_long_the_whole_trees_listing(provider, repo_image):
+    """The listing a glob narrows is the whole tree's: past what a command's output may be (a
+    large repository), the files the glob chooses are all still found."""
+    import dataclasses
+
+    from codedojo.sandbox.base import SandboxSpec
+    from tests.harness.conftest import LIMITS, SANDBOX_ENV
+
+    limits = dataclasses.replace(LIMITS, max_output_bytes=4096)
+    sb = provider.create(SandboxSpec(image=repo_image, limits=limits, env=SANDBOX_ENV))
+    s = ToolSession(ToolRegistry().resolve(EnvToolConfig()), ToolContext(sandbox=sb))
+    try:
+        sb.exec("mkdir -p data && for i in $(seq 1000 1400); do echo x > data/note_$i.txt; done"
+                " && echo 'needle = 1' > data/note_1200.py")
+        assert sb.exec("rg --files --sort path").truncated  # (were it read whole: cut)
+        assert "/workspace/data/note_1200.py" in ok(s, "glob_file_search", glob_pattern="*.py")
+        assert ok(s, "grep", pattern="needle", glob="*.py") == \
+            "/workspace/data/note_1200.py:1:needle = 1"
+    finally:
+        s.close()
+        sb.destroy()
