@@ -16,11 +16,12 @@ request the addon
    refuses a body in which its reader would find one all the same (JSON escapes, another
    charset, a transfer coding other than chunked);
 5. writes one audit record when the flow ends; a connection on which mitmproxy itself refused
-   what the sandbox sent (a request line or headers it cannot parse), or which closed before any
-   request, gets one when it closes, with mitmproxy's reason.
+   what the sandbox sent (a request line or headers it cannot parse) gets one when it closes,
+   with mitmproxy's reason.
 
 CONNECT requests and the WebSocket messages the sandbox sends spend its rate limit as requests
-do.
+do; a CONNECT pays for the first request in its tunnel, so that a connection with one request
+costs one in either mode. A WebSocket past the limit is closed.
 
 `server_connect` re-checks every address mitmproxy is about to dial, so a path that skipped the
 request hooks (raw TCP after CONNECT, a new mitmproxy feature) still cannot reach a private
@@ -44,7 +45,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from urllib.parse import unquote_plus, unquote_to_bytes
 
-from mitmproxy import connection, http, tcp, tls
+from mitmproxy import connection, ctx, http, tcp, tls
 from mitmproxy.net.http import url
 from mitmproxy.proxy.mode_specs import TransparentMode
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
@@ -228,6 +229,9 @@ class _DiscardThen:
 _SERVER_LOG = logging.getLogger("mitmproxy.proxy.server")
 
 
+_ADDRESS_START = frozenset("0123456789[")
+
+
 class _Refusals(logging.Filter):
     """Why mitmproxy refused what a sandbox sent (a request line or header block it cannot
     parse, an HTTP/2 protocol error): no addon hook is told, only mitmproxy's log, at INFO, as
@@ -241,12 +245,16 @@ class _Refusals(logging.Filter):
         self.reasons: dict[tuple, str] = {}  # client peername -> why
 
     def filter(self, record: logging.LogRecord) -> bool:
-        client = getattr(record, "client", None)
-        if client and self.registry.lookup(client) is not None:
-            prefix = f"{human.format_address(client)}: "
-            message = record.getMessage()
-            if message.startswith(prefix):
-                self.reasons[client] = message[len(prefix):]
+        # Most records are not refusals ("client connect", "server disconnect ..."): the
+        # message's first character tells them apart before anything costlier (a refusal's
+        # starts with the address, a digit or "[").
+        if isinstance(record.msg, str) and record.msg[:1] in _ADDRESS_START:
+            client = getattr(record, "client", None)
+            if client and self.registry.lookup(client) is not None:
+                prefix = f"{human.format_address(client)}: "
+                message = record.getMessage()
+                if message.startswith(prefix):
+                    self.reasons[client] = message[len(prefix):]
         return record.levelno >= logging.ERROR
 
 
@@ -258,8 +266,8 @@ class EgressAddon:
         # networks; addresses repeat, so each is classified once.
         self._verdicts: dict[IPAddress, str | None] = {}
         self._refusals = _Refusals(registry)
-        # sandbox connections that reached a hook with a flow (and so have an audit record)
-        self._seen: set[tuple] = set()
+        # sandbox connections whose CONNECT paid for the first request in its tunnel
+        self._prepaid: set[tuple] = set()
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -280,19 +288,16 @@ class EgressAddon:
             client.error = "egress: unknown client address"
 
     def client_disconnected(self, client: connection.Client) -> None:
-        """A sandbox connection with no audit record yet gets one: mitmproxy refused what was
-        sent before any hook saw a request (its reason, where it logged one), or it closed
-        before a whole request came. So does one on which mitmproxy refused a later request."""
+        """A sandbox connection on which mitmproxy refused what was sent (before any hook saw a
+        request) gets an audit record, with mitmproxy's reason. One that sent nothing (a
+        connect and close, a spare connection a client opened) gets none."""
         peer = client.peername
         why = self._refusals.reasons.pop(peer, None)
-        seen = peer in self._seen
-        self._seen.discard(peer)
+        self._prepaid.discard(peer)
         sc = self.registry.lookup(peer)
-        if sc is None or (seen and why is None):
+        if sc is None or why is None:
             return
-        why = (f"mitmproxy refused the request as malformed HTTP: {why}" if why else
-               "the connection closed with no request the proxy could serve (none, part of "
-               "one, or one that names no host)")  # fmt: skip
+        why = f"mitmproxy refused the request as malformed HTTP: {why}"
         sc.audit.write(
             AuditRecord(sandbox=sc.sandbox_id, mode=sc.mode, method="HTTP", host="", port=0,
                         path="", blocked=self._clean(sc, why))
@@ -335,7 +340,6 @@ class EgressAddon:
     def tcp_start(self, flow: tcp.TCPFlow) -> None:
         sc = self.registry.lookup(flow.client_conn.peername)
         if sc is not None and flow.server_conn.address:
-            self._seen.add(flow.client_conn.peername)
             host, port = flow.server_conn.address
             sc.audit.write(
                 AuditRecord(
@@ -349,25 +353,31 @@ class EgressAddon:
     def websocket_message(self, flow: http.HTTPFlow) -> None:
         """The upgrade request passed the policy; each message the sandbox sends still spends
         one request of its rate limit (whatever its size: the limit counts requests), and may
-        not carry a secret. Past the limit the message is dropped, and logged as refused."""
+        not carry a secret. Past the limit the WebSocket is closed (a message left out would
+        corrupt what the two ends say), and logged as refused, once."""
         sc = self.registry.lookup(flow.client_conn.peername)
         if sc is None or flow.websocket is None:
             return
         msg = flow.websocket.messages[-1]
+        meta = flow.metadata.setdefault("egress", {})
+        if meta.get("websocket_closed"):  # what was in flight as it closed goes nowhere
+            msg.drop()
+            return
         if not msg.from_client:
             return
         try:
             self._spend(sc)
         except Blocked as b:
             msg.drop()
-            meta = flow.metadata.get("egress", {})
+            meta["websocket_closed"] = True
+            self._close_client(flow.client_conn)
             sc.audit.write(
                 AuditRecord(
                     sandbox=sc.sandbox_id, mode=sc.mode, method="WEBSOCKET",
                     host=self._clean(sc, str(meta.get("name", flow.request.host))),
                     port=int(meta.get("port", flow.request.port)),
                     path=self._clean(sc, flow.request.path), scheme=flow.request.scheme,
-                    blocked=f"{b.reason}: the WebSocket message was dropped",
+                    blocked=f"{b.reason}: the WebSocket was closed",
                 )
             )  # fmt: skip
             return
@@ -378,7 +388,6 @@ class EgressAddon:
         sc = self.registry.lookup(data.context.client.peername)
         if sc is None:
             return
-        self._seen.add(data.context.client.peername)
         error = (f"TLS handshake with the sandbox failed ({data.conn.error}); "
                  "does the client trust the egress CA?")  # fmt: skip
         sc.audit.write(
@@ -405,6 +414,8 @@ class EgressAddon:
         except Blocked as b:
             flow.response = _blocked_response(b.status, b.reason)
             self._audit(sc, flow, blocked=b.reason)
+            return
+        self._prepaid.add(flow.client_conn.peername)  # the tunnel's first request is paid for
 
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         sc = self._client(flow)
@@ -414,7 +425,10 @@ class EgressAddon:
         meta: dict = {"name": req.host, "port": req.port, "override": False}
         flow.metadata["egress"] = meta
         try:
-            self._spend(sc)  # first: refused requests count too (each is logged)
+            if flow.client_conn.peername in self._prepaid:  # by its tunnel's CONNECT
+                self._prepaid.discard(flow.client_conn.peername)
+            else:
+                self._spend(sc)  # first: refused requests count too (each is logged)
             name, port = self._destination(flow)
             meta.update(name=self._check_name(sc, name), port=port)
             if req.method.upper() not in sc.policy.allow_methods:
@@ -559,9 +573,17 @@ class EgressAddon:
         sc = self.registry.lookup(flow.client_conn.peername)
         if sc is None:
             flow.kill()
-        else:
-            self._seen.add(flow.client_conn.peername)
         return sc
+
+    @staticmethod
+    def _close_client(client: connection.Client) -> None:
+        """Close a sandbox's connection as mitmproxy closes one (its hooks cannot end a
+        WebSocket): the layers on it then end what ran there, the upstream side included."""
+        master = getattr(ctx, "master", None)  # None outside a running proxy
+        proxyserver = master.addons.get("proxyserver") if master else None
+        handler = proxyserver.connections.get(client.id) if proxyserver else None
+        if handler is not None and client in handler.transports:
+            handler.close_connection(client)
 
     @staticmethod
     def _spend(sc: SandboxClient) -> None:

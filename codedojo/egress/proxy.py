@@ -187,7 +187,10 @@ class EgressProxy:
         # every request whenever the root logger is verbose (under pytest, for instance).
         master._legacy_log_events.uninstall()
         # ERROR: its warnings quote what the sandbox sent (a TLS SNI, an addon's error), where
-        # a secret may be; the audit log says what happened, redacted
+        # a secret may be; the audit log says what happened, redacted. The addon sets
+        # mitmproxy.proxy.server to INFO while it runs, as mitmproxy's refusals of malformed
+        # requests are logged there alone, at INFO; its filter keeps their reasons for the
+        # audit log and lets nothing below ERROR go on.
         logging.getLogger("mitmproxy").setLevel(logging.ERROR)
         ps = proxyserver.Proxyserver()
         master.addons.add(

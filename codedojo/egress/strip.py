@@ -4,9 +4,10 @@ A secret is registered by the environment as `name -> value`. It is looked for i
 and trailer value, in the URL (path and query) and in the body, in the forms it is commonly sent
 in: as is, URL-encoded (`quote`, `quote_plus`, with "/" kept or not, hex digits in either case),
 JSON-escaped and base64 (Basic auth, tokens in blobs: at whichever of the three byte offsets the
-secret starts in the encoded data), that base64 line-wrapped too (MIME's 76 characters a line,
-PEM's 64, or any width, with CRLF or LF). Each occurrence becomes the marker
-`__REDACTED_<NAME>__`, which is safe in every one of those places.
+secret starts in the encoded data), that base64 wrapped too (MIME's 76 characters a line, PEM's
+64, or any width, with CRLF, LF or CR, lines indented or not; or split by spaces or tabs: a base64
+reader skips them all). Each occurrence becomes the marker `__REDACTED_<NAME>__`, which is safe in
+every one of those places.
 """
 
 from __future__ import annotations
@@ -64,10 +65,16 @@ class SecretSet:
     forms: list[tuple[bytes | re.Pattern[bytes], bytes, str]] = field(default_factory=list)
     # each value in any letter case: as host names and header names are read
     anycase: list[tuple[re.Pattern[bytes], bytes, str]] = field(default_factory=list)
+    # the base64 cores (`_base64_cores`, longest first): what wrapping may split. Every base64
+    # form holds one, and what it holds beside it depends on other bytes too
+    base64_forms: list[tuple[bytes, bytes, str]] = field(default_factory=list)
+    # the forms that hold no base64 core: all a body can hold where it holds no core
+    plain_forms: list[tuple[bytes | re.Pattern[bytes], bytes, str]] = field(default_factory=list)
 
     @classmethod
     def from_mapping(cls, secrets: Mapping[str, str]) -> SecretSet:
         forms: dict[bytes, tuple[bytes, str]] = {}
+        cores: set[bytes] = set()
         for name, value in secrets.items():
             if not isinstance(value, str) or len(value) < MIN_SECRET_LEN:
                 raise ValueError(
@@ -78,6 +85,7 @@ class SecretSet:
             raw = value.encode()
             quoted = {quote(value, safe=""), quote(value), quote_plus(value, safe=""),
                       quote_plus(value, safe="/")}
+            cores.update(_base64_cores(raw))
             variants = {
                 raw,
                 *(q.encode() for q in quoted),
@@ -92,16 +100,22 @@ class SecretSet:
         anycase = [(re.compile(re.escape(v.encode()), re.I), redaction_marker(n).encode(), n)
                    for n, v in sorted(secrets.items(), key=lambda kv: -len(kv[1]))]
         return cls([(_matcher(needle), marker, name) for needle, (marker, name) in ordered],
-                   anycase)
+                   anycase, [(v, marker, name) for v, (marker, name) in ordered if v in cores],
+                   [(_matcher(needle), marker, name) for needle, (marker, name) in ordered
+                    if not any(c in needle for c in cores)])  # fmt: skip
 
     def __bool__(self) -> bool:
         return bool(self.forms)
 
     def redact(self, data: bytes) -> tuple[bytes, set[str]]:
-        """`data` with every secret form replaced, also where line breaks split the form (as
-        wrapped base64 has them); and the names of the secrets found."""
+        """`data` with every secret form replaced, also a base64 form that whitespace splits (as
+        wrapped base64 has it); and the names of the secrets found. ``data`` without whitespace
+        tells first, in one search for each base64 core, whether it holds any base64 form."""
+        squeezed = data.translate(None, _SPACE)
+        if not any(core in squeezed for core, _, _ in self.base64_forms):
+            return _replace(data, self.plain_forms)
         data, found = _replace(data, self.forms)
-        data, wrapped = _replace_wrapped(data, self.forms)
+        data, wrapped = _replace_wrapped(data, self.base64_forms)
         return data, found | wrapped
 
     def redact_str(self, text: str) -> tuple[str, set[str]]:
@@ -140,42 +154,39 @@ def _replace(data: bytes, forms: Iterable[tuple[bytes | re.Pattern[bytes], bytes
     return data, found
 
 
-# A line break (LF, or the LF of a CRLF) between two characters of base64 (either alphabet, "="
-# too): where an encoder wraps its output, and what a base64 reader skips. It starts with the LF,
-# so that the search for it is a fast one.
+# A run of whitespace (spaces, tabs, CR, LF) between two characters of base64 (either alphabet,
+# "=" too): where an encoder wraps its output (and indents it), and what a base64 reader skips.
+# It starts with the whitespace, so that the search for it is a fast one; the run is taken whole
+# (possessive), so that one not followed by base64 costs its length once.
 _B64 = rb"[A-Za-z0-9+/=_-]"
-_WRAP_BREAK = re.compile(rb"\n(?:(?<=%s\r\n)|(?<=%s\n))(?=%s)" % (_B64, _B64, _B64))
+_SPACE = b" \t\r\n"
+_WRAP_BREAK = re.compile(rb"[ \t\r\n](?<=%s.)[ \t\r\n]*+(?=%s)" % (_B64, _B64), re.S)
 
 
-def _replace_wrapped(data: bytes, forms: list[tuple[bytes | re.Pattern[bytes], bytes, str]]
+def _replace_wrapped(data: bytes, forms: list[tuple[bytes, bytes, str]]
                      ) -> tuple[bytes, set[str]]:
-    """Each form that line breaks split in ``data`` (base64 wrapped at any width) replaced by
-    its marker, the breaks inside it dropped and every other one kept where it was; the names
-    found. ``data`` without any CR or LF tells first, at the cost of a plain search, whether
-    there may be one at all (finding the breaks that wrap base64 costs several times that)."""
-    if b"\n" not in data or not _replace(data.translate(None, b"\r\n"), forms)[1]:
+    """Each form (base64) that whitespace splits in ``data`` (base64 wrapped at any width)
+    replaced by its marker, the whitespace inside it dropped and every other run kept where it
+    was; the names found. ``data`` without any whitespace tells first, at the cost of a plain
+    search, whether there may be one at all (finding the runs costs several times that)."""
+    squeezed = data.translate(None, _SPACE)
+    if len(squeezed) == len(data) or not any(form in squeezed for form, _, _ in forms):
         return data, set()
     pieces: list[bytes] = []  # `data` between the breaks
     breaks: list[tuple[int, bytes]] = []  # (where in the pieces joined, the break)
     start = size = 0
     for m in _WRAP_BREAK.finditer(data):
-        at = m.start() - (data[m.start() - 1] == 13)  # the CR of a CRLF too
-        pieces.append(data[start:at])
-        size += at - start
-        breaks.append((size, data[at:m.end()]))
+        pieces.append(data[start:m.start()])
+        size += m.start() - start
+        breaks.append((size, m[0]))
         start = m.end()
     joined = b"".join([*pieces, data[start:]])
     found: set[str] = set()
     for form, marker, name in forms:
-        if isinstance(form, bytes):
-            spans, i = [], joined.find(form)
-            while i >= 0:
-                spans.append((i, i + len(form)))
-                i = joined.find(form, i + len(form))
-            new = joined.replace(form, marker)
-        else:
-            spans = [m.span() for m in form.finditer(joined)]
-            new = form.sub(marker, joined)
+        spans, i = [], joined.find(form)
+        while i >= 0:
+            spans.append((i, i + len(form)))
+            i = joined.find(form, i + len(form))
         if not spans:
             continue
         found.add(name)
@@ -186,7 +197,7 @@ def _replace_wrapped(data: bytes, forms: list[tuple[bytes | re.Pattern[bytes], b
                 s += 1
             if s == len(spans) or spans[s][0] >= at:
                 kept.append((at + shift, eol))
-        joined, breaks = new, kept
+        joined, breaks = joined.replace(form, marker), kept
     out, start = [], 0
     for at, eol in breaks:
         out += [joined[start:at], eol]

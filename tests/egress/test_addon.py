@@ -420,24 +420,70 @@ def test_connect_requests_spend_the_rate_limit(setup, looked_up):
     assert rec["method"] == "CONNECT" and "rate limit" in rec["blocked"]
 
 
-def test_websocket_messages_from_the_sandbox_spend_the_rate_limit(setup):
-    """Each message the sandbox sends counts as one request: past the burst it is dropped, and
-    logged; the upstream's messages count for nothing."""
+def test_websocket_messages_from_the_sandbox_spend_the_rate_limit(setup, monkeypatch):
+    """Each message the sandbox sends counts as one request: past the burst the WebSocket is
+    closed (once, with one record), and nothing more goes either way; the upstream's messages
+    count for nothing."""
     from mitmproxy import websocket
 
     from codedojo.egress.addon import TokenBucket
 
     addon, sc, audit = setup
+    closed = []
+    monkeypatch.setattr(addon, "_close_client", closed.append)
     sc.bucket = TokenBucket(0.001, 2)
     f = tflow.twebsocketflow()
     f.client_conn.peername = (SANDBOX_IP, 40000)
     messages = []
-    for i, from_client in enumerate([True, False, True, False, True]):
+    for i, from_client in enumerate([True, False, True, False, True, True, False, True]):
         messages.append(websocket.WebSocketMessage(1, from_client, f"{i} tok-123456".encode()))
         f.websocket.messages.append(messages[-1])
         addon.websocket_message(f)
-    assert [not m.dropped for m in messages] == [True, True, True, True, False]
+    assert [not m.dropped for m in messages] == [True] * 4 + [False] * 4
+    assert closed == [f.client_conn]
     assert messages[0].content == b"0 __REDACTED_TOKEN__"  # and what goes is redacted
     (rec,) = read_audit(audit)
     assert rec["method"] == "WEBSOCKET" and "rate limit" in rec["blocked"]
-    assert "dropped" in rec["blocked"] and "123456" not in audit.read_text()
+    assert "closed" in rec["blocked"] and "123456" not in audit.read_text()
+
+
+def test_a_connect_pays_for_the_first_request_in_its_tunnel(setup, looked_up):
+    """A connection with one request costs one token, CONNECT or not; later requests in the
+    tunnel, and CONNECTs that carry none, spend as requests do."""
+    from codedojo.egress.addon import TokenBucket
+
+    addon, sc, audit = setup
+    sc.bucket = TokenBucket(0.001, 2)
+    connect = _flow()
+    connect.request.method, connect.request.port = "CONNECT", 443
+    asyncio.run(addon.http_connect(connect))
+    codes = []
+    for _ in range(3):  # in the tunnel: the first is paid for, the second spends the last token
+        f = _flow()
+        f.request.scheme, f.request.port = "https", 443
+        asyncio.run(addon.requestheaders(f))
+        codes.append(f.response.status_code if f.response else None)
+    assert connect.response is None and codes == [None, None, 429]
+
+
+def test_only_a_connection_mitmproxy_refused_gets_a_record_when_it_closes(setup):
+    """mitmproxy's refusal (logged, never a hook) is audited when the connection closes; a
+    connection that sent nothing (connect and close, a spare one) leaves no record."""
+    from codedojo.egress.addon import _SERVER_LOG
+
+    addon, sc, audit = setup
+    refused, idle = tflow.tclient_conn(), tflow.tclient_conn()
+    refused.peername, idle.peername = (SANDBOX_IP, 40000), (SANDBOX_IP, 40001)
+    addon.running()
+    try:
+        _SERVER_LOG.info("client connect", extra={"client": idle.peername})
+        _SERVER_LOG.info(f"{SANDBOX_IP}:40000: Bad HTTP request line: b'GET /?tok-123456'",
+                         extra={"client": refused.peername})  # fmt: skip
+        addon.client_disconnected(idle)
+        assert read_audit(audit) == []
+        addon.client_disconnected(refused)
+    finally:
+        addon.done()
+    (rec,) = read_audit(audit)
+    assert rec["method"] == "HTTP" and "Bad HTTP request line" in rec["blocked"]
+    assert "__REDACTED_TOKEN__" in rec["blocked"] and "123456" not in audit.read_text()

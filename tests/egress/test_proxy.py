@@ -552,7 +552,7 @@ def test_sandbox_names_that_read_alike_as_file_names_keep_their_own_audit_logs()
 def test_a_request_mitmproxy_refuses_as_malformed_is_audited(egress_env, sandbox, mode):
     """mitmproxy answers a request line or header block it cannot parse itself, before any
     request hook; the sandbox's audit log still gets a record saying why (redacted), when the
-    connection closes, as it does for a request that names no host."""
+    connection closes."""
     import time
 
     http_up, https_up = egress_env["http"], egress_env["https"]
@@ -567,8 +567,6 @@ def test_a_request_mitmproxy_refuses_as_malformed_is_audited(egress_env, sandbox
         "Bad HTTP request line": f"GET /?k={SECRET}\r\n\r\n".encode(),
         "Invalid header line": b"GET / HTTP/1.1\r\nHost: up.test\r\nno-colon-here\r\n\r\n",
     }
-    if mode == "explicit":
-        payloads["names no host"] = b"GET /relative HTTP/1.1\r\n\r\n"
     out = _raw(sb, [{**to, "payload": p} for p in payloads.values()])
     assert all(o.startswith("HTTP/1.1 400") for o in out), out
     path = proxy.audit_path(sb.id)

@@ -83,10 +83,14 @@ def test_headers_are_stripped_and_values_redacted():
     assert report.secrets == {"K": ["header:x-note"]}
 
 
-@pytest.mark.parametrize("width,eol", [(76, b"\r\n"), (76, b"\n"), (64, b"\n"), (5, b"\n")])
+@pytest.mark.parametrize("width,eol", [
+    (76, b"\r\n"), (76, b"\n"), (64, b"\n"), (5, b"\n"), (76, b"\r"),
+    (64, b"\n  "), (64, b"\r\n\t"), (20, b" "), (7, b" \t "),
+])  # fmt: skip
 def test_a_secret_in_line_wrapped_base64_is_redacted(width, eol):
-    """Base64 wrapped as MIME bodies and PEM blocks carry it: wherever a line break falls in
-    the secret, it is found; the lines around it and the rest of the body stay as they were."""
+    """Base64 wrapped as MIME bodies and PEM blocks carry it (lines indented too, as in YAML or
+    a heredoc; or split by spaces): wherever the break falls in the secret, it is found; the
+    lines around it and the rest of the body stay as they were."""
     s = SecretSet.from_mapping({"k": SECRET})
     for before in range(0, 60, 7):
         blob = b"x" * before + SECRET.encode() + b" and some more text after it" * 4
