@@ -26,8 +26,8 @@ stays the most likely first draft's). Both count rounds, not positions, so they 
 drafts a round: deeper rounds skip more of the easy stretches (`mtp_agreement.py` replays the
 rounds of each depth over held-out continuations); `tokens_per_pass` counts a tree's pass as one,
 whatever its nodes. `modelled_speedup` prices the same decode steps by the cost model the engine
-decides by (a step drafting k tokens costs 1 + k * draft_cost plain steps, k a tree's nodes, as
-the target verifies every one): with
+chooses a chain's depth by (a step drafting k tokens costs 1 + k * draft_cost plain steps; for a
+tree, k is its nodes, as the target verifies every one): with
 `--draft-cost` given it depends on the checkpoint and the policy alone, not on this machine's timing
 (on a shared 2-core VM the wall-clock speedup of one checkpoint read 1.08 and 1.18 in two runs).
 `accept_first_ci95` and `speedup_ci95` are 95% intervals over the files the prompts were cut from

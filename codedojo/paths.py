@@ -133,7 +133,12 @@ def temp_beside(path: Path) -> tuple[int, str]:
     ``path``; it has the mode of the file it will replace, else 0o644 (mkstemp's is 0o600)."""
     mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    os.fchmod(fd, mode)
+    try:
+        os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
     return fd, tmp
 
 

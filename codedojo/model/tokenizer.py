@@ -524,7 +524,11 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Tokenizer:
         ggufs = sorted(path.glob("*.gguf"))
         if ggufs:
             return Tokenizer.from_gguf(ggufs[0])
-        raise FileNotFoundError(f"{path}: no tokenizer.json and no .gguf file in this directory")
+        saved = (" (a checkpoint saved without its run's tokenizer: copy the run's "
+                 "tokenizer.json and tokenizer_config.json into it)"
+                 if (path / "model_config.json").exists() else "")
+        raise FileNotFoundError(f"{path}: no tokenizer.json and no .gguf file in this "
+                                f"directory{saved}")
     raise FileNotFoundError(f"model {name_or_path!r}: not {DEFAULT_MODEL!r}, a .gguf file or a directory")
 
 

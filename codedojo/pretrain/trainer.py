@@ -914,8 +914,7 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
             save_hf(full, model.cfg, hf_dir)
             if mtp is not None:
                 save_mtp(mtp, hf_dir)
-            if hasattr(tok, "save"):
-                tok.save(hf_dir)
+            tok.save(hf_dir)
         report["hf_export"] = str(hf_dir)
     report["checkpoint"] = str(final)
     save_report()

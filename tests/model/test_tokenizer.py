@@ -296,3 +296,16 @@ def test_smollm2_splits_text_as_llama_cpp_does(text):
     tok = load_tokenizer()
     got = [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str(text)]
     assert got == ["".join(table[b] for b in w.encode()) for w in want]
+
+
+def test_a_folder_without_a_tokenizer_says_what_it_lacks(tmp_path):
+    """A checkpoint saved without its run's tokenizer is named as one, with what to copy."""
+    from codedojo.model.tokenizer import load_tokenizer
+
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json and no .gguf file in this "
+                       "directory$"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "model_config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="a checkpoint saved without its run's "
+                       "tokenizer: copy the run's tokenizer.json"):
+        load_tokenizer(str(tmp_path))
