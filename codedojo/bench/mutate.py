@@ -80,8 +80,8 @@ class _Mutator(cst.CSTTransformer):
     # Generic traversal bookkeeping -------------------------------------------------------
     def on_visit(self, node: cst.CSTNode) -> bool:
         self._stack.append(node)
-        if isinstance(node, (cst.Annotation, cst.Decorator)):
-            self._skip += 1
+        if isinstance(node, (cst.Annotation, cst.Decorator, cst.Parameters)):
+            self._skip += 1  # (a parameter's default is evaluated at the def, not in the body)
         elif isinstance(node, cst.FunctionDef):
             self._func += 1
             self._names.append(node.name.value)
@@ -105,7 +105,7 @@ class _Mutator(cst.CSTTransformer):
             return result
         if isinstance(original, cst.ClassDef):
             self._names.pop()
-        elif isinstance(original, (cst.Annotation, cst.Decorator)):
+        elif isinstance(original, (cst.Annotation, cst.Decorator, cst.Parameters)):
             self._skip -= 1
         elif isinstance(original, cst.Subscript) or (
             isinstance(original, cst.Call) and isinstance(original.func, cst.Name) and original.func.value == "range"

@@ -99,6 +99,10 @@ def parse_patch(text: str) -> list[FilePatch]:
                 seen_old += tag in (" ", "-")
                 seen_new += tag in (" ", "+")
                 i += 1
+            if seen_old < old_len or seen_new < new_len:  # the patch ended inside the hunk
+                raise PatchError(
+                    f"{files[-1].path}: hunk {line.strip()!r} ends after {seen_old} old and "
+                    f"{seen_new} new lines, its header counts {old_len} and {new_len}")
             while i < len(lines) and lines[i].startswith("\\"):
                 body[-1] = body[-1].rstrip("\n")
                 i += 1

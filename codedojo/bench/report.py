@@ -123,7 +123,10 @@ def plot(run: RunResult, path: Path, data: dict | None = None) -> Path:
     ax1.legend(fontsize=8)
     ax1.tick_params(axis="x", labelrotation=15)
     times = [[r.total_s for r in run.results if r.category == c] for c in cats]
-    ax2.boxplot(times, tick_labels=cats)
+    if cats:
+        ax2.boxplot(times, tick_labels=cats)
+    else:  # (a run with no episodes has nothing to draw a box of)
+        ax2.text(0.5, 0.5, "no episodes", ha="center", va="center", transform=ax2.transAxes)
     ax2.set_ylabel("seconds per episode")
     ax2.set_title("time per episode")
     ax2.tick_params(axis="x", labelrotation=15)

@@ -91,7 +91,7 @@ def log_statement(
 
 
 def feature_statement(module: str, qualname: str, signature: str, docstring: str) -> str:
-    doc = docstring.strip().strip('"').strip("'").strip()
+    doc = docstring.strip()  # (the text within the quotes: a quote at either end is content)
     return (
         f"`{module}.{qualname}` is declared but not implemented yet: calling it raises "
         f"NotImplementedError. Implement it so it behaves as documented.\n\n"

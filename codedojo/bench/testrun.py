@@ -22,7 +22,8 @@ from codedojo.sandbox.base import ExecResult, Executor
 
 _SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S.*?)(?: - (.*))?$")
 _BADNESS = ("passed", "xfail", "skipped", "xpass", "failed", "error")  # worse to the right
-_SECTION = re.compile(r"^_{3,} (?:ERROR at \w+ of )?(.+?) _{3,}$")
+# a failure's section title: pytest frames a long title with fewer underscores, down to one
+_SECTION = re.compile(r"^_+ (?:ERROR at \w+ of )?(.+?) _+$")
 
 
 class LocalExecutor:
@@ -159,6 +160,8 @@ class PytestCommand:
             "PYTHONDONTWRITEBYTECODE": "1",  # keeps the tree (and Sandbox.changes()) clean
             "PYTHONHASHSEED": "0",
             "NO_COLOR": "1",
+            # a wide terminal: pytest cuts a summary line (and its " - message") to the width
+            "COLUMNS": "500",
         }
         return env if self.inherit_pythonpath else {"PYTHONPATH": self._paths(), **env}
 

@@ -127,6 +127,13 @@ def test_a_failure_message_names_no_file_or_line():
     assert clean_message("ValueError: bad value 3.5") == "ValueError: bad value 3.5"
 
 
+def test_a_feature_statement_keeps_the_quotes_that_end_its_documentation():
+    from codedojo.bench.statement import feature_statement
+
+    doc = "Quote a name.\n\n    >>> quote('a')\n    'a'"
+    assert feature_statement("m", "quote", "(s)", doc).endswith("\n    'a'\n")
+
+
 def test_a_recipe_names_each_package_once_and_folders_plainly():
     from codedojo.bench.builder import BuildRecipe, PackageRecipe
 

@@ -42,6 +42,13 @@ def test_module_level_code_is_not_mutated():
     assert all("LIMIT = 10" not in s.before for s in sites)
 
 
+def test_parameter_defaults_are_not_mutated():
+    src = 'def f(x, limit=10, strict=True, step=-1, key=lambda v=0: v):\n    """Doc."""\n    return x\n'
+    for s in find_sites(src):
+        code, _ = apply_site(src, s.kind, s.index)
+        assert code.splitlines()[0] == src.splitlines()[0], s
+
+
 def test_specific_mutations():
     def only(kind, pred):
         for s in find_sites(SRC):

@@ -36,6 +36,14 @@ def test_context_mismatch_is_an_error():
         apply_patch("hello", lambda p: "")
 
 
+def test_a_hunk_cut_short_by_the_patchs_end_is_an_error():
+    files = {"a.py": "x = 1\ny = 2\nz = 3\n"}
+    patch = "--- a/a.py\n+++ b/a.py\n@@ -1,3 +1,3 @@\n-x = 1\n+x = 9\n"
+    with pytest.raises(PatchError, match=r"a\.py: hunk '@@ -1,3 \+1,3 @@' ends after 1 old"):
+        apply_patch(patch, files.get)
+    assert apply_patch(patch + " y = 2\n z = 3\n", files.get) == {"a.py": "x = 9\ny = 2\nz = 3\n"}
+
+
 def test_lines_end_at_newlines_alone_and_paths_stay_in_the_tree():
     """A form feed or a line separator inside a line is no line break to a diff; a patch's
     path cannot lead out of the tree it is applied to."""

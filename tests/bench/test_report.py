@@ -58,3 +58,9 @@ def test_a_report_that_fails_to_draw_leaves_the_old_one_whole(tmp_path, monkeypa
     with pytest.raises(RuntimeError, match="drawing failed"):
         write_report(_run({"a": ["unresolved"], "b": ["resolved"]}), tmp_path)
     assert {p.name: p.read_bytes() for p in (tmp_path / "r").iterdir()} == old
+
+
+def test_a_run_with_no_episodes_still_gets_its_report(tmp_path):
+    paths = write_report(RunResult("empty", "agent", "v0", 1, 1, 0.0, []), tmp_path)
+    assert all(p.stat().st_size > 0 for p in paths.values())
+    assert '"samples": 0' in paths["json"].read_text()

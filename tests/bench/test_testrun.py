@@ -113,3 +113,30 @@ def test_a_local_command_past_its_limit_returns_though_a_daemon_holds_its_output
     t0 = time.monotonic()
     r = LocalExecutor().exec("setsid sleep 15 & sleep 100", timeout=1.0)
     assert r.timed_out and time.monotonic() - t0 < 10
+
+
+def test_a_long_title_framed_by_one_underscore_still_heads_its_failure():
+    long = "test_a[" + "v" * 90 + "]"
+    out = (
+        "=================================== FAILURES ===================================\n"
+        "__________________________________ test_b ___________________________________\n"
+        "E   assert 1 == 2\n"
+        f"_ {long} _\n"
+        "E   assert 3 == 4\n"
+        "=========================== short test summary info ============================\n"
+        "FAILED t.py::test_b\n"
+        f"FAILED t.py::{long}\n"
+    )
+    rep = parse_pytest_output(out)
+    assert rep.messages["t.py::test_b"] == "assert 1 == 2"
+    assert rep.messages[f"t.py::{long}"] == "assert 3 == 4"
+
+
+def test_a_long_ids_summary_line_keeps_its_message(tmp_path):
+    # no E lines (pytrace=False): the summary line's " - message" is all there is to read
+    (tmp_path / "test_x.py").write_text(
+        "import pytest\n\n"
+        f"@pytest.mark.parametrize('s', ['{'v' * 100}'])\n"
+        "def test_long(s):\n    pytest.fail('the value is wrong', pytrace=False)\n")
+    rep = run_pytest(LocalExecutor(), PytestCommand(root=str(tmp_path)), timeout=60)
+    assert rep.messages == {f"test_x.py::test_long[{'v' * 100}]": "Failed: the value is wrong"}
