@@ -216,6 +216,17 @@ class _Start:
         return fail[k - 1] if k == len(word) else k  # (the whole word: its longest border)
 
 
+def _space_start(text: str, start: int, end: int, run: int) -> int:
+    """Where the whitespace that ends ``text[:end]`` starts, given ``run``, where the whitespace
+    that ends ``text[:start]`` starts: only ``text[start:end]`` is read, so a stream that calls
+    it as its text grows reads each character once, however long a run of whitespace gets.
+    (With ``end`` before ``start``, the whole of ``text[:end]`` is read.)"""
+    if end < start:
+        start, run = 0, 0
+    kept = len(text[start:end].rstrip())  # (rstrip strips what isspace calls whitespace)
+    return start + kept if kept else run
+
+
 # ----------------------------------------------------------------------------------------------
 # The app
 # ----------------------------------------------------------------------------------------------
@@ -692,6 +703,10 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
     seen = ["" for _ in gens]
     sent = [0 for _ in gens]
     starts = [_Start(marker) for _ in gens] if marker else []
+    # With tools, per choice: how much of the text was read for the whitespace before `safe`,
+    # and where the whitespace that ends that much starts.
+    read = [0 for _ in gens]
+    space = [0 for _ in gens]
     cached = [0 for _ in gens]
     completion_tokens = finished = 0
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -714,8 +729,9 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
                     held = starts[i].feed(text)
                     at = starts[i].at
                     safe = at if at is not None else len(seen[i]) - held
-                    while safe > sent[i] and seen[i][safe - 1].isspace():
-                        safe -= 1
+                    space[i] = _space_start(seen[i], read[i], safe, space[i])
+                    read[i] = safe
+                    safe = max(space[i], sent[i])
                 delta = seen[i][sent[i]:safe] if safe > sent[i] else ""
                 sent[i] = max(sent[i], safe)
                 choice: dict[str, Any] = {"index": i, "delta": {"content": delta} if delta else {},

@@ -156,7 +156,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, D)  # (N, D)
         idx, gates, scores = self.route(flat, (B, T))
         self._bookkeeping(idx, scores, B, T)
-        N, k, E = flat.shape[0], self.top_k, self.n_experts
+        N, k = flat.shape[0], self.top_k
         # Sort the (token, slot) pairs by expert, so each expert's tokens form one contiguous
         # slice, and run each expert on its slice alone (idle experts not at all). Padding every
         # expert to the busiest one's load for a single batched matmul would cost up to E/k
@@ -164,13 +164,8 @@ class MoE(nn.Module):
         expert_of = idx.reshape(-1)  # (N*k,)
         order = torch.argsort(expert_of, stable=True)
         token_of = order // k
-        counts = torch.bincount(expert_of, minlength=E).tolist()
         xs = flat[token_of]  # (N*k, D), grouped by expert
-        weights = zip(self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0), strict=True)
-        outs = [(F.silu(xe @ w1) * (xe @ w3)) @ w2
-                for xe, n, (w1, w3, w2) in zip(xs.split(counts), counts, weights, strict=True)
-                if n]
-        out = torch.cat(outs) if outs else xs  # no tokens: (0, D)
+        out = _grouped_experts(xs, expert_of, self.w1, self.w3, self.w2)
         contrib = out * gates.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
         routed = flat.new_zeros(N, D).index_add_(0, token_of, contrib)
         return (routed + self._shared(flat)).reshape(B, T, D)
@@ -215,6 +210,23 @@ class MoE(nn.Module):
             return
         self.expert_bias += gamma * torch.sign(load.mean() - load)
         self.tokens_per_expert.zero_()
+
+
+@torch.compiler.disable
+def _grouped_experts(xs: torch.Tensor, expert_of: torch.Tensor, w1: torch.Tensor,
+                     w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """xs (M, D), rows grouped by expert in expert order, ``expert_of`` (M,) each row's expert
+    (in any order) -> (M, D): each expert's SwiGLU on its own rows, idle experts skipped.
+
+    Eager under ``torch.compile``: the slices' sizes are data, and a compiled graph guards the
+    sizes it is traced with (0 and 1 apart from the rest), so every new pattern of idle or
+    one-token experts would compile another graph, until the recompile limit made the whole
+    block eager. Outside, the graphs see only M."""
+    counts = torch.bincount(expert_of, minlength=w1.shape[0]).tolist()
+    outs = [(F.silu(xe @ a) * (xe @ b)) @ c
+            for xe, n, a, b, c in zip(xs.split(counts), counts, w1.unbind(0), w3.unbind(0),
+                                      w2.unbind(0), strict=True) if n]
+    return torch.cat(outs) if outs else xs  # no rows: (0, D)
 
 
 def _check_replay(idx: torch.Tensor, top_k: int, tokens: tuple[int, int] | None = None) -> None:

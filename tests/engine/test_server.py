@@ -535,6 +535,54 @@ def test_the_text_held_back_is_the_longest_start_of_a_stop_the_text_ends_with():
             assert start.at == (seen.find(word) if word in seen else None), (word, seen)
 
 
+def test_a_long_run_of_streamed_whitespace_is_read_once(tok):
+    """With tools, whitespace goes out once text follows it (at the end, it is no content). A
+    long run of whitespace tokens streams so, and the stream's work a token (on the event loop)
+    stays bounded however long the run: the lines run in server.py are counted."""
+    import asyncio
+    import sys
+    from types import SimpleNamespace
+
+    from codedojo.engine import server as server_mod
+    from codedojo.engine.openai_types import ChatCompletionRequest
+    from codedojo.engine.server import ChoiceResult, Piece
+
+    n = 500
+    pieces = ["Hi", *[" "] * n, "there", *["\n"] * n]
+
+    async def choice() -> AsyncIterator[Piece | ChoiceResult]:
+        for p in pieces:
+            yield Piece(p, 1, 0.0, [])
+        yield ChoiceResult(text="".join(pieces))
+
+    async def chunks() -> list[str]:
+        state = SimpleNamespace(chat=ChatTemplate(tok), tokenizer=tok)
+        req = ChatCompletionRequest(model=MODEL, messages=MSGS, tools=TOOLS, stream=True)
+        return [c async for c in server_mod._chat_stream(state, req, "id", 0, [], [choice()],
+                                                         TOOLS, 0)]
+
+    lines = 0
+
+    def trace(frame, event, arg):
+        nonlocal lines
+        if frame.f_code.co_filename != server_mod.__file__:
+            return None
+        lines += event == "line"
+        return trace
+
+    before = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        out = asyncio.run(chunks())
+    finally:
+        sys.settrace(before)
+    bodies = [json.loads(c[len("data: "):]) for c in out if c.startswith("data: {")]
+    content = "".join(b["choices"][0]["delta"].get("content", "") for b in bodies)
+    assert content == "Hi" + " " * n + "there"
+    assert bodies[-1]["choices"][0]["finish_reason"] == "stop"
+    assert lines < 100 * len(pieces), lines
+
+
 def test_named_tool_choice_prefills_the_call(replay, tok):
     # The replayed answer is only the arguments: the server must have prefilled the call's start.
     client, _, _ = replay('{"target_file": "b.py"}}\n]</tool_call>')

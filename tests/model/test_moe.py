@@ -81,6 +81,43 @@ def test_expert_work_is_that_of_the_routed_tokens_however_skewed():
         assert fc.get_total_flops() == want
 
 
+def test_compiled_forward_compiles_once_however_the_tokens_spread():
+    """Under torch.compile (the trainer compiles each block), how many tokens each expert gets
+    is data: new idle or one-token experts must not compile new graphs (a graph each would
+    reach the recompile limit, and the block would run eager). The compiled forward and its
+    gradients are the eager ones."""
+    import torch._dynamo
+
+    E, T = 4, 8
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = MoE(_cfg(n_routed_experts=E))
+    compiled = torch.compile(m.forward, backend=backend, dynamic=True)
+    x = torch.randn(1, T, 24, requires_grad=True)
+    spreads = [torch.arange(2 * T) % E,  # every expert busy
+               torch.tensor([0, 1, 0, 2, 1, 2] * 2 + [0, 1] * 2),  # expert 3 idle
+               torch.tensor([0, 1, 0, 2, 1, 2, 0, 3] + [0, 1, 2, 0] * 2),  # expert 3 has one
+               torch.tensor([0, 1] * T),  # experts 2 and 3 idle
+               torch.tensor([0, 3, 1, 3, 0, 2] + [0, 1, 3, 1, 0, 3] + [0, 3, 1, 3])]  # 2 has one
+    for i, spread in enumerate(spreads):
+        with router_replay(m, [spread.reshape(1, T, 2)]):
+            out = compiled(x)
+            (got,) = torch.autograd.grad(out.square().sum(), [m.w1])
+            want = m(x)
+            (grad,) = torch.autograd.grad(want.square().sum(), [m.w1])
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, grad, rtol=1e-5, atol=1e-6)
+        if i == 0:
+            first = len(graphs)
+    assert first > 0 and len(graphs) == first
+
+
 def test_bias_changes_selection_not_gates():
     torch.manual_seed(1)
     m = MoE(_cfg(n_shared_experts=0))
