@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import re
 from collections.abc import Iterable
 from datetime import datetime
@@ -59,11 +60,12 @@ Pinned = Annotated[str, AfterValidator(pinned)]  # a requirement `name==version`
 
 
 def inside_tree(paths: list[str]) -> list[str]:
-    """``paths`` if each is a path inside the sdist (relative, no `..`); else ValueError."""
+    """``paths``, normalised (``./src/`` is ``src``: paths are compared as written), if each is
+    a path inside the sdist (relative, no `..`); else ValueError."""
     bad = [p for p in paths if not p or p.startswith("/") or ".." in p.split("/")]
     if bad:
         raise ValueError(f"paths inside the sdist expected, got {bad}")
-    return paths
+    return [posixpath.normpath(p) for p in paths]
 
 
 class TaskFormatError(ValueError):

@@ -7,16 +7,19 @@ for a folder on the host (the builder's validation runs there). The outcome come
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import secrets
 import signal
+import string
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from posixpath import normpath
 
 from codedojo.sandbox.base import ExecResult, Executor
 
@@ -70,8 +73,10 @@ class LocalExecutor:
 # What configures or runs the test session itself. Grading takes these from the task, never
 # from the agent: a hook in a conftest.py, an option in a config file, a module that shadows
 # pytest or runs at interpreter start (sitecustomize, a .pth file) would pass tests unfixed.
-TEST_CONFIG_FILES = ("conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg",
-                     "pyproject.toml")
+# The config files are pytest's own list (the names it looks for, by precedence: pytest 9.2's)
+# and, where this interpreter has a pytest, whatever names its list adds (`_config_files`).
+TEST_CONFIG_FILES = ("conftest.py", "pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini",
+                     "pyproject.toml", "tox.ini", "setup.cfg")
 TEST_RUNNER_MODULES = ("pytest", "_pytest", "pluggy", "py", "iniconfig", "sitecustomize",
                        "usercustomize")
 
@@ -83,17 +88,30 @@ def is_test_machinery(rel: str, python_path: Sequence[str] = (".",)) -> bool:
     module named as the test runner's at an import root (``python_path``: the task's folders
     on PYTHONPATH; and /workspace itself, first on the path of ``python -m pytest``)."""
     name = rel.rsplit("/", 1)[-1]
-    if name in TEST_CONFIG_FILES or name.endswith(".pth"):
+    if name in _config_files() or name.endswith(".pth"):
         return True
-    if any(part.endswith((".dist-info", ".egg-info")) for part in rel.split("/")[:-1]):
+    # (importlib.metadata finds a metadata folder by its name in lower case)
+    if any(part.lower().endswith((".dist-info", ".egg-info")) for part in rel.split("/")[:-1]):
         return True
-    for root in {*python_path, "."}:
+    for root in {*map(normpath, python_path), "."}:  # ("./src" is the import root src)
         prefix = "" if root in (".", "") else root.strip("/") + "/"
         if rel.startswith(prefix):
             top = rel[len(prefix):].split("/", 1)[0]
             if top.removesuffix(".py") in TEST_RUNNER_MODULES:
                 return True
     return False
+
+
+@functools.cache
+def _config_files() -> frozenset[str]:
+    """`TEST_CONFIG_FILES` and the names this interpreter's pytest (if any) reads its
+    configuration from: a newer pytest's new name is machinery too. Asked at the first use,
+    not at import: importing pytest's config takes a while, and pytest is no dependency."""
+    try:
+        from _pytest.config.findpaths import CONFIG_LOADERS_BY_NAME
+    except ImportError:  # (no pytest here, or one that keeps its list otherwise)
+        return frozenset(TEST_CONFIG_FILES)
+    return frozenset({*TEST_CONFIG_FILES, *CONFIG_LOADERS_BY_NAME})
 
 
 @dataclass
@@ -177,7 +195,7 @@ def run_pytest(
     """Run ``tests`` (all without them), with a canary (`Canary`) beside them; ``known``: more
     node ids the output is read by (one with " - " in it is found whole, see
     `parse_pytest_output`)."""
-    canary = Canary.plant(ex, cmd.root) if tests else None
+    canary = Canary.plant(ex, cmd.root, secrets.choice(tests)) if tests else None
     try:
         run = [*tests, canary.node_id] if canary else tests
         res = ex.exec(cmd.argv(run), cwd=cmd.root, env=cmd.env(), timeout=timeout)
@@ -244,6 +262,11 @@ class Baselines:
             return report
 
 
+def _word() -> str:
+    """Lower-case letters, 6 to 12 of them, drawn."""
+    return "".join(secrets.choice(string.ascii_lowercase) for _ in range(6 + secrets.randbelow(7)))
+
+
 FORGED = ("the run's outcomes are not the tests': a test that must fail did not (the code under "
           "test changed how the tests run or report)")
 
@@ -254,24 +277,32 @@ class Canary:
     run: code under test that makes every test pass (patching pytest as it is imported,
     printing a summary of its own and leaving) makes it pass too, or leaves it unreported,
     and then no outcome of the run is believed. Code that spared it alone would have to tell
-    it from the tests it forges, by a name it cannot know before the run."""
+    it from the tests it forges, by a name it cannot know before the run: its file is a
+    ``test_<word>.py`` in the folder of one of the tests (drawn), its test ``test_<word>``,
+    each word letters of a drawn length, so no folder, prefix or pattern sets it apart."""
 
-    folder: str  # under the tree's root
+    path: str  # its file, as the executor sees it
     node_id: str
 
     @classmethod
-    def plant(cls, ex: Executor, root: str) -> Canary:
-        tag = secrets.token_hex(8)
-        folder, test = f".t{tag}", f"test_{tag}"
+    def plant(cls, ex: Executor, root: str, beside: str = "") -> Canary:
+        """Write the canary into the folder of the test ``beside`` names (a node id; the
+        tree's ``root`` where that folder is not there), never over a file that is."""
+        module, test = f"test_{_word()}", f"test_{_word()}"
         body = f"def {test}():\n    assert False, 'this test must fail'\n"
-        r = ex.exec(["sh", "-c", 'mkdir -p "$1" && cat > "$1/$2.py"', "sh",
-                     f"{root}/{folder}", test], stdin=body, timeout=60)
+        folder = beside.split("::", 1)[0].rpartition("/")[0] or "."
+        # (prints the folder it went into; set -C: a file of that name is not overwritten)
+        r = ex.exec(["sh", "-c", '[ -d "$1/$2" ] || set -- "$1" . "$3"; set -C; '
+                     'cat > "$1/$2/$3.py" && printf %s "$2"', "sh", root, folder, module],
+                    stdin=body, timeout=60)
         if r.exit_code != 0:
             raise RuntimeError(f"cannot write the canary test: {r.stderr.strip()[-300:]}")
-        return cls(folder=f"{root}/{folder}", node_id=f"{folder}/{test}.py::{test}")
+        folder = r.stdout.strip() or "."
+        rel = f"{module}.py" if folder == "." else f"{folder}/{module}.py"
+        return cls(path=f"{root}/{rel}", node_id=f"{rel}::{test}")
 
     def remove(self, ex: Executor) -> None:
-        ex.exec(["rm", "-rf", self.folder], timeout=60)
+        ex.exec(["rm", "-f", self.path], timeout=60)
 
     def judge(self, report: TestReport, tests: Sequence[str]) -> None:
         """Take the canary's outcome out of ``report``; if it did not fail, while the run

@@ -23,6 +23,11 @@ from codedojo.harness.trajectory import Trajectory
 from codedojo.reward.base import FileChange, RewardContext, reward
 
 DONE = ("completed", "cancelled")
+# What comment_reasoning (in blocks) and lint_delta (in diagnostics) charge for each source file
+# the episode left too large or binary to read (`RewardContext.unread`): what it wrote there is
+# unknown, so at least what padding could hide. With the default weights (-0.05 and -0.02) a
+# Python file costs 1.4, more than solving the task earns: size never pays for a file's signals.
+UNREAD_COST = 20.0
 
 
 def final_todos(traj: Trajectory) -> list[dict[str, str]]:
@@ -99,8 +104,9 @@ def comment_blocks(change: FileChange) -> list[list[str]]:
 def comment_reasoning(ctx: RewardContext, *, max_lines: Annotated[int, Field(ge=1)] = 4,
                       max_chars: Annotated[int, Field(ge=1)] = 300) -> float:
     """Number of added comment blocks longer than `max_lines` lines or `max_chars` characters:
-    deliberation ("wait, actually the bug is...") belongs in reasoning, not in the code."""
-    n = 0
+    deliberation ("wait, actually the bug is...") belongs in reasoning, not in the code. A
+    file left too large or binary to read counts `UNREAD_COST` blocks."""
+    n = UNREAD_COST * sum(p.endswith(tuple(_COMMENT_PREFIX)) for p in ctx.unread)
     for change in ctx.changes:
         for block in comment_blocks(change):
             if len(block) > max_lines or sum(len(x) for x in block) > max_chars:
@@ -123,6 +129,9 @@ def tool_collapse(ctx: RewardContext, *,
     return (share - threshold) / (1.0 - threshold)
 
 
+PYTHON = (".py", ".pyi")
+
+
 def _lint_counts(files: dict[str, str], configs: dict[str, str]) -> Counter[str]:
     """Ruff diagnostics per file, by the repository's configuration; ``# noqa`` comments (a
     `# ruff: noqa` atop a file) hide none of them."""
@@ -135,15 +144,17 @@ def lint_delta(ctx: RewardContext, *, normalize: bool = False) -> float:
     """Ruff diagnostics the agent added: per changed Python file, those after the episode
     minus those before, where more (normalize: divided by the number of files). A cost only:
     lint removed from a file earns nothing, or deleting or rewriting files full of it, which
-    no test asks for, would pay more than solving the task."""
-    py = [c for c in ctx.changes if c.path.endswith((".py", ".pyi"))]
-    if not py:
+    no test asks for, would pay more than solving the task. A Python file left too large or
+    binary to read counts `UNREAD_COST` diagnostics."""
+    py = [c for c in ctx.changes if c.path.endswith(PYTHON)]
+    unread = sum(p.endswith(PYTHON) for p in ctx.unread)
+    if not py and not unread:
         return 0.0
     before = _lint_counts({c.path: c.before for c in py if c.before is not None},
                           ctx.lint_configs)
     after = _lint_counts({c.path: c.after for c in py if c.after is not None}, ctx.lint_configs)
-    added = float(sum(max(0, after[c.path] - before[c.path]) for c in py))
-    return added / len(py) if normalize else added
+    added = float(sum(max(0, after[c.path] - before[c.path]) for c in py)) + UNREAD_COST * unread
+    return added / (len(py) + unread) if normalize else added
 
 
 def aux_params_doc() -> dict[str, Any]:

@@ -3,7 +3,10 @@
 `before` is the file as the sandbox's image had it (`Sandbox.read_original`, the other side of
 `Sandbox.changes`), whatever changed it: a file tool, the shell, a build. `after` is read from
 the sandbox. A file that is binary or too large on either side is no text change, and left
-out (not reported as deleted).
+out (not reported as deleted). One that the episode made so (it was text, or not there, in the
+image) is named in `RewardContext.unread`: size or a NUL byte does not hide what the episode
+wrote in a source file from the rewards that read it, which charge a fixed cost for it
+(`codedojo.reward.auxiliary.UNREAD_COST`), since its text, of any length, is not read.
 
 `reward_context` gathers what the rewards read of a finished episode: the changes, and the
 workspace's ruff configuration as the image had it, so that `lint_delta` lints by the
@@ -42,18 +45,26 @@ def _side(read: Callable[[str], bytes], path: str) -> str | object | None:
 
 def collect_changes(sandbox: Sandbox) -> list[FileChange]:
     """The text files the episode added, modified or deleted under /workspace."""
+    return _collect(sandbox)[0]
+
+
+def _collect(sandbox: Sandbox) -> tuple[list[FileChange], list[str]]:
+    """`collect_changes`, and the files the episode left no text where the image had text or
+    none (`RewardContext.unread`)."""
     out: list[FileChange] = []
+    unread: list[str] = []
     for ch in sandbox.changes():
         path = ch.path if ch.path.startswith("/") else f"{WORKSPACE}/{ch.path}"
         after = None if ch.kind == "deleted" else _side(  # (a file past it is not read)
             lambda p: sandbox.read_file(p, max_bytes=MAX_BYTES), path)
-        if after is _UNREADABLE:  # (no text: the image's side need not be read)
-            continue
         before = None if ch.kind == "added" else _side(sandbox.read_original, path)
         if before is _UNREADABLE or before == after:  # directories: None on both
             continue
+        if after is _UNREADABLE:
+            unread.append(path)
+            continue
         out.append(FileChange(path, before, after))  # type: ignore[arg-type]
-    return out
+    return out, unread
 
 
 def image_lint_configs(sandbox: Sandbox) -> dict[str, str]:
@@ -69,4 +80,5 @@ def image_lint_configs(sandbox: Sandbox) -> dict[str, str]:
 def reward_context(trajectory: Trajectory, sandbox: Sandbox,
                    tests: TestReport | None = None) -> RewardContext:
     """What the rewards read of a finished episode whose sandbox is still alive."""
-    return RewardContext(trajectory, tests, collect_changes(sandbox), image_lint_configs(sandbox))
+    changes, unread = _collect(sandbox)
+    return RewardContext(trajectory, tests, changes, image_lint_configs(sandbox), unread)

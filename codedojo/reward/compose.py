@@ -17,14 +17,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # Importing the modules registers their rewards.
 from codedojo.configfile import read_toml
 from codedojo.reward import auxiliary, length, outcome  # noqa: F401
-from codedojo.reward.base import RewardContext, check_params, get_reward
+from codedojo.reward.base import GradingError, RewardContext, check_params, get_reward
+
+MAX_WEIGHT = 1e6  # a component's weight, either sign: past it a total would overflow, not rank
 
 
 class ComponentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    weight: float = Field(allow_inf_nan=False, description="Multiplier of this reward in the "
-                          "total (costs are negative).")
+    weight: float = Field(ge=-MAX_WEIGHT, le=MAX_WEIGHT, allow_inf_nan=False,
+                          description="Multiplier of this reward in the total (costs are "
+                          "negative).")
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword parameters of the reward.")
     enabled: bool = True
 
@@ -80,6 +83,11 @@ class RewardBreakdown:
 
 
 def compute_reward(ctx: RewardContext, config: RewardConfig | None = None) -> RewardBreakdown:
+    """The episode's reward. An episode the environment ended (`Trajectory.status` "error": the
+    model endpoint or the tool service failed) raises `GradingError`, as one whose tests could
+    not run does: no reward is its, and the trainer leaves it out or runs it again."""
+    if ctx.trajectory.status == "error":
+        raise GradingError(f"the environment ended the episode: {ctx.trajectory.error}")
     config = config or RewardConfig()
     comps: dict[str, float] = {}
     weighted: dict[str, float] = {}
@@ -91,4 +99,8 @@ def compute_reward(ctx: RewardContext, config: RewardConfig | None = None) -> Re
             raise ValueError(f"rewards.{name}: returned a non-finite value {value}")
         comps[name] = value
         weighted[name] = comp.weight * value
-    return RewardBreakdown(sum(weighted.values()), comps, weighted)
+    total = sum(weighted.values())
+    if not math.isfinite(total):
+        raise ValueError(f"rewards: the weighted total is {total}, not finite: "
+                         f"{', '.join(f'{k} {v}' for k, v in weighted.items())}")
+    return RewardBreakdown(total, comps, weighted)

@@ -13,7 +13,11 @@ x = Σ weight_f · f over features of the trajectory:
     tool_output_tokens tokens of tool output the model had to read: counted by the model, as
                        the next prompt's growth past the turn's prompt and completion where the
                        next call in the same context says its prompt's length, else as the loop
-                       estimated it (the last turn, a policy that counts no prompt)
+                       estimated it (the last turn, a policy that counts no prompt). The
+                       turn's reasoning is in the next prompt only where the chat template
+                       keeps it (``reasoning_in_prompt``): our renderer (`codedojo.model.chat`)
+                       drops a message's ``reasoning_content``; Qwen3's template keeps it
+                       within a user turn.
     final_tokens       completion tokens of the final answer
     tool_calls         number of tool calls
     turns              number of model calls
@@ -32,8 +36,9 @@ from codedojo.reward.base import RewardContext, reward
 Feature = Literal["thinking_tokens", "tool_call_tokens", "tool_output_tokens", "final_tokens",
                   "tool_calls", "turns"]
 FEATURES: tuple[str, ...] = get_args(Feature)
-# a feature's weight: a cost grows with it (a negative one would pay for length)
-Weight = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+# a feature's weight: a cost grows with it (a negative one would pay for length); bounded so
+# that x stays finite
+Weight = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
 
 
 def concave_penalty(x: float, k: float, q: float) -> float:
@@ -50,7 +55,9 @@ def concave_penalty(x: float, k: float, q: float) -> float:
     return math.expm1(a * log_term) / (k * a)
 
 
-def length_features(traj: Trajectory) -> dict[str, float]:
+def length_features(traj: Trajectory, reasoning_in_prompt: bool = False) -> dict[str, float]:
+    """The features x weighs (see the module's docstring); ``reasoning_in_prompt``: the
+    policy's chat template keeps a turn's reasoning in the prompts after it."""
     f = dict.fromkeys(FEATURES, 0.0)
     for i, t in enumerate(traj.turns):
         completion = t.completion_tokens or len(t.completion_ids)
@@ -64,31 +71,34 @@ def length_features(traj: Trajectory) -> dict[str, float]:
             f["tool_call_tokens"] += visible
             f["tool_calls"] += len(t.tool_calls)
             nxt = traj.turns[i + 1] if i + 1 < len(traj.turns) else None
-            f["tool_output_tokens"] += _tool_output_tokens(t, nxt, completion)
+            carried = completion if reasoning_in_prompt else visible
+            f["tool_output_tokens"] += _tool_output_tokens(t, nxt, carried)
         else:
             f["final_tokens"] += visible
     return f
 
 
-def _tool_output_tokens(turn: Turn, nxt: Turn | None, completion: int) -> float:
+def _tool_output_tokens(turn: Turn, nxt: Turn | None, carried: int) -> float:
     """The tokens of ``turn``'s tool output as the model counted them, from the prompt of the
-    call ``nxt`` after it (if any): what it holds past the turn's prompt and
-    completion, the template's few tokens around each output with it; the loop's estimate
-    where that cannot be told (no next call, a summary's call, whose context may cut long
-    outputs, another context after it, no counts)."""
+    call ``nxt`` after it (if any): what it holds past the turn's prompt and the ``carried``
+    tokens of its completion (those the next prompt holds), the template's few tokens around
+    each output with it; the loop's estimate where that cannot be told (no next call, a
+    summary's call, whose context may cut long outputs, another context after it, no
+    counts)."""
     if nxt is not None and nxt.kind == "action" and nxt.segment == turn.segment and (
             nxt.prompt_tokens and turn.prompt_tokens):
-        grown = nxt.prompt_tokens - turn.prompt_tokens - completion
+        grown = nxt.prompt_tokens - turn.prompt_tokens - carried
         if grown >= 0:
             return float(grown)
     return float(turn.tool_output_tokens)
 
 
-def episode_cost(traj: Trajectory, weights: dict[str, float]) -> float:
+def episode_cost(traj: Trajectory, weights: dict[str, float],
+                 reasoning_in_prompt: bool = False) -> float:
     for name in weights:
         if name not in FEATURES:
             raise ValueError(f"rewards.length_penalty.params.weights.{name}: unknown feature; known: {list(FEATURES)}")
-    f = length_features(traj)
+    f = length_features(traj, reasoning_in_prompt)
     return sum(weights.get(name, 0.0) * f[name] for name in FEATURES)
 
 
@@ -104,12 +114,18 @@ DEFAULT_WEIGHTS = {
 
 @reward("length_penalty")
 def length_penalty(
-    ctx: RewardContext, *, k: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1e-3,
+    ctx: RewardContext, *, k: Annotated[float, Field(ge=1e-12, le=1, allow_inf_nan=False)] = 1e-3,
     q: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0,
-    weights: dict[Feature, Weight] | None = None,
+    weights: dict[Feature, Weight] | None = None, reasoning_in_prompt: bool = False,
 ) -> float:
     """C_{k,q}(x) of the episode (positive; composition gives it a negative weight). C is in
-    units of x, about x itself while k·x is small. ``weights`` change the features' weights
-    over `DEFAULT_WEIGHTS` (0 leaves a feature out)."""
-    return concave_penalty(episode_cost(ctx.trajectory, {**DEFAULT_WEIGHTS, **(weights or {})}),
-                           k, q)
+    units of x, about x itself while k·x is small: 1/k, the x where it bends, is from one token
+    to 10^12 (past these, k·x overflows or k·(1−q) underflows: every episode's cost would
+    fail). ``weights`` change
+    the features' weights over `DEFAULT_WEIGHTS` (0 leaves a feature out).
+    ``reasoning_in_prompt``: the policy's chat template keeps a turn's reasoning in the prompts
+    after it (a server's Qwen3 template, within the task's user turn); off, as our renderer
+    does, a turn's tool output is the next prompt's growth past the turn's visible
+    completion."""
+    weights = {**DEFAULT_WEIGHTS, **(weights or {})}
+    return concave_penalty(episode_cost(ctx.trajectory, weights, reasoning_in_prompt), k, q)

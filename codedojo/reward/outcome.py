@@ -6,10 +6,11 @@ fail-to-pass test must pass (one that xfails, by `pytest.xfail()` in the code un
 not fixed); a pass-to-pass test passes or fails as expected.
 
 `grade` judges an episode on a fresh sandbox of the task's image: the episode's changes to
-/workspace are applied there, all but the tests' own files and the test machinery
-(conftest.py files, pytest configuration, modules that shadow pytest: `is_test_machinery`),
-so nothing the episode did to how the tests run, nor anything outside /workspace (its home
-directory, links, processes still running), counts. Without a fresh sandbox it grades in the
+/workspace are applied there, all but the tests' own files, the paths the caller protects (the
+task's hidden paths: what the tests read) and the test machinery (conftest.py files, pytest
+configuration, modules that shadow pytest: `is_test_machinery`), so nothing the episode did
+to how the tests run, nor anything outside /workspace (its home directory, links, processes
+still running), counts. Without a fresh sandbox it grades in the
 episode's own, after putting those files back as the image had them: for a trusted episode.
 
 A run that says nothing of the tests (it timed out, or pytest did not start) is the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import posixpath
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -58,8 +60,8 @@ def default_command(python_path: Sequence[str] = (".",)) -> PytestCommand:
 
 def grade(sandbox: Sandbox, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], *,
           fresh: Callable[[], Sandbox] | None = None, command: PytestCommand | None = None,
-          timeout: float = 300.0, as_it_came: Callable[[], RunReport] | None = None
-          ) -> TestReport:
+          timeout: float = 300.0, as_it_came: Callable[[], RunReport] | None = None,
+          protect: Sequence[str] = ()) -> TestReport:
     """Both test sets' results for the episode whose sandbox is ``sandbox``: run in a new
     sandbox of the task's image, ``fresh()``, with the episode's changes, or in ``sandbox``
     itself when there is no ``fresh`` (see the module's docstring). A run that needs the task
@@ -67,15 +69,27 @@ def grade(sandbox: Sandbox, fail_to_pass: Sequence[str], pass_to_pass: Sequence[
     ``as_it_came()`` for it, the same tests' run on the task's image (one run a task, kept by
     the caller), or takes another ``fresh()``, where nothing of the episode's ran. The
     sandboxes it makes, it destroys. ``command``: how pytest runs (`default_command`); its
-    ``python_path`` folders are import roots the test machinery cannot be changed in."""
+    ``python_path`` folders are import roots the test machinery cannot be changed in.
+
+    ``protect``: paths (relative to /workspace, files or folders: all under one) whose changes
+    are not applied either, besides the files the test ids name. A caller passes what the
+    tests read besides their own files (helper modules, fixtures, expected data), or the
+    episode can rewrite it: the RL trainer passes the task's hidden paths
+    (`codedojo.bench.workspace.hidden_from_agent`), as the bench grades, or for a task
+    without them the folders its tests are in."""
     command = command or default_command()
     tests = [*fail_to_pass, *pass_to_pass]
     if not tests:
         return TestReport()
     files = {t.split("::", 1)[0] for t in tests}
+    folders = tuple(posixpath.normpath(p) + "/" for p in protect)
+    if bad := [p for p, f in zip(protect, folders, strict=True)
+               if p.startswith("/") or f == "./" or f.startswith("../")]:
+        raise ValueError(f"protect: paths inside /workspace, relative to it, expected; got {bad}")
 
     def protected(rel: str) -> bool:
-        return rel in files or is_test_machinery(rel, command.python_path)
+        return (rel in files or f"{rel}/".startswith(folders)
+                or is_test_machinery(rel, command.python_path))
 
     if fresh is None:
         restore(sandbox, protected)

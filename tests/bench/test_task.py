@@ -139,3 +139,10 @@ def test_an_id_that_is_no_plain_name_is_refused(iid):
     with pytest.raises(TaskFormatError, match="'instance_id'.*is not a plain name"):
         parse_task(record(instance_id=iid))
     assert parse_task(record(instance_id="p" * 150)).instance_id == "p" * 150  # no length cap
+
+
+def test_paths_in_the_tree_are_stored_as_plainly_written():
+    """An import root written "./src" is the folder src: the grader compares paths as written,
+    so a root kept as "./src" would not be known as the one the tests import from."""
+    t = parse_task(record(hidden_paths=["./tests/"], image={"python_path": ["./src", "lib/"]}))
+    assert t.image.python_path == ["src", "lib"] and t.hidden_paths == ["tests"]

@@ -140,3 +140,71 @@ def test_a_long_ids_summary_line_keeps_its_message(tmp_path):
         "def test_long(s):\n    pytest.fail('the value is wrong', pytrace=False)\n")
     rep = run_pytest(LocalExecutor(), PytestCommand(root=str(tmp_path)), timeout=60)
     assert rep.messages == {f"test_x.py::test_long[{'v' * 100}]": "Failed: the value is wrong"}
+
+
+def test_machinery_is_known_however_a_name_is_spelled_where_its_reader_ignores_case():
+    """importlib.metadata finds a package's metadata folder by its lower-cased name: an
+    upper-case ``.DIST-INFO`` registers pytest plugins too."""
+    from codedojo.bench.testrun import is_test_machinery
+
+    for rel in ("Evil.DIST-INFO/entry_points.txt", "x.Egg-Info/entry_points.txt"):
+        assert is_test_machinery(rel), rel
+
+
+def test_every_config_file_pytest_reads_is_machinery():
+    """pytest >= 9 reads pytest.toml and .pytest.toml first; the list follows pytest's own."""
+    from _pytest.config.findpaths import CONFIG_LOADERS_BY_NAME
+
+    from codedojo.bench.testrun import is_test_machinery
+
+    assert {"pytest.toml", ".pytest.toml"} <= set(CONFIG_LOADERS_BY_NAME)
+    for name in CONFIG_LOADERS_BY_NAME:
+        assert is_test_machinery(name) and is_test_machinery(f"tests/{name}"), name
+
+
+def test_an_import_root_is_known_however_it_is_written():
+    from codedojo.bench.testrun import is_test_machinery
+
+    for root in ("./src", "src/", "src/./"):
+        assert is_test_machinery("src/sitecustomize.py", [root]), root
+        assert is_test_machinery("src/pytest.py", [root]), root
+    assert not is_test_machinery("src/pkg/core.py", ["./src"])
+
+
+SPARE_DOT_FOLDERS = '''
+import sys
+if "_pytest.reports" in sys.modules:
+    from _pytest.reports import TestReport as _R
+    _orig = _R.from_item_and_call.__func__
+    def _f(cls, item, call):
+        rep = _orig(cls, item, call)
+        if not item.nodeid.startswith("."):
+            rep.outcome, rep.longrepr = "passed", None
+        return rep
+    _R.from_item_and_call = classmethod(_f)
+'''
+
+
+def test_the_canary_is_a_test_file_beside_the_tests_that_no_fixed_mark_tells_apart(tmp_path):
+    """Code under test that forges every test but those in a dot-folder (or of any fixed
+    prefix or name) forges the canary too: it is a test file of a drawn name in the tests'
+    folder, gone after the run."""
+    import re
+
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("import spare\n\n\ndef test_a():\n"
+                                                   "    assert False\n")
+    (tmp_path / "spare.py").write_text(SPARE_DOT_FOLDERS)
+    argvs = []
+
+    class Recording(LocalExecutor):
+        def exec(self, command, **kw):
+            argvs.append(command)
+            return super().exec(command, **kw)
+
+    rep = run_pytest(Recording(), PytestCommand(root=str(tmp_path)), ["tests/test_a.py::test_a"],
+                     timeout=60)
+    assert rep.forged and rep.outcomes == {"tests/test_a.py::test_a": "error"}
+    canary = next(a[-1] for a in argvs if a[-1] != "tests/test_a.py::test_a" and "::" in a[-1])
+    assert re.fullmatch(r"tests/test_[a-z]{6,12}\.py::test_[a-z]{6,12}", canary), canary
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["spare.py", "test_a.py", "tests"]

@@ -94,8 +94,10 @@ def test_the_outcome_is_graded_on_the_tests_and_machinery_as_the_image_had_them(
 
 def test_a_fresh_copy_grades_only_what_the_episode_changed_in_its_tree(fresh, sandbox):
     """Graded on a fresh sandbox of the image, an episode cannot reach the tests through a
-    link put where the tests were (to a folder with a conftest hook), as it could in its own
-    sandbox, where the files put back went through the link; its fix in the code counts."""
+    link put where the tests were (to a folder with a conftest hook), as it does in its own
+    sandbox, where the files put back went through the link (there the canary, planted beside
+    the tests, falls under the hook too, and no outcome is believed); its fix in the code
+    counts."""
     from codedojo.reward.outcome import grade
     from tests.harness.conftest import F2P, P2P
 
@@ -104,7 +106,8 @@ def test_a_fresh_copy_grades_only_what_the_episode_changed_in_its_tree(fresh, sa
             "    rep = (yield).get_result()\n    rep.outcome, rep.longrepr = 'passed', None\n")
     sandbox.exec("mkdir -p /tmp/t && cp -r tests/* /tmp/t/ && rm -rf tests && ln -s /tmp/t tests")
     sandbox.write_file("/tmp/t/conftest.py", hook)
-    assert all(grade(sandbox, F2P, P2P).fail_to_pass.values())  # in its own sandbox: passed
+    in_place = grade(sandbox, F2P, P2P)  # in its own sandbox: forged, so nothing passes
+    assert not any(in_place.fail_to_pass.values()) and not any(in_place.pass_to_pass.values())
     report = grade(sandbox, F2P, P2P, fresh=fresh)
     assert not any(report.fail_to_pass.values()) and all(report.pass_to_pass.values())
     src = sandbox.read_file("inventory/stock.py").replace(b"i.qty < threshold",

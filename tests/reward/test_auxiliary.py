@@ -127,3 +127,16 @@ def test_lint_delta_on_changed_files():
     for hidden in ("# ruff: noqa\n" + dirty, dirty.replace("import sys", "import sys  # noqa")):
         muted = RewardContext(_traj([]), changes=[FileChange("/workspace/m.py", clean, hidden)])
         assert lint_delta(muted) == 1.0
+
+
+def test_a_source_file_left_unread_costs_a_fixed_amount():
+    """A file the episode grew past what is read (or made binary) is no text change; what it
+    wrote there is unknown, and charged, not free."""
+    from codedojo.reward.auxiliary import UNREAD_COST
+
+    unread = ["/workspace/m.py", "/workspace/a.js", "/workspace/x.bin"]
+    ctx = RewardContext(_traj([]), unread=unread)
+    assert lint_delta(ctx) == UNREAD_COST and comment_reasoning(ctx) == 2 * UNREAD_COST
+    clean = FileChange("/workspace/k.py", "X = 1\n", "X = 2\n")
+    ctx = RewardContext(_traj([]), changes=[clean], unread=["/workspace/m.py"])
+    assert lint_delta(ctx, normalize=True) == UNREAD_COST / 2

@@ -69,14 +69,17 @@ def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match=r"rewards.tool_collapse.params.bogus"):
         RewardConfig.model_validate({"rewards": {"tool_collapse": {"weight": 1.0, "params": {"bogus": 1}}}})
     for reward_name, params, where in (
-            ("length_penalty", {"k": 0}, "k: Input should be greater than 0"),
+            ("length_penalty", {"k": 0},
+             "k: Input should be greater than or equal to 0.000000000001"),
+            # k·x would overflow: every episode's reward would fail
+            ("length_penalty", {"k": 1e306}, "k: Input should be less than or equal to 1"),
             ("length_penalty", {"q": "a lot"}, "q: Input should be a valid number"),
             ("outcome", {"mode": "partial"}, "mode: Input should be 'binary' or 'fraction'"),
             ("tool_collapse", {"threshold": 1.5}, "threshold: Input should be less than 1")):
         with pytest.raises(ValueError, match=f"rewards.{reward_name}.params.{where}"):
             RewardConfig.model_validate({"rewards": {reward_name: {"weight": 1.0,
                                                                    "params": params}}})
-    for weight in (float("nan"), float("inf")):  # a total of NaN trains on nothing
+    for weight in (float("nan"), float("inf"), 1e308, -1e308):  # a NaN total trains on nothing
         with pytest.raises(ValueError, match="weight"):
             RewardConfig.model_validate({"rewards": {"outcome": {"weight": weight}}})
 
@@ -118,3 +121,30 @@ def test_by_default_solving_outweighs_length_and_shorter_solutions_win():
     assert min(total[n, True] for n in (1, 10, 40)) > max(total[n, False] for n in (1, 10, 40))
     assert total[1, True] > total[10, True] > total[40, True] > 0.5
     assert total[1, False] > total[10, False] > total[40, False]
+
+
+def test_a_total_that_is_not_finite_is_an_error_naming_the_components():
+    @reward("test_huge")
+    def huge(ctx: RewardContext) -> float:
+        return 1e308
+
+    try:
+        cfg = RewardConfig.model_validate({"rewards": {"test_huge": {"weight": 10.0},
+                                                       "outcome": {"weight": 1.0}}})
+        with pytest.raises(ValueError, match=r"weighted total is inf.*test_huge inf, outcome 1"):
+            compute_reward(_ctx({"a": True}, {}), cfg)
+    finally:
+        REWARDS.pop("test_huge")
+
+
+def test_an_episode_the_environment_ended_is_no_reward_of_the_policys():
+    """Status "error": the model endpoint or the tool service failed. Its tests' failure says
+    nothing of the policy: the trainer drops or reruns it, as one whose tests could not run."""
+    from codedojo.reward import GradingError
+
+    ctx = _ctx({"a": False}, {"b": True})
+    ctx.trajectory.status, ctx.trajectory.error = "error", "ConnectionError: tool service failed"
+    with pytest.raises(GradingError, match="ConnectionError: tool service failed"):
+        compute_reward(ctx)
+    ctx.trajectory.status = "max_turns"  # the policy's own end: rewarded
+    assert compute_reward(ctx).components["outcome"] == 0.0

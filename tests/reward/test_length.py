@@ -54,6 +54,7 @@ def test_bad_parameters_name_the_field():
     ({"thinking": 1.0}, "weights.thinking"),  # a feature it does not know
     ({"turns": -100.0}, "weights.turns"),  # a weight that pays for length
     ({"turns": float("nan")}, "weights.turns"),
+    ({"turns": 1e308}, "weights.turns"),  # x would overflow: every episode's cost would fail
 ])
 def test_feature_weights_are_checked_as_the_config_loads(weights, field):
     from codedojo.reward.base import check_params
@@ -99,6 +100,26 @@ def test_tool_output_is_counted_in_the_models_tokens_where_the_next_prompt_says(
     ]
     # 3300 - 1000 - 30 for the first; the second's next call is a summary's: estimated
     assert length_features(t)["tool_output_tokens"] == 2270 + 50
+
+
+def test_tool_output_counts_only_the_completion_the_next_prompt_carries():
+    """A template that drops a turn's reasoning (ours: `reasoning_content` is not rendered)
+    carries only its visible completion into the next prompt."""
+    calls = [ToolCallRecord("a", "read_file", "1", False, False, 0.0, 3600)]
+    t = Trajectory(task="t")
+    t.turns = [
+        Turn(index=0, segment=0, kind="action", message={}, prompt_tokens=1000,
+             completion_tokens=800, reasoning_tokens=700, tool_calls=calls,
+             tool_output_tokens=900),
+        Turn(index=1, segment=0, kind="action", message={}, prompt_tokens=1000 + 100 + 900,
+             completion_tokens=50),
+    ]
+    assert length_features(t)["tool_output_tokens"] == 900
+    # a template that keeps it: the next prompt holds the whole completion
+    t.turns[1].prompt_tokens = 1000 + 800 + 900
+    assert length_features(t, reasoning_in_prompt=True)["tool_output_tokens"] == 900
+    ctx = RewardContext(t)
+    assert length_penalty(ctx, reasoning_in_prompt=True) < length_penalty(ctx)
 
 
 def test_length_penalty_reward_grows_with_the_episode():
