@@ -18,9 +18,16 @@ from datetime import UTC, datetime, timedelta
 _PATH = re.compile(r"(?:[\w.\-]*/)*[\w.\-]+\.py(?::\d+|(\"?),? line \d+)?")
 
 
+# An object's address in its repr (`<function f at 0x7f3b87297ce0>`): another each run.
+_ADDRESS = re.compile(r"(?<= at )0x[0-9a-fA-F]+\b")
+
+
 def clean_message(msg: str, max_lines: int = 6) -> str:
-    lines = [_PATH.sub(lambda m: "<source>" + (m.group(1) or ""), ln).rstrip()
-             for ln in msg.splitlines() if ln.strip()]
+    """A failure's message as a statement shows it: the first lines, source paths as
+    ``<source>``, and objects' addresses as ``0x...`` (so that building a recipe again writes
+    the same text)."""
+    lines = [_ADDRESS.sub("0x...", _PATH.sub(lambda m: "<source>" + (m.group(1) or ""), ln))
+             .rstrip() for ln in msg.splitlines() if ln.strip()]
     return "\n".join(lines[:max_lines])
 
 

@@ -127,6 +127,15 @@ def test_a_failure_message_names_no_file_or_line():
     assert clean_message("ValueError: bad value 3.5") == "ValueError: bad value 3.5"
 
 
+def test_a_failure_message_is_the_same_text_each_run():
+    """An object's address in a repr differs between runs; a statement shows none."""
+    from codedojo.bench.statement import clean_message
+
+    assert clean_message("assert <function f.<locals>.g at 0x7f3b87297ce0> is None") == \
+        "assert <function f.<locals>.g at 0x...> is None"
+    assert clean_message("expected 0x1F, got 0x20") == "expected 0x1F, got 0x20"  # (values)
+
+
 def test_a_feature_statement_keeps_the_quotes_that_end_its_documentation():
     from codedojo.bench.statement import feature_statement
 
