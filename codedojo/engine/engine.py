@@ -45,7 +45,9 @@ tokens in the pass, bit for bit. So greedy speculative decoding emits exactly pl
 decoding's tokens in float32 and bfloat16 alike, and decode steps do not mix requests'
 numbers. Larger passes (longer prefills) go through BLAS, which makes no such promise: a prompt
 prefilled in one batch with others may differ in the last bits from the same prompt prefilled
-alone.
+alone. Nor does an MoE layer: an expert runs over all the tokens routed to it in the pass, so
+a token's numbers move with its neighbours' routing (logprobs by about 1e-6 in the tests' tiny
+MoE model; the tokens held); its routing is recorded for replay for that reason.
 """
 
 from __future__ import annotations
@@ -262,7 +264,10 @@ class Engine:
         if self.device.type == "cpu" and load_kernel() is None:
             input_major_weights(model)
         self.max_batch = max_batch
-        self.max_seq_len = min(max_seq_len or cfg.max_seq_len, cfg.max_seq_len)
+        if max_seq_len is not None and max_seq_len < 2:  # (a prompt token and one to generate)
+            raise ValueError(f"max_seq_len must be at least 2, got {max_seq_len}")
+        self.max_seq_len = min(cfg.max_seq_len if max_seq_len is None else max_seq_len,
+                               cfg.max_seq_len)
         self.cache = KVCache(cfg, max_batch, self.max_seq_len, dtype=w.dtype, device=self.device)
         self.weight_version = 0
         self._loads = 0  # load_weights calls (a version number may be pushed twice)
@@ -491,7 +496,8 @@ class Engine:
                 for k, v in state_dict.items():
                     own[k].copy_(v)
             finally:
-                refresh = getattr(self.drafter, "refresh", None)  # drafts read the new head
+                # drafts read the new head, a drafter switched off too (it may come back)
+                refresh = getattr(self._drafter, "refresh", None)
                 if refresh is not None:
                     refresh()
                 if any(k.startswith("mtp.") for k in state_dict):

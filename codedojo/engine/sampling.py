@@ -44,10 +44,12 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generato
                ) -> tuple[int, float, list[tuple[int, float]]]:
     """One request's next token from logits (V,): (token, logprob, top logprobs)."""
     lp = filtered_logprobs(logits, params)
-    if params.temperature == 0:
-        tok = int(torch.argmax(logits))
+    if params.temperature == 0:  # the token and its logprob as an all-greedy batch gets them
+        toks, lps = greedy(logits[None])  # (`sample_batch`): whatever shares its batch
+        tok, tok_lp = int(toks[0]), float(lps[0])
     else:
         tok = int(torch.multinomial(lp.exp(), 1, generator=gen))
+        tok_lp = float(lp[tok])
     top: list[tuple[int, float]] = []
     if params.top_logprobs:
         vals, ids = torch.topk(lp, min(params.top_logprobs, lp.shape[-1]))
@@ -55,7 +57,7 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generato
         # has no -inf)
         top = [(int(i), max(float(v), LOGPROB_FLOOR))
                for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
-    return tok, float(lp[tok]), top
+    return tok, tok_lp, top
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],

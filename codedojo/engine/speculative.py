@@ -433,6 +433,8 @@ def plain_generate(target: Target, prompt: Sequence[int], max_new_tokens: int,
                    temperature: float = 0.0, gen: torch.Generator | None = None,
                    stop_ids: Sequence[int] = ()) -> list[int]:
     """Reference decode: one target pass per token."""
+    if max_new_tokens <= 0:
+        return []
     target.reset()
     logits, _ = target.extend(list(prompt), last_only=True)
     out: list[int] = []

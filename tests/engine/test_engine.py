@@ -520,3 +520,19 @@ def test_a_temperature_near_zero_samples_the_greedy_tokens(model: Transformer) -
                                                         seed=3, logprobs=True))
     assert cold[0].token_ids == greedy[0].token_ids
     assert all(lp == 0.0 for lp in cold[0].logprobs)  # all the mass on the token drawn
+
+
+def test_a_greedy_rows_logprob_is_the_same_whatever_shares_its_batch() -> None:
+    """An all-greedy batch and a mixed one (a sampled neighbour, top logprobs asked for) give
+    a greedy row the same token and the same logprob, to the last bit."""
+    from codedojo.engine.sampling import sample_batch
+
+    greedy, top = SamplingParams(temperature=0), SamplingParams(temperature=0, top_logprobs=2)
+    sampled = SamplingParams(temperature=0.8, seed=1)
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(1)
+    for _ in range(200):
+        x = torch.randn(2, 256) * 3
+        alone = sample_batch(x[:1], [greedy], [None])[0]
+        assert sample_batch(x, [greedy, sampled], [None, gen])[0] == alone
+        assert sample_batch(x[:1], [top], [None])[0][:2] == alone[:2]

@@ -223,6 +223,32 @@ def test_pushed_mtp_weights_are_drafted_with_and_judged_afresh(model: Transforme
     assert engine.spec_stats.rounds > rounds
 
 
+def test_a_drafter_switched_off_follows_the_weights_pushed_meanwhile(model: Transformer) -> None:
+    """Its head (a draft vocabulary's slice of the model's) is refreshed by a push while it
+    is off, so it comes back (an MTP push restarts probing) drafting from the new head."""
+    params = SamplingParams(max_tokens=12, temperature=0)
+    drafter = mtp_drafter(model, 24)
+    engine = Engine(model, max_batch=2, drafter=drafter, spec_draft_cost=5.0,
+                    spec_probe_rounds=8, spec_explore_every=0)
+    for _ in range(3):
+        engine.generate([PROMPT], params)
+    assert engine.drafter is None  # switched off: drafts do not pay at that cost
+    engine.load_weights({k: v * 1.5 for k, v in model.state_dict().items()
+                         if k in ("output.weight", "tok_embeddings.weight")}, version=1)
+    engine.load_weights({f"mtp.{k}": v for k, v in drafter.mtp.state_dict().items()}, version=2)
+    assert engine.drafter is drafter
+    assert torch.equal(drafter.head.weight, model.output_weight.detach()[drafter.head.vocab])
+
+
+def test_an_engine_with_no_room_to_generate_is_refused() -> None:
+    m = Transformer(ModelConfig.tiny(vocab_size=64, max_seq_len=128)).eval()
+    for bad in (0, 1, -3):
+        with pytest.raises(ValueError, match=f"max_seq_len must be at least 2, got {bad}"):
+            Engine(m, max_batch=1, max_seq_len=bad)
+    assert Engine(m, max_batch=1).max_seq_len == 128
+    assert Engine(m, max_batch=1, max_seq_len=500).max_seq_len == 128
+
+
 class LateDrafter(OracleDrafter):
     """Wrong for its first ``wrong`` rounds, then the target's own continuation."""
 

@@ -50,6 +50,9 @@ def test_greedy_speculative_equals_plain_greedy():
     assert res.tokens == plain
     assert res.stats.target_passes < 40 or res.stats.accepted == 0
     assert res.stats.emitted == res.stats.accepted + res.stats.rounds
+    for n in (0, 1):  # (the reference as the engine: no more tokens than asked for)
+        assert plain_generate(target, prompt, n) == plain[:n]
+        assert speculative_generate(target, drafter, prompt, n).tokens == plain[:n]
 
 
 def test_bfloat16_drafts_for_a_float32_target_keep_greedy_output():
