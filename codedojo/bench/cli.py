@@ -84,7 +84,7 @@ def _select(s, split: str | None, limit: int | None, ids: list[str] | None):
 
 @bench_app.command("build")
 def build(
-    recipe: Annotated[Path, typer.Argument(help="A recipe TOML (e.g. codedojo/bench/suites/v0/recipe.toml).")],
+    recipe: Annotated[Path, typer.Argument(help="A recipe TOML (e.g. codedojo/bench/suites/v1/recipe.toml).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Suite directory to write.")],
     jobs: Annotated[int, typer.Option(help="Packages built at a time.")] = 1,
     reconcile: Annotated[bool, typer.Option(help="Drop PASS_TO_PASS tests that fail in the grading sandbox.")] = True,
@@ -138,7 +138,7 @@ def build(
 
 @bench_app.command("validate")
 def validate(
-    suite: Annotated[str, typer.Argument(help="Shipped suite name (v0, micro) or a suite directory.")],
+    suite: Annotated[str, typer.Argument(help="Shipped suite name (v1, v0, micro) or a suite directory.")],
     sample: Annotated[int | None, typer.Option(min=1, help="Validate only the first N tasks.")] = None,
     runs: Annotated[int, typer.Option(min=1, help="Runs of the gold patch that must all pass.")] = 3,
     parallel: Annotated[int, typer.Option(min=1, help="Tasks validated at a time.")] = 1,
@@ -179,7 +179,7 @@ def validate(
 
 @bench_app.command("run")
 def run(
-    suite: Annotated[str, typer.Argument(help="Shipped suite name (v0, micro) or a suite directory.")],
+    suite: Annotated[str, typer.Argument(help="Shipped suite name (v1, v0, micro) or a suite directory.")],
     agent: Annotated[str, typer.Option(help=f"One of {', '.join(AGENTS)}.")] = "oracle",
     name: Annotated[str | None, typer.Option(help="Run name (outputs under runs/<name>/; by "
                                              "default <suite>-<agent>[-<split>]).")] = None,

@@ -66,7 +66,7 @@ class Suite:
 
 
 def resolve_suite_path(name_or_path: str | os.PathLike[str]) -> Path:
-    """A shipped suite name (`v0`, `micro`) or a directory holding a manifest."""
+    """A shipped suite name (`v1`, `v0`, `micro`) or a directory holding a manifest."""
     p = Path(name_or_path)
     if (p / "manifest.json").is_file():
         return p
