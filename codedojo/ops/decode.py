@@ -28,8 +28,10 @@ class FusedLayers:
     C++ kernel. Float32 matrices are read from a copy laid out for the kernel (``panels.h``:
     as much memory again as those weights), packed again by the next call when a weight's
     version counter has moved: weights updated in place (an optimizer step, ``copy_``) are
-    seen by the next call, writes through ``.data`` (which leave the counter alone) are not.
-    Replaced weights are not seen either (build again)."""
+    seen by the next call, writes through ``.data`` (which leave the counter alone) are not,
+    nor are writes to inference tensors (made under ``torch.inference_mode()``, which keep no
+    counter): update such weights outside inference mode, or build again. Replaced weights are
+    not seen either (build again)."""
 
     def __init__(self, handle: Any, dtype: torch.dtype) -> None:
         self._handle, self.dtype = handle, dtype

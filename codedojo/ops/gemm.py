@@ -125,6 +125,8 @@ def prune_builds(keep: Path, unused_days: float = UNUSED_DAYS) -> list[Path]:
                 fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # building or loading now
                 continue
+            if os.fstat(held.fileno()).st_mtime > cutoff:  # (loaded since it was looked at)
+                continue
             shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
     return removed
@@ -151,9 +153,21 @@ def build_lock(build: Path) -> Iterator[None]:
     killed midway leaves it behind, and every later build then waits on it forever. This lock
     is the kernel's (``flock`` on ``build/build.lock``), so it goes with the process that holds
     it. Every build here takes it first, so a torch lock found while holding it was left by a
-    build that no longer runs, and is removed."""
-    with open(build / "build.lock", "w") as held:  # closing it releases the lock
+    build that no longer runs, and is removed.
+
+    A build `prune_builds` removed while this waited for its lock is made again: the lock
+    held must be the file the directory has now."""
+    while True:
+        build.mkdir(parents=True, exist_ok=True)
+        held = open(build / "build.lock", "w")  # closing it releases the lock
         fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            if os.path.samestat(os.fstat(held.fileno()), os.stat(build / "build.lock")):
+                break
+        except FileNotFoundError:  # (pruned meanwhile)
+            pass
+        held.close()
+    with held:
         stale = build / "lock"
         if stale.exists():
             log.warning("removing %s, left by a kernel build that was stopped", stale)

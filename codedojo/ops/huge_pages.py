@@ -57,6 +57,10 @@ def move_to_huge_pages(module: torch.nn.Module, dtype: torch.dtype | None = None
     with a storage of its own (it saves as before). Views taken of a parameter before the move
     keep the old memory and no longer see in-place updates, so call this before anything holds
     such views (``load_model`` does, as it builds the model)."""
+    if dtype is not None:  # (an empty one has no bytes to move, but takes the dtype all the same)
+        for p in module.parameters():
+            if p.device.type == "cpu" and not p.numel() and p.is_floating_point():
+                p.data = p.data.to(dtype)
     params = [p for p in module.parameters() if p.device.type == "cpu" and p.numel()]
     if not params:
         return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import threading
 import types
 
@@ -212,3 +213,27 @@ def test_builds_nobody_loads_are_removed_when_another_is_made(tmp_path) -> None:
     assert gemm.prune_builds(kernels / "new", unused_days=0.0) == [
         kernels / "held", kernels / "recent"]
     assert [p.name for p in kernels.iterdir()] == ["new"]
+
+
+def test_a_build_pruned_while_its_lock_was_awaited_is_made_again(tmp_path) -> None:
+    """A loader waiting for an old build's lock while another process prunes that build ends
+    holding the lock of the directory as it is now (made again), not of the removed one."""
+    build = tmp_path / "kernels" / "old"
+    build.mkdir(parents=True)
+    (build / "build.lock").touch()
+    pruner = open(build / "build.lock", "a")
+    fcntl.flock(pruner, fcntl.LOCK_EX)  # the pruning process has it
+    got: list[bool] = []
+
+    def load() -> None:
+        with gemm.build_lock(build):
+            got.append(build.is_dir() and (build / "build.lock").exists())
+
+    t = threading.Thread(target=load)
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()  # waiting for the lock
+    shutil.rmtree(build)  # pruned
+    pruner.close()
+    t.join(10)
+    assert got == [True]

@@ -53,6 +53,14 @@ def test_an_empty_tensor_needs_no_mapping() -> None:
     assert huge_page_empty((0, 4), torch.float32).shape == (0, 4)
 
 
+def test_an_empty_parameter_takes_the_new_type_too() -> None:
+    m = torch.nn.Module()
+    m.a, m.b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(0))
+    m.ids = torch.nn.Parameter(torch.zeros(0, dtype=torch.long), requires_grad=False)
+    move_to_huge_pages(m, torch.bfloat16)
+    assert (m.a.dtype, m.b.dtype, m.ids.dtype) == (torch.bfloat16, torch.bfloat16, torch.long)
+
+
 def test_a_gradient_follows_its_parameters_new_type() -> None:
     lin = torch.nn.Linear(4, 4)
     lin(torch.randn(2, 4)).sum().backward()
