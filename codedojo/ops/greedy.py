@@ -21,6 +21,7 @@ def greedy(logits: torch.Tensor, tokens: torch.Tensor | None = None
         raise ValueError(f"greedy: tokens must be one id for each of the logits' rows, got "
                          f"{tuple(tokens.shape)} for logits {tuple(logits.shape)}")
     if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and (tokens is None or tokens.device.type == "cpu")
             and not (torch.is_grad_enabled() and logits.requires_grad)
             and (kernel := load_kernel()) is not None):
         return kernel.greedy(logits.contiguous(),
