@@ -151,7 +151,8 @@ def agreement(model: Transformer, heads: MTP, rows: torch.Tensor, hidden: torch.
             for k, stats in enumerate(rounds, start=1):
                 replay_greedy(row, prompt_len, T, k, stats)
     shares = [sum(h) / (n * B) for h, n in zip(hits, seen, strict=True)]
-    spread = [list(ratio_interval(h, [n] * B, units=files)) for h, n in zip(hits, seen, strict=True)]
+    spread = [list(ratio_interval(h, [n] * B, units=files))
+              for h, n in zip(hits, seen, strict=True)]
     return shares, rounds, spread
 
 

@@ -128,7 +128,8 @@ class HarnessAgent:
         loop = self.loop_config
         if loop.max_seconds is None or loop.max_seconds > task.timeouts.agent_s:
             loop = loop.model_copy(update={"max_seconds": task.timeouts.agent_s})
-        session = ToolSession(ToolRegistry().resolve(self.tool_config), ToolContext(sandbox=sandbox))
+        session = ToolSession(ToolRegistry().resolve(self.tool_config),
+                              ToolContext(sandbox=sandbox))
         try:
             traj_path = out_dir / f"{task.instance_id}.traj.jsonl"
             traj = Agent(self.policy, loop).run(

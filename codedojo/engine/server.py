@@ -679,7 +679,8 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
             lp = ChoiceLogprobs(content=[_token_logprob(state.tokenizer, t, p, top)
                                          for t, p, top in zip(r.token_ids, r.logprobs, r.top_logprobs, strict=True)])
         choices.append(ChatChoice(index=i, message=message,
-                                  finish_reason="tool_calls" if calls else r.finish_reason, logprobs=lp,
+                                  finish_reason="tool_calls" if calls else r.finish_reason,
+                                  logprobs=lp,
                                   token_ids=r.token_ids if req.return_token_ids else None,
                                   weight_versions=r.weight_versions if req.return_token_ids
                                   else None, routed_experts=r.routed_for(req)))
@@ -752,7 +753,8 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
             content, calls = _answer(state, req, result.text, tools)
             if calls:
                 finish = "tool_calls"
-                delta_out["tool_calls"] = [{"index": k, **c.to_openai()} for k, c in enumerate(calls)]
+                delta_out["tool_calls"] = [{"index": k, **c.to_openai()}
+                                           for k, c in enumerate(calls)]
             rest = content[sent[i]:]  # (what went out, seen[i][:sent[i]], is its start)
             if rest:
                 delta_out["content"] = rest

@@ -54,7 +54,8 @@ def _grep(ctx: ToolContext, args: dict[str, Any]) -> str:
             lines, more = rg_lines(ctx.sandbox.exec(argv, timeout=ctx.timeout_s))
             unread += more
     except RgTimeout:
-        raise ToolError(f"grep timed out after {ctx.timeout_s:.0f}s; narrow the path or glob") from None
+        raise ToolError(f"grep timed out after {ctx.timeout_s:.0f}s; narrow the path or "
+                        "glob") from None
     except RgError as e:
         raise ToolError(str(e)) from None
     if not lines:
