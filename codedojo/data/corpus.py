@@ -30,7 +30,8 @@ class CorpusConfig(BaseModel):
                                 "for eval loss (by hash of their source id).")
     max_docs: int | None = Field(None, ge=0,
                                  description="Cap on documents after filtering and dedup.")
-    max_train_tokens: int | None = Field(None, description="Cap on training tokens written.")
+    max_train_tokens: int | None = Field(None, ge=1, description="Cap on training tokens "
+                                         "written (None: no cap).")
 
 
 def is_heldout(source: str, frac: float) -> bool:
@@ -51,13 +52,15 @@ def clean_documents(cfg: CorpusConfig, stats: CorpusStats | None = None) -> list
     stats = stats if stats is not None else CorpusStats()
 
     def counted() -> Iterator[Document]:
-        for src in cfg.sources:
+        for i, src in enumerate(cfg.sources):
             # a file of more than 4 bytes a character's limit is too long in any encoding:
             # skipped unread, and counted as read and rejected, as the filter would have
             skipped: Counter[str] = Counter()
             try:
                 for d in read_source(src, 4 * cfg.filters.max_chars, skipped):
                     stats.read += 1
+                    if src.kind in ("dir", "git"):  # a file, joined with its folder's others
+                        d.meta["source_index"] = i  # by `concat_by_dir`
                     yield d
             finally:
                 stats.read += skipped.total()
@@ -76,16 +79,22 @@ def split_documents(docs: Iterable[Document], frac: float) -> tuple[list[Documen
 
 def concat_by_dir(docs: Iterable[Document], min_chars: int, max_chars: int) -> Iterator[Document]:
     """Long documents for the long-context stage: files of one directory of one source joined
-    (each prefixed by its path), the way repository-level context looks to a coding model."""
-    groups: dict[str, list[Document]] = {}
+    (each prefixed by its path), the way repository-level context looks to a coding model.
+    A file is a document with the ``source_index`` (its source's place in the corpus config)
+    that `clean_documents` records; any other document, such as a JSONL or parquet row (whose
+    rows may come from many repositories), stands alone."""
+    groups: dict[tuple[int, str], list[Document]] = {}
     for d in docs:
-        path = str(d.meta.get("path", d.source))
-        source = d.source[:-len(path)] if d.source.endswith(path) else ""  # "repo/", "repo:"
-        groups.setdefault(source + posixpath.dirname(path), []).append(d)
-    for key in sorted(groups):
+        index, path = d.meta.get("source_index"), d.meta.get("path")
+        if isinstance(index, int) and isinstance(path, str) and d.source.endswith(path):
+            key = d.source[:-len(path)] + posixpath.dirname(path)  # "repo/src", "repo:src"
+        else:
+            index, key = -1, d.source
+        groups.setdefault((index, key), []).append(d)
+    for index, key in sorted(groups):
         runs: list[list[str]] = [[]]
         size = 0
-        for d in groups[key]:
+        for d in groups[index, key]:
             chunk = f"# file: {d.meta.get('path', d.source)}\n{d.text}\n"
             if size + len(chunk) > max_chars and size >= min_chars:
                 runs.append([])
@@ -94,8 +103,10 @@ def concat_by_dir(docs: Iterable[Document], min_chars: int, max_chars: int) -> I
             size += len(chunk)
         if size < min_chars:
             runs.pop()
-        for n, parts in enumerate(runs, start=1):  # never over max_chars, each its own id
-            yield Document("".join(parts)[:max_chars], f"{key}#{n}", {"path": key})
+        # never over max_chars, each its own id (two sources' folders may share a name)
+        name = key if index < 0 else f"{index}:{key}"
+        for n, parts in enumerate(runs, start=1):
+            yield Document("".join(parts)[:max_chars], f"{name}#{n}", {"path": key})
 
 
 def build_corpus(cfg: CorpusConfig, tokenizer: TextEncoder, out_dir: str | Path, vocab_size: int,

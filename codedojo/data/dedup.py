@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from codedojo.data.readers import Document
 
@@ -34,6 +34,13 @@ class DedupConfig(BaseModel):
     bands: int | None = Field(None, ge=1, description="LSH bands; more bands find lower "
                               "similarities. None: chosen for `threshold` (`lsh_bands`).")
     shingle: int = Field(5, ge=1, description="Word n-gram size of a shingle.")
+
+    @model_validator(mode="after")
+    def _bands_divide(self) -> DedupConfig:
+        # refused as the config loads, not after the whole corpus is read
+        if self.bands is not None and self.num_perm % self.bands:
+            raise ValueError("dedup.num_perm must be a multiple of dedup.bands")
+        return self
 
 
 def normalized_hash(text: str) -> str:
@@ -101,8 +108,6 @@ def kept_originals(texts: list[str], cfg: DedupConfig) -> list[int]:
     went with A though unlike it.) LSH proposes the kept texts to compare; the signatures'
     agreement decides."""
     bands = cfg.bands or lsh_bands(cfg.threshold, cfg.num_perm)
-    if cfg.num_perm % bands:
-        raise ValueError("dedup.num_perm must be a multiple of dedup.bands")
     rows = cfg.num_perm // bands
     hasher = MinHasher(cfg.num_perm)
     sigs = np.stack([hasher.signature(shingles(t, cfg.shingle)) for t in texts]) if texts else \

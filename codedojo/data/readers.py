@@ -85,12 +85,22 @@ def _read_text(p: Path, max_bytes: int | None = None,
         return None
     if _too_long(len(data), max_bytes, skipped):
         return None
-    if b"\x00" in data[:4096]:  # binary file
-        return None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
+    return _text(data, skipped)
+
+
+def _text(data: bytes, skipped: Counter[str] | None) -> str | None:
+    """A file's bytes as text, without a byte order mark (a copy saved with one is the same
+    text), or None for a binary file (``skipped["binary"]``) or one that is not UTF-8
+    (``skipped["not_utf8"]``)."""
+    why = "binary" if b"\x00" in data[:4096] else None
+    if why is None:
+        try:
+            return data.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            why = "not_utf8"
+    if skipped is not None:
+        skipped[why] += 1
+    return None
 
 
 def _named(path: Path) -> str:
@@ -112,8 +122,8 @@ def read_dir(root: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
              skipped: Counter[str] | None = None) -> Iterator[Document]:
     """Regular files under `root` whose names end with one of `exts`, in sorted order so runs
     are reproducible. A link is not followed (a tree's link may point anywhere on the
-    machine); a name that is not UTF-8 is skipped (``skipped["bad_name"]``), and a file over
-    ``max_bytes`` (``skipped["too_long"]``)."""
+    machine); a name that is not UTF-8 is skipped (``skipped["bad_name"]``), a file over
+    ``max_bytes`` (``skipped["too_long"]``), and a binary file or one not UTF-8 (`_text`)."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"source.path: {root} is not a directory")
@@ -138,32 +148,36 @@ def read_git(repo: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
              exclude: list[str] | None = None, max_bytes: int | None = None,
              skipped: Counter[str] | None = None) -> Iterator[Document]:
     """Tracked files of a git repository as of HEAD (untracked and ignored files are skipped:
-    build outputs and vendored junk usually live there). A file over ``max_bytes`` is skipped
-    unread, as `read_dir` skips it."""
+    build outputs and vendored junk usually live there), regular files only (a tracked link's
+    blob is its target's name, not text). Files are skipped, and counted in ``skipped``, as
+    `read_dir` skips them; one over ``max_bytes`` unread."""
     repo = Path(repo)
     try:
-        out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z"], check=True,
-                             capture_output=True).stdout
+        # HEAD's tree, not the index: a file staged for deletion is still in HEAD, a staged new
+        # one is not; from a subdirectory, its files only, named relative to it
+        out = subprocess.run(["git", "-C", str(repo), "ls-tree", "-r", "-z", "-l", "HEAD"],
+                             check=True, capture_output=True).stdout
     except (subprocess.CalledProcessError, FileNotFoundError) as e:
-        raise ValueError(f"source.path: {repo} is not a git repository") from e
+        raise ValueError(f"source.path: {repo} is not a git repository with a commit") from e
     wanted = tuple(exts)
     exclude = exclude or []
-    names = [n.decode("utf-8", "surrogateescape") for n in out.split(b"\0") if n]
-    files = [x for x in sorted(names) if x.endswith(wanted) and not any(e in x for e in exclude)
+    sizes: dict[str, int] = {}
+    for entry in filter(None, out.split(b"\0")):  # "<mode> <type> <object> <size>\t<name>"
+        info, _, name = entry.partition(b"\t")
+        mode, _, _, size = info.split()
+        if mode in (b"100644", b"100755"):  # not a link (120000) or a submodule (160000)
+            sizes[name.decode("utf-8", "surrogateescape")] = int(size)
+    files = [x for x in sorted(sizes) if x.endswith(wanted) and not any(e in x for e in exclude)
              and _utf8(x, skipped)]
-    # "./": relative to the directory asked for (a repository's subdirectory), as ls-files
-    # lists them, not to the repository's root
-    sizes = _blob_sizes(repo, [f"HEAD:./{rel}" for rel in files]) if max_bytes else {}
     for rel in files:
-        if _too_long(sizes.get(f"HEAD:./{rel}", 0), max_bytes, skipped):
+        if _too_long(sizes[rel], max_bytes, skipped):
             continue
+        # "./": relative to the directory asked for (a repository's subdirectory), as ls-tree
+        # lists them, not to the repository's root
         blob = subprocess.run(["git", "-C", str(repo), "show", f"HEAD:./{rel}"],
                               capture_output=True)
-        if blob.returncode != 0 or b"\x00" in blob.stdout[:4096]:
-            continue
-        try:
-            text = blob.stdout.decode("utf-8")
-        except UnicodeDecodeError:
+        text = _text(blob.stdout, skipped) if blob.returncode == 0 else None
+        if text is None:
             continue
         yield Document(text=text, source=f"{_named(repo)}:{rel}",
                        meta={"path": rel, "repo": str(repo)})
@@ -188,16 +202,6 @@ def _too_long(size: int, max_bytes: int | None, skipped: Counter[str] | None) ->
     return True
 
 
-def _blob_sizes(repo: Path, revs: list[str]) -> dict[str, int]:
-    """The size of each blob (``HEAD:./path``) in bytes, from one `git cat-file` (a path not
-    in HEAD, such as a file deleted but not committed, is left out)."""
-    revs = [r for r in revs if "\n" not in r]  # (one line a name: such a path is read)
-    out = subprocess.run(["git", "-C", str(repo), "cat-file", "--batch-check=%(objectsize)"],
-                         input="".join(f"{r}\n" for r in revs).encode(), capture_output=True,
-                         check=True).stdout.decode().splitlines()
-    return {r: int(n) for r, n in zip(revs, out, strict=True) if n.isdigit()}
-
-
 def read_jsonl(path: str | Path, text_field: str = "text") -> Iterator[Document]:
     """One document per line of a file, or of each .jsonl file under a folder; other keys are
     kept as metadata."""
@@ -212,8 +216,8 @@ def read_jsonl(path: str | Path, text_field: str = "text") -> Iterator[Document]
                 where = f"{f}:{i + 1}"
                 if not raw.strip():
                     continue
-                try:
-                    row = json.loads(raw.decode("utf-8"))
+                try:  # (a file may start with a byte order mark)
+                    row = json.loads(raw.decode("utf-8-sig" if i == 0 else "utf-8"))
                 except UnicodeDecodeError as e:
                     raise ValueError(f"{where}: not UTF-8 (byte {e.start})") from None
                 except json.JSONDecodeError as e:
@@ -252,7 +256,13 @@ def read_parquet(path: str | Path, text_field: str = "text") -> Iterator[Documen
                              f"(columns: {pf.schema_arrow.names})")
         n = 0
         for batch in pf.iter_batches(batch_size=1024):
-            cols = batch.to_pydict()
+            cols: dict[str, list[object]] = {}
+            for name, col in zip(batch.schema.names, batch.columns, strict=True):
+                try:
+                    cols[name] = col.to_pylist()
+                except UnicodeDecodeError:  # (a writer need not check a string column)
+                    raise ValueError(f"{f}: rows {n} to {n + batch.num_rows - 1}: column "
+                                     f"{name!r} holds a string that is not UTF-8") from None
             texts = cols.pop(text_field)
             for j, text in enumerate(texts):
                 if text is None:

@@ -58,8 +58,8 @@ def read_sft_jsonl(path: str | Path) -> Iterator[Conversation]:
             if not raw.strip():
                 continue
             where = f"{path}:{i + 1}"
-            try:
-                row = json.loads(raw.decode("utf-8"))
+            try:  # (a file may start with a byte order mark)
+                row = json.loads(raw.decode("utf-8-sig" if i == 0 else "utf-8"))
             except UnicodeDecodeError as e:
                 raise ValueError(f"{where}: not UTF-8 (byte {e.start})") from None
             except json.JSONDecodeError as e:

@@ -52,6 +52,28 @@ def test_read_git_only_tracked_files_at_head(tmp_path):
                                                          ("v.py", "v = 1\n")]
 
 
+
+def test_read_git_reads_regular_files_of_head_not_links_or_the_index(tmp_path):
+    """A tracked link's blob is its target's name, not a document; a file staged for deletion
+    is still in HEAD, and a file staged but not committed is not."""
+    import os
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t",
+                        *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "real.py").write_text("def f():\n    return 1\n")
+    os.symlink("/etc/passwd.py", tmp_path / "link.py")
+    os.symlink("real.py", tmp_path / "alias.py")
+    git("add", ".")
+    git("commit", "-qm", "x")
+    git("rm", "-q", "--cached", "real.py")
+    (tmp_path / "new.py").write_text("staged = True\n")
+    git("add", "new.py")
+    assert [(d.meta["path"], d.text) for d in read_git(tmp_path)] == [
+        ("real.py", "def f():\n    return 1\n")]
+
 def test_read_jsonl_and_parquet(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text(json.dumps({"content": "def f(): pass", "lang": "py"}) + "\n\n"
@@ -121,6 +143,55 @@ def test_the_same_data_in_another_place_gets_the_same_ids_and_split(tmp_path):
     assert all(splits[0])  # both sides have documents
 
 
+
+
+
+def test_a_parquet_string_that_is_not_utf8_is_named_by_file_rows_and_column(tmp_path):
+    text = pa.array([b"ok text", b"caf\xe9 latin-1"], type=pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"n": [1, 2], "text": text}), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"bad.parquet: rows 0 to 1: column 'text' holds a "
+                                         "string that is not UTF-8"):
+        list(read_parquet(tmp_path / "bad.parquet"))
+
+@pytest.mark.parametrize("kind", ["dir", "git"])
+def test_a_byte_order_mark_is_not_part_of_a_files_text(tmp_path, kind):
+    """A source file saved with a BOM is the same text as one without (exact dedup finds the
+    copies; `ast.parse` takes it); a JSONL file may start with one."""
+    from codedojo.data.dedup import DedupConfig, dedup
+
+    src = 'def add(a, b):\n    """Add two numbers."""\n    return a + b\n'
+    (tmp_path / "a.py").write_bytes(b"\xef\xbb\xbf" + src.encode())
+    (tmp_path / "b.py").write_text(src)
+    if kind == "git":
+        subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+        subprocess.run(["git", "-C", str(tmp_path), "add", "."], check=True)
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t",
+                        "commit", "-qm", "x"], check=True)
+    docs = list(read_source(SourceConfig(kind=kind, path=str(tmp_path))))
+    assert [d.text for d in docs] == [src, src]
+    assert [d.meta["path"] for d in dedup(docs, DedupConfig(near=False))] == ["a.py"]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b'\xef\xbb\xbf{"text": "a"}\n{"text": "b"}\n')
+    assert [d.text for d in read_jsonl(rows)] == ["a", "b"]
+
+@pytest.mark.parametrize("kind", ["dir", "git"])
+def test_binary_and_non_utf8_files_are_counted_as_read_and_rejected(tmp_path, kind):
+    from codedojo.data.corpus import CorpusConfig, CorpusStats, clean_documents
+
+    body = "def f(x):\n    return x + 1  # a plain python function body here\n" * 3
+    (tmp_path / "ok.py").write_text(body)
+    (tmp_path / "latin1.py").write_bytes(("# caf\xe9\n" + body).encode("latin-1"))
+    (tmp_path / "bin.py").write_bytes(b"\x00\x01" + body.encode())
+    if kind == "git":
+        subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+        subprocess.run(["git", "-C", str(tmp_path), "add", "."], check=True)
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t",
+                        "commit", "-qm", "x"], check=True)
+    stats = CorpusStats()
+    docs = clean_documents(CorpusConfig(sources=[{"kind": kind, "path": str(tmp_path)}]), stats)
+    assert [d.meta["path"] for d in docs] == ["ok.py"]
+    assert stats.read == 3 and stats.rejected == {"binary": 1, "not_utf8": 1}
+
 @pytest.mark.parametrize("kind", ["dir", "git"])
 def test_a_file_too_long_for_the_filters_is_skipped_unread(tmp_path, monkeypatch, kind):
     """A file over 4 bytes a character of `filters.max_chars` cannot pass the filters: it is
@@ -162,8 +233,10 @@ def test_long_documents_keep_to_their_length_and_have_ids_of_their_own():
     from codedojo.data.corpus import concat_by_dir
     from codedojo.data.readers import Document
 
-    docs = [Document("x" * 200, f"pkg/m{i}.py", {"path": f"pkg/m{i}.py"}) for i in range(3)]
-    docs.append(Document("y" * 10, "pkg/n.py", {"path": "pkg/n.py"}))
+    def file(text: str, path: str) -> Document:
+        return Document(text, path, {"path": path, "source_index": 0})
+
+    docs = [file("x" * 200, f"pkg/m{i}.py") for i in range(3)] + [file("y" * 10, "pkg/n.py")]
     out = list(concat_by_dir(docs, 30, 150))
     assert out and all(len(d.text) <= 150 for d in out)
     assert len({d.source for d in out}) == len(out) == 3
@@ -187,6 +260,11 @@ def test_data_that_is_not_what_its_reader_needs_is_named_by_file_and_line(tmp_pa
             list(read_sft_jsonl(sft))
     with pytest.raises(ValueError, match="max_files"):
         SourceConfig(kind="dir", path=".", max_files=-1)
+    from codedojo.data.corpus import CorpusConfig
+
+    for cap in (0, -1):
+        with pytest.raises(ValueError, match="max_train_tokens"):
+            CorpusConfig(sources=[{"kind": "dir", "path": "."}], max_train_tokens=cap)
 
 
 def test_a_tree_cannot_read_what_lies_outside_it(tmp_path):
@@ -244,7 +322,30 @@ def test_directories_of_two_sources_are_not_joined():
     from codedojo.data.corpus import concat_by_dir
     from codedojo.data.readers import Document
 
-    docs = [Document("x" * 40, f"{repo}{sep}{p}", {"path": p}) for repo, sep in
-            (("repoA", "/"), ("repoB", ":")) for p in ("setup.py", "src/x.py")]
+    docs = [Document("x" * 40, f"{repo}{sep}{p}", {"path": p, "source_index": i}) for i, (repo, sep)
+            in enumerate((("repoA", "/"), ("repoB", ":"))) for p in ("setup.py", "src/x.py")]
     out = {d.source: d.text.count("# file:") for d in concat_by_dir(docs, 10, 1000)}
-    assert out == {"repoA/#1": 1, "repoA/src#1": 1, "repoB:#1": 1, "repoB:src#1": 1}
+    assert out == {"0:repoA/#1": 1, "0:repoA/src#1": 1, "1:repoB:#1": 1, "1:repoB:src#1": 1}
+
+
+def test_long_documents_join_files_of_one_folder_of_one_source_only(tmp_path):
+    """Two sources whose folders share a name are two groups, and rows of a JSONL file (here
+    from two repositories, with a path column as code datasets have) are never joined."""
+    from codedojo.data.corpus import CorpusConfig, clean_documents, concat_by_dir
+
+    for name in ("a", "b"):
+        (tmp_path / name / "pkg").mkdir(parents=True)
+        for m in ("m1", "m2"):
+            (tmp_path / name / "pkg" / f"{m}.py").write_text(f"# {name} {m}\n" + "x = 1\n" * 20)
+    rows = [{"text": f"# {r}\n" + "y = 2\n" * 20, "repo": r, "path": "src/main.py"}
+            for r in ("alice/one", "bob/two")]
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = CorpusConfig(sources=[{"kind": "dir", "path": str(tmp_path / n / "pkg")} for n in "ab"]
+                       + [{"kind": "jsonl", "path": str(tmp_path / "code.jsonl")}],
+                       dedup={"exact": False, "near": False})
+    out = {d.source: d.text for d in concat_by_dir(clean_documents(cfg), 10, 10_000)}
+    assert sorted(out) == ["0:pkg/#1", "1:pkg/#1", f"{tmp_path.name}/code.jsonl:1#1",
+                           f"{tmp_path.name}/code.jsonl:2#1"]
+    assert "# a m1" in out["0:pkg/#1"] and "# a m2" in out["0:pkg/#1"]
+    assert "# b " not in out["0:pkg/#1"]
+    assert "bob/two" not in out[f"{tmp_path.name}/code.jsonl:1#1"]

@@ -80,3 +80,13 @@ def test_a_decorated_function_is_trained_with_its_decorators_and_bad_bytes_name_
     bad.write_bytes(ok + b'{"messages": [{"role": "assistant", "content": "caf\xe9"}]}\n')
     with pytest.raises(ValueError, match=r"sft.jsonl:2: not UTF-8 \(byte 51\)"):
         list(read_sft_jsonl(bad))
+
+
+def test_a_file_that_starts_with_a_byte_order_mark_is_read(tmp_path):
+    from codedojo.data.sft import read_sft_jsonl
+
+    sft = tmp_path / "sft.jsonl"
+    row = b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", ' \
+        b'"content": "yo"}]}'
+    sft.write_bytes(b"\xef\xbb\xbf" + row + b"\n" + row + b"\n")
+    assert [c.messages[-1]["content"] for c in read_sft_jsonl(sft)] == ["yo", "yo"]
