@@ -59,16 +59,14 @@ def root_errors(errors: list[str], roots: Sequence[str]) -> dict[str, int]:
     return out
 
 
-# Both listings stay in the sandbox: the whole tree's can be far longer than a command's
-# output may be, and only the files both name come out (rg's status and errors are the glob
-# listing's). A name is a line, as rg writes them.
-_BOTH = """t=$(mktemp -d) || exit 2
-trap 'rm -rf "$t"' EXIT
-{chosen} >"$t/g" 2>"$t/e"; s=$?
-{every} 2>/dev/null | LC_ALL=C sort >"$t/a"
-LC_ALL=C sort "$t/g" | LC_ALL=C comm -12 - "$t/a"
-cat "$t/e" >&2
-exit $s"""
+# Both listings stay in the sandbox (the whole tree's can be far longer than a command's output
+# may be, and a name that is not UTF-8 would not come back byte for byte): awk runs each (their
+# commands in the environment, as shell lines) and prints the names both hold, writing nothing
+# to disk. A name is a line, as rg writes them.
+_KEEP_CHOSEN = ('BEGIN { cmd = ENVIRON["CODEDOJO_RG_CHOSEN"] " 2>/dev/null"; '
+                'while ((cmd | getline name) > 0) chosen[name]; close(cmd); '
+                'cmd = ENVIRON["CODEDOJO_RG_EVERY"] " 2>/dev/null"; '
+                'while ((cmd | getline name) > 0) if (name in chosen) print name; close(cmd) }')
 
 
 def rg_files(sandbox: Sandbox, roots: Sequence[str], globs: Sequence[str] = (),
@@ -79,12 +77,21 @@ def rg_files(sandbox: Sandbox, roots: Sequence[str], globs: Sequence[str] = (),
     from ``cwd`` as rg reads it, narrows the listing and never widens it: rg's own ``--glob``
     overrides its ignore rules (``-g '*'`` lists .git and an ignored venv, ``-g '*.log'``
     ignored logs), so a file is kept where rg lists it both with the globs and without.
-    `RgError` for a bad glob or a timeout."""
-    every = ["rg", "--files", *flags, "--", *roots]
+    `RgError` for a bad glob, a timeout, or a step that failed."""
+    def listing(extra: Sequence[str]) -> tuple[list[str], list[str]]:
+        argv = ["rg", "--files", "--sort", "path", *flags, *extra, "--", *roots]
+        return rg_lines(sandbox.exec(argv, cwd=cwd, timeout=timeout))
+
     if not globs:
-        return rg_lines(sandbox.exec([*every[:2], "--sort", "path", *every[2:]], cwd=cwd,
-                                     timeout=timeout))
-    chosen = ["rg", "--files", *flags, *(a for g in globs for a in ("--glob", g)), "--", *roots]
-    script = _BOTH.format(chosen=shlex.join(chosen), every=shlex.join(every))
-    files, unread = rg_lines(sandbox.exec(["sh", "-c", script], cwd=cwd, timeout=timeout))
-    return sorted(files, key=lambda f: f.split("/")), unread  # (rg's --sort path order)
+        return listing(())
+    chose = [a for g in globs for a in ("--glob", g)]
+    chosen, unread = listing(chose)  # (its errors: a bad glob, what could not be read)
+    if not chosen:
+        return [], unread
+    env = {"CODEDOJO_RG_CHOSEN": shlex.join(["rg", "--files", *flags, *chose, "--", *roots]),
+           "CODEDOJO_RG_EVERY": shlex.join(["rg", "--files", *flags, "--", *roots])}
+    r = sandbox.exec(["awk", _KEEP_CHOSEN], cwd=cwd, timeout=timeout, env=env)
+    if r.exit_code != 0 and not r.timed_out:  # (awk's own failure: no awk, no sh)
+        raise RgError(r.stderr.strip() or f"filtering the listing failed ({r.exit_code})")
+    kept, _ = rg_lines(r)
+    return sorted(kept, key=lambda f: f.split("/")), unread  # (rg's --sort path order)

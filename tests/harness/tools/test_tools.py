@@ -426,3 +426,14 @@ def test_a_glob_finds_files_however_long_the_whole_trees_listing(provider, repo_
     finally:
         s.close()
         sb.destroy()
+
+
+def test_a_glob_search_needs_no_room_on_the_sandbox_disk(session, sandbox):
+    """The two listings a glob narrows meet in the sandbox without a file written: a full disk
+    (a big build) takes nothing from the answer."""
+    sandbox.exec("dd if=/dev/zero of=/tmp/fill bs=1M count=200 2>/dev/null; "
+                 "dd if=/dev/zero of=/workspace/fill bs=1M count=200 2>/dev/null", timeout=60)
+    assert sandbox.exec("echo x > /tmp/probe").exit_code != 0  # (full)
+    assert ok(session, "glob_file_search", glob_pattern="*.py").splitlines() == [
+        "/workspace/inventory/__init__.py", "/workspace/inventory/stock.py",
+        "/workspace/tests/test_stock.py"]
