@@ -55,8 +55,8 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generato
         vals, ids = torch.topk(lp, min(params.top_logprobs, lp.shape[-1]))
         # more asked for than top-k/top-p kept: those are impossible, at a finite floor (JSON
         # has no -inf)
-        top = [(int(i), max(float(v), LOGPROB_FLOOR))
-               for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+        top = [(int(i), tok_lp if int(i) == tok else max(float(v), LOGPROB_FLOOR))
+               for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]  # (one logprob a token)
     return tok, tok_lp, top
 
 

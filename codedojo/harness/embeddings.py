@@ -111,6 +111,11 @@ class Hit:
     text: str
 
 
+class RootUnreadable(OSError):
+    """A root the search was given that it cannot read (not there, no directory, unreadable):
+    its errno, and the root as ``filename``."""
+
+
 class Hits(list[Hit]):
     """A search's hits, best first, and how many files it left out past `MAX_FILES`."""
 
@@ -168,7 +173,7 @@ class CodebaseIndex:
     def _files(self, sandbox: Sandbox, roots: list[str],
                deadline: float | None) -> tuple[list[str], int]:
         """The files to index, and how many more past `MAX_FILES` are left out. A root that
-        rg cannot read (not there, no directory, unreadable) is an OSError naming it."""
+        rg cannot read (not there, no directory, unreadable) is `RootUnreadable`."""
         flags = ["--hidden", "--max-filesize", str(MAX_FILE_BYTES), "--glob", "!.git"]
         try:  # (what it cannot read, the search cannot either)
             files, unread = rg_files(sandbox, roots, CODE_GLOBS, flags,
@@ -178,7 +183,7 @@ class CodebaseIndex:
         except RgError as e:
             raise SandboxError(f"cannot list files: {e}") from None
         for root, err in root_errors(unread, roots).items():  # ("No results." would say
-            raise OSError(err, os.strerror(err), root)  # the code is not there)
+            raise RootUnreadable(err, os.strerror(err), root)  # the code is not there)
         files.sort(key=lambda f: (_RANK.get(posixpath.splitext(f)[1], len(_RANK)), f))
         return files[:MAX_FILES], max(0, len(files) - MAX_FILES)
 
@@ -224,7 +229,7 @@ class CodebaseIndex:
         timeout_s: float | None = None,
     ) -> Hits:
         """The k best chunks; past timeout_s, `SearchTimeout` (the vectors made are kept); a
-        root it cannot read, an OSError naming it (`_files`)."""
+        root it cannot read, `RootUnreadable`."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         files, left_out = self._files(sandbox, roots or [WORKSPACE], deadline)
         chunks = self._read(sandbox, files, deadline)

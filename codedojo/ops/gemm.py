@@ -127,7 +127,10 @@ def prune_builds(keep: Path, unused_days: float = UNUSED_DAYS) -> list[Path]:
                 continue
             if os.fstat(held.fileno()).st_mtime > cutoff:  # (loaded since it was looked at)
                 continue
-            shutil.rmtree(d, ignore_errors=True)
+            # out of the way in one step, so that a loader arriving meanwhile makes it anew
+            gone = d.with_name(f".{d.name}.pruned-{os.getpid()}")
+            os.rename(d, gone)
+            shutil.rmtree(gone, ignore_errors=True)
         removed.append(d)
     return removed
 
@@ -158,14 +161,20 @@ def build_lock(build: Path) -> Iterator[None]:
     A build `prune_builds` removed while this waited for its lock is made again: the lock
     held must be the file the directory has now."""
     while True:
-        build.mkdir(parents=True, exist_ok=True)
-        held = open(build / "build.lock", "w")  # closing it releases the lock
-        fcntl.flock(held, fcntl.LOCK_EX)
         try:
+            build.mkdir(parents=True, exist_ok=True)
+            held = open(build / "build.lock", "w")  # closing it releases the lock
+        except FileNotFoundError:  # (pruned between the two)
+            continue
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX)
             if os.path.samestat(os.fstat(held.fileno()), os.stat(build / "build.lock")):
                 break
         except FileNotFoundError:  # (pruned meanwhile)
             pass
+        except BaseException:
+            held.close()
+            raise
         held.close()
     with held:
         stale = build / "lock"

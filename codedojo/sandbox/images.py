@@ -442,21 +442,26 @@ class LayerStack:
         # (layer, directory) -> (a directory there, whether the layer hides what lower layers
         # have below it: a whiteout, a file or a link on the way, or an opaque directory)
         self._known: dict[tuple[str, tuple[str, ...]], tuple[bool, bool]] = {}
-        self._roots: dict[str, int] = {}  # layer -> an fd of its root, once reached
+        self._roots: dict[str, int] | None = {}  # layer -> an fd of its root, once reached
 
     def _root(self, top: str) -> int:
-        """Layer ``top``'s root; a layer gone is a SandboxError (not an empty layer)."""
+        """Layer ``top``'s root; a layer gone (before or after it was opened) is a
+        SandboxError, not an empty layer."""
+        if self._roots is None:
+            raise ValueError("LayerStack: used after close")
         fd = self._roots.get(top)
         if fd is None:
             try:
                 fd = self._roots[top] = os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError as e:
                 raise SandboxError(f"layer {top}: cannot open it ({e.strerror})") from e
+        elif os.fstat(fd).st_nlink == 0:  # (removed since: a held directory has no links left)
+            raise SandboxError(f"layer {top}: removed while it was read")
         return fd
 
     def close(self) -> None:
         """Close the layers' roots; the stack is of no use after."""
-        roots, self._roots = self._roots, {}
+        roots, self._roots = self._roots or {}, None
         for fd in roots.values():
             os.close(fd)
 

@@ -88,6 +88,15 @@ def test_a_layer_stack_holds_its_layers_open_until_closed(tmp_path):
         with pytest.raises(SandboxError, match="low: cannot open it"):  # (not an empty layer)
             stack.lookup("f")
     assert set(os.listdir("/proc/self/fd")) == before
+    (tmp_path / "low").mkdir()
+    with LayerStack([str(tmp_path / "top"), str(tmp_path / "low")]) as stack:
+        assert stack.lookup("f") is None
+        os.rmdir(tmp_path / "low")  # removed once reached: no empty layer either
+        with pytest.raises(SandboxError, match="low: removed while it was read"):
+            stack.lookup("f")
+    with pytest.raises(ValueError, match="used after close"):
+        stack.lookup("f")
+    assert set(os.listdir("/proc/self/fd")) == before
 
 
 def test_hard_links_survive_a_snapshot(sandbox):

@@ -7,7 +7,7 @@ import errno
 from typing import Any
 
 from codedojo.harness import embeddings
-from codedojo.harness.embeddings import SearchTimeout
+from codedojo.harness.embeddings import RootUnreadable, SearchTimeout
 from codedojo.harness.lines import file_lines
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
 
@@ -27,8 +27,8 @@ def _codebase_search(ctx: ToolContext, args: dict[str, Any]) -> str:
         done = f" with {e.indexed} of {e.total} chunks indexed" if e.total else ""
         raise ToolError(f"codebase_search timed out after {ctx.timeout_s:g}s{done}; "
                         "call it again to go on, or narrow target_directories") from None
-    except OSError as e:  # a root it could not search ("No results." would say the code is
-        if e.errno in (errno.ENOENT, errno.ENOTDIR):  # not there)
+    except RootUnreadable as e:  # ("No results." would say the code is not there)
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
             raise ToolError(f"path not found: {e.filename}") from None
         raise ToolError(f"cannot search {e.filename}: {e.strerror}") from None
     left_out = getattr(hits, "left_out", 0)
