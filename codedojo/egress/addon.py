@@ -17,7 +17,8 @@ request the addon
    charset, a transfer coding other than chunked);
 5. writes one audit record when the flow ends; a connection on which mitmproxy itself refused
    what the sandbox sent (a request line or headers it cannot parse) gets one when it closes,
-   with mitmproxy's reason.
+   with mitmproxy's reason, and so does one that sent bytes in which no hook saw a request
+   (part of one, or one that names no host, which mitmproxy answers without a log line).
 
 CONNECT requests and the WebSocket messages the sandbox sends spend its rate limit as requests
 do; a CONNECT pays for the first request in its tunnel, so that a connection with one request
@@ -47,6 +48,7 @@ from urllib.parse import unquote_plus, unquote_to_bytes
 
 from mitmproxy import connection, ctx, http, tcp, tls
 from mitmproxy.net.http import url
+from mitmproxy.proxy import layer
 from mitmproxy.proxy.mode_specs import TransparentMode
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from mitmproxy.utils import human
@@ -268,6 +270,9 @@ class EgressAddon:
         self._refusals = _Refusals(registry)
         # sandbox connections whose CONNECT paid for the first request in its tunnel
         self._prepaid: set[tuple] = set()
+        # sandbox connections that sent bytes -> whether no hook has seen a request (or a TLS
+        # handshake, a TCP stream) on them yet
+        self._unheard: dict[tuple, bool] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -287,17 +292,37 @@ class EgressAddon:
             # Not a sandbox we serve: the listener is on the veth gateways, nothing else may use it.
             client.error = "egress: unknown client address"
 
+    def next_layer(self, nextlayer: layer.NextLayer) -> None:
+        """Called as the first bytes of a connection (or of a tunnel in it) arrive: notes that
+        the sandbox sent something, for `client_disconnected`."""
+        peer = nextlayer.context.client.peername
+        if nextlayer.data_client() and self.registry.lookup(peer) is not None:
+            self._unheard.setdefault(peer, True)
+
+    def _heard(self, client: connection.Client) -> None:
+        """A hook saw a request on this connection, or wrote a record of its own."""
+        self._unheard[client.peername] = False
+
     def client_disconnected(self, client: connection.Client) -> None:
-        """A sandbox connection on which mitmproxy refused what was sent (before any hook saw a
-        request) gets an audit record, with mitmproxy's reason. One that sent nothing (a
-        connect and close, a spare connection a client opened) gets none."""
+        """A sandbox connection on which mitmproxy refused what was sent gets an audit record,
+        with mitmproxy's reason; so does one that sent bytes in which no hook saw a request
+        (part of one, or one mitmproxy answered itself without a log line: a request that names
+        no host). One that sent nothing (a connect and close, a spare connection a client
+        opened) gets none."""
         peer = client.peername
         why = self._refusals.reasons.pop(peer, None)
+        unheard = self._unheard.pop(peer, False)
         self._prepaid.discard(peer)
         sc = self.registry.lookup(peer)
-        if sc is None or why is None:
+        if sc is None:
             return
-        why = f"mitmproxy refused the request as malformed HTTP: {why}"
+        if why is not None:
+            why = f"mitmproxy refused the request as malformed HTTP: {why}"
+        elif unheard:
+            why = ("the connection sent what the proxy could not serve (no request, part of "
+                   "one, or one that names no host)")  # fmt: skip
+        else:
+            return
         sc.audit.write(
             AuditRecord(sandbox=sc.sandbox_id, mode=sc.mode, method="HTTP", host="", port=0,
                         path="", blocked=self._clean(sc, why))
@@ -340,6 +365,7 @@ class EgressAddon:
     def tcp_start(self, flow: tcp.TCPFlow) -> None:
         sc = self.registry.lookup(flow.client_conn.peername)
         if sc is not None and flow.server_conn.address:
+            self._heard(flow.client_conn)
             host, port = flow.server_conn.address
             sc.audit.write(
                 AuditRecord(
@@ -388,6 +414,7 @@ class EgressAddon:
         sc = self.registry.lookup(data.context.client.peername)
         if sc is None:
             return
+        self._heard(data.context.client)
         error = (f"TLS handshake with the sandbox failed ({data.conn.error}); "
                  "does the client trust the egress CA?")  # fmt: skip
         sc.audit.write(
@@ -404,6 +431,7 @@ class EgressAddon:
         sc = self._client(flow)
         if sc is None:
             return
+        self._heard(flow.client_conn)
         host, port = flow.request.host, flow.request.port
         meta = flow.metadata["egress"] = {"name": host, "port": port}
         try:
@@ -421,6 +449,7 @@ class EgressAddon:
         sc = self._client(flow)
         if sc is None or flow.response is not None:
             return
+        self._heard(flow.client_conn)
         req = flow.request
         meta: dict = {"name": req.host, "port": req.port, "override": False}
         flow.metadata["egress"] = meta

@@ -93,7 +93,8 @@ class EgressPolicy(BaseModel):
     rate_limit_rps: float = Field(
         default=20.0, gt=0,
         description="Sustained requests per second per sandbox (429 above). A CONNECT counts as "
-        "one, and so does each WebSocket message the sandbox sends (dropped above).",
+        "one, and so does each WebSocket message the sandbox sends (past the limit the WebSocket "
+        "is closed).",
     )  # fmt: skip
     rate_limit_burst: int = Field(
         default=40, gt=0, description="Requests a sandbox may make at once before the rate applies."

@@ -466,24 +466,46 @@ def test_a_connect_pays_for_the_first_request_in_its_tunnel(setup, looked_up):
     assert connect.response is None and codes == [None, None, 429]
 
 
-def test_only_a_connection_mitmproxy_refused_gets_a_record_when_it_closes(setup):
-    """mitmproxy's refusal (logged, never a hook) is audited when the connection closes; a
-    connection that sent nothing (connect and close, a spare one) leaves no record."""
+def test_a_connection_that_sent_what_no_hook_saw_gets_a_record_when_it_closes(setup, looked_up):
+    """mitmproxy's refusal (logged, never a hook) is audited when the connection closes, and
+    so are bytes in which no hook saw a request (part of one, one mitmproxy answered itself);
+    a connection that sent nothing (connect and close, a spare one), or whose request a hook
+    saw, leaves no record."""
+    from mitmproxy.options import Options
+    from mitmproxy.proxy import context, events, layer
+
     from codedojo.egress.addon import _SERVER_LOG
 
     addon, sc, audit = setup
-    refused, idle = tflow.tclient_conn(), tflow.tclient_conn()
-    refused.peername, idle.peername = (SANDBOX_IP, 40000), (SANDBOX_IP, 40001)
+    refused, idle, cut, served = (tflow.tclient_conn() for _ in range(4))
+    for i, client in enumerate((refused, idle, cut, served)):
+        client.peername = (SANDBOX_IP, 40000 + i)
+
+    def sent(client, data: bytes) -> None:  # mitmproxy's hook as a connection's bytes arrive
+        nl = layer.NextLayer(context.Context(client, Options()))
+        nl.events.append(events.DataReceived(client, data))
+        addon.next_layer(nl)
+
     addon.running()
     try:
         _SERVER_LOG.info("client connect", extra={"client": idle.peername})
+        sent(refused, b"GET /?tok-123456\r\n\r\n")
         _SERVER_LOG.info(f"{SANDBOX_IP}:40000: Bad HTTP request line: b'GET /?tok-123456'",
                          extra={"client": refused.peername})  # fmt: skip
-        addon.client_disconnected(idle)
+        addon.next_layer(layer.NextLayer(context.Context(idle, Options())))  # no data yet
+        sent(cut, b"GET / HTTP/1.1\r\nHost: www.exa")
+        sent(served, b"GET / HTTP/1.1\r\nHost: www.example.org\r\n\r\n")
+        f = _flow()
+        f.client_conn = served
+        asyncio.run(addon.requestheaders(f))
+        for client in (idle, served):
+            addon.client_disconnected(client)
         assert read_audit(audit) == []
         addon.client_disconnected(refused)
+        addon.client_disconnected(cut)
     finally:
         addon.done()
-    (rec,) = read_audit(audit)
+    rec, cut_rec = read_audit(audit)
     assert rec["method"] == "HTTP" and "Bad HTTP request line" in rec["blocked"]
     assert "__REDACTED_TOKEN__" in rec["blocked"] and "123456" not in audit.read_text()
+    assert cut_rec["method"] == "HTTP" and "could not serve" in cut_rec["blocked"]

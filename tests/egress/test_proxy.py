@@ -552,7 +552,8 @@ def test_sandbox_names_that_read_alike_as_file_names_keep_their_own_audit_logs()
 def test_a_request_mitmproxy_refuses_as_malformed_is_audited(egress_env, sandbox, mode):
     """mitmproxy answers a request line or header block it cannot parse itself, before any
     request hook; the sandbox's audit log still gets a record saying why (redacted), when the
-    connection closes."""
+    connection closes, as it does for a request that names no host (answered unlogged). A
+    connection that sends nothing gets none."""
     import time
 
     http_up, https_up = egress_env["http"], egress_env["https"]
@@ -567,6 +568,10 @@ def test_a_request_mitmproxy_refuses_as_malformed_is_audited(egress_env, sandbox
         "Bad HTTP request line": f"GET /?k={SECRET}\r\n\r\n".encode(),
         "Invalid header line": b"GET / HTTP/1.1\r\nHost: up.test\r\nno-colon-here\r\n\r\n",
     }
+    if mode == "explicit":
+        payloads["names no host"] = b"GET /relative HTTP/1.1\r\n\r\n"
+    idle = "import socket, sys\nsocket.create_connection((sys.argv[1], int(sys.argv[2]))).close()"
+    assert sb.exec([PYTHON, "-c", idle, to["host"], str(to["port"])]).exit_code == 0
     out = _raw(sb, [{**to, "payload": p} for p in payloads.values()])
     assert all(o.startswith("HTTP/1.1 400") for o in out), out
     path = proxy.audit_path(sb.id)
@@ -579,4 +584,104 @@ def test_a_request_mitmproxy_refuses_as_malformed_is_audited(egress_env, sandbox
     for why, r in zip(payloads, records, strict=True):
         assert r["sandbox"] == sb.id and r["mode"] == mode and why in r["blocked"], r
     assert redaction_marker("KEY") in records[0]["blocked"]
+    assert SECRET not in path.read_text()
+
+
+# A WebSocket client in the sandbox (no package there speaks it): sends text messages one at a
+# time, each awaiting its echo; prints the echoes, and "closed" once the connection ends.
+WS_CLIENT = r"""
+import base64, json, os, socket, sys
+s = socket.create_connection(("ws.test", int(sys.argv[1])), timeout=10)
+key = base64.b64encode(os.urandom(16)).decode()
+s.sendall((f"GET /ws HTTP/1.1\r\nHost: ws.test:{sys.argv[1]}\r\nUpgrade: websocket\r\n"
+           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+           "Sec-WebSocket-Version: 13\r\n\r\n").encode())
+head = b""
+while b"\r\n\r\n" not in head:
+    head += s.recv(1)
+out = [head.split(b" ")[1].decode()]  # the status code
+
+def read(n):
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+for i in range(int(sys.argv[2])):
+    payload, mask = f"{i} {sys.argv[3]}".encode(), os.urandom(4)
+    try:
+        s.sendall(bytes([0x81, 0x80 | len(payload)]) + mask
+                  + bytes(b ^ mask[j % 4] for j, b in enumerate(payload)))
+        first, size = read(2)
+        if first & 0x0F == 8:  # a close frame
+            raise ConnectionError("closed")
+        out.append(read(size & 0x7F).decode())
+    except TimeoutError:  # neither an echo nor the end of the connection came
+        out.append("no answer")
+        break
+    except OSError:
+        out.append("closed")
+        break
+print(json.dumps(out))
+"""
+
+
+def test_a_websocket_past_the_rate_limit_is_closed_with_one_record(egress_env, sandbox):
+    """Each message the sandbox sends spends its rate limit: past it the proxy closes the
+    connection, the message that went past goes nowhere, and the log gets one record of it."""
+    import threading
+    import time
+
+    from wsproto import ConnectionType, WSConnection
+    from wsproto.events import AcceptConnection, CloseConnection, Message, Request, TextMessage
+
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    proxy = egress_env["proxy"]
+    received: list[str] = []
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def echo() -> None:  # an upstream that echoes each text message
+        conn, _ = srv.accept()
+        ws = WSConnection(ConnectionType.SERVER)
+        with conn:
+            while data := conn.recv(65536):
+                ws.receive_data(data)
+                for event in ws.events():
+                    if isinstance(event, Request):
+                        conn.sendall(ws.send(AcceptConnection()))
+                    elif isinstance(event, TextMessage):
+                        received.append(event.data)
+                        conn.sendall(ws.send(Message(data=event.data)))
+                    elif isinstance(event, CloseConnection):
+                        return
+
+    threading.Thread(target=echo, daemon=True).start()
+    port = srv.getsockname()[1]
+    policy = upstream_policy(http_up, https_up, allow_hosts=["ws.test"], allow_ports=[port],
+                             hosts={"ws.test": "127.0.0.1"}, allow_addresses=[f"127.0.0.1:{port}"],
+                             rate_limit_rps=0.001, rate_limit_burst=3)  # fmt: skip
+    sb = sandbox(proxy.attachment(policy, mode="transparent", secrets={"KEY": SECRET}))
+    try:
+        r = sb.exec([PYTHON, "-c", WS_CLIENT, str(port), "5", SECRET])
+    finally:
+        srv.close()
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    marker = redaction_marker("KEY")
+    # the upgrade request and two messages spend the burst of 3; the third message closes it
+    assert out == ["101", f"0 {marker}", f"1 {marker}", "closed"]
+    assert received == [f"0 {marker}", f"1 {marker}"]
+    path = proxy.audit_path(sb.id)
+    for _ in range(50):  # written on the proxy's loop
+        records = read_audit(path)
+        if len(records) >= 2:
+            break
+        time.sleep(0.1)
+    upgrade, ws = records
+    assert upgrade["method"] == "GET" and upgrade["status"] == 101
+    assert ws["method"] == "WEBSOCKET" and ws["host"] == "ws.test"
+    assert "rate limit" in ws["blocked"] and "closed" in ws["blocked"]
     assert SECRET not in path.read_text()
