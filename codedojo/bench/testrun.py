@@ -197,7 +197,9 @@ def run_pytest(
     `parse_pytest_output`)."""
     canary = Canary.plant(ex, cmd.root, secrets.choice(tests)) if tests else None
     try:
-        run = [*tests, canary.node_id] if canary else tests
+        run = list(tests) if tests else tests
+        if canary and run is not None:  # (at a drawn place among them: no last argument)
+            run.insert(secrets.randbelow(len(run) + 1), canary.node_id)
         res = ex.exec(cmd.argv(run), cwd=cmd.root, env=cmd.env(), timeout=timeout)
     finally:
         if canary:
@@ -278,8 +280,13 @@ class Canary:
     printing a summary of its own and leaving) makes it pass too, or leaves it unreported,
     and then no outcome of the run is believed. Code that spared it alone would have to tell
     it from the tests it forges, by a name it cannot know before the run: its file is a
-    ``test_<word>.py`` in the folder of one of the tests (drawn), its test ``test_<word>``,
-    each word letters of a drawn length, so no folder, prefix or pattern sets it apart."""
+    ``test_<word>.py`` in the folder of one of the tests (drawn; the tree's root where that
+    folder cannot be written), its test a function ``test_<word>`` (run as the tests it
+    forges are) that compares two drawn numbers, each word letters of a drawn length, at a
+    drawn place among the tests pytest is given. (Its node id is still on pytest's command
+    line, and its body reads no module of the task's; a task whose config collects functions
+    of other names (``python_functions``) does not collect it, and its runs are infra
+    failures.)"""
 
     path: str  # its file, as the executor sees it
     node_id: str
@@ -289,11 +296,12 @@ class Canary:
         """Write the canary into the folder of the test ``beside`` names (a node id; the
         tree's ``root`` where that folder is not there), never over a file that is."""
         module, test = f"test_{_word()}", f"test_{_word()}"
-        body = f"def {test}():\n    assert False, 'this test must fail'\n"
+        a = secrets.randbelow(10**6)
+        body = f"def {test}():\n    assert {a} == {a + 1 + secrets.randbelow(9)}\n"
         folder = beside.split("::", 1)[0].rpartition("/")[0] or "."
         # (prints the folder it went into; set -C: a file of that name is not overwritten)
-        r = ex.exec(["sh", "-c", '[ -d "$1/$2" ] || set -- "$1" . "$3"; set -C; '
-                     'cat > "$1/$2/$3.py" && printf %s "$2"', "sh", root, folder, module],
+        r = ex.exec(["sh", "-c", '[ -d "$1/$2" ] && [ -w "$1/$2" ] || set -- "$1" . "$3"; '
+                     'set -C; cat > "$1/$2/$3.py" && printf %s "$2"', "sh", root, folder, module],
                     stdin=body, timeout=60)
         if r.exit_code != 0:
             raise RuntimeError(f"cannot write the canary test: {r.stderr.strip()[-300:]}")

@@ -1,3 +1,7 @@
+import os
+
+import pytest
+
 from codedojo.bench.testrun import LocalExecutor, PytestCommand, parse_pytest_output, run_pytest
 
 OUT = """\
@@ -155,11 +159,13 @@ def test_every_config_file_pytest_reads_is_machinery():
     """pytest >= 9 reads pytest.toml and .pytest.toml first; the list follows pytest's own."""
     from _pytest.config.findpaths import CONFIG_LOADERS_BY_NAME
 
-    from codedojo.bench.testrun import is_test_machinery
+    from codedojo.bench.testrun import TEST_CONFIG_FILES, is_test_machinery
 
     assert {"pytest.toml", ".pytest.toml"} <= set(CONFIG_LOADERS_BY_NAME)
     for name in CONFIG_LOADERS_BY_NAME:
         assert is_test_machinery(name) and is_test_machinery(f"tests/{name}"), name
+    # and the list kept for where no pytest is there to ask (the pinned one's, whole)
+    assert set(CONFIG_LOADERS_BY_NAME) <= set(TEST_CONFIG_FILES)
 
 
 def test_an_import_root_is_known_however_it_is_written():
@@ -205,6 +211,37 @@ def test_the_canary_is_a_test_file_beside_the_tests_that_no_fixed_mark_tells_apa
     rep = run_pytest(Recording(), PytestCommand(root=str(tmp_path)), ["tests/test_a.py::test_a"],
                      timeout=60)
     assert rep.forged and rep.outcomes == {"tests/test_a.py::test_a": "error"}
-    canary = next(a[-1] for a in argvs if a[-1] != "tests/test_a.py::test_a" and "::" in a[-1])
+    canary = next(x for a in argvs for x in a if "::" in x and x != "tests/test_a.py::test_a")
     assert re.fullmatch(r"tests/test_[a-z]{6,12}\.py::test_[a-z]{6,12}", canary), canary
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["spare.py", "test_a.py", "tests"]
+
+
+def test_a_tests_folder_the_run_cannot_write_takes_the_canary_at_the_root():
+    """(The run writes the canary as the user that runs the tests; root writes anywhere, so
+    the folder's own test runs as nobody.)"""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root to run the tests as another user")
+    tmp_path = Path(tempfile.mkdtemp(dir="/tmp"))  # (a folder nobody can reach)
+    (tmp_path / "checks").mkdir()
+    (tmp_path / "checks" / "test_a.py").write_text("def test_a():\n    assert True\n")
+    os.chmod(tmp_path / "checks", 0o555)
+    os.chmod(tmp_path, 0o777)
+
+    class AsNobody(LocalExecutor):
+        def exec(self, command, **kw):
+            return super().exec(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                 *command], **kw)
+
+    try:
+        rep = run_pytest(AsNobody(), PytestCommand(root=str(tmp_path)),
+                         ["checks/test_a.py::test_a"], timeout=60)
+        left = sorted(p.name for p in tmp_path.rglob("*.py"))
+    finally:
+        os.chmod(tmp_path / "checks", 0o755)
+        shutil.rmtree(tmp_path)
+    assert not rep.forged and rep.outcomes == {"checks/test_a.py::test_a": "passed"}, rep
+    assert left == ["test_a.py"]
