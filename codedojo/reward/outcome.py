@@ -74,9 +74,10 @@ def grade(sandbox: Sandbox, fail_to_pass: Sequence[str], pass_to_pass: Sequence[
     ``protect``: paths (relative to /workspace, files or folders: all under one) whose changes
     are not applied either, besides the files the test ids name. A caller passes what the
     tests read besides their own files (helper modules, fixtures, expected data), or the
-    episode can rewrite it: the RL trainer passes the task's hidden paths
+    episode can rewrite it: an RL trainer must pass the task's hidden paths
     (`codedojo.bench.workspace.hidden_from_agent`), as the bench grades, or for a task
-    without them the folders its tests are in."""
+    without them the folders its tests are in (no caller in this package does yet: the
+    default protects nothing more)."""
     command = command or default_command()
     tests = [*fail_to_pass, *pass_to_pass]
     if not tests:
