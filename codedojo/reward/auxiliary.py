@@ -130,6 +130,8 @@ def tool_collapse(ctx: RewardContext, *,
 
 
 PYTHON = (".py", ".pyi")
+# The files `UNREAD_COST` is charged for, when an episode leaves one too large or binary to read
+UNREAD_CHARGED = (*_COMMENT_PREFIX, ".pyi")
 
 
 def _lint_counts(files: dict[str, str], configs: dict[str, str]) -> Counter[str]:

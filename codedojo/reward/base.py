@@ -54,8 +54,9 @@ class RewardContext:
     changes: list[FileChange] = field(default_factory=list)
     # ruff configuration files (name -> text) the changed files are linted by (`lint_delta`)
     lint_configs: dict[str, str] = field(default_factory=dict)
-    # paths of files the episode left binary or too large to read (`codedojo.reward.changes`)
-    # where the image had text or no file: not in `changes`, each charged a fixed cost instead
+    # paths of source files (`auxiliary.UNREAD_CHARGED`) the episode left binary or too large
+    # to read (`codedojo.reward.changes`) where the image had text or no file: not in
+    # `changes`, each charged a fixed cost instead
     unread: list[str] = field(default_factory=list)
 
 

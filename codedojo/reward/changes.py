@@ -4,7 +4,9 @@
 `Sandbox.changes`), whatever changed it: a file tool, the shell, a build. `after` is read from
 the sandbox. A file that is binary or too large on either side is no text change, and left
 out (not reported as deleted). One that the episode made so (it was text, or not there, in the
-image) is named in `RewardContext.unread`: size or a NUL byte does not hide what the episode
+image) is named in `RewardContext.unread` where it is a source file the rewards charge for
+(`codedojo.reward.auxiliary.UNREAD_CHARGED`; another's original is not even read): size or a
+NUL byte does not hide what the episode
 wrote in a source file from the rewards that read it, which charge a fixed cost for it
 (`codedojo.reward.auxiliary.UNREAD_COST`), since its text, of any length, is not read.
 
@@ -19,6 +21,7 @@ from collections.abc import Callable
 
 from codedojo.harness.lint import CONFIG_FILES
 from codedojo.harness.trajectory import Trajectory
+from codedojo.reward.auxiliary import UNREAD_CHARGED
 from codedojo.reward.base import FileChange, RewardContext, TestReport
 from codedojo.sandbox.base import WORKSPACE, FileTooLarge, Sandbox, SandboxError
 
@@ -57,6 +60,8 @@ def _collect(sandbox: Sandbox) -> tuple[list[FileChange], list[str]]:
         path = ch.path if ch.path.startswith("/") else f"{WORKSPACE}/{ch.path}"
         after = None if ch.kind == "deleted" else _side(  # (a file past it is not read)
             lambda p: sandbox.read_file(p, max_bytes=MAX_BYTES), path)
+        if after is _UNREADABLE and not path.endswith(UNREAD_CHARGED):
+            continue  # (nothing to compare, nothing charged: the image's side is not read)
         before = None if ch.kind == "added" else _side(sandbox.read_original, path)
         if before is _UNREADABLE or before == after:  # directories: None on both
             continue

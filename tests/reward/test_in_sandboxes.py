@@ -74,8 +74,13 @@ def test_a_source_file_grown_past_what_is_read_is_charged_not_skipped(
         sb.write_file("/workspace/inventory/stock.py",
                       sb.read_file("/workspace/inventory/stock.py") + padding)
         sb.write_file("/workspace/blob.bin", b"\x00" * 10)  # no source file: no cost
+        sb.write_file("/workspace/data.bin", b"\x00" * (MAX_BYTES + 1))  # (in the image)
+        read = []
+        real = sb.read_original
+        sb.read_original = lambda p: read.append(p) or real(p)  # type: ignore[method-assign]
         ctx = reward_context(Trajectory(task="t"), sb)
-        assert sorted(ctx.unread) == ["/workspace/blob.bin", "/workspace/inventory/stock.py"]
+        assert ctx.unread == ["/workspace/inventory/stock.py"]
         assert lint_delta(ctx) == comment_reasoning(ctx) == UNREAD_COST
+        assert "/workspace/data.bin" not in read  # (no text, nothing charged: not read)
     finally:
         sb.destroy()
