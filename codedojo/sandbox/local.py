@@ -1483,6 +1483,7 @@ class LocalProvider:
         # cost of a create; pooled sandboxes pay it ahead of time, off the critical path.
         self.pool_size = pool_size
         self._pool: list[LocalSandbox] = []
+        self._filling: set[str] = set()  # blanks the pool's thread is starting (not yet pooled)
         self._pool_cv = threading.Condition()
         self._pool_thread: threading.Thread | None = None
         self._closed = False
@@ -1570,12 +1571,17 @@ class LocalProvider:
                 time.sleep(POOL_REFILL_DELAY_S / 2)
             blank = LocalSandbox(self, "sb-" + uuid.uuid4().hex[:12], SandboxSpec(image=""),
                                  Image("", (), "host"))
+            with self._pool_cv:  # (its directory is there before its state: `gc` leaves it)
+                self._filling.add(blank.id)
             try:
                 blank._start_blank()
             except Exception:
+                with self._pool_cv:
+                    self._filling.discard(blank.id)
                 time.sleep(0.5)  # e.g. out of pids; creates fall back to the direct path
                 continue
             with self._pool_cv:
+                self._filling.discard(blank.id)
                 if self._closed:
                     blank._teardown(keep_dir=False)
                     return
@@ -1627,7 +1633,7 @@ class LocalProvider:
         sdir = os.path.join(self.root, "sandboxes")
         mounts = _mounts_under(sdir)  # (read once: the host's table may be long)
         with self._pool_cv:
-            live = set(self._sandboxes) | {b.id for b in self._pool}
+            live = set(self._sandboxes) | {b.id for b in self._pool} | self._filling
         for sid in sorted(os.listdir(sdir)):
             if sid in live:
                 continue

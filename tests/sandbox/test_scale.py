@@ -215,3 +215,29 @@ def test_admission_refuses_what_the_fd_limit_cannot_hold(provider):
         assert reason is not None and reason.startswith("file descriptors:")
         assert "RLIMIT_NOFILE" in reason
         assert admission_check(config, provider, 10, reserved=190) is not None
+
+
+def test_gc_leaves_a_sandbox_the_pool_is_starting(provider, monkeypatch):
+    """The pool's thread makes a blank's directory before it writes its state: a `gc` run in
+    between (by another thread of the process) must not take it for a leftover."""
+    import threading
+
+    provider.drain_pool()
+    started, go = threading.Event(), threading.Event()
+    real = provider.cgroups.create
+
+    def slow_cgroup(*args, **kwargs):
+        started.set()  # (its directory is there, its state not yet)
+        go.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(provider.cgroups, "create", slow_cgroup)
+    blank = provider._take_blank()  # (starts the filler)
+    assert blank is None
+    assert started.wait(60)
+    try:
+        assert provider.gc() == []
+    finally:
+        go.set()
+    pooled = _full_pool(provider, 1)
+    assert pooled[0]._init_alive() and os.path.isdir(pooled[0].dir)
