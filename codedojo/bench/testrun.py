@@ -197,8 +197,9 @@ def run_pytest(
     `parse_pytest_output`)."""
     canary = Canary.plant(ex, cmd.root, secrets.choice(tests)) if tests else None
     try:
-        run = list(tests) if tests else tests
-        if canary and run is not None:  # (at a drawn place among them: no last argument)
+        run = tests
+        if canary:  # (at a drawn place among them: no last argument)
+            run = [*tests]
             run.insert(secrets.randbelow(len(run) + 1), canary.node_id)
         res = ex.exec(cmd.argv(run), cwd=cmd.root, env=cmd.env(), timeout=timeout)
     finally:
@@ -292,7 +293,7 @@ class Canary:
     node_id: str
 
     @classmethod
-    def plant(cls, ex: Executor, root: str, beside: str = "") -> Canary:
+    def plant(cls, ex: Executor, root: str, beside: str) -> Canary:
         """Write the canary into the folder of the test ``beside`` names (a node id; the
         tree's ``root`` where that folder is not there), never over a file that is."""
         module, test = f"test_{_word()}", f"test_{_word()}"

@@ -218,11 +218,9 @@ class _Start:
 
 def _space_start(text: str, start: int, end: int, run: int) -> int:
     """Where the whitespace that ends ``text[:end]`` starts, given ``run``, where the whitespace
-    that ends ``text[:start]`` starts: only ``text[start:end]`` is read, so a stream that calls
-    it as its text grows reads each character once, however long a run of whitespace gets.
-    (With ``end`` before ``start``, the whole of ``text[:end]`` is read.)"""
-    if end < start:
-        start, run = 0, 0
+    that ends ``text[:start]`` starts (``end`` >= ``start``: a stream's safe point never moves
+    back): only ``text[start:end]`` is read, so a stream that calls it as its text grows reads
+    each character once, however long a run of whitespace gets."""
     kept = len(text[start:end].rstrip())  # (rstrip strips what isspace calls whitespace)
     return start + kept if kept else run
 

@@ -8,8 +8,7 @@ from collections.abc import Sequence
 
 from codedojo.sandbox.base import CUT_LINE, ExecResult, Sandbox
 
-_PATH_ERROR = re.compile(r"\(os error \d+\)$")  # "path: Permission denied (os error 13)"
-_OS_ERROR = re.compile(r"\(os error (\d+)\)$")
+_OS_ERROR = re.compile(r"\(os error (\d+)\)$")  # "path: Permission denied (os error 13)"
 
 
 class RgError(RuntimeError):
@@ -25,7 +24,7 @@ def rg_lines(r: ExecResult) -> tuple[list[str], list[str]]:
     was unreadable even where it found what was asked elsewhere: that is an answer with a
     note, not a failure; any other error is `RgError`."""
     errors = [e for e in r.stderr.splitlines() if e.strip()]
-    unreadable = r.exit_code == 2 and bool(errors) and all(_PATH_ERROR.search(e) for e in errors)
+    unreadable = r.exit_code == 2 and bool(errors) and all(_OS_ERROR.search(e) for e in errors)
     if r.timed_out:
         raise RgTimeout("rg timed out")
     if not (r.exit_code in (0, 1) or unreadable):
@@ -79,11 +78,12 @@ def rg_files(sandbox: Sandbox, roots: Sequence[str], globs: Sequence[str] = (),
     ignored logs), so a file is kept where rg lists it both with the globs and without.
     `RgError` for a bad glob, a timeout, or a step that failed."""
     def listing(extra: Sequence[str]) -> tuple[list[str], list[str]]:
-        argv = ["rg", "--files", "--sort", "path", *flags, *extra, "--", *roots]
-        return rg_lines(sandbox.exec(argv, cwd=cwd, timeout=timeout))
+        argv = ["rg", "--files", *flags, *extra, "--", *roots]  # (walked in parallel: sorted
+        return rg_lines(sandbox.exec(argv, cwd=cwd, timeout=timeout))  # below)
 
     if not globs:
-        return listing(())
+        files, unread = listing(())
+        return sorted(files, key=lambda f: f.split("/")), unread
     chose = [a for g in globs for a in ("--glob", g)]
     chosen, unread = listing(chose)  # (its errors: a bad glob, what could not be read)
     if not chosen:

@@ -354,11 +354,7 @@ class Tokenizer:
                 self._as_text = _HFTokenizer.from_str(self.backend.to_str())
                 self._as_text.encode_special_tokens = True
             backend = self._as_text
-        try:
-            return backend.encode(text, add_special_tokens=False).ids
-        except TypeError:  # what the backend raises for a lone surrogate, or for no str
-            _check_text(text, "text")
-            raise
+        return _encode(backend, text).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """`encode` of each text (a lone surrogate: the ValueError names ``texts[i]``)."""
@@ -371,11 +367,7 @@ class Tokenizer:
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """`encode`'s ids and each one's (start, end) in ``text``."""
-        try:
-            enc = self.backend.encode(text, add_special_tokens=False)
-        except TypeError:
-            _check_text(text, "text")
-            raise
+        enc = _encode(self.backend, text)
         return enc.ids, enc.offsets
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -409,6 +401,16 @@ class Tokenizer:
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+def _encode(backend: _HFTokenizer, text: str) -> Any:
+    """The backend's encoding of ``text``; for a lone surrogate, or no str, what
+    `_check_text` says (the backend's own TypeError names nothing)."""
+    try:
+        return backend.encode(text, add_special_tokens=False)
+    except TypeError:
+        _check_text(text, "text")
+        raise
 
 
 def _check_text(text: object, where: str) -> None:

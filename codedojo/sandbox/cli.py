@@ -60,7 +60,7 @@ def serve(root: str = ROOT, host: str = typer.Option("127.0.0.1"),
         sock.close()
         _fail(f"cannot listen on {host}:{port} ({e.strerror or e})")
     try:
-        app = create_app(ServiceConfig(root=root, host=host, port=port,
+        app = create_app(ServiceConfig(root=root,
                                        max_sandboxes=max_sandboxes,
                                        max_memory_percent=max_memory_percent))
     except (SandboxError, OSError) as e:

@@ -103,11 +103,10 @@ _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 PATH_MAX = 4096  # the kernel's limit on a path, its final NUL included
 
 
-def _is_opaque(path: str | int) -> bool:
+def _is_opaque(fd: int) -> bool:
+    """Whether directory ``fd`` is an opaque one (overlayfs hides what lower layers hold)."""
     try:
-        if isinstance(path, int):  # (an fd: no link to follow)
-            return os.getxattr(path, OPAQUE_XATTR) == b"y"
-        return os.getxattr(path, OPAQUE_XATTR, follow_symlinks=False) == b"y"
+        return os.getxattr(fd, OPAQUE_XATTR) == b"y"
     except OSError:
         return False
 
@@ -128,8 +127,8 @@ def _entries(fd: int, rel: str, strict: bool = True) -> Entries:
         return out
     for name in names:
         path = posixpath.join(rel, name)
-        if strict and len(os.fsencode(path)) + 1 >= PATH_MAX:
-            raise SandboxError(f"path: /{path[:60]}... is {len(os.fsencode(path)) + 1} bytes "
+        if strict and (size := len(os.fsencode(path)) + 1) >= PATH_MAX:
+            raise SandboxError(f"path: /{path[:60]}... is {size} bytes "
                                f"long, past the {PATH_MAX - 1} that a sandbox's path may have "
                                "to be snapshotted or compared")
         try:

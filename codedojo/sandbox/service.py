@@ -51,11 +51,9 @@ class ServiceConfig(BaseModel):
     """Settings of `dojo sandbox serve`."""
 
     root: str | None = Field(None, description="Store directory (default $CODEDOJO_SANDBOX_ROOT or /var/lib/codedojo/sandbox).")
-    host: str = Field("127.0.0.1", description="Address to listen on.")
     token: str | None = Field(None, description="Bearer token every request must carry (default "
                               "$CODEDOJO_SANDBOX_TOKEN, else the store's service.token, made "
                               "at the first start, readable by its owner only).")
-    port: int = Field(8181, description="Port to listen on.")
     max_sandboxes: int = Field(512, description="Refuse creates beyond this many live sandboxes.")
     max_memory_percent: float = Field(90.0, description="Refuse creates while host memory use is above this.")
     max_disk_percent: float = Field(95.0, description="Refuse creates while the store's disk is fuller than this.")

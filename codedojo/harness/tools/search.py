@@ -31,7 +31,7 @@ def _codebase_search(ctx: ToolContext, args: dict[str, Any]) -> str:
         if e.errno in (errno.ENOENT, errno.ENOTDIR):
             raise ToolError(f"path not found: {e.filename}") from None
         raise ToolError(f"cannot search {e.filename}: {e.strerror}") from None
-    left_out = getattr(hits, "left_out", 0)
+    left_out = hits.left_out
     note = (f"\n\n[only part of the code was searched: {left_out} files were left out past "
             f"the index's limit of {embeddings.MAX_FILES} files; pass target_directories to "
             "search the rest]" if left_out else "")
