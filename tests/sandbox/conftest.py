@@ -14,6 +14,20 @@ from codedojo.sandbox.local import LocalProvider
 SMALL = Limits(memory_mb=256, pids=64, cpus=1.0, disk_mb=64, exec_timeout_s=30)
 
 
+def fds_under(path: str) -> set[str]:
+    """What this process's open fds name under ``path``: only those, since threads other tests
+    left running open and close fds of their own while a test counts."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # (closed since the listing, or the listing's own)
+            continue
+        if target == path or target.startswith(path.rstrip("/") + "/"):
+            found.add(f"{fd} {target}")
+    return found
+
+
 @pytest.fixture(scope="session")
 def provider():
     # One store reused across test runs: the compiled helper and the base layer are cached in

@@ -11,7 +11,7 @@ import pytest
 from codedojo.sandbox import images
 from codedojo.sandbox.base import SandboxError, SandboxSpec
 from codedojo.sandbox.images import ImageStore, LayerStack, copy_layer_tree, tree_digest
-from tests.sandbox.conftest import SMALL
+from tests.sandbox.conftest import SMALL, fds_under
 
 
 def test_a_snapshot_being_built_is_not_taken_for_a_leftover(sandbox, provider, monkeypatch):
@@ -74,20 +74,20 @@ def test_a_layer_stack_holds_its_layers_open_until_closed(tmp_path):
         (tmp_path / d).mkdir()
     (tmp_path / "low" / "f").write_text("x")
     (tmp_path / "top" / "g").write_text("y")
-    before = set(os.listdir("/proc/self/fd"))
+    assert fds_under(str(tmp_path)) == set()
     with LayerStack([str(tmp_path / "top"), str(tmp_path / "low")]) as stack:
         assert stack.lookup("g") is not None  # (answered by the top layer: low not opened)
-        assert len(set(os.listdir("/proc/self/fd")) - before) == 1
+        assert len(fds_under(str(tmp_path))) == 1
         assert stack.lookup("f") is not None
-        assert len(set(os.listdir("/proc/self/fd")) - before) == 2
+        assert len(fds_under(str(tmp_path))) == 2
         os.rename(tmp_path / "low", tmp_path / "moved")  # (held: still read)
         found = stack.lookup("f")
         assert found is not None and found[1].st_size == 1
-    assert set(os.listdir("/proc/self/fd")) == before
+    assert fds_under(str(tmp_path)) == set()
     with LayerStack([str(tmp_path / "top"), str(tmp_path / "low")]) as stack:
         with pytest.raises(SandboxError, match="low: cannot open it"):  # (not an empty layer)
             stack.lookup("f")
-    assert set(os.listdir("/proc/self/fd")) == before
+    assert fds_under(str(tmp_path)) == set()
     (tmp_path / "low").mkdir()
     with LayerStack([str(tmp_path / "top"), str(tmp_path / "low")]) as stack:
         assert stack.lookup("f") is None
@@ -96,7 +96,7 @@ def test_a_layer_stack_holds_its_layers_open_until_closed(tmp_path):
             stack.lookup("f")
     with pytest.raises(ValueError, match="used after close"):
         stack.lookup("f")
-    assert set(os.listdir("/proc/self/fd")) == before
+    assert fds_under(str(tmp_path)) == set()
 
 
 def test_hard_links_survive_a_snapshot(sandbox):

@@ -19,7 +19,7 @@ from codedojo.sandbox.base import (
     SandboxError,
     SandboxSpec,
 )
-from tests.sandbox.conftest import SMALL
+from tests.sandbox.conftest import SMALL, fds_under
 
 
 def test_sandbox_implements_the_protocol(sandbox):
@@ -298,19 +298,15 @@ def test_changes_lists_what_the_agent_did(sandbox):
         fork.destroy()
 
 
-def _open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
-
-
 def test_changes_closes_the_layers_it_holds_open(provider, sandbox, monkeypatch):
     """`changes` and `read_original` hold the layers' roots open while they look, and close
     them after, also when the comparison fails."""
     provider.drain_pool()  # (no pooled sandbox is started meanwhile: its fds would count)
     sandbox.write_file("pkg/__init__.py", "VALUE = 42\n")
-    before = _open_fds()
+    before = fds_under(provider.root)
     assert sandbox.changes() == [Change("/workspace/pkg/__init__.py", "modified")]
     assert sandbox.read_original("pkg/__init__.py") == b"VALUE = 41\n"
-    assert _open_fds() == before
+    assert fds_under(provider.root) == before
 
     def fail(*args: object) -> bool:
         raise SandboxError("compare failed")
@@ -318,7 +314,7 @@ def test_changes_closes_the_layers_it_holds_open(provider, sandbox, monkeypatch)
     monkeypatch.setattr(local, "_same_entry", fail)
     with pytest.raises(SandboxError, match="compare failed"):
         sandbox.changes()
-    assert _open_fds() == before
+    assert fds_under(provider.root) == before
 
 
 def test_a_directory_removed_or_replaced_reports_what_it_held(provider, tmp_path):
