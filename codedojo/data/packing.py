@@ -9,7 +9,8 @@ id: which document of the row it belongs to. From the segment ids a batch gets
   SFT, a token the chat renderer marked as trained).
 
 Together these make a document's loss identical packed or alone (tested). A document longer than
-a row is split; each piece restarts its positions. Padding (only in the last row) has segment -1
+a row is split; each piece restarts its positions, and the next opens with the token that ended
+the last (there only a target), so that every next-token pair of the document is trained once. Padding (only in the last row) has segment -1
 and is never trained.
 
 Packed with ``origins``, a row also records where each token came from in its source's token
@@ -143,6 +144,8 @@ def pack(docs: Iterable[MixedDoc | np.ndarray], seq_len: int, pad_id: int = 0,
                 flush()
                 if max_rows is not None and len(rows_t) >= max_rows:
                     break
+                if start < len(toks):  # (the cut token, only a target there, is the next
+                    start -= 1  # row's first input: no next-token pair is lost at the cut)
         if max_rows is not None and len(rows_t) >= max_rows:
             break
     if fill > 0 and (max_rows is None or len(rows_t) < max_rows):

@@ -24,18 +24,21 @@ def test_shards_roundtrip_across_files(tmp_path, byte_tok):
 def test_pack_segments_positions_and_loss_mask():
     docs = [np.arange(1, 4), np.arange(10, 16), np.arange(20, 22)]  # lengths 3, 6, 2
     p = pack(docs, seq_len=4)
-    # rows of 5: [1 2 3 10 11] [12 13 14 15 20] [21 pad...]
-    assert p.tokens[:, :].tolist()[0] == [1, 2, 3, 10, 11]
+    # rows of 5: [1 2 3 10 11] [11 12 13 14 15] [20 21 pad...]: the cut token 11, only a
+    # target in the first row, opens the second
+    assert p.tokens.tolist() == [[1, 2, 3, 10, 11], [11, 12, 13, 14, 15], [20, 21, 0, 0, 0]]
     b = make_batch(p.tokens, p.segments, p.mask)
     assert b["positions"][0].tolist() == [0, 1, 2, 0]
     assert b["positions"][1].tolist() == [0, 1, 2, 3]
     assert b["doc_ids"][1].tolist() == [0, 0, 0, 0]
-    # 3 -> 10 crosses documents: not trained; 15 -> 20 likewise
+    # 3 -> 10 crosses documents: not trained
     assert b["loss_mask"][0].tolist() == [True, True, False, True]
-    assert b["loss_mask"][1].tolist() == [True, True, True, False]
-    assert b["loss_mask"][2].tolist() == [False, False, False, False]
-    # every within-document transition except at row cuts is trained exactly once
-    assert int(b["loss_mask"].sum()) == (3 - 1) + (6 - 1) - 1 + (2 - 1) - 1
+    assert b["loss_mask"][1].tolist() == [True, True, True, True]
+    assert b["loss_mask"][2].tolist() == [True, False, False, False]
+    # every within-document transition is trained exactly once, across the cut too
+    trained = [(int(x), int(y)) for x, y, m in zip(b["tokens"].flatten(), b["targets"].flatten(),
+                                                    b["loss_mask"].flatten(), strict=True) if m]
+    assert sorted(trained) == [(1, 2), (2, 3), *((t, t + 1) for t in range(10, 15)), (20, 21)]
 
 
 def test_sft_mask_survives_packing(tmp_path):
@@ -69,8 +72,10 @@ def test_a_conversation_is_not_cut_to_fill_a_row(tmp_path):
         assert trained in ([14, 15, 99], [24, 25, 99])  # each answer whole, in its own row
         assert p.tokens[row].tolist()[6:] == [0] * 4  # the rest of the row: padding
     long = pack(mix([chats], total_tokens=12, seed=0), seq_len=3)  # longer than a row: split
-    assert sorted(t for t in long.tokens.flatten().tolist() if t) == sorted(
-        [11, 12, 13, 14, 15, 99, 21, 22, 23, 24, 25, 99])
+    b = make_batch(long.tokens, long.segments, long.mask)
+    trained = {(int(x), int(y)) for x, y, m in zip(b["tokens"].flatten(), b["targets"].flatten(),
+                                                    b["loss_mask"].flatten(), strict=True) if m}
+    assert trained == {(13, 14), (14, 15), (15, 99), (23, 24), (24, 25), (25, 99)}  # (and cut)
     w = ShardWriter(tmp_path / "text", 100, None)
     w.add([1, 2, 3, 4, 5, 6])
     w.add([7, 8, 9, 10, 11, 12])
@@ -134,7 +139,7 @@ def test_loader_resume_is_exact():
 
 
 def test_ranks_share_out_the_rows_of_an_epoch():
-    p = pack([np.arange(1, 220)], seq_len=8)
+    p = pack([np.arange(1, 196)], seq_len=8)
     assert len(p) == 25
     alone = PackedLoader(p, batch_size=3, seed=4)
     ranks = [PackedLoader(p, batch_size=3, seed=4, rank=r, world=3) for r in range(3)]
