@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from collections import Counter
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 DEFAULT_CODE_EXTS = (".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".rs", ".go", ".js", ".ts", ".java",
                      ".sh", ".toml", ".md", ".rst", ".txt", ".cfg", ".json", ".yaml", ".yml")
@@ -51,7 +52,17 @@ class SourceConfig(BaseModel):
     text_field: str = Field("text", description="Column/key holding the text (jsonl/parquet).")
     exclude: list[str] = Field(default_factory=list,
                                description="Path substrings to skip (dir/git readers).")
+    split: str | None = Field(None, min_length=1,
+                              description="jsonl/parquet folders: read only this split's files "
+                              "(`train` for `data/train-00000-of-00002.parquet`, `train.jsonl` "
+                              "or `train/`). Required where a folder holds several.")
     max_files: int | None = Field(None, ge=0, description="Stop after this many documents.")
+
+    @model_validator(mode="after")
+    def _split_of_files(self) -> SourceConfig:
+        if self.split is not None and self.kind not in ("jsonl", "parquet"):
+            raise ValueError(f"split: only jsonl and parquet sources have splits, not {self.kind}")
+        return self
 
     @field_validator("exts")
     @classmethod
@@ -202,14 +213,51 @@ def _too_long(size: int, max_bytes: int | None, skipped: Counter[str] | None) ->
     return True
 
 
-def read_jsonl(path: str | Path, text_field: str = "text") -> Iterator[Document]:
-    """One document per line of a file, or of each .jsonl file under a folder; other keys are
-    kept as metadata."""
-    path = Path(path)
-    files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
+# How a dataset's files name their split: a folder (`test/`), or a file name's first word
+# (`train.jsonl`, `test-00000-of-00001.parquet`, `validation_0.parquet`).
+_SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
+_SPLIT_FILE = re.compile(rf"({'|'.join(_SPLITS)})[-_.]")
+
+
+def _split_of(rel: Path) -> str | None:
+    for part in rel.parts[:-1]:
+        if part in _SPLITS:
+            return part
+    m = _SPLIT_FILE.match(rel.name)
+    return m.group(1) if m else None
+
+
+def data_files(path: Path, ext: str, split: str | None = None) -> list[Path]:
+    """The ``ext`` files a jsonl/parquet source reads: ``path`` itself, or those under the
+    folder, of ``split`` where it is given. A folder that holds several splits (a hub
+    snapshot's train and test files) without ``split`` is refused: read together, a test
+    split would be trained on."""
+    if not path.is_dir():
+        if split is not None:
+            raise ValueError(f"source.split: {path} is one file, not a folder of splits")
+        return [path]
+    files = sorted(path.rglob(f"*{ext}"))
     if not files:
-        raise FileNotFoundError(f"source.path: no .jsonl files under {path}")
-    for f in files:
+        raise FileNotFoundError(f"source.path: no {ext} files under {path}")
+    splits = {f: _split_of(f.relative_to(path)) for f in files}
+    named = sorted({s for s in splits.values() if s is not None})
+    if split is None and len(named) > 1:
+        raise ValueError(f"source.path: {path} holds the splits {', '.join(named)}: name the "
+                         "one to read with source.split")
+    if split is None:
+        return files
+    if not (chosen := [f for f in files if splits[f] == split]):
+        raise FileNotFoundError(f"source.split: no {split!r} {ext} files under {path} (splits "
+                                f"there: {', '.join(named) or 'none named'})")
+    return chosen
+
+
+def read_jsonl(path: str | Path, text_field: str = "text",
+               split: str | None = None) -> Iterator[Document]:
+    """One document per line of a file, or of each .jsonl file under a folder (of ``split``:
+    `data_files`); other keys are kept as metadata."""
+    path = Path(path)
+    for f in data_files(path, ".jsonl", split):
         key = _key(f, path)
         with f.open("rb") as fh:
             for i, raw in enumerate(fh):
@@ -239,16 +287,14 @@ def read_jsonl(path: str | Path, text_field: str = "text") -> Iterator[Document]
                 yield Document(text=text, source=f"{key}:{i + 1}", meta=row)
 
 
-def read_parquet(path: str | Path, text_field: str = "text") -> Iterator[Document]:
-    """A parquet file, or a folder of them (how `datasets.save_to_disk`/hub snapshots store
-    data), read batch by batch through pyarrow."""
+def read_parquet(path: str | Path, text_field: str = "text",
+                 split: str | None = None) -> Iterator[Document]:
+    """A parquet file, or a folder of them (of ``split``: `data_files`; how hub snapshots
+    store data), read batch by batch through pyarrow."""
     import pyarrow.parquet as pq
 
     path = Path(path)
-    files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
-    if not files:
-        raise FileNotFoundError(f"source.path: no .parquet files under {path}")
-    for f in files:
+    for f in data_files(path, ".parquet", split):
         key = _key(f, path)
         pf = pq.ParquetFile(f)
         if text_field not in pf.schema_arrow.names:
@@ -284,9 +330,9 @@ def read_source(cfg: SourceConfig, max_bytes: int | None = None,
     elif cfg.kind == "git":
         it = read_git(path, cfg.exts, cfg.exclude, max_bytes, skipped)
     elif cfg.kind == "jsonl":
-        it = read_jsonl(path, cfg.text_field)
+        it = read_jsonl(path, cfg.text_field, cfg.split)
     else:
-        it = read_parquet(path, cfg.text_field)
+        it = read_parquet(path, cfg.text_field, cfg.split)
     for i, doc in enumerate(it):
         if cfg.max_files is not None and i >= cfg.max_files:
             return

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 
 import pyarrow as pa
@@ -349,3 +350,42 @@ def test_long_documents_join_files_of_one_folder_of_one_source_only(tmp_path):
     assert "# a m1" in out["0:pkg/#1"] and "# a m2" in out["0:pkg/#1"]
     assert "# b " not in out["0:pkg/#1"]
     assert "bob/two" not in out[f"{tmp_path.name}/code.jsonl:1#1"]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_folder_of_several_splits_reads_the_one_named(tmp_path, kind):
+    """A hub snapshot's folder holds its train and test files side by side: read whole, the
+    test split would be trained on. The source names the split it reads, or is refused."""
+    def write(rel: str, text: str) -> None:
+        f = tmp_path / "ds" / f"{rel}.{kind}"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        if kind == "jsonl":
+            f.write_text(json.dumps({"text": text}) + "\n")
+        else:
+            pq.write_table(pa.table({"text": [text]}), f)
+
+    write("data/train-00000-of-00002", "t0")
+    write("data/train-00001-of-00002", "t1")
+    write("data/test-00000-of-00001", "held out")
+    write("validation/part0", "v")
+    write("extra/training_notes", "n")  # (no split's name: "training" is no "train")
+
+    def texts(**split: str) -> list[str]:
+        cfg = SourceConfig(kind=kind, path=str(tmp_path / "ds"), **split)
+        return [d.text for d in read_source(cfg)]
+
+    with pytest.raises(ValueError, match=r"holds the splits test, train, validation: name"):
+        texts()
+    assert texts(split="train") == ["t0", "t1"]
+    assert texts(split="validation") == ["v"]
+    with pytest.raises(FileNotFoundError, match=r"no 'dev' .* \(splits there: test, train, "):
+        texts(split="dev")
+    (tmp_path / "ds" / "data" / f"test-00000-of-00001.{kind}").unlink()
+    shutil.rmtree(tmp_path / "ds" / "validation")
+    assert texts() == ["t0", "t1", "n"]  # (one split named: nothing else to tell apart)
+    one_file = SourceConfig(kind=kind, path=str(tmp_path / "ds" / "extra" /
+                                                f"training_notes.{kind}"), split="train")
+    with pytest.raises(ValueError, match="is one file, not a folder of splits"):
+        list(read_source(one_file))
+    with pytest.raises(ValueError, match="only jsonl and parquet sources have splits, not dir"):
+        SourceConfig(kind="dir", path=str(tmp_path), split="train")
