@@ -247,14 +247,39 @@ def _format_hostport(ip: IPAddress, port: int) -> str:
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
+# IPv6 forms that carry an IPv4 address in their last 32 bits, which a gateway on the way
+# (NAT64: AWS and GCP offer it on IPv6 subnets) or the host itself reaches
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052's well-known prefix
+_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # deprecated ::a.b.c.d (:: and ::1 aside)
+_NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215: the IPv4 may sit anywhere
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    if ip.ipv4_mapped is not None:  # ::ffff:127.0.0.1
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:  # 2002:7f00:1:: (6to4)
+        return ip.sixtofour
+    if ip in _NAT64 or (ip in _IPV4_COMPATIBLE and int(ip) > 1):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
 def address_denied(ip: IPAddress, own: Collection[IPAddress] = ()) -> str | None:
     """Why `ip` may not be reached, or None when it is a public address.
 
     Anything that is not globally routable is denied: loopback, RFC 1918, shared (CGNAT),
     link-local (the 169.254.169.254 metadata service), multicast, reserved, unspecified,
-    documentation and benchmarking ranges, and the host's own addresses."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
+    documentation and benchmarking ranges, site-local and local-use NAT64 IPv6, and the
+    host's own addresses. An IPv6 address that carries an IPv4 one (mapped, 6to4, NAT64,
+    IPv4-compatible) is judged by the IPv4 address it leads to."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        if (v4 := _embedded_ipv4(ip)) is not None:
+            why = address_denied(v4, own)
+            return why and f"{ip} leads to {v4}: {why}"
+        if ip.is_site_local:
+            return f"{ip} is a site-local address"
+        if ip in _NAT64_LOCAL:
+            return f"{ip} is a local-use NAT64 address (it leads to an IPv4 address it hides)"
     if ip.is_loopback:
         return f"{ip} is a loopback address"
     if ip.is_link_local:

@@ -27,6 +27,12 @@ def ip(s: str):
         ("0.0.0.0", "private"),
         ("224.0.0.1", "not a unicast"),
         ("198.18.0.1", "private"),  # benchmarking range
+        ("2002:7f00:1::", "leads to 127.0.0.1: 127.0.0.1 is a loopback"),  # 6to4
+        ("2002:a9fe:a9fe::1", "leads to 169.254.169.254: 169.254.169.254 is a link-local"),
+        ("64:ff9b::a00:5", "leads to 10.0.0.5: 10.0.0.5 is a private"),  # NAT64
+        ("::10.0.0.5", "leads to 10.0.0.5"),  # IPv4-compatible (deprecated)
+        ("64:ff9b:1::a00:5", "local-use NAT64"),
+        ("fec0::1", "site-local"),
     ],
 )
 def test_non_public_addresses_are_denied(addr, why):
@@ -37,6 +43,10 @@ def test_non_public_addresses_are_denied(addr, why):
 def test_public_addresses_pass_unless_they_are_the_hosts_own():
     assert address_denied(ip("93.184.216.34")) is None
     assert address_denied(ip("2606:4700::1111")) is None
+    assert address_denied(ip("64:ff9b::808:808")) is None  # NAT64 to a public address
+    assert address_denied(ip("2002:808:808::1")) is None  # 6to4 likewise
+    assert "own addresses" in address_denied(ip("::ffff:93.184.216.34"),
+                                             own=[ip("93.184.216.34")])
     assert "own addresses" in address_denied(ip("93.184.216.34"), own=[ip("93.184.216.34")])
 
 
