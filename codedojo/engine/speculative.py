@@ -342,11 +342,14 @@ class SpecStats:
         return self.drafted / max(1, self.rounds)
 
     def as_dict(self) -> dict[str, float]:
+        """The figures, read by another thread (``/health``) while the scheduler's thread
+        records: a deeper round's `_tally` may have grown ``reached`` and not yet
+        ``passed`` (that depth is 0 rounds so far, and left out)."""
         return {"accept_rate": self.accept_rate, "accept_first": self.accept_first,
                 "mean_accepted": self.mean_accepted, "tokens_per_pass": self.tokens_per_pass,
                 "drafts_per_round": self.drafts_per_round, "rounds": self.rounds,
                 **{f"accept_depth{j + 1}": p / r for j, (p, r) in
-                   enumerate(zip(self.passed, self.reached, strict=True)) if r}}
+                   enumerate(zip(list(self.passed), list(self.reached), strict=False)) if r}}
 
 
 def replay_greedy(hits: Sequence[Sequence[bool]], first: int, end: int, k: int,

@@ -412,6 +412,9 @@ def test_spec_stats_choose_the_depth_by_cost() -> None:
     # 1.4 tokens per 1.2 steps > 1.6 per 1.4; cheaper drafts make depth 2 pay; dearer, none
     assert [best_depth(rates, 2, c) for c in (0.2, 0.1, 0.5)] == [1, 2, 0]
     assert st.as_dict()["accept_depth2"] == 0.5
+    st.reached.append(0)  # (a deeper round's record() on the scheduler's thread, half done)
+    assert st.as_dict()["accept_depth2"] == 0.5 and "accept_depth3" not in st.as_dict()
+    st.passed.append(0)
     assert st.counts(3) == ([10, 4, 0], [4, 2, 0])
     # the latest rounds only: (1, 2) twice, (2, 2) twice; the last two
     for window, depth, want in ((4, 2, ([4, 4], [4, 2])), (2, 3, ([2, 2, 0], [2, 2, 0]))):
