@@ -9,6 +9,7 @@ paths are logged after redaction.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -52,10 +53,15 @@ class AuditLog:
 
     def write(self, record: AuditRecord) -> None:
         # vars() rather than asdict(): no deep copy on the request path.
-        line = json.dumps(vars(record))
+        line = json.dumps(vars(record)) + "\n"
         with self._lock:
             if not self._f.closed:
-                self._f.write(line + "\n")
+                self._f.write(line)
+                return
+            # a flow that ends after its sandbox was detached (closed): appended all the same,
+            # where the file still is
+            with contextlib.suppress(FileNotFoundError), self.path.open("a") as f:
+                f.write(line)
 
     def close(self) -> None:
         with self._lock:

@@ -10,7 +10,7 @@ import pytest
 from mitmproxy.test import tflow
 
 from codedojo.egress.addon import Blocked, EgressAddon, Registry, SandboxClient
-from codedojo.egress.audit import AuditLog, read_audit
+from codedojo.egress.audit import AuditLog, AuditRecord, read_audit
 from codedojo.egress.policy import EgressPolicy
 from codedojo.egress.strip import SecretSet
 
@@ -509,3 +509,14 @@ def test_a_connection_that_sent_what_no_hook_saw_gets_a_record_when_it_closes(se
     assert rec["method"] == "HTTP" and "Bad HTTP request line" in rec["blocked"]
     assert "__REDACTED_TOKEN__" in rec["blocked"] and "123456" not in audit.read_text()
     assert cut_rec["method"] == "HTTP" and "could not serve" in cut_rec["blocked"]
+
+
+def test_a_flow_that_ends_after_its_sandbox_was_detached_is_still_recorded(tmp_path):
+    def record(host: str) -> AuditRecord:
+        return AuditRecord("sb", "explicit", "GET", host, 443, "/")
+
+    log = AuditLog(tmp_path / "a.jsonl")
+    log.write(record("a.example"))
+    log.close()  # (detach) while a response was on its way
+    log.write(record("b.example"))
+    assert [r["host"] for r in read_audit(tmp_path / "a.jsonl")] == ["a.example", "b.example"]
