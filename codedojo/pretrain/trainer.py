@@ -672,12 +672,21 @@ def prepare_data(cfg: PretrainConfig, tok: Any, run_dir: Path) -> RunData:
     if not filler_f.exists():
         ev = TokenShards(d / "eval")
         buf = io.BytesIO()  # a file half written by a killed process would never be read
-        np.save(buf, np.concatenate([ev.doc(i) for i in range(len(ev))])[: 4 * e.probe_len])
+        np.save(buf, np.concatenate(list(_leading(ev, 4 * e.probe_len))))
         write_atomic(filler_f, buf.getvalue())
     shards = {k: v for k, v in shards.items() if (v / "index.json").exists()}
     prompts = {st.name: prompt_pool(cfg, st, tok, d) for st in cfg.stages
                if st.self_gen is not None and st.self_gen.sources and "code" in shards}
     return RunData(shards, Packed.load(ev_dir), np.load(filler_f).tolist(), prompts)
+
+
+def _leading(shards: TokenShards, n: int) -> Iterator[np.ndarray]:
+    """The first ``n`` tokens of ``shards``' documents, one after another, read no further."""
+    for i in range(len(shards)):
+        if n <= 0:
+            return
+        yield (doc := shards.doc(i)[:n])
+        n -= len(doc)
 
 
 def check_inputs(cfg: PretrainConfig) -> None:

@@ -1066,3 +1066,18 @@ def test_a_stage_resumes_only_on_as_many_processes_as_it_was_started_on(tmp_path
         trainer.run(cfg, tok=tok, console=quiet)
     state.write_text(json.dumps(pos))
     assert trainer.run(cfg, tok=tok, console=quiet)["stages"]["bulk"]["steps"] == 4
+
+
+def test_the_probe_filler_reads_only_the_held_out_tokens_it_takes(tmp_path):
+    from codedojo.data.shards import ShardWriter
+    from codedojo.pretrain.trainer import _leading
+
+    w = ShardWriter(tmp_path, 100, None)
+    for i in range(5):
+        w.add(list(range(10 * i, 10 * i + 10)))
+    w.close()
+    shards, read = TokenShards(tmp_path), []
+    doc = shards.doc
+    shards.doc = lambda i: (read.append(i), doc(i))[1]  # type: ignore[method-assign]
+    assert np.concatenate(list(_leading(shards, 25))).tolist() == list(range(25))
+    assert read == [0, 1, 2]  # (not the whole held-out set, concatenated and then cut)
