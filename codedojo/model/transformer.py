@@ -186,8 +186,9 @@ class FusedModule(nn.Module):
     """A module whose passes over a KV cache go through ``FusedLayers`` objects, built on first
     use and built again whenever its parameters may have been replaced (``_apply``: ``.to()``,
     ``.bfloat16()``; ``load_state_dict(assign=True)``), its RoPE tables were (a new
-    ``rotary``) or other tensors they hold were (``sources``). Weights changed in place need
-    nothing."""
+    ``rotary``) or other tensors they hold were (``sources``). Weights changed in place are
+    seen through their version counters (``FusedLayers``), which some writes leave alone: call
+    `weights_changed` after those."""
 
     rotary: Rotary
     fuse = True  # False: every layer op by op (the reference the fused passes are tested against)
@@ -200,6 +201,13 @@ class FusedModule(nn.Module):
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         self._fused.clear()
         return super()._apply(fn, recurse)
+
+    def weights_changed(self) -> None:
+        """Drop the kernel objects, built again (weights packed again) by the next fused pass.
+        Call it after writes the weights' version counters do not see: a fused optimizer step
+        (``torch.optim.AdamW(fused=True)``), writes through ``.data``, writes to inference
+        tensors."""
+        self._fused.clear()
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the kernel objects behind (a copy builds its own)."""

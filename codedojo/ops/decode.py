@@ -27,11 +27,12 @@ class FusedLayers:
     """Layers (``PER_LAYER`` tensors each, as ``Block.decode_weights`` lists them) held by the
     C++ kernel. Float32 matrices are read from a copy laid out for the kernel (``panels.h``:
     as much memory again as those weights), packed again by the next call when a weight's
-    version counter has moved: weights updated in place (an optimizer step, ``copy_``) are
-    seen by the next call, writes through ``.data`` (which leave the counter alone) are not,
-    nor are writes to inference tensors (made under ``torch.inference_mode()``, which keep no
-    counter): update such weights outside inference mode, or build again. Replaced weights are
-    not seen either (build again)."""
+    version counter has moved: weights updated in place by tensor ops (``copy_``, an
+    optimizer step that is not fused) are seen by the next call. Writes that leave the
+    counter alone are not: a fused optimizer step (``torch.optim.AdamW(fused=True)``), writes
+    through ``.data``, writes to inference tensors (made under ``torch.inference_mode()``,
+    which keep no counter); build again after those (`FusedModule.weights_changed`). Replaced
+    weights are not seen either (build again)."""
 
     def __init__(self, handle: Any, dtype: torch.dtype) -> None:
         self._handle, self.dtype = handle, dtype

@@ -223,6 +223,9 @@ class PretrainConfig(BaseModel):
         names = [s.name for s in self.stages]
         if len(set(names)) != len(names):
             raise ValueError(f"stages: names must be unique, got {names}")
+        if "base" in names:
+            raise ValueError(f"stages[{names.index('base')}].name: \"base\" is taken: report.json "
+                             "keeps the base model's figures under it; name the stage otherwise")
         if any(s.mtp != "off" for s in self.stages) and self.model.n_mtp == 0:
             raise ValueError("model.n_mtp must be > 0 when a stage trains MTP modules")
         taps = self.model.mtp_taps
@@ -237,6 +240,11 @@ class PretrainConfig(BaseModel):
                     and not self.sft_jsonl):
                 raise ValueError(f"stages[{i}] ({st.name}): an `sft` mix entry, but no SFT "
                                  "data (sft_examples is 0 and no sft_jsonl)")
+            if st.mtp != "off" and self.model.n_mtp >= st.seq_len:
+                raise ValueError(f"stages[{i}] ({st.name}).seq_len {st.seq_len}: the stage "
+                                 f"trains MTP modules, and model.n_mtp {self.model.n_mtp} "
+                                 "must be below it (module k trains on the row's positions "
+                                 "but its last k)")
         return self
 
     @property

@@ -49,7 +49,8 @@ def build_adamw(params: list[tuple[str, nn.Parameter]], lr: float, weight_decay:
                        {"params": [p for p in kind if p.ndim < 2], "lr_mult": m,
                         "weight_decay": 0.0}]
     # The fused kernel: one pass over each parameter's state per step, and deterministic, so a
-    # resumed run stays bit-identical.
+    # resumed run stays bit-identical. It leaves the parameters' version counters alone: the
+    # decode kernels' copies of them are dropped after each step (`FusedModule.weights_changed`).
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas,
                              fused=True)
 

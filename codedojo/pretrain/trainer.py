@@ -90,6 +90,7 @@ from codedojo.pretrain.parallel import (
 from codedojo.pretrain.probe import Encoder, passkey_probe, probe_prompts
 from codedojo.pretrain.selfgen import (
     continue_windows,
+    draw_windows,
     features_dir,
     progress_dir,
     write_features,
@@ -214,12 +215,17 @@ def evaluate(model: Transformer, mtp: MTP | None, batches: list[Batch],
                for figure, (hits, seen) in tallies.items()}}
 
 
-def continuations(model: Transformer, held_out: TokenShards, n: int, length: int, seed: int
-                  ) -> list[Batch]:
+def continuations(model: Transformer | None, held_out: TokenShards, n: int, length: int,
+                  seed: int) -> list[Batch]:
     """``n`` distinct windows of ``length`` tokens of the held-out documents (half at a file's
     start, as `self_gen` draws its prompts), each continued greedily by ``model`` for as many
-    tokens: `evaluate`'s ``continued`` rows, trained on the generated tokens only."""
+    tokens: `evaluate`'s ``continued`` rows, trained on the generated tokens only. ``model``
+    None: the windows are only drawn (none returned), which refuses held-out code without
+    ``n`` of them before any stage has trained."""
     try:
+        if model is None:
+            draw_windows(held_out, n, length, seed)
+            return []
         rows = continue_windows(model, held_out, n, length, length, seed).numpy()
     except ValueError as e:
         raise ValueError(f"eval.continuations, eval.seq_len (windows of half its length) of "
@@ -589,6 +595,11 @@ def train_stage(cfg: PretrainConfig, si: int, model: Transformer, mtp: MTP | Non
             for m in moe_layers(model):
                 sum_over_ranks(m.tokens_per_expert)  # every rank's biases move alike
             update_moe_biases(model, gamma)
+        # the fused step leaves the weights' version counters alone: the decode kernels'
+        # packed copies of them (self-generation, eval continuations) are dropped by hand
+        for mod in (model, mtp):
+            if mod is not None:
+                mod.weights_changed()
         # the loss of the whole batch; tokens per second of all ranks together
         total, tok_s, *means = mean_over_ranks(total, ntok / (time.perf_counter() - t0),
                                                *parts.values())
@@ -787,6 +798,16 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
     with main_rank_first():
         data = prepare_data(cfg, tok, run_dir)
     check_lengths(cfg, model.cfg, tok, data.probe_filler)
+
+    def continue_held_out(m: Transformer | None) -> list[Batch]:
+        """`continuations` of the held-out code, as eval.continuations asks for them."""
+        return continuations(m, TokenShards(run_dir / "data" / "eval"), cfg.eval.continuations,
+                             cfg.eval.seq_len // 2, cfg.seed + 77)
+
+    if cfg.eval.continuations and _first_mtp(cfg) >= 0:
+        # held-out code short of windows: refused now, not once the stages before the first
+        # MTP one have trained
+        continue_held_out(None)
     model.to(dev)
     if mtp is not None:
         mtp.to(dev)
@@ -808,7 +829,10 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
                    for s in cfg.stages}
         rows = read_metrics(metrics_path)
         keep = [m for m in rows if m["step"] <= reached.get(m["stage"], m["step"])]
-        if len(keep) < len(rows):
+        # a last line cut short by a kill (left out of the rows, or whole but for its newline)
+        # goes too: the next row would be appended to it
+        text = metrics_path.read_text()
+        if len(keep) < len(rows) or text.count("\n") != len(rows) or not text.endswith("\n"):
             write_atomic(metrics_path, "".join(json.dumps(m) + "\n" for m in keep))
     metrics_f = metrics_path.open("a") if is_main() else None
 
@@ -821,9 +845,8 @@ def run(cfg: PretrainConfig, tok: Any | None = None, console: Any | None = None,
         them (a later stage may move the model), on the held-out code and on the model's own
         continuations of it (as it is now: a distillation stage's model does not change)."""
         heads = mtp if 0 <= _first_mtp(cfg) <= si else None
-        continued = [] if heads is None or not cfg.eval.continuations else continuations(
-            model, TokenShards(run_dir / "data" / "eval"), cfg.eval.continuations,
-            cfg.eval.seq_len // 2, cfg.seed + 77)
+        continued = ([] if heads is None or not cfg.eval.continuations
+                     else continue_held_out(model))
         return lambda: evaluate(model, heads, evals, continued)
 
     def finish(si: int, held_out: Callable[[], dict[str, Any]], losses: list[float]) -> None:

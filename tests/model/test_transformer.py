@@ -9,6 +9,7 @@ import torch
 from codedojo.model.config import ModelConfig
 from codedojo.model.kv_cache import KVCache
 from codedojo.model.transformer import Transformer
+from tests.ops.conftest import needs_kernel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -171,3 +172,30 @@ def test_a_pass_past_max_seq_len_leaves_the_cache_as_it_was() -> None:
         with pytest.raises(ValueError, match="positions: 19 >= max_seq_len 16"):
             model(torch.randint(0, 64, (1, 10)), cache=cache.view(0, 1))
     assert list(cache.lengths) == [10]
+
+
+@needs_kernel
+def test_weights_changed_has_the_kernels_read_weights_their_counters_did_not_see() -> None:
+    """A fused AdamW step and writes through ``.data`` leave the weights' version counters
+    alone; after `weights_changed` the fused passes compute with the weights now in place."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny()).eval()
+    tokens = torch.randint(0, 256, (2, 5))
+
+    def decoded(fuse: bool) -> torch.Tensor:
+        model.fuse = fuse
+        try:
+            with torch.no_grad():
+                return model(tokens, cache=KVCache(model.cfg, 2, 16).view(0, 2))
+        finally:
+            model.fuse = True
+
+    decoded(True)  # packs the weights as they are
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    model(tokens).square().mean().backward()
+    opt.step()
+    model.weights_changed()
+    torch.testing.assert_close(decoded(True), decoded(False), rtol=1e-4, atol=1e-4)
+    model.layers[0].attn.wqkv.weight.data.mul_(2.0)
+    model.weights_changed()
+    torch.testing.assert_close(decoded(True), decoded(False), rtol=1e-4, atol=1e-4)

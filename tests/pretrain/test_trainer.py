@@ -20,6 +20,7 @@ from codedojo.pretrain.config import PretrainConfig, StageConfig, load_config
 from codedojo.pretrain.optim import build_adamw
 from codedojo.pretrain.parallel import apply_activation_checkpointing
 from codedojo.pretrain.trainer import build_model, set_rope_scaling, train_stage
+from tests.ops.conftest import needs_kernel
 from tests.pretrain.tiny_run import five_stage_config
 
 
@@ -270,6 +271,43 @@ def test_distill_trains_only_mtp(tmp_path):
     assert any(not torch.equal(mtp_before[k], v) for k, v in mtp.state_dict().items())
 
 
+@needs_kernel
+def test_the_fused_decode_passes_compute_with_the_weights_a_stage_trained(tmp_path):
+    """The CPU kernels keep a copy of the weights, packed on first use; the fused optimizer
+    step writes the weights without telling them. After a stage's steps, the passes over a KV
+    cache (self-generated data and its stored states, eval continuations, drafting) compute
+    with the weights the stage trained, not with the ones packed before it."""
+    import copy
+
+    from codedojo.pretrain.selfgen import greedy_continue
+
+    cfg = _cfg(tmp_path, mtp="joint", steps=3, checkpoint_every=0)
+    model, mtp = build_model(cfg)
+    assert mtp is not None
+    prompts = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    h_prev = torch.randn(4, model.cfg.dim, generator=torch.Generator().manual_seed(1))
+
+    def drafted(modules: Any) -> torch.Tensor:
+        with torch.no_grad():
+            out = modules.draft_step(1, h_prev, [3, 5, 7, 9], modules.new_caches(16)[0],
+                                     model.tok_embeddings.weight, model.norm.weight,
+                                     model.output_weight, rows=[0, 1, 2, 3])
+        assert out is not None  # the kernel's pass
+        return out[1]
+
+    greedy_continue(model, prompts, 6)  # the kernels pack the weights as they are now
+    drafted(mtp)
+    train_stage(cfg, 0, model, mtp, _loader(), tmp_path / "run")
+    op_by_op = copy.deepcopy(model)
+    op_by_op.fuse = False
+    got, want = [], []
+    assert torch.equal(greedy_continue(model, prompts, 6, got),
+                       greedy_continue(op_by_op, prompts, 6, want))
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), rtol=1e-4, atol=1e-4)
+    # a copy packs the weights it has (`FusedModule.__getstate__`)
+    assert torch.equal(drafted(mtp), drafted(copy.deepcopy(mtp)))
+
+
 def test_config_errors_name_the_field(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "x"\n[corpus]\nsources = []\n[[stages]]\nname = "a"\nseq_len = 4\n'
@@ -298,6 +336,10 @@ def test_config_errors_name_the_field(tmp_path):
     ("stages.long.rope_scaling.beta_slow=40.0", "beta_fast .* must be above beta_slow"),
     ("stages.mtp_self.seq_len=10", r"new_tokens = 16\) is packed whole, in a row of seq_len "
      r"\+ 1 = 11 tokens"),
+    ('stages.mtp.name="base"', r"stages\[1\]\.name: \"base\" is taken: report\.json keeps the "
+     "base model's figures under it"),
+    ("model.n_mtp=32", r"stages\[1\] \(mtp\)\.seq_len 32: the stage trains MTP modules, and "
+     r"model\.n_mtp 32 must be below it"),
 ])
 def test_config_values_a_run_cannot_use_are_refused(tmp_path, setting, error):
     from codedojo.pretrain.config import apply_overrides
@@ -339,6 +381,26 @@ def test_lengths_past_the_models_positions_are_refused_before_training(tmp_path,
     with pytest.raises(ValueError, match=error):
         check_lengths(PretrainConfig.model_validate(apply_overrides(raw, setting.split())),
                       build_model(cfg)[0].cfg)
+
+
+def test_modules_may_draft_as_deep_as_a_row_of_their_stage_holds(tmp_path):
+    """model.n_mtp below every MTP stage's seq_len trains (the deepest module on the row's
+    first position); as long as a row, it is refused by the config. A stage that trains no
+    module may be shorter."""
+    raw = {"name": "t", "out_dir": str(tmp_path), "corpus": {"sources": []},
+           "model": {"base": "tiny", "n_mtp": 15, "tiny_overrides": {"vocab_size": 64}},
+           "stages": [dict(name="mtp", seq_len=16, batch_size=2, steps=1, decay_frac=0.0,
+                           mtp="distill", mix=[{"data": "code"}]),
+                      dict(name="short", seq_len=8, steps=1, decay_frac=0.0,
+                           mix=[{"data": "code"}])]}
+    cfg = PretrainConfig.model_validate(raw)
+    model, mtp = build_model(cfg)
+    (loss,) = train_stage(cfg, 0, model, mtp, _loader(), tmp_path / "run")
+    assert np.isfinite(loss)
+    raw["model"]["n_mtp"] = 16
+    with pytest.raises(ValidationError, match=r"stages\[0\] \(mtp\)\.seq_len 16: the stage "
+                                              r"trains MTP modules, and model\.n_mtp 16"):
+        PretrainConfig.model_validate(raw)
 
 
 def test_yarn_extends_the_models_own_length(tmp_path):
@@ -707,6 +769,37 @@ def test_a_stage_packs_the_continuations_of_the_model_it_starts_from(tmp_path):
     assert not np.array_equal(packs[0].tokens, packs[1].tokens)
 
 
+def test_a_self_gen_stage_trains_on_the_continuations_of_the_model_it_starts_from(tmp_path):
+    """In one run whose eval continuations decode with the CPU kernels before later stages
+    train the model, the `self` rows and the hidden states stored beside them are those of the
+    model as the self_gen stage starts (here the final one: a distillation stage leaves it
+    as it was)."""
+    from rich.console import Console
+
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.pretrain import trainer
+    from codedojo.pretrain.selfgen import greedy_continue
+
+    raw = five_stage_config(tmp_path, "r", lr=1e-2).model_dump()
+    raw["eval"]["continuations"] = 4
+    cfg = PretrainConfig.model_validate(raw)
+    trainer.run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
+    model, mtp = build_model(cfg)
+    for st in cfg.stages:
+        if st.rope_scaling is not None:
+            set_rope_scaling(model, mtp, st)
+    load_weights(cfg.run_dir / "final", model, mtp)
+    (own,) = (cfg.run_dir / "data" / "self").glob("mtp_self-*")
+    rows = TokenShards(own)
+    g = cfg.stages[4].self_gen
+    stored = torch.from_numpy(np.stack([rows.doc(i) for i in range(len(rows))]).astype(np.int64))
+    assert torch.equal(greedy_continue(model, stored[:, :g.prompt_len], g.new_tokens), stored)
+    with torch.no_grad():
+        states = model.hidden(stored)
+    kept = TokenFeatures(own / "hidden").gather(np.arange(stored.numel())).view(*stored.shape, -1)
+    assert float((kept.float() - states).abs().amax() / states.abs().amax()) < 1e-2  # float16
+
+
 def _stop_after_a_mid_stage_checkpoint(monkeypatch, trainer) -> Any:
     """`trainer.save_checkpoint` that stops the run once it has saved within a stage; returns
     the real one."""
@@ -1021,6 +1114,60 @@ def test_a_stopped_stage_reports_and_logs_as_an_unstopped_one(tmp_path, monkeypa
         return [(m["step"], m["loss"]) for m in rows]
 
     assert logged(stopped) == logged(cfg) and [s for s, _ in logged(cfg)] == [1, 2, 3, 4]
+
+
+def test_a_log_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path, monkeypatch):
+    """A kill that cut the log's last row short (the checkpoint holds every step before it):
+    the resumed run drops it, and logs and reports the step it runs again."""
+    from rich.console import Console
+
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.pretrain import trainer
+
+    five = five_stage_config(tmp_path, "whole")
+    bulk = five.stages[0].model_copy(update={"steps": 3, "checkpoint_every": 2,
+                                             "decay_frac": 0.0})
+    cfg = five.model_copy(update={"stages": [bulk]})
+    tok, quiet = load_tokenizer(), Console(quiet=True)
+    whole = trainer.run(cfg, tok=tok, console=quiet)
+    cut = cfg.model_copy(update={"name": "cut"})
+    real = trainer.wsd_lr
+
+    def stop(step: int, **k: Any) -> float:
+        if step == 2:  # the third step: the checkpoint and the log hold two
+            raise KeyboardInterrupt
+        return real(step, **k)
+
+    monkeypatch.setattr(trainer, "wsd_lr", stop)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(cut, tok=tok, console=quiet)
+    monkeypatch.setattr(trainer, "wsd_lr", real)
+    log = cut.run_dir / "metrics.jsonl"
+    with log.open("a") as f:  # the third step's row, cut short
+        f.write('{"stage": "bulk", "step": 3, "lo')
+    again = trainer.run(cut, tok=tok, console=quiet)
+    assert [m["step"] for m in trainer.read_metrics(log)] == [1, 2, 3]
+    assert log.read_text().count("\n") == 3
+    assert again["stages"] == whole["stages"]
+
+
+def test_too_few_held_out_windows_for_the_continuations_are_refused_before_training(tmp_path):
+    """eval.continuations, used once a stage trains MTP modules, asks the held-out code for
+    more windows than it holds: refused, naming the field, before any stage trains."""
+    from rich.console import Console
+
+    from codedojo.model.tokenizer import load_tokenizer
+    from codedojo.pretrain.trainer import run
+
+    five = five_stage_config(tmp_path, "few")
+    cfg = five.model_copy(update={"stages": five.stages[:2], "eval": five.eval.model_copy(
+        update={"continuations": 5000})})
+    with pytest.raises(ValueError, match=r"eval\.continuations, eval\.seq_len \(windows of "
+                                         r"half its length\) of the held-out code: 5000 distinct "
+                                         r"windows of 16 tokens asked for, and the code to draw "
+                                         r"from holds \d+"):
+        run(cfg, tok=load_tokenizer(), console=Console(quiet=True))
+    assert not (cfg.run_dir / "ckpt").exists()  # no stage trained
 
 
 def test_a_run_tokenizes_with_its_base_models_tokenizer(tmp_path):
