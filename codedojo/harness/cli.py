@@ -74,13 +74,17 @@ def tools_serve(
                                       help="TCP port on 127.0.0.1 (0 = any free port).")] = 0,
     uds: Annotated[str | None, typer.Option(help="Serve on this unix socket instead.")] = None,
     env: Annotated[list[str] | None, typer.Option(help="NAME=TOML: an environment's tool config.")] = None,
+    idle_s: Annotated[float | None, typer.Option(
+        min=0, help="Close an episode no call used for this many seconds, its shell and jobs "
+        "with it (0: never; default: the service's, 1800).")] = None,
 ) -> None:
     """Start a sandbox and serve its tools; prints {url, sandbox_id} as one JSON line."""
     from codedojo.harness.service import main as service_main
     from codedojo.sandbox.base import SandboxError
 
     argv = ["--port", str(port)]
-    for flag, value in (("--image", image), ("--dir", directory), ("--root", root), ("--uds", uds)):
+    for flag, value in (("--image", image), ("--dir", directory), ("--root", root), ("--uds", uds),
+                        ("--idle-s", idle_s)):
         if value is not None:
             argv += [flag, str(value)]
     for item in env or []:

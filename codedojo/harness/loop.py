@@ -23,6 +23,7 @@ trajectory: its `segments` say where each context starts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -118,6 +119,18 @@ def _fit(context: list[dict[str, Any]], tokens: int) -> list[dict[str, Any]]:
     return out
 
 
+def _json_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """A trajectory's metadata, checked to be JSON (its step log and Parquet rows are); a
+    ValueError names the field that is not."""
+    out = dict(metadata or {})
+    for key, value in out.items():
+        try:
+            json.dumps({key: value})
+        except (TypeError, ValueError) as e:  # (a Path, a set, a key that is no string...)
+            raise ValueError(f"metadata.{key}: not JSON ({e})") from None
+    return out
+
+
 def _unique_ids(out: PolicyOutput, seen: set[str]) -> None:
     """Give a call (or a malformed one) whose id the model reused, in this turn or an earlier
     one, an id of its own: each tool message answers one call."""
@@ -175,15 +188,19 @@ class Agent:
             tool_schemas=list(tools.schemas),
             tool_versions=dict(tools.versions),
             toolset_generation=int(getattr(tools, "generation", getattr(getattr(tools, "toolset", None), "generation", 0))),
-            metadata=dict(metadata or {}),
+            metadata=_json_metadata(metadata),
             sampling=dict(getattr(self.policy, "sampling", {})),
         )
         context = self._fresh_context(task)
         writer = TrajectoryWriter(out) if out else None
         traj.messages.extend(context)
         if writer:
-            writer.start(traj)
-            writer.step(traj)
+            try:
+                writer.start(traj)
+                writer.step(traj)
+            except BaseException:
+                writer.close()  # (a log never started leaves no file behind)
+                raise
         used_tokens = 0
         acting_turns = 0
         acted = False  # since the start or the last summary: a summary follows some action

@@ -24,6 +24,7 @@ from codedojo.model.toolcalls import (
     ToolCall,
     ToolCallError,
     from_openai,
+    get_format,
     new_call_id,
     parse_tool_calls,
 )
@@ -244,7 +245,11 @@ class OpenAIPolicy:
         raw_text = content
         parsed: list[ToolCall | ToolCallError] = from_openai(msg.tool_calls)
         if parsed and any(isinstance(c, ToolCallError) for c in parsed):
-            raw_text = None  # the API parsed the calls; message() rebuilds the text from them
+            # The API parsed the calls: the text is rebuilt from all of them, in order (a
+            # well-formed call in the policy's text format, a malformed one as it came).
+            render = get_format(self.text_format).render
+            raw_text = "\n".join([content, *(render([c]) if isinstance(c, ToolCall) else c.raw
+                                              for c in parsed)]).strip()
         if not parsed and content and tools:
             # The server leaves a turn with a malformed call as text; our parser finds it.
             out: ParsedOutput = parse_tool_calls(content, self.text_format, tools)

@@ -15,6 +15,11 @@ sandbox its `SandboxProvider` knows). Heavy tools run here, outside the sandbox:
 
 Transport is HTTP over TCP (127.0.0.1) or a unix socket. Errors in tool calls are results,
 not RPC errors; RPC errors are for bad requests (unknown method, unknown episode).
+
+An episode is leased, not owned: one that no call has used for the server's ``idle_s`` is
+closed (its shell and background jobs with it), so that a client that died without closing
+its episodes does not hold them until the sandbox goes. A later call to it is an RPC error
+that says so.
 """
 
 from __future__ import annotations
@@ -24,11 +29,16 @@ import http.client
 import importlib
 import itertools
 import json
+import logging
 import os
 import secrets
 import socket
+import stat
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -49,6 +59,12 @@ INVALID_PARAMS = -32602
 METHOD_NOT_FOUND = -32601
 SERVER_ERROR = -32000
 
+# How long an episode may go without a call before the server closes it (generous: a model's
+# turn between two calls takes minutes at most).
+IDLE_S = 1800.0
+
+log = logging.getLogger(__name__)
+
 
 class RPCError(Exception):
     def __init__(self, code: int, message: str) -> None:
@@ -56,8 +72,15 @@ class RPCError(Exception):
         self.code = code
 
 
+@dataclass
+class _Lease:
+    used: float  # when a call last ended (time.monotonic)
+    calls: int = 0  # running now: an episode in a call is not idle
+
+
 class ToolServer:
-    """The service state: registry, environment configs, open episodes."""
+    """The service state: registry, environment configs, open episodes. ``idle_s``: how long
+    an episode may go without a call before it is closed (None: as long as the server runs)."""
 
     def __init__(
         self,
@@ -67,16 +90,25 @@ class ToolServer:
         registry: ToolRegistry | None = None,
         envs: dict[str, EnvToolConfig] | None = None,
         search: Any = None,
+        idle_s: float | None = IDLE_S,
     ) -> None:
         if sandbox is None and provider is None:
             raise ValueError("ToolServer needs a sandbox or a sandbox provider")
+        if idle_s is not None and not 0 < idle_s < float("inf"):
+            raise ValueError(f"idle_s: must be a number of seconds > 0, or None, got {idle_s}")
         self.sandbox = sandbox
         self.provider = provider
         self.registry = registry or ToolRegistry()
         self.envs: dict[str, EnvToolConfig] = dict(envs or {"default": EnvToolConfig()})
         self.search = search
         self.episodes: dict[str, ToolSession] = {}
+        self.idle_s = idle_s
+        self._leases: dict[str, _Lease] = {}
+        self._idled: set[str] = set()  # the episodes closed for going idle
         self._lock = threading.Lock()
+        self._closed = threading.Event()
+        if idle_s is not None:
+            threading.Thread(target=self._close_idle, daemon=True, name="tool-rpc-idle").start()
 
     # -- methods ---------------------------------------------------------------------------
 
@@ -101,26 +133,74 @@ class ToolServer:
         session = ToolSession(toolset, ToolContext(sandbox=sandbox, search=self.search))
         with self._lock:
             self.episodes[session.episode_id] = session
+            self._leases[session.episode_id] = _Lease(time.monotonic())
         return session
 
     def session(self, episode_id: str) -> ToolSession:
         with self._lock:
-            s = self.episodes.get(episode_id)
+            return self._session(episode_id)
+
+    def _session(self, episode_id: str) -> ToolSession:
+        s = self.episodes.get(episode_id)
+        if s is None and episode_id in self._idled:
+            raise RPCError(INVALID_PARAMS, f"episode_id: episode {episode_id!r} was closed "
+                                           f"after {self.idle_s:g} s without a call (the "
+                                           f"service's idle limit)")
         if s is None:
             raise RPCError(INVALID_PARAMS, f"episode_id: unknown episode {episode_id!r}")
         return s
 
+    @contextmanager
+    def _using(self, episode_id: str) -> Iterator[ToolSession]:
+        """The episode's session, not idle while the caller uses it."""
+        with self._lock:
+            s = self._session(episode_id)
+            lease = self._leases[episode_id]
+            lease.calls += 1
+        try:
+            yield s
+        finally:
+            with self._lock:
+                lease.calls -= 1
+                lease.used = time.monotonic()
+
     def close_episode(self, episode_id: str) -> None:
         with self._lock:
             s = self.episodes.pop(episode_id, None)
+            self._leases.pop(episode_id, None)
         if s is not None:
             s.close()
 
+    def _close_idle(self) -> None:
+        """Close, every while, the episodes idle for longer than ``idle_s``."""
+        assert self.idle_s is not None
+        while not self._closed.wait(min(60.0, self.idle_s / 4)):
+            now = time.monotonic()
+            with self._lock:
+                idle = [eid for eid, lease in self._leases.items()
+                        if not lease.calls and now - lease.used > self.idle_s]
+                for eid in idle:
+                    del self._leases[eid]
+                    self._idled.add(eid)
+                gone = [self.episodes.pop(eid) for eid in idle]
+            for s in gone:
+                try:
+                    s.close()
+                except Exception as e:  # (the others are closed all the same)
+                    log.warning("closing idle episode %s: %s: %s", s.episode_id,
+                                type(e).__name__, e)
+
     def register_import(self, module: str, attr: str) -> int:
+        """Register ``module.attr`` as its file reads now: a module imported before (an
+        earlier version of the tool, registered from it) is loaded again, not taken from the
+        import cache."""
         try:
-            tool = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise RPCError(INVALID_PARAMS, f"module/attr: cannot import {module}:{attr}: {e}") from e
+            loaded = sys.modules.get(module)
+            loaded = importlib.reload(loaded) if loaded else importlib.import_module(module)
+            tool = getattr(loaded, attr)
+        except Exception as e:  # (a module that is not there, or fails to run: SyntaxError...)
+            raise RPCError(INVALID_PARAMS, f"module/attr: cannot import {module}:{attr}: "
+                                           f"{type(e).__name__}: {e}") from e
         try:
             return self.registry.register(tool)
         except ValueError as e:
@@ -134,8 +214,8 @@ class ToolServer:
                 left = None if left is None else seconds(left, "time_left")
             except SandboxError as e:
                 raise RPCError(INVALID_PARAMS, str(e)) from None
-            return self.session(_req(p, "episode_id")).call(
-                name, p.get("arguments"), left).to_dict()
+            with self._using(_req(p, "episode_id")) as s:
+                return s.call(name, p.get("arguments"), left).to_dict()
         if method == "episode.open":
             s = self.open_episode(_opt(p, "env") or "default", _opt(p, "sandbox_id"))
             cfg = s.toolset.config
@@ -148,7 +228,8 @@ class ToolServer:
                 "time_limits": {n: cfg.timeouts.get(n, cfg.default_timeout_s) for n in s.toolset.tools},
             }
         if method == "episode.state":
-            return self.session(_req(p, "episode_id")).state()
+            with self._using(_req(p, "episode_id")) as s:
+                return s.state()
         if method == "episode.close":
             self.close_episode(_req(p, "episode_id"))
             return {}
@@ -165,6 +246,7 @@ class ToolServer:
         raise RPCError(METHOD_NOT_FOUND, f"method: unknown method {method!r}")
 
     def close(self) -> None:
+        self._closed.set()
         for eid in list(self.episodes):
             self.close_episode(eid)
 
@@ -280,8 +362,19 @@ def serve_in_thread(server: ToolServer, host: str = "127.0.0.1", port: int = 0,
         token = secrets.token_urlsafe(32)
     app = create_app(server, token=token)
     if uds:
-        config = uvicorn.Config(app, uds=uds, log_level="warning", access_log=False, timeout_keep_alive=300)
-        sock = None
+        # Bound here, as the TCP socket below is: an address it cannot take (a directory that
+        # is not there, or not writable) is an OSError to the caller, and the socket is the
+        # owner's alone before it listens.
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            if os.path.exists(uds) and stat.S_ISSOCK(os.stat(uds).st_mode):
+                os.unlink(uds)  # one a service before this left (as asyncio's own bind does)
+            sock.bind(uds)
+            os.chmod(uds, 0o600)
+        except OSError:
+            sock.close()
+            raise
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=300)
         url = "http://tools"
     else:
         # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted sockets only when the
@@ -294,7 +387,7 @@ def serve_in_thread(server: ToolServer, host: str = "127.0.0.1", port: int = 0,
         url = f"http://{host}:{sock.getsockname()[1]}"
     userver = uvicorn.Server(config)
     thread = threading.Thread(
-        target=userver.run, kwargs={"sockets": [sock] if sock else None}, daemon=True, name="tool-rpc"
+        target=userver.run, kwargs={"sockets": [sock]}, daemon=True, name="tool-rpc"
     )
     thread.start()
     deadline = time.monotonic() + 10
@@ -302,8 +395,6 @@ def serve_in_thread(server: ToolServer, host: str = "127.0.0.1", port: int = 0,
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("tool RPC server did not start")
         time.sleep(0.005)
-    if uds:
-        os.chmod(uds, 0o600)  # uvicorn makes it 0666
     return RunningServer(url=url, uds=uds, token=token, _server=userver, _thread=thread)
 
 

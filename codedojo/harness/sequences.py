@@ -59,7 +59,7 @@ def training_sequences(traj: Trajectory) -> list[TrainingSequence]:
         tokens = turn.prompt_ids + turn.completion_ids
         if not tokens:  # (a server that returned no token ids: nothing to train)
             continue
-        if not out or not _continues(out[-1], tokens, routing, i):
+        if not out or not _continues(out[-1], turn.prompt_ids, routing, i):
             out.append(TrainingSequence([], [], []))
         seq, start = out[-1], len(out[-1].token_ids)
         mask = turn.trained_mask()
@@ -80,13 +80,14 @@ def training_sequences(traj: Trajectory) -> list[TrainingSequence]:
     return out
 
 
-def _continues(seq: TrainingSequence, tokens: list[int], routing: Any, turn: int) -> bool:
-    """Whether a turn of these tokens and routing (None: none recorded) extends ``seq``: its
-    tokens begin with all of the sequence's, and it routed the tokens the sequence feeds (all
-    but its last) as the sequence has them, or neither has routing."""
+def _continues(seq: TrainingSequence, prompt: list[int], routing: Any, turn: int) -> bool:
+    """Whether a turn of this prompt and routing (None: none recorded) extends ``seq``: its
+    prompt begins with all of the sequence's tokens (a prompt that ends inside them would leave
+    the turn's own sampled tokens there untrained), and it routed the tokens the sequence feeds
+    (all but its last) as the sequence has them, or neither has routing."""
     import torch
 
-    if tokens[:len(seq.token_ids)] != seq.token_ids:
+    if len(prompt) < len(seq.token_ids) or prompt[:len(seq.token_ids)] != seq.token_ids:
         return False
     have = seq.routed_experts
     if have is None or routing is None:

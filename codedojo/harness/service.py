@@ -14,11 +14,24 @@ import json
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
-from codedojo.harness.rpc import ToolServer, serve_in_thread
+from codedojo.harness.rpc import IDLE_S, ToolServer, serve_in_thread
 from codedojo.harness.toolset import EnvToolConfig
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT: the service ends, and its sandbox with it. Not an Exception, so that
+    no `except Exception` on the way (the sandbox's creation, the index's) takes it for a
+    failure of its own."""
+
+
+def _stop(*_: object) -> None:
+    for sig in _SIGNALS:  # (a second signal does not cut the clean-up short)
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Stopped
 
 
 def serve(
@@ -31,10 +44,8 @@ def serve(
     uds: str | None = None,
     env_configs: dict[str, Path] | None = None,
     codebase_search: bool = True,
+    idle_s: float | None = IDLE_S,
 ) -> None:
-    from codedojo.sandbox.base import SandboxSpec
-    from codedojo.sandbox.local import LocalProvider
-
     if (image is None) == (directory is None):
         raise ValueError("image/dir: give exactly one of --image and --dir")
     envs = {"default": EnvToolConfig()}
@@ -43,6 +54,24 @@ def serve(
             envs[name] = EnvToolConfig.from_toml(path)
         except ValueError as e:  # (the file, or a field of it)
             raise ValueError(f"--env {name}: {e}") from None
+    # A signal from here on ends the service through the finally blocks below, so that a
+    # sandbox made before it (the start takes a while: the sandbox, the index) is destroyed.
+    previous = {sig: signal.signal(sig, _stop) for sig in _SIGNALS}
+    try:
+        _serve(image, directory, root, host, port, uds, envs, codebase_search, idle_s)
+    except _Stopped:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _serve(image: str | None, directory: str | None, root: str | None, host: str, port: int,
+           uds: str | None, envs: dict[str, EnvToolConfig], codebase_search: bool,
+           idle_s: float | None) -> None:
+    from codedojo.sandbox.base import SandboxSpec
+    from codedojo.sandbox.local import LocalProvider
+
     provider = LocalProvider(root=root, pool_size=0)  # (one sandbox: none kept ready)
     if directory is not None:
         image = provider.images.from_directory(directory).id
@@ -54,22 +83,19 @@ def serve(
             from codedojo.harness.embeddings import CodebaseIndex
 
             search = CodebaseIndex()  # the model loads on the first search
-        server = ToolServer(sandbox=sandbox, envs=envs, search=search)
+        server = ToolServer(sandbox=sandbox, envs=envs, search=search, idle_s=idle_s)
         try:
             running = serve_in_thread(server, host=host, port=port, uds=uds)
-        except OSError as e:  # a port taken, an address not this host's
-            where = uds or f"{host}:{port}"
-            raise ValueError(f"--host/--port: cannot listen on {where} ({e.strerror or e})"
-                             ) from None
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+        except OSError as e:  # a port taken, an address not this host's, no such directory
+            flag, where = ("--uds", uds) if uds else ("--host/--port", f"{host}:{port}")
+            raise ValueError(f"{flag}: cannot listen on {where} ({e.strerror or e})") from None
         # the token on stdout, to the process that started this one (`ToolClient(url,
         # token=...)`)
         print(json.dumps({"url": running.url, "uds": uds, "token": running.token,
                           "sandbox_id": sandbox.id, "pid": os.getpid()}), flush=True)
         try:
-            stop.wait()
+            while True:
+                signal.pause()  # (until a signal ends the service)
         finally:
             running.stop()
             server.close()
@@ -88,8 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--uds")
     ap.add_argument("--no-codebase-search", action="store_true")
+    ap.add_argument("--idle-s", type=float, default=IDLE_S,
+                    help="close an episode no call used for this long (0: never)")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=TOML", help="an environment's tool config")
     a = ap.parse_args(argv)
+    if not 0 <= a.idle_s < float("inf"):
+        ap.error(f"--idle-s: expected seconds >= 0, got {a.idle_s}")
     envs: dict[str, Path] = {}
     for item in a.env:
         name, sep, path = item.partition("=")
@@ -98,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         envs[name] = Path(path)
     try:
         serve(image=a.image, directory=a.directory, root=a.root, host=a.host, port=a.port, uds=a.uds,
-              env_configs=envs, codebase_search=not a.no_codebase_search)
+              env_configs=envs, codebase_search=not a.no_codebase_search,
+              idle_s=a.idle_s or None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -402,12 +402,22 @@ class TrajectoryWriter:
         self._turns_written = 0
         fd, tmp = temp_beside(self.path)
         self._tmp: str | None = tmp
-        self._fh = os.fdopen(fd, "w", encoding="utf-8")
+        self._fh = os.fdopen(fd, "wb", buffering=0)
 
     def _line(self, obj: dict[str, Any]) -> None:
-        self._fh.write(json_text(obj) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        """Append one record and sync it. A write or sync that fails cuts the file back to
+        where the line began, holding no byte of it for later, so a step tried again after
+        the failure writes the line once and the log stays readable."""
+        data = memoryview((json_text(obj) + "\n").encode("utf-8"))
+        begin = self._fh.tell()
+        try:
+            while data:
+                data = data[self._fh.write(data):]
+            os.fsync(self._fh.fileno())
+        except BaseException:
+            self._fh.truncate(begin)
+            self._fh.seek(begin)
+            raise
 
     def start(self, traj: Trajectory) -> None:
         self._line(traj.header())

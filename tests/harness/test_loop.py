@@ -388,3 +388,26 @@ def test_a_reply_runs_at_most_max_calls_per_turn_and_the_rest_are_answered(sessi
     assert len(answers) == 5
     assert answers[3:] == ["Error: not run: a reply runs at most 3 tool calls"] * 2
     assert session.call("read_file", {"target_file": "log.txt"}).content.count("ran") == 3
+
+
+def test_a_step_log_that_cannot_be_started_leaves_no_file(tmp_path):
+    """Metadata that is not JSON is named, and nothing is written; a header that fails to be
+    written (a tool schema that is not JSON) leaves no file behind either."""
+    from pathlib import Path
+
+    class NoTools:
+        schemas: list = []
+        versions: dict = {}
+
+        def state(self):
+            return {}
+
+    with pytest.raises(ValueError, match="metadata.repo: not JSON"):
+        Agent(ScriptedPolicy(["done"])).run("task", NoTools(), out=tmp_path / "t.jsonl",
+                                            metadata={"repo": Path("/x")})
+    assert list(tmp_path.iterdir()) == []
+    odd = NoTools()
+    odd.schemas = [{"type": "function", "function": {"name": "x", "parameters": {1j}}}]
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        Agent(ScriptedPolicy(["done"])).run("task", odd, out=tmp_path / "t.jsonl")
+    assert list(tmp_path.iterdir()) == []

@@ -479,3 +479,31 @@ def test_an_openai_policy_records_the_sampling_settings_it_sends_in_extra_body()
                           extra_body={"top_k": 20, "min_p": 0.05})
     assert policy.sampling == {"temperature": 0.7, "top_p": 1.0, "seed": None, "top_k": 20,
                                "min_p": 0.05}
+
+
+def test_an_api_reply_with_a_malformed_call_keeps_every_call_in_its_text():
+    """The API parsed the calls, one well formed and one not: the turn's text (what training
+    sees, and the model next time) holds both, in the order sent."""
+    from codedojo.model.toolcalls import parse_tool_calls
+
+    calls = [{"id": "call_a", "type": "function",
+              "function": {"name": "read_file", "arguments": '{"target_file": "a.py"}'}},
+             {"id": "call_b", "type": "function",
+              "function": {"name": "grep", "arguments": '{"pattern": "x"'}}]
+    reply = {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+             "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None,
+                          "message": {"role": "assistant", "content": "Let me look.",
+                                      "tool_calls": calls}}]}
+    policy = OpenAIPolicy("m", "http://127.0.0.1:9/v1")
+    policy.client = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x",
+                                  http_client=httpx.Client(transport=httpx.MockTransport(
+                                      lambda request: httpx.Response(200, json=reply))))
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in ("read_file", "grep")]
+    out = policy.generate([{"role": "user", "content": "hi"}], tools, 100)
+    text = out.message()["content"]
+    assert text.startswith("Let me look.\n") and text.index("read_file") < text.index("grep")
+    again = parse_tool_calls(text, policy.text_format, tools)
+    assert [c.name for c in again.tool_calls] == ["read_file"]
+    assert again.tool_calls[0].arguments == {"target_file": "a.py"}
+    assert [e.name for e in out.errors] == ["grep"] and '{\\"pattern\\": \\"x\\"' in text

@@ -98,6 +98,8 @@ def test_unix_socket_transport(sandbox, tmp_path):
         client.close()
         running.stop()
         server.close()
+    with pytest.raises(FileNotFoundError):  # (the caller names it, as a port taken)
+        serve_in_thread(server, uds=str(tmp_path / "nosuch" / "tools.sock"))
 
 
 def test_live_update_running_episode_keeps_its_version(service, tmp_path):
@@ -135,6 +137,41 @@ def test_live_update_running_episode_keeps_its_version(service, tmp_path):
     # Pinning in config still reaches v1 for new episodes.
     client.configure_env("pinned", EnvToolConfig(versions={"read_file": "1"}))
     assert client.open_episode("pinned").versions["read_file"] == "1"
+
+
+def test_a_tool_module_registered_again_is_read_again(tmp_path, monkeypatch):
+    """A module registered once, then edited: registering it again runs the edited code; an
+    edit that keeps the version is refused, and the module unchanged registers as before."""
+    import sys
+
+    from codedojo.harness.toolset import ToolRegistry
+
+    class NoSandbox:
+        id = "sb-none"
+
+    source = ("from codedojo.harness.tools.base import FunctionTool, obj\n"
+              "TOOL = FunctionTool('probe', 'a probe', obj({{}}, []), lambda ctx, args: {said!r},"
+              " version={version!r})\n")
+    module = tmp_path / "probe_tool_module.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    server = ToolServer(sandbox=NoSandbox(), registry=ToolRegistry([]),  # type: ignore[arg-type]
+                        envs={"default": EnvToolConfig(tools=["probe"])})
+    try:
+        module.write_text(source.format(said="old", version="1"))
+        server.dispatch("tools.register", {"module": module.stem, "attr": "TOOL"})
+        module.write_text(source.format(said="newer code", version="2"))
+        server.dispatch("tools.register", {"module": module.stem, "attr": "TOOL"})
+        assert server.open_episode().call("probe", {}).content == "newer code"
+        module.write_text(source.format(said="changed again", version="2"))
+        with pytest.raises(RPCError, match="tool 'probe' version '2' is already registered"):
+            server.dispatch("tools.register", {"module": module.stem, "attr": "TOOL"})
+        module.write_text(source.format(said="newer code", version="2"))
+        assert server.dispatch("tools.register", {"module": module.stem, "attr": "TOOL"})
+        assert server.registry.versions("probe") == ["1", "2"]
+        assert server.open_episode().call("probe", {}).content == "newer code"
+    finally:
+        server.close()
+        sys.modules.pop(module.stem, None)
 
 
 def test_a_dead_tool_service_ends_the_episode(sandbox, tmp_path):
@@ -261,7 +298,24 @@ def test_tools_serve_names_what_it_cannot_start_from(provider, tmp_path):
         assert said in r.output and "Traceback" not in r.output, (args, r.output)
 
 
-def test_tools_serve_names_a_bad_env_file_and_a_taken_port_and_leaves_no_sandbox(
+def test_tools_serve_hands_the_idle_limit_to_the_service(monkeypatch):
+    from typer.testing import CliRunner
+
+    from codedojo.cli import app
+    from codedojo.harness import service
+
+    got: list[list[str]] = []
+    monkeypatch.setattr(service, "main", got.append)
+    for args, idle in [([], None), (["--idle-s", "30"], "30.0"), (["--idle-s", "0"], "0.0")]:
+        r = CliRunner().invoke(app, ["tools", "serve", "--image", "x", *args])
+        assert r.exit_code == 0, r.output
+        argv = got.pop()
+        assert (argv[argv.index("--idle-s") + 1] if "--idle-s" in argv else None) == idle
+    r = CliRunner().invoke(app, ["tools", "serve", "--image", "x", "--idle-s", "-1"])
+    assert r.exit_code == 2 and "--idle-s" in r.output
+
+
+def test_tools_serve_names_a_bad_env_file_or_address_and_leaves_no_sandbox(
         provider, repo_image, tmp_path):
     import os
     import socket
@@ -282,6 +336,8 @@ def test_tools_serve_names_a_bad_env_file_and_a_taken_port_and_leaves_no_sandbox
                                                        "such file"),
         (["--env", f"ci={tmp_path / 'bad.toml'}"], f"--env ci: {tmp_path}/bad.toml: not TOML"),
         (["--port", str(port)], f"--host/--port: cannot listen on 127.0.0.1:{port}"),
+        (["--uds", str(tmp_path / "nosuch" / "t.sock")],
+         f"--uds: cannot listen on {tmp_path}/nosuch/t.sock (No such file or directory)"),
     ]:
         r = CliRunner().invoke(app, ["tools", "serve", "--root", provider.root, "--image",
                                      repo_image, *args], env={"COLUMNS": "200"})
@@ -303,3 +359,69 @@ def test_an_episode_in_a_with_block_is_closed_however_it_ends(service):
         assert len(server.episodes) == 1
         raise RuntimeError("the loop failed")
     assert len(server.episodes) == 0
+
+
+def test_tools_serve_signalled_while_it_starts_leaves_no_sandbox(provider, repo_image):
+    """SIGTERM after the sandbox is made and before the service listens: the sandbox goes with
+    the service, which ends as a signalled running one does."""
+    import subprocess
+    import sys
+
+    child = (
+        "import os, signal, sys, time\n"
+        "import codedojo.harness.service as service\n"
+        "def starting(*args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(60)\n"
+        "service.serve_in_thread = starting\n"
+        "service.main(sys.argv[1:])\n"
+    )
+    sandboxes = os.path.join(provider.root, "sandboxes")
+    before = set(os.listdir(sandboxes))
+    r = subprocess.run([sys.executable, "-c", child, "--root", provider.root, "--image",
+                        repo_image, "--no-codebase-search"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and not r.stdout, (r.returncode, r.stderr)
+    assert set(os.listdir(sandboxes)) == before
+
+
+def test_an_episode_no_call_uses_is_closed_after_the_idle_limit():
+    """A client that died holds its episode only for the service's idle limit; an episode in
+    a call that outlasts the limit is not idle."""
+    import threading
+
+    from codedojo.harness.tools.base import FunctionTool, obj
+    from codedojo.harness.toolset import ToolRegistry
+
+    release = threading.Event()
+    nap = FunctionTool("nap", "wait", obj({}, []), lambda ctx, a: str(release.wait(60)))
+    echo = FunctionTool("echo", "echo", obj({}, []), lambda ctx, a: "here")
+
+    class NoSandbox:
+        id = "sb-none"
+
+    with pytest.raises(ValueError, match="idle_s: must be a number of seconds > 0"):
+        ToolServer(sandbox=NoSandbox(), idle_s=0)  # type: ignore[arg-type]
+    server = ToolServer(sandbox=NoSandbox(),  # type: ignore[arg-type]
+                        registry=ToolRegistry([nap, echo]),
+                        envs={"default": EnvToolConfig(tools=["nap", "echo"])}, idle_s=1)
+    try:
+        busy = server.open_episode().episode_id
+        idle = server.open_episode().episode_id
+        napping = threading.Thread(target=server.dispatch, args=(
+            "tool.call", {"episode_id": busy, "name": "nap", "arguments": {}}))
+        napping.start()
+        deadline = time.monotonic() + 30
+        while idle in server.episodes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert idle not in server.episodes and busy in server.episodes
+        with pytest.raises(RPCError, match=f"episode {idle!r} was closed after 1 s without a "
+                                           "call"):
+            server.dispatch("tool.call", {"episode_id": idle, "name": "echo"})
+        release.set()
+        napping.join()
+        again = server.dispatch("tool.call", {"episode_id": busy, "name": "echo"})
+        assert again["content"] == "here"
+    finally:
+        release.set()
+        server.close()

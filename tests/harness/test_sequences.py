@@ -46,6 +46,17 @@ def test_a_reply_rendered_back_differently_breaks_the_chain():
     assert [s.turns for s in training_sequences(t)] == [[0], [1]]
 
 
+def test_a_prompt_that_ends_inside_the_turn_before_starts_a_sequence():
+    """A turn whose prompt stops part-way through the reply before it (its own sampling went on
+    from there) is a sequence of its own: merged, its sampled tokens there would go untrained."""
+    t = Trajectory(task="t")
+    t.turns = [turn(0, [1, 2], [3, 4]), turn(1, [1, 2, 3], [4, 5])]
+    seqs = training_sequences(t)
+    assert [s.turns for s in seqs] == [[0], [1]]
+    assert seqs[1].logprobs == [0, 0, 0, -2.0, -2.1]
+    assert sum(s.loss_mask.count(1) for s in seqs) == 4
+
+
 def test_a_turn_joins_the_sequence_only_where_its_prefill_routed_it_alike():
     """A later turn sampled from its own prefill's keys and values. What decides: it merges into
     the sequence only when its rows for the tokens they share equal the sequence's (a prefix

@@ -1,4 +1,8 @@
+import errno
 import json
+import os
+import resource
+import signal
 from dataclasses import fields
 from itertools import islice
 
@@ -346,6 +350,50 @@ def test_a_step_tried_again_after_a_failed_write_stores_no_turn_twice(tmp_path, 
     w.finish(t)
     back = read_jsonl(tmp_path / "t.jsonl")
     assert len(back.turns) == 1 and back.messages == t.messages
+
+
+def _fill_disk_mid_line(path, monkeypatch):
+    """The file may grow 100 bytes more: the next line is cut part-way, as on a full disk."""
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + 100, limits[1]))
+    return lambda: (resource.setrlimit(resource.RLIMIT_FSIZE, limits),
+                    signal.signal(signal.SIGXFSZ, old_handler))
+
+
+def _fail_first_sync(path, monkeypatch):
+    real, calls = os.fsync, []
+
+    def flaky(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "fsync failed")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", flaky)
+    return lambda: None
+
+
+@pytest.mark.parametrize("fault", [_fill_disk_mid_line, _fail_first_sync],
+                         ids=["disk full mid-line", "sync fails"])
+def test_a_step_whose_write_fails_leaves_no_part_of_its_line(tmp_path, monkeypatch, fault):
+    p = tmp_path / "t.jsonl"
+    t = _traj()
+    w = TrajectoryWriter(p)
+    w.start(t)
+    t.messages.append({"role": "assistant", "content": "x" * 5000})
+    t.turns.append(Turn(index=1, segment=0, kind="action", message=t.messages[-1],
+                        prompt_ids=[1, 2, 3], completion_ids=[9], logprobs=[-1.0],
+                        loss_mask=[0, 0, 0, 1]))
+    restore = fault(p, monkeypatch)
+    try:
+        with pytest.raises(OSError):
+            w.step(t)
+    finally:
+        restore()
+    w.finish(t)  # (as Agent.run does after a failed step)
+    back = read_jsonl(p)
+    assert [u.index for u in back.turns] == [0, 1] and back.messages == t.messages
 
 
 @pytest.mark.parametrize("line, why", [

@@ -80,6 +80,19 @@ def test_registry_config_errors_name_the_field():
         EnvToolConfig(strictness="loose")
 
 
+def test_a_registered_version_is_not_replaced_by_other_code():
+    from dataclasses import replace
+
+    reg = ToolRegistry()
+    first = reg.register(GREP)  # the same object again: the latest once more
+    assert first > 0 and reg.resolve(EnvToolConfig(tools=["grep"])).tools["grep"] is GREP
+    other = replace(GREP, fn=lambda ctx, args: "something else")
+    with pytest.raises(ValueError, match="tool 'grep' version '1' is already registered"):
+        reg.register(other)
+    assert reg.resolve(EnvToolConfig(tools=["grep"])).tools["grep"] is GREP
+    assert reg.register(replace(other, version="2")) == first + 1
+
+
 def test_env_config_from_toml(tmp_path):
     p = tmp_path / "env.toml"
     p.write_text('tools = ["read_file", "grep"]\nstrictness = "lenient"\n[timeouts]\ngrep = 5.0\n')
