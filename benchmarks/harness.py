@@ -62,7 +62,6 @@ def main() -> None:
     src = Path(tempfile.mkdtemp(prefix="cdj-bench-src-"))
     (src / "small.py").write_text("".join(f"x{i} = {i}\n" for i in range(40)))
     provider = LocalProvider(root=root)
-    sb = None
     service_root = tempfile.mkdtemp(prefix="cdj-bench-service-")
     service = subprocess.Popen(
         [sys.executable, "-m", "codedojo.harness.service", "--dir", str(src), "--root", service_root,
@@ -147,12 +146,8 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             service.kill()
             service.wait()
-        shutil.rmtree(service_root, ignore_errors=True)
-        if sb is not None:
-            sb.destroy()
-        provider.close()
-        provider.gc()
-        shutil.rmtree(root, ignore_errors=True)
+        LocalProvider(root=service_root, pool_size=0).remove_store()  # (the service is gone)
+        provider.remove_store()
         shutil.rmtree(src, ignore_errors=True)
 
 

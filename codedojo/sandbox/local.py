@@ -1622,6 +1622,16 @@ class LocalProvider:
         for sb in self.list():
             sb.destroy()
 
+    def remove_store(self) -> None:
+        """Remove the whole store: `close`, every sandbox in it cleaned up (`gc` of all
+        owners), the tmpfs its sandbox directories live on detached, and its files deleted.
+        For a store made for one run (a test session, a benchmark): no other process may be
+        using it. Deleting the folder alone leaves that tmpfs mounted."""
+        self.close()
+        self.gc(all_owners=True)
+        _umount_if_mounted(self.sandboxes_dir)
+        remove_tree(self.root)
+
     def gc(self, *, all_owners: bool = False) -> list[str]:
         """Clean up sandboxes whose owning process is gone (a crash), and this process's own
         whose teardown left something (a failed `destroy` or create): processes, cgroups,

@@ -157,6 +157,10 @@ def bench_cache():
         os.environ.pop("CODEDOJO_CACHE", None)
     else:
         os.environ["CODEDOJO_CACHE"] = old
+    if (root / "bench" / "sandbox").is_dir():  # (the store `dojo bench` made in this cache)
+        from codedojo.sandbox.local import LocalProvider
+
+        LocalProvider(root=str(root / "bench" / "sandbox"), pool_size=0).remove_store()
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -98,9 +98,7 @@ def provider() -> Iterator[LocalProvider]:
     root = tempfile.mkdtemp(prefix="cdj-harness-")
     p = LocalProvider(root=root)
     yield p
-    p.close()
-    p.gc()
-    shutil.rmtree(root, ignore_errors=True)
+    p.remove_store()
 
 
 @pytest.fixture(scope="session")

@@ -120,3 +120,34 @@ def test_gc_cleans_up_a_destroy_that_failed_in_this_process(provider, project, m
     assert live.exec("echo alive").stdout == "alive\n"
     assert provider.gc() == []
     live.destroy()
+
+
+def test_a_store_removed_leaves_no_mount_process_cgroup_or_file(tmp_path):
+    """`remove_store` takes a store made for one run away whole: deleting its folder alone
+    left the tmpfs of its sandbox directories mounted, one per test session or benchmark."""
+    from codedojo.sandbox.local import LocalProvider
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text("A = 1\n")
+    root = str(tmp_path / "store")
+    p = LocalProvider(root=root, pool_size=0)
+    sb = p.create(SandboxSpec(image=p.images.from_directory(str(tmp_path / "src")).id,
+                              limits=SMALL))
+    sb.exec("sleep 100 &")
+    init, tag = sb.init_pid, p._tag
+    assert any(m == root + "/sandboxes" for m in _all_mounts())
+    p.remove_store()
+    assert not os.path.exists(root)
+    assert [m for m in _all_mounts() if m.startswith(root + "/") or m == root] == []
+    assert not os.path.exists(f"/proc/{init}") or _zombie(init)
+    assert [d for d in p.cgroups.existing() if d.startswith(tag)] == []
+
+
+def _all_mounts() -> list[str]:
+    with open("/proc/mounts") as f:
+        return [line.split()[1] for line in f]
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
