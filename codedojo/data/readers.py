@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -259,32 +259,39 @@ def read_jsonl(path: str | Path, text_field: str = "text",
     path = Path(path)
     for f in data_files(path, ".jsonl", split):
         key = _key(f, path)
-        with f.open("rb") as fh:
-            for i, raw in enumerate(fh):
-                where = f"{f}:{i + 1}"
-                if not raw.strip():
-                    continue
-                try:  # (a file may start with a byte order mark)
-                    row = json.loads(raw.decode("utf-8-sig" if i == 0 else "utf-8"))
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"{where}: not UTF-8 (byte {e.start})") from None
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
-                if not isinstance(row, dict):
-                    raise ValueError(f"{where}: a JSON object expected, got "
-                                     f"{type(row).__name__}")
-                if text_field not in row:
-                    raise ValueError(f"{where}: missing text_field {text_field!r}")
-                text = row.pop(text_field)
-                if text is None:  # as the parquet reader does: no text, no document
-                    continue
-                if not isinstance(text, str):
-                    raise ValueError(f"{where}: text_field {text_field!r} must be a string, "
-                                     f"got {type(text).__name__}")
-                if not _utf8(text, None):
-                    raise ValueError(f"{where}: text_field {text_field!r} holds a lone "
-                                     "surrogate (an escape such as \\ud800): not text")
-                yield Document(text=text, source=f"{key}:{i + 1}", meta=row)
+        for line, where, row in json_objects(f):
+            if text_field not in row:
+                raise ValueError(f"{where}: missing text_field {text_field!r}")
+            text = row.pop(text_field)
+            if text is None:  # as the parquet reader does: no text, no document
+                continue
+            if not isinstance(text, str):
+                raise ValueError(f"{where}: text_field {text_field!r} must be a string, "
+                                 f"got {type(text).__name__}")
+            if not _utf8(text, None):
+                raise ValueError(f"{where}: text_field {text_field!r} holds a lone "
+                                 "surrogate (an escape such as \\ud800): not text")
+            yield Document(text=text, source=f"{key}:{line}", meta=row)
+
+
+def json_objects(f: Path) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """(line number, "file:line", object) for each line of a JSONL file but blank ones; a line
+    that is not UTF-8, not JSON or no object is a ValueError naming it. A byte order mark may
+    open the file."""
+    with f.open("rb") as fh:
+        for i, raw in enumerate(fh):
+            where = f"{f}:{i + 1}"
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8-sig" if i == 0 else "utf-8"))
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 (byte {e.start})") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: a JSON object expected, got {type(row).__name__}")
+            yield i + 1, where, row
 
 
 def read_parquet(path: str | Path, text_field: str = "text",

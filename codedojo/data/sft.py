@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from codedojo.data.readers import Document
+from codedojo.data.readers import Document, json_objects
 from codedojo.data.shards import ShardWriter
 
 Message = dict[str, Any]
@@ -52,33 +52,20 @@ class Conversation(NamedTuple):
 def read_sft_jsonl(path: str | Path) -> Iterator[Conversation]:
     """Lines of {"messages": [...], "tools": [...]?}; errors name the line and field, and so do
     the renderer's (`render_to_shards`)."""
-    path = Path(path)
-    with path.open("rb") as fh:
-        for i, raw in enumerate(fh):
-            if not raw.strip():
-                continue
-            where = f"{path}:{i + 1}"
-            try:  # (a file may start with a byte order mark)
-                row = json.loads(raw.decode("utf-8-sig" if i == 0 else "utf-8"))
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not UTF-8 (byte {e.start})") from None
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: a JSON object expected, got {type(row).__name__}")
-            msgs = row.get("messages")
-            if not isinstance(msgs, list) or not msgs:
-                raise ValueError(f"{where}: field 'messages' must be a non-empty list")
-            for k, m in enumerate(msgs):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                    raise ValueError(f"{where}: messages[{k}] must be an object with a role")
-            if not any(m["role"] == "assistant" for m in msgs):
-                raise ValueError(f"{where}: field 'messages' has no assistant turn to train")
-            tools = row.get("tools")
-            if tools is not None and not (isinstance(tools, list)
-                                          and all(isinstance(t, dict) for t in tools)):
-                raise ValueError(f"{where}: field 'tools' must be a list of objects")
-            yield Conversation(msgs, tools, where)
+    for _, where, row in json_objects(Path(path)):
+        msgs = row.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError(f"{where}: field 'messages' must be a non-empty list")
+        for k, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ValueError(f"{where}: messages[{k}] must be an object with a role")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise ValueError(f"{where}: field 'messages' has no assistant turn to train")
+        tools = row.get("tools")
+        if tools is not None and not (isinstance(tools, list)
+                                      and all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"{where}: field 'tools' must be a list of objects")
+        yield Conversation(msgs, tools, where)
 
 
 # conversations, or (messages, tools) pairs
