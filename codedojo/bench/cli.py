@@ -48,6 +48,18 @@ def _check_base_url(base_url: str | None) -> str | None:
     return base_url
 
 
+def _check_out_dir(out_dir: Path) -> Path:
+    """Where runs go, made here: a file in its place is named now, not met as a traceback once
+    the suite is loaded."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise typer.BadParameter(f"{out_dir} is not a directory", param_hint="--out-dir")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file among its parents, no permission
+        raise typer.BadParameter(f"{out_dir}: {e.strerror or e}", param_hint="--out-dir") from None
+    return out_dir
+
+
 def _console():
     from rich.console import Console
 
@@ -204,6 +216,7 @@ def run(
         _check_run_name(name)
     s = _load(suite)
     tasks = _select(s, split, limit, task)
+    _check_out_dir(out_dir)
     name = name or _default_run_name(s.name, agent, *([split] if split else []))
     bench_agent = _make_agent(agent, max_turns, max_tokens, base_url)
     result = _run_and_report(s.name, tasks, bench_agent, name, samples, parallel, out_dir)
@@ -298,6 +311,7 @@ def demo(
     from codedojo.bench.demo import run_demo
 
     _check_base_url(base_url)
+    _check_out_dir(out_dir)
     ok = run_demo(max_turns=max_turns, max_tokens=max_tokens, parallel=parallel, base_url=base_url, out_dir=out_dir)
     if not ok:
         raise typer.Exit(1)

@@ -326,8 +326,9 @@ def run_agent(
     ``settings`` too), suite and samples goes on with the episodes it had not finished;
     ``results.json`` replaces the file once all have. The tasks it had results for must be
     among those selected, as they were (by content hash); more may be added. Anything else is
-    refused, and the log left as it is. A finished run of the name is refused unless
-    ``replace`` (`dojo demo` runs again over its own). A task whose image cannot be built is
+    refused, and the log left as it is, unless ``replace``: then the run begins again, its
+    results dropped. A finished run of the name is refused unless ``replace`` too (`dojo demo`
+    runs again over its own, whatever its options were). A task whose image cannot be built is
     an infra failure of its own. An agent's files go under ``episodes/s<sample>/``."""
     out = Path(out_dir) / name
     partial = out / "results.partial.jsonl"
@@ -337,7 +338,12 @@ def run_agent(
     (out / "episodes").mkdir(parents=True, exist_ok=True)
     header = {"agent": agent.name, "settings": getattr(agent, "settings", {}), "suite": suite,
               "samples": samples, "tasks": {t.instance_id: t.content_hash() for t in tasks}}
-    results = _finished(partial, header)
+    try:
+        results = _finished(partial, header)
+    except StoppedRunMismatch:
+        if not replace:
+            raise
+        results = []  # (the log begun again below drops them)
     done = {(r.instance_id, r.sample) for r in results}
     # the log as it will go on, whole before it replaces the old (a crash keeps one or other)
     write_atomic(partial, "".join(json.dumps(x) + "\n"

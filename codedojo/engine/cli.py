@@ -63,6 +63,7 @@ def serve(
     import threading
 
     import torch
+    from safetensors import SafetensorError
 
     from codedojo.devices import resolve_device
     from codedojo.engine.engine import Engine
@@ -104,13 +105,23 @@ def serve(
         net, _ = load_model(model, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:  # a tokenizer without weights, a file that is not one
         raise typer.BadParameter(str(e), param_hint="--model") from None
+    except SafetensorError as e:  # a weights file cut short (its own text names no file)
+        raise typer.BadParameter(f"{model}: its .safetensors weights do not load: {e}",
+                                 param_hint="--model") from None
     net = net.to(dev)
     drafter = None
     if speculative and Path(model).is_dir():
         from codedojo.engine.speculative import load_drafter
 
         draft_dtype = draft_dtype or dtype
-        drafter = load_drafter(net, model, dtype=getattr(torch, draft_dtype))
+        try:
+            drafter = load_drafter(net, model, dtype=getattr(torch, draft_dtype))
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as e:
+            # mtp.json missing or not as written, mtp.safetensors cut short or of another shape
+            raise typer.BadParameter(
+                f"{model}: its MTP modules (mtp.json, mtp.safetensors) do not load: "
+                f"{type(e).__name__}: {e} (--no-speculative serves without them)",
+                param_hint="--model") from None
         if drafter is not None:
             print(f"Speculative decoding with {drafter.depth} MTP modules ({draft_dtype} drafts)",
                   flush=True)

@@ -38,6 +38,10 @@ def export(
     """Collect .jsonl trajectories into one parquet file (one row per trajectory)."""
     from codedojo.harness.trajectory import write_parquet
 
+    for p in inputs:  # (one that is missing is named by `_load`)
+        if out.exists() and p.exists() and out.samefile(p):
+            raise typer.BadParameter(f"{out} is the input {p}: it would be written over",
+                                     param_hint="--out")
     trajs = [t for p in inputs for t in _load(p, "INPUTS", parquet=False)]
     try:
         write_parquet(trajs, out)

@@ -188,12 +188,15 @@ def save_hf(model_or_sd: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelCo
     """Write ``model.safetensors`` + ``config.json`` under ``out_dir``; returns the dir."""
     from safetensors.torch import save_file
 
+    from codedojo.paths import chmod_as_made
+
     sd = model_or_sd.state_dict() if isinstance(model_or_sd, torch.nn.Module) else model_or_sd
     out = Path(out_dir)
     config = hf_config(cfg, **config_extra)  # first: a model HF has no config for writes nothing
     out.mkdir(parents=True, exist_ok=True)
     tensors = state_dict_to_hf({k: v.detach().cpu() for k, v in sd.items()}, cfg)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    chmod_as_made(out / "model.safetensors")  # (safetensors makes it 0o600)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 

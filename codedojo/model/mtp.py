@@ -345,10 +345,13 @@ def save_mtp(mtp: MTP, out_dir: str | Path) -> Path:
     """`mtp.safetensors` + `mtp.json` beside the model weights of a checkpoint."""
     from safetensors.torch import save_file
 
+    from codedojo.paths import chmod_as_made
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().cpu().contiguous() for k, v in mtp.state_dict().items()}
     save_file(sd, str(out / "mtp.safetensors"), metadata={"format": "pt"})
+    chmod_as_made(out / "mtp.safetensors")  # (safetensors makes it 0o600)
     vocab = 0 if mtp.draft_vocab is None else len(mtp.draft_vocab)
     (out / "mtp.json").write_text(json.dumps({"depth": mtp.depth, "draft_vocab": vocab,
                                               "taps": list(mtp.taps), "blocks": mtp.n_blocks}))

@@ -117,6 +117,29 @@ def test_run_names_endpoints_and_unbuilt_suites_are_refused_up_front(tmp_path, m
     assert f"`dojo bench build {recipe} -o {built / 'micro'}`" in str(e.value)
 
 
+def test_an_out_dir_that_is_a_file_is_named(tiny_suite, monkeypatch, tmp_path):
+    """`--out-dir` naming a file, or a folder under one: one line naming it, exit status 2,
+    before anything runs."""
+    import codedojo.bench.demo as demo
+
+    def no_sandboxes():
+        raise AssertionError("a sandbox provider was started")
+
+    monkeypatch.setattr(demo, "micro_suite", lambda log: tiny_suite)
+    monkeypatch.setattr("codedojo.bench.workspace.default_provider", no_sandboxes)
+    runner = CliRunner()
+    afile = tmp_path / "afile"
+    afile.write_text("kept")
+    for out, why in ((afile, f"{afile} is not a directory"),
+                     (afile / "runs", f"{afile / 'runs'}: Not a directory")):
+        for cmd in (["bench", "run", str(tiny_suite.path), "--agent", "null", "--limit", "1"],
+                    ["demo"]):
+            res = runner.invoke(app, [*cmd, "--out-dir", str(out)], env={"COLUMNS": "300"})
+            assert res.exit_code == 2 and isinstance(res.exception, SystemExit), (cmd, res.output)
+            assert "--out-dir" in res.output and why in said(res), (cmd, res.output)
+    assert afile.read_text() == "kept"
+
+
 def test_a_run_with_no_episode_that_ran_fails(tiny_suite, provider, monkeypatch, tmp_path):
     monkeypatch.setenv("CODEDOJO_SANDBOX_ROOT", provider.root)
     import socket

@@ -162,6 +162,51 @@ def test_a_stopped_run_resumes_only_as_it_was(monkeypatch, tmp_path):
     assert sorted(r.instance_id for r in run.results) == ["t-0", "t-1", "t-2"]
 
 
+def test_a_run_that_replaces_begins_again_over_a_stopped_run_of_another_kind(monkeypatch,
+                                                                             tmp_path):
+    """With ``replace`` (`dojo demo` run again with other options), a stopped run it cannot go
+    on with is not refused: its results are dropped and every episode runs again."""
+    import json
+    from types import SimpleNamespace
+
+    from codedojo.bench.runner import TaskResult, run_agent
+
+    tasks = [SimpleNamespace(instance_id=f"t-{i}", category="bugfix",
+                             content_hash=lambda: "a") for i in range(2)]
+
+    class Images:
+        def warm(self, task):
+            pass
+
+    ran: list[tuple[int, str]] = []
+
+    def one(images, agent, task, sample, out_dir):
+        max_turns = agent.settings["loop"]["max_turns"]
+        if (max_turns, task.instance_id) == (1, "t-1"):  # stopped there
+            raise KeyboardInterrupt
+        ran.append((max_turns, task.instance_id))
+        return TaskResult(task.instance_id, task.category, sample, "resolved",
+                          turns=max_turns)
+
+    def agent(max_turns):
+        a = _Agent()
+        a.settings = {"loop": {"max_turns": max_turns}}
+        return a
+
+    monkeypatch.setattr(runner, "run_one", one)
+    with pytest.raises(KeyboardInterrupt):
+        run_agent(Images(), agent(1), tasks, name="r", out_dir=tmp_path,  # type: ignore[arg-type]
+                  replace=True)
+    assert ran == [(1, "t-0")]
+    run = run_agent(Images(), agent(2), tasks, name="r", out_dir=tmp_path,  # type: ignore[arg-type]
+                    replace=True)
+    assert ran == [(1, "t-0"), (2, "t-0"), (2, "t-1")]
+    assert sorted((r.instance_id, r.turns) for r in run.results) == [("t-0", 2), ("t-1", 2)]
+    assert [r["turns"] for r in json.loads((tmp_path / "r" / "results.json").read_text())[
+        "results"]] == [2, 2]
+    assert not (tmp_path / "r" / "results.partial.jsonl").exists()
+
+
 def test_an_agents_file_is_not_taken_for_bytecode_by_a_piece_of_its_name():
     from types import SimpleNamespace
 

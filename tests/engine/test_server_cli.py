@@ -115,3 +115,38 @@ def test_dojo_serve_names_a_model_without_weights_and_a_port_taken(tmp_path):
                            env={**os.environ, "COLUMNS": "300"})
     assert r.returncode == 2, r.stderr
     assert f"could not listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_dojo_serve_names_a_checkpoint_whose_weights_or_mtp_modules_do_not_load(tmp_path):
+    """Weights or MTP modules cut short, an mtp.json not as written: one line naming the
+    directory and the file, exit status 2, no traceback."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from codedojo.cli import app
+
+    tok = tiny_tokenizer()
+    cfg = ModelConfig.tiny(vocab_size=tok.vocab_size, max_seq_len=128)
+    good = tmp_path / "good"
+    save_hf(Transformer(cfg), cfg, good)
+    tok.save(good)
+    save_mtp(MTP(cfg, 2), good)
+
+    def cut(name):
+        return lambda d: (d / name).write_bytes((d / name).read_bytes()[:100])
+
+    for i, (spoil, said) in enumerate([
+        (cut("model.safetensors"), ".safetensors weights do not load"),
+        (cut("mtp.safetensors"), "MTP modules (mtp.json, mtp.safetensors) do not load"),
+        (lambda d: (d / "mtp.json").write_text(json.dumps({"depth": "x"})),
+         "MTP modules (mtp.json, mtp.safetensors) do not load: ValueError"),
+    ]):
+        bad = tmp_path / f"bad{i}"
+        shutil.copytree(good, bad)
+        spoil(bad)
+        r = CliRunner().invoke(app, ["serve", "--model", str(bad), "--port", "0"],
+                               env={"COLUMNS": "300"})
+        assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (i, r.output)
+        assert "--model" in r.output and f"{bad}: " in r.output and said in r.output, r.output

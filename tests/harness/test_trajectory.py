@@ -322,6 +322,25 @@ def test_traj_cli_names_a_file_it_cannot_read_or_write(tmp_path):
     assert not (tmp_path / "all.parquet").exists()
 
 
+def test_export_refuses_to_write_over_one_of_its_inputs(tmp_path):
+    """`dojo traj export` with --out one of the inputs (by its own name or through a link): one
+    line naming it, exit status 2, the step log as it was."""
+    from typer.testing import CliRunner
+
+    from codedojo.cli import app
+
+    good = _stepped(tmp_path / "t.jsonl")
+    other = _stepped(tmp_path / "u.jsonl")
+    before = good.read_bytes()
+    (tmp_path / "link.jsonl").symlink_to(good)
+    for out in (good, tmp_path / "link.jsonl"):
+        r = CliRunner().invoke(app, ["traj", "export", str(other), str(good), "-o", str(out)],
+                               env={"COLUMNS": "300"})
+        assert r.exit_code == 2 and isinstance(r.exception, SystemExit), r.output
+        assert "--out" in r.output and f"is the input {good}" in r.output, r.output
+        assert good.read_bytes() == before
+
+
 def test_a_line_cut_inside_a_character_is_a_partial_last_line(tmp_path):
     p = _stepped(tmp_path / "t.jsonl")
     line = ('{"type": "end", "status": "finished", "final_message": "Voilà"}').encode()
