@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Annotated
 
@@ -19,11 +20,15 @@ def serve(
                      "runs/egress)."),
     ] = None,
     explicit_port: Annotated[
-        int, typer.Option(min=0, max=65535, help="HTTP_PROXY listener; 0 = any.")
-    ] = 0,
+        int | None,
+        typer.Option(min=0, max=65535,
+                     help="HTTP_PROXY listener; 0 = any (default: the config's, else any)."),
+    ] = None,
     transparent_port: Annotated[
-        int, typer.Option(min=0, max=65535, help="Transparent listener; 0 = any.")
-    ] = 0,
+        int | None,
+        typer.Option(min=0, max=65535,
+                     help="Transparent listener; 0 = any (default: the config's, else any)."),
+    ] = None,
     control_socket: Annotated[
         Path | None,
         typer.Option(
@@ -62,18 +67,34 @@ def serve(
         data, where = (egress["proxy"], "egress.proxy.") if "proxy" in egress else (raw, "")
     if state_dir is not None or "state_dir" not in data:
         data = {**data, "state_dir": state_dir or Path("runs/egress")}
-    if explicit_port:
+    if explicit_port is not None:
         data["explicit_port"] = explicit_port
-    if transparent_port:
+    if transparent_port is not None:
         data["transparent_port"] = transparent_port
     try:
         cfg = EgressProxyConfig.model_validate(data)
     except ValidationError as e:  # (the options' values are in range: the config's are wrong)
         raise typer.BadParameter(f"{config}: {field_errors(e.errors(), where)}",
                                  param_hint="--config") from None
+    # A port taken is named here: the proxy itself only finds that its listeners do not come up.
+    for field, option, kind in (("explicit_port", explicit_port, socket.SOCK_STREAM),
+                                ("transparent_port", transparent_port, socket.SOCK_STREAM),
+                                ("dns_port", None, socket.SOCK_DGRAM)):  # fmt: skip
+        port = getattr(cfg, field)
+        why = _port_taken(cfg.listen_host, port, kind) if port else None
+        if why and option is not None:
+            raise typer.BadParameter(f"port {port} is taken on {cfg.listen_host} ({why})",
+                                     param_hint=f"--{field.replace('_', '-')}")  # fmt: skip
+        if why:
+            raise typer.BadParameter(f"{config}: {where}{field}: port {port} is taken on "
+                                     f"{cfg.listen_host} ({why})", param_hint="--config")
     proxy = EgressProxy(cfg).start()
     sock = control_socket or cfg.state_dir / "control.sock"
-    control = ControlServer(proxy, sock).start()
+    try:
+        control = ControlServer(proxy, sock).start()
+    except OSError as e:  # a file that is not a socket, another proxy's socket
+        proxy.stop()
+        raise typer.BadParameter(str(e), param_hint="--control-socket") from None
     assert proxy.ports is not None
     console.print(
         f"[bold]egress proxy[/bold] explicit :{proxy.ports.explicit}  "
@@ -90,6 +111,18 @@ def serve(
         control.stop()
         proxy.stop()
         console.print("egress proxy stopped")
+
+
+def _port_taken(host: str, port: int, kind: int) -> str | None:
+    """Why ``port`` cannot be bound on ``host`` (TCP or UDP, as ``kind``), or None if it can."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, kind) as s:
+        if kind == socket.SOCK_STREAM:  # (as a listener binds: a port in TIME_WAIT is free)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 @egress_app.command("check-policy")

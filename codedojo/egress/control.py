@@ -19,6 +19,7 @@ import json
 import os
 import socket
 import socketserver
+import stat
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,6 +39,7 @@ class ControlServer:
         self.proxy, self.path = proxy, path
         self._server: socketserver.UnixStreamServer | None = None
         self._thread: threading.Thread | None = None
+        self._inode: tuple[int, int] | None = None  # the socket file it made (device, inode)
 
     def start(self) -> ControlServer:
         proxy = self.proxy
@@ -52,12 +54,14 @@ class ControlServer:
                     self.wfile.write(json.dumps(reply).encode() + b"\n")
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.unlink(missing_ok=True)
+        _remove_leftover(self.path)
         old = os.umask(0o177)
         try:
             self._server = socketserver.ThreadingUnixStreamServer(str(self.path), Handler)
         finally:
             os.umask(old)
+        st = os.stat(self.path)
+        self._inode = (st.st_dev, st.st_ino)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
@@ -68,7 +72,38 @@ class ControlServer:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-        self.path.unlink(missing_ok=True)
+        # Its own socket only: one a later proxy made there (after this one's was removed)
+        # is that proxy's.
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self._inode:
+            self.path.unlink(missing_ok=True)
+
+
+def _remove_leftover(path: Path) -> None:
+    """Make way for a control socket at ``path``: nothing there, or a socket no process
+    listens on (left by a proxy that died), which is removed. Anything else is refused with a
+    FileExistsError: a file that is not a socket, or the socket of a proxy that serves."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise FileExistsError(f"{path} exists and is not a socket (not replaced)")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5.0)
+        try:
+            s.connect(str(path))
+        except ConnectionRefusedError:  # no one listens: a leftover
+            path.unlink(missing_ok=True)
+            return
+        except FileNotFoundError:  # (removed meanwhile)
+            return
+        except TimeoutError:  # a listener too busy to accept is still a listener
+            pass
+    raise FileExistsError(f"another egress proxy serves on {path}")
 
 
 _M = TypeVar("_M", bound=BaseModel)

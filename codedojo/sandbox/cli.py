@@ -21,6 +21,7 @@ sandbox_app = typer.Typer(help="Sandboxes: serve, create, exec, snapshot, fork, 
                                "gc, image.",
                           no_args_is_help=True)
 
+SHUTDOWN_GRACE_S = 5  # how long `serve`, once stopped, waits for requests under way
 URL = typer.Option(None, "--url", help="Service URL (default $CODEDOJO_SANDBOX_URL or http://127.0.0.1:8181).")
 ROOT = typer.Option(None, "--root", help="Store directory (default $CODEDOJO_SANDBOX_ROOT or /var/lib/codedojo/sandbox).")
 
@@ -69,7 +70,18 @@ def serve(root: str = ROOT, host: str = typer.Option("127.0.0.1"),
     token = f"${TOKEN_ENV}" if os.environ.get(TOKEN_ENV) else token_path(app.state.provider.root)
     url = f"http://{f'[{host}]' if v6 else host}:{sock.getsockname()[1]}"
     typer.echo(f"Sandbox service at {url} (token: {token})")
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().shutdown(sockets)
+            # The app's lifespan does this too, but a second Ctrl-C skips it; and until its
+            # sandbox is gone, the thread running a command keeps the process alive.
+            app.state.provider.close()
+
+    # SIGTERM or Ctrl-C: requests under way get SHUTDOWN_GRACE_S to finish, then the sandboxes
+    # are destroyed, ending the commands still running in them.
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    Server(config).run(sockets=[sock])
 
 
 @sandbox_app.command()
@@ -168,8 +180,14 @@ def rm(sandbox_ids: list[str], url: str = URL) -> None:
 @sandbox_app.command()
 def gc(root: str = ROOT, all_owners: bool = typer.Option(False, help="Also sandboxes of other live processes.")) -> None:
     """Clean up after a crash: processes, mounts, cgroups and directories of dead owners."""
-    from codedojo.sandbox.local import LocalProvider
+    from codedojo.sandbox.local import DEFAULT_ROOT, LocalProvider
 
+    # A store is made where none is: a mistyped root would get one (and a tmpfs), not a gc.
+    store = root or os.environ.get("CODEDOJO_SANDBOX_ROOT") or DEFAULT_ROOT
+    for d in ("sandboxes", "layers", "images"):
+        if not os.path.isdir(os.path.join(store, d)):
+            _fail(f"{store} is not a sandbox store (no {os.path.join(store, d)}; a store holds "
+                  "sandboxes/, layers/ and images/)")
     cleaned = LocalProvider(root=root).gc(all_owners=all_owners)
     typer.echo(json.dumps({"cleaned": cleaned}))
 

@@ -1,14 +1,16 @@
-"""The control socket's requests are checked field by field, and a sandbox's network namespace
-must be its own (no root needed: nothing here creates a link)."""
+"""The control socket's requests are checked field by field, its path replaces nothing but a
+dead socket, and a sandbox's network namespace must be its own (no root needed: nothing here
+creates a link)."""
 
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
 from codedojo.egress import network
-from codedojo.egress.control import _handle
+from codedojo.egress.control import ControlServer, _handle
 from codedojo.egress.network import NetworkError, Ports, SandboxNetwork
 from codedojo.sandbox.base import EgressBinding
 
@@ -74,3 +76,52 @@ def test_the_proxys_own_network_namespace_is_refused(monkeypatch):
     with pytest.raises(NetworkError, match="the proxy's own network namespace"):
         net.add("sb-1", os.getpid(), "transparent")
     assert net.links == {} and net._slots == {}
+
+
+def _answers(path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except ConnectionRefusedError:
+            return False
+    return True
+
+
+def test_the_control_socket_replaces_nothing_but_a_dead_socket(tmp_path):
+    """A file that is not a socket is kept and named; a socket another proxy serves on is
+    left to it; one no process listens on (its proxy died) is replaced."""
+    path = tmp_path / "control.sock"
+    path.write_text("results\n")
+    with pytest.raises(FileExistsError, match=f"^{path} exists and is not a socket"):
+        ControlServer(Recorder(), path).start()
+    assert path.read_text() == "results\n"
+    path.unlink()
+    first = ControlServer(Recorder(), path).start()
+    try:
+        with pytest.raises(FileExistsError, match=f"^another egress proxy serves on {path}$"):
+            ControlServer(Recorder(), path).start()
+        assert _answers(path)  # still the first one's
+    finally:
+        first.stop()
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(path))  # bound, never listened on, closed: what a killed proxy leaves
+    dead.close()
+    assert not _answers(path)
+    second = ControlServer(Recorder(), path).start()
+    try:
+        assert _answers(path)
+    finally:
+        second.stop()
+    assert not path.exists()
+
+
+def test_a_stopped_control_server_leaves_a_later_ones_socket(tmp_path):
+    path = tmp_path / "control.sock"
+    first = ControlServer(Recorder(), path).start()
+    path.unlink()  # (its file gone, say by hand) and another proxy serves there since
+    second = ControlServer(Recorder(), path).start()
+    try:
+        first.stop()
+        assert path.exists() and _answers(path)
+    finally:
+        second.stop()

@@ -411,6 +411,79 @@ def test_cli_serve_says_where_it_listens_and_where_its_token_is(provider, monkey
         proc.wait(30)  # (uvicorn, once shut down, ends by the signal it was sent)
 
 
+def _listens(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize("signals", [("SIGTERM",), ("SIGINT", "SIGINT")])
+def test_cli_serve_stopped_ends_the_commands_it_runs(provider, project, monkeypatch, signals):
+    """SIGTERM (or Ctrl-C, or a second one at once) stops `serve` while a command allowed 10
+    minutes runs: once requests under way have had a few seconds, its sandboxes are
+    destroyed, and the command with them, instead of the service waiting for it to end."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("CODEDOJO_SANDBOX_TOKEN", raising=False)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from codedojo.sandbox.cli import sandbox_app; sandbox_app()",
+         "serve", "--root", provider.root, "--port", "0"], stdout=subprocess.PIPE, text=True)
+    killer = threading.Timer(120, proc.kill)  # a service that never stops fails, not hangs
+    killer.start()
+    sid, ended = None, []
+    try:
+        url = proc.stdout.readline().split()[3]
+        c = SandboxClient(url, token=open(os.path.join(provider.root, "service.token")).read()
+                          .strip())  # fmt: skip
+        sid = c.create(SandboxSpec(image=project, limits=SMALL)).id
+
+        def run() -> None:
+            try:
+                ended.append(c.get(sid).exec("touch /workspace/started; sleep 600", timeout=600))
+            except SandboxError as e:  # (its request cancelled once the few seconds are over)
+                ended.append(e)
+
+        command = threading.Thread(target=run)
+        command.start()
+        while c.get(sid).exec("test -e /workspace/started").exit_code != 0:
+            time.sleep(0.05)
+        port = int(url.rsplit(":", 1)[1])
+        proc.send_signal(getattr(signal, signals[0]))
+        if len(signals) > 1:  # the second once the first is taken (the service stops listening)
+            while _listens(port):
+                time.sleep(0.05)
+            proc.send_signal(getattr(signal, signals[1]))
+        proc.wait()
+        assert killer.is_alive(), "the service ran on with the command"
+        command.join(30)
+        assert ended and not command.is_alive()
+        assert not os.path.exists(os.path.join(provider.sandboxes_dir, sid))
+    finally:
+        killer.cancel()
+        proc.kill()
+        proc.wait()
+        if sid is not None:
+            provider.gc()
+
+
+def test_cli_gc_refuses_a_root_that_is_not_a_store(tmp_path):
+    """A mistyped --root is named; no store, and no tmpfs, is made there."""
+    from typer.testing import CliRunner
+
+    from codedojo.sandbox.cli import sandbox_app
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for root in (tmp_path / "typo", empty):
+        r = CliRunner().invoke(sandbox_app, ["gc", "--root", str(root)])
+        assert r.exit_code == 2, r.output
+        assert (f"error: {root} is not a sandbox store (no {root}/sandboxes; a store holds "
+                "sandboxes/, layers/ and images/)") in r.output
+    assert not (tmp_path / "typo").exists() and list(empty.iterdir()) == []
+
+
 def test_cli_exec_help_says_how_to_pass_a_commands_options():
     from typer.testing import CliRunner
 
