@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from codedojo.data.dedup import DedupConfig, DedupStats, dedup
 from codedojo.data.filters import FilterConfig, apply_filters
 from codedojo.data.readers import Document, SourceConfig, read_source
-from codedojo.data.shards import TextEncoder, tokenize_to_shards
+from codedojo.data.shards import TextEncoder, TokenShards, tokenize_to_shards
 
 
 class CorpusConfig(BaseModel):
@@ -46,6 +46,8 @@ class CorpusStats:
     dedup: DedupStats = field(default_factory=DedupStats)
     train_docs: int = 0
     eval_docs: int = 0
+    # documents written without bytes the tokenizer has no token for (`tokenize_to_shards`)
+    dropped_bytes_docs: int = 0
 
 
 def clean_documents(cfg: CorpusConfig, stats: CorpusStats | None = None) -> list[Document]:
@@ -123,4 +125,6 @@ def build_corpus(cfg: CorpusConfig, tokenizer: TextEncoder, out_dir: str | Path,
     tr = tokenize_to_shards(train, tokenizer, out / "train", vocab_size, eos_id,
                             max_tokens=cfg.max_train_tokens)
     ev = tokenize_to_shards(held, tokenizer, out / "eval", vocab_size, eos_id)
+    stats.dropped_bytes_docs = sum(TokenShards(p).index.get("docs_with_dropped_bytes", 0)
+                                   for p in (tr, ev))
     return tr, ev, stats, train

@@ -2,14 +2,17 @@
 
 Layout of a shard directory::
 
-    index.json            {"dtype": "uint16", "eos_id": 0, "shards": [{"file", "docs", "tokens"}]}
+    index.json            {"dtype": "uint16", "eos_id": 0, "shards": [{"file", "docs", "tokens"}],
+                           "docs_with_dropped_bytes": 0}
     shard_00000.bin       raw token ids, documents back to back (numpy memmap)
     shard_00000.idx.npy   int64 offsets, docs + 1 entries: document i is bin[off[i]:off[i+1]]
     shard_00000.mask.npy  optional uint8 per-token loss mask (SFT), same length as the .bin
 
 Document boundaries are kept exactly, so packing can restart positions and block attention at
 them. The tokenizer is anything with `encode(text) -> list[int]`; the data package does not care
-which one.
+which one. One that also has `dropped_bytes(text)` (the bytes of the text no token stands for,
+which `encode` drops: `codedojo.model.tokenizer`) has the documents that lost some counted in
+index.json (`docs_with_dropped_bytes`), since their ids no longer spell their text.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class ShardWriter:
         self._mask: list[np.ndarray] = []
         self._has_mask = False
         self._n = 0
+        # more figures for index.json (`tokenize_to_shards`'s count of documents that lost bytes)
+        self.notes: dict[str, int] = {}
 
     def add(self, ids: np.ndarray | list[int], mask: np.ndarray | list[int] | None = None) -> None:
         arr = np.asarray(ids, dtype=np.int64)
@@ -93,7 +98,7 @@ class ShardWriter:
     def close(self) -> Path:
         self._flush()
         index = {"dtype": self.dtype.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
-                 "shards": self.shards}
+                 "shards": self.shards, **self.notes}
         write_atomic(self.dir / "index.json", json.dumps(index, indent=1))
         return self.dir
 
@@ -109,11 +114,18 @@ def tokenize_to_shards(docs: Iterable[Document], tokenizer: TextEncoder, out_dir
                        max_tokens: int | None = None) -> Path:
     """Encode each document, append EOS (so the model learns where files end), write shards.
     A document's text is all text: one that spells a control token (`<|im_end|>` in a file
-    about chat templates) does not put that token, the end of a turn, inside the document."""
+    about chat templates) does not put that token, the end of a turn, inside the document.
+    Documents that lose bytes the tokenizer has no token for are written as encoded, and
+    counted in index.json's ``docs_with_dropped_bytes`` (when the tokenizer can say which)."""
     w = ShardWriter(out_dir, vocab_size, eos_id, shard_tokens)
+    dropped = getattr(tokenizer, "dropped_bytes", None)
+    if dropped is not None:
+        w.notes["docs_with_dropped_bytes"] = 0
     total = 0
     for d in docs:
         ids = document_ids(tokenizer, d.text, eos_id)
+        if dropped is not None and dropped(d.text):
+            w.notes["docs_with_dropped_bytes"] += 1
         w.add(ids)
         total += len(ids)
         if max_tokens is not None and total >= max_tokens:

@@ -248,8 +248,17 @@ class OpenAIPolicy:
             # The API parsed the calls: the text is rebuilt from all of them, in order (a
             # well-formed call in the policy's text format, a malformed one as it came).
             render = get_format(self.text_format).render
-            raw_text = "\n".join([content, *(render([c]) if isinstance(c, ToolCall) else c.raw
-                                              for c in parsed)]).strip()
+
+            def text_of(c: ToolCall | ToolCallError) -> str:
+                if isinstance(c, ToolCallError):
+                    return c.raw
+                try:
+                    return render([c])
+                except ValueError:  # (a value the text format cannot carry: as the API said it)
+                    return json.dumps({"name": c.name, "arguments": c.arguments},
+                                      ensure_ascii=False)
+
+            raw_text = "\n".join([content, *map(text_of, parsed)]).strip()
         if not parsed and content and tools:
             # The server leaves a turn with a malformed call as text; our parser finds it.
             out: ParsedOutput = parse_tool_calls(content, self.text_format, tools)

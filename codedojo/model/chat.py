@@ -235,7 +235,10 @@ class ChatTemplate:
             elif role == "tool":
                 msg = {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
             elif calls:
-                rendered = self.tool_format.render(calls)
+                try:
+                    rendered = self.tool_format.render(calls)
+                except ValueError as e:  # (a value the format cannot carry)
+                    raise ChatFormatError(f"{where}.tool_calls: {e}", f"{where}.tool_calls") from None
                 msg = {"role": role, "content": f"{text}\n{rendered}" if text else rendered}
             else:
                 msg = {"role": role, "content": text}

@@ -53,6 +53,8 @@ class KVCache:
             raise ValueError(f"n_slots must be >= 1, got {n_slots}")
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
+        if initial_len < 1:  # (storage grows by doubling, which an empty start never does)
+            raise ValueError(f"initial_len must be >= 1, got {initial_len}")
         self.n_layers, self.n_slots, self.max_len = cfg.n_layers, n_slots, max_len
         self._shape = (cfg.n_layers, n_slots, cfg.n_kv_heads, 0, cfg.hd)
         self.dtype, self.device = dtype, torch.device(device)
@@ -85,6 +87,13 @@ class KVCache:
                 cap *= 2
             self._alloc(min(cap, self.max_len))
 
+    def _slot(self, slot: int) -> int:
+        """``slot``, refused unless it is one of the cache's slots (a negative index would
+        name a slot from the end)."""
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot {slot} outside [0, {self.n_slots})")
+        return slot
+
     def view(self, start: int, stop: int | None = None) -> CacheView:
         """The slots [start, stop) for one forward pass."""
         stop = start + 1 if stop is None else stop
@@ -94,27 +103,37 @@ class KVCache:
 
     def truncate(self, slot: int, length: int) -> None:
         """Forget everything after the first ``length`` tokens of ``slot``."""
+        self._slot(slot)
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"length {length} outside [0, {self.lengths[slot]}] for slot {slot}")
         self.lengths[slot] = length
 
     def reset(self, slot: int) -> None:
-        self.lengths[slot] = 0
+        self.lengths[self._slot(slot)] = 0
 
     def export(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the keys and values of the first ``n`` tokens ``slot`` holds, (layers,
         kv_heads, n, head_dim) each."""
+        self._slot(slot)
         if not 0 <= n <= self.lengths[slot]:
             raise ValueError(f"n {n} outside [0, {self.lengths[slot]}] for slot {slot}")
         return self.k[:, slot, :, :n].clone(), self.v[:, slot, :, :n].clone()
 
     def copy(self, src: int, dst: int, n: int) -> None:
         """Make slot ``dst`` hold the first ``n`` tokens of slot ``src`` and nothing after."""
+        self._slot(src)
+        if not 0 <= n <= self.lengths[src]:  # (past its length a slot holds stale rows)
+            raise ValueError(f"n {n} outside [0, {self.lengths[src]}] for slot {src}")
         self.load(dst, self.k[:, src, :, :n], self.v[:, src, :, :n])
 
     def load(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Make ``slot`` hold the given keys and values (as ``export`` gives them) and nothing
         after them."""
+        self._slot(slot)
+        L, _, K, _, D = self._shape
+        if k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != (L, K, D) or v.shape != k.shape:
+            raise ValueError(f"load: keys {tuple(k.shape)} and values {tuple(v.shape)} must both "
+                             f"be (layers {L}, kv_heads {K}, n, head_dim {D})")
         n = k.shape[2]
         self.reserve(n)
         self.k[:, slot, :, :n] = k
@@ -125,7 +144,7 @@ class KVCache:
         """Make ``slot`` hold its first ``start`` tokens followed by the tokens stored at
         ``positions`` (increasing, each at ``start`` or after), and nothing after them: the
         branch of a tree pass that was accepted, moved down over the rest."""
-        n = self.lengths[slot]
+        n = self.lengths[self._slot(slot)]
         if not 0 <= start <= n or any(not start <= p < n for p in positions) or any(
                 a >= b for a, b in zip(positions, positions[1:], strict=False)):
             raise ValueError(f"keep: positions {list(positions)} must increase within "
@@ -138,7 +157,8 @@ class KVCache:
 
     def move(self, src: int, dst: int) -> None:
         """Copy slot ``src`` into ``dst`` (used to keep live slots contiguous)."""
-        if src == dst:
+        self._slot(dst)
+        if self._slot(src) == dst:
             return
         self.copy(src, dst, self.lengths[src])
         self.lengths[src] = 0

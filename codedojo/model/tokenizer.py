@@ -9,8 +9,15 @@ Contract:
 - `encode(text)` never adds BOS/EOS (SmolLM2 sets `add_bos_token = False`; the chat template
   writes every special token itself). Special-token text in the input (`<|im_start|>`) becomes
   the special id, as HF does.
-- `decode(ids)` is the exact inverse on byte-level text; `IncrementalDecoder` turns a stream of
-  ids into text deltas without ever emitting half a UTF-8 character.
+- `decode(encode(text)) == text`, except for the bytes the vocabulary has no token for
+  (`missing_bytes`), which `encode` drops, as HF's tokenizer does (the BPE has no unknown
+  token), so that the ids stay the model's. SmolLM2 has none for six ASCII control characters
+  (0x04, 0x06, 0x13, 0x14, 0x16, 0x1d) and for the UTF-8 lead bytes 0xf1 and 0xf2, which start
+  every character from U+40000 to U+BFFFF (planes with no assigned characters); the others it
+  lacks (0xc0, 0xc1, 0xf5-0xff) are in no UTF-8 text. `dropped_bytes(text)` counts what a text
+  loses, without encoding it.
+- `IncrementalDecoder` turns a stream of ids into text deltas without ever emitting half a
+  UTF-8 character.
 
 Only the GGUF header is read (a few hundred KB), never the tensors, so building the tokenizer
 takes well under a second even for a large model file.
@@ -24,7 +31,7 @@ import mmap
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -372,6 +379,21 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def missing_bytes(self) -> bytes:
+        """The bytes no token stands for, in increasing order: `encode` drops them from the
+        text (a merged token never holds one, since merges start from single-byte tokens)."""
+        table = byte_alphabet()
+        return bytes(b for b in range(256) if self.backend.token_to_id(table[b]) is None)
+
+    def dropped_bytes(self, text: str) -> int:
+        """How many bytes of ``text`` (UTF-8) `encode` drops, those in `missing_bytes`: one
+        pass over the bytes, no encode or decode."""
+        if not self.missing_bytes:
+            return 0
+        data = text.encode("utf-8", "surrogatepass")
+        return len(data) - len(data.translate(None, self.missing_bytes))
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

@@ -111,7 +111,9 @@ class ToolCallFormat(Protocol):
     def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None,
               id_factory: Callable[[], str] = new_call_id) -> ParsedOutput: ...
 
-    def render(self, calls: Sequence[ToolCall]) -> str: ...
+    def render(self, calls: Sequence[ToolCall]) -> str:
+        """The calls as the model writes them; ValueError for a call the format cannot carry."""
+        ...
 
     def call_prefix(self, name: str | None) -> str:
         """Text that commits the model to a call (of `name`, or of a tool it names itself):
@@ -348,6 +350,9 @@ class XmlToolCallFormat:
     Values are text; with the tool's schema they are converted to its declared type (integer,
     number, boolean, object, array, null), otherwise they stay strings. One newline on each
     side of a value is layout and is dropped.
+
+    The format has no escape: a value ends at the first `</parameter>`, and a block ends where
+    the next `<tool_call>` opens, so no value can hold either (`render` refuses one that does).
     """
 
     name = "qwen3_coder"
@@ -369,16 +374,24 @@ class XmlToolCallFormat:
                      id_factory: Callable[[], str],
                      find: _Find) -> tuple[ToolCall | ToolCallError, int]:
         n = len(text)
+        # The block ends where the next one opens: a block missing a closing tag does not take
+        # the next call with it (nor does a value run on into it).
+        nxt = find(self.open_tag, start + len(self.open_tag))
+        limit = n if nxt < 0 else nxt
+
+        def find_in(sub: str, pos: int) -> int:
+            hit = find(sub, pos)
+            return hit if hit < limit else -1
 
         def fail(msg: str, name: str | None = None) -> tuple[ToolCallError, int]:
-            close = find(self.close_tag, start)
-            stop = n if close < 0 else close + len(self.close_tag)
+            close = find_in(self.close_tag, start)
+            stop = limit if close < 0 else close + len(self.close_tag)
             return ToolCallError(id_factory(), msg, _quote(text[start:stop]), name), stop
 
         i = _WS.match(text, start + len(self.open_tag)).end()
         if not text.startswith("<function=", i):
             return fail("expected <function=NAME> after <tool_call>")
-        gt = find(">", i)
+        gt = find_in(">", i)
         nl = find("\n", i)
         if gt < 0 or (0 <= nl < gt):
             return fail("unclosed <function=NAME> tag")
@@ -391,12 +404,12 @@ class XmlToolCallFormat:
         while True:
             i = _WS.match(text, i).end()
             if text.startswith("<parameter=", i):
-                pgt = find(">", i)
+                pgt = find_in(">", i)
                 if pgt < 0:
                     return fail(f"unclosed <parameter=...> tag in call to {name}", name)
                 key = text[i + len("<parameter=") : pgt].strip()
                 vstart = pgt + 1
-                vend = find("</parameter>", vstart)
+                vend = find_in("</parameter>", vstart)
                 if vend < 0:
                     return fail(f"parameter {key!r} of {name} has no </parameter>", name)
                 raw_value = text[vstart:vend]
@@ -417,7 +430,7 @@ class XmlToolCallFormat:
                 if i == n:  # EOS right after </function>: the tag was implied
                     return ToolCall(id_factory(), name, args), n
                 return fail(f"expected </tool_call> after </function> in call to {name}", name)
-            if i == n:
+            if i == limit:
                 return fail(f"call to {name} was cut off (no </function>)", name)
             return fail(f"unexpected text in call to {name}: {_quote(text[i:i + 40])!r}", name)
 
@@ -425,24 +438,36 @@ class XmlToolCallFormat:
         return f"{self.open_tag}\n<function=" + (f"{name}>\n" if name else "")
 
     def render(self, calls: Sequence[ToolCall]) -> str:
+        """The calls as the model writes them. ValueError naming the argument for a value the
+        parser would not read back (one holding `</parameter>` or `<tool_call>`)."""
         blocks = []
         for c in calls:
-            params = "".join(
-                f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
-                for k, v in c.arguments.items())
-            blocks.append(f"{self.open_tag}\n<function={c.name}>\n{params}</function>\n{self.close_tag}")
+            params = []
+            for k, v in c.arguments.items():
+                value = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+                for tag in ("</parameter>", self.open_tag):
+                    if tag in value:
+                        raise ValueError(f"argument {k!r} of {c.name} holds {tag}, which the "
+                                         f"{self.name} format cannot carry (it has no escape)")
+                params.append(f"<parameter={k}>\n{value}\n</parameter>\n")
+            blocks.append(f"{self.open_tag}\n<function={c.name}>\n{''.join(params)}</function>\n"
+                          f"{self.close_tag}")
         return "\n".join(blocks)
 
 
 def _param_schemas(tools: Sequence[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
-    """tool name -> {parameter name -> JSON schema type} from OpenAI tool definitions."""
+    """tool name -> {parameter name -> JSON schema type} from OpenAI tool definitions; a
+    definition whose parameters or properties are not objects declares no types."""
     out: dict[str, dict[str, Any]] = {}
     for tool in tools or ():
         fn = tool.get("function", tool) if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             continue
-        props = (fn.get("parameters") or {}).get("properties") or {}
-        out[fn["name"]] = {k: (v or {}).get("type") for k, v in props.items() if isinstance(v, dict)}
+        params = fn.get("parameters")
+        props = params.get("properties") if isinstance(params, dict) else None
+        if not isinstance(props, dict):
+            props = {}
+        out[fn["name"]] = {k: v.get("type") for k, v in props.items() if isinstance(v, dict)}
     return out
 
 

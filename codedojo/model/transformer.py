@@ -345,12 +345,18 @@ class Transformer(FusedModule):
         check_taps(taps, self.cfg.n_layers)
         T = tokens.shape[1]
         # (`fused_pass` checks the tree before it touches the cache)
-        depth = T if parents is None else max(tree_positions(0, parents)) + 1
+        self._check_room(cache, T, parents)
+        return fused_pass(layers, cache, tokens.shape[0], T, tokens=tokens.tolist(),
+                          logits=logits, parents=parents, taps=taps)
+
+    def _check_room(self, cache: CacheView, T: int, parents: Sequence[int] | None) -> None:
+        """Refuse a cached pass whose new tokens would sit at max_seq_len or past it, before
+        the cache counts them: T tokens after the longest past, or a tree (``parents``) as
+        deep as its longest branch (its tokens sit at their places in the tree)."""
+        depth = T if parents is None else max(tree_positions(0, parents), default=-1) + 1
         end = max(cache.cache.lengths[cache.start : cache.stop]) + depth
         if end > self.cfg.max_seq_len:
             raise ValueError(f"positions: {end - 1} >= max_seq_len {self.cfg.max_seq_len}")
-        return fused_pass(layers, cache, tokens.shape[0], T, tokens=tokens.tolist(),
-                          logits=logits, parents=parents, taps=taps)
 
     def _build_fused(self) -> FusedLayers | None:
         per_layer = [layer.decode_weights() for layer in self.layers]
@@ -382,11 +388,9 @@ class Transformer(FusedModule):
             if positions is None and (
                     fused := self._fused_pass(tokens, cache, None, parents, taps)) is not None:
                 return fused[0]
-            past = cache.cache.lengths[cache.start:cache.stop]
-            if positions is None and T and max(past) + T > self.cfg.max_seq_len:  # as the
-                # check below would say, before the cache counts tokens that never come
-                raise ValueError(f"positions: {max(past) + T - 1} >= max_seq_len "
-                                 f"{self.cfg.max_seq_len}")
+            if positions is None and T:  # as the check below would say, before the cache
+                # counts tokens that never come
+                self._check_room(cache, T, parents)
             store_pos, mask = cache.prepare(T, parents)
             if positions is None:
                 positions = store_pos

@@ -671,7 +671,7 @@ def prepare_data(cfg: PretrainConfig, tok: Any, run_dir: Path) -> RunData:
             "read": stats.read, "rejected": dict(stats.rejected),
             "exact_dupes": stats.dedup.exact_dupes, "near_dupes": stats.dedup.near_dupes,
             "train_docs": stats.train_docs, "eval_docs": stats.eval_docs,
-            "tokenizer": made_by}))
+            "dropped_bytes_docs": stats.dropped_bytes_docs, "tokenizer": made_by}))
     e = cfg.eval
     ev_dir = d / f"eval_packed_{e.seq_len}x{e.batches * e.batch_size}"
     if not (ev_dir / "mask.npy").exists():  # depends on the eval settings only

@@ -247,6 +247,22 @@ def test_a_document_that_spells_a_control_token_keeps_it_as_text(tmp_path):
     assert control & set(tok.encode(text))  # (as a chat template's text, they are the tokens)
 
 
+def test_documents_that_lose_bytes_the_tokenizer_has_no_token_for_are_counted(tmp_path, byte_tok):
+    """Their ids are the model's (the bytes are dropped, as HF's tokenizer drops them), and
+    index.json counts them; a tokenizer that cannot say which bytes it lacks counts nothing."""
+    from codedojo.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    docs = [Document(t, str(i)) for i, t in enumerate(
+        ["x = 1\n", "ESC = '\x1b'\nSYN = '\x16'\n", "é 😀\n", "plane5 = '\U00050000'\n"])]
+    tokenize_to_shards(docs, tok, tmp_path / "a", tok.vocab_size, tok.eos_id)
+    sh = TokenShards(tmp_path / "a")
+    assert sh.index["docs_with_dropped_bytes"] == 2
+    assert tok.decode(sh.doc(1).tolist()[:-1]) == "ESC = '\x1b'\nSYN = ''\n"
+    tokenize_to_shards(docs, byte_tok, tmp_path / "b", 257, 0)
+    assert "docs_with_dropped_bytes" not in TokenShards(tmp_path / "b").index
+
+
 def test_a_shard_directory_written_again_is_read_as_its_last_writer_left_it(tmp_path):
     """Written again without masks, a directory's old mask file is not read as the new one's;
     a writer that dies before close() leaves no index, not the old one over its shards."""
@@ -291,3 +307,21 @@ def test_a_mask_must_have_one_entry_per_token_and_max_rows_at_least_one():
 def test_a_weight_must_be_finite():
     with pytest.raises(ValueError, match="finite"):
         MixtureSource(name="a", path="x", weight=float("inf"))
+
+
+def test_the_corpus_counts_the_documents_that_lost_bytes(tmp_path):
+    from codedojo.data.corpus import CorpusConfig, CorpusStats, build_corpus
+    from codedojo.model.tokenizer import load_tokenizer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):
+        body = "".join(f"def f{i}_{k}(x):\n    return x + {k}\n\n" for k in range(8))
+        sep = "SEP = '\x1d'\n" if i % 10 == 0 else ""  # (a group separator: no SmolLM2 token)
+        (src / f"m{i}.py").write_text(sep + body)
+    tok = load_tokenizer()
+    cfg = CorpusConfig.model_validate({"sources": [{"kind": "dir", "path": str(src)}],
+                                       "holdout_frac": 0.2})
+    _, _, stats, _ = build_corpus(cfg, tok, tmp_path / "out", tok.vocab_size, tok.eos_id)
+    assert isinstance(stats, CorpusStats) and stats.train_docs + stats.eval_docs == 40
+    assert stats.dropped_bytes_docs == 4

@@ -507,3 +507,25 @@ def test_an_api_reply_with_a_malformed_call_keeps_every_call_in_its_text():
     assert [c.name for c in again.tool_calls] == ["read_file"]
     assert again.tool_calls[0].arguments == {"target_file": "a.py"}
     assert [e.name for e in out.errors] == ["grep"] and '{\\"pattern\\": \\"x\\"' in text
+
+
+def test_a_call_the_text_format_cannot_carry_is_kept_as_the_api_sent_it():
+    """Beside a malformed call, a well-formed one whose value the policy's text format cannot
+    write (qwen3_coder has no escape for ``</parameter>``) goes into the turn's text as the
+    API's JSON, not an error that ends the episode."""
+    calls = [{"id": "call_a", "type": "function", "function": {
+                 "name": "write_file",
+                 "arguments": '{"target_file": "a.html", "content": "<p></parameter></p>"}'}},
+             {"id": "call_b", "type": "function",
+              "function": {"name": "grep", "arguments": '{"pattern": "x"'}}]
+    reply = {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+             "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None,
+                          "message": {"role": "assistant", "content": "", "tool_calls": calls}}]}
+    policy = OpenAIPolicy("m", "http://127.0.0.1:9/v1", text_format="qwen3_coder")
+    policy.client = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x",
+                                  http_client=httpx.Client(transport=httpx.MockTransport(
+                                      lambda request: httpx.Response(200, json=reply))))
+    out = policy.generate([{"role": "user", "content": "hi"}], [], 100)
+    text = out.message()["content"]
+    assert '"name": "write_file"' in text and "<p></parameter></p>" in text
+    assert text.index("write_file") < text.index("grep")

@@ -192,3 +192,14 @@ def test_bad_messages_name_the_field(smollm2, messages, param):
     with pytest.raises(ChatFormatError) as e:
         smollm2.render(messages)
     assert e.value.param == param and param in str(e.value)
+
+
+def test_a_call_the_tool_format_cannot_write_names_its_message():
+    """qwen3_coder's text has no escape for ``</parameter>``: a history call whose value holds
+    it is a field error of its message (a 400 from `dojo serve`), not a crash."""
+    xml = ChatTemplate(load_tokenizer(), tool_format="qwen3_coder")
+    call = {"function": {"name": "write_file", "arguments": '{"content": "a</parameter>b"}'}}
+    with pytest.raises(ChatFormatError, match="</parameter>") as e:
+        xml.render([{"role": "user", "content": "x"},
+                    {"role": "assistant", "content": "", "tool_calls": [call]}])
+    assert e.value.param == "messages[1].tool_calls"

@@ -226,6 +226,18 @@ def test_smollm2_tokenizer_from_the_wheel():
     assert "<|im_start|>" in (tok.chat_template or "")
 
 
+def test_the_bytes_smollm2_has_no_token_for_are_dropped_and_counted():
+    tok = load_tokenizer()
+    assert tok.missing_bytes == bytes([0x04, 0x06, 0x13, 0x14, 0x16, 0x1d, 0xc0, 0xc1, 0xf1, 0xf2,
+                                       *range(0xf5, 0x100)])
+    # (U+50000 is f1 90 80 80: the lead byte goes, the rest decode as U+FFFD)
+    for text, lost, back in [("a\x16b\x04 = 1", 2, "ab = 1"),
+                             ("\U00050000!", 1, "\ufffd" * 3 + "!"),
+                             ("ok é 😀 \x1b\x7f", 0, "ok é 😀 \x1b\x7f")]:
+        assert tok.dropped_bytes(text) == lost and tok.decode(tok.encode(text)) == back
+    assert tiny_tokenizer().missing_bytes == b"" and tiny_tokenizer().dropped_bytes("\x16") == 0
+
+
 @pytest.mark.slow
 def test_ids_equal_hf_auto_tokenizer_from_the_same_gguf():
     from transformers import AutoTokenizer

@@ -325,7 +325,44 @@ def test_xml_one_megabyte_value_parses_whole():
     text = _CountingText(f"<tool_call><function=write><parameter=contents>\n{big}\n"
                          "</parameter></function></tool_call>")
     (call,) = parse_tool_calls(text, "qwen3_coder").tool_calls
-    assert call.arguments["contents"] == big and text.read < 2 * len(text)
+    # (read twice: once for where the block ends, the next <tool_call>, once for the value's end)
+    assert call.arguments["contents"] == big and text.read < 3 * len(text)
+
+
+_XML_B = "<tool_call>\n<function=b>\n<parameter=y>\n2\n</parameter>\n</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("broken, needle", [
+    ("<tool_call>\n<function=a>\n<parameter=x>\n1\n</function>\n</tool_call>", "no </parameter>"),
+    ("<tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n</function>\n",
+     "expected </tool_call>"),
+    ("<tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n", "cut off"),
+    ("<tool_call>\n<function=a>\n<parameter=x>\n1\n", "no </parameter>"),
+    ("<tool_call>\n<function=a\n", "unclosed <function"),
+    ("<tool_call>\n<function=a>\n<parameter=x", "unclosed <parameter"),
+])
+def test_xml_a_block_missing_a_closing_tag_does_not_swallow_the_next_call(broken, needle):
+    out = parse_tool_calls(broken + _XML_B, "qwen3_coder", id_factory=ids())
+    err, good = out.calls
+    assert isinstance(err, ToolCallError) and needle in err.message and err.raw == broken
+    assert good == ToolCall("call_1", "b", {"y": "2"})
+
+
+def test_xml_render_refuses_a_value_the_parser_cannot_read_back():
+    f = get_format("qwen3_coder")
+    for value in ("<a>x</parameter>y</a>", {"s": "</parameter>"}, "see <tool_call> above"):
+        with pytest.raises(ValueError, match="^argument 'content' of write holds "):
+            f.render([ToolCall("c", "write", {"path": "t", "content": value})])
+
+
+def test_xml_tool_definitions_whose_parameters_are_not_objects_declare_no_types():
+    text = "<tool_call><function=f><parameter=a>1</parameter></function></tool_call>"
+    for params in ({"type": "object", "properties": ["a"]}, ["a"], "object",
+                   {"properties": {"a": None, "b": {"type": "integer"}}}):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+        assert parse_tool_calls("plain answer", "qwen3_coder", tools).calls == []
+        (call,) = parse_tool_calls(text, "qwen3_coder", tools).calls
+        assert call.arguments == {"a": "1"}
 
 
 # -- OpenAI API tool_calls and the registry -----------------------------------------------------

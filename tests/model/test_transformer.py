@@ -174,6 +174,27 @@ def test_a_pass_past_max_seq_len_leaves_the_cache_as_it_was() -> None:
     assert list(cache.lengths) == [10]
 
 
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_tree_pass_needs_room_for_its_depth_not_its_width(fuse: bool) -> None:
+    """Four alternatives for the next token all sit at one position: after 14 tokens of a
+    16-token window they fit, op by op as in the fused pass; a branch of three does not."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.tiny(vocab_size=64, max_seq_len=16)).eval()
+    model.fuse = fuse
+    prefix, nodes = torch.randint(0, 64, (1, 14)), torch.randint(0, 64, (1, 4))
+    cache = KVCache(model.cfg, 1, 32)
+    with torch.no_grad():
+        model(prefix, cache=cache.view(0))
+        tree = model(nodes, cache=cache.view(0), parents=[-1, -1, -1, -1])[0]
+        for i in range(4):
+            alone = model(torch.cat([prefix, nodes[:, i : i + 1]], 1))[0, -1]
+            assert torch.allclose(tree[i], alone, atol=1e-5), i
+        cache.truncate(0, 14)
+        with pytest.raises(ValueError, match="positions: 16 >= max_seq_len 16"):
+            model(nodes[:, :3], cache=cache.view(0), parents=[-1, 0, 1])
+    assert cache.lengths == [14]
+
+
 @needs_kernel
 def test_weights_changed_has_the_kernels_read_weights_their_counters_did_not_see() -> None:
     """A fused AdamW step and writes through ``.data`` leave the weights' version counters
