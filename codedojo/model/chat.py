@@ -238,7 +238,8 @@ class ChatTemplate:
                 try:
                     rendered = self.tool_format.render(calls)
                 except ValueError as e:  # (a value the format cannot carry)
-                    raise ChatFormatError(f"{where}.tool_calls: {e}", f"{where}.tool_calls") from None
+                    field_ = f"{where}.tool_calls"
+                    raise ChatFormatError(f"{field_}: {e}", field_) from None
                 msg = {"role": role, "content": f"{text}\n{rendered}" if text else rendered}
             else:
                 msg = {"role": role, "content": text}
