@@ -8,6 +8,8 @@ import ctypes
 import errno
 import os
 import shutil
+import socket
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -173,3 +175,29 @@ def publish(tmp: str, path: Path) -> None:
     """Give the written file ``tmp`` the name ``path`` in one step, and put the name on disk."""
     os.replace(tmp, path)
     _sync(path.parent)
+
+
+def make_way_for_socket(path: str | Path, serving: str) -> None:
+    """Make way for a unix socket at ``path``: nothing there, or a socket no process listens
+    on (left by a ``serving`` that died), which is removed. Anything else is refused with a
+    FileExistsError: a file that is not a socket, or the socket of a ``serving`` that
+    serves."""
+    path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise FileExistsError(f"{path} exists and is not a socket (not replaced)")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5.0)
+        try:
+            s.connect(str(path))
+        except ConnectionRefusedError:  # no one listens: a leftover
+            path.unlink(missing_ok=True)
+            return
+        except FileNotFoundError:  # (removed meanwhile)
+            return
+        except (TimeoutError, BlockingIOError):  # a listener too busy to accept is one
+            pass
+    raise FileExistsError(f"another {serving} serves on {path}")

@@ -19,7 +19,6 @@ import json
 import os
 import socket
 import socketserver
-import stat
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,6 +30,7 @@ from codedojo.configfile import field_errors
 from codedojo.egress.policy import EgressPolicy
 from codedojo.egress.proxy import EgressProxy, Mode
 from codedojo.egress.strip import SecretSet
+from codedojo.paths import make_way_for_socket
 from codedojo.sandbox.base import EgressBinding
 
 
@@ -54,7 +54,7 @@ class ControlServer:
                     self.wfile.write(json.dumps(reply).encode() + b"\n")
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _remove_leftover(self.path)
+        make_way_for_socket(self.path, "egress proxy")
         old = os.umask(0o177)
         try:
             self._server = socketserver.ThreadingUnixStreamServer(str(self.path), Handler)
@@ -80,30 +80,6 @@ class ControlServer:
             return
         if (st.st_dev, st.st_ino) == self._inode:
             self.path.unlink(missing_ok=True)
-
-
-def _remove_leftover(path: Path) -> None:
-    """Make way for a control socket at ``path``: nothing there, or a socket no process
-    listens on (left by a proxy that died), which is removed. Anything else is refused with a
-    FileExistsError: a file that is not a socket, or the socket of a proxy that serves."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise FileExistsError(f"{path} exists and is not a socket (not replaced)")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(5.0)
-        try:
-            s.connect(str(path))
-        except ConnectionRefusedError:  # no one listens: a leftover
-            path.unlink(missing_ok=True)
-            return
-        except FileNotFoundError:  # (removed meanwhile)
-            return
-        except TimeoutError:  # a listener too busy to accept is still a listener
-            pass
-    raise FileExistsError(f"another egress proxy serves on {path}")
 
 
 _M = TypeVar("_M", bound=BaseModel)

@@ -116,6 +116,8 @@ def serve(
         draft_dtype = draft_dtype or dtype
         try:
             drafter = load_drafter(net, model, dtype=getattr(torch, draft_dtype))
+        except torch.OutOfMemoryError:  # (the device's, not the files')
+            raise
         except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as e:
             # mtp.json missing or not as written, mtp.safetensors cut short or of another shape
             raise typer.BadParameter(

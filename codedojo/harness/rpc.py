@@ -24,19 +24,20 @@ that says so.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import http.client
 import importlib
+import importlib.util
 import itertools
 import json
 import logging
 import os
 import secrets
 import socket
-import stat
-import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from fastapi.responses import Response
 from codedojo.harness.tools.base import ToolContext, ToolResult
 from codedojo.harness.toolset import EnvToolConfig, ToolRegistry, ToolSession
 from codedojo.harness.trajectory import json_text
+from codedojo.paths import make_way_for_socket
 from codedojo.sandbox.base import Sandbox, SandboxError, SandboxProvider, seconds
 
 PARSE_ERROR = -32700
@@ -62,6 +64,7 @@ SERVER_ERROR = -32000
 # How long an episode may go without a call before the server closes it (generous: a model's
 # turn between two calls takes minutes at most).
 IDLE_S = 1800.0
+IDLED_KEPT = 10_000  # the idle-closed episodes a later call is told of as such
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +81,25 @@ class _Lease:
     calls: int = 0  # running now: an episode in a call is not idle
 
 
+def load_source(module: str) -> tuple[types.ModuleType, str]:
+    """(a new module object run from ``module``'s source file as it reads now, the source's
+    sha256). Not the import cache's module, nor its bytecode (whose check, the file's size and
+    mtime in seconds, misses a quick edit): a tool registered before keeps the module, helpers
+    and all, it was registered from, so an episode pinned to its version runs what it ran."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        raise ImportError(f"no source file for module {module!r}")
+    with open(spec.origin, "rb") as f:
+        source = f.read()
+    loaded = importlib.util.module_from_spec(spec)
+    exec(compile(source, spec.origin, "exec"), loaded.__dict__)
+    return loaded, hashlib.sha256(source).hexdigest()
+
+
 class ToolServer:
     """The service state: registry, environment configs, open episodes. ``idle_s``: how long
-    an episode may go without a call before it is closed (None: as long as the server runs)."""
+    an episode may go without a call before it is closed (None: as long as the server runs),
+    by a thread that runs until `close`, which every server needs."""
 
     def __init__(
         self,
@@ -104,7 +123,7 @@ class ToolServer:
         self.episodes: dict[str, ToolSession] = {}
         self.idle_s = idle_s
         self._leases: dict[str, _Lease] = {}
-        self._idled: set[str] = set()  # the episodes closed for going idle
+        self._idled: dict[str, None] = {}  # the latest episodes closed for going idle
         self._lock = threading.Lock()
         self._closed = threading.Event()
         if idle_s is not None:
@@ -181,7 +200,9 @@ class ToolServer:
                         if not lease.calls and now - lease.used > self.idle_s]
                 for eid in idle:
                     del self._leases[eid]
-                    self._idled.add(eid)
+                    self._idled[eid] = None
+                while len(self._idled) > IDLED_KEPT:  # (the oldest become unknown ids)
+                    del self._idled[next(iter(self._idled))]
                 gone = [self.episodes.pop(eid) for eid in idle]
             for s in gone:
                 try:
@@ -191,18 +212,17 @@ class ToolServer:
                                 type(e).__name__, e)
 
     def register_import(self, module: str, attr: str) -> int:
-        """Register ``module.attr`` as its file reads now: a module imported before (an
-        earlier version of the tool, registered from it) is loaded again, not taken from the
-        import cache."""
+        """Register ``module.attr`` as its source file reads now (`load_source`), recording
+        which source it came from: the same version from the same source again is the tool
+        registered before, from other source it is refused."""
         try:
-            loaded = sys.modules.get(module)
-            loaded = importlib.reload(loaded) if loaded else importlib.import_module(module)
+            loaded, digest = load_source(module)
             tool = getattr(loaded, attr)
         except Exception as e:  # (a module that is not there, or fails to run: SyntaxError...)
             raise RPCError(INVALID_PARAMS, f"module/attr: cannot import {module}:{attr}: "
                                            f"{type(e).__name__}: {e}") from e
         try:
-            return self.registry.register(tool)
+            return self.registry.register(tool, origin=f"{module}@{digest}")
         except ValueError as e:
             raise RPCError(INVALID_PARAMS, str(e)) from e
 
@@ -367,8 +387,7 @@ def serve_in_thread(server: ToolServer, host: str = "127.0.0.1", port: int = 0,
         # owner's alone before it listens.
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            if os.path.exists(uds) and stat.S_ISSOCK(os.stat(uds).st_mode):
-                os.unlink(uds)  # one a service before this left (as asyncio's own bind does)
+            make_way_for_socket(uds, "tool service")  # (only a dead service's socket goes)
             sock.bind(uds)
             os.chmod(uds, 0o600)
         except OSError:

@@ -22,7 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from codedojo.configfile import read_toml
 from codedojo.harness.tools import DEFAULT_TOOLS
 from codedojo.harness.tools.base import (
-    FunctionTool,
     Strictness,
     Tool,
     ToolContext,
@@ -94,6 +93,7 @@ class ToolRegistry:
         self._lock = threading.Lock()
         self._tools: dict[str, dict[str, Tool]] = {}
         self._latest: dict[str, str] = {}
+        self._origins: dict[tuple[str, str], str | None] = {}  # (name, version) -> `register`'s
         self._generation = 0
         for t in tools:
             self.register(t)
@@ -102,23 +102,27 @@ class ToolRegistry:
     def generation(self) -> int:
         return self._generation
 
-    def register(self, tool: Tool) -> int:
+    def register(self, tool: Tool, origin: str | None = None) -> int:
         """Add a tool version and make it the latest; returns the new generation. A version
-        registered before may be registered again (to make it the latest once more) but not
-        changed: trajectories name the version they ran on, so other code is a new version."""
+        registered before may be registered again (to make it the latest once more), as the
+        same object or from the same ``origin`` (what made it: `ToolServer.register_import`
+        names a module's source), but not changed: trajectories name the version they ran on,
+        so other code is a new version."""
         for attr in ("name", "version", "description", "parameters"):
             if not getattr(tool, attr, None):
                 raise ValueError(f"tool is missing {attr!r}")
         if tool.parameters.get("type") != "object":
             raise ValueError(f"tool {tool.name!r}: parameters must be a JSON schema of type object")
+        key = (tool.name, tool.version)
         with self._lock:
             known = self._tools.get(tool.name, {}).get(tool.version)
-            if known is not None and not _same_tool(known, tool):
-                raise ValueError(f"tool {tool.name!r} version {tool.version!r} is already "
-                                 "registered with other code or schema: register the change "
-                                 "under a new version")
-            if known is None:  # (the version registered before stays as it is)
+            if known is None:
                 self._tools.setdefault(tool.name, {})[tool.version] = tool
+                self._origins[key] = origin
+            elif known is not tool and (origin is None or origin != self._origins.get(key)):
+                raise ValueError(f"tool {tool.name!r} version {tool.version!r} is already "
+                                 "registered from other code: register the change under a "
+                                 "new version")
             self._latest[tool.name] = tool.version
             self._generation += 1
             return self._generation
@@ -140,24 +144,6 @@ class ToolRegistry:
                     )
                 chosen[name] = self._tools[name][version]
             return ToolSet(chosen, config, self._generation)
-
-
-def _same_tool(a: Tool, b: Tool) -> bool:
-    """Whether two tool objects are one tool version: the same object, or function tools of
-    one schema whose functions have the same code, defaults and closure (as a module of tools
-    loaded again unchanged gives)."""
-    if a is b:
-        return True
-    if not (isinstance(a, FunctionTool) and isinstance(b, FunctionTool)):
-        return False
-    return tool_schema(a) == tool_schema(b) and _function_parts(a.fn) == _function_parts(b.fn)
-
-
-def _function_parts(fn: Any) -> tuple[Any, ...]:
-    if not hasattr(fn, "__code__"):  # (a callable object: only itself is the same)
-        return (fn,)
-    cells = tuple(c.cell_contents for c in fn.__closure__ or ())
-    return fn.__code__, fn.__defaults__, fn.__kwdefaults__, cells
 
 
 def parse_arguments(arguments: Any) -> tuple[dict[str, Any] | None, str | None]:

@@ -352,7 +352,8 @@ class XmlToolCallFormat:
     side of a value is layout and is dropped.
 
     The format has no escape: a value ends at the first `</parameter>`, and a block ends where
-    the next `<tool_call>` opens, so no value can hold either (`render` refuses one that does).
+    the next call opens (`<tool_call>`, then `<function=`), so no value can hold either
+    (`render` refuses one that does); a value may mention the `<tool_call>` tag alone.
     """
 
     name = "qwen3_coder"
@@ -374,10 +375,10 @@ class XmlToolCallFormat:
                      id_factory: Callable[[], str],
                      find: _Find) -> tuple[ToolCall | ToolCallError, int]:
         n = len(text)
-        # The block ends where the next one opens: a block missing a closing tag does not take
+        # The block ends where the next call opens: a block missing a closing tag does not take
         # the next call with it (nor does a value run on into it).
-        nxt = find(self.open_tag, start + len(self.open_tag))
-        limit = n if nxt < 0 else nxt
+        nxt = _XML_CALL.search(text, start + len(self.open_tag))
+        limit = n if nxt is None else nxt.start()
 
         def find_in(sub: str, pos: int) -> int:
             hit = find(sub, pos)
@@ -439,20 +440,24 @@ class XmlToolCallFormat:
 
     def render(self, calls: Sequence[ToolCall]) -> str:
         """The calls as the model writes them. ValueError naming the argument for a value the
-        parser would not read back (one holding `</parameter>` or `<tool_call>`)."""
+        parser would not read back (one holding `</parameter>`, or a call's opening)."""
         blocks = []
         for c in calls:
             params = []
             for k, v in c.arguments.items():
                 value = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
-                for tag in ("</parameter>", self.open_tag):
-                    if tag in value:
-                        raise ValueError(f"argument {k!r} of {c.name} holds {tag}, which the "
-                                         f"{self.name} format cannot carry (it has no escape)")
+                if (tag := "</parameter>" if "</parameter>" in value else
+                        (m.group() if (m := _XML_CALL.search(value)) else None)):
+                    raise ValueError(f"argument {k!r} of {c.name} holds {tag!r}, which the "
+                                     f"{self.name} format cannot carry (it has no escape)")
                 params.append(f"<parameter={k}>\n{value}\n</parameter>\n")
             blocks.append(f"{self.open_tag}\n<function={c.name}>\n{''.join(params)}</function>\n"
                           f"{self.close_tag}")
         return "\n".join(blocks)
+
+
+# Where a Qwen3-Coder call opens: its tag, then the function's (the tag alone may be text)
+_XML_CALL = re.compile(r"<tool_call>\s*<function=")
 
 
 def _param_schemas(tools: Sequence[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:

@@ -94,12 +94,20 @@ def test_unix_socket_transport(sandbox, tmp_path):
         assert os.stat(sock).st_mode & 0o777 == 0o600  # the owner's alone
         ep = client.open_episode()
         assert ep.call("run_terminal_cmd", {"command": "echo hi"}).content == "exit code: 0\nhi"
+        with pytest.raises(FileExistsError, match="another tool service serves on"):
+            serve_in_thread(server, uds=sock)  # (it took the socket a live service serves on)
+        assert ep.call("run_terminal_cmd", {"command": "echo on"}).content == "exit code: 0\non"
     finally:
         client.close()
         running.stop()
-        server.close()
+    again = serve_in_thread(server, uds=sock)  # a dead service's socket is replaced
+    again.stop()
+    server.close()
     with pytest.raises(FileNotFoundError):  # (the caller names it, as a port taken)
         serve_in_thread(server, uds=str(tmp_path / "nosuch" / "tools.sock"))
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(FileExistsError, match="is not a socket"):
+        serve_in_thread(server, uds=str(tmp_path / "plain"))
 
 
 def test_live_update_running_episode_keeps_its_version(service, tmp_path):
@@ -140,38 +148,47 @@ def test_live_update_running_episode_keeps_its_version(service, tmp_path):
 
 
 def test_a_tool_module_registered_again_is_read_again(tmp_path, monkeypatch):
-    """A module registered once, then edited: registering it again runs the edited code; an
-    edit that keeps the version is refused, and the module unchanged registers as before."""
-    import sys
-
+    """A module registered once, then edited: registering it again runs the edited source (an
+    edit of the same size, within the second, too), while an episode pinned to the version
+    before runs that version's code, helpers and all. An edit that keeps the version is
+    refused, a helper's too; the module unchanged registers as before."""
     from codedojo.harness.toolset import ToolRegistry
 
     class NoSandbox:
         id = "sb-none"
 
     source = ("from codedojo.harness.tools.base import FunctionTool, obj\n"
-              "TOOL = FunctionTool('probe', 'a probe', obj({{}}, []), lambda ctx, args: {said!r},"
+              "def said():\n    return {said!r}\n"
+              "TOOL = FunctionTool('probe', 'a probe', obj({{}}, []), lambda ctx, args: said(),"
               " version={version!r})\n")
     module = tmp_path / "probe_tool_module.py"
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)  # (bytecode is not read)
     server = ToolServer(sandbox=NoSandbox(), registry=ToolRegistry([]),  # type: ignore[arg-type]
-                        envs={"default": EnvToolConfig(tools=["probe"])})
+                        envs={"default": EnvToolConfig(tools=["probe"]),
+                              "pinned": EnvToolConfig(tools=["probe"], versions={"probe": "1"})})
+
+    def register() -> object:
+        return server.dispatch("tools.register", {"module": module.stem, "attr": "TOOL"})
+
     try:
         module.write_text(source.format(said="old", version="1"))
-        server.dispatch("tools.register", {"module": module.stem, "attr": "TOOL"})
-        module.write_text(source.format(said="newer code", version="2"))
-        server.dispatch("tools.register", {"module": module.stem, "attr": "TOOL"})
-        assert server.open_episode().call("probe", {}).content == "newer code"
-        module.write_text(source.format(said="changed again", version="2"))
+        register()
+        pinned = server.open_episode("pinned")
+        module.write_text(source.format(said="new", version="2"))  # (the same size)
+        register()
+        assert server.open_episode().call("probe", {}).content == "new"
+        assert pinned.call("probe", {}).content == "old"
+        assert server.open_episode("pinned").call("probe", {}).content == "old"
+        module.write_text(source.format(said="NEW", version="2"))  # (a helper's edit)
         with pytest.raises(RPCError, match="tool 'probe' version '2' is already registered"):
-            server.dispatch("tools.register", {"module": module.stem, "attr": "TOOL"})
-        module.write_text(source.format(said="newer code", version="2"))
-        assert server.dispatch("tools.register", {"module": module.stem, "attr": "TOOL"})
+            register()
+        module.write_text(source.format(said="new", version="2"))
+        assert register()
         assert server.registry.versions("probe") == ["1", "2"]
-        assert server.open_episode().call("probe", {}).content == "newer code"
+        assert server.open_episode().call("probe", {}).content == "new"
     finally:
         server.close()
-        sys.modules.pop(module.stem, None)
 
 
 def test_a_dead_tool_service_ends_the_episode(sandbox, tmp_path):

@@ -350,9 +350,20 @@ def test_xml_a_block_missing_a_closing_tag_does_not_swallow_the_next_call(broken
 
 def test_xml_render_refuses_a_value_the_parser_cannot_read_back():
     f = get_format("qwen3_coder")
-    for value in ("<a>x</parameter>y</a>", {"s": "</parameter>"}, "see <tool_call> above"):
+    for value in ("<a>x</parameter>y</a>", {"s": "</parameter>"},
+                  "a call: <tool_call>\n<function=f>"):
         with pytest.raises(ValueError, match="^argument 'content' of write holds "):
             f.render([ToolCall("c", "write", {"path": "t", "content": value})])
+
+
+def test_xml_a_value_may_mention_the_call_tag():
+    """Code about the format names its tag: a value holding ``<tool_call>`` that opens no call
+    (no ``<function=`` after it) is read back whole, and does not end its block."""
+    doc = "DOC = '<tool_call>{...}</tool_call> is how a call looks'"
+    call = ToolCall("call_0", "write_file", {"path": "d.py", "content": doc})
+    text = get_format("qwen3_coder").render([call]) + "\n" + _XML_B
+    assert parse_tool_calls(text, "qwen3_coder", id_factory=ids()).calls == [
+        call, ToolCall("call_1", "b", {"y": "2"})]
 
 
 def test_xml_tool_definitions_whose_parameters_are_not_objects_declare_no_types():
