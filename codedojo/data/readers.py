@@ -55,7 +55,9 @@ class SourceConfig(BaseModel):
     split: str | None = Field(None, min_length=1,
                               description="jsonl/parquet folders: read only this split's files "
                               "(`train` for `data/train-00000-of-00002.parquet`, `train.jsonl` "
-                              "or `train/`). Required where a folder holds several.")
+                              "or `train/`; `train_sft` for `train_sft-0.parquet`; `*`: every "
+                              "file). Required where a folder holds test, validation, dev or "
+                              "eval files.")
     max_files: int | None = Field(None, ge=0, description="Stop after this many documents.")
 
     @model_validator(mode="after")
@@ -213,25 +215,27 @@ def _too_long(size: int, max_bytes: int | None, skipped: Counter[str] | None) ->
     return True
 
 
-# How a dataset's files name their split: a folder (`test/`), or a file name's first word
-# (`train.jsonl`, `test-00000-of-00001.parquet`, `validation_0.parquet`).
-_SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
-_SPLIT_FILE = re.compile(rf"({'|'.join(_SPLITS)})[-_.]")
+# How a dataset's files name their split: a folder (`test/`), or a word of a file's name
+# (`train.jsonl`, `test-00000-of-00001.parquet`, `python_valid_0.jsonl`), in any case.
+_SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")
+_HELD_OUT = frozenset(_SPLITS) - {"train"}
+_WORD = re.compile(r"[^-_.]+")
 
 
 def _split_of(rel: Path) -> str | None:
     for part in rel.parts[:-1]:
-        if part in _SPLITS:
-            return part
-    m = _SPLIT_FILE.match(rel.name)
-    return m.group(1) if m else None
+        if part.lower() in _SPLITS:
+            return part.lower()
+    named = {w.lower() for w in _WORD.findall(rel.name.rsplit(".", 1)[0])} & set(_SPLITS)
+    return named.pop() if len(named) == 1 else None
 
 
 def data_files(path: Path, ext: str, split: str | None = None) -> list[Path]:
     """The ``ext`` files a jsonl/parquet source reads: ``path`` itself, or those under the
-    folder, of ``split`` where it is given. A folder that holds several splits (a hub
-    snapshot's train and test files) without ``split`` is refused: read together, a test
-    split would be trained on."""
+    folder of ``split``: a split's name (`_split_of`), or the start of file names
+    (``train_sft`` for `train_sft-0.parquet`), or "*" for every file. A folder with a held-out
+    split's files (test, validation, dev, eval) is refused without ``split``: read whole, they
+    would be trained on."""
     if not path.is_dir():
         if split is not None:
             raise ValueError(f"source.split: {path} is one file, not a folder of splits")
@@ -239,14 +243,18 @@ def data_files(path: Path, ext: str, split: str | None = None) -> list[Path]:
     files = sorted(path.rglob(f"*{ext}"))
     if not files:
         raise FileNotFoundError(f"source.path: no {ext} files under {path}")
+    if split == "*":
+        return files
     splits = {f: _split_of(f.relative_to(path)) for f in files}
     named = sorted({s for s in splits.values() if s is not None})
-    if split is None and len(named) > 1:
-        raise ValueError(f"source.path: {path} holds the splits {', '.join(named)}: name the "
-                         "one to read with source.split")
     if split is None:
+        if held := [s for s in named if s in _HELD_OUT]:
+            raise ValueError(f"source.path: {path} holds {', '.join(held)} split files: name "
+                             "the split to read with source.split (\"*\" reads every file)")
         return files
-    if not (chosen := [f for f in files if splits[f] == split]):
+    chosen = [f for f in files if splits[f] == split.lower() or f.name.startswith(split)
+              and f.name[len(split):][:1] in ("-", "_", ".")]
+    if not chosen:
         raise FileNotFoundError(f"source.split: no {split!r} {ext} files under {path} (splits "
                                 f"there: {', '.join(named) or 'none named'})")
     return chosen

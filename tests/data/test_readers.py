@@ -355,7 +355,8 @@ def test_long_documents_join_files_of_one_folder_of_one_source_only(tmp_path):
 @pytest.mark.parametrize("kind", ["jsonl", "parquet"])
 def test_a_folder_of_several_splits_reads_the_one_named(tmp_path, kind):
     """A hub snapshot's folder holds its train and test files side by side: read whole, the
-    test split would be trained on. The source names the split it reads, or is refused."""
+    test split would be trained on. A folder with held-out files is read only for the split
+    the source names (or "*"); a split is a folder, or a word of a file's name."""
     def write(rel: str, text: str) -> None:
         f = tmp_path / "ds" / f"{rel}.{kind}"
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -367,22 +368,28 @@ def test_a_folder_of_several_splits_reads_the_one_named(tmp_path, kind):
     write("data/train-00000-of-00002", "t0")
     write("data/train-00001-of-00002", "t1")
     write("data/test-00000-of-00001", "held out")
-    write("validation/part0", "v")
+    write("Validation/part0", "v")
+    write("extra/python_VAL_0", "v2")  # (a word of the name, in any case)
     write("extra/training_notes", "n")  # (no split's name: "training" is no "train")
 
     def texts(**split: str) -> list[str]:
         cfg = SourceConfig(kind=kind, path=str(tmp_path / "ds"), **split)
         return [d.text for d in read_source(cfg)]
 
-    with pytest.raises(ValueError, match=r"holds the splits test, train, validation: name"):
+    with pytest.raises(ValueError, match=r"holds test, val, validation split files: name"):
         texts()
     assert texts(split="train") == ["t0", "t1"]
-    assert texts(split="validation") == ["v"]
+    assert texts(split="validation") == ["v"] and texts(split="val") == ["v2"]
+    assert len(texts(split="*")) == 6
     with pytest.raises(FileNotFoundError, match=r"no 'dev' .* \(splits there: test, train, "):
         texts(split="dev")
     (tmp_path / "ds" / "data" / f"test-00000-of-00001.{kind}").unlink()
-    shutil.rmtree(tmp_path / "ds" / "validation")
-    assert texts() == ["t0", "t1", "n"]  # (one split named: nothing else to tell apart)
+    shutil.rmtree(tmp_path / "ds" / "Validation")
+    (tmp_path / "ds" / "extra" / f"python_VAL_0.{kind}").unlink()
+    assert texts() == ["t0", "t1", "n"]  # (train and unnamed files: nothing held out)
+    write("chat/train_sft-0", "sft")
+    write("chat/train_gen-0", "gen")
+    assert texts(split="train_sft") == ["sft"]  # (the start of the files' names)
     one_file = SourceConfig(kind=kind, path=str(tmp_path / "ds" / "extra" /
                                                 f"training_notes.{kind}"), split="train")
     with pytest.raises(ValueError, match="is one file, not a folder of splits"):
