@@ -247,11 +247,10 @@ def _format_hostport(ip: IPAddress, port: int) -> str:
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
-# IPv6 forms that carry an IPv4 address in their last 32 bits, which a gateway on the way
-# (NAT64: AWS and GCP offer it on IPv6 subnets) or the host itself reaches
-_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052's well-known prefix
-_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # deprecated ::a.b.c.d (:: and ::1 aside)
+# IPv6 forms that carry an IPv4 address, which the host or a gateway on the way reaches
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052's well-known prefix: the last 32 bits
 _NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215: the IPv4 may sit anywhere
+_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # deprecated ::a.b.c.d (:: and ::1 aside)
 
 
 def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
@@ -259,7 +258,7 @@ def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
         return ip.ipv4_mapped
     if ip.sixtofour is not None:  # 2002:7f00:1:: (6to4)
         return ip.sixtofour
-    if ip in _NAT64 or (ip in _IPV4_COMPATIBLE and int(ip) > 1):
+    if ip in _NAT64:  # 64:ff9b::a00:5, what DNS64 answers on an IPv6-only network
         return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     return None
 
@@ -269,9 +268,12 @@ def address_denied(ip: IPAddress, own: Collection[IPAddress] = ()) -> str | None
 
     Anything that is not globally routable is denied: loopback, RFC 1918, shared (CGNAT),
     link-local (the 169.254.169.254 metadata service), multicast, reserved, unspecified,
-    documentation and benchmarking ranges, site-local and local-use NAT64 IPv6, and the
-    host's own addresses. An IPv6 address that carries an IPv4 one (mapped, 6to4, NAT64,
-    IPv4-compatible) is judged by the IPv4 address it leads to."""
+    documentation and benchmarking ranges, site-local, IPv4-compatible and local-use NAT64
+    IPv6, and the host's own addresses. An IPv6 address that carries an IPv4 one (mapped,
+    6to4, NAT64's well-known prefix, which DNS64 answers with on an IPv6-only network) is
+    judged by the IPv4 address it leads to as well."""
+    if ip in own:
+        return f"{ip} is one of the proxy host's own addresses"
     if isinstance(ip, ipaddress.IPv6Address):
         if (v4 := _embedded_ipv4(ip)) is not None:
             why = address_denied(v4, own)
@@ -280,6 +282,8 @@ def address_denied(ip: IPAddress, own: Collection[IPAddress] = ()) -> str | None
             return f"{ip} is a site-local address"
         if ip in _NAT64_LOCAL:
             return f"{ip} is a local-use NAT64 address (it leads to an IPv4 address it hides)"
+        if ip in _IPV4_COMPATIBLE and int(ip) > 1:
+            return f"{ip} is an IPv4-compatible address (deprecated)"
     if ip.is_loopback:
         return f"{ip} is a loopback address"
     if ip.is_link_local:
@@ -288,8 +292,6 @@ def address_denied(ip: IPAddress, own: Collection[IPAddress] = ()) -> str | None
         return f"{ip} is a private address"
     if ip.is_multicast or ip.is_reserved or ip.is_unspecified:
         return f"{ip} is not a unicast address"
-    if ip in own:
-        return f"{ip} is one of the proxy host's own addresses"
     if not ip.is_global:
         return f"{ip} is not a public address"
     return None

@@ -30,7 +30,7 @@ def ip(s: str):
         ("2002:7f00:1::", "leads to 127.0.0.1: 127.0.0.1 is a loopback"),  # 6to4
         ("2002:a9fe:a9fe::1", "leads to 169.254.169.254: 169.254.169.254 is a link-local"),
         ("64:ff9b::a00:5", "leads to 10.0.0.5: 10.0.0.5 is a private"),  # NAT64
-        ("::10.0.0.5", "leads to 10.0.0.5"),  # IPv4-compatible (deprecated)
+        ("::8.8.8.8", "IPv4-compatible"),  # (deprecated: denied whatever it holds)
         ("64:ff9b:1::a00:5", "local-use NAT64"),
         ("fec0::1", "site-local"),
     ],
@@ -47,6 +47,7 @@ def test_public_addresses_pass_unless_they_are_the_hosts_own():
     assert address_denied(ip("2002:808:808::1")) is None  # 6to4 likewise
     assert "own addresses" in address_denied(ip("::ffff:93.184.216.34"),
                                              own=[ip("93.184.216.34")])
+    assert "own addresses" in address_denied(ip("2002:808:808::1"), own=[ip("2002:808:808::1")])
     assert "own addresses" in address_denied(ip("93.184.216.34"), own=[ip("93.184.216.34")])
 
 
