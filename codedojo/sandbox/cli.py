@@ -180,14 +180,12 @@ def rm(sandbox_ids: list[str], url: str = URL) -> None:
 @sandbox_app.command()
 def gc(root: str = ROOT, all_owners: bool = typer.Option(False, help="Also sandboxes of other live processes.")) -> None:
     """Clean up after a crash: processes, mounts, cgroups and directories of dead owners."""
-    from codedojo.sandbox.local import DEFAULT_ROOT, LocalProvider
+    from codedojo.sandbox.local import LocalProvider, missing_from_store, store_root
 
     # A store is made where none is: a mistyped root would get one (and a tmpfs), not a gc.
-    store = root or os.environ.get("CODEDOJO_SANDBOX_ROOT") or DEFAULT_ROOT
-    for d in ("sandboxes", "layers", "images"):
-        if not os.path.isdir(os.path.join(store, d)):
-            _fail(f"{store} is not a sandbox store (no {os.path.join(store, d)}; a store holds "
-                  "sandboxes/, layers/ and images/)")
+    if (missing := missing_from_store(store := store_root(root))) is not None:
+        _fail(f"{store} is not a sandbox store (no {missing}; a store holds sandboxes/, "
+              "layers/ and images/)")
     cleaned = LocalProvider(root=root).gc(all_owners=all_owners)
     typer.echo(json.dumps({"cleaned": cleaned}))
 

@@ -223,10 +223,10 @@ def _local_token() -> str | None:
     token = os.environ.get(TOKEN_ENV)
     if token:
         return token
-    from codedojo.sandbox.local import DEFAULT_ROOT
+    from codedojo.sandbox.local import store_root
 
     try:
-        with open(token_path(os.environ.get("CODEDOJO_SANDBOX_ROOT") or DEFAULT_ROOT)) as f:
+        with open(token_path(store_root())) as f:
             return f.read().strip()
     except OSError:
         return None

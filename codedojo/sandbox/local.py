@@ -98,6 +98,21 @@ from codedojo.sandbox.syscalls import (
 )
 
 DEFAULT_ROOT = "/var/lib/codedojo/sandbox"
+
+
+def store_root(root: str | None = None) -> str:
+    """The store a provider of ``root`` uses: it, or $CODEDOJO_SANDBOX_ROOT, or
+    `DEFAULT_ROOT`."""
+    return root or os.environ.get("CODEDOJO_SANDBOX_ROOT") or DEFAULT_ROOT
+
+
+def missing_from_store(root: str) -> str | None:
+    """What a store at ``root`` lacks of what a provider made it with (a folder's path), or
+    None: a mistyped root is told apart before a provider makes a store there."""
+    for d in ("sandboxes", "layers", "images"):
+        if not os.path.isdir(os.path.join(root, d)):
+            return os.path.join(root, d)
+    return None
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # The kernel's own file systems, whose files the host-side file calls never serve
 _KERNEL_FS = {"proc", "sysfs", "devtmpfs", "devpts", "mqueue", "cgroup", "cgroup2", "debugfs",
@@ -1465,8 +1480,7 @@ class LocalProvider:
     def __init__(self, root: str | None = None, *, pool_size: int = 4):
         # its real path: the mount table names layers by it, whatever link a caller took to it
         # (`ImageStore.prune` keeps what any process has mounted)
-        self.root = os.path.realpath(root or os.environ.get("CODEDOJO_SANDBOX_ROOT")
-                                     or DEFAULT_ROOT)
+        self.root = os.path.realpath(store_root(root))
         _raise_nofile_limit()
         self.sandboxes_dir = os.path.join(self.root, "sandboxes")
         os.makedirs(self.sandboxes_dir, exist_ok=True)
