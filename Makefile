@@ -1,4 +1,5 @@
-# The README's two commands: `make demo` and `make test`. Both set up .venv when it is missing.
+# The README's two commands: `make demo` and `make test`. Both set up .venv first where setup has
+# not passed yet (the stamp below), or pyproject.toml changed since.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

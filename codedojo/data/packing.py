@@ -10,8 +10,8 @@ id: which document of the row it belongs to. From the segment ids a batch gets
 
 Together these make a document's loss identical packed or alone (tested). A document longer than
 a row is split; each piece restarts its positions, and the next opens with the token that ended
-the last (there only a target), so that every next-token pair of the document is trained once. Padding (only in the last row) has segment -1
-and is never trained.
+the last (there only a target), so that every next-token pair of the document is trained once.
+Padding (only in the last row) has segment -1 and is never trained.
 
 Packed with ``origins``, a row also records where each token came from in its source's token
 stream, so that per-token vectors stored beside a source (``features.py``: the frozen model's

@@ -769,6 +769,7 @@ def test_a_stage_packs_the_continuations_of_the_model_it_starts_from(tmp_path):
     assert not np.array_equal(packs[0].tokens, packs[1].tokens)
 
 
+@needs_kernel  # (op by op, the continuations are the model's with or without the fix)
 def test_a_self_gen_stage_trains_on_the_continuations_of_the_model_it_starts_from(tmp_path):
     """In one run whose eval continuations decode with the CPU kernels before later stages
     train the model, the `self` rows and the hidden states stored beside them are those of the
