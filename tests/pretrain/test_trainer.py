@@ -1132,17 +1132,7 @@ def test_a_log_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path, monkeypat
     tok, quiet = load_tokenizer(), Console(quiet=True)
     whole = trainer.run(cfg, tok=tok, console=quiet)
     cut = cfg.model_copy(update={"name": "cut"})
-    real = trainer.wsd_lr
-
-    def stop(step: int, **k: Any) -> float:
-        if step == 2:  # the third step: the checkpoint and the log hold two
-            raise KeyboardInterrupt
-        return real(step, **k)
-
-    monkeypatch.setattr(trainer, "wsd_lr", stop)
-    with pytest.raises(KeyboardInterrupt):
-        trainer.run(cut, tok=tok, console=quiet)
-    monkeypatch.setattr(trainer, "wsd_lr", real)
+    _stopped_at(monkeypatch, 2, cut, tok, quiet)  # the third step: the log holds two
     log = cut.run_dir / "metrics.jsonl"
     with log.open("a") as f:  # the third step's row, cut short
         f.write('{"stage": "bulk", "step": 3, "lo')
@@ -1194,17 +1184,7 @@ def test_a_stage_resumes_only_on_as_many_processes_as_it_was_started_on(tmp_path
     bulk = five.stages[0].model_copy(update={"steps": 4, "checkpoint_every": 2})
     cfg = five.model_copy(update={"stages": [bulk]})
     tok, quiet = load_tokenizer(), Console(quiet=True)
-    real = trainer.wsd_lr
-
-    def stop_at_3(step, **k):
-        if step == 3:
-            raise KeyboardInterrupt
-        return real(step, **k)
-
-    monkeypatch.setattr(trainer, "wsd_lr", stop_at_3)
-    with pytest.raises(KeyboardInterrupt):
-        trainer.run(cfg, tok=tok, console=quiet)
-    monkeypatch.setattr(trainer, "wsd_lr", real)
+    _stopped_at(monkeypatch, 3, cfg, tok, quiet)
     state = cfg.run_dir / "ckpt" / "bulk" / "state.json"
     assert read_position(state.parent).world == 1
     pos = json.loads(state.read_text())
@@ -1229,3 +1209,21 @@ def test_the_probe_filler_reads_only_the_held_out_tokens_it_takes(tmp_path):
     shards.doc = lambda i: (read.append(i), doc(i))[1]  # type: ignore[method-assign]
     assert np.concatenate(list(_leading(shards, 25))).tolist() == list(range(25))
     assert read == [0, 1, 2]  # (not the whole held-out set, concatenated and then cut)
+
+
+def _stopped_at(monkeypatch: pytest.MonkeyPatch, step: int, cfg: PretrainConfig, tok: Any,
+                console: Any) -> None:
+    """`run` stopped (a KeyboardInterrupt) as it reaches step index ``step``."""
+    from codedojo.pretrain import trainer
+
+    real = trainer.wsd_lr
+
+    def stop(at: int, **k: Any) -> float:
+        if at == step:
+            raise KeyboardInterrupt
+        return real(at, **k)
+
+    monkeypatch.setattr(trainer, "wsd_lr", stop)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(cfg, tok=tok, console=console)
+    monkeypatch.setattr(trainer, "wsd_lr", real)
