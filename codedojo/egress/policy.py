@@ -272,10 +272,10 @@ def address_denied(ip: IPAddress, own: Collection[IPAddress] = ()) -> str | None
     IPv6, and the host's own addresses. An IPv6 address that carries an IPv4 one (mapped,
     6to4, NAT64's well-known prefix, which DNS64 answers with on an IPv6-only network) is
     judged by the IPv4 address it leads to as well."""
-    if ip in own:
-        return f"{ip} is one of the proxy host's own addresses"
     if isinstance(ip, ipaddress.IPv6Address):
         if (v4 := _embedded_ipv4(ip)) is not None:
+            if ip in own:
+                return f"{ip} is one of the proxy host's own addresses"
             why = address_denied(v4, own)
             return why and f"{ip} leads to {v4}: {why}"
         if ip.is_site_local:
@@ -292,6 +292,8 @@ def address_denied(ip: IPAddress, own: Collection[IPAddress] = ()) -> str | None
         return f"{ip} is a private address"
     if ip.is_multicast or ip.is_reserved or ip.is_unspecified:
         return f"{ip} is not a unicast address"
+    if ip in own:
+        return f"{ip} is one of the proxy host's own addresses"
     if not ip.is_global:
         return f"{ip} is not a public address"
     return None
