@@ -23,7 +23,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-MAX_CHOICES = 4096  # prompts x n of one completions request: each is an engine request
+# Prompts x n of one completions request. Each choice is an engine request, all of them queued
+# at once, and the engine admits requests first come, first served: a request of many choices
+# holds every later request back until its last choice has a slot. 128 is still a batch of RL
+# groups (8 prompts x n=16), and bounds that wait to 128 requests' worth (a caller with more
+# sends several requests, which other clients' requests can come between).
+MAX_CHOICES = 128
+# Characters of one stop string: each is matched character by character as text comes, with a
+# table as long as it, built for each request; a stop string is a few words.
+MAX_STOP_CHARS = 4096
 
 
 class _Request(BaseModel):
@@ -202,6 +210,9 @@ class _Sampling(_Request):
             raise ValueError("stop strings must be non-empty")
         if len(stops) > 16:
             raise ValueError("at most 16 stop strings")
+        if (longest := max(map(len, stops), default=0)) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string may be at most {MAX_STOP_CHARS} characters, "
+                             f"got one of {longest}")
         return stops
 
     @field_validator("presence_penalty", "frequency_penalty")

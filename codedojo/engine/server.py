@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI on uvicorn, backed by one `Engine`.
 
-Routes: `GET /health`, `GET /v1/models`, `POST /v1/chat/completions` (streaming, `tools`,
-`tool_choice`, `parallel_tool_calls`, parsed `tool_calls`: `_answer` says what each does),
-`POST /v1/completions` (text or token-id prompts).
+Routes: `GET /health`, `GET /v1/models`, `GET /v1/models/{model}`, `POST /v1/chat/completions`
+(streaming, `tools`, `tool_choice`, `parallel_tool_calls`, parsed `tool_calls`: `_answer` says
+what each does), `POST /v1/completions` (text or token-id prompts).
 
 Division of labour: the engine works on token ids only; this module owns text. It renders chat
 messages to prompt ids (`ChatTemplate`), turns sampled ids back into text incrementally, cuts the
@@ -11,7 +11,9 @@ parses tool calls out of the finished text. Every request goes to the one engine
 requests share its batches.
 
 Bad input is an HTTP 400 in OpenAI's error shape whose `param` names the field; an unknown
-route is a 404; an internal failure is a 500 for that request only. The server keeps serving.
+route, or model, is a 404; an internal failure is a 500 for that request only. The server keeps
+serving. Prompts are rendered and encoded on worker threads, so that a long one does not hold
+up the other requests.
 """
 
 from __future__ import annotations
@@ -145,13 +147,15 @@ class ChoiceResult:
 
 class TextAssembler:
     """Builds a choice's text from token ids: skips stop tokens, holds back text that may be the
-    start of a stop string, and reports where a stop string completes."""
+    start of a stop string, and reports where a stop string completes.
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], stop_ids: Sequence[int],
+    ``stops`` are stop strings, or a `_Start` of each, whose tables the assembler shares (the
+    choices of one request watch for the same stop strings: their tables are built once)."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str | _Start], stop_ids: Sequence[int],
                  skip_special_tokens: bool) -> None:
         self.decoder = tokenizer.incremental_decoder(skip_special_tokens=skip_special_tokens)
-        self.stops = [s for s in stops if s]
-        self.starts = [_Start(s) for s in self.stops]
+        self.starts = [_Start(s) for s in stops if s]
         self.stop_ids = set(stop_ids)
         self.text = ""  # everything decoded so far (may run past a stop string)
         self.released = 0  # text[:released] has been handed out
@@ -172,7 +176,7 @@ class TextAssembler:
 
     def _release(self, final: bool) -> str:
         held = 0
-        if self.stops and not self.stopped:
+        if self.starts and not self.stopped:
             new = self.text[self.starts[0].fed:]  # (each start has been fed as much)
             held = max(start.feed(new) for start in self.starts)
             hits = [start.at for start in self.starts if start.at is not None]
@@ -189,18 +193,17 @@ class _Start:
     """Where ``word`` first starts in the text fed so far (``at``), and until it does, the
     longest start of it the text ends with: text to hold back, as it may become the word.
     Kept as the text grows, a character a step (Knuth-Morris-Pratt): a long word costs no more
-    per token than a short one."""
+    per token than a short one. Given another `_Start`, a fresh one for the same word that shares
+    its table (building one takes a step a character of the word: the choices of a request
+    share theirs)."""
 
-    def __init__(self, word: str) -> None:
-        self.word, self.k, self.fed = word, 0, 0
+    def __init__(self, word: str | _Start) -> None:
+        if isinstance(word, _Start):
+            self.word, self.fail = word.word, word.fail
+        else:
+            self.word, self.fail = word, _failure_table(word)
+        self.k, self.fed = 0, 0
         self.at: int | None = None
-        self.fail = [0] * len(word)  # fail[i]: the longest start of word that word[:i+1] ends with
-        j = 0
-        for i in range(1, len(word)):
-            while j and word[i] != word[j]:
-                j = self.fail[j - 1]
-            j += word[i] == word[j]
-            self.fail[i] = j
 
     def feed(self, text: str) -> int:
         word, fail, k = self.word, self.fail, self.k
@@ -214,6 +217,19 @@ class _Start:
                 self.at = self.fed + i + 1 - len(word)
         self.k, self.fed = k, self.fed + len(text)
         return fail[k - 1] if k == len(word) else k  # (the whole word: its longest border)
+
+
+def _failure_table(word: str) -> list[int]:
+    """``fail[i]``: the length of the longest start of ``word`` that ``word[:i+1]`` ends with
+    (not all of it)."""
+    fail = [0] * len(word)
+    j = 0
+    for i in range(1, len(word)):
+        while j and word[i] != word[j]:
+            j = fail[j - 1]
+        j += word[i] == word[j]
+        fail[i] = j
+    return fail
 
 
 def _space_start(text: str, start: int, end: int, run: int) -> int:
@@ -239,6 +255,12 @@ class ServerState:
     max_model_len: int
     aliases: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
+    longest_token: int = field(init=False)  # the most bytes of text one token stands for
+
+    def __post_init__(self) -> None:
+        tok = self.tokenizer
+        self.longest_token = max((len(tok.token_bytes(i)) for i in range(tok.vocab_size)),
+                                 default=1)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -296,10 +318,17 @@ def create_app(engine: StreamingEngine, tokenizer: Tokenizer, chat: ChatTemplate
         return {"status": "ok", "model": state.model_name, "weight_version": state.engine.weight_version,
                 "speculative": None if report is None else report()}
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=state.created, max_model_len=state.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        cards = [ModelCard(id=n, created=state.created, max_model_len=state.max_model_len) for n in state.names]
-        return ModelList(data=cards).model_dump()
+        return ModelList(data=[card(n) for n in state.names]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")  # (a served name may hold slashes: org/model)
+    async def model(model_id: str) -> dict[str, Any]:
+        _check_model(state, model_id)
+        return card(model_id).model_dump()
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
@@ -318,9 +347,22 @@ def create_app(engine: StreamingEngine, tokenizer: Tokenizer, chat: ChatTemplate
 
 
 def _check_model(state: ServerState, name: str) -> None:
+    """An unknown model is a 404 "model_not_found", as OpenAI and vLLM answer it."""
     if name not in state.names:
-        raise APIError(400, f"model {name!r} is not served here; available: {list(state.names)}", "model",
-                       code="model_not_found")
+        raise APIError(404, f"model {name!r} is not served here; available: {list(state.names)}",
+                       "model", code="model_not_found")
+
+
+def _check_fits(state: ServerState, text: str, param: str) -> None:
+    """Refuse, before encoding it, prompt text that cannot fit the model's context: each token
+    stands for at most `longest_token` bytes of it (and bytes the tokenizer drops, for none), so
+    text of more bytes than the context's tokens hold is more tokens than the context. This
+    costs a pass over the bytes; encoding costs far more, the longer the text."""
+    size = len(text.encode("utf-8", "surrogatepass")) - state.tokenizer.dropped_bytes(text)
+    if size > state.max_model_len * state.longest_token:
+        raise APIError(400, f"the prompt is {size} bytes of text, more than the model's context "
+                       f"of {state.max_model_len} tokens can hold", param,
+                       code="context_length_exceeded")
 
 
 def _sampling(state: ServerState, req: ChatCompletionRequest | CompletionRequest, prompt_len: int,
@@ -365,8 +407,9 @@ def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
                              "stop_token_ids": list(params.stop_token_ids)})
 
 
-async def _run_choice(state: ServerState, prompt_ids: list[int], params: SamplingParams, stops: list[str],
-                      skip_special: bool, prefix: str = "") -> AsyncIterator[Piece | ChoiceResult]:
+async def _run_choice(state: ServerState, prompt_ids: list[int], params: SamplingParams,
+                      stops: Sequence[str | _Start], skip_special: bool,
+                      prefix: str = "") -> AsyncIterator[Piece | ChoiceResult]:
     """Stream one choice: a `Piece` per engine token, then the `ChoiceResult`.
 
     `prefix` is text the server prefilled at the end of the prompt (a forced tool call's
@@ -633,6 +676,15 @@ def _answer(state: ServerState, req: ChatCompletionRequest, text: str,
     return text.strip(), []
 
 
+def _chat_prompt(state: ServerState, messages: list[dict[str, Any]],
+                 tools: list[dict[str, Any]] | None, prefix: str) -> list[int]:
+    """The prompt's ids: the messages rendered (refused if the text cannot fit), then encoded,
+    then ``prefix``'s ids."""
+    _check_fits(state, state.chat.render(messages, tools, add_generation_prompt=True), "messages")
+    ids = state.chat.encode(messages, tools, add_generation_prompt=True)
+    return ids + state.tokenizer.encode(prefix) if prefix else ids
+
+
 async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request) -> Any:
     _check_model(state, req.model)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -649,14 +701,13 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
             if forced not in [t["function"]["name"] for t in tools]:
                 raise APIError(400, f"tool_choice names {forced!r}, which is not in tools", "tool_choice")
         prefix = state.chat.tool_format.call_prefix(forced)
-    try:
-        prompt_ids = state.chat.encode(messages, tools if use_tools else None, add_generation_prompt=True)
+    try:  # (on a worker thread: the event loop serves the other requests meanwhile)
+        prompt_ids = await asyncio.to_thread(_chat_prompt, state, messages,
+                                             tools if use_tools else None, prefix)
     except ChatFormatError as e:
         raise APIError(400, str(e), e.param) from None
-    if prefix:
-        prompt_ids = prompt_ids + state.tokenizer.encode(prefix)
     params = _sampling(state, req, len(prompt_ids), req.logprobs, req.top_logprobs or 0, "messages")
-    stops = req.stops
+    stops = [_Start(s) for s in req.stops]  # (their tables, shared by the n choices)
     version = state.engine.weight_version
     rid, created = _new_id("chatcmpl"), int(time.time())
     gens = [_run_choice(state, prompt_ids, _choice_params(params, i), stops, req.skip_special_tokens, prefix)
@@ -701,7 +752,8 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
     # `_answer` strips the content), and how much of it went out as content.
     seen = ["" for _ in gens]
     sent = [0 for _ in gens]
-    starts = [_Start(marker) for _ in gens] if marker else []
+    marker_start = _Start(marker) if marker else None
+    starts = [_Start(marker_start) for _ in gens] if marker_start else []
     # With tools, per choice: how much of the text was read for the whitespace before `safe`,
     # and where the whitespace that ends that much starts.
     read = [0 for _ in gens]
@@ -775,6 +827,8 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
 
 
 def _prompts(state: ServerState, prompt: Any) -> list[list[int]]:
+    """Each prompt's ids. Texts are refused if they cannot fit, then encoded together
+    (`Tokenizer.encode_batch`, which lets other threads run meanwhile)."""
     vocab = state.tokenizer.vocab_size
     if isinstance(prompt, str):
         batch: list[Any] = [prompt]
@@ -782,33 +836,38 @@ def _prompts(state: ServerState, prompt: Any) -> list[list[int]]:
         batch = [prompt]
     else:
         batch = list(prompt)
+    wheres = ["prompt"] if len(batch) == 1 else [f"prompt[{j}]" for j in range(len(batch))]
+    texts = [j for j, p in enumerate(batch) if isinstance(p, str)]
+    for j in texts:
+        _check_fits(state, batch[j], wheres[j])
+    encoded = dict(zip(texts, state.tokenizer.encode_batch([batch[j] for j in texts]), strict=True))
     out = []
     for j, p in enumerate(batch):
         if isinstance(p, str):
-            ids = state.tokenizer.encode(p)
+            ids = encoded[j]
             if not ids:
-                where = "prompt" if len(batch) == 1 else f"prompt[{j}]"
-                raise APIError(400, f"{where}: empty text", where)
+                raise APIError(400, f"{wheres[j]}: empty text", wheres[j])
         else:
             ids = list(p)
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                where = "prompt" if len(batch) == 1 else f"prompt[{j}]"
-                raise APIError(400, f"{where}: token ids must be in [0, {vocab}), got {bad[:5]}", where)
+                raise APIError(400, f"{wheres[j]}: token ids must be in [0, {vocab}), "
+                               f"got {bad[:5]}", wheres[j])
         out.append(ids)
     return out
 
 
 async def _completions(state: ServerState, req: CompletionRequest, request: Request) -> Any:
     _check_model(state, req.model)
-    prompts = _prompts(state, req.prompt)
+    prompts = await asyncio.to_thread(_prompts, state, req.prompt)  # (as `_chat`'s)
     n_lp = req.logprobs
     params = [_sampling(state, req, len(p), n_lp is not None, n_lp or 0, "prompt") for p in prompts]
     version = state.engine.weight_version
     rid, created = _new_id("cmpl"), int(time.time())
     # Choice k*n + i is prompt k's i-th sample, as OpenAI numbers them.
     jobs = [(k, p, _choice_params(params[k], i)) for k, p in enumerate(prompts) for i in range(req.n)]
-    gens = [_run_choice(state, p, sp, req.stops, req.skip_special_tokens) for _, p, sp in jobs]
+    stops = [_Start(s) for s in req.stops]  # (their tables, shared by every choice)
+    gens = [_run_choice(state, p, sp, stops, req.skip_special_tokens) for _, p, sp in jobs]
     tok = state.tokenizer
 
     if req.stream:
@@ -852,12 +911,23 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
     cached = [0 for _ in jobs]
     tok = state.tokenizer
     offsets = [TextOffsets(tok, req.skip_special_tokens) for _ in jobs]
+    # With return_token_ids, each choice's first chunk carries its prompt's ids, as the whole
+    # response's choice does; `opened[idx]`: choice idx's first chunk went out.
+    opened = [False for _ in jobs]
+
+    def out(idx: int, choice: dict[str, Any]) -> dict[str, Any]:
+        if req.return_token_ids and not opened[idx]:
+            choice["prompt_token_ids"] = jobs[idx][1]
+        opened[idx] = True
+        return choice
+
     try:
         if req.echo:
             for idx, (_, p, _) in enumerate(jobs):
                 echoed = tok.decode(p)
                 offsets[idx].at = len(echoed)
-                yield _sse({**base, "choices": [{"index": idx, "text": echoed, "finish_reason": None}]})
+                yield _sse({**base, "choices": [out(idx, {"index": idx, "text": echoed,
+                                                          "finish_reason": None})]})
         async for idx, item in _merge(gens):
             if isinstance(item, Piece):
                 choice: dict[str, Any] = {"index": idx, "text": item.text, "finish_reason": None}
@@ -870,17 +940,17 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, rid: st
                             tok, [item.token_id], [item.logprob], [item.top], offsets[idx],
                             bool(req.logprobs), req.skip_special_tokens)
                 if item.text or len(choice) > 3:
-                    yield _sse({**base, **_version_of(item), "choices": [choice]})
+                    yield _sse({**base, **_version_of(item), "choices": [out(idx, choice)]})
             else:
                 finished += 1
                 cached[idx] = item.cached_tokens
                 last: dict[str, Any] = {"index": idx, "text": "", "finish_reason": item.finish_reason}
                 if (routed := item.routed_for(req)) is not None:
                     last["routed_experts"] = routed
-                chunk = {**base, **_version_of(item), "choices": [last]}
+                chunk = {**base, **_version_of(item), "choices": [out(idx, last)]}
                 usage = Usage.of(prompt_tokens, completion_tokens, _cached_tokens(cached, req.n))
-                for out in _with_usage(chunk, finished == len(gens), include_usage, usage):
-                    yield out
+                for line in _with_usage(chunk, finished == len(gens), include_usage, usage):
+                    yield line
     except Exception as e:
         yield _sse(error_body(f"internal error: {type(e).__name__}: {e}", None, "server_error"))
     yield "data: [DONE]\n\n"
@@ -945,7 +1015,10 @@ class _ReadyServer(uvicorn.Server):
             await super().startup(sockets)
             if self.started and self.servers:
                 port = self.servers[0].sockets[0].getsockname()[1]
-                self.owner.url = f"http://{self.config.host}:{port}"
+                host = self.config.host
+                if ":" in host:  # an IPv6 address: a URL brackets it
+                    host = f"[{host}]"
+                self.owner.url = f"http://{host}:{port}"
                 if self.owner.on_ready is not None:
                     self.owner.on_ready(self.owner.url)
         finally:

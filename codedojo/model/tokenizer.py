@@ -357,9 +357,10 @@ class Tokenizer:
         if special:
             backend = self.backend
         else:
-            if self._as_text is None:
-                self._as_text = _HFTokenizer.from_str(self.backend.to_str())
-                self._as_text.encode_special_tokens = True
+            if self._as_text is None:  # (set once whole: another thread may encode with it)
+                as_text = _HFTokenizer.from_str(self.backend.to_str())
+                as_text.encode_special_tokens = True
+                self._as_text = as_text
             backend = self._as_text
         return _encode(backend, text).ids
 

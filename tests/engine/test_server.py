@@ -168,7 +168,6 @@ def test_concurrent_requests_all_answer(client):
 BAD = [
     ({"model": MODEL, "messages": []}, "messages"),
     ({"model": MODEL}, "messages"),
-    ({"model": "gpt-9", "messages": MSGS}, "model"),
     ({"model": MODEL, "messages": MSGS, "max_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "messages": MSGS, "max_completion_tokens": -3}, "max_completion_tokens"),
     ({"model": MODEL, "messages": MSGS, "max_tokens": 10_000}, "max_tokens"),
@@ -185,6 +184,7 @@ BAD = [
     ({"model": MODEL, "messages": MSGS, "tools": [{"function": {"name": "f"}}]}, "tools[0].type"),
     ({"model": MODEL, "messages": MSGS, "tool_choice": "required"}, "tool_choice"),  # no tools
     ({"model": MODEL, "messages": MSGS, "stop": [""]}, "stop"),
+    ({"model": MODEL, "messages": MSGS, "stop": ["ok", "x" * 4097]}, "stop"),  # too long
     ({"model": MODEL, "messages": MSGS, "top_logprobs": 3}, "top_logprobs"),  # no logprobs
     # would change the tokens, and are not done here: refused, not ignored
     ({"model": MODEL, "messages": MSGS, "logit_bias": {"5": -100}}, "logit_bias"),
@@ -380,9 +380,86 @@ def test_a_value_of_another_json_type_is_a_400_not_converted(server, http, field
 
 
 def test_a_completions_request_of_too_many_choices_is_refused(server, http):
-    body = {"model": MODEL, "prompt": ["a"] * 100, "n": 41, "max_tokens": 1}
+    body = {"model": MODEL, "prompt": [[5]] * 16, "n": 9, "max_tokens": 1}
     r = http.post(server.url + "/v1/completions", json=body)
-    assert r.status_code == 400 and "100 prompts x n=41 choices" in r.json()["error"]["message"]
+    assert r.status_code == 400, r.text
+    assert "16 prompts x n=9 choices" in r.json()["error"]["message"] and "(128)" in r.text
+
+
+def test_an_unknown_model_is_a_404_and_a_served_one_can_be_looked_up(client, server, http):
+    for call in (lambda: client.chat.completions.create(model="gpt-9", messages=MSGS),
+                 lambda: client.completions.create(model="gpt-9", prompt="a"),
+                 lambda: client.models.retrieve("gpt-9")):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.code == "model_not_found" and "gpt-9" in e.value.message
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_extra["max_model_len"] == 256
+    r = http.get(server.url + "/v1/models/org/other")  # (a name with a slash is a model's too)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_streamed_completion_gives_each_choice_its_prompt_ids(server, http):
+    body = {"model": MODEL, "prompt": ["the", "the other one"], "n": 2, "max_tokens": 3,
+            "return_token_ids": True}
+    whole = http.post(server.url + "/v1/completions", json=body).json()["choices"]
+    for echo in (False, True):
+        r = http.post(server.url + "/v1/completions", json={**body, "stream": True, "echo": echo})
+        chunks = [c for line in r.text.splitlines() if line.startswith("data: {")
+                  for c in json.loads(line[6:])["choices"]]
+        for ch in whole:
+            mine = [c for c in chunks if c["index"] == ch["index"]]
+            assert mine[0]["prompt_token_ids"] == ch["prompt_token_ids"]
+            assert all("prompt_token_ids" not in c for c in mine[1:])
+
+
+def test_prompts_are_encoded_off_the_event_loop_and_too_long_text_is_not_encoded(
+        tok, http, monkeypatch):
+    """Encoding a long prompt takes a while: it runs on a worker thread, and text with more
+    bytes than the context's tokens could stand for is refused before it is encoded."""
+    from codedojo.model.tokenizer import Tokenizer
+
+    threads = []
+
+    def recorded(f):
+        def record(self, *args, **kw):
+            threads.append(threading.current_thread())
+            return f(self, *args, **kw)
+        return record
+
+    for name in ("encode", "encode_batch"):
+        monkeypatch.setattr(Tokenizer, name, recorded(getattr(Tokenizer, name)))
+    with BackgroundServer(create_app(ReplayEngine(tok.encode("ok")), tok,
+                                     model_name=MODEL)) as srv:
+        r = http.post(f"{srv.url}/v1/chat/completions", json={"model": MODEL, "messages": MSGS})
+        assert r.status_code == 200, r.text
+        r = http.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]})
+        assert r.status_code == 200, r.text
+        assert threads and srv.thread not in threads
+        threads.clear()
+        big = "the other one " * 20_000  # 280,000 bytes; 4096 tokens are at most 13 bytes each
+        for path, body, param in (
+                ("chat/completions", {"messages": [{"role": "user", "content": big}]}, "messages"),
+                ("completions", {"prompt": ["a", big]}, "prompt[1]")):
+            r = http.post(f"{srv.url}/v1/{path}", json={"model": MODEL, **body})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+            assert err["param"] == param and "bytes of text" in err["message"]
+        assert threads == []
+
+
+def test_the_url_of_a_server_on_an_ipv6_address_is_bracketed(tok, http):
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with BackgroundServer(create_app(ReplayEngine([]), tok, model_name=MODEL),
+                          host="::1") as srv:
+        assert srv.url.startswith("http://[::1]:")
+        assert http.get(srv.url + "/health").status_code == 200
 
 
 def test_a_port_already_taken_is_said_at_once(tok, server):
@@ -491,6 +568,30 @@ def test_a_named_tool_choice_answers_with_calls_to_it_alone(replay):
     assert whole == streamed == (prefilled + answer, [], "stop")
 
 
+def test_the_choices_of_a_request_share_their_stop_strings_tables(server, http, monkeypatch):
+    import codedojo.engine.server as server_module
+
+    made: list[TextAssembler] = []
+
+    class Recorded(TextAssembler):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(server_module, "TextAssembler", Recorded)
+    stops = ["zq" * 50, "qz"]
+    for path, body in (("chat/completions", {"messages": MSGS, "n": 3}),
+                       ("completions", {"prompt": ["the", "one"], "n": 2})):
+        made.clear()
+        r = http.post(f"{server.url}/v1/{path}",
+                      json={"model": MODEL, "max_tokens": 2, "stop": stops, **body})
+        assert r.status_code == 200, r.text
+        assert len(made) == len(r.json()["choices"]) > 1
+        for j, stop in enumerate(stops):
+            tables = {id(asm.starts[j].fail) for asm in made}
+            assert len(tables) == 1 and made[0].starts[j].word == stop
+
+
 def test_stop_string_closes_the_engine_stream(replay):
     client, _, engine = replay("abc STOP def ghi")
     r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=200, stop="STOP")
@@ -524,7 +625,7 @@ def test_the_text_held_back_is_the_longest_start_of_a_stop_the_text_ends_with():
     for _ in range(300):
         word = "".join(rng.choice("ab") for _ in range(rng.randint(1, 7)))
         text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
-        start, at = _Start(word), 0
+        start, at = _Start(_Start(word) if rng.random() < 0.5 else word), 0
         while at < len(text):
             step = rng.randint(1, 4)
             held = start.feed(text[at:at + step])

@@ -321,3 +321,34 @@ def test_a_folder_without_a_tokenizer_says_what_it_lacks(tmp_path):
     with pytest.raises(FileNotFoundError, match="a checkpoint saved without its run's "
                        "tokenizer: copy the run's tokenizer.json"):
         load_tokenizer(str(tmp_path))
+
+
+def test_the_text_reading_backend_is_seen_by_other_threads_only_when_ready(monkeypatch):
+    """`encode(special=False)` builds its second backend on first use; a thread that finds it
+    set must find it reading control-token text as text already."""
+    import codedojo.model.tokenizer as module
+
+    tok = load_tokenizer()
+    tok._as_text = None
+    real = module._HFTokenizer
+    seen: list[object] = []
+
+    class Watched:
+        def __init__(self, inner: object) -> None:
+            object.__setattr__(self, "inner", inner)
+
+        def __setattr__(self, name: str, value: object) -> None:
+            seen.append(tok._as_text)  # what another thread would find as the flag is set
+            setattr(self.inner, name, value)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.inner, name)
+
+    class Factory:
+        @staticmethod
+        def from_str(text: str) -> Watched:
+            return Watched(real.from_str(text))
+
+    monkeypatch.setattr(module, "_HFTokenizer", Factory)
+    ids = tok.encode("<|im_end|>", special=False)
+    assert seen == [None] and tok.special.eos not in ids
