@@ -20,6 +20,11 @@ class SandboxError(Exception):
     """A request the sandbox refuses (bad path, missing layer, limit exceeded, unknown id)."""
 
 
+class NotFound(SandboxError):
+    """An unknown or destroyed sandbox, or an unknown shell (the service's 404; its client
+    raises it for every 404, an image a route names included)."""
+
+
 class FileTooLarge(SandboxError):
     """`Sandbox.read_file` of a file longer than the ``max_bytes`` asked for."""
 

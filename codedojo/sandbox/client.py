@@ -3,15 +3,16 @@
     client = SandboxClient("http://127.0.0.1:8181")
     sb = client.create(SandboxSpec(image="repo"))      # a RemoteSandbox: exec, files, fork, ...
 
-Errors the service reports come back as `SandboxError` with the service's message, so code
-written against `Sandbox` handles both kinds the same way. Egress attachments are Python
-objects and cannot cross HTTP: a spec with `egress` is refused here (attach egress on the
-service's side instead).
+Errors the service reports come back as `SandboxError` with the service's message (a 404 as
+`NotFound`), so code written against `Sandbox` handles both kinds the same way. Egress
+attachments are Python objects and cannot cross HTTP: a spec with `egress` is refused here
+(attach egress on the service's side instead).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,7 @@ from codedojo.sandbox.base import (
     ExecResult,
     FileInfo,
     FileTooLarge,
+    NotFound,
     SandboxError,
     SandboxSpec,
     token_path,
@@ -72,6 +74,9 @@ class _Http:
                                ) from None
         except httpx.HTTPError as e:
             raise SandboxError(f"sandbox service unreachable: {e}") from None
+        except UnicodeEncodeError as e:  # (a lone surrogate in a str: no UTF-8 stands for it)
+            raise SandboxError(f"{method} {url}: the request holds text that cannot be sent "
+                               f"({e})") from None
         if r.status_code >= 400:
             try:
                 body = r.json()
@@ -82,7 +87,8 @@ class _Http:
                 raise FileTooLarge(body["path"], body["size"], body["max_bytes"])
             if isinstance(detail, list):  # FastAPI validation errors: name the fields
                 detail = field_errors(detail)
-            raise SandboxError(f"{detail} (HTTP {r.status_code})")
+            raise (NotFound if r.status_code == 404 else SandboxError)(
+                f"{detail} (HTTP {r.status_code})")
         return r.content if raw else r.json()
 
 
@@ -104,13 +110,17 @@ class RemoteSandbox:
     """A sandbox living in the service; implements `codedojo.sandbox.base.Sandbox`.
 
     ``exec_timeout_s``: its `Limits.exec_timeout_s`, how long a command given no time limit
-    may run (and its answer is waited for)."""
+    may run (and its answer is waited for). ``source``: the image or snapshot its layers come
+    from, as `LocalSandbox.source` (a fork's is the snapshot `fork` took, to remove once the
+    forks are gone)."""
 
-    def __init__(self, client: SandboxClient, sandbox_id: str, exec_timeout_s: float):
+    def __init__(self, client: SandboxClient, sandbox_id: str, exec_timeout_s: float,
+                 source: str | None = None):
         self._client = client
         self._http = client._http
         self.id = sandbox_id
         self.exec_timeout_s = exec_timeout_s
+        self.source = source
 
     def _url(self, tail: str) -> str:
         return f"/sandboxes/{_part(self.id)}{tail}"
@@ -162,19 +172,18 @@ class RemoteSandbox:
 
     def fork(self, n: int = 1, snapshot: str | None = None) -> list[RemoteSandbox]:
         # (a fork has its parent's limits)
-        ids = self._http.call("POST", self._url("/fork"), json={"n": n, "snapshot": snapshot},
-                              wait=CREATE_WAIT_S * n if isinstance(n, int) else None)["ids"]
-        return [RemoteSandbox(self._client, i, self.exec_timeout_s) for i in ids]
+        doc = self._http.call("POST", self._url("/fork"), json={"n": n, "snapshot": snapshot},
+                              wait=CREATE_WAIT_S * n if isinstance(n, int) else None)
+        return [RemoteSandbox(self._client, i, self.exec_timeout_s, doc.get("source"))
+                for i in doc["ids"]]
 
     def restore(self, snapshot: str) -> None:
-        self._http.call("POST", self._url("/restore"), json={"snapshot": snapshot})
+        self.source = self._http.call("POST", self._url("/restore"),
+                                      json={"snapshot": snapshot}).get("source")
 
     def destroy(self) -> None:
-        try:
+        with contextlib.suppress(NotFound):  # (gone already)
             self._http.call("DELETE", self._url(""))
-        except SandboxError as e:
-            if "HTTP 404" not in str(e):
-                raise
 
 
 class RemoteImages:
@@ -227,7 +236,7 @@ def _local_token() -> str | None:
 
     try:
         with open(token_path(store_root())) as f:
-            return f.read().strip()
+            return f.read().strip() or None
     except OSError:
         return None
 
@@ -246,12 +255,12 @@ class SandboxClient:
         if spec.egress is not None:
             raise SandboxError("spec.egress: an egress attachment cannot be sent to the service")
         body = {"image": spec.image, "limits": dataclasses.asdict(spec.limits), "env": dict(spec.env)}
-        sandbox_id = self._http.call("POST", "/sandboxes", json=body, wait=CREATE_WAIT_S)["id"]
-        return RemoteSandbox(self, sandbox_id, spec.limits.exec_timeout_s)
+        doc = self._http.call("POST", "/sandboxes", json=body, wait=CREATE_WAIT_S)
+        return RemoteSandbox(self, doc["id"], spec.limits.exec_timeout_s, doc.get("source"))
 
     def get(self, sandbox_id: str) -> RemoteSandbox:
         doc = self._http.call("GET", f"/sandboxes/{_part(sandbox_id)}")
-        return RemoteSandbox(self, sandbox_id, doc["limits"]["exec_timeout_s"])
+        return RemoteSandbox(self, sandbox_id, doc["limits"]["exec_timeout_s"], doc.get("source"))
 
     def list(self) -> list[dict]:
         return self._http.call("GET", "/sandboxes")["sandboxes"]

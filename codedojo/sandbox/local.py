@@ -57,7 +57,8 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 from codedojo.sandbox.agent import agent_binary
 from codedojo.sandbox.base import (
@@ -68,6 +69,7 @@ from codedojo.sandbox.base import (
     FileInfo,
     FileTooLarge,
     Limits,
+    NotFound,
     SandboxError,
     SandboxSpec,
     cut_line,
@@ -624,6 +626,13 @@ class _InitGone(SandboxError):
     admin's kill): the create goes on without it."""
 
 
+class _Root(NamedTuple):
+    """The sandbox's root as one file call holds it (`LocalSandbox._root`)."""
+
+    fd: int  # an O_PATH fd of the root, the call's own copy
+    kernel_devs: set[int]  # the devices of its kernel file systems (`_kernel_devices`)
+
+
 class LocalSandbox:
     """One sandbox (see the module docstring). Implements `codedojo.sandbox.base.Sandbox`."""
 
@@ -927,7 +936,7 @@ class LocalSandbox:
 
     def _check_alive(self) -> None:
         if self.destroyed:
-            raise SandboxError(f"sandbox {self.id} was destroyed")
+            raise NotFound(f"sandbox {self.id} was destroyed")
 
     # ---- exec ----
 
@@ -957,7 +966,7 @@ class LocalSandbox:
             raise SandboxError("command: NUL byte in an argument")
         limits = self.spec.limits
         timeout = limits.exec_timeout_s if timeout is None else seconds(timeout, "timeout")
-        data = stdin.encode() if isinstance(stdin, str) else stdin
+        data = _utf8(stdin, "stdin") if isinstance(stdin, str) else stdin
         t0 = time.monotonic()
         proc = _Process(self._address, argv, self._env(env), sandbox_path(cwd or WORKSPACE, "cwd"))
         try:
@@ -977,37 +986,70 @@ class LocalSandbox:
 
     # ---- files (host side, resolved inside the sandbox root) ----
 
-    def _open(self, path: str, flags: int, mode: int = 0o644) -> int:
-        self._check_alive()
+    @contextlib.contextmanager
+    def _root(self) -> Iterator[_Root]:
+        """The root one file call resolves its paths in: a copy of the root's fd and the
+        devices of init's kernel file systems, both taken under the lock. A restore or destroy
+        closes the sandbox's own fd and replaces init (that fd's number, or init's pid, may
+        then name something else): with its own copy, a call waits for a restore under way or
+        finishes in the tree it began in, and one after a destroy is refused (`NotFound`)."""
+        with self._lock:
+            self._check_alive()
+            if self._root_fd < 0:
+                raise SandboxError(f"sandbox {self.id} is not running")
+            root = _Root(os.dup(self._root_fd), self._kernel_devices())
         try:
-            return open_in_root(self._root_fd, path, flags, mode)
+            yield root
+        finally:
+            os.close(root.fd)
+
+    @staticmethod
+    def _open(root: _Root, path: str, flags: int, mode: int = 0o644) -> int:
+        try:
+            return open_in_root(root.fd, path, flags, mode)
         except OSError as e:
             raise SandboxError(f"path: {path}: {e.strerror}") from None
 
-    def _parent(self, path: str, create: bool, as_root: bool = False) -> tuple[int, str]:
-        """An O_PATH fd of `path`'s parent directory, created when asked: as the sandbox user
-        (who must be allowed to), or as root for files the host places (egress CA)."""
+    def _parent(self, root: _Root, path: str, create: bool,
+                as_root: bool = False) -> tuple[int, str]:
+        """An O_PATH fd of `path`'s parent directory, created when asked (with the missing
+        ones above it, top first): as the sandbox user (who must be allowed to), or as root
+        for files the host places (egress CA)."""
         parent, name = os.path.split(path)
         if not name:
             raise SandboxError(f"path: {path!r} names the root")
-        try:
-            return open_in_root(self._root_fd, parent, os.O_PATH | os.O_DIRECTORY), name
-        except OSError as e:
-            if e.errno != errno.ENOENT or not create:
-                raise SandboxError(f"path: {parent}: {e.strerror}") from None
-        gfd, gname = self._parent(parent, create=True, as_root=as_root)
-        try:
-            if not as_root:
-                self._check_writable(gfd, parent)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(gname, 0o755, dir_fd=gfd)
+        # The directories missing, found deepest first and made top first, by loops: a path
+        # may be deeper than Python's stack.
+        missing: list[str] = []
+        d = parent
+        while True:
+            try:
+                fd = open_in_root(root.fd, d, os.O_PATH | os.O_DIRECTORY)
+                break
+            except OSError as e:
+                if e.errno != errno.ENOENT or not create or d == "/":
+                    raise SandboxError(f"path: {d}: {e.strerror}") from None
+            missing.append(d)
+            d = os.path.dirname(d)
+        for d in reversed(missing):
+            dname = os.path.basename(d)
+            try:
                 if not as_root:
-                    os.chown(gname, SANDBOX_UID, SANDBOX_GID, dir_fd=gfd, follow_symlinks=False)
-        except OSError as e:
-            raise SandboxError(f"path: {parent}: {e.strerror}") from None
-        finally:
-            os.close(gfd)
-        return self._parent(path, create=False)
+                    self._check_writable(fd, d)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(dname, 0o755, dir_fd=fd)
+                    if not as_root:
+                        os.chown(dname, SANDBOX_UID, SANDBOX_GID, dir_fd=fd,
+                                 follow_symlinks=False)
+            except OSError as e:
+                raise SandboxError(f"path: {d}: {e.strerror}") from None
+            finally:
+                os.close(fd)
+            try:  # opened inside the root again: what is there now may be a link a command put
+                fd = open_in_root(root.fd, d, os.O_PATH | os.O_DIRECTORY)
+            except OSError as e:
+                raise SandboxError(f"path: {d}: {e.strerror}") from None
+        return fd, name
 
     @staticmethod
     def _where(dir_fd: int, path: str) -> str:
@@ -1044,11 +1086,12 @@ class LocalSandbox:
             self._kernel_devs = devs
         return self._kernel_devs
 
-    def _served(self, fd: int, path: str) -> os.stat_result:
+    @staticmethod
+    def _served(root: _Root, fd: int, path: str) -> os.stat_result:
         """``fd``'s stat, when it is a file the host-side calls serve: on the sandbox's own
         file systems, not its kernel's (reached through a symlink or named outright)."""
         st = os.fstat(fd)
-        if st.st_dev in self._kernel_devices():
+        if st.st_dev in root.kernel_devs:
             raise SandboxError(f"path: {path}: a kernel file system's (/proc, /sys, /dev); "
                                "read or write it with a command")
         return st
@@ -1065,26 +1108,31 @@ class LocalSandbox:
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(
                 max_bytes, int) or max_bytes < 0):
             raise SandboxError(f"max_bytes: a count of bytes >= 0 expected, got {max_bytes!r}")
-        fd = self._open(p, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens, and is refused below
-        try:
-            st = self._served(fd, p)
-            if stat.S_ISDIR(st.st_mode):
-                raise SandboxError(f"path: {p} is a directory")
-            if not stat.S_ISREG(st.st_mode):
-                raise SandboxError(f"path: {p} is not a regular file")
-            self._check_readable(st, p)
-            return self._read_all(fd, p, max_bytes)
-        finally:
-            os.close(fd)
+        with self._root() as root:
+            fd = self._open(root, p, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens, refused below
+            try:
+                st = self._served(root, fd, p)
+                if stat.S_ISDIR(st.st_mode):
+                    raise SandboxError(f"path: {p} is a directory")
+                if not stat.S_ISREG(st.st_mode):
+                    raise SandboxError(f"path: {p} is not a regular file")
+                self._check_readable(st, p)
+                # Holes read as zeros: more of them than the sandbox's disk holds (`truncate -s
+                # 1T` on its writable layer), read whole, would take the host's memory. A file
+                # of the image may be bigger than that disk, with the bytes to show for it.
+                if st.st_size - st.st_blocks * 512 > self.spec.limits.disk_mb << 20:
+                    raise SandboxError(f"path: {p} holds {st.st_size} bytes, more than the "
+                                       f"sandbox's disk ({self.spec.limits.disk_mb} MB) of "
+                                       "them in holes: read it with a command")
+                return self._read_all(fd, p, max_bytes)
+            finally:
+                os.close(fd)
 
-    def _read_all(self, fd: int, p: str, max_bytes: int | None = None) -> bytes:
-        """A regular file's bytes; refused past the sandbox's disk, which only a sparse file
-        can be (read whole, a `truncate -s 1T` would take the host's memory), and past
-        ``max_bytes``, as it stands or as it grows while read."""
-        size, cap = os.fstat(fd).st_size, self.spec.limits.disk_mb << 20
-        if size > cap:
-            raise SandboxError(f"path: {p} holds {size} bytes, more than the sandbox's disk "
-                               f"({self.spec.limits.disk_mb} MB)")
+    @staticmethod
+    def _read_all(fd: int, p: str, max_bytes: int | None = None) -> bytes:
+        """A regular file's bytes; refused past ``max_bytes``, as it stands or as it grows
+        while read."""
+        size = os.fstat(fd).st_size
         if max_bytes is not None and size > max_bytes:
             raise FileTooLarge(p, size, max_bytes)
         chunks, read = [], 0
@@ -1103,12 +1151,14 @@ class LocalSandbox:
             raise SandboxError(f"data: expected bytes or str, got {type(data).__name__}")
         if not isinstance(mode, int) or not 0 <= mode <= 0o7777:
             raise SandboxError(f"mode: invalid file mode {mode!r}")
-        self._write(p, data, mode & 0o777)  # never setuid/setgid: the host writes as root
+        with self._root() as root:  # never setuid/setgid: the host writes as root
+            self._write(root, p, data, mode & 0o777)
 
-    def _write(self, p: str, data: bytes | bytearray, mode: int, hops: int = 0) -> None:
-        pfd, name = self._parent(p, create=True)
+    def _write(self, root: _Root, p: str, data: bytes | bytearray, mode: int,
+               hops: int = 0) -> None:
+        pfd, name = self._parent(root, p, create=True)
         try:
-            self._served(pfd, p)
+            self._served(root, pfd, p)
             try:
                 existing = os.stat(name, dir_fd=pfd, follow_symlinks=False)
             except FileNotFoundError:
@@ -1121,7 +1171,8 @@ class LocalSandbox:
                 # a relative target is taken from where the link is, which a link on the way
                 # there may have moved away from ``p``'s directory
                 target = posixpath.join(self._where(pfd, p), os.readlink(name, dir_fd=pfd))
-                return self._write(sandbox_path(posixpath.normpath(target)), data, mode, hops + 1)
+                return self._write(root, sandbox_path(posixpath.normpath(target)), data, mode,
+                                   hops + 1)
             if existing is not None and stat.S_ISDIR(existing.st_mode):
                 raise SandboxError(f"path: {p} is a directory")
             if existing is not None and not stat.S_ISREG(existing.st_mode):
@@ -1135,7 +1186,7 @@ class LocalSandbox:
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
                          | os.O_CLOEXEC, mode, dir_fd=pfd)
             try:
-                st = self._served(fd, p)
+                st = self._served(root, fd, p)
                 if not stat.S_ISREG(st.st_mode):
                     raise SandboxError(f"path: {p} is not a regular file")
                 created = existing is None and st.st_uid == 0 and st.st_size == 0
@@ -1167,17 +1218,18 @@ class LocalSandbox:
         """Place a file (the egress CA) owned by root, readable by all; parents are created.
         What is there already and is not a regular file (a resolv.conf that links to a file of
         the host's systemd) is replaced, never followed."""
-        pfd, name = self._parent(path, create=True, as_root=True)
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                if not stat.S_ISREG(os.stat(name, dir_fd=pfd, follow_symlinks=False).st_mode):
-                    os.unlink(name, dir_fd=pfd)
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                         | os.O_NONBLOCK | os.O_CLOEXEC, 0o644, dir_fd=pfd)
-        except OSError as e:
-            raise SandboxError(f"path: {path}: {e.strerror}") from None
-        finally:
-            os.close(pfd)
+        with self._root() as root:
+            pfd, name = self._parent(root, path, create=True, as_root=True)
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    if not stat.S_ISREG(os.stat(name, dir_fd=pfd, follow_symlinks=False).st_mode):
+                        os.unlink(name, dir_fd=pfd)
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                             | os.O_NONBLOCK | os.O_CLOEXEC, 0o644, dir_fd=pfd)
+            except OSError as e:
+                raise SandboxError(f"path: {path}: {e.strerror}") from None
+            finally:
+                os.close(pfd)
         try:
             os.fchown(fd, 0, 0)
             os.fchmod(fd, 0o644)
@@ -1192,20 +1244,21 @@ class LocalSandbox:
         the sandbox user could (`rm -rf`): refused at the first entry it could not remove, and
         what came before that is gone."""
         p = sandbox_path(path)
-        pfd, name = self._parent(p, create=False)
-        try:
+        with self._root() as root:
+            pfd, name = self._parent(root, p, create=False)
             try:
-                os.stat(name, dir_fd=pfd, follow_symlinks=False)
-            except FileNotFoundError:
-                raise SandboxError(f"path: {p}: no such file or directory") from None
-            self._remove(pfd, name, p)
-        except OSError as e:
-            raise SandboxError(f"path: {p}: {e.strerror}") from None
-        except RecursionError:
-            raise SandboxError(f"path: {p}: nested too deep to remove here; remove it with "
-                               "a command") from None
-        finally:
-            os.close(pfd)
+                try:
+                    os.stat(name, dir_fd=pfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    raise SandboxError(f"path: {p}: no such file or directory") from None
+                self._remove(pfd, name, p)
+            except OSError as e:
+                raise SandboxError(f"path: {p}: {e.strerror}") from None
+            except RecursionError:
+                raise SandboxError(f"path: {p}: nested too deep to remove here; remove it "
+                                   "with a command") from None
+            finally:
+                os.close(pfd)
 
     def _remove(self, dir_fd: int, name: str, path: str) -> None:
         """Remove entry ``name`` of directory ``dir_fd`` (``path``), and first all it holds
@@ -1239,28 +1292,31 @@ class LocalSandbox:
 
     def stat(self, path: str) -> FileInfo:
         p = sandbox_path(path)
-        if p == "/":
-            return self._info(p, os.fstat(self._root_fd))
-        pfd, name = self._parent(p, create=False)
-        try:
-            return self._info(p, os.stat(name, dir_fd=pfd, follow_symlinks=False))
-        except OSError as e:
-            raise SandboxError(f"path: {p}: {e.strerror}") from None
-        finally:
-            os.close(pfd)
+        with self._root() as root:
+            if p == "/":
+                return self._info(p, os.fstat(root.fd))
+            pfd, name = self._parent(root, p, create=False)
+            try:
+                return self._info(p, os.stat(name, dir_fd=pfd, follow_symlinks=False))
+            except OSError as e:
+                raise SandboxError(f"path: {p}: {e.strerror}") from None
+            finally:
+                os.close(pfd)
 
     def list_dir(self, path: str = WORKSPACE) -> list[FileInfo]:
         p = sandbox_path(path)
-        fd = self._open(p, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            self._check_readable(self._served(fd, p), p)
-            out = []
-            for name in sorted(os.listdir(fd)):
-                with contextlib.suppress(FileNotFoundError):
-                    out.append(self._info(os.path.join(p, name), os.stat(name, dir_fd=fd, follow_symlinks=False)))
-            return out
-        finally:
-            os.close(fd)
+        with self._root() as root:
+            fd = self._open(root, p, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                self._check_readable(self._served(root, fd, p), p)
+                out = []
+                for name in sorted(os.listdir(fd)):
+                    with contextlib.suppress(FileNotFoundError):
+                        out.append(self._info(os.path.join(p, name),
+                                              os.stat(name, dir_fd=fd, follow_symlinks=False)))
+                return out
+            finally:
+                os.close(fd)
 
     # ---- snapshot / fork / restore ----
 
@@ -1388,8 +1444,12 @@ class LocalSandbox:
             return store.put_image(layers, self.image.base, meta={"kind": "snapshot", "of": self.id}).id
 
     def fork(self, n: int = 1, snapshot: str | None = None) -> list[LocalSandbox]:
+        """N sandboxes from ``snapshot``, or from one taken now; should one of them fail to
+        start, those made are destroyed, and so is a snapshot taken here that no other
+        image was (nothing else can know its id)."""
         if not isinstance(n, int) or n < 1:
             raise SandboxError(f"n: must be a positive integer, got {n!r}")
+        since = time.time()
         snap = snapshot or self.snapshot()
         image = self._own_snapshot(snap)
         spec = dataclasses.replace(self.spec, image=image.id)
@@ -1400,8 +1460,22 @@ class LocalSandbox:
         except BaseException:
             for sb in out:
                 sb.destroy()
+            if snapshot is None and self._made_since(snap, since):
+                with contextlib.suppress(SandboxError, OSError):  # (kept if named or in use)
+                    self.provider.images.remove(snap)
             raise
         return out
+
+    def _made_since(self, snapshot: str, since: float) -> bool:
+        """Whether ``snapshot`` is an image this sandbox's `snapshot` wrote at ``since`` or
+        later: the same layers snapshotted before are that image again, which its taker
+        may still hold."""
+        try:
+            with open(self.provider.images._image_file(snapshot)) as f:
+                doc = json.load(f)
+        except (OSError, ValueError, SandboxError):
+            return False
+        return doc.get("of") == self.id and doc.get("created", 0) >= since
 
     def restore(self, snapshot: str) -> None:
         """Kill every process, then mount a fresh writable layer over the snapshot's layers
@@ -1619,7 +1693,7 @@ class LocalProvider:
         with self._lock:
             sb = self._sandboxes.get(sandbox_id)
         if sb is None:
-            raise SandboxError(f"sandbox_id: no live sandbox {sandbox_id!r}")
+            raise NotFound(f"sandbox_id: no live sandbox {sandbox_id!r}")
         return sb
 
     def list(self) -> list[LocalSandbox]:

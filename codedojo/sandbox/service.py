@@ -3,11 +3,18 @@
 Every route maps to one `Sandbox`/`ImageStore` method; `client.py` maps them back, so a
 `SandboxClient` sandbox behaves like a local one. Errors are JSON `{"detail": ...}`: 400 for a
 request the sandbox refuses (bad path, malformed command, missing layer, limit exceeded),
-413 for a file longer than the read asked for (with its ``path``, ``size`` and ``max_bytes``),
-404 for an unknown sandbox, shell or image (where the route names one), 422 for a malformed
-body (FastAPI names the field), 503 when admission control refuses a new sandbox (the detail
-names the resource under pressure).
-A failure in one sandbox never takes the service down: every route catches its own errors.
+413 for a file longer than the read asked for (with its ``path``, ``size`` and ``max_bytes``)
+and for a request body past `ServiceConfig.max_body_mb` or a write past its sandbox's disk
+(refused before the body is read), 404 for an unknown or destroyed sandbox, an unknown shell
+(`NotFound`) or image (where the route names one), 422 for a malformed body (FastAPI names the
+field), 503 when admission control refuses a new sandbox (the detail names the resource under
+pressure), 500 for a host error or a fault of the service's own (the detail names its type).
+A failure in one sandbox never takes the service down: every route catches its own errors,
+and what none expected is answered too, on a connection that stays open.
+
+Every route but a file write is a plain function that runs on a worker thread: a running
+command holds one, so the pool is sized from `ServiceConfig.max_sandboxes` at startup (anyio's
+default of 40 would let 40 commands leave no thread for anything else, /health included).
 
 Admission control reads live pressure with psutil before each create/fork: memory in use, the
 store's disk, the 1-minute load per CPU, the number of live sandboxes and the file descriptors
@@ -22,16 +29,19 @@ import binascii
 import contextlib
 import dataclasses
 import hmac
+import logging
 import os
 import resource
 import secrets
+import stat
 import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import anyio.to_thread
 import psutil
-from fastapi import Body, FastAPI, HTTPException, Query, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
@@ -39,12 +49,15 @@ from codedojo.sandbox.base import (
     TOKEN_ENV,
     FileTooLarge,
     Limits,
+    NotFound,
     SandboxError,
     SandboxSpec,
     token_path,
 )
 from codedojo.sandbox.images import NoSuchImage
 from codedojo.sandbox.local import LocalProvider, LocalSandbox, LocalShell
+
+log = logging.getLogger(__name__)
 
 
 class ServiceConfig(BaseModel):
@@ -58,6 +71,8 @@ class ServiceConfig(BaseModel):
     max_memory_percent: float = Field(90.0, description="Refuse creates while host memory use is above this.")
     max_disk_percent: float = Field(95.0, description="Refuse creates while the store's disk is fuller than this.")
     max_load_per_cpu: float = Field(16.0, description="Refuse creates while the 1-min load average per CPU is above this.")
+    max_body_mb: int = Field(256, description="Refuse a request whose body is longer than "
+                             "this (a command's stdin, a file written), before reading it.")
 
 
 class LimitsIn(BaseModel):
@@ -135,6 +150,13 @@ FDS_PER_SANDBOX = 2
 FD_HEADROOM = 256
 
 
+def worker_threads(config: ServiceConfig) -> int:
+    """The worker threads the service's routes share: two per sandbox it admits (a command
+    and a file call, say) and some for the calls that run no command, never fewer than
+    anyio's default."""
+    return max(40, 2 * config.max_sandboxes + 64)
+
+
 def admission_check(config: ServiceConfig, provider: LocalProvider, n: int = 1,
                     reserved: int = 0) -> str | None:
     """The reason ``n`` new sandboxes must wait, or None. ``reserved``: sandboxes admitted and
@@ -166,13 +188,27 @@ def admission_check(config: ServiceConfig, provider: LocalProvider, n: int = 1,
 
 def service_token(config: ServiceConfig, root: str) -> str:
     """The token callers must send: the config's, $CODEDOJO_SANDBOX_TOKEN, or the store's
-    `service.token` (made now when there is none, mode 0600)."""
+    `service.token` (made now when there is none, mode 0600). A token file found is used only
+    when it holds a token, belongs to this process's user and no one else may read or write
+    it; otherwise SandboxError says what is wrong and how to fix it."""
     token = config.token or os.environ.get(TOKEN_ENV)
     if token:
         return token
     path = token_path(root)
-    with contextlib.suppress(FileNotFoundError):
-        return open(path).read().strip()
+    with contextlib.suppress(FileNotFoundError), open(path) as f:
+        st, token = os.fstat(f.fileno()), f.read().strip()
+        remake = f"remove {path} to have a new token made at the next start"
+        if st.st_uid != os.geteuid():
+            raise SandboxError(f"token file {path}: owned by uid {st.st_uid}, not by this "
+                               f"service's user (uid {os.geteuid()}), who may have chosen or "
+                               f"read the token: {remake}")
+        if st.st_mode & 0o077:
+            raise SandboxError(f"token file {path}: mode {stat.S_IMODE(st.st_mode):o} lets its "
+                               f"group or others read or write it: chmod 600 {path}, or "
+                               f"{remake} (should others have read it)")
+        if not token:
+            raise SandboxError(f"token file {path}: empty: {remake}")
+        return token
     os.makedirs(root, exist_ok=True)
     token = secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -194,6 +230,8 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
     reserved = 0  # sandboxes admitted whose create/fork has not returned yet
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, worker_threads(config))
         yield
         provider.close()  # the service's sandboxes do not outlive it
 
@@ -210,7 +248,18 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
             why = (f"unauthorized: send the service's token (Authorization: Bearer ...; "
                    f"${TOKEN_ENV} or {token_path(provider.root)})")
             return JSONResponse({"detail": why}, status_code=401)
-        return await call_next(request)
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > config.max_body_mb << 20:
+            return JSONResponse({"detail": f"request body: {length} bytes, more than the "
+                                 f"service takes ({config.max_body_mb} MB, max_body_mb)"},
+                                status_code=413)
+        try:
+            return await call_next(request)
+        except Exception as e:  # a fault no route expected: answered here (Starlette's own
+            # handler raises it again, and the server then drops the client's connection)
+            log.exception("%s %s", request.method, request.url.path)
+            return JSONResponse({"detail": f"internal error: {type(e).__name__}: {e}"},
+                                status_code=500)
 
     @app.exception_handler(FileTooLarge)
     async def _too_large(request: Request, exc: FileTooLarge) -> JSONResponse:
@@ -219,9 +268,8 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
 
     @app.exception_handler(SandboxError)
     async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
-        msg = str(exc)
-        status = 404 if msg.startswith(("sandbox_id:", "shell_id:")) or "was destroyed" in msg else 400
-        return JSONResponse({"detail": msg}, status_code=status)
+        return JSONResponse({"detail": str(exc)},
+                            status_code=404 if isinstance(exc, NotFound) else 400)
 
     @app.exception_handler(OSError)
     async def _os_error(request: Request, exc: OSError) -> JSONResponse:
@@ -299,16 +347,18 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
                            env=body.env)
         with admitted():
             s = provider.create(spec)
-        return {"id": s.id, "image": s.image.id}
+        return {"id": s.id, "image": s.image.id, "source": s.source}
 
     @app.get("/sandboxes")
     def list_sandboxes() -> dict:
-        return {"sandboxes": [{"id": s.id, "image": s.image.id, "lowers": list(s.lowers)} for s in provider.list()]}
+        return {"sandboxes": [{"id": s.id, "image": s.image.id, "source": s.source,
+                               "lowers": list(s.lowers)} for s in provider.list()]}
 
     @app.get("/sandboxes/{sandbox_id}")
     def get(sandbox_id: str) -> dict:
         s = sb(sandbox_id)
-        return {"id": s.id, "image": s.image.id, "limits": dataclasses.asdict(s.spec.limits)}
+        return {"id": s.id, "image": s.image.id, "source": s.source,
+                "limits": dataclasses.asdict(s.spec.limits)}
 
     @app.delete("/sandboxes/{sandbox_id}")
     def destroy(sandbox_id: str) -> dict:
@@ -339,7 +389,7 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
         with shells_lock:
             owner, sh = shells.get(shell_id, (None, None))
         if sh is None or owner != sandbox_id:
-            raise SandboxError(f"shell_id: no shell {shell_id!r} in sandbox {sandbox_id!r}")
+            raise NotFound(f"shell_id: no shell {shell_id!r} in sandbox {sandbox_id!r}")
         return sh
 
     @app.post("/sandboxes/{sandbox_id}/shells/{shell_id}/run")
@@ -363,10 +413,28 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
     def read_original(sandbox_id: str, path: str = Query(...)) -> Response:
         return Response(sb(sandbox_id).read_original(path), media_type="application/octet-stream")
 
-    @app.put("/sandboxes/{sandbox_id}/file")
-    def write_file(sandbox_id: str, path: str = Query(...), mode: int = Query(0o644),
-                   data: bytes = Body(b"", media_type="application/octet-stream")) -> dict:
-        sb(sandbox_id).write_file(path, data, mode=mode)
+    @app.put("/sandboxes/{sandbox_id}/file",
+             openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}}})
+    async def write_file(request: Request, sandbox_id: str, path: str = Query(...),
+                         mode: int = Query(0o644)) -> dict:
+        """The body is the file's bytes, read only up to the sandbox's disk: a longer one is
+        refused (413) as its length says so or as it passes it (the service's memory would
+        hold it all)."""
+        s = sb(sandbox_id)
+        cap = s.spec.limits.disk_mb << 20
+        too_long = HTTPException(413, detail=f"data: longer than the sandbox's disk limit "
+                                             f"({s.spec.limits.disk_mb} MB)")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > cap:
+            raise too_long
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise too_long
+            chunks.append(chunk)
+        data = b"".join(chunks)
+        await anyio.to_thread.run_sync(lambda: s.write_file(path, data, mode=mode))
         return {"written": path, "bytes": len(data)}
 
     @app.delete("/sandboxes/{sandbox_id}/file")
@@ -393,12 +461,16 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
     @app.post("/sandboxes/{sandbox_id}/fork")
     def fork(sandbox_id: str, body: ForkIn) -> dict:
         with admitted(body.n):
-            return {"ids": [s.id for s in sb(sandbox_id).fork(body.n, body.snapshot)]}
+            forks = sb(sandbox_id).fork(body.n, body.snapshot)
+        # the snapshot they start from (taken by the fork when none was given: its id is how
+        # the caller removes it once they are gone)
+        return {"ids": [s.id for s in forks], "source": forks[0].source}
 
     @app.post("/sandboxes/{sandbox_id}/restore")
     def restore(sandbox_id: str, body: RestoreIn) -> dict:
-        sb(sandbox_id).restore(body.snapshot)
-        return {"restored": body.snapshot}
+        s = sb(sandbox_id)
+        s.restore(body.snapshot)
+        return {"restored": body.snapshot, "source": s.source}
 
     @app.post("/gc")
     def gc() -> dict:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
+import uuid
 
 import pytest
 
@@ -15,6 +17,7 @@ from codedojo.sandbox.base import (
     ExecResult,
     FileTooLarge,
     Limits,
+    NotFound,
     Sandbox,
     SandboxError,
     SandboxSpec,
@@ -390,8 +393,11 @@ def test_destroyed_sandbox_refuses_work(provider, project):
     sb = provider.create(SandboxSpec(image=project, limits=SMALL))
     sb.destroy()
     sb.destroy()  # idempotent
-    with pytest.raises(SandboxError, match="destroyed"):
-        sb.exec("true")
+    for call in (lambda: sb.exec("true"), lambda: sb.read_file("README.md")):
+        with pytest.raises(NotFound, match="destroyed"):
+            call()
+    with pytest.raises(NotFound, match="sandbox_id"):
+        provider.get(sb.id)
 
 
 def test_image_builders(provider, tmp_path):
@@ -609,7 +615,7 @@ def test_a_time_limit_that_is_no_finite_positive_number_is_refused(sandbox, time
 
 
 def test_a_sparse_file_stays_sparse_on_the_host_and_is_not_read_whole(sandbox, provider):
-    """A file whose size is past the sandbox's disk (it can only be sparse) is refused by
+    """A file of the writable layer with more holes than the sandbox's disk is refused by
     read_file, where the host would have held all of it in memory; a snapshot copies its
     data, not its holes; and a setuid program is not put on the host's disk by a snapshot."""
     sandbox.exec("truncate -s 1G big && printf x | dd of=big bs=1 seek=4096 conv=notrunc "
@@ -725,3 +731,96 @@ def test_a_shell_used_after_a_restore_is_closed_with_the_sandbox(provider, proje
     finally:
         sb.destroy()
     assert sh._proc is None and proc.conn.fileno() == -1
+
+
+def test_file_calls_during_restores_resolve_in_the_sandbox_s_own_tree(provider, tmp_path):
+    """File calls while another thread restores (two requests to the service): a restore
+    closes the root they resolve paths in and replaces init, whose fd number and pid may then
+    name something else. Each call waits for the restore or finishes in the tree it began in;
+    after a destroy it is refused as such."""
+    (tmp_path / "whoami").write_text("X")
+    image = provider.images.from_directory(str(tmp_path))
+    sb = provider.create(SandboxSpec(image=image.id, limits=SMALL))
+    try:
+        snap = sb.snapshot()
+        done = threading.Event()
+
+        def restore() -> None:
+            try:
+                for _ in range(15):
+                    sb.restore(snap)
+            finally:
+                done.set()
+
+        restorer = threading.Thread(target=restore)
+        restorer.start()
+        seen = set()
+        while not done.is_set():
+            for call in (lambda: sb.read_file("whoami"), lambda: sb.stat("whoami").size,
+                         lambda: [f.path for f in sb.list_dir()]):
+                try:
+                    seen.add(repr(call()))
+                except SandboxError as e:
+                    seen.add(f"{type(e).__name__}: {e}")
+        restorer.join()
+        assert seen <= {"b'X'", "1", "['/workspace/whoami']"}, seen
+    finally:
+        sb.destroy()
+    with pytest.raises(NotFound, match="was destroyed"):
+        sb.read_file("whoami")
+
+
+def test_a_path_deeper_than_python_s_stack_and_stdin_utf8_cannot_carry(sandbox):
+    """Parents of a path 1200 directories deep are made one by one (not by recursion); a
+    str stdin that UTF-8 cannot carry is refused by name."""
+    deep = "d/" * 1200 + "f"
+    sandbox.write_file(deep, "x")
+    assert sandbox.read_file(deep) == b"x"
+    assert sandbox.exec(["stat", "-c", "%U", deep]).stdout == "user\n"
+    with pytest.raises(SandboxError, match="stdin: not text that UTF-8 can carry"):
+        sandbox.exec("cat", stdin="\udce9")
+
+
+def test_a_file_of_the_image_bigger_than_the_sandbox_s_disk_is_read(provider, tmp_path):
+    """The disk limit bounds the writable layer, not the image: an image's file bigger than
+    that disk is read (by read_file and read_original) like any other, within max_bytes."""
+    data = os.urandom(3 << 20)
+    (tmp_path / "big.bin").write_bytes(data)
+    image = provider.images.from_directory(str(tmp_path))
+    sb = provider.create(SandboxSpec(image=image.id, limits=Limits(disk_mb=2)))
+    try:
+        assert sb.read_file("big.bin") == data
+        assert sb.read_original("big.bin") == data
+        with pytest.raises(FileTooLarge, match="big.bin holds 3145728 bytes"):
+            sb.read_file("big.bin", max_bytes=1 << 20)
+    finally:
+        sb.destroy()
+
+
+def test_a_fork_that_fails_removes_the_snapshot_it_took(sandbox, provider, monkeypatch):
+    """A fork(n) that cannot make all n destroys those made and the snapshot it took, which no
+    caller could know of; a snapshot that was already there (taken by the caller, of the
+    same layers) is kept."""
+    real, made = provider._create, []
+
+    def third_fails(*args, **kw):
+        made.append(1)
+        if len(made) == 3:
+            raise SandboxError("out of pids")
+        return real(*args, **kw)
+
+    def images() -> set[str]:
+        return {doc["id"] for doc in provider.images.list()}
+
+    sandbox.write_file("step", uuid.uuid4().hex)
+    before = images()
+    monkeypatch.setattr(provider, "_create", third_fails)
+    with pytest.raises(SandboxError, match="out of pids"):
+        sandbox.fork(4)
+    assert images() == before and provider.list() == [sandbox]
+    kept = sandbox.snapshot()
+    made.clear()
+    with pytest.raises(SandboxError, match="out of pids"):
+        sandbox.fork(4)
+    assert images() == before | {kept}
+    provider.images.remove(kept)

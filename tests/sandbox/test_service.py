@@ -17,11 +17,13 @@ from codedojo.sandbox.base import (
     Change,
     FileTooLarge,
     Limits,
+    NotFound,
     Sandbox,
     SandboxError,
     SandboxSpec,
 )
 from codedojo.sandbox.client import SandboxClient
+from codedojo.sandbox.local import LocalProvider
 from codedojo.sandbox.service import ServiceConfig, create_app
 from tests.sandbox.conftest import SMALL
 
@@ -533,3 +535,147 @@ def test_only_a_caller_with_the_token_is_served(service, tmp_path, monkeypatch):
     from codedojo.sandbox.client import _local_token
 
     assert _local_token() == made
+
+
+def test_the_service_has_a_worker_thread_for_each_command_it_admits(provider):
+    """A running command holds a worker thread: the pool is sized at startup from the
+    sandboxes the service admits, past anyio's default of 40, where 40 commands left /health
+    and a destroy waiting for one to end."""
+    import anyio
+    import anyio.to_thread
+
+    config = ServiceConfig(token="test-token", max_sandboxes=100)
+    app = create_app(config, provider=LocalProvider(root=provider.root, pool_size=0))
+
+    async def started() -> float:
+        async with app.router.lifespan_context(app):
+            return anyio.to_thread.current_default_thread_limiter().total_tokens
+
+    assert anyio.run(started) >= 2 * config.max_sandboxes
+
+
+def test_a_fault_no_route_expects_is_answered_and_the_connection_kept(client, remote,
+                                                                       provider, monkeypatch):
+    """An exception no handler knows is a JSON 500 naming it, and the client's next call on
+    the same connection is served; a str stdin UTF-8 cannot carry is a 400 naming it."""
+    def broken() -> list:
+        raise RuntimeError("the store's index is unreadable")
+
+    monkeypatch.setattr(provider.images, "list", broken)
+    with pytest.raises(SandboxError, match=r"internal error: RuntimeError: the store's index "
+                                           r"is unreadable \(HTTP 500\)"):
+        client.images.list()
+    assert client.health()["ok"]
+    with pytest.raises(SandboxError, match=r"stdin: not text that UTF-8 can carry.*HTTP 400"):
+        remote._http.call("POST", remote._url("/exec"), content=rb'{"command": "cat", '
+                          rb'"stdin": "\udce9"}', headers={"content-type": "application/json"})
+    assert remote.exec("echo ok").stdout == "ok\n"
+
+
+def test_a_body_past_the_sandbox_s_disk_or_the_service_s_cap_is_refused_unread(
+        client, service, project, provider, monkeypatch):
+    """A file write longer than its sandbox's disk is refused (413) before it reaches the
+    sandbox, whether its length is given or it is streamed; a request body past
+    `max_body_mb` (a command's stdin) is refused too. The connection serves on."""
+    import httpx
+
+    url, config = service
+    sb = client.create(SandboxSpec(image=project, limits=dataclasses.replace(SMALL, disk_mb=4)))
+    try:
+        local = provider.get(sb.id)
+        writes = []
+        monkeypatch.setattr(local, "write_file", lambda *a, **kw: writes.append(a))
+        with pytest.raises(SandboxError, match=r"disk limit \(4 MB\) \(HTTP 413\)"):
+            sb.write_file("big", b"0" * (5 << 20))
+
+        def streamed():
+            for _ in range(8):
+                yield b"0" * (1 << 20)
+
+        r = httpx.put(f"{url}/sandboxes/{sb.id}/file", params={"path": "big"}, content=streamed(),
+                      headers={"authorization": "Bearer test-token"})
+        assert r.status_code == 413 and "disk limit (4 MB)" in r.json()["detail"]
+        assert writes == []
+        old, config.max_body_mb = config.max_body_mb, 1
+        try:
+            with pytest.raises(SandboxError, match=r"more than the service takes \(1 MB, "
+                                                   r"max_body_mb\) \(HTTP 413\)"):
+                sb.exec("wc -c", stdin=b"0" * (2 << 20))
+        finally:
+            config.max_body_mb = old
+        sb.write_file("small", b"1" * 100)
+        assert writes and sb.exec("echo ok").stdout == "ok\n"
+    finally:
+        sb.destroy()
+
+
+def test_not_found_is_told_by_type_not_by_message(client, remote, provider, monkeypatch):
+    """A 404 is an unknown or destroyed sandbox or shell (`NotFound`), whatever other
+    messages say; the client's destroy lets only that pass."""
+    remote.write_file("notes/what was destroyed.txt", "x")
+    remote.remove("notes/what was destroyed.txt")
+    with pytest.raises(SandboxError, match=r"No such file.*HTTP 400") as e:
+        remote.read_file("notes/what was destroyed.txt")
+    assert not isinstance(e.value, NotFound)
+    with pytest.raises(NotFound, match=r"sandbox_id: .*HTTP 404"):
+        client.get("sb-nosuch")
+    with pytest.raises(NotFound, match=r"shell_id: .*HTTP 404"):
+        remote._http.call("POST", remote._url("/shells/sh-nosuch/run"), json={"command": "true"})
+    def refused() -> None:
+        raise SandboxError("its cgroup was destroyed, its mounts not")
+
+    monkeypatch.setattr(provider.get(remote.id), "destroy", refused)
+    with pytest.raises(SandboxError, match=r"mounts not \(HTTP 400\)"):
+        remote.destroy()
+    monkeypatch.undo()
+    remote.destroy()
+    remote.destroy()  # gone already: no error
+
+
+def test_a_remote_fork_names_the_snapshot_it_started_from(client, remote, project):
+    """A fork's `source`, as a local one's: the snapshot `fork` took, for the caller to
+    remove once the forks are gone."""
+    assert remote.source == project and client.get(remote.id).source == project
+    remote.write_file("a.txt", uuid.uuid4().hex)
+    forks = remote.fork(2)
+    snap = forks[0].source
+    assert snap not in (None, project) and {f.source for f in forks} == {snap}
+    assert client.get(forks[0].id).source == snap
+    for f in forks:
+        f.destroy()
+    assert client.images.remove(snap) == snap
+    remote.restore(project)
+    assert remote.source == project
+
+
+def test_a_token_file_others_could_have_read_or_set_is_refused(tmp_path, monkeypatch):
+    """The store's token file is used only when it holds a token, belongs to the service's
+    user and no one else may read or write it; each refusal says how to fix it. The client
+    takes an empty one for none."""
+    import os
+
+    from codedojo.sandbox.client import _local_token
+    from codedojo.sandbox.service import service_token
+
+    monkeypatch.delenv("CODEDOJO_SANDBOX_TOKEN", raising=False)
+    root = tmp_path / "store"
+    root.mkdir()
+    path = root / "service.token"
+    path.write_text("guessable\n")
+    for mode in (0o644, 0o620):
+        os.chmod(path, mode)
+        with pytest.raises(SandboxError, match=f"mode {mode:o} lets its group or others read "
+                                               f"or write it: chmod 600 {path}"):
+            service_token(ServiceConfig(), str(root))
+    os.chmod(path, 0o600)
+    assert service_token(ServiceConfig(), str(root)) == "guessable"
+    os.chown(path, 1000, 1000)
+    with pytest.raises(SandboxError, match=f"owned by uid 1000, not by this service's user "
+                                           f"\\(uid {os.geteuid()}\\).*remove {path}"):
+        service_token(ServiceConfig(), str(root))
+    os.chown(path, os.geteuid(), os.getegid())
+    path.write_text("\n")
+    with pytest.raises(SandboxError, match=f"{path}: empty: remove {path}"):
+        service_token(ServiceConfig(), str(root))
+    monkeypatch.setenv("CODEDOJO_SANDBOX_ROOT", str(root))
+    assert _local_token() is None
