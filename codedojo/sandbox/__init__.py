@@ -18,6 +18,7 @@ from codedojo.sandbox.base import (
     FileInfo,
     FileTooLarge,
     Limits,
+    NotFound,
     Sandbox,
     SandboxError,
     SandboxProvider,
@@ -45,6 +46,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "WORKSPACE", "Change", "EgressAttachment", "EgressBinding", "ExecResult", "FileInfo",
-    "FileTooLarge", "Limits", "Sandbox", "SandboxError", "SandboxProvider", "SandboxSpec", "Shell",
+    "FileTooLarge", "Limits", "NotFound", "Sandbox", "SandboxError", "SandboxProvider", "SandboxSpec", "Shell",
     "LocalProvider", "LocalSandbox", "Image", "ImageStore", "SandboxClient",
 ]
