@@ -997,7 +997,12 @@ class LocalSandbox:
             self._check_alive()
             if self._root_fd < 0:
                 raise SandboxError(f"sandbox {self.id} is not running")
-            root = _Root(os.dup(self._root_fd), self._kernel_devices())
+            try:
+                devs = self._kernel_devices()
+            except OSError as e:  # (init gone, or no fd left to read its mount table)
+                raise SandboxError(f"sandbox {self.id}: its mount table cannot be read "
+                                   f"({e.strerror or e})") from None
+            root = _Root(os.dup(self._root_fd), devs)
         try:
             yield root
         finally:
@@ -1117,22 +1122,21 @@ class LocalSandbox:
                 if not stat.S_ISREG(st.st_mode):
                     raise SandboxError(f"path: {p} is not a regular file")
                 self._check_readable(st, p)
-                # Holes read as zeros: more of them than the sandbox's disk holds (`truncate -s
-                # 1T` on its writable layer), read whole, would take the host's memory. A file
-                # of the image may be bigger than that disk, with the bytes to show for it.
-                if st.st_size - st.st_blocks * 512 > self.spec.limits.disk_mb << 20:
-                    raise SandboxError(f"path: {p} holds {st.st_size} bytes, more than the "
-                                       f"sandbox's disk ({self.spec.limits.disk_mb} MB) of "
-                                       "them in holes: read it with a command")
                 return self._read_all(fd, p, max_bytes)
             finally:
                 os.close(fd)
 
-    @staticmethod
-    def _read_all(fd: int, p: str, max_bytes: int | None = None) -> bytes:
+    def _read_all(self, fd: int, p: str, max_bytes: int | None = None) -> bytes:
         """A regular file's bytes; refused past ``max_bytes``, as it stands or as it grows
-        while read."""
-        size = os.fstat(fd).st_size
+        while read, and where more of it is holes than the sandbox's disk holds. Holes read as
+        zeros: a `truncate -s 1T` (on the writable layer, or in a snapshot's layer, which keeps
+        them), read whole, would take the host's memory. A file of the image may be bigger
+        than that disk, with the bytes to show for it."""
+        st = os.fstat(fd)
+        size, disk = st.st_size, self.spec.limits.disk_mb
+        if size - st.st_blocks * 512 > disk << 20:
+            raise SandboxError(f"path: {p} holds {size} bytes, more than the sandbox's disk "
+                               f"({disk} MB) of them in holes: read it with a command")
         if max_bytes is not None and size > max_bytes:
             raise FileTooLarge(p, size, max_bytes)
         chunks, read = [], 0

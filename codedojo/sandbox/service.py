@@ -5,7 +5,7 @@ Every route maps to one `Sandbox`/`ImageStore` method; `client.py` maps them bac
 request the sandbox refuses (bad path, malformed command, missing layer, limit exceeded),
 413 for a file longer than the read asked for (with its ``path``, ``size`` and ``max_bytes``)
 and for a request body past `ServiceConfig.max_body_mb` or a write past its sandbox's disk
-(refused before the body is read), 404 for an unknown or destroyed sandbox, an unknown shell
+(refused as it comes: a length past the cap is refused unread), 404 for an unknown or destroyed sandbox, an unknown shell
 (`NotFound`) or image (where the route names one), 422 for a malformed body (FastAPI names the
 field), 503 when admission control refuses a new sandbox (the detail names the resource under
 pressure), 500 for a host error or a fault of the service's own (the detail names its type).
@@ -44,6 +44,7 @@ import psutil
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
+from starlette.requests import ClientDisconnect
 
 from codedojo.sandbox.base import (
     TOKEN_ENV,
@@ -73,6 +74,55 @@ class ServiceConfig(BaseModel):
     max_load_per_cpu: float = Field(16.0, description="Refuse creates while the 1-min load average per CPU is above this.")
     max_body_mb: int = Field(256, description="Refuse a request whose body is longer than "
                              "this (a command's stdin, a file written), before reading it.")
+
+
+def _too_long_body(config: ServiceConfig, size: str) -> str:
+    return (f"request body: {size}, more than the service takes ({config.max_body_mb} MB, "
+            "max_body_mb)")
+
+
+class _BodyTooLong(Exception):
+    pass
+
+
+class _BodyCap:
+    """Refuses (413) a request body past `ServiceConfig.max_body_mb` as its bytes come, so a
+    body sent without a length (chunked) is held to the cap too: what a route reads whole
+    (a JSON body, a command's stdin) is never more than that in the service's memory."""
+
+    def __init__(self, app: Any, config: ServiceConfig) -> None:
+        self.app, self.config = app, config
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        seen, started, past, cap = 0, False, False, self.config.max_body_mb << 20
+
+        async def counted() -> dict:
+            nonlocal seen, past
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > cap:
+                past = True
+                raise _BodyTooLong
+            return message
+
+        async def sending(message: dict) -> None:
+            nonlocal started
+            if past and not started:  # (what the route answered to a body it lost: not sent)
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, sending)
+        except Exception:
+            if not past or started:
+                raise
+        if past and not started:  # (however the app took the error: FastAPI's body parser
+            # makes it a 400 of its own)
+            await JSONResponse({"detail": _too_long_body(self.config, f"past {cap} bytes")},
+                               status_code=413)(scope, receive, send)
 
 
 class LimitsIn(BaseModel):
@@ -250,16 +300,19 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
             return JSONResponse({"detail": why}, status_code=401)
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > config.max_body_mb << 20:
-            return JSONResponse({"detail": f"request body: {length} bytes, more than the "
-                                 f"service takes ({config.max_body_mb} MB, max_body_mb)"},
+            return JSONResponse({"detail": _too_long_body(config, f"{length} bytes")},
                                 status_code=413)
         try:
             return await call_next(request)
+        except (_BodyTooLong, ClientDisconnect):  # (answered by `_BodyCap`; no one to answer)
+            raise
         except Exception as e:  # a fault no route expected: answered here (Starlette's own
             # handler raises it again, and the server then drops the client's connection)
             log.exception("%s %s", request.method, request.url.path)
             return JSONResponse({"detail": f"internal error: {type(e).__name__}: {e}"},
                                 status_code=500)
+
+    app.add_middleware(_BodyCap, config=config)  # (outermost: a body with no length too)
 
     @app.exception_handler(FileTooLarge)
     async def _too_large(request: Request, exc: FileTooLarge) -> JSONResponse:
@@ -295,7 +348,7 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
                 reserved -= n
 
     @app.get("/health")
-    def health() -> dict:
+    async def health() -> dict:  # (on the event loop: no worker thread, however busy they are)
         return {"ok": True, "sandboxes": len(provider.list()), "root": provider.root}
 
     # ---- images ----
@@ -421,9 +474,10 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
         refused (413) as its length says so or as it passes it (the service's memory would
         hold it all)."""
         s = sb(sandbox_id)
-        cap = s.spec.limits.disk_mb << 20
+        cap = min(s.spec.limits.disk_mb, config.max_body_mb) << 20
         too_long = HTTPException(413, detail=f"data: longer than the sandbox's disk limit "
-                                             f"({s.spec.limits.disk_mb} MB)")
+                                             f"({s.spec.limits.disk_mb} MB) or the service's "
+                                             f"({config.max_body_mb} MB, max_body_mb)")
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > cap:
             raise too_long

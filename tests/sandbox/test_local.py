@@ -628,9 +628,17 @@ def test_a_sparse_file_stays_sparse_on_the_host_and_is_not_read_whole(sandbox, p
         with pytest.raises(FileTooLarge, match=f"{name} holds 5000 bytes, more than the 4999"):
             sandbox.read_file(name, max_bytes=4999)
     assert sandbox.read_file("link", max_bytes=5000) == bytes(5000)
-    layer = provider.images.layer_path(provider.images.resolve(sandbox.snapshot()).layers[0])
+    snap = sandbox.snapshot()
+    layer = provider.images.layer_path(provider.images.resolve(snap).layers[0])
     st = os.stat(os.path.join(layer, "workspace", "big"))
     assert st.st_size == 1 << 30 and st.st_blocks * 512 < 1 << 20
+    # a sandbox made from the snapshot has the holes in its image: read_original refuses them
+    child = provider.create(SandboxSpec(image=snap, limits=sandbox.spec.limits))
+    try:
+        with pytest.raises(SandboxError, match="big holds 1073741824 bytes, more than the "):
+            child.read_original("big")
+    finally:
+        child.destroy()
     with open(os.path.join(layer, "workspace", "big"), "rb") as f:
         f.seek(4096)
         assert f.read(1) == b"x"
@@ -824,3 +832,15 @@ def test_a_fork_that_fails_removes_the_snapshot_it_took(sandbox, provider, monke
         sandbox.fork(4)
     assert images() == before | {kept}
     provider.images.remove(kept)
+
+
+def test_a_file_call_that_cannot_read_init_s_mount_table_says_so_and_keeps_no_fd(
+        provider, sandbox, monkeypatch):
+    sandbox.read_file("README.md")
+    before = fds_under(provider.root)
+    monkeypatch.setattr(sandbox, "_kernel_devs", None)
+    monkeypatch.setattr(sandbox, "init_pid", 4194311)  # (no such process)
+    for _ in range(3):
+        with pytest.raises(SandboxError, match="its mount table cannot be read"):
+            sandbox.read_file("README.md")
+    assert fds_under(provider.root) == before

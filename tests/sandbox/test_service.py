@@ -585,7 +585,7 @@ def test_a_body_past_the_sandbox_s_disk_or_the_service_s_cap_is_refused_unread(
         local = provider.get(sb.id)
         writes = []
         monkeypatch.setattr(local, "write_file", lambda *a, **kw: writes.append(a))
-        with pytest.raises(SandboxError, match=r"disk limit \(4 MB\) \(HTTP 413\)"):
+        with pytest.raises(SandboxError, match=r"disk limit \(4 MB\) or the service.s"):
             sb.write_file("big", b"0" * (5 << 20))
 
         def streamed():
@@ -601,6 +601,17 @@ def test_a_body_past_the_sandbox_s_disk_or_the_service_s_cap_is_refused_unread(
             with pytest.raises(SandboxError, match=r"more than the service takes \(1 MB, "
                                                    r"max_body_mb\) \(HTTP 413\)"):
                 sb.exec("wc -c", stdin=b"0" * (2 << 20))
+
+            def chunked():  # (no length: counted as it comes)
+                yield b'{"command": "true", "stdin": "'
+                for _ in range(3):
+                    yield b"0" * (1 << 20)
+                yield b'"}'
+
+            r = httpx.post(f"{url}/sandboxes/{sb.id}/exec", content=chunked(),
+                           headers={"authorization": "Bearer test-token",
+                                    "content-type": "application/json"})
+            assert r.status_code == 413 and "max_body_mb" in r.json()["detail"]
         finally:
             config.max_body_mb = old
         sb.write_file("small", b"1" * 100)
