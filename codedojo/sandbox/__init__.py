@@ -46,6 +46,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "WORKSPACE", "Change", "EgressAttachment", "EgressBinding", "ExecResult", "FileInfo",
-    "FileTooLarge", "Limits", "NotFound", "Sandbox", "SandboxError", "SandboxProvider", "SandboxSpec", "Shell",
+    "FileTooLarge", "Limits", "NotFound", "Sandbox", "SandboxError", "SandboxProvider",
+    "SandboxSpec", "Shell",
     "LocalProvider", "LocalSandbox", "Image", "ImageStore", "SandboxClient",
 ]

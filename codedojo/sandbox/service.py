@@ -5,16 +5,17 @@ Every route maps to one `Sandbox`/`ImageStore` method; `client.py` maps them bac
 request the sandbox refuses (bad path, malformed command, missing layer, limit exceeded),
 413 for a file longer than the read asked for (with its ``path``, ``size`` and ``max_bytes``)
 and for a request body past `ServiceConfig.max_body_mb` or a write past its sandbox's disk
-(refused as it comes: a length past the cap is refused unread), 404 for an unknown or destroyed sandbox, an unknown shell
-(`NotFound`) or image (where the route names one), 422 for a malformed body (FastAPI names the
-field), 503 when admission control refuses a new sandbox (the detail names the resource under
-pressure), 500 for a host error or a fault of the service's own (the detail names its type).
+(refused as it comes: a length past the cap is refused unread), 404 for an unknown or
+destroyed sandbox, an unknown shell (`NotFound`) or image (where the route names one), 422 for
+a malformed body (FastAPI names the field), 503 when admission control refuses a new sandbox
+(the detail names the resource under pressure), 500 for a host error or a fault of the
+service's own (the detail names its type).
 A failure in one sandbox never takes the service down: every route catches its own errors,
 and what none expected is answered too, on a connection that stays open.
 
-Every route but a file write is a plain function that runs on a worker thread: a running
-command holds one, so the pool is sized from `ServiceConfig.max_sandboxes` at startup (anyio's
-default of 40 would let 40 commands leave no thread for anything else, /health included).
+Every route but a file write and /health is a plain function that runs on a worker thread:
+a running command holds one, so the pool is sized from `ServiceConfig.max_sandboxes` at
+startup (anyio's default of 40 would let 40 commands leave no thread for anything else).
 
 Admission control reads live pressure with psutil before each create/fork: memory in use, the
 store's disk, the 1-minute load per CPU, the number of live sandboxes and the file descriptors
