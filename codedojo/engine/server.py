@@ -701,9 +701,8 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
             if forced not in [t["function"]["name"] for t in tools]:
                 raise APIError(400, f"tool_choice names {forced!r}, which is not in tools", "tool_choice")
         prefix = state.chat.tool_format.call_prefix(forced)
-    # On a worker thread, so the event loop serves the other requests meanwhile; the
-    # tokenizer's single-text encode holds the GIL while it runs, which the size check
-    # bounds (completions' encode_batch lets it go)
+    # On a worker thread, so the event loop serves the other requests meanwhile (the
+    # tokenizer lets the GIL go while it encodes)
     try:
         prompt_ids = await asyncio.to_thread(_chat_prompt, state, messages,
                                              tools if use_tools else None, prefix)

@@ -428,9 +428,11 @@ class Tokenizer:
 
 def _encode(backend: _HFTokenizer, text: str) -> Any:
     """The backend's encoding of ``text``; for a lone surrogate, or no str, what
-    `_check_text` says (the backend's own TypeError names nothing)."""
+    `_check_text` says (the backend's own TypeError names nothing). Through `encode_batch`,
+    which lets the GIL go while it works (its single-text `encode` holds it: a server's other
+    requests wait out a long prompt's encode); the ids are the same."""
     try:
-        return backend.encode(text, add_special_tokens=False)
+        return backend.encode_batch([text], add_special_tokens=False)[0]
     except TypeError:
         _check_text(text, "text")
         raise
