@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 
 def cache_dir() -> Path:
@@ -136,6 +136,15 @@ def chmod_as_made(path: str | Path) -> None:
     """Give a directory or file made private by what made it (mkdtemp's 0o700; mkstemp's and
     safetensors' 0o600) the mode a plain one gets: 0o777 or 0o666 less the process's umask."""
     os.chmod(path, _mode_as_made(Path(path).is_dir()))
+
+
+def save_tensors(tensors: dict[str, Any], path: str | Path) -> None:
+    """``tensors`` as a safetensors file at ``path``, with a plain file's mode
+    (`chmod_as_made`: safetensors makes it 0o600)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    chmod_as_made(path)
 
 
 def _mode_as_made(directory: bool) -> int:

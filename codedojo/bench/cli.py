@@ -214,9 +214,9 @@ def run(
     _check_base_url(base_url)
     if name is not None:
         _check_run_name(name)
+    _check_out_dir(out_dir)
     s = _load(suite)
     tasks = _select(s, split, limit, task)
-    _check_out_dir(out_dir)
     name = name or _default_run_name(s.name, agent, *([split] if split else []))
     bench_agent = _make_agent(agent, max_turns, max_tokens, base_url)
     result = _run_and_report(s.name, tasks, bench_agent, name, samples, parallel, out_dir)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import posixpath
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -19,7 +20,7 @@ from pydantic import BaseModel, Field
 from codedojo.data.dedup import DedupConfig, DedupStats, dedup
 from codedojo.data.filters import FilterConfig, apply_filters
 from codedojo.data.readers import Document, SourceConfig, read_source
-from codedojo.data.shards import TextEncoder, TokenShards, tokenize_to_shards
+from codedojo.data.shards import TextEncoder, tokenize_to_shards
 
 
 class CorpusConfig(BaseModel):
@@ -125,6 +126,6 @@ def build_corpus(cfg: CorpusConfig, tokenizer: TextEncoder, out_dir: str | Path,
     tr = tokenize_to_shards(train, tokenizer, out / "train", vocab_size, eos_id,
                             max_tokens=cfg.max_train_tokens)
     ev = tokenize_to_shards(held, tokenizer, out / "eval", vocab_size, eos_id)
-    stats.dropped_bytes_docs = sum(TokenShards(p).index.get("docs_with_dropped_bytes", 0)
-                                   for p in (tr, ev))
+    stats.dropped_bytes_docs = sum(json.loads((p / "index.json").read_text())
+                                   .get("docs_with_dropped_bytes", 0) for p in (tr, ev))
     return tr, ev, stats, train

@@ -186,17 +186,14 @@ def hf_config(cfg: ModelConfig, **extra: Any) -> dict[str, Any]:
 def save_hf(model_or_sd: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelConfig,
             out_dir: str | Path, **config_extra: Any) -> Path:
     """Write ``model.safetensors`` + ``config.json`` under ``out_dir``; returns the dir."""
-    from safetensors.torch import save_file
-
-    from codedojo.paths import chmod_as_made
+    from codedojo.paths import save_tensors
 
     sd = model_or_sd.state_dict() if isinstance(model_or_sd, torch.nn.Module) else model_or_sd
     out = Path(out_dir)
     config = hf_config(cfg, **config_extra)  # first: a model HF has no config for writes nothing
     out.mkdir(parents=True, exist_ok=True)
     tensors = state_dict_to_hf({k: v.detach().cpu() for k, v in sd.items()}, cfg)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    chmod_as_made(out / "model.safetensors")  # (safetensors makes it 0o600)
+    save_tensors(tensors, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 

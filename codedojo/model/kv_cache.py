@@ -94,6 +94,13 @@ class KVCache:
             raise ValueError(f"slot {slot} outside [0, {self.n_slots})")
         return slot
 
+    def _held(self, slot: int, n: int, what: str = "n") -> None:
+        """Refuse ``n`` tokens of ``slot`` unless the slot holds that many (past its length it
+        holds stale rows)."""
+        self._slot(slot)
+        if not 0 <= n <= self.lengths[slot]:
+            raise ValueError(f"{what} {n} outside [0, {self.lengths[slot]}] for slot {slot}")
+
     def view(self, start: int, stop: int | None = None) -> CacheView:
         """The slots [start, stop) for one forward pass."""
         stop = start + 1 if stop is None else stop
@@ -103,9 +110,7 @@ class KVCache:
 
     def truncate(self, slot: int, length: int) -> None:
         """Forget everything after the first ``length`` tokens of ``slot``."""
-        self._slot(slot)
-        if not 0 <= length <= self.lengths[slot]:
-            raise ValueError(f"length {length} outside [0, {self.lengths[slot]}] for slot {slot}")
+        self._held(slot, length, "length")
         self.lengths[slot] = length
 
     def reset(self, slot: int) -> None:
@@ -114,16 +119,12 @@ class KVCache:
     def export(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the keys and values of the first ``n`` tokens ``slot`` holds, (layers,
         kv_heads, n, head_dim) each."""
-        self._slot(slot)
-        if not 0 <= n <= self.lengths[slot]:
-            raise ValueError(f"n {n} outside [0, {self.lengths[slot]}] for slot {slot}")
+        self._held(slot, n)
         return self.k[:, slot, :, :n].clone(), self.v[:, slot, :, :n].clone()
 
     def copy(self, src: int, dst: int, n: int) -> None:
         """Make slot ``dst`` hold the first ``n`` tokens of slot ``src`` and nothing after."""
-        self._slot(src)
-        if not 0 <= n <= self.lengths[src]:  # (past its length a slot holds stale rows)
-            raise ValueError(f"n {n} outside [0, {self.lengths[src]}] for slot {src}")
+        self._held(src, n)
         self.load(dst, self.k[:, src, :, :n], self.v[:, src, :, :n])
 
     def load(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -343,15 +343,12 @@ def draft_counts(tokens: np.ndarray, segments: np.ndarray, vocab_size: int) -> t
 
 def save_mtp(mtp: MTP, out_dir: str | Path) -> Path:
     """`mtp.safetensors` + `mtp.json` beside the model weights of a checkpoint."""
-    from safetensors.torch import save_file
-
-    from codedojo.paths import chmod_as_made
+    from codedojo.paths import save_tensors
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().cpu().contiguous() for k, v in mtp.state_dict().items()}
-    save_file(sd, str(out / "mtp.safetensors"), metadata={"format": "pt"})
-    chmod_as_made(out / "mtp.safetensors")  # (safetensors makes it 0o600)
+    save_tensors(sd, out / "mtp.safetensors")
     vocab = 0 if mtp.draft_vocab is None else len(mtp.draft_vocab)
     (out / "mtp.json").write_text(json.dumps({"depth": mtp.depth, "draft_vocab": vocab,
                                               "taps": list(mtp.taps), "blocks": mtp.n_blocks}))

@@ -39,7 +39,7 @@ from torch import nn
 from codedojo.model.config import ModelConfig
 from codedojo.model.mtp import MTP, grow_chain, save_mtp
 from codedojo.model.weights import checkpoint_config
-from codedojo.paths import chmod_as_made, staged_dir
+from codedojo.paths import save_tensors, staged_dir
 from codedojo.pretrain.parallel import (
     broadcast_object,
     distributed,
@@ -162,7 +162,6 @@ def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: M
     """``full``: the model's `full_state_dict`, when the caller has gathered it already. Under
     FSDP2 every rank calls it (the shards are gathered) and rank 0 writes. ``tokenizer``: the
     run's, saved with the weights, so that any checkpoint loads and serves on its own."""
-    from safetensors.torch import save_file
 
     path = Path(path)
     if full is None:
@@ -173,8 +172,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: M
         return path
     with staged_dir(path, replace=True) as tmp:
         sd = {k: v.detach().cpu().contiguous() for k, v in full.items()}
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        chmod_as_made(tmp / "model.safetensors")  # (safetensors makes it 0o600)
+        save_tensors(sd, tmp / "model.safetensors")
         (tmp / "model_config.json").write_text(cfg.model_dump_json(indent=1))
         if mtp is not None:
             save_mtp(mtp, tmp)

@@ -77,18 +77,13 @@ class ServiceConfig(BaseModel):
                              "this (a command's stdin, a file written), before reading it.")
 
 
-def _too_long_body(config: ServiceConfig, size: str) -> str:
-    return (f"request body: {size}, more than the service takes ({config.max_body_mb} MB, "
-            "max_body_mb)")
-
-
 class _BodyTooLong(Exception):
     pass
 
 
 class _BodyCap:
-    """Refuses (413) a request body past `ServiceConfig.max_body_mb` as its bytes come, so a
-    body sent without a length (chunked) is held to the cap too: what a route reads whole
+    """Refuses (413) a request body past `ServiceConfig.max_body_mb`: unread where its length
+    says so, and as its bytes come where it has none (chunked), so that what a route reads whole
     (a JSON body, a command's stdin) is never more than that in the service's memory."""
 
     def __init__(self, app: Any, config: ServiceConfig) -> None:
@@ -98,6 +93,12 @@ class _BodyCap:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         seen, started, past, cap = 0, False, False, self.config.max_body_mb << 20
+        too_long = JSONResponse({"detail": f"request body: more than the service takes "
+                                 f"({self.config.max_body_mb} MB, max_body_mb)"},
+                                status_code=413)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > cap:  # (refused unread)
+            return await too_long(scope, receive, send)
 
         async def counted() -> dict:
             nonlocal seen, past
@@ -122,8 +123,7 @@ class _BodyCap:
                 raise
         if past and not started:  # (however the app took the error: FastAPI's body parser
             # makes it a 400 of its own)
-            await JSONResponse({"detail": _too_long_body(self.config, f"past {cap} bytes")},
-                               status_code=413)(scope, receive, send)
+            await too_long(scope, receive, send)
 
 
 class LimitsIn(BaseModel):
@@ -299,10 +299,6 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
             why = (f"unauthorized: send the service's token (Authorization: Bearer ...; "
                    f"${TOKEN_ENV} or {token_path(provider.root)})")
             return JSONResponse({"detail": why}, status_code=401)
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > config.max_body_mb << 20:
-            return JSONResponse({"detail": _too_long_body(config, f"{length} bytes")},
-                                status_code=413)
         try:
             return await call_next(request)
         except (_BodyTooLong, ClientDisconnect):  # (answered by `_BodyCap`; no one to answer)
