@@ -255,12 +255,6 @@ class ServerState:
     max_model_len: int
     aliases: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
-    longest_token: int = field(init=False)  # the most bytes of text one token stands for
-
-    def __post_init__(self) -> None:
-        tok = self.tokenizer
-        self.longest_token = max((len(tok.token_bytes(i)) for i in range(tok.vocab_size)),
-                                 default=1)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -358,8 +352,8 @@ def _check_fits(state: ServerState, text: str, param: str) -> None:
     stands for at most `longest_token` bytes of it (and bytes the tokenizer drops, for none), so
     text of more bytes than the context's tokens hold is more tokens than the context. This
     costs a pass over the bytes; encoding costs far more, the longer the text."""
-    size = len(text.encode("utf-8", "surrogatepass")) - state.tokenizer.dropped_bytes(text)
-    if size > state.max_model_len * state.longest_token:
+    size = state.tokenizer.kept_bytes(text)
+    if size > state.max_model_len * state.tokenizer.longest_token:
         raise APIError(400, f"the prompt is {size} bytes of text, more than the model's context "
                        f"of {state.max_model_len} tokens can hold", param,
                        code="context_length_exceeded")
@@ -680,8 +674,8 @@ def _chat_prompt(state: ServerState, messages: list[dict[str, Any]],
                  tools: list[dict[str, Any]] | None, prefix: str) -> list[int]:
     """The prompt's ids: the messages rendered (refused if the text cannot fit), then encoded,
     then ``prefix``'s ids."""
-    _check_fits(state, state.chat.render(messages, tools, add_generation_prompt=True), "messages")
-    ids = state.chat.encode(messages, tools, add_generation_prompt=True)
+    ids = state.chat.encode(messages, tools, add_generation_prompt=True,
+                            check=lambda text: _check_fits(state, text, "messages"))
     return ids + state.tokenizer.encode(prefix) if prefix else ids
 
 

@@ -293,11 +293,16 @@ class ChatTemplate:
         return self._render_prepared(prepared, tools, add_generation_prompt).replace(_MARK, "")
 
     def encode(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-               add_generation_prompt: bool = True) -> list[int]:
+               add_generation_prompt: bool = True,
+               check: Callable[[str], object] | None = None) -> list[int]:
         """Prompt ids for generation (by default ending in the assistant header); a message's
-        spelling of a control token is text."""
+        spelling of a control token is text. ``check``: called with the text (as `render`
+        gives it) before it is encoded, to refuse it by raising."""
         prepared, _ = self.normalize(messages, tools)
-        return self._encode(self._render_prepared(prepared, tools, add_generation_prompt))
+        text = self._render_prepared(prepared, tools, add_generation_prompt)
+        if check is not None:
+            check(text.replace(_MARK, ""))
+        return self._encode(text)
 
     def render_parts(self, messages: Sequence[Mapping[str, Any]],
                      tools: Sequence[Mapping[str, Any]] | None = None) -> list[tuple[str, bool]]:

@@ -388,6 +388,17 @@ class Tokenizer:
         table = byte_alphabet()
         return bytes(b for b in range(256) if self.backend.token_to_id(table[b]) is None)
 
+    @cached_property
+    def longest_token(self) -> int:
+        """The most bytes of text one token stands for."""
+        return max((len(self.token_bytes(i)) for i in range(self.vocab_size)), default=1)
+
+    def kept_bytes(self, text: str) -> int:
+        """How many bytes of ``text`` (UTF-8) `encode` keeps: all but `dropped_bytes`, in one
+        pass."""
+        data = text.encode("utf-8", "surrogatepass")
+        return len(data.translate(None, self.missing_bytes)) if self.missing_bytes else len(data)
+
     def dropped_bytes(self, text: str) -> int:
         """How many bytes of ``text`` (UTF-8) `encode` drops, those in `missing_bytes`: one
         pass over the bytes, no encode or decode."""

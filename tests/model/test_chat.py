@@ -203,3 +203,21 @@ def test_a_call_the_tool_format_cannot_write_names_its_message():
         xml.render([{"role": "user", "content": "x"},
                     {"role": "assistant", "content": "", "tool_calls": [call]}])
     assert e.value.param == "messages[1].tool_calls"
+
+
+def test_encode_hands_its_check_the_rendered_text_before_encoding(monkeypatch):
+    """A server refuses a prompt by its text before it is encoded, from the one rendering."""
+    chat = ChatTemplate(load_tokenizer())
+    msgs = [{"role": "user", "content": "hi"}]
+    seen: list[str] = []
+    assert chat.encode(msgs, check=seen.append) == chat.encode(msgs)
+    assert seen == [chat.render(msgs, add_generation_prompt=True)]
+
+    def refuse(text: str) -> None:
+        raise ValueError("too long")
+
+    encoded: list[str] = []
+    monkeypatch.setattr(chat, "_encode", encoded.append)
+    with pytest.raises(ValueError, match="too long"):
+        chat.encode(msgs, check=refuse)
+    assert encoded == []
