@@ -30,7 +30,7 @@ _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 # sends several requests, which other clients' requests can come between).
 MAX_CHOICES = 128
 # Characters of one stop string: each is matched character by character as text comes, with a
-# table as long as it, built for each request; a stop string is a few words.
+# table as long as it (built once for the stop strings used last); a stop string is a few words.
 MAX_STOP_CHARS = 4096
 
 

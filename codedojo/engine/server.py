@@ -19,6 +19,7 @@ up the other requests.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
@@ -149,10 +150,10 @@ class TextAssembler:
     """Builds a choice's text from token ids: skips stop tokens, holds back text that may be the
     start of a stop string, and reports where a stop string completes.
 
-    ``stops`` are stop strings, or a `_Start` of each, whose tables the assembler shares (the
-    choices of one request watch for the same stop strings: their tables are built once)."""
+    ``stops`` are stop strings (the choices of one request watch for the same ones: their tables
+    are built once, `_failure_table`)."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str | _Start], stop_ids: Sequence[int],
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], stop_ids: Sequence[int],
                  skip_special_tokens: bool) -> None:
         self.decoder = tokenizer.incremental_decoder(skip_special_tokens=skip_special_tokens)
         self.starts = [_Start(s) for s in stops if s]
@@ -193,15 +194,10 @@ class _Start:
     """Where ``word`` first starts in the text fed so far (``at``), and until it does, the
     longest start of it the text ends with: text to hold back, as it may become the word.
     Kept as the text grows, a character a step (Knuth-Morris-Pratt): a long word costs no more
-    per token than a short one. Given another `_Start`, a fresh one for the same word that shares
-    its table (building one takes a step a character of the word: the choices of a request
-    share theirs)."""
+    per token than a short one."""
 
-    def __init__(self, word: str | _Start) -> None:
-        if isinstance(word, _Start):
-            self.word, self.fail = word.word, word.fail
-        else:
-            self.word, self.fail = word, _failure_table(word)
+    def __init__(self, word: str) -> None:
+        self.word, self.fail = word, _failure_table(word)
         self.k, self.fed = 0, 0
         self.at: int | None = None
 
@@ -219,9 +215,11 @@ class _Start:
         return fail[k - 1] if k == len(word) else k  # (the whole word: its longest border)
 
 
-def _failure_table(word: str) -> list[int]:
+@functools.lru_cache(maxsize=64)
+def _failure_table(word: str) -> tuple[int, ...]:
     """``fail[i]``: the length of the longest start of ``word`` that ``word[:i+1]`` ends with
-    (not all of it)."""
+    (not all of it). Kept for the words used last: building one takes a step a character of
+    the word, and the choices of a request (and the requests of a client) share their stops."""
     fail = [0] * len(word)
     j = 0
     for i in range(1, len(word)):
@@ -229,7 +227,7 @@ def _failure_table(word: str) -> list[int]:
             j = fail[j - 1]
         j += word[i] == word[j]
         fail[i] = j
-    return fail
+    return tuple(fail)
 
 
 def _space_start(text: str, start: int, end: int, run: int) -> int:
@@ -402,7 +400,7 @@ def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 async def _run_choice(state: ServerState, prompt_ids: list[int], params: SamplingParams,
-                      stops: Sequence[str | _Start], skip_special: bool,
+                      stops: Sequence[str], skip_special: bool,
                       prefix: str = "") -> AsyncIterator[Piece | ChoiceResult]:
     """Stream one choice: a `Piece` per engine token, then the `ChoiceResult`.
 
@@ -703,10 +701,9 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     except ChatFormatError as e:
         raise APIError(400, str(e), e.param) from None
     params = _sampling(state, req, len(prompt_ids), req.logprobs, req.top_logprobs or 0, "messages")
-    stops = [_Start(s) for s in req.stops]  # (their tables, shared by the n choices)
     version = state.engine.weight_version
     rid, created = _new_id("chatcmpl"), int(time.time())
-    gens = [_run_choice(state, prompt_ids, _choice_params(params, i), stops, req.skip_special_tokens, prefix)
+    gens = [_run_choice(state, prompt_ids, _choice_params(params, i), req.stops, req.skip_special_tokens, prefix)
             for i in range(req.n)]
 
     if req.stream:
@@ -748,8 +745,7 @@ async def _chat_stream(state: ServerState, req: ChatCompletionRequest, rid: str,
     # `_answer` strips the content), and how much of it went out as content.
     seen = ["" for _ in gens]
     sent = [0 for _ in gens]
-    marker_start = _Start(marker) if marker else None
-    starts = [_Start(marker_start) for _ in gens] if marker_start else []
+    starts = [_Start(marker) for _ in gens] if marker else []
     # With tools, per choice: how much of the text was read for the whitespace before `safe`,
     # and where the whitespace that ends that much starts.
     read = [0 for _ in gens]
@@ -862,8 +858,7 @@ async def _completions(state: ServerState, req: CompletionRequest, request: Requ
     rid, created = _new_id("cmpl"), int(time.time())
     # Choice k*n + i is prompt k's i-th sample, as OpenAI numbers them.
     jobs = [(k, p, _choice_params(params[k], i)) for k, p in enumerate(prompts) for i in range(req.n)]
-    stops = [_Start(s) for s in req.stops]  # (their tables, shared by every choice)
-    gens = [_run_choice(state, p, sp, stops, req.skip_special_tokens) for _, p, sp in jobs]
+    gens = [_run_choice(state, p, sp, req.stops, req.skip_special_tokens) for _, p, sp in jobs]
     tok = state.tokenizer
 
     if req.stream:
