@@ -76,7 +76,10 @@ class RPCError(Exception):
 
 
 @dataclass
-class _Lease:
+class _Episode:
+    """An open episode and its lease."""
+
+    session: ToolSession
     used: float  # when a call last ended (time.monotonic)
     calls: int = 0  # running now: an episode in a call is not idle
 
@@ -120,9 +123,8 @@ class ToolServer:
         self.registry = registry or ToolRegistry()
         self.envs: dict[str, EnvToolConfig] = dict(envs or {"default": EnvToolConfig()})
         self.search = search
-        self.episodes: dict[str, ToolSession] = {}
+        self.episodes: dict[str, _Episode] = {}
         self.idle_s = idle_s
-        self._leases: dict[str, _Lease] = {}
         self._idled: dict[str, None] = {}  # the latest episodes closed for going idle
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -151,44 +153,41 @@ class ToolServer:
             raise RPCError(INVALID_PARAMS, str(e)) from e
         session = ToolSession(toolset, ToolContext(sandbox=sandbox, search=self.search))
         with self._lock:
-            self.episodes[session.episode_id] = session
-            self._leases[session.episode_id] = _Lease(time.monotonic())
+            self.episodes[session.episode_id] = _Episode(session, time.monotonic())
         return session
 
     def session(self, episode_id: str) -> ToolSession:
         with self._lock:
-            return self._session(episode_id)
+            return self._episode(episode_id).session
 
-    def _session(self, episode_id: str) -> ToolSession:
-        s = self.episodes.get(episode_id)
-        if s is None and episode_id in self._idled:
+    def _episode(self, episode_id: str) -> _Episode:
+        e = self.episodes.get(episode_id)
+        if e is None and episode_id in self._idled:
             raise RPCError(INVALID_PARAMS, f"episode_id: episode {episode_id!r} was closed "
                                            f"after {self.idle_s:g} s without a call (the "
                                            f"service's idle limit)")
-        if s is None:
+        if e is None:
             raise RPCError(INVALID_PARAMS, f"episode_id: unknown episode {episode_id!r}")
-        return s
+        return e
 
     @contextmanager
     def _using(self, episode_id: str) -> Iterator[ToolSession]:
         """The episode's session, not idle while the caller uses it."""
         with self._lock:
-            s = self._session(episode_id)
-            lease = self._leases[episode_id]
-            lease.calls += 1
+            e = self._episode(episode_id)
+            e.calls += 1
         try:
-            yield s
+            yield e.session
         finally:
             with self._lock:
-                lease.calls -= 1
-                lease.used = time.monotonic()
+                e.calls -= 1
+                e.used = time.monotonic()
 
     def close_episode(self, episode_id: str) -> None:
         with self._lock:
-            s = self.episodes.pop(episode_id, None)
-            self._leases.pop(episode_id, None)
-        if s is not None:
-            s.close()
+            e = self.episodes.pop(episode_id, None)
+        if e is not None:
+            e.session.close()
 
     def _close_idle(self) -> None:
         """Close, every while, the episodes idle for longer than ``idle_s``."""
@@ -196,14 +195,12 @@ class ToolServer:
         while not self._closed.wait(min(60.0, self.idle_s / 4)):
             now = time.monotonic()
             with self._lock:
-                idle = [eid for eid, lease in self._leases.items()
-                        if not lease.calls and now - lease.used > self.idle_s]
-                for eid in idle:
-                    del self._leases[eid]
-                    self._idled[eid] = None
+                idle = [eid for eid, e in self.episodes.items()
+                        if not e.calls and now - e.used > self.idle_s]
+                gone = [self.episodes.pop(eid).session for eid in idle]
+                self._idled.update(dict.fromkeys(idle))
                 while len(self._idled) > IDLED_KEPT:  # (the oldest become unknown ids)
                     del self._idled[next(iter(self._idled))]
-                gone = [self.episodes.pop(eid) for eid in idle]
             for s in gone:
                 try:
                     s.close()
