@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import glob
 import os
+import re
 import shutil
 import socket
 import stat
@@ -59,6 +61,18 @@ def staged_dir(dest: str | Path, *, replace: bool) -> Iterator[Path]:
         _sync(dest.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_staged_leftovers(dest: str | Path) -> list[Path]:
+    """Remove what `staged_dir` left beside ``dest`` when its process was killed mid-write (the
+    new copy, or with a rename, the old one moved aside), and return what it removed. Only
+    where no other process stages ``dest`` at the time: a checkpoint's, that one rank writes."""
+    dest = Path(dest)
+    ours = re.compile(rf"\.{re.escape(dest.name)}-(old-)?[a-z0-9_]{{8}}")  # (mkdtemp's names)
+    gone = [p for p in dest.parent.glob(f".{glob.escape(dest.name)}-*") if ours.fullmatch(p.name)]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
 
 
 def _sync(path: Path) -> None:

@@ -189,3 +189,28 @@ def test_what_is_written_has_the_mode_the_umask_gives(tmp_path, mask):
     for f in (ck / "model.safetensors", ck / "mtp.safetensors", ck / "state.json",
               hf / "model.safetensors", tmp_path / "report.json"):
         assert mode(f) == oct(0o666 & ~mask), f
+
+
+def test_what_a_killed_rewrite_left_is_removed_and_nothing_else(tmp_path):
+    """A process killed inside `staged_dir` leaves its copy beside ``dest``; a checkpoint's
+    next save removes it (`remove_staged_leftovers`), not what other names stage there."""
+    import signal
+    import subprocess
+    import sys
+
+    from codedojo.paths import remove_staged_leftovers
+
+    dest = tmp_path / "bulk"
+    code = ("import os, signal, sys\nfrom codedojo.paths import staged_dir\n"
+            "with staged_dir(sys.argv[1], replace=True) as tmp:\n"
+            "    (tmp / 'model.safetensors').write_bytes(b'x' * 1000)\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(dest)])
+    assert r.returncode == -signal.SIGKILL
+    (left,) = tmp_path.iterdir()
+    assert left.name.startswith(".bulk-")
+    others = [tmp_path / ".bulk-long-abcd1234", tmp_path / ".bulkier-abcd1234", tmp_path / "bulk2"]
+    for d in others:
+        d.mkdir()
+    assert remove_staged_leftovers(dest) == [left]
+    assert sorted(tmp_path.iterdir()) == sorted(others)

@@ -39,7 +39,7 @@ from torch import nn
 from codedojo.model.config import ModelConfig
 from codedojo.model.mtp import MTP, grow_chain, save_mtp
 from codedojo.model.weights import checkpoint_config
-from codedojo.paths import save_tensors, staged_dir
+from codedojo.paths import remove_staged_leftovers, save_tensors, staged_dir
 from codedojo.pretrain.parallel import (
     broadcast_object,
     distributed,
@@ -170,6 +170,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, cfg: ModelConfig, mtp: M
     rngs = gather_object(rng_state())  # each rank's own: a rank may draw random numbers
     if not is_main():
         return path
+    remove_staged_leftovers(path)  # (of a run killed as it saved: a preemption)
     with staged_dir(path, replace=True) as tmp:
         sd = {k: v.detach().cpu().contiguous() for k, v in full.items()}
         save_tensors(sd, tmp / "model.safetensors")

@@ -156,7 +156,8 @@ def train_device(requested: str = "auto") -> torch.device:
     try:
         return resolve_device(requested, default_index=rank)
     except ValueError as e:
-        hint = f" for LOCAL_RANK {rank} (more processes per node than GPUs?)" if rank else ""
+        many = rank and torch.cuda.device_count()  # (a machine with no GPU needs no hint)
+        hint = f" for LOCAL_RANK {rank} (more processes per node than GPUs?)" if many else ""
         raise ValueError(f"model.device = {e}{hint}") from None
 
 

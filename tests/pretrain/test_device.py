@@ -19,6 +19,11 @@ def test_the_training_device_follows_the_config_and_the_machine(monkeypatch, gpu
         train_device("cuda")
     with pytest.raises(ValueError, match="model.device: 'gpu'"):
         train_device("gpu")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # (no GPU at all: more of them is no answer)
+    with pytest.raises(ValueError, match="no CUDA device") as e:
+        train_device("cuda")
+    assert "LOCAL_RANK" not in str(e.value)
+    monkeypatch.delenv("LOCAL_RANK")
 
     gpus(2)
     assert train_device("auto") == torch.device("cuda", 0)

@@ -580,7 +580,9 @@ def test_an_moe_checkpoint_loads_for_serving(tmp_path):
     model = Transformer(cfg).eval()
     for m in moe_layers(model):
         m.expert_bias.normal_()  # they choose the experts
+    (tmp_path / ".ck-k1ll3d_x").mkdir()  # a save that was killed: removed by the next
     ck = save_checkpoint(tmp_path / "ck", model, cfg, None, None, TrainPosition(0, 0, {}, True))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
     served, served_cfg = load_model(ck)
     assert served_cfg == cfg
     ids = torch.randint(0, cfg.vocab_size, (2, 12))
