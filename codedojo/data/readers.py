@@ -45,7 +45,9 @@ class SourceConfig(BaseModel):
     )
     path: str = Field(description="File or folder. `stdlib` and `site-packages` are aliases for "
                       "this interpreter's standard library and installed packages, also as the "
-                      "start of a path (`site-packages/rich`).")
+                      "start of a path (`site-packages/rich`). `stdlib` is the library's own "
+                      "modules only: the site-packages or dist-packages folder inside its folder "
+                      "is not read (dir sources).")
     exts: list[str] = Field(default_factory=lambda: [".py"],
                             description="File name endings kept by dir/git readers, each with "
                             "its dot (`.py`, `.d.ts`).")
@@ -75,9 +77,14 @@ class SourceConfig(BaseModel):
         return exts
 
 
+# folders inside the standard library's folder that hold installed packages, not the library
+_INSTALLED = frozenset({"site-packages", "dist-packages"})
+
+
 def resolve_path(path: str) -> Path:
     """Expand the `stdlib` / `site-packages` aliases (alone or as a path's first part): the real
-    code corpora on any machine."""
+    code corpora on any machine. `stdlib`'s folder holds site-packages too: `read_source` skips
+    it (`_dirs_not_read`)."""
     import sysconfig
 
     head, _, rest = path.partition("/")
@@ -85,6 +92,13 @@ def resolve_path(path: str) -> Path:
     if alias is not None:
         return Path(sysconfig.get_paths()[alias]) / rest
     return Path(path).expanduser()
+
+
+def _dirs_not_read(path: str) -> frozenset[str]:
+    """Names of the folders whose trees a dir source of ``path`` does not read: for the `stdlib`
+    alias, the installed packages' folders within it (`_INSTALLED`), so that it reads the
+    standard library alone."""
+    return _INSTALLED if path.partition("/")[0] == "stdlib" else frozenset()
 
 
 def _read_text(p: Path, max_bytes: int | None = None,
@@ -132,11 +146,13 @@ def _key(f: Path, asked: Path) -> str:
 
 def read_dir(root: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
              exclude: list[str] | None = None, max_bytes: int | None = None,
-             skipped: Counter[str] | None = None) -> Iterator[Document]:
+             skipped: Counter[str] | None = None,
+             skip_dirs: frozenset[str] = frozenset()) -> Iterator[Document]:
     """Regular files under `root` whose names end with one of `exts`, in sorted order so runs
-    are reproducible. A link is not followed (a tree's link may point anywhere on the
-    machine); a name that is not UTF-8 is skipped (``skipped["bad_name"]``), a file over
-    ``max_bytes`` (``skipped["too_long"]``), and a binary file or one not UTF-8 (`_text`)."""
+    are reproducible, but for those in a folder named in ``skip_dirs`` (below `root`). A link
+    is not followed (a tree's link may point anywhere on the machine); a name that is not UTF-8
+    is skipped (``skipped["bad_name"]``), a file over ``max_bytes`` (``skipped["too_long"]``),
+    and a binary file or one not UTF-8 (`_text`)."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"source.path: {root} is not a directory")
@@ -147,6 +163,8 @@ def read_dir(root: str | Path, exts: tuple[str, ...] | list[str] = (".py",),
             continue
         rel = str(p.relative_to(root))
         if any(x in rel for x in exclude) or "__pycache__" in rel:
+            continue
+        if not skip_dirs.isdisjoint(p.relative_to(root).parts[:-1]):
             continue
         if not _utf8(rel, skipped):
             continue
@@ -240,7 +258,9 @@ def data_files(path: Path, ext: str, split: str | None = None) -> list[Path]:
         if split is not None:
             raise ValueError(f"source.split: {path} is one file, not a folder of splits")
         return [path]
-    files = sorted(path.rglob(f"*{ext}"))
+    # files only: a folder may be named like one (Spark's `code.parquet/`), and the files in it
+    # are matched themselves
+    files = sorted(f for f in path.rglob(f"*{ext}") if f.is_file())
     if not files:
         raise FileNotFoundError(f"source.path: no {ext} files under {path}")
     if split == "*":
@@ -341,7 +361,7 @@ def read_source(cfg: SourceConfig, max_bytes: int | None = None,
     """The source's documents; files over ``max_bytes`` are skipped unread (dir and git)."""
     path = resolve_path(cfg.path)
     if cfg.kind == "dir":
-        it = read_dir(path, cfg.exts, cfg.exclude, max_bytes, skipped)
+        it = read_dir(path, cfg.exts, cfg.exclude, max_bytes, skipped, _dirs_not_read(cfg.path))
     elif cfg.kind == "git":
         it = read_git(path, cfg.exts, cfg.exclude, max_bytes, skipped)
     elif cfg.kind == "jsonl":

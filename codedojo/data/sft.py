@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -22,6 +23,10 @@ from codedojo.data.readers import Document, json_objects
 from codedojo.data.shards import ShardWriter
 
 Message = dict[str, Any]
+
+# the line ends ast numbers lines by; str.splitlines also breaks at \f, \v, \x1c-\x1e, \x85,
+# \u2028 and \u2029, which may stand inside a line of code (a page break, a comment's text)
+_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
 class ChatRenderer(Protocol):
@@ -96,11 +101,14 @@ def render_to_shards(convs: Chats, render: ChatRenderer, out_dir: str | Path, vo
 
 
 def _functions_with_docstrings(doc: Document, max_lines: int) -> Iterator[tuple[str, str, str]]:
+    """(name, docstring summary, source) of each unindented function of ``doc`` with a
+    docstring and 3 to ``max_lines`` lines; none for a file that does not parse, including one
+    nested deeper than the parser builds (a long elif chain, a deeply nested expression)."""
     try:
         tree = ast.parse(doc.text)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return
-    lines = doc.text.splitlines()
+    lines = _LINE_END.split(doc.text)  # lines as ast numbers them
     for node in ast.walk(tree):
         if not isinstance(node, ast.FunctionDef) or node.end_lineno is None:
             continue

@@ -396,3 +396,40 @@ def test_a_folder_of_several_splits_reads_the_one_named(tmp_path, kind):
         list(read_source(one_file))
     with pytest.raises(ValueError, match="only jsonl and parquet sources have splits, not dir"):
         SourceConfig(kind="dir", path=str(tmp_path), split="train")
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_folder_named_like_a_data_file_is_read_for_the_files_in_it(tmp_path, kind):
+    """Spark and Dask write a dataset as a folder of part files (`code.parquet/part-0.parquet`):
+    the folder is no file to open, its part files are read."""
+    part = tmp_path / "corpus" / f"code.{kind}" / f"part-00000.snappy.{kind}"
+    part.parent.mkdir(parents=True)
+    if kind == "jsonl":
+        part.write_text(json.dumps({"text": "def f(): pass"}) + "\n")
+    else:
+        pq.write_table(pa.table({"text": ["def f(): pass"]}), part)
+    docs = list(read_source(SourceConfig(kind=kind, path=str(tmp_path / "corpus"))))
+    assert [d.source for d in docs] == [f"corpus/code.{kind}/part-00000.snappy.{kind}:"
+                                        f"{1 if kind == 'jsonl' else 0}"]
+
+
+def test_the_stdlib_alias_reads_the_standard_library_not_the_packages_installed_in_it(
+        tmp_path, monkeypatch):
+    """lib/python3.X holds site-packages (or dist-packages): most of its files are third-party
+    code, which the `site-packages` alias names; `stdlib` leaves them out."""
+    lib = tmp_path / "lib" / "python3.11"
+    for rel in ("json/__init__.py", "site-packages/rich/console.py",
+                "dist-packages/numpy/core.py", "site-packages/pkg/site-packages/x.py"):
+        (lib / rel).parent.mkdir(parents=True, exist_ok=True)
+        (lib / rel).write_text("x = 1\n")
+    (lib / "os.py").write_text("y = 2\n")
+    monkeypatch.setattr("sysconfig.get_paths", lambda: {"stdlib": str(lib),
+                                                        "purelib": str(lib / "site-packages")})
+
+    def sources(path: str) -> list[str]:
+        return [d.source for d in read_source(SourceConfig(kind="dir", path=path))]
+
+    assert sources("stdlib") == ["python3.11/json/__init__.py", "python3.11/os.py"]
+    assert sources("stdlib/json") == ["json/__init__.py"]
+    assert sources("site-packages/rich") == ["rich/console.py"]
+    assert len(sources(str(lib))) == 5  # (a folder named as it is: all of it)

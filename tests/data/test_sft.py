@@ -90,3 +90,27 @@ def test_a_file_that_starts_with_a_byte_order_mark_is_read(tmp_path):
         b'"content": "yo"}]}'
     sft.write_bytes(b"\xef\xbb\xbf" + row + b"\n" + row + b"\n")
     assert [c.messages[-1]["content"] for c in read_sft_jsonl(sft)] == ["yo", "yo"]
+
+
+def test_a_file_nested_past_what_the_parser_builds_is_skipped_like_one_that_does_not_parse():
+    """A 3000-branch elif chain (RecursionError) or a 30000-deep expression (MemoryError) in
+    one file leaves the other files' examples to be built."""
+    ladder = ('def code(x):\n    """Map x to its code."""\n    if x == 0:\n        return 0\n'
+              + "".join(f"    elif x == {i}:\n        return {i}\n" for i in range(1, 3000)))
+    deep = "x = \\\n" + "not \\\n" * 30000 + "y\n"
+    ok = 'def add(a, b):\n    """Add two numbers."""\n    return a + b\n'
+    docs = [Document(t, f"{n}.py", {"path": f"{n}.py"})
+            for n, t in (("ladder", ladder), ("deep", deep), ("ok", ok))]
+    assert [c.where for c in code_sft_examples(docs)] == ["ok.py: add"]
+
+
+def test_a_function_after_a_page_break_keeps_its_body():
+    """ast ends lines at \\n, \\r\\n and \\r only: a form feed (a page break in GNU-style code)
+    or a line separator inside a comment does not shift the lines a function is cut from."""
+    area = 'def area(w, h):\n    """Area of a rectangle."""\n    return w * h\n'
+    perimeter = ('def perimeter(w, h):\n    """Perimeter of a rectangle."""\n'
+                 "    # w + h:\u2028both sides\x85once\n    return 2 * (w + h)\n")
+    src = f'"""Module."""\nimport os\n\x0c\n\n{area}\n{perimeter}'
+    answers = [c.messages[-1]["content"]
+               for c in code_sft_examples([Document(src, "m.py", {"path": "m.py"})])]
+    assert answers == [f"```python\n{area}```", f"```python\n{perimeter}```"]
