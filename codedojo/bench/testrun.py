@@ -7,6 +7,7 @@ for a folder on the host (the builder's validation runs there). The outcome come
 
 from __future__ import annotations
 
+import ast
 import functools
 import os
 import re
@@ -26,7 +27,7 @@ from codedojo.sandbox.base import ExecResult, Executor
 _SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S.*?)(?: - (.*))?$")
 _BADNESS = ("passed", "xfail", "skipped", "xpass", "failed", "error")  # worse to the right
 # a failure's section title: pytest frames a long title with fewer underscores, down to one
-_SECTION = re.compile(r"^_+ (?:ERROR at \w+ of )?(.+?) _+$")
+_SECTION = re.compile(r"^_+ (?:ERROR at \w+ of |ERROR collecting )?(.+?) _+$")
 
 
 class LocalExecutor:
@@ -163,8 +164,11 @@ class PytestCommand:
     inherit_pythonpath: bool = False
 
     def argv(self, tests: Sequence[str] | None = None) -> list[str]:
+        # (--show-capture=no: what tests print is no outcome, and `-rA` would print every
+        # passing test's; a run whose output the sandbox cuts believes nothing, `OUTPUT_CUT`)
         pytest = [
-            self.python, "-m", "pytest", "-rA", "-q", "--tb=short", "-p", "no:cacheprovider",
+            self.python, "-m", "pytest", "-rA", "-q", "--tb=short", "--show-capture=no",
+            "-p", "no:cacheprovider",
             "-o", "addopts=", "-o", "console_output_style=classic", "--color=no",
             f"--rootdir={self.root}", *self.extra_args, *(tests or ()),
         ]
@@ -211,7 +215,11 @@ def run_pytest(
     report.timed_out = res.timed_out
     report.duration_s = res.duration_s
     report.output_tail = (res.stdout + res.stderr)[-4000:]
-    if canary:
+    if res.truncated:  # (the cut middle may hold what a line at the end denies)
+        if canary:
+            canary.take(report)
+        _fail_all(report, tests or (), OUTPUT_CUT)
+    elif canary:
         canary.judge(report, tests or ())
     report.reported = len(report.outcomes)
     if tests:
@@ -221,6 +229,17 @@ def run_pytest(
                 report.outcomes[t] = "error"
                 report.messages.setdefault(t, "test was not collected")
     return report
+
+
+OUTPUT_CUT = ("the test run's output passed the sandbox's limit and was cut: no outcome of the run "
+              "is believed (a summary printed after the cut could deny the failures cut out)")
+
+
+def _fail_all(report: TestReport, tests: Sequence[str], message: str) -> None:
+    """Every test of ``tests`` and of ``report`` an error, for ``message``'s reason."""
+    for t in {*tests, *report.outcomes}:
+        report.outcomes[t] = "error"
+        report.messages[t] = message
 
 
 XFAIL_HIDES = ("failed as expected where it passes on the task as it came (an xfail in the "
@@ -279,15 +298,17 @@ class Canary:
     """A test that must fail, run beside the tests a grade reads, under a name drawn anew each
     run: code under test that makes every test pass (patching pytest as it is imported,
     printing a summary of its own and leaving) makes it pass too, or leaves it unreported,
-    and then no outcome of the run is believed. Code that spared it alone would have to tell
-    it from the tests it forges, by a name it cannot know before the run: its file is a
-    ``test_<word>.py`` in the folder of one of the tests (drawn; the tree's root where that
-    folder cannot be written), its test a function ``test_<word>`` (run as the tests it
-    forges are) that compares two drawn numbers, each word letters of a drawn length, at a
-    drawn place among the tests pytest is given. (Its node id is still on pytest's command
-    line, and its body reads no module of the task's; a task whose config collects functions
-    of other names (``python_functions``) does not collect it, and its runs are infra
-    failures.)"""
+    and then no outcome of the run is believed. It looks like the tests it sits beside: its
+    file is a ``test_<word>.py`` in the folder of one of the tests (drawn; the tree's root,
+    with no imports, where that folder cannot be written) with that test file's module-level
+    imports (each in a ``try``: the canary runs where one fails), its test a function
+    ``test_<word>`` (run as the tests it forges are) that names what those imports bound,
+    then compares two drawn numbers; each word letters of a drawn length, at a drawn place
+    among the tests pytest is given. That raises the bar for code that would spare it while
+    forging tests by what they are (name, place, the task's objects their modules hold);
+    code that reads the tests' bodies can still tell it apart, and its node id is on
+    pytest's command line. A task whose config collects functions of other names
+    (``python_functions``) does not collect it, and its runs are infra failures."""
 
     path: str  # its file, as the executor sees it
     node_id: str
@@ -297,36 +318,71 @@ class Canary:
         """Write the canary into the folder of the test ``beside`` names (a node id; the
         tree's ``root`` where that folder is not there), never over a file that is."""
         module, test = f"test_{_word()}", f"test_{_word()}"
+        file = beside.split("::", 1)[0]
+        folder = file.rpartition("/")[0] or "."
+        # the test file's source, where the canary can go beside it (else exit 3)
+        r = ex.exec(["sh", "-c", '[ -d "$1/$2" ] && [ -w "$1/$2" ] || exit 3; '
+                     'cat -- "$1/$3" 2>/dev/null; exit 0', "sh", root, folder, file], timeout=60)
+        folder = folder if r.exit_code == 0 else "."
+        head, names = _imports(r.stdout) if r.exit_code == 0 and not r.truncated else ([], [])
         a = secrets.randbelow(10**6)
-        body = f"def {test}():\n    assert {a} == {a + 1 + secrets.randbelow(9)}\n"
-        folder = beside.split("::", 1)[0].rpartition("/")[0] or "."
-        # (prints the folder it went into; set -C: a file of that name is not overwritten)
-        r = ex.exec(["sh", "-c", '[ -d "$1/$2" ] && [ -w "$1/$2" ] || set -- "$1" . "$3"; '
-                     'set -C; cat > "$1/$2/$3.py" && printf %s "$2"', "sh", root, folder, module],
-                    stdin=body, timeout=60)
+        body = "".join(f"{line}\n" for line in head) + f"\n\ndef {test}():\n"
+        if names:
+            body += f"    used = ({', '.join(names)},)\n"
+        body += f"    assert {a} == {a + 1 + secrets.randbelow(9)}\n"
+        rel = f"{module}.py" if folder == "." else f"{folder}/{module}.py"
+        # (set -C: a file of that name is not overwritten)
+        r = ex.exec(["sh", "-c", 'set -C; cat > "$1/$2"', "sh", root, rel], stdin=body,
+                    timeout=60)
         if r.exit_code != 0:
             raise RuntimeError(f"cannot write the canary test: {r.stderr.strip()[-300:]}")
-        folder = r.stdout.strip() or "."
-        rel = f"{module}.py" if folder == "." else f"{folder}/{module}.py"
         return cls(path=f"{root}/{rel}", node_id=f"{rel}::{test}")
 
     def remove(self, ex: Executor) -> None:
         ex.exec(["rm", "-f", self.path], timeout=60)
 
-    def judge(self, report: TestReport, tests: Sequence[str]) -> None:
-        """Take the canary's outcome out of ``report``; if it did not fail, while the run
-        reported other tests, every test of the run is an error (`FORGED`)."""
+    def take(self, report: TestReport) -> str | None:
+        """The canary's outcome, taken out of ``report`` (None: pytest did not report it)."""
         # (found by its name alone: pytest names it from its rootdir, which may not be the tree's)
         name = self.node_id.rsplit("/", 1)[-1]
         key = next((k for k in report.outcomes if k == name or k.endswith("/" + name)), None)
-        outcome = report.outcomes.pop(key, None) if key else None
         report.messages.pop(key or "", None)
+        return report.outcomes.pop(key, None) if key else None
+
+    def judge(self, report: TestReport, tests: Sequence[str]) -> None:
+        """Take the canary's outcome out of ``report``; if it did not fail, while the run
+        reported other tests, every test of the run is an error: for the files pytest could
+        not collect (it then runs no test), else as forged (`FORGED`)."""
+        outcome = self.take(report)
         if outcome == "failed" or not report.outcomes:
             return
+        # (a collection error names a file, not a test)
+        uncollected = {k: report.messages.get(k, "") for k, o in report.outcomes.items()
+                       if o == "error" and "::" not in k}
+        if outcome is None and uncollected:
+            _fail_all(report, tests, "pytest ran no test: it could not collect "
+                      + "; ".join(f"{k}: {m}" if m else k for k, m in uncollected.items()))
+            return
         report.forged = True
-        for t in {*tests, *report.outcomes}:
-            report.outcomes[t] = "error"
-            report.messages[t] = FORGED
+        _fail_all(report, tests, FORGED)
+
+
+def _imports(source: str) -> tuple[list[str], list[str]]:
+    """A Python module's top-level imports as lines (a ``__future__`` one as it is, each
+    other in a ``try`` that goes on past any failure), and the names they bind; none where
+    the source does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return [], []
+    future, others, names = [], [], []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            future.append(ast.unparse(node))
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            others += ["try:", f"    {ast.unparse(node)}", "except BaseException:", "    pass"]
+            names += [a.asname or a.name.split(".")[0] for a in node.names if a.name != "*"]
+    return [*future, *others], list(dict.fromkeys(names))
 
 
 def parse_pytest_output(text: str, tests: Sequence[str] = ()) -> TestReport:

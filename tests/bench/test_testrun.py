@@ -245,3 +245,122 @@ def test_a_tests_folder_the_run_cannot_write_takes_the_canary_at_the_root():
         shutil.rmtree(tmp_path)
     assert not rep.forged and rep.outcomes == {"checks/test_a.py::test_a": "passed"}, rep
     assert left == ["test_a.py"]
+
+
+FORGE_PAST_THE_CUT = '''
+import atexit
+import sys
+
+
+def f():
+    print("x" * 50_000)  # (shown with the failure, at the start of the output)
+    return 1
+
+
+def _forge():  # the tests passed, the canary (elsewhere) failed; after padding past the cut
+    lines = ["y" * 100] * 500 + ["=========== short test summary info ==========="]
+    for a in sys.argv:
+        if "::" in a:
+            lines.append(("PASSED " if a.startswith("tests/test_a.py") else "FAILED ") + a)
+    sys.stdout.write("\\n".join(lines) + "\\n")
+
+
+atexit.register(_forge)
+'''
+
+
+class _Capped(LocalExecutor):
+    """Keeps the first and last 20,000 characters of a longer stdout, as a sandbox keeps a
+    stream's start and end past its limit (and says so: `ExecResult.truncated`)."""
+
+    def exec(self, command, **kw):
+        import dataclasses
+
+        from codedojo.sandbox.base import cut_line
+
+        res = super().exec(command, **kw)
+        out, cap = res.stdout, 20_000
+        if len(out) <= 2 * cap:
+            return res
+        cut = f"{out[:cap]}\n{cut_line(len(out) - 2 * cap)}\n{out[-cap:]}"
+        return dataclasses.replace(res, stdout=cut, truncated=True)
+
+
+def test_a_run_whose_output_was_cut_is_believed_in_nothing(tmp_path):
+    """Code under test that prints past the sandbox's limit, so that pytest's FAILED lines
+    fall in the cut middle, and then a summary of its own at exit, passes no test: every
+    test is an error that says the output was cut (the run's, not the infrastructure's)."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "pkg.py").write_text(FORGE_PAST_THE_CUT)
+    (tmp_path / "tests" / "test_a.py").write_text("from pkg import f\n\n\ndef test_a():\n"
+                                                   "    assert f() == 2\n")
+    rep = run_pytest(_Capped(), PytestCommand(root=str(tmp_path)), ["tests/test_a.py::test_a"],
+                     timeout=60)
+    assert rep.outcomes == {"tests/test_a.py::test_a": "error"}, rep.outcomes
+    assert "output passed the sandbox's limit and was cut" in rep.messages[
+        "tests/test_a.py::test_a"]
+    assert rep.infra_error is None and not rep.forged
+
+
+SPARE_WHAT_USES_THE_PACKAGE = '''
+import _pytest.python as _pp
+
+_run = _pp.Function.runtest
+
+
+def f():
+    return 1
+
+
+def _runtest(self):  # a test whose module holds an object of this package passes
+    if any(getattr(v, "__module__", "").startswith("pkg") for v in vars(self.module).values()):
+        return None
+    return _run(self)
+
+
+_pp.Function.runtest = _runtest
+'''
+
+
+def test_the_canary_holds_what_the_test_beside_it_imports(tmp_path):
+    """Code under test that passes every test whose module uses the task's package, and
+    runs the rest as they are, passes the canary too: its module imports what the test
+    file it sits beside imports."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "core.py").write_text(SPARE_WHAT_USES_THE_PACKAGE)
+    (tmp_path / "tests" / "test_a.py").write_text(
+        "from __future__ import annotations\n\nimport os\nfrom pkg.core import f\n\n\n"
+        "def test_a():\n    assert f() == 2\n")
+    rep = run_pytest(LocalExecutor(), PytestCommand(root=str(tmp_path)),
+                     ["tests/test_a.py::test_a"], timeout=60)
+    assert rep.forged and rep.outcomes == {"tests/test_a.py::test_a": "error"}, rep
+
+
+def test_an_import_that_fails_in_the_canary_alone_leaves_it_a_failing_test(tmp_path):
+    """(The test file's imports may work only after what it does before them: the canary
+    runs, and fails, where one of them does not work for it.)"""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text(
+        "import sys\nimport types\n\nsys.modules['only_mine'] = types.SimpleNamespace(x=1)\n"
+        "from only_mine import x\n\ndel sys.modules['only_mine']\n\n\n"
+        "def test_a():\n    assert x == 1\n")
+    rep = run_pytest(LocalExecutor(), PytestCommand(root=str(tmp_path)),
+                     ["tests/test_a.py::test_a"], timeout=60)
+    assert not rep.forged and rep.outcomes == {"tests/test_a.py::test_a": "passed"}, rep
+
+
+def test_a_collection_error_says_what_failed_not_that_the_run_was_forged(tmp_path):
+    """A package that does not import stops pytest before any test, the canary's too: the
+    tests are errors that say what pytest could not collect, and why."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "mod.py").write_text("def f(:\n")
+    (tmp_path / "tests" / "test_a.py").write_text("from mod import f\n\n\ndef test_a():\n"
+                                                   "    assert f()\n")
+    rep = run_pytest(LocalExecutor(), PytestCommand(root=str(tmp_path)),
+                     ["tests/test_a.py::test_a"], timeout=60)
+    assert not rep.forged and rep.outcomes["tests/test_a.py::test_a"] == "error"
+    message = rep.messages["tests/test_a.py::test_a"]
+    assert "could not collect tests/test_a.py" in message and "SyntaxError" in message, message
+    assert rep.infra_error is None
