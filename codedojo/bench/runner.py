@@ -17,11 +17,11 @@ import math
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from codedojo.bench.patching import apply_patch
 from codedojo.bench.task import Task
@@ -212,7 +212,7 @@ def run_one(images: TaskImages, agent: BenchAgent, task: Task, sample: int, out_
     except Exception as e:
         res.status = "infra_failure"
         res.error = f"{type(e).__name__}: {e}"[:2000]
-        (out_dir / f"{task.instance_id}.s{sample}.error.txt").write_text(traceback.format_exc())
+        _keep_error(out_dir / f"{task.instance_id}.s{sample}.error.txt", traceback.format_exc())
     finally:
         if sb is not None:
             try:
@@ -222,28 +222,102 @@ def run_one(images: TaskImages, agent: BenchAgent, task: Task, sample: int, out_
     return res
 
 
+def _keep_error(path: Path, text: str) -> None:
+    """An episode's traceback, written beside its files (the folder made where the agent made
+    none); a write that fails is let go: the episode's result holds its error still."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+# How long calls the agent began before its episode ended may take to end, once its commands
+# are killed, before the runner gives up grading a sandbox that may still change
+DRAIN_S = 60.0
+
+
 def _solve_in_time(agent: BenchAgent, task: Task, sb: Sandbox, out_dir: Path) -> AgentResult:
     """The agent's episode, held to the task's ``timeouts.agent_s`` (and a tenth more, for an
-    agent that keeps the limit itself and ends a step past it): past that, what it changed by
-    then is graded, and its sandbox is destroyed under it (its later calls fail)."""
+    agent that keeps the limit itself and ends a step past it). The agent works through an
+    `_EpisodeView` of ``sb``, closed when its episode ends (it returned, or its time is up):
+    later calls through it fail, and its commands, those it left running too, are killed: what
+    is graded is what it changed by then."""
     done: dict[str, Any] = {}
+    gate = _Gate()
+    view = _EpisodeView(sb, gate)
 
     def solve() -> None:
         try:
-            done["result"] = agent.solve(task, sb, out_dir)
+            done["result"] = agent.solve(task, cast(Sandbox, view), out_dir)
         except BaseException as e:  # raised again in the runner's thread
             done["error"] = e
 
     worker = threading.Thread(target=solve, name=f"agent-{task.instance_id}", daemon=True)
     worker.start()
     worker.join(task.timeouts.agent_s * 1.1 + 1.0)
-    if worker.is_alive():  # what its commands are still doing stops here, before the collect
-        with contextlib.suppress(SandboxError):
-            sb.exec(["kill", "-KILL", "-1"], timeout=10)
+    gate.close()
+    past_limit = worker.is_alive()  # (an answer it gives from now on is too late)
+    with contextlib.suppress(SandboxError):  # what its commands still do (in the background
+        sb.exec(["kill", "-KILL", "-1"], timeout=10)  # too) stops here, before the collect
+    if not gate.wait_idle(DRAIN_S):
+        raise RuntimeError(f"the agent's sandbox calls went on {DRAIN_S:g} s past the end of "
+                           "its episode: what it changed cannot be collected")
+    if past_limit:
         return AgentResult(status="max_seconds")
     if "error" in done:
         raise done["error"]
     return done["result"]
+
+
+class _Gate:
+    """Lets calls through until closed, and counts those going on."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._closed = False
+        self._calls = 0
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[None]:
+        with self._cond:
+            if self._closed:
+                raise SandboxError("the episode has ended (the agent returned or its time was "
+                                   "up): its sandbox takes no more calls")
+            self._calls += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._calls -= 1
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Whether the calls going on ended within ``timeout`` seconds."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._calls == 0, timeout)
+
+
+class _EpisodeView:
+    """An agent's sandbox (or a shell it opened there) as the agent holds it: each method
+    call goes through ``gate``, refused once the gate is closed."""
+
+    def __init__(self, target: Any, gate: _Gate) -> None:
+        self._target, self._gate = target, gate
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._gate.open():
+                out = attr(*args, **kwargs)
+            return _EpisodeView(out, self._gate) if name == "shell" else out
+
+        return call
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

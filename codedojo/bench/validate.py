@@ -52,6 +52,11 @@ def gold_changes(task: Task) -> dict[str, bytes | None]:
 def validate_task(images: TaskImages, task: Task, runs: int = 3) -> Validation:
     v = Validation(task.instance_id, task.category, len(task.FAIL_TO_PASS), len(task.PASS_TO_PASS), runs=runs)
     try:
+        images.warm(task)
+    except Exception as e:  # (an sdist that cannot be had, or differs from the pinned one)
+        v.error = f"task image: {type(e).__name__}: {e}"[:500]
+        return v
+    try:
         _, base = grade_changes(images, task, {})
         failed, passed = base.failed(), base.passed()
         v.base_f2p_failed = sum(t in failed for t in task.FAIL_TO_PASS)
@@ -73,8 +78,6 @@ def validate_suite(
     parallel: int = 1,
     progress: Callable[[Validation], None] | None = None,
 ) -> list[Validation]:
-    for t in tasks:
-        images.warm(t)
     out: list[Validation] = []
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
         for v in pool.map(lambda t: validate_task(images, t, runs), tasks):

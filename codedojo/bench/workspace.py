@@ -31,7 +31,7 @@ from codedojo.bench.testrun import (
     unmask_xfails,
 )
 from codedojo.paths import staged_dir
-from codedojo.sandbox.base import WORKSPACE, Limits, Sandbox, SandboxError, SandboxSpec
+from codedojo.sandbox.base import WORKSPACE, FileInfo, Limits, Sandbox, SandboxError, SandboxSpec
 
 VENV = "/opt/venv"
 
@@ -156,10 +156,28 @@ def pytest_command(task: Task) -> PytestCommand:
 MAX_CHANGE_BYTES = 256 << 20
 
 
+class NewFile(bytes):
+    """A changed file's new bytes (a `bytes`, equal to them) with its permission bits, which
+    `apply_changes` gives the file it writes (an executable script stays one)."""
+
+    mode: int
+
+    def __new__(cls, data: bytes, mode: int = 0o644) -> NewFile:
+        out = super().__new__(cls, data)
+        out.mode = mode
+        return out
+
+
 def collect_changes(sb: Sandbox, max_bytes: int = MAX_CHANGE_BYTES) -> dict[str, bytes | None]:
-    """What the agent changed under /workspace: relative path -> new bytes (None = deleted).
-    Files past ``max_bytes`` in all are left out, as unreadable ones are (the grading copy
-    has them as the task had them: the episode's loss, never the host's memory)."""
+    """What the agent changed under /workspace: relative path -> new bytes, a `NewFile` with
+    their mode (None = deleted). A link that leads to a file under /workspace is taken as that
+    file's bytes and mode (the sandbox API makes no links). A file (or link) of the image that
+    stands as no file now (a directory, a link leading outside /workspace or nowhere) is
+    deleted; such a path the image had no file at is left out (where the image had a directory
+    there, `changes` names what it held as deleted: the directory itself, with what grading
+    protects in it, is kept). Files past ``max_bytes`` in all are left out, as unreadable ones
+    are (the grading copy has them as the task had them: the episode's loss, never the host's
+    memory)."""
     out: dict[str, bytes | None] = {}
     left = max_bytes
     for ch in sb.changes():
@@ -170,13 +188,32 @@ def collect_changes(sb: Sandbox, max_bytes: int = MAX_CHANGE_BYTES) -> dict[str,
             out[rel] = None
             continue
         try:
-            if sb.stat(ch.path).kind != "file":
+            info: FileInfo | None = sb.stat(ch.path)
+            if info.kind == "symlink":
+                info = _link_target(sb, ch.path)
+            if info is None or info.kind != "file":
+                if ch.kind == "modified":
+                    out[rel] = None
                 continue
-            out[rel] = data = sb.read_file(ch.path, max_bytes=left)
+            data = sb.read_file(info.path, max_bytes=left)
         except SandboxError:  # (FileTooLarge among them)
             continue
+        out[rel] = NewFile(data, info.mode & 0o777)
         left -= len(data)
     return out
+
+
+def _link_target(sb: Sandbox, path: str) -> FileInfo | None:
+    """What link ``path`` leads to, every link on the way followed, where that is under
+    /workspace; None where it leads outside it or nowhere."""
+    try:
+        r = sb.exec(["readlink", "-e", "--", path], timeout=30)
+        target = r.stdout.removesuffix("\n")
+        if r.exit_code != 0 or not target.startswith(WORKSPACE + "/"):
+            return None
+        return sb.stat(target)
+    except SandboxError:
+        return None
 
 
 def grade_changes(
@@ -211,8 +248,10 @@ def grade_changes(
 def apply_changes(sb: Sandbox, changes: Mapping[str, bytes | None],
                   skip: Callable[[str], bool]) -> None:
     """Write an episode's changes (path under /workspace -> bytes; None: deleted) into ``sb``,
-    all but those ``skip`` names: deletions first, deepest first, and a directory where a file
-    now stands removed with what it held."""
+    all but those ``skip`` names: deletions first, deepest first, and a directory or a link
+    where a file now stands removed (a directory with what it held), not written through. A
+    file gets the mode of its `NewFile`; given plain bytes, the mode the file had (0o644 for a
+    new one)."""
     for rel in sorted((r for r, d in changes.items() if d is None and not skip(r)),
                       key=lambda r: -r.count("/")):
         with contextlib.suppress(SandboxError, FileNotFoundError):
@@ -221,10 +260,17 @@ def apply_changes(sb: Sandbox, changes: Mapping[str, bytes | None],
         if data is None or skip(rel):
             continue
         path = f"{WORKSPACE}/{rel}"
-        with contextlib.suppress(SandboxError, FileNotFoundError):
-            if sb.stat(path).kind == "dir":
+        try:
+            was: FileInfo | None = sb.stat(path)
+        except (SandboxError, FileNotFoundError):
+            was = None
+        if was is not None and was.kind in ("dir", "symlink"):
+            with contextlib.suppress(SandboxError, FileNotFoundError):
                 sb.remove(path)
-        sb.write_file(path, data)
+        mode = getattr(data, "mode", None)
+        if mode is None:
+            mode = was.mode & 0o777 if was is not None and was.kind == "file" else 0o644
+        sb.write_file(path, data, mode=mode)
 
 
 def resolves(task: Task, report: TestReport) -> bool:

@@ -9,6 +9,7 @@ from codedojo.bench import runner
 from codedojo.bench.runner import AgentResult, run_one
 from codedojo.bench.task import Timeouts
 from codedojo.bench.testrun import TestReport
+from codedojo.sandbox.base import ExecResult
 
 
 class _Task:
@@ -18,8 +19,17 @@ class _Task:
 
 
 class _Images:
+    def __init__(self):
+        self.commands: list[list[str]] = []  # what the runner ran in the agent's sandbox
+
     def agent_sandbox(self, task):
+        commands = self.commands
+
         class Sb:
+            def exec(self, command, timeout=None):
+                commands.append(command)
+                return ExecResult(0, "", "")
+
             def destroy(self):
                 pass
         return Sb()
@@ -64,6 +74,100 @@ def test_a_broken_test_run_is_put_down_to_whoever_broke_it(
     if status == "infra_failure":
         assert "test command exit 127" in res.error
     assert graded[0] == changes and len(graded) == (2 if changes and broken_with else 1)
+
+
+def test_what_an_agent_left_running_is_killed_before_its_changes_are_collected(
+        monkeypatch, tmp_path):
+    """An agent that returns in time may have left commands running in the background: they
+    stop before the collect, or they could change what is graded as it is read."""
+    images = _Images()
+    seen: list[int] = []
+    monkeypatch.setattr(runner, "collect_changes", lambda sb: seen.append(len(images.commands))
+                        or {})
+    monkeypatch.setattr(runner, "grade_changes", lambda images, task, ch: (False, _report(False)))
+    res = run_one(images, _Agent(), _Task(), 0, tmp_path)  # type: ignore[arg-type]
+    assert res.agent_status == "finished"
+    assert images.commands == [["kill", "-KILL", "-1"]] and seen == [1]
+
+
+def test_an_infra_failure_is_the_episodes_not_the_runs(tmp_path):
+    """An agent's sandbox that cannot be made (or an agent that raises) is an infra failure of
+    that episode, its traceback kept beside the agent's files; where that file cannot be
+    written, the episode's result holds the error still."""
+    from types import SimpleNamespace
+
+    from codedojo.bench.runner import run_agent
+    from codedojo.sandbox.base import SandboxError
+
+    def no_sandbox(task):
+        raise SandboxError("disk full")
+
+    images = SimpleNamespace(warm=lambda task: None, agent_sandbox=no_sandbox)
+    task = SimpleNamespace(instance_id="t-1", category="bugfix", FAIL_TO_PASS=[], PASS_TO_PASS=[],
+                           content_hash=lambda: "h")
+    run = run_agent(images, _Agent(), [task], name="r", out_dir=tmp_path)  # type: ignore[arg-type]
+    assert run.counts()["infra_failure"] == 1 and "disk full" in run.results[0].error
+    kept = tmp_path / "r" / "episodes" / "s0" / "t-1.s0.error.txt"
+    assert "SandboxError: disk full" in kept.read_text()
+    (tmp_path / "file").write_text("")
+    res = run_one(images, _Agent(), task, 0, tmp_path / "file" / "s0")  # type: ignore[arg-type]
+    assert res.status == "infra_failure" and "disk full" in res.error
+
+
+def test_an_agent_past_its_time_limit_can_change_nothing_more(monkeypatch, tmp_path):
+    """Once the runner has ended the episode (its commands killed), the agent's calls, on the
+    sandbox or a shell it opened, are refused: a late write is not graded."""
+    import threading
+    from types import SimpleNamespace
+
+    from codedojo.sandbox.base import ExecResult, SandboxError
+
+    killed, tried = threading.Event(), threading.Event()
+    refused: list[str] = []
+
+    class Sb:
+        def __init__(self):
+            self.files: dict[str, bytes] = {}
+
+        def exec(self, command, timeout=None):  # the runner's kill: the agent writes now
+            killed.set()
+            tried.wait(30)
+            return ExecResult(0, "", "")
+
+        def write_file(self, path, data, mode=0o644):
+            self.files[path] = data
+
+        def shell(self):
+            return SimpleNamespace(run=lambda command, timeout=None: ExecResult(0, "", ""))
+
+        def destroy(self):
+            pass
+
+    class Late:
+        name = "late"
+
+        def solve(self, task, sandbox, out_dir):
+            shell = sandbox.shell()
+            killed.wait(30)
+            for call in (lambda: sandbox.write_file("/workspace/a.py", b"late"),
+                         lambda: shell.run("echo late > a.py")):
+                try:
+                    call()
+                except SandboxError as e:
+                    refused.append(str(e))
+            tried.set()
+            return AgentResult(turns=1)
+
+    sb = Sb()
+    images = SimpleNamespace(agent_sandbox=lambda task: sb)
+    task = _Task()
+    task.timeouts = Timeouts(agent_s=0.01)
+    monkeypatch.setattr(runner, "collect_changes", lambda sb: {
+        p.removeprefix("/workspace/"): d for p, d in sb.files.items()})
+    monkeypatch.setattr(runner, "grade_changes", lambda images, task, ch: (False, _report(False)))
+    res = run_one(images, Late(), task, 0, tmp_path)  # type: ignore[arg-type]
+    assert (res.status, res.agent_status, res.changed_files) == ("unresolved", "max_seconds", [])
+    assert len(refused) == 2 and all("episode has ended" in e for e in refused)
 
 
 def test_a_stopped_run_goes_on_with_the_episodes_it_had_not_finished(monkeypatch, tmp_path):
@@ -217,7 +321,8 @@ def test_an_agents_file_is_not_taken_for_bytecode_by_a_piece_of_its_name():
              "b.pyc", ".pytest_cache/v/x"]
     sb = SimpleNamespace(
         changes=lambda: [Change(f"/workspace/{p}", "added") for p in paths],
-        stat=lambda p: SimpleNamespace(kind="file"), read_file=lambda p, max_bytes=None: b"x")
+        stat=lambda p: SimpleNamespace(path=p, kind="file", mode=0o644),
+        read_file=lambda p, max_bytes=None: b"x")
     assert sorted(collect_changes(sb)) == [".pyc_notes/x.txt", "a.py", "notes.pyc.md"]
 
 

@@ -26,6 +26,18 @@ def test_validation_of_a_task(images, tiny_suite):
     assert v.base_f2p_failed == v.f2p and v.gold_runs_passed == 2
 
 
+def test_a_task_whose_image_cannot_be_built_is_invalid_not_the_validations_end(images,
+                                                                               tiny_suite):
+    from codedojo.bench.validate import validate_suite
+
+    good = tiny_suite.tasks[0]
+    bad = tiny_suite.tasks[1].model_copy(update={"base_sha256": "0" * 64})
+    v_bad, v_good = validate_suite(images, [bad, good], runs=1)
+    assert not v_bad.ok and "differs from the pinned" in v_bad.error
+    assert v_bad.error.startswith("task image: ")
+    assert v_good.ok, v_good
+
+
 def test_editing_hidden_tests_does_not_help(images, tiny_suite, tmp_path):
     """An agent that rewrites the tests instead of the code is graded on the pinned tests."""
     task = tiny_suite.tasks[0]
