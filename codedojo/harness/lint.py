@@ -8,7 +8,9 @@ takes them) travel with the files, less ``extend``: a path on the host, which ru
 there (and quote back in its error); so does pyproject.toml's ``requires-python``, from which
 ruff takes the Python version its rules judge by. Ruff reads those settings alone, or none
 (``--isolated``): no settings of the host's, above the copies or the user's, change the
-answer. Shared by the `read_lints` tool and the lint-delta reward.
+answer. Settings that are not TOML, or that this ruff refuses (a rule it removed, a misspelt
+key), are `ConfigRejected`, which the lint-delta reward answers by linting with ruff's
+defaults. Shared by the `read_lints` tool and the lint-delta reward.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ import tomli_w
 from codedojo.sandbox.base import WORKSPACE
 
 CONFIG_FILES = (".ruff.toml", "ruff.toml", "pyproject.toml")  # ruff's order: the first wins
+
+
+class ConfigRejected(ValueError):
+    """The repository's ruff configuration is not TOML, or this ruff refuses it (a rule it
+    removed, a misspelt key): the message says which and why."""
 
 
 @dataclass(frozen=True)
@@ -55,14 +62,14 @@ def ruff_config(configs: Mapping[str, str]) -> dict[str, Any] | None:
     """The pyproject.toml ruff is to read, from the repository's config files' texts (name ->
     text): its ruff settings as ruff finds them at the root (the first of `CONFIG_FILES` that
     has any) less ``extend``, and pyproject.toml's ``requires-python``; None where it has
-    neither. A file that is not TOML is a `ValueError` naming it."""
+    neither. A file that is not TOML is a `ConfigRejected` naming it."""
     parsed: dict[str, dict[str, Any]] = {}
     for name in CONFIG_FILES:
         if name in configs:
             try:
                 parsed[name] = tomllib.loads(configs[name])
             except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"the repository's {name} is not TOML: {e}") from None
+                raise ConfigRejected(f"the repository's {name} is not TOML: {e}") from None
     pyproject = parsed.get("pyproject.toml", {})
     tool = pyproject.get("tool")
     if isinstance(tool, dict) and isinstance(tool.get("ruff"), dict):
@@ -87,7 +94,9 @@ def ruff_check(
 ) -> list[Diagnostic]:
     """Lint `files` (sandbox path -> text). `configs` maps config names (e.g. 'pyproject.toml')
     found at /workspace to their text. ``ignore_noqa``: count what ``# noqa`` comments hide
-    (a reward's count, which a comment must not zero)."""
+    (a reward's count, which a comment must not zero). `ConfigRejected` where ruff fails by
+    the repository's settings and not without them (``--isolated``); RuntimeError where it
+    fails either way."""
     if not files:
         return []
     doc = ruff_config(configs or {})
@@ -107,16 +116,22 @@ def ruff_check(
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(text)
             local[str(dest.resolve())] = path
-        proc = subprocess.run(
-            [ruff_bin(), "check", "--no-cache", "--output-format", "json", "--exit-zero",
-             *config, *(["--ignore-noqa"] if ignore_noqa else []), *sorted(local)],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        def run(config: list[str]) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [ruff_bin(), "check", "--no-cache", "--output-format", "json", "--exit-zero",
+                 *config, *(["--ignore-noqa"] if ignore_noqa else []), *sorted(local)],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+
+        proc = run(config)
         if proc.returncode != 0:
-            raise RuntimeError(f"ruff failed: {proc.stderr.strip()[:2000]}")
+            why = proc.stderr.strip()[:2000]
+            if doc is not None and run(["--isolated"]).returncode == 0:
+                raise ConfigRejected(f"ruff rejects the repository's settings: {why}")
+            raise RuntimeError(f"ruff failed: {why}")
         out: list[Diagnostic] = []
         for d in json.loads(proc.stdout or "[]"):
             fname = str(Path(d["filename"]).resolve())

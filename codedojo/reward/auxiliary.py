@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from codedojo.harness.lint import ruff_check
+from codedojo.harness.lint import ConfigRejected, ruff_check
 from codedojo.harness.tools.base import ToolError, validate_args
 from codedojo.harness.tools.todo import TODO_WRITE, merge_todos
 from codedojo.harness.toolset import parse_arguments
@@ -69,12 +69,37 @@ _COMMENT_PREFIX = {".py": "#", ".sh": "#", ".toml": "#", ".yaml": "#", ".yml": "
                    ".h": "//", ".cc": "//", ".cpp": "//", ".java": "//"}
 
 
+# Past this many line pairs (before × after) between the lines a change keeps at the start and
+# at the end of a file, its middle is not diffed: SequenceMatcher's time grows faster than the
+# pairs' on repeated lines (1.5 s at 500 of them on each side, 10 s at 1,000).
+MAX_DIFF_PAIRS = 100_000
+
+
 def added_line_numbers(change: FileChange) -> set[int]:
-    """The indices of the lines of the file after the change that the change added."""
+    """The indices of the lines of the file after the change that the change added: of those
+    between the lines it kept at the start and at the end, those a diff says are new; where
+    the two middles pair past `MAX_DIFF_PAIRS`, each line of the new one that the old one has
+    no copy left of (each copy matched once, in any order)."""
     before = (change.before or "").splitlines()
     after = (change.after or "").splitlines()
-    sm = difflib.SequenceMatcher(a=before, b=after, autojunk=False)
-    return {j for op, _, _, j1, j2 in sm.get_opcodes() if op in ("insert", "replace")
+    start = 0
+    while start < min(len(before), len(after)) and before[start] == after[start]:
+        start += 1
+    end = 0
+    while end < min(len(before), len(after)) - start and before[-1 - end] == after[-1 - end]:
+        end += 1
+    old, new = before[start:len(before) - end], after[start:len(after) - end]
+    if len(old) * len(new) > MAX_DIFF_PAIRS:
+        left = Counter(old)
+        added = set()
+        for j, line in enumerate(new, start):
+            if left[line] > 0:
+                left[line] -= 1
+            else:
+                added.add(j)
+        return added
+    sm = difflib.SequenceMatcher(a=old, b=new, autojunk=False)
+    return {start + j for op, _, _, j1, j2 in sm.get_opcodes() if op in ("insert", "replace")
             for j in range(j1, j2)}
 
 
@@ -147,14 +172,19 @@ def lint_delta(ctx: RewardContext, *, normalize: bool = False) -> float:
     minus those before, where more (normalize: divided by the number of files). A cost only:
     lint removed from a file earns nothing, or deleting or rewriting files full of it, which
     no test asks for, would pay more than solving the task. A Python file left too large or
-    binary to read counts `UNREAD_COST` diagnostics."""
+    binary to read counts `UNREAD_COST` diagnostics. Where the repository's ruff settings are
+    refused (`ConfigRejected`: not TOML, a rule this ruff removed, a misspelt key), both sides
+    are linted by ruff's defaults instead: the delta stays fair, and the task gradable."""
     py = [c for c in ctx.changes if c.path.endswith(PYTHON)]
     unread = sum(p.endswith(PYTHON) for p in ctx.unread)
     if not py and not unread:
         return 0.0
-    before = _lint_counts({c.path: c.before for c in py if c.before is not None},
-                          ctx.lint_configs)
-    after = _lint_counts({c.path: c.after for c in py if c.after is not None}, ctx.lint_configs)
+    sides = ({c.path: c.before for c in py if c.before is not None},
+             {c.path: c.after for c in py if c.after is not None})
+    try:
+        before, after = (_lint_counts(files, ctx.lint_configs) for files in sides)
+    except ConfigRejected:
+        before, after = (_lint_counts(files, {}) for files in sides)
     added = float(sum(max(0, after[c.path] - before[c.path]) for c in py)) + UNREAD_COST * unread
     return added / (len(py) + unread) if normalize else added
 

@@ -86,7 +86,8 @@ def get_reward(name: str) -> RewardFn:
 def check_params(name: str, fn: RewardFn, params: dict[str, Any]) -> None:
     """Raise ValueError naming a parameter the reward does not take, or a value its annotation
     refuses (`Annotated[float, Field(gt=0)]`, a `Literal`): a config is checked as it loads,
-    not at the first episode's reward."""
+    not at the first episode's reward. Strictly, as the reward gets the values: no string
+    stands for a number or a bool ("false" would be true)."""
     sig = inspect.signature(fn)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
         return
@@ -101,6 +102,6 @@ def check_params(name: str, fn: RewardFn, params: dict[str, Any]) -> None:
     fields: dict[str, Any] = {k: (hints.get(k, Any), ... if p.default is p.empty else p.default)
                               for k, p in kw.items()}
     try:
-        create_model(f"{name}_params", **fields).model_validate(params)
+        create_model(f"{name}_params", **fields).model_validate(params, strict=True)
     except ValidationError as e:
         raise ValueError(field_errors(e.errors()[:1], f"rewards.{name}.params.")) from None

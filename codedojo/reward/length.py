@@ -42,6 +42,10 @@ Weight = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
 
 
 def concave_penalty(x: float, k: float, q: float) -> float:
+    """C_{k,q}(x); k, q and x finite (NaN would pass every check below and come out NaN)."""
+    for name, value in (("k", k), ("q", q), ("x", x)):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")
     if k <= 0:
         raise ValueError(f"k must be > 0, got {k}")
     if q < 0:

@@ -176,10 +176,11 @@ class Sandbox(Executor, Protocol):
         """Paths under /workspace that differ from the image the sandbox started from."""
         ...
 
-    def read_original(self, path: str) -> bytes:
+    def read_original(self, path: str, max_bytes: int | None = None) -> bytes:
         """A file's bytes in the image the sandbox started from (the other side of `changes`,
         by the path as it names it: a link on the way is not followed); SandboxError where the
-        image has no regular file there."""
+        image has no regular file there. ``max_bytes``: as `read_file`'s, a longer file is
+        refused (`FileTooLarge`) before it is read."""
         ...
 
     def snapshot(self) -> str:

@@ -164,8 +164,11 @@ class RemoteSandbox:
     def changes(self) -> list[Change]:
         return [Change(**c) for c in self._http.call("GET", self._url("/changes"))["changes"]]
 
-    def read_original(self, path: str) -> bytes:
-        return self._http.call("GET", self._url("/original"), params={"path": path}, raw=True)
+    def read_original(self, path: str, max_bytes: int | None = None) -> bytes:
+        params: dict[str, Any] = {"path": path}
+        if max_bytes is not None:
+            params["max_bytes"] = max_bytes
+        return self._http.call("GET", self._url("/original"), params=params, raw=True)
 
     def snapshot(self) -> str:
         return self._http.call("POST", self._url("/snapshot"))["snapshot"]

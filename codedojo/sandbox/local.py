@@ -1108,11 +1108,15 @@ class LocalSandbox:
             return
         raise SandboxError(f"path: {path}: permission denied (not readable by the sandbox user)")
 
-    def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
-        p = sandbox_path(path)
+    @staticmethod
+    def _check_max_bytes(max_bytes: int | None) -> None:
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(
                 max_bytes, int) or max_bytes < 0):
             raise SandboxError(f"max_bytes: a count of bytes >= 0 expected, got {max_bytes!r}")
+
+    def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        p = sandbox_path(path)
+        self._check_max_bytes(max_bytes)
         with self._root() as root:
             fd = self._open(root, p, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens, refused below
             try:
@@ -1338,11 +1342,13 @@ class LocalSandbox:
     def _snapshot_layers(self) -> list[str]:
         return list(self.lowers[: len(self.lowers) - len(self.image.layers)])
 
-    def read_original(self, path: str) -> bytes:
+    def read_original(self, path: str, max_bytes: int | None = None) -> bytes:
         """The file's bytes as the image the sandbox was created from has them (what `changes`
-        compares with): read from the image's layers, within the layer that holds it."""
+        compares with): read from the image's layers, within the layer that holds it; refused
+        past ``max_bytes`` (`FileTooLarge`) before it is read."""
         self._check_alive()
         p = sandbox_path(path)
+        self._check_max_bytes(max_bytes)
         rel = p.lstrip("/")
         store = self.provider.images
         with LayerStack([store.layer_path(x) for x in self.image.layers]) as stack:
@@ -1356,7 +1362,7 @@ class LocalSandbox:
         if fd is None:
             raise SandboxError(f"path: {p} is not a regular file in the sandbox's image")
         try:
-            return self._read_all(fd, p)
+            return self._read_all(fd, p, max_bytes)
         finally:
             os.close(fd)
 

@@ -460,8 +460,10 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
                         media_type="application/octet-stream")
 
     @app.get("/sandboxes/{sandbox_id}/original")
-    def read_original(sandbox_id: str, path: str = Query(...)) -> Response:
-        return Response(sb(sandbox_id).read_original(path), media_type="application/octet-stream")
+    def read_original(sandbox_id: str, path: str = Query(...),
+                      max_bytes: int | None = Query(None, ge=0)) -> Response:
+        return Response(sb(sandbox_id).read_original(path, max_bytes),
+                        media_type="application/octet-stream")
 
     @app.put("/sandboxes/{sandbox_id}/file",
              openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}}})

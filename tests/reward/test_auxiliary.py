@@ -93,6 +93,35 @@ def test_a_long_added_comment_is_one_block_around_a_comment_line_that_was_there(
     assert comment_blocks(grown) == [["ok"]]
 
 
+def test_the_lines_added_to_a_large_file_are_found_without_diffing_it_whole(monkeypatch):
+    """SequenceMatcher's time grows faster than the lines' pairs on repeated lines (a one-line
+    edit of a 16,000-line table took a minute): it is given no more than `MAX_DIFF_PAIRS`."""
+    import difflib
+
+    from codedojo.reward.auxiliary import MAX_DIFF_PAIRS, added_line_numbers
+
+    real = difflib.SequenceMatcher
+
+    def bounded(*, a, b, **kw):
+        assert len(a) * len(b) <= MAX_DIFF_PAIRS, (len(a), len(b))
+        return real(a=a, b=b, **kw)
+
+    monkeypatch.setattr(difflib, "SequenceMatcher", bounded)
+    table = "TABLE = [\n" + "    0,\n" * 16_000 + "]\n"
+    edited = table.replace("    0,\n", "    1,\n", 1)
+    assert added_line_numbers(FileChange("/workspace/t.py", table, edited)) == {1}
+    inserted = table.replace("    0,\n", "    0,\n    2,\n", 1)
+    assert added_line_numbers(FileChange("/workspace/t.py", table, inserted)) == {2}
+    # every line of a module spaced out: the middle is too large to diff, and what is left of
+    # it, old comments among it, is not added; only what the old lines do not cover is
+    module = "".join(f"# note {i}\nX{i} = {i}\n" for i in range(400))
+    spaced = "".join(line + "\n" * 3 for line in module.splitlines(keepends=True))
+    musing = "".join(f"# wait, actually ({i})\n" for i in range(6))
+    change = FileChange("/workspace/m.py", module, spaced + musing)
+    assert comment_blocks(change) == [[f"wait, actually ({i})" for i in range(6)]]
+    assert len(added_line_numbers(change)) == 3 * 800 + 6
+
+
 def test_tool_collapse():
     varied = _traj([(n, {}) for n in ["grep", "read_file", "search_replace", "run_terminal_cmd"] * 2])
     assert tool_collapse(RewardContext(varied)) == 0.0
@@ -127,6 +156,27 @@ def test_lint_delta_on_changed_files():
     for hidden in ("# ruff: noqa\n" + dirty, dirty.replace("import sys", "import sys  # noqa")):
         muted = RewardContext(_traj([]), changes=[FileChange("/workspace/m.py", clean, hidden)])
         assert lint_delta(muted) == 1.0
+
+
+def test_settings_this_ruff_refuses_lint_both_sides_by_its_defaults(monkeypatch):
+    """A repository's ruff settings that this ruff refuses (a rule it removed, a misspelt key,
+    not TOML) failed every episode of the task; both sides are linted by ruff's defaults."""
+    from codedojo.harness.lint import ConfigRejected, ruff_check
+
+    clean = "import os\n\nprint(os.sep)\n"
+    dirty = "import os\nimport sys\n\nprint(os.sep)\n"  # F401, by ruff's defaults too
+    for config in ({"pyproject.toml": '[tool.ruff.lint]\nselect = ["F", "ANN101"]\n'},
+                   {"pyproject.toml": "[tool.ruff]\nline-lenght = 100\n"},
+                   {"ruff.toml": "select = \n"}):
+        with pytest.raises(ConfigRejected, match="ruff rejects|not TOML"):
+            ruff_check({"/workspace/m.py": dirty}, config)
+        ctx = RewardContext(_traj([]), changes=[FileChange("/workspace/m.py", clean, dirty)],
+                            lint_configs=config)
+        assert lint_delta(ctx) == 1.0
+    # ruff failing without the settings too is no fault of theirs, and not hidden
+    monkeypatch.setattr("codedojo.harness.lint.ruff_bin", lambda: "false")
+    with pytest.raises(RuntimeError, match="ruff failed"):
+        ruff_check({"/workspace/m.py": clean}, {"ruff.toml": "line-length = 100\n"})
 
 
 def test_a_source_file_left_unread_costs_a_fixed_amount():

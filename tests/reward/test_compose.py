@@ -79,6 +79,15 @@ def test_config_errors_name_the_field(tmp_path):
         with pytest.raises(ValueError, match=f"rewards.{reward_name}.params.{where}"):
             RewardConfig.model_validate({"rewards": {reward_name: {"weight": 1.0,
                                                                    "params": params}}})
+    # checked as the reward gets them: a string is no number (it failed at the first episode)
+    # and no bool ("false" was true)
+    for reward_name, params, where in (
+            ("length_penalty", {"k": "1e-3"}, "k: Input should be a valid number"),
+            ("lint_delta", {"normalize": "false"}, "normalize: Input should be a valid boolean"),
+            ("comment_reasoning", {"max_lines": "4"}, "max_lines: Input should be a valid int")):
+        with pytest.raises(ValueError, match=f"rewards.{reward_name}.params.{where}"):
+            RewardConfig.model_validate({"rewards": {reward_name: {"weight": 1.0,
+                                                                   "params": params}}})
     for weight in (float("nan"), float("inf"), 1e308, -1e308):  # a NaN total trains on nothing
         with pytest.raises(ValueError, match="weight"):
             RewardConfig.model_validate({"rewards": {"outcome": {"weight": weight}}})

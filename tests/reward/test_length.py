@@ -48,6 +48,12 @@ def test_bad_parameters_name_the_field():
         concave_penalty(1.0, 0.0, 1.0)
     with pytest.raises(ValueError, match="q must be"):
         concave_penalty(1.0, 0.1, -1.0)
+    # NaN passes every comparison and came out NaN; inf made 0·inf
+    for args, name in (((math.nan, 1e-3, 1.0), "x"), ((1.0, math.nan, 1.0), "k"),
+                       ((1.0, 1e-3, math.nan), "q"), ((0.0, math.inf, 1.0), "k"),
+                       ((math.inf, 1e-3, 0.5), "x")):
+        with pytest.raises(ValueError, match=f"{name} must be a finite number, got (nan|inf)"):
+            concave_penalty(*args)
 
 
 @pytest.mark.parametrize("weights, field", [

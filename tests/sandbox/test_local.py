@@ -801,6 +801,13 @@ def test_a_file_of_the_image_bigger_than_the_sandbox_s_disk_is_read(provider, tm
         assert sb.read_original("big.bin") == data
         with pytest.raises(FileTooLarge, match="big.bin holds 3145728 bytes"):
             sb.read_file("big.bin", max_bytes=1 << 20)
+        # the image's side, as the rewards read it: refused before it is read
+        sb.remove("big.bin")
+        with pytest.raises(FileTooLarge, match="big.bin holds 3145728 bytes, more than the 1048"):
+            sb.read_original("big.bin", max_bytes=1 << 20)
+        assert sb.read_original("big.bin", max_bytes=3 << 20) == data
+        with pytest.raises(SandboxError, match="max_bytes: a count of bytes >= 0 expected"):
+            sb.read_original("big.bin", max_bytes=-1)
     finally:
         sb.destroy()
 

@@ -205,6 +205,8 @@ def test_remote_snapshot_fork_restore_changes(remote):
         assert remote.read_original("pkg/__init__.py") == b"VALUE = 41\n"
         with pytest.raises(SandboxError, match="not in the sandbox's image"):
             remote.read_original("a.txt")
+        with pytest.raises(FileTooLarge, match="__init__.py holds 11 bytes, more than the 4"):
+            remote.read_original("pkg/__init__.py", max_bytes=4)
     finally:
         f.destroy()
 
