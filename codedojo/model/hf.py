@@ -193,6 +193,9 @@ def save_hf(model_or_sd: torch.nn.Module | dict[str, torch.Tensor], cfg: ModelCo
     config = hf_config(cfg, **config_extra)  # first: a model HF has no config for writes nothing
     out.mkdir(parents=True, exist_ok=True)
     tensors = state_dict_to_hf({k: v.detach().cpu() for k, v in sd.items()}, cfg)
+    if "torch_dtype" not in config_extra:  # the dtype the weights are saved in
+        config["torch_dtype"] = str(tensors["model.embed_tokens.weight"].dtype).removeprefix(
+            "torch.")
     save_tensors(tensors, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out

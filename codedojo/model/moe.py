@@ -10,6 +10,8 @@ Architectural choices (DeepSeek-V3 report, sec. 2.1.2):
   only* (gates use the raw affinities); after each optimizer step, b_i moves by +gamma when expert i
   was under-loaded and -gamma when over-loaded (`update_bias`);
 * an optional small sequence-wise balance loss  alpha * sum_i f_i P_i  (`aux_loss` after forward);
+* both balancing signals count the tokens of text only: padding (`counting_tokens`), all one
+  token, would pile onto a few experts and steer the biases and the loss away from the text's load;
 * router replay: when `replay_indices` is set, those expert indices (chosen at inference time) are
   used instead of the top-k, while the gates are still computed from the router so gradients flow
   to it; the indices actually used are always left in `last_indices` so rollouts can return them.
@@ -88,6 +90,7 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
         self.replay_indices: torch.Tensor | None = None  # (B, T, k) set by router_replay
         self.last_indices: torch.Tensor | None = None  # (B, T, k)
+        self.counted: torch.Tensor | None = None  # (B, T) bool, the tokens balancing counts
         self.aux_loss: torch.Tensor | None = None
         self.init_weights()
 
@@ -130,16 +133,22 @@ class MoE(nn.Module):
 
     def _bookkeeping(self, idx: torch.Tensor, scores: torch.Tensor, B: int, T: int) -> None:
         self.last_indices = idx.detach().reshape(B, T, self.top_k)
+        counted = (torch.ones(B, T, dtype=torch.bool, device=idx.device) if self.counted is None
+                   else self.counted.to(idx.device).reshape(B, T))
         if self.training:
-            self.tokens_per_expert += torch.bincount(idx.reshape(-1), minlength=self.n_experts
-                                                     ).to(self.tokens_per_expert)
+            self.tokens_per_expert += torch.bincount(
+                idx.reshape(B, T, self.top_k)[counted].reshape(-1), minlength=self.n_experts
+            ).to(self.tokens_per_expert)
         if self.aux_coef > 0 and self.training:
-            # Sequence-wise balance loss (DeepSeek-V3 eq. 17-20), averaged over sequences.
+            # Sequence-wise balance loss (DeepSeek-V3 eq. 17-20) over each sequence's counted
+            # tokens, averaged over sequences.
             E, k = self.n_experts, self.top_k
+            w = counted.float().unsqueeze(-1)  # (B, T, 1)
+            n = w.sum(1).clamp(min=1)  # (B, 1)
             onehot = torch.zeros(B, T, E, device=scores.device)
             onehot.scatter_(-1, idx.reshape(B, T, k), 1.0)
-            f = onehot.sum(1) * E / (k * T)  # (B, E)
-            p = (scores / scores.sum(-1, keepdim=True)).reshape(B, T, E).mean(1)  # (B, E)
+            f = (onehot * w).sum(1) * E / (k * n)  # (B, E)
+            p = ((scores / scores.sum(-1, keepdim=True)).reshape(B, T, E) * w).sum(1) / n
             self.aux_loss = self.aux_coef * (f * p).sum(-1).mean()
         else:
             self.aux_loss = None
@@ -274,6 +283,21 @@ def recorded_routing(model: nn.Module) -> list[torch.Tensor]:
 
 
 @contextmanager
+def counting_tokens(model: nn.Module, counted: torch.Tensor | None):
+    """Within the block, the MoE layers' balancing (the load that moves the biases, the balance
+    loss) counts only the tokens ``counted`` (B, T) marks: a forward's text, not its padding.
+    None: every token."""
+    layers = moe_layers(model)
+    try:
+        for m in layers:
+            m.counted = counted
+        yield
+    finally:
+        for m in layers:
+            m.counted = None
+
+
+@contextmanager
 def router_replay(model: nn.Module, indices: Sequence[torch.Tensor]):
     """Within the block, every MoE layer uses the given expert indices, (B, T, k) or (T, k) per
     layer in order, instead of choosing its own: `recorded_routing` at inference, or a rollout's
@@ -309,7 +333,7 @@ def upcycle_mlp(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, 
     Fdim, D = w_gate.shape
     if moe.n_shared == 0 or moe.shared_w1.weight.shape[0] != Fdim:
         raise ValueError(f"upcycle: shared expert width must equal the dense FFN width {Fdim} "
-                         "(set moe.n_shared_experts * moe.expert_hidden accordingly)")
+                         "(set moe.n_shared_experts * moe.expert_ffn_dim accordingly)")
     moe.shared_w1.weight.copy_(w_gate)
     moe.shared_w3.weight.copy_(w_up)
     moe.shared_w2.weight.copy_(w_down)

@@ -91,7 +91,8 @@ def _recomputed(blk: Block, inner: Callable[..., torch.Tensor]) -> Callable[...,
             return checkpoint(inner, x, cos, sin, mask, cache, use_reentrant=False)
         # the routing the forward was given (None: its router's choice, which the
         # recomputation repeats: same inputs, and the bias moves only after the optimizer step)
-        replayed = [m.replay_indices for m in moes]
+        # (and the tokens its balancing counted: the recomputed balance loss is the same)
+        given = [(m.replay_indices, m.counted) for m in moes]
         calls = 0
 
         def run(*args: object) -> torch.Tensor:
@@ -99,15 +100,16 @@ def _recomputed(blk: Block, inner: Callable[..., torch.Tensor]) -> Callable[...,
             calls += 1
             if calls == 1:  # the forward
                 return inner(*args)
-            kept = [(m.replay_indices, m.tokens_per_expert.clone(), m.aux_loss, m.last_indices)
-                    for m in moes]
+            kept = [(m.replay_indices, m.counted, m.tokens_per_expert.clone(), m.aux_loss,
+                     m.last_indices) for m in moes]
             try:
-                for m, idx in zip(moes, replayed, strict=True):
-                    m.replay_indices = idx
+                for m, (idx, counted) in zip(moes, given, strict=True):
+                    m.replay_indices, m.counted = idx, counted
                 return inner(*args)
             finally:
-                for m, (replay, counts, aux, last) in zip(moes, kept, strict=True):
-                    m.replay_indices, m.aux_loss, m.last_indices = replay, aux, last
+                for m, (replay, counted, counts, aux, last) in zip(moes, kept, strict=True):
+                    m.replay_indices, m.counted, m.aux_loss, m.last_indices = (replay, counted,
+                                                                               aux, last)
                     m.tokens_per_expert.copy_(counts)
 
         return checkpoint(run, x, cos, sin, mask, cache, use_reentrant=False)

@@ -40,7 +40,7 @@ from codedojo.data.mixture import MixtureSource, mix
 from codedojo.data.packing import Packed, PackedLoader, make_batch, pack
 from codedojo.data.shards import TokenShards
 from codedojo.model.config import ModelConfig
-from codedojo.model.moe import moe_aux_loss, moe_layers, update_moe_biases
+from codedojo.model.moe import counting_tokens, moe_aux_loss, moe_layers, update_moe_biases
 from codedojo.model.mtp import (
     MTP,
     distill_loss,
@@ -140,7 +140,8 @@ def stage_loss(model: Transformer, mtp: MTP | None, batch: Batch, mode: str,
             teacher = model.head(hidden[..., :D], vocab)
         loss = teacher.new_zeros(())
     else:  # next-token loss fused with the head (`loss.py`): no full-size logits
-        hidden = model.hidden(tokens, **fwd)
+        with counting_tokens(model, batch["doc_ids"] >= 0):  # (MoE balancing: not the padding)
+            hidden = model.hidden(tokens, **fwd)
         loss = next_token_loss(model, hidden[..., :D], targets, mask) * share
         metrics["ce"] = float(loss.detach())
         if mode == "joint":

@@ -42,6 +42,21 @@ def test_qwen2_style_biases_untied_export_import(tmp_path) -> None:
     _roundtrip(ModelConfig.tiny(attn_bias=True, tie_embeddings=False), tmp_path)
 
 
+def test_the_export_says_the_dtype_its_weights_are_saved_in(tmp_path) -> None:
+    """transformers' ``dtype="auto"`` loads by the config's word: a bfloat16 model is one."""
+    import json
+
+    from safetensors import safe_open
+
+    cfg = ModelConfig.tiny()
+    out = save_hf(Transformer(cfg).to(torch.bfloat16), cfg, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert next(hf.parameters()).dtype == torch.bfloat16
+
+
 def test_an_hf_yarn_config_serves_its_extended_length_and_unknown_knobs_are_refused() -> None:
     from codedojo.model.hf import config_from_hf
 

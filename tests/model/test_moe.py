@@ -308,3 +308,29 @@ def test_tiny_moe_transformer_upcycled_then_trained():
         losses.append(float(loss.detach()))
     assert losses[-1] < losses[0]
     assert len(recorded_routing(model)) == 1  # one MoE layer after the dense first layer
+
+
+def test_balancing_counts_the_text_not_the_padding():
+    """Rows of 16 tokens of text and 48 of padding (one token, which would pile onto a few
+    experts): the load that moves the biases and the balance loss are the text's alone."""
+    from codedojo.model.moe import counting_tokens
+    from codedojo.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.tiny(n_layers=2, moe=MoEConfig(n_routed_experts=8, top_k=2,
+                                                     expert_ffn_dim=16, first_dense_layers=1,
+                                                     seq_aux_loss_coef=0.01))
+    model = Transformer(cfg).train()
+    (m,) = moe_layers(model)
+    text = torch.randint(1, cfg.vocab_size, (4, 16))
+    with torch.no_grad():
+        model.hidden(text)
+        want_counts, want_aux = m.tokens_per_expert.clone(), m.aux_loss
+        m.tokens_per_expert.zero_()
+        padded = torch.cat([text, torch.zeros(4, 48, dtype=torch.long)], 1)
+        docs = torch.cat([torch.zeros(4, 16), torch.full((4, 48), -1)], 1).long()
+        with counting_tokens(model, docs >= 0):
+            model.hidden(padded, doc_ids=docs)
+    assert m.counted is None  # (for the block only)
+    assert torch.equal(m.tokens_per_expert, want_counts) and want_counts.sum() == 4 * 16 * 2
+    torch.testing.assert_close(m.aux_loss, want_aux)

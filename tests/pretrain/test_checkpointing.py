@@ -11,7 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from codedojo.model.config import ModelConfig, MoEConfig
-from codedojo.model.moe import moe_aux_loss, moe_layers, recorded_routing, router_replay
+from codedojo.model.moe import (
+    counting_tokens,
+    moe_aux_loss,
+    moe_layers,
+    recorded_routing,
+    router_replay,
+)
 from codedojo.model.transformer import Transformer
 from codedojo.pretrain.parallel import apply_activation_checkpointing, apply_compile
 from codedojo.pretrain.selfgen import greedy_continue
@@ -106,3 +112,21 @@ def test_an_moe_block_recomputes_its_forwards_routing_and_counts_it_once():
 def test_only_a_model_of_blocks_is_checkpointed():
     with pytest.raises(ValueError, match="no `layers` ModuleList of blocks"):
         apply_activation_checkpointing(torch.nn.Linear(2, 2))
+
+
+def test_an_moe_block_recomputes_its_balance_loss_over_the_tokens_it_counted():
+    """The tokens the balance loss counts (a forward's text, not its padding) are given for
+    the forward only: the recomputation in backward counts the same ones."""
+    plain, recomputed = _pair(ModelConfig.tiny(n_layers=3, moe=MOE))
+    tokens = torch.randint(0, 256, (2, 12))
+    docs = torch.tensor([[0] * 11, [0] * 6 + [-1] * 5])
+    grads = []
+    for model in (plain, recomputed):
+        model.zero_grad(set_to_none=True)
+        with counting_tokens(model, docs >= 0):
+            model.hidden(tokens[:, :-1], doc_ids=docs)
+        aux = moe_aux_loss(model)
+        assert aux is not None and all(m.counted is None for m in moe_layers(model))
+        aux.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    _assert_same(*grads)

@@ -1229,3 +1229,22 @@ def _stopped_at(monkeypatch: pytest.MonkeyPatch, step: int, cfg: PretrainConfig,
     with pytest.raises(KeyboardInterrupt):
         trainer.run(cfg, tok=tok, console=console)
     monkeypatch.setattr(trainer, "wsd_lr", real)
+
+
+def test_an_moe_step_balances_by_the_text_not_the_padding():
+    """A stage's loss counts the load of the text's tokens, which moves the expert biases, not
+    the padding's (one token, which would pile onto a few experts)."""
+    from codedojo.data.packing import make_batch
+    from codedojo.model.config import ModelConfig, MoEConfig
+    from codedojo.model.moe import moe_layers
+    from codedojo.model.transformer import Transformer
+    from codedojo.pretrain.trainer import stage_loss
+
+    cfg = ModelConfig.tiny(n_layers=2, moe=MoEConfig(n_routed_experts=8, top_k=2,
+                                                     expert_ffn_dim=16, first_dense_layers=1))
+    model = Transformer(cfg).train()
+    tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 13))
+    segments = np.array([[0] * 13, [0] * 5 + [-1] * 8])  # inputs: 12 + 5 tokens of text
+    stage_loss(model, None, make_batch(tokens, segments, segments >= 0), "off", 0.0)
+    (m,) = moe_layers(model)
+    assert m.tokens_per_expert.sum() == (12 + 5) * 2
