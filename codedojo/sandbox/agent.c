@@ -8,10 +8,16 @@
  * Invoked by codedojo/sandbox/local.py (never by users):
  *   codedojo-sandbox-init --root DIR --sock-fd N --uid U --gid G --hostname H
  *                         (--netns-new FILE | --netns-join FILE) [--cgroup PROCSFILE]...
- *                         [--bind SRC:DST]... [--shm-mb N] [--wait-go 1]
+ *                         [--bind SRC:DST]... [--shm-mb N] [--nofile N] [--wait-go 1]
  *
  * With --wait-go (the provider's pool of pre-started sandboxes) init stops after entering the
- * namespaces and cgroups and waits for "G <bind>..." on stdin: the filesystem comes later.
+ * namespaces and cgroups and waits for "G <nofile> <bind>..." on stdin: the filesystem and the
+ * limits of the sandbox asked for come later.
+ *
+ * Each command runs with RLIMIT_NOFILE set to --nofile (soft = hard, 4096 unless given): init
+ * itself runs with the host process's limit, raised for a host with many sandboxes, which no
+ * command is to have (a few processes holding that many files each take the host's file
+ * table).
  *
  * The first process (the "waiter", in the host pid namespace) joins the cgroups, creates or
  * joins the network namespace, unshares mount/pid/ipc/uts and forks pid 1 of the new pid
@@ -70,6 +76,7 @@
 
 static const char *root_dir, *hostname = "sandbox", *netns_file;
 static int netns_new, sock_fd = -1, shm_mb = 64, wait_go;
+static rlim_t nofile = 4096; /* RLIMIT_NOFILE of every command's processes */
 static uid_t owner_uid; /* who started the sandbox: the one user its socket serves */
 static uid_t run_uid = 1000;
 static gid_t run_gid = 1000;
@@ -477,6 +484,12 @@ static pid_t start_command(int conn) {
     dup2(in[0], 0);
     dup2(out[1], 1);
     dup2(err[1], 2);
+    struct rlimit files = {nofile, nofile}; /* (raised past init's own while still root) */
+    if (setrlimit(RLIMIT_NOFILE, &files) < 0) {
+      dprintf(2, "sandbox: cannot set the open files limit to %lu: %s\n",
+              (unsigned long)nofile, strerror(errno));
+      _exit(126);
+    }
     if (setgroups(0, NULL) < 0 || setgid(run_gid) < 0 || setuid(run_uid) < 0) {
       dprintf(2, "sandbox: cannot drop privileges: %s\n", strerror(errno));
       _exit(126);
@@ -604,6 +617,22 @@ static void serve(void) {
  * filesystem does. Our copy of the sandbox directory (a shared bind mount on the host) stays a
  * slave of the host's, so the overlay the host mounts there later appears here; "G <bind>..."
  * on stdin says it is in place. */
+/* A mount point as /proc/self/mountinfo writes it, made a path again in place: a space, tab,
+ * newline or backslash in it is an octal escape there (\040 \011 \012 \134). */
+static void unescape_mount_point(char *s) {
+  char *out = s;
+  for (; *s; s++, out++) {
+    if (s[0] == '\\' && s[1] >= '0' && s[1] <= '7' && s[2] >= '0' && s[2] <= '7' &&
+        s[3] >= '0' && s[3] <= '7') {
+      *out = (char)((s[1] - '0') * 64 + (s[2] - '0') * 8 + (s[3] - '0'));
+      s += 3;
+    } else {
+      *out = *s;
+    }
+  }
+  *out = 0;
+}
+
 static void detach_siblings(void) {
   /* Copies of the other sandboxes' mounts would receive every later mount event of theirs
    * (each costing the host a propagation): drop all but our own directory's. */
@@ -624,6 +653,7 @@ static void detach_siblings(void) {
   while (fgets(line, sizeof line, f) && nt < 4096) {
     char mp[4096];
     if (sscanf(line, "%*s %*s %*s %*s %4095s", mp) != 1) continue;
+    unescape_mount_point(mp);
     if (strncmp(mp, parent, np) != 0) continue;
     if (strncmp(mp, own, no) == 0 && (mp[no] == 0 || mp[no] == '/')) continue;
     targets[nt++] = strdup(mp);
@@ -653,7 +683,9 @@ static void wait_for_go(void) {
     errno = EINVAL;
     die("expected G, got %.40s", line);
   }
-  for (char *tok = strtok(line + 1, " "); tok; tok = strtok(NULL, " "))
+  char *tok = strtok(line + 1, " ");
+  if (tok) nofile = (rlim_t)strtoul(tok, NULL, 10);
+  for (tok = strtok(NULL, " "); tok; tok = strtok(NULL, " "))
     if (n_binds < MAX_BINDS) binds[n_binds++] = tok;
 }
 
@@ -686,6 +718,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--gid")) run_gid = (gid_t)atoi(v);
     else if (!strcmp(a, "--hostname")) hostname = v;
     else if (!strcmp(a, "--shm-mb")) shm_mb = atoi(v);
+    else if (!strcmp(a, "--nofile")) nofile = (rlim_t)strtoul(v, NULL, 10);
     else if (!strcmp(a, "--wait-go")) wait_go = atoi(v);
     else if (!strcmp(a, "--netns-new")) netns_file = v, netns_new = 1;
     else if (!strcmp(a, "--netns-join")) netns_file = v, netns_new = 0;

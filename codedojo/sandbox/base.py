@@ -68,12 +68,19 @@ class FileInfo:
 
 @dataclass(frozen=True)
 class Limits:
-    memory_mb: int = 2048
+    """What one sandbox may take of the host.
+
+    Its disk is memory (a tmpfs), charged to the sandbox's memory cgroup, whose limit is
+    therefore ``memory_mb + disk_mb``: the most of the host's RAM a sandbox can hold. A full
+    disk is ENOSPC to the writer, and its processes keep ``memory_mb`` beside it."""
+
+    memory_mb: int = 2048  # what its processes may use, beside what its disk holds
     pids: int = 512
     cpus: float = 1.0
-    disk_mb: int = 2048  # size cap of the writable layer
+    disk_mb: int = 2048  # size cap of the writable layer (RAM: see above)
     exec_timeout_s: float = 120.0  # default wall-clock limit of one command
     max_output_bytes: int = 1 << 20  # per stream
+    open_files: int = 4096  # per process of a command (RLIMIT_NOFILE, soft = hard)
 
 
 def cut_line(n: int) -> str:
@@ -131,6 +138,10 @@ class SandboxSpec:
 @runtime_checkable
 class Shell(Protocol):
     """A persistent shell: cwd and exported variables survive between calls."""
+
+    # Whether the last `run` ended the shell's process (an `exit`, `set -e` on a failure, a
+    # kill, a timeout): the next `run` starts a fresh one in /workspace, without its variables.
+    exited: bool
 
     def run(self, command: str, timeout: float | None = None) -> ExecResult: ...
 

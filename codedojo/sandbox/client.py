@@ -95,12 +95,15 @@ class _Http:
 class RemoteShell:
     def __init__(self, sandbox: RemoteSandbox, shell_id: str):
         self._sandbox, self._http, self.id = sandbox, sandbox._http, shell_id
+        self.exited = False  # as `LocalShell.exited`, from the service's answer
 
     def run(self, command: str, timeout: float | None = None) -> ExecResult:
-        return ExecResult(**self._http.call(
+        body = self._http.call(
             "POST", self._sandbox._url(f"/shells/{_part(self.id)}/run"),
             json={"command": command, "timeout": timeout},
-            wait=self._sandbox.exec_timeout_s if timeout is None else timeout))
+            wait=self._sandbox.exec_timeout_s if timeout is None else timeout)
+        self.exited = bool(body.pop("exited", False))
+        return ExecResult(**body)
 
     def close(self) -> None:
         self._http.call("DELETE", self._sandbox._url(f"/shells/{_part(self.id)}"))

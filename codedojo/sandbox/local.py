@@ -3,21 +3,27 @@
 Anatomy of one sandbox (`<root>/sandboxes/<id>/`):
 
     rw/      a tmpfs of `Limits.disk_mb` holding overlay's upper/ and work/ (the disk cap:
-             a full tmpfs is ENOSPC inside, and nothing else fills up)
+             a full tmpfs is ENOSPC inside, and nothing else fills up). Its pages are RAM,
+             charged to the sandbox's memory cgroup, whose limit is `memory_mb + disk_mb`,
+             so a full disk leaves the processes their `memory_mb`
     root/    the overlay mount: lowerdir = image layers (top first), upperdir = rw/upper
     netns    the network namespace, bind-mounted so it outlives a restore
     state.json  what `gc` needs to clean up after a crash (pids, cgroups, owner)
 
 The init helper (agent.c) joins the sandbox's cgroups, creates the netns (only `lo`), unshares
 mount/pid/ipc/uts, binds the host's /usr read-only, mounts /proc and a minimal /dev, pivots into
-root/ and forks commands on request over a unix socket, as uid 1000 with no capabilities and
-under a seccomp filter (no keyrings, user namespaces, bpf or io_uring: see agent.c). That makes
-create one overlay mount plus one small process, and exec one connect plus two forks.
+root/ and forks commands on request over a unix socket, as uid 1000 with no capabilities,
+under a seccomp filter (no keyrings, user namespaces, bpf or io_uring: see agent.c) and with
+`Limits.open_files` as their RLIMIT_NOFILE (not this process's, raised for many sandboxes).
+That makes create one overlay mount plus one small process, and exec one connect plus two
+forks.
 
-Files are read and written by the host, not by commands: paths are opened with openat2
-(RESOLVE_IN_ROOT) relative to `/proc/<init>/root`, so they are resolved exactly as the sandbox
-sees them and a symlink or `..` can never leave it. The host acts as the sandbox user would:
-files it creates belong to uid 1000 and it refuses to write where uid 1000 could not. Where
+Files are read and written by the host, not by commands: paths are walked one name at a time
+from `/proc/<init>/root` (`LocalSandbox._walk`), links followed by the walk and never by the
+kernel, so they are resolved exactly as the sandbox sees them and a symlink or `..` can never
+leave it. The host acts as the sandbox user would: every directory on the way must be one the
+user may search, files it creates belong to uid 1000, and it refuses to read or write where
+uid 1000 could not (`read_original` too, in the image's layers). Where
 the host reads the writable layer itself (`changes`, `snapshot`), the sandbox is frozen and
 the layer is walked directory fd by directory fd, never following a link (`walk_tree`).
 
@@ -44,6 +50,7 @@ import json
 import logging
 import os
 import posixpath
+import re
 import resource
 import select
 import selectors
@@ -95,7 +102,7 @@ from codedojo.sandbox.syscalls import (
     MS_NOSUID,
     mount,
     mount_overlay,
-    open_in_root,
+    open_beneath,
     umount,
 )
 
@@ -146,14 +153,22 @@ def _proc_start(pid: int) -> int | None:
         return None
 
 
+_MOUNTINFO_ESCAPE = re.compile(rb"\\([0-7]{3})")
+
+
+def _mount_points() -> list[str]:
+    """Every mount point of this process's mount table, as a path: /proc/self/mountinfo
+    writes a space, tab, newline or backslash in one as an octal escape (\\040 \\011 \\012
+    \\134), which is undone here."""
+    with open("/proc/self/mountinfo", "rb") as f:
+        return [os.fsdecode(_MOUNTINFO_ESCAPE.sub(lambda m: bytes([int(m[1], 8)]),
+                                                  line.split()[4])) for line in f]
+
+
 def _mounts_under(prefix: str) -> list[str]:
-    out = []
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            target = line.split()[1].replace("\\040", " ")
-            if target == prefix or target.startswith(prefix.rstrip("/") + "/"):
-                out.append(target)
-    return out
+    """The mount points at ``prefix`` or below it."""
+    below = prefix.rstrip("/") + "/"
+    return [m for m in _mount_points() if m == prefix or m.startswith(below)]
 
 
 def _umount_if_mounted(target: str) -> None:
@@ -173,7 +188,8 @@ def _raise_nofile_limit() -> None:
     """Raise the soft RLIMIT_NOFILE to the hard limit, once per process. A live sandbox holds
     two file descriptors and a running command five, so the usual soft limit (1024) runs out
     at a few hundred sandboxes, long before memory does; no fd here is ever passed to
-    select(), whose 1024 bound is why that soft limit exists."""
+    select(), whose 1024 bound is why that soft limit exists. Commands do not inherit it:
+    they run with `Limits.open_files` (set by agent.c)."""
     global _nofile_raised
     if _nofile_raised:
         return
@@ -214,9 +230,8 @@ def _ensure_tmpfs(path: str) -> None:
     """Sandbox directories (mount points, netns file, state.json) live on one tmpfs per store:
     creating and deleting them costs no disk journal, they survive a crash of the service (for
     gc) and vanish at reboot together with everything they describe."""
-    with open("/proc/self/mountinfo") as f:
-        if any(line.split()[4] == path for line in f):
-            return
+    if path in _mount_points():
+        return
     mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=700,size=64m")
 
 
@@ -228,9 +243,14 @@ def _close_at_exit(ref: weakref.ref) -> None:
 
 
 def validate_limits(limits: Limits) -> None:
-    # upper bounds: what the kernel takes (pid_max; a memory limit in bytes under 2^63)
+    # upper bounds: what the kernel takes (pid_max; a memory limit in bytes under 2^63, the
+    # two summed included); open files: this process's hard limit, which init inherits and
+    # can lower only (without CAP_SYS_RESOURCE, as in a container)
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    nofile = 1 << 20 if nofile == resource.RLIM_INFINITY else min(nofile, 1 << 20)
     for name, low, high in (("memory_mb", 32, 1 << 30), ("pids", 8, 1 << 22),
-                            ("disk_mb", 1, 1 << 30), ("max_output_bytes", 1, 1 << 30)):
+                            ("disk_mb", 1, 1 << 30), ("max_output_bytes", 1, 1 << 30),
+                            ("open_files", 16, nofile)):
         v = getattr(limits, name)
         if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
             raise SandboxError(f"limits.{name}: must be an integer in [{low}, {high}], "
@@ -238,6 +258,32 @@ def validate_limits(limits: Limits) -> None:
     if not (isinstance(limits.cpus, int | float) and 0 < limits.cpus <= 4096):
         raise SandboxError(f"limits.cpus: must be in (0, 4096], got {limits.cpus!r}")
     seconds(limits.exec_timeout_s, "limits.exec_timeout_s")
+
+
+def _memory_cap_mb(limits: Limits) -> int:
+    """The limit of a sandbox's memory cgroup: ``memory_mb`` for its processes and
+    ``disk_mb`` beside it, since its disk is a tmpfs whose pages are charged to the cgroup of
+    the process that writes them (theirs; a file the host writes is the host's). A full disk
+    is then ENOSPC, never an OOM kill; a fork's or restore's disk is a fresh tmpfs (the old one
+    unmounted, its pages given back), and snapshot layers are files of the store."""
+    return limits.memory_mb + limits.disk_mb
+
+
+READ, SEARCH = 0o4, 0o1  # a permission's bit in one class of a mode (`_user_may`)
+
+
+def _user_may(st: os.stat_result, want: int) -> bool:
+    """Whether the sandbox user (uid `SANDBOX_UID`, in group `SANDBOX_GID` alone: agent.c
+    drops the others) has the permissions ``want`` (`READ`, `SEARCH`, or both) on a file of
+    ``st``: by the owner's bits of its mode if the user owns it, else by the group's if it is
+    the user's group, else by the others' (as the kernel decides, ACLs aside)."""
+    if st.st_uid == SANDBOX_UID:
+        bits = st.st_mode >> 6
+    elif st.st_gid == SANDBOX_GID:
+        bits = st.st_mode >> 3
+    else:
+        bits = st.st_mode
+    return bits & want == want
 
 
 def sandbox_path(path: str, field: str = "path") -> str:
@@ -528,7 +574,8 @@ class LocalShell:
     command that moves its stdout or stderr (`exec 2>&1`, `exec >/dev/null`) does not move
     them. A timeout kills the shell (its state is lost) and the next call starts a fresh one
     in /workspace. A shell used again after `close` (or a restore, which closes every shell)
-    starts a fresh one too, and is the sandbox's again: `destroy` closes it."""
+    starts a fresh one too, and is the sandbox's again: `destroy` closes it. `exited` says
+    whether the last `run` ended the shell (an `exit`, `set -e`, a kill or a timeout)."""
 
     MARK_FDS = (198, 199)  # high, so that no command opens them by chance
 
@@ -537,6 +584,7 @@ class LocalShell:
         self._proc: _Process | None = None
         self._lock = threading.Lock()
         self._marker = f"\x1e__codedojo_{uuid.uuid4().hex}__".encode()
+        self.exited = False  # the last `run` ended the shell: the next starts a fresh one
 
     def _start(self) -> tuple[_Process, bytes]:
         """The running shell, and what it must read before a command: the copies of its stdout
@@ -561,6 +609,7 @@ class LocalShell:
         with self._lock:
             payload = _utf8(command, "command")
             proc, setup = self._start()
+            self.exited = False
             m, (out_fd, err_fd) = self._marker.decode(), self.MARK_FDS
             # `read -N` (bytes, with LC_ALL=C) takes exactly the command off stdin, so no quoting
             # can desynchronise the stream and no helper process is spawned per call.
@@ -594,6 +643,7 @@ class LocalShell:
                 _await_status(proc)  # its pipes may close before init reports how it ended
                 code = _exit_code(proc.status) if proc.status is not None else 137
                 self._drop()
+                self.exited = True
             return ExecResult(code, out.decode(errors="replace"), err.decode(errors="replace"),
                               timed_out=timed_out, truncated=truncated, duration_s=time.monotonic() - t0)
 
@@ -699,6 +749,7 @@ class LocalSandbox:
         fd = self._listener.fileno()
         args = [self.provider.agent, "--root", self._mnt, "--sock-fd", str(fd),
                 "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID), "--hostname", "sandbox",
+                "--nofile", str(self.spec.limits.open_files),
                 "--netns-new" if new_netns else "--netns-join", os.path.join(self.dir, "netns")]
         assert self.cgroup is not None
         for f in self.cgroup.procs_files:
@@ -746,7 +797,7 @@ class LocalSandbox:
         """Finish a pooled sandbox: its filesystem is mounted; tell init to enter it."""
         assert self._waiter is not None and self._waiter.stdin is not None
         binds = " ".join(f"/{d}:/{d}" for d in self.image.binds)
-        self._waiter.stdin.write(f"G {binds}\n".encode())
+        self._waiter.stdin.write(f"G {self.spec.limits.open_files} {binds}\n".encode())
         self._waiter.stdin.close()
         self._await("R")
 
@@ -766,7 +817,8 @@ class LocalSandbox:
         os.mkdir(self._mnt)
         open(os.path.join(self.dir, "netns"), "w").close()
         self.cgroup = self.provider.cgroups.create(self.provider.cgroup_name(self.id),
-                                                    limits.memory_mb, limits.pids, limits.cpus)
+                                                    _memory_cap_mb(limits), limits.pids,
+                                                    limits.cpus)
         self._write_state()
 
     def _start(self) -> None:
@@ -801,7 +853,8 @@ class LocalSandbox:
         try:
             assert self.cgroup is not None
             limits = spec.limits
-            self.provider.cgroups.set_limits(self.cgroup, limits.memory_mb, limits.pids, limits.cpus)
+            self.provider.cgroups.set_limits(self.cgroup, _memory_cap_mb(limits), limits.pids,
+                                             limits.cpus)
             self._mount_fs()
             self._go()
             # state.json from the blank already names the init, cgroups and owner (all gc needs)
@@ -1008,63 +1061,108 @@ class LocalSandbox:
         finally:
             os.close(root.fd)
 
-    @staticmethod
-    def _open(root: _Root, path: str, flags: int, mode: int = 0o644) -> int:
+    def _open(self, root: _Root, path: str, flags: int) -> int:
+        """``path`` opened with ``flags`` where `_walk` leads, the last link followed too."""
+        pfd, name = self._walk(root, path, follow=True)
         try:
-            return open_in_root(root.fd, path, flags, mode)
+            return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
         except OSError as e:
             raise SandboxError(f"path: {path}: {e.strerror}") from None
+        finally:
+            os.close(pfd)
 
-    def _parent(self, root: _Root, path: str, create: bool,
-                as_root: bool = False) -> tuple[int, str]:
-        """An O_PATH fd of `path`'s parent directory, created when asked (with the missing
-        ones above it, top first): as the sandbox user (who must be allowed to), or as root
-        for files the host places (egress CA)."""
-        parent, name = os.path.split(path)
-        if not name:
-            raise SandboxError(f"path: {path!r} names the root")
-        # The directories missing, found deepest first and made top first, by loops: a path
-        # may be deeper than Python's stack.
-        missing: list[str] = []
-        d = parent
-        while True:
-            try:
-                fd = open_in_root(root.fd, d, os.O_PATH | os.O_DIRECTORY)
-                break
-            except OSError as e:
-                if e.errno != errno.ENOENT or not create or d == "/":
-                    raise SandboxError(f"path: {d}: {e.strerror}") from None
-            missing.append(d)
-            d = os.path.dirname(d)
-        for d in reversed(missing):
-            dname = os.path.basename(d)
-            try:
-                if not as_root:
-                    self._check_writable(fd, d)
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(dname, 0o755, dir_fd=fd)
-                    if not as_root:
-                        os.chown(dname, SANDBOX_UID, SANDBOX_GID, dir_fd=fd,
-                                 follow_symlinks=False)
-            except OSError as e:
-                raise SandboxError(f"path: {d}: {e.strerror}") from None
-            finally:
+    def _walk(self, root: _Root, path: str, *, follow: bool = False, create: bool = False,
+              as_root: bool = False) -> tuple[int, str]:
+        """Where ``path`` leads as the sandbox user reaches it: an O_PATH fd of the directory
+        holding its last entry (the caller's to close) and that entry's name, or "." where it
+        ends at a directory walked (the root). The kernel's walk, one name at a time from the
+        root, each directory looked in first checked (`_check_searchable`: one of the
+        sandbox's own file systems, searchable by the user); a link is followed where it is
+        found (an absolute one from the root, and `..` never above it), a last one only with
+        ``follow``. The kernel follows no link itself, so nothing leads out of the root, and
+        one fd is held at a time (a path may be thousands of directories deep). With
+        ``create``, a directory missing on the way is made: as the user, who must be allowed
+        to, or ``as_root`` for files the host places (the egress CA), which skips the user's
+        checks."""
+        todo = [n for n in reversed(path.split("/")) if n not in ("", ".")]  # the next last
+        where: list[str] = []  # the names from the root to ``fd``, for `..` and messages
+        fd = os.dup(root.fd)
+        try:
+            st, hops = os.fstat(fd), 0
+            while todo:
+                name = todo.pop()
+                self._check_searchable(root, st, where, path, as_root)
+                if name == "..":
+                    if where:
+                        parent = os.open("..", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC,
+                                         dir_fd=fd)
+                        os.close(fd)
+                        fd, st = parent, os.fstat(parent)
+                        where.pop()
+                    continue
+                if not todo and not follow:
+                    return fd, name
+                try:
+                    entry = open_beneath(fd, name, os.O_PATH | os.O_NOFOLLOW)
+                except FileNotFoundError:
+                    if not todo:
+                        return fd, name
+                    if not create:
+                        raise
+                    self._make_dir(fd, name, "/" + "/".join([*where, name]), as_root)
+                    entry = open_beneath(fd, name, os.O_PATH | os.O_NOFOLLOW)
+                est = os.fstat(entry)
+                if stat.S_ISLNK(est.st_mode):
+                    os.close(entry)
+                    hops += 1
+                    if hops > 40:
+                        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP))
+                    target = os.readlink(name, dir_fd=fd)
+                    if target.startswith("/"):
+                        os.close(fd)
+                        fd = os.dup(root.fd)
+                        st = os.fstat(fd)
+                        where.clear()
+                    todo += [n for n in reversed(target.split("/")) if n not in ("", ".")]
+                    continue
+                if not todo:
+                    os.close(entry)
+                    return fd, name
+                if not stat.S_ISDIR(est.st_mode):
+                    os.close(entry)
+                    raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
                 os.close(fd)
-            try:  # opened inside the root again: what is there now may be a link a command put
-                fd = open_in_root(root.fd, d, os.O_PATH | os.O_DIRECTORY)
-            except OSError as e:
-                raise SandboxError(f"path: {d}: {e.strerror}") from None
-        return fd, name
+                fd, st = entry, est
+                where.append(name)
+            return fd, "."
+        except BaseException as e:
+            os.close(fd)
+            if isinstance(e, OSError):
+                raise SandboxError(f"path: {path}: {e.strerror}") from None
+            raise
 
     @staticmethod
-    def _where(dir_fd: int, path: str) -> str:
-        """The path in the sandbox of directory ``dir_fd`` (opened in it, for ``path``), every
-        link on the way resolved: the kernel names a directory of another mount namespace from
-        that namespace's root, the sandbox's."""
-        where = os.readlink(f"/proc/self/fd/{dir_fd}")
-        if not where.startswith("/"):
-            raise SandboxError(f"path: {path}: its directory has no path in the sandbox")
-        return where
+    def _check_searchable(root: _Root, st: os.stat_result, where: list[str], path: str,
+                          as_root: bool) -> None:
+        """That `_walk` may look up a name in directory ``st`` (at ``where``) on the way to
+        ``path``: one of the sandbox's own file systems (not its kernel's), and (unless
+        ``as_root``) one the sandbox user may search."""
+        if st.st_dev in root.kernel_devs:
+            raise SandboxError(f"path: {path}: a kernel file system's (/proc, /sys, /dev); "
+                               "read or write it with a command")
+        if not as_root and not _user_may(st, SEARCH):
+            raise SandboxError(f"path: {path}: permission denied (the sandbox user may not "
+                               f"search /{'/'.join(where)})")
+
+    def _make_dir(self, dir_fd: int, name: str, path: str, as_root: bool) -> None:
+        """Make directory ``name`` of ``dir_fd`` (``path``): as the sandbox user, who must be
+        allowed to, or as root. One made meanwhile is no error."""
+        if not as_root:
+            self._check_writable(dir_fd, path)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o755, dir_fd=dir_fd)
+            if not as_root:
+                os.chown(name, SANDBOX_UID, SANDBOX_GID, dir_fd=dir_fd, follow_symlinks=False)
 
     @staticmethod
     def _check_writable(dir_fd: int, path: str, name: str | None = None) -> None:
@@ -1103,8 +1201,7 @@ class LocalSandbox:
 
     @staticmethod
     def _check_readable(st: os.stat_result, path: str) -> None:
-        if (st.st_mode & 0o004 or (st.st_uid == SANDBOX_UID and st.st_mode & 0o400)
-                or (st.st_gid == SANDBOX_GID and st.st_mode & 0o040)):
+        if _user_may(st, READ):
             return
         raise SandboxError(f"path: {path}: permission denied (not readable by the sandbox user)")
 
@@ -1162,25 +1259,15 @@ class LocalSandbox:
         with self._root() as root:  # never setuid/setgid: the host writes as root
             self._write(root, p, data, mode & 0o777)
 
-    def _write(self, root: _Root, p: str, data: bytes | bytearray, mode: int,
-               hops: int = 0) -> None:
-        pfd, name = self._parent(root, p, create=True)
+    def _write(self, root: _Root, p: str, data: bytes | bytearray, mode: int) -> None:
+        # a link is written where it points, with the checks of that place (as the sandbox
+        # user writing through it would be); one put there since the walk is refused below
+        pfd, name = self._walk(root, p, follow=True, create=True)
         try:
-            self._served(root, pfd, p)
             try:
                 existing = os.stat(name, dir_fd=pfd, follow_symlinks=False)
             except FileNotFoundError:
                 existing = None
-            if existing is not None and stat.S_ISLNK(existing.st_mode):
-                # written where it points, with the checks of that place (as the sandbox user
-                # writing through it would be)
-                if hops >= 40:
-                    raise SandboxError(f"path: {p}: too many levels of symbolic links")
-                # a relative target is taken from where the link is, which a link on the way
-                # there may have moved away from ``p``'s directory
-                target = posixpath.join(self._where(pfd, p), os.readlink(name, dir_fd=pfd))
-                return self._write(root, sandbox_path(posixpath.normpath(target)), data, mode,
-                                   hops + 1)
             if existing is not None and stat.S_ISDIR(existing.st_mode):
                 raise SandboxError(f"path: {p} is a directory")
             if existing is not None and not stat.S_ISREG(existing.st_mode):
@@ -1227,7 +1314,7 @@ class LocalSandbox:
         What is there already and is not a regular file (a resolv.conf that links to a file of
         the host's systemd) is replaced, never followed."""
         with self._root() as root:
-            pfd, name = self._parent(root, path, create=True, as_root=True)
+            pfd, name = self._walk(root, path, create=True, as_root=True)
             try:
                 with contextlib.suppress(FileNotFoundError):
                     if not stat.S_ISREG(os.stat(name, dir_fd=pfd, follow_symlinks=False).st_mode):
@@ -1252,8 +1339,10 @@ class LocalSandbox:
         the sandbox user could (`rm -rf`): refused at the first entry it could not remove, and
         what came before that is gone."""
         p = sandbox_path(path)
+        if p == "/":
+            raise SandboxError(f"path: {p!r} names the root")
         with self._root() as root:
-            pfd, name = self._parent(root, p, create=False)
+            pfd, name = self._walk(root, p)
             try:
                 try:
                     os.stat(name, dir_fd=pfd, follow_symlinks=False)
@@ -1303,7 +1392,7 @@ class LocalSandbox:
         with self._root() as root:
             if p == "/":
                 return self._info(p, os.fstat(root.fd))
-            pfd, name = self._parent(root, p, create=False)
+            pfd, name = self._walk(root, p)
             try:
                 return self._info(p, os.stat(name, dir_fd=pfd, follow_symlinks=False))
             except OSError as e:
@@ -1316,7 +1405,11 @@ class LocalSandbox:
         with self._root() as root:
             fd = self._open(root, p, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                self._check_readable(self._served(root, fd, p), p)
+                st = self._served(root, fd, p)
+                self._check_readable(st, p)
+                if not _user_may(st, SEARCH):  # (its entries' sizes and modes are asked for)
+                    raise SandboxError(f"path: {p}: permission denied (not searchable by the "
+                                       "sandbox user)")
                 out = []
                 for name in sorted(os.listdir(fd)):
                     with contextlib.suppress(FileNotFoundError):
@@ -1344,8 +1437,9 @@ class LocalSandbox:
 
     def read_original(self, path: str, max_bytes: int | None = None) -> bytes:
         """The file's bytes as the image the sandbox was created from has them (what `changes`
-        compares with): read from the image's layers, within the layer that holds it; refused
-        past ``max_bytes`` (`FileTooLarge`) before it is read."""
+        compares with): read from the image's layers, within the layer that holds it, where
+        the sandbox user could have read it there (each directory on the way searchable, the
+        file readable); refused past ``max_bytes`` (`FileTooLarge`) before it is read."""
         self._check_alive()
         p = sandbox_path(path)
         self._check_max_bytes(max_bytes)
@@ -1353,11 +1447,19 @@ class LocalSandbox:
         store = self.provider.images
         with LayerStack([store.layer_path(x) for x in self.image.layers]) as stack:
             # (the path as written, as `changes` names it: no link on it)
+            parts = rel.split("/")
+            for i in range(1, len(parts)):  # (the root: the writable layer's, 0755)
+                d = stack.lookup("/".join(parts[:i]))
+                if d is not None and stat.S_ISDIR(d[1].st_mode) and not _user_may(d[1], SEARCH):
+                    raise SandboxError(f"path: {p}: permission denied (the sandbox user may not "
+                                       f"search /{'/'.join(parts[:i])} in the image)")
             found = stack.lookup(rel)
             if found is None:
                 raise SandboxError(f"path: {p}: not in the sandbox's image (as written: a link "
                                    "on the way is not followed)")
             top, st = found
+            if stat.S_ISREG(st.st_mode):
+                self._check_readable(st, p)
             fd = stack.open(top, rel, st) if stat.S_ISREG(st.st_mode) else None
         if fd is None:
             raise SandboxError(f"path: {p} is not a regular file in the sandbox's image")

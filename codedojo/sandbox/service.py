@@ -133,6 +133,7 @@ class LimitsIn(BaseModel):
     disk_mb: int = 2048
     exec_timeout_s: float = 120.0
     max_output_bytes: int = 1 << 20
+    open_files: int = 4096
 
 
 class CreateIn(BaseModel):
@@ -444,7 +445,8 @@ def create_app(config: ServiceConfig | None = None, provider: LocalProvider | No
 
     @app.post("/sandboxes/{sandbox_id}/shells/{shell_id}/run")
     def shell_run(sandbox_id: str, shell_id: str, body: ShellRunIn) -> dict:
-        return _result(shell(sandbox_id, shell_id).run(body.command, timeout=body.timeout))
+        sh = shell(sandbox_id, shell_id)  # (and whether the command ended the shell)
+        return {**_result(sh.run(body.command, timeout=body.timeout)), "exited": sh.exited}
 
     @app.delete("/sandboxes/{sandbox_id}/shells/{shell_id}")
     def shell_close(sandbox_id: str, shell_id: str) -> dict:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import pytest
 
@@ -851,3 +853,48 @@ def test_a_file_call_that_cannot_read_init_s_mount_table_says_so_and_keeps_no_fd
         with pytest.raises(SandboxError, match="its mount table cannot be read"):
             sandbox.read_file("README.md")
     assert fds_under(provider.root) == before
+
+
+def test_commands_get_the_open_files_limit_not_the_provider_s(provider, project):
+    """`Limits.open_files` is every command's RLIMIT_NOFILE (soft = hard, no raising it), in a
+    sandbox from the pool, one started directly and after a restore; not the provider's own,
+    raised for many sandboxes. A limit no command could be given is refused at create."""
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 4096 or pytest.skip(
+        "the provider's own limit is no higher than the default")
+    direct = local.LocalProvider(root=provider.root, pool_size=0)
+    sbs = [provider.create(SandboxSpec(image=project, limits=SMALL)),
+           provider.create(SandboxSpec(image=project, limits=replace(SMALL, open_files=64))),
+           direct.create(SandboxSpec(image=project, limits=replace(SMALL, open_files=100)))]
+    try:
+        sbs[1].restore(sbs[1].snapshot())
+        got = [sb.exec("ulimit -n; ulimit -Hn; ulimit -n 5000 2>/dev/null || echo fixed").stdout
+               for sb in sbs]
+        assert got == ["4096\n4096\nfixed\n", "64\n64\nfixed\n", "100\n100\nfixed\n"]
+    finally:
+        for sb in sbs:
+            sb.destroy()
+    for bad in (8, 1 << 30, True):
+        with pytest.raises(SandboxError, match="limits.open_files: must be an integer"):
+            provider.create(SandboxSpec(image=project, limits=Limits(open_files=bad)))
+
+
+def test_a_store_whose_path_has_a_space_keeps_one_tmpfs_and_its_sandboxes(tmp_path):
+    """The mount table escapes a space or a tab (and newline, backslash) in a mount point: a
+    second provider on the store (the CLI's gc beside the service) finds its tmpfs mounted and
+    leaves the first's live sandboxes alone; remove_store leaves nothing mounted."""
+    root = str(tmp_path / "a store\twith a tab")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f.txt").write_text("f\n")
+    first = local.LocalProvider(root=root, pool_size=0)
+    try:
+        image = first.images.from_directory(str(tmp_path / "src")).id
+        sb = first.create(SandboxSpec(image=image, limits=SMALL))
+        second = local.LocalProvider(root=root, pool_size=0)
+        assert second.gc() == []
+        assert sb.exec("cat f.txt").stdout == "f\n"
+        assert local._mount_points().count(os.path.join(first.root, "sandboxes")) == 1
+        sb.destroy()
+    finally:
+        first.remove_store()
+    assert local._mounts_under(first.root) == []
+    assert not os.path.exists(root)

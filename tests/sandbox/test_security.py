@@ -494,3 +494,57 @@ def test_deep_and_long_trees_are_snapshotted_and_compared(provider, project):
         assert sb.exec("echo alive").stdout == "alive\n"
     finally:
         sb.destroy()
+
+
+def test_host_file_calls_need_every_directory_on_the_way_searchable(provider, project,
+                                                                    tmp_path):
+    """Root's 0700 /root holds a readable file and a directory of the sandbox user's: neither
+    is reached by a command, so neither is by the host-side calls (a link to them included),
+    nor in the image by read_original; nor is anything below /proc (init's environment)."""
+    (tmp_path / "secret.txt").write_text("hidden answer\n")
+    hidden = provider.images.from_directory(str(tmp_path), dest="/root/hidden", parent=project,
+                                            owner=(0, 0)).id
+    image = provider.images.from_directory(str(tmp_path), dest="/root/udir", parent=hidden).id
+    sb = provider.create(SandboxSpec(image=image, limits=Limits(disk_mb=16)))
+    try:
+        r = sb.exec("stat -c %a /root; cat /root/hidden/secret.txt; echo x > /root/udir/new")
+        assert r.stdout == "700\n" and r.stderr.count("Permission denied") == 2, r
+        sb.exec("ln -s /root/hidden/secret.txt link && ln -s /root/udir udir")
+        denied = "permission denied .*may not search /root"
+        for path in ("/root/hidden/secret.txt", "link"):
+            with pytest.raises(SandboxError, match=denied):
+                sb.read_file(path)
+        with pytest.raises(SandboxError, match=denied):
+            sb.list_dir("/root/hidden")
+        with pytest.raises(SandboxError, match=denied):
+            sb.stat("/root/hidden/secret.txt")
+        with pytest.raises(SandboxError, match=denied + " in the image"):
+            sb.read_original("/root/hidden/secret.txt")
+        for path in ("/root/udir/new.txt", "udir/new.txt"):
+            with pytest.raises(SandboxError, match=denied):
+                sb.write_file(path, "by the host")
+        with pytest.raises(SandboxError, match=denied):
+            sb.remove("/root/udir/secret.txt")
+        with pytest.raises(SandboxError, match="kernel file system"):
+            sb.stat("/proc/1/environ")
+        assert sb.stat("link").kind == "symlink"  # (a link of the user's own, in /workspace)
+        sb.remove("udir")  # the link, not what it leads to
+        assert sb.exec("test -e udir").exit_code == 1
+        assert os.path.exists(os.path.join(sb._mnt, "root/udir/secret.txt"))
+    finally:
+        sb.destroy()
+
+
+def test_filling_the_disk_is_enospc_and_leaves_the_processes_their_memory(provider, project):
+    """The disk (a tmpfs) is charged to the sandbox's memory cgroup: filled, it is ENOSPC to
+    the writer, not an OOM kill, and a command may still use most of ``memory_mb``."""
+    limits = Limits(memory_mb=128, disk_mb=64, pids=64)
+    sb = provider.create(SandboxSpec(image=project, limits=limits))
+    try:
+        r = sb.exec("dd if=/dev/zero of=/tmp/fill bs=1M count=100 2>&1; echo rc=$?")
+        assert "No space left" in r.stdout and r.exit_code == 0, r
+        r = sb.exec(["python3", "-c", "x = bytearray(96 << 20); print('kept', len(x) >> 20)"])
+        assert (r.exit_code, r.stdout) == (0, "kept 96\n"), r
+        assert sb.cgroup.memory_events().get("oom_kill", 0) == 0
+    finally:
+        sb.destroy()
