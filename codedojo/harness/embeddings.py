@@ -145,6 +145,15 @@ def chunk_file(path: str, text: str, max_lines: int = 40, min_lines: int = 4) ->
     return chunks
 
 
+def outermost(roots: list[str]) -> list[str]:
+    """The (absolute) ``roots``, normalised, that lie inside no other, each once, in their
+    order: a root inside another, or named twice, would list its files, and find each hit,
+    twice (rg walks every root it is given)."""
+    unique = list(dict.fromkeys(posixpath.normpath(r) for r in roots))
+    return [r for r in unique
+            if not any(r.startswith(o.rstrip("/") + "/") for o in unique if o != r)]
+
+
 # Vectors kept (the least recently used go first): 384 float32 each, about 300 MB in all; a
 # long job over many repositories would otherwise keep every chunk it ever embedded.
 MAX_CACHED_VECTORS = 200_000
@@ -172,8 +181,9 @@ class CodebaseIndex:
 
     def _files(self, sandbox: Sandbox, roots: list[str],
                deadline: float | None) -> tuple[list[str], int]:
-        """The files to index, and how many more past `MAX_FILES` are left out. A root that
-        rg cannot read (not there, no directory, unreadable) is `RootUnreadable`."""
+        """The files to index, each once, and how many more past `MAX_FILES` are left out. A
+        root that rg cannot read (not there, no directory, unreadable) is `RootUnreadable`."""
+        roots = outermost(roots)
         flags = ["--hidden", "--max-filesize", str(MAX_FILE_BYTES), "--glob", "!.git"]
         try:  # (what it cannot read, the search cannot either)
             files, unread = rg_files(sandbox, roots, CODE_GLOBS, flags,

@@ -20,16 +20,18 @@ class RgTimeout(RgError):
 
 
 def rg_lines(r: ExecResult) -> tuple[list[str], list[str]]:
-    """(the output's lines, rg's errors for paths it could not read). rg exits 2 when a path
-    was unreadable even where it found what was asked elsewhere: that is an answer with a
-    note, not a failure; any other error is `RgError`."""
+    """(the output's lines, split at "\n" only; rg's errors for paths it could not read).
+    rg exits 2 when a path was unreadable even where it found what was asked elsewhere: that
+    is an answer with a note, not a failure; any other error is `RgError`."""
     errors = [e for e in r.stderr.splitlines() if e.strip()]
     unreadable = r.exit_code == 2 and bool(errors) and all(_OS_ERROR.search(e) for e in errors)
     if r.timed_out:
         raise RgTimeout("rg timed out")
     if not (r.exit_code in (0, 1) or unreadable):
         raise RgError(r.stderr.strip() or f"rg failed with exit code {r.exit_code}")
-    lines = r.stdout.splitlines()
+    # rg ends a line with "\n" alone: `str.splitlines` would also split one at a form feed,
+    # U+2028, a lone "\r" or a group separator a matched line holds
+    lines = r.stdout.split("\n")
     if r.truncated:  # past the sandbox's cap: its cut line, and the lines cut on either side
         cut = next((i for i, line in enumerate(lines) if CUT_LINE.fullmatch(line)), None)
         if cut is not None:
@@ -56,6 +58,23 @@ def root_errors(errors: list[str], roots: Sequence[str]) -> dict[str, int]:
         if m and root is not None:
             out.setdefault(root, int(m[1]))
     return out
+
+
+def rooted_glob(glob: str, root: str) -> str:
+    """``glob`` as rg reads it with ``root`` its cwd, as a .gitignore there: "./x" and an
+    absolute path under ``root`` become "/x", anchored at ``root``; any other glob is left as
+    it is (without a "/" it matches a name at any depth, with one a path from ``root``). A
+    leading "!" (rg's "leave out") stays in front."""
+    negated = "!" if glob.startswith("!") else ""
+    g = glob.removeprefix(negated)
+    base = root.rstrip("/") + "/"
+    if g.startswith("./"):
+        while g.startswith("./"):
+            g = g[2:].lstrip("/")
+        g = "/" + g
+    elif g.startswith(base):
+        g = "/" + g[len(base):]
+    return negated + g
 
 
 # Both listings stay in the sandbox (the whole tree's can be far longer than a command's output

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import fnmatch
 import posixpath
+import re
 from typing import Any
 
 from codedojo.harness.lines import file_lines
-from codedojo.harness.ripgrep import RgError, rg_files, unread_note
+from codedojo.harness.ripgrep import RgError, rg_files, rooted_glob, unread_note
 from codedojo.harness.tools.base import (
     FunctionTool,
     ToolContext,
@@ -53,6 +54,18 @@ def _exists(ctx: ToolContext, path: str) -> bool:
         return True
     except (FileNotFoundError, SandboxError):
         return False
+
+
+def is_dir(ctx: ToolContext, path: str) -> bool:
+    """Whether ``path`` is a directory, or a link to one (followed as rg and `list_dir` follow
+    it)."""
+    try:
+        kind = ctx.sandbox.stat(path).kind
+    except (FileNotFoundError, SandboxError):
+        return False
+    if kind != "symlink":
+        return kind == "dir"
+    return ctx.sandbox.exec(["test", "-d", path], timeout=ctx.timeout_s).exit_code == 0
 
 
 def _write_text(ctx: ToolContext, path: str, text: str) -> int:
@@ -170,18 +183,19 @@ def _glob_file_search(ctx: ToolContext, args: dict[str, Any]) -> str:
     if not pattern:
         raise ToolError("glob_pattern is empty")
     root = resolve(args.get("target_directory") or WORKSPACE)
-    # A pattern matches at any depth, as in an IDE's file search, unless it starts with "/":
-    # that anchors it at the search root (as a .gitignore does), and an absolute path under
-    # the root is made that.
-    base = root.rstrip("/") + "/"
-    if pattern.startswith(base):
-        pattern = "/" + pattern[len(base):]
-    elif not pattern.startswith(("**/", "/")):
-        pattern = "**/" + pattern
+    # A pattern matches at any depth, as in an IDE's file search, unless it is anchored at the
+    # search root: one that starts with "/" or "./", or an absolute path under the root.
+    pattern = rooted_glob(pattern, root)
+    negated = "!" if pattern.startswith("!") else ""
+    if not pattern.startswith((f"{negated}**/", f"{negated}/")):
+        pattern = f"{negated}**/{pattern.removeprefix(negated)}"
     try:
         files, unread = rg_files(ctx.sandbox, [root], [pattern], ["--hidden", "--glob", "!.git"],
                                  cwd=root, timeout=ctx.timeout_s)
-    except RgError as e:
+    except RgError as e:  # (a root that is no directory: named so, not as a cwd rg lacks)
+        if not is_dir(ctx, root):
+            what = "not a directory" if _exists(ctx, root) else "directory not found"
+            raise ToolError(f"{what}: {root}") from None
         raise ToolError(str(e)) from None
     if not files:
         return f"No files matching {args['glob_pattern']!r} under {root}." + unread_note(unread)
@@ -212,6 +226,25 @@ GLOB_FILE_SEARCH = FunctionTool(
 # ---- search_replace -------------------------------------------------------------------------
 
 
+def _any_line_endings(old: str) -> re.Pattern[str]:
+    """``old`` with each line ending ("\\n" or "\\r\\n") matching either: `read_file` shows
+    neither's "\\r", and a file may mix them."""
+    lines = old.replace("\r\n", "\n").split("\n")
+    return re.compile("\r?\n".join(re.escape(line) for line in lines))
+
+
+def _with_endings(new: str, replaced: str, eol: str) -> str:
+    """``new`` with the line endings of the text it replaces, line for line; past the last of
+    them, that one's again, and ``eol`` (the file's) where the text replaced has none. A new
+    text replacing "\\n" endings alone, in a file of them, is left as it is."""
+    ends = re.findall(r"\r?\n", replaced) or [eol]
+    if set(ends) == {"\n"}:
+        return new
+    lines = new.replace("\r\n", "\n").split("\n")
+    ended = (line + ends[min(i, len(ends) - 1)] for i, line in enumerate(lines[:-1]))
+    return "".join(ended) + lines[-1]
+
+
 def _search_replace(ctx: ToolContext, args: dict[str, Any]) -> str:
     path = resolve(args["file_path"])
     old, new = args["old_string"], args["new_string"]
@@ -226,10 +259,11 @@ def _search_replace(ctx: ToolContext, args: dict[str, Any]) -> str:
         raise ToolError("old_string and new_string are identical; nothing to change")
     if old == "":
         raise ToolError("old_string is empty; give the exact text to replace")
-    if "\r\n" in text and text.count("\n") == text.count("\r\n"):
-        # a file of CRLF lines, shown (`read_file`) without the CR: the edit keeps its endings
-        old, new = (x.replace("\r\n", "\n").replace("\n", "\r\n") for x in (old, new))
-    count = text.count(old)
+    found = re.compile(re.escape(old))
+    count = len(found.findall(text))
+    if count == 0 and "\n" in old:  # lines shown (`read_file`) without the CR before their "\n"
+        found = _any_line_endings(old)
+        count = len(found.findall(text))
     if count == 0:
         raise ToolError(f"old_string not found in {path}" + (
             " (the file is not all UTF-8: text shown with U+FFFD cannot be matched)"
@@ -238,7 +272,9 @@ def _search_replace(ctx: ToolContext, args: dict[str, Any]) -> str:
         raise ToolError(
             f"old_string occurs {count} times in {path}; add context to make it unique or set replace_all"
         )
-    updated = text.replace(old, new) if args.get("replace_all", False) else text.replace(old, new, 1)
+    eol = "\r\n" if "\r\n" in text and text.count("\n") == text.count("\r\n") else "\n"
+    updated = found.sub(lambda m: _with_endings(new, m[0], eol), text,
+                        count=0 if args.get("replace_all", False) else 1)
     _write_text(ctx, path, updated)
     ctx.remember_edit(path)
     n = count if args.get("replace_all", False) else 1

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from codedojo.harness.ripgrep import RgError, RgTimeout, rg_files, rg_lines, unread_note
+from codedojo.harness.ripgrep import (
+    RgError,
+    RgTimeout,
+    rg_files,
+    rg_lines,
+    rooted_glob,
+    unread_note,
+)
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
+from codedojo.harness.tools.files import is_dir
 from codedojo.sandbox.base import WORKSPACE
 
 DEFAULT_HEAD_LIMIT = 500
+# A line is shown up to this many bytes (and a note of what follows): a minified bundle's one
+# line of megabytes would otherwise pass the sandbox's output cap alone, and be cut away.
+MAX_COLUMNS = 500
 
 
 def _walk_flags(args: dict[str, Any]) -> list[str]:
@@ -27,7 +38,7 @@ def rg_argv(args: dict[str, Any], paths: list[str]) -> list[str]:
     elif mode == "count":
         argv.append("--count-matches")
     else:
-        argv.append("--line-number")
+        argv += ["--line-number", "--max-columns", str(MAX_COLUMNS), "--max-columns-preview"]
         for flag in ("-A", "-B", "-C"):
             if args.get(flag) is not None:
                 argv += [flag, str(args[flag])]
@@ -42,17 +53,22 @@ def rg_argv(args: dict[str, Any], paths: list[str]) -> list[str]:
 def _grep(ctx: ToolContext, args: dict[str, Any]) -> str:
     root = resolve(args.get("path") or WORKSPACE)
     try:
-        paths, unread = [root], []
-        if args.get("glob"):  # the files rg would walk, those the glob chooses among them
-            paths, unread = rg_files(ctx.sandbox, [root], [args["glob"]], _walk_flags(args),
-                                     timeout=ctx.timeout_s)  # (read from /workspace, its cwd)
+        paths, unread, cut = [root], [], False
+        if args.get("glob"):  # the files rg would walk, those the glob chooses among them,
+            # read from the path searched as glob_file_search reads it (a file named is
+            # searched whatever the glob, as rg does)
+            cwd = root if is_dir(ctx, root) else None
+            glob = rooted_glob(args["glob"], root) if cwd else args["glob"]
+            paths, unread = rg_files(ctx.sandbox, [root], [glob], _walk_flags(args), cwd=cwd,
+                                     timeout=ctx.timeout_s)
         lines: list[str] = []
         if paths:  # (searched by name; rg names a line's file only when it searches several)
             argv = rg_argv(args, paths)
             if paths != [root]:
                 argv.insert(1, "--with-filename")
-            lines, more = rg_lines(ctx.sandbox.exec(argv, timeout=ctx.timeout_s))
-            unread += more
+            r = ctx.sandbox.exec(argv, timeout=ctx.timeout_s)
+            lines, more = rg_lines(r)
+            unread, cut = unread + more, r.truncated
     except RgTimeout:
         raise ToolError(f"grep timed out after {ctx.timeout_s:.0f}s; narrow the path or "
                         "glob") from None
@@ -60,9 +76,15 @@ def _grep(ctx: ToolContext, args: dict[str, Any]) -> str:
         raise ToolError(str(e)) from None
     if not lines:
         return "No matches found." + unread_note(unread)
+    if args.get("output_mode", "content") == "content":  # (a CRLF file's lines: shown
+        lines = [line.removesuffix("\r") for line in lines]  # as read_file shows them)
     head = args.get("head_limit") or DEFAULT_HEAD_LIMIT
     text = "\n".join(lines[:head])
-    if len(lines) > head:
+    if cut:  # (the lines counted are those the sandbox kept: its output's start and end)
+        more = f"at least {len(lines) - head} more lines" if len(lines) > head else "lines"
+        text += (f"\n... [{more} not shown: rg's output passed the sandbox's limit and its "
+                 "middle was cut; narrow the search]")
+    elif len(lines) > head:
         text += f"\n... [{len(lines) - head} more lines not shown; raise head_limit or narrow the search]"
     return text + unread_note(unread)
 

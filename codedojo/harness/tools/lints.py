@@ -8,7 +8,7 @@ from typing import Any
 from codedojo.harness.lint import CONFIG_FILES, ruff_check
 from codedojo.harness.ripgrep import RgError, rg_files
 from codedojo.harness.tools.base import FunctionTool, ToolContext, ToolError, obj, resolve
-from codedojo.harness.tools.files import MAX_TEXT_BYTES, read_text
+from codedojo.harness.tools.files import MAX_TEXT_BYTES, is_dir, read_text
 from codedojo.sandbox.base import WORKSPACE, SandboxError
 
 MAX_FILES = 200
@@ -48,12 +48,14 @@ def _read_lints(ctx: ToolContext, args: dict[str, Any]) -> str:
             if args.get("paths"):
                 raise ToolError(f"path not found: {p}") from None
             continue
-        targets = _python_files(ctx, p) if info.kind == "dir" else [p]
+        # (a link to a directory is one: followed, as grep and list_dir follow it)
+        tree = info.kind == "dir" or (info.kind == "symlink" and is_dir(ctx, p))
+        targets = _python_files(ctx, p) if tree else [p]
         for t in targets[: MAX_FILES - len(files)]:
             try:
                 files[t] = read_text(ctx, t) or ""
             except ToolError:
-                if info.kind == "dir":  # a binary or huge file of a tree: not linted
+                if tree:  # a binary or huge file of a tree: not linted
                     continue
                 raise
     if not files:

@@ -36,6 +36,9 @@ def _run_terminal_cmd(ctx: ToolContext, args: dict[str, Any]) -> str:
         parts.append("stderr:\n" + r.stderr.rstrip("\n"))
     if r.truncated:
         parts.append("[output past the sandbox's limit: its middle was cut]")
+    if shell.exited:  # (`exit`, `set -e` on a failure): as after a timeout, the state is gone
+        parts.append("[the shell exited: the next command runs in a new one (cwd and "
+                     "variables reset)]")
     return "\n".join(parts)
 
 

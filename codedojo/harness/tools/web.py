@@ -8,7 +8,6 @@ policy does not allow: there is no host-side path around it.
 
 from __future__ import annotations
 
-import html
 import re
 from html.parser import HTMLParser
 from typing import Any
@@ -21,42 +20,57 @@ MAX_BYTES = 2_000_000
 
 
 class _TextExtractor(HTMLParser):
-    SKIP = {"script", "style", "noscript", "svg", "head"}
+    """The text of a page, entities decoded once (by the parser), spaces collapsed outside
+    <pre>. The head's only text is its <title>, skipped as scripts are: "head" itself is no
+    tag to skip, as HTML5 lets a page leave out its </head>."""
+
+    SKIP = {"script", "style", "noscript", "svg", "title", "template"}
     BLOCK = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "section", "article"}
 
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
         self.parts: list[str] = []
         self._skip = 0
+        self._pre = 0
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if tag in self.SKIP:
             self._skip += 1
         elif tag in self.BLOCK:
             self.parts.append("\n")
+        if tag == "pre":
+            self._pre += 1
 
     def handle_endtag(self, tag: str) -> None:
         if tag in self.SKIP and self._skip:
             self._skip -= 1
         elif tag in self.BLOCK:
             self.parts.append("\n")
+        if tag == "pre" and self._pre:
+            self._pre -= 1
 
     def handle_data(self, data: str) -> None:
-        if not self._skip:
-            self.parts.append(data)
+        if self._skip:
+            return
+        if self._pre:  # code: its indentation is its meaning
+            self.parts.append(data.replace("\r\n", "\n"))
+        else:
+            self.parts.append(re.sub(r"[ \t\r\f\v]+", " ", data))
 
 
 def html_to_text(doc: str) -> str:
     p = _TextExtractor()
     p.feed(doc)
-    text = html.unescape("".join(p.parts))
-    text = re.sub(r"[ \t\r\f\v]+", " ", text)
-    return re.sub(r"\n\s*\n+", "\n\n", text).strip()
+    p.close()  # (text after the last tag is held back until then)
+    return re.sub(r"\n\s*\n+", "\n\n", "".join(p.parts)).strip()
 
 
 def _web_fetch(ctx: ToolContext, args: dict[str, Any]) -> str:
     url = args["url"].strip()
-    parsed = urlparse(url)
+    try:
+        parsed = urlparse(url)
+    except ValueError as e:  # ("http://[::1/": an IPv6 host without its "]")
+        raise ToolError(f"url is not a valid URL ({e}): {url!r}") from None
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise ToolError(f"url must be an absolute http(s) URL, got {url!r}")
     timeout = min(ctx.timeout_s, 30.0)

@@ -172,3 +172,19 @@ def test_the_index_leaves_out_what_gitignore_does(sandbox):
         "/workspace/README.md", "/workspace/inventory/__init__.py",
         "/workspace/inventory/stock.py", "/workspace/pyproject.toml",
         "/workspace/tests/test_stock.py"]
+
+
+def test_overlapping_target_directories_find_each_hit_once(sandbox):
+    """A directory named twice, or inside another named, is searched once."""
+    assert embeddings.outermost(["/w/a", "/w/a/", "/w/ab", "/w", "/w/a/b.py", "/x"]) == [
+        "/w", "/x"]
+    assert embeddings.outermost(["/w/ab", "/w/a"]) == ["/w/ab", "/w/a"]
+    s = ToolSession(ToolRegistry().resolve(EnvToolConfig()),
+                    ToolContext(sandbox=sandbox, search=CodebaseIndex(SlowEmbedder())))
+    try:
+        r = s.call("codebase_search", {"query": "stock", "target_directories": [
+            "inventory", "inventory/", "/workspace", "inventory/stock.py"]})
+        heads = re.findall(r"^(/workspace/\S+:\d+-\d+) \(score ", r.content, re.M)
+        assert not r.is_error and heads and len(heads) == len(set(heads)), r.content
+    finally:
+        s.close()

@@ -437,3 +437,129 @@ def test_a_glob_search_needs_no_room_on_the_sandbox_disk(session, sandbox):
     assert ok(session, "glob_file_search", glob_pattern="*.py").splitlines() == [
         "/workspace/inventory/__init__.py", "/workspace/inventory/stock.py",
         "/workspace/tests/test_stock.py"]
+
+
+def test_a_match_on_a_line_longer_than_the_sandboxs_cap_is_found_and_a_cut_output_said(
+        provider, repo_image):
+    """A minified bundle's one line of megabytes is shown up to `MAX_COLUMNS` (it was cut by
+    the sandbox with what was beside it: "No matches found."); an output the sandbox did cut
+    says so, and that the lines it counts are fewer than there are."""
+    import dataclasses
+
+    from codedojo.sandbox.base import SandboxSpec
+    from tests.harness.conftest import LIMITS, SANDBOX_ENV
+
+    limits = dataclasses.replace(LIMITS, max_output_bytes=4096)
+    sb = provider.create(SandboxSpec(image=repo_image, limits=limits, env=SANDBOX_ENV))
+    s = ToolSession(ToolRegistry().resolve(EnvToolConfig()), ToolContext(sandbox=sb))
+    try:
+        sb.write_file("/workspace/app.min.js", ("var a=" + "x," * 5000 + "needle();\n").encode())
+        out = ok(s, "grep", pattern="needle", path="app.min.js")
+        assert out.startswith("1:var a=x,x,") and len(out) < 1000, out[:200]
+        sb.write_file("/workspace/many.txt", b"needle\n" * 2000)
+        out = ok(s, "grep", pattern="needle", path="many.txt", head_limit=3)
+        assert out.splitlines()[:3] == ["1:needle", "2:needle", "3:needle"]
+        assert re.fullmatch(r"\.\.\. \[at least \d+ more lines not shown: rg's output passed "
+                            r"the sandbox's limit and its middle was cut; narrow the search\]",
+                            out.splitlines()[3]), out
+        assert "middle was cut" in ok(s, "grep", pattern="needle", path="many.txt",
+                                      head_limit=5000)
+    finally:
+        s.close()
+        sb.destroy()
+
+
+def test_grep_shows_a_line_as_one_whatever_separators_it_holds(session, sandbox):
+    """Only "\\n" ends a line for rg: a form feed, U+2028, a group separator or a lone "\\r"
+    inside a matched line leave it one line; a CRLF line is shown without its "\\r"."""
+    sandbox.write_file("/workspace/odd.txt", "a needle\u2028b\x1dc\x0cd\re\nf needle\r\n".encode())
+    out = ok(session, "grep", pattern="needle", path="odd.txt")
+    assert out.split("\n") == ["1:a needle\u2028b\x1dc\x0cd\re", "2:f needle"]
+    assert ok(session, "grep", pattern="needle", path="odd.txt", head_limit=1) == \
+        "1:a needle\u2028b\x1dc\x0cd\re\n... [1 more lines not shown; raise head_limit or " \
+        "narrow the search]"
+
+
+def test_a_glob_is_read_from_the_path_searched_with_or_without_dot_slash_or_root(session):
+    """grep reads its glob from its path, as glob_file_search reads its from its directory;
+    both take a leading "./" and an absolute glob under the search root as anchored there."""
+    stock = "/workspace/inventory/stock.py"
+    assert ok(session, "glob_file_search", glob_pattern="./*.py") == "No files matching " \
+        "'./*.py' under /workspace."  # (the root's own: none; "*.py" alone: any depth)
+    assert ok(session, "glob_file_search", glob_pattern="./inventory/s*.py") == stock
+    assert ok(session, "glob_file_search", glob_pattern="./stock.py",
+              target_directory="inventory") == stock
+    for glob in ("./inventory/*.py", "/workspace/inventory/s*.py", "inventory/stock.py"):
+        assert ok(session, "grep", pattern="def low_stock", glob=glob,
+                  output_mode="files_with_matches") == stock, glob
+    for glob in ("stock.py", "./stock.py", "/workspace/inventory/stock.py", "s*.py"):
+        assert ok(session, "grep", pattern="def low_stock", path="inventory", glob=glob,
+                  output_mode="files_with_matches") == stock, glob
+    assert ok(session, "grep", pattern="def low_stock", path="inventory",
+              glob="inventory/stock.py") == "No matches found."  # (read from the path)
+
+
+def test_a_shell_that_exits_by_itself_says_so(session):
+    """`exit`, or `set -e` on a failing command, ends the persistent shell: the answer says
+    the next command starts afresh, as it does after a timeout."""
+    note = "[the shell exited: the next command runs in a new one (cwd and variables reset)]"
+    ok(session, "run_terminal_cmd", command="cd inventory && export MARK=1")
+    assert ok(session, "run_terminal_cmd", command="echo bye; exit 3") == \
+        f"exit code: 3\nbye\n{note}"
+    assert ok(session, "run_terminal_cmd", command="pwd; echo ${MARK:-unset}") == \
+        "exit code: 0\n/workspace\nunset"  # (no note: this one did not end it)
+    assert ok(session, "run_terminal_cmd", command="set -e; false; echo no") == \
+        f"exit code: 1\n{note}"
+    assert ok(session, "run_terminal_cmd", command="(exit 4)") == "exit code: 4"
+
+
+def test_an_edit_of_a_file_of_mixed_line_endings_matches_lines_as_shown(session, sandbox):
+    """read_file shows each line without the "\\r" before its "\\n", in a file that mixes
+    CRLF and LF lines too: an edit of several lines matches them so, and each line replaced
+    keeps its own ending."""
+    sandbox.write_file("/workspace/notes.txt", b"alpha\r\nbeta\r\ngamma\ndelta\n")
+    assert ok(session, "read_file", target_file="notes.txt").splitlines()[:3] == [
+        "     1|alpha", "     2|beta", "     3|gamma"]
+    ok(session, "search_replace", file_path="notes.txt", old_string="alpha\nbeta\ngamma\n",
+       new_string="ALPHA\nBETA\nGAMMA\nMORE\n")
+    assert sandbox.read_file("/workspace/notes.txt") == \
+        b"ALPHA\r\nBETA\r\nGAMMA\nMORE\ndelta\n"
+    ok(session, "search_replace", file_path="notes.txt", old_string="delta\n", new_string="d\n")
+    assert sandbox.read_file("/workspace/notes.txt").endswith(b"MORE\nd\n")
+    assert "not found" in err(session, "search_replace", file_path="notes.txt",
+                              old_string="ALPHA\nGAMMA", new_string="x")
+
+
+def test_read_lints_follows_a_link_to_a_directory(session):
+    ok(session, "run_terminal_cmd", command="ln -s inventory alias && ln -s stock.py "
+       "inventory/link.py")
+    assert ok(session, "read_lints", paths=["alias"]).startswith("No lint errors in ")
+    ok(session, "write", file_path="inventory/bad.py", contents="import os\n")
+    assert ok(session, "read_lints", paths=["alias"]).splitlines()[0] == \
+        "/workspace/alias/bad.py:1:8: F401 `os` imported but unused"
+    assert ok(session, "read_lints", paths=["inventory/link.py"]) == \
+        "No lint errors in 1 file."  # (a link to a file: linted as one)
+
+
+def test_html_is_text_with_its_body_entities_once_and_code_indented():
+    from codedojo.harness.tools.web import html_to_text
+
+    # HTML5 lets a page leave out </head>: its body is still there (the title is not).
+    assert html_to_text("<!DOCTYPE html><html><head><meta charset='utf-8'><title>API</title>"
+                        "<body><h1>requests.get</h1><p>Sends a GET request.</p></body>"
+                        "</html>") == "requests.get\n\nSends a GET request."
+    assert html_to_text("<p>Write &amp;lt;b&amp;gt; for a tag, &amp;amp; for &amp;</p>") == \
+        "Write &lt;b&gt; for a tag, &amp; for &"
+    assert html_to_text("<p>a   lot\tof  space</p><pre>def f(x):\n    if x:\n"
+                        "        return 1\n</pre>tail") == \
+        "a lot of space\n\ndef f(x):\n    if x:\n        return 1\n\ntail"
+
+
+def test_a_bad_url_or_a_missing_directory_is_named(session):
+    """Not the catch-all of a tool's own bugs ("ValueError: ..."), nor the sandbox's cwd."""
+    assert err(session, "web_fetch", url="http://[::1/") == \
+        "Error: url is not a valid URL (Invalid IPv6 URL): 'http://[::1/'"
+    assert err(session, "glob_file_search", glob_pattern="*.py", target_directory="missing") \
+        == "Error: directory not found: /workspace/missing"
+    assert err(session, "glob_file_search", glob_pattern="*.py",
+               target_directory="README.md") == "Error: not a directory: /workspace/README.md"
