@@ -1,10 +1,10 @@
 """Thin ctypes wrappers for the Linux calls Python 3.11 lacks: mount, umount2 and openat2.
 
-openat2 with RESOLVE_IN_ROOT is how the host touches a sandbox's files safely: every path is
-resolved as if the sandbox's root were `/`, so `..` and symlinks (absolute or relative) written by
-the sandbox can never lead outside it. With RESOLVE_BENEATH and RESOLVE_NO_SYMLINKS it reads a
-layer's tree (a sandbox's writable layer, or one frozen from it) as plain directories, following
-no link at all.
+openat2 with RESOLVE_BENEATH and RESOLVE_NO_SYMLINKS is how the host takes each step into a
+sandbox's tree: one name below a directory it holds, following no link at all (the host's walk
+of a path, `LocalSandbox._walk`, follows the sandbox's links itself, inside its root), and how
+it reads a layer's tree (a sandbox's writable layer, or one frozen from it) as plain
+directories.
 """
 
 from __future__ import annotations
@@ -27,10 +27,8 @@ MS_PRIVATE = 1 << 18
 MNT_DETACH = 2
 
 SYS_openat2 = 437
-RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_NO_SYMLINKS = 0x04
 RESOLVE_BENEATH = 0x08
-RESOLVE_IN_ROOT = 0x10
 
 
 def _check(rc: int, what: str) -> None:
@@ -67,11 +65,6 @@ def _openat2(dir_fd: int, path: str, flags: int, mode: int, resolve: int) -> int
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), path)
     return fd
-
-
-def open_in_root(root_fd: int, path: str, flags: int, mode: int = 0o644) -> int:
-    """Open `path` (relative or absolute) with the sandbox root `root_fd` as `/`."""
-    return _openat2(root_fd, path, flags, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
 
 
 def open_beneath(dir_fd: int, path: str, flags: int) -> int:
