@@ -16,6 +16,7 @@ import math
 import os
 import posixpath
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -45,6 +46,12 @@ from codedojo.bench.workspace import resolves
 from codedojo.configfile import read_toml
 
 Log = Callable[[str], None]
+
+
+def project_name(name: str) -> str:
+    """A package's name as PyPI compares names (PEP 503): `Dot.Pkg`, `dot_pkg` and `dot-pkg`
+    are one package."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 class PackageRecipe(BaseModel):
@@ -96,7 +103,7 @@ class BuildRecipe(BaseModel):
     @field_validator("packages")
     @classmethod
     def _once_each(cls, v: list[PackageRecipe]) -> list[PackageRecipe]:
-        names = [p.requirement.split("==")[0].lower().replace("_", "-") for p in v]
+        names = [project_name(p.requirement.split("==")[0]) for p in v]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"each package once: {twice} named more than once")
@@ -373,7 +380,10 @@ def _judge(
         return None
     name, version = pw.sdist.name, pw.sdist.version
     short = {"bugfix": "bug", "feature": "feat", "log-investigation": "log"}[category]
-    digest = hashlib.sha256(f"{cand.rel}:{site.kind}:{site.index}".encode()).hexdigest()[:6]
+    bug_patch = make_diff({cand.rel: original}, {cand.rel: mutant})
+    # Named by the bug itself, not by the site's place in the mutator's walk (which another
+    # version of the code, or of the mutator, numbers differently): one id, one bug.
+    digest = hashlib.sha256(bug_patch.encode()).hexdigest()[:6]
     iid = f"{name.lower()}-{version}__{short}-{site.kind.replace('_', '')}-{digest}"
     if category == "feature":
         sig, doc = _function_info(original, site.function, site.line)
@@ -388,7 +398,7 @@ def _judge(
         instance_id=iid, repo=f"pypi/{name.lower()}", version=version, base=pw.sdist.requirement,
         patch=make_diff({cand.rel: mutant}, {cand.rel: original}),
         FAIL_TO_PASS=f2p, PASS_TO_PASS=p2p, problem_statement=statement, created_at=created_at,
-        base_sha256=pw.sdist.sha256, bug_patch=make_diff({cand.rel: original}, {cand.rel: mutant}),
+        base_sha256=pw.sdist.sha256, bug_patch=bug_patch,
         hidden_paths=pw.hidden,
         image=ImageRecipe(python_path=pw.recipe.python_path, pytest_args=pw.recipe.pytest_args),
         environment=[pytest_pin(recipe.pytest), *pw.recipe.environment],
@@ -439,7 +449,7 @@ def _related(tasks: list[Task]) -> list[set[str]]:
         for fp in parse_patch(t.bug_patch):
             for start, lines in fp.hunks:
                 n = sum(1 for line in lines if line[:1] in (" ", "-"))
-                spans.append((t.package, fp.path, start,
+                spans.append((project_name(t.package), fp.path, start,
                               start + max(n, 1) - 1, t.instance_id))
     parent = {t.instance_id: t.instance_id for t in tasks}
 
@@ -461,8 +471,18 @@ def _related(tasks: list[Task]) -> list[set[str]]:
     return list(out.values())
 
 
-def build_suite(recipe: BuildRecipe, out: str | os.PathLike[str], log: Log = print, jobs: int = 1) -> Suite:
-    """Build every package of the recipe (`jobs` at a time) and save the suite at `out`."""
+def build_suite(
+    recipe: BuildRecipe,
+    out: str | os.PathLike[str],
+    log: Log = print,
+    jobs: int = 1,
+    check: Callable[[list[Task]], list[Task]] | None = None,
+) -> Suite:
+    """Build every package of the recipe (`jobs` at a time) and save the suite at `out`.
+
+    `check` (the CLI's reconciliation with the grading sandbox) gets the built tasks and
+    returns those the suite keeps, before they are split (a split depends on the tasks there
+    are) and saved: `out` never holds tasks that were not checked."""
     rng = random.Random(recipe.seed)
     created_at = recipe.created_at or datetime.now(UTC).replace(microsecond=0)
 
@@ -485,5 +505,11 @@ def build_suite(recipe: BuildRecipe, out: str | os.PathLike[str], log: Log = pri
     tasks = [t for r in results for t in r]
     if not tasks:
         raise BuildError(f"recipe {recipe.name!r} produced no task")
+    if check is not None:
+        kept = check(tasks)
+        if not kept:
+            raise BuildError(f"recipe {recipe.name!r}: none of its {len(tasks)} task(s) passed "
+                             "the check")
+        tasks = kept
     splits = split_tasks(tasks, recipe.test_fraction, rng)
     return save_suite(out, recipe.name, recipe.version, tasks, splits, recipe_hash=recipe.digest())

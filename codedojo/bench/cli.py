@@ -48,15 +48,15 @@ def _check_base_url(base_url: str | None) -> str | None:
     return base_url
 
 
-def _check_out_dir(out_dir: Path) -> Path:
-    """Where runs go, made here: a file in its place is named now, not met as a traceback once
-    the suite is loaded."""
+def _check_out_dir(out_dir: Path, param_hint: str = "--out-dir") -> Path:
+    """Where runs (or a built suite) go, made here: a file in its place is named now, not met
+    as a traceback once the suite is loaded (or built, minutes later)."""
     if out_dir.exists() and not out_dir.is_dir():
-        raise typer.BadParameter(f"{out_dir} is not a directory", param_hint="--out-dir")
+        raise typer.BadParameter(f"{out_dir} is not a directory", param_hint=param_hint)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file among its parents, no permission
-        raise typer.BadParameter(f"{out_dir}: {e.strerror or e}", param_hint="--out-dir") from None
+        raise typer.BadParameter(f"{out_dir}: {e.strerror or e}", param_hint=param_hint) from None
     return out_dir
 
 
@@ -99,13 +99,15 @@ def build(
     recipe: Annotated[Path, typer.Argument(help="A recipe TOML (e.g. codedojo/bench/suites/v1/recipe.toml).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Suite directory to write.")],
     jobs: Annotated[int, typer.Option(help="Packages built at a time.")] = 1,
-    reconcile: Annotated[bool, typer.Option(help="Drop PASS_TO_PASS tests that fail in the grading sandbox.")] = True,
+    reconcile: Annotated[bool, typer.Option(help="Check each task in the grading sandbox: drop "
+                                            "PASS_TO_PASS tests that fail there, and tasks "
+                                            "that do not validate there.")] = True,
     force: Annotated[bool, typer.Option(help="Replace a suite of another name or version that "
                                         "is in --out.")] = False,
 ) -> None:
     """Build a suite from real PyPI packages: sdists, baselines, libcst mutants, validation."""
     from codedojo.bench.builder import BuildError, build_suite, load_recipe
-    from codedojo.bench.suite import other_suite_at, save_suite
+    from codedojo.bench.suite import other_suite_at
 
     if not recipe.is_file():
         why = "is a directory, not a recipe file (.toml)" if recipe.is_dir() else "does not exist"
@@ -122,30 +124,29 @@ def build(
         raise typer.BadParameter(f"{out} holds {other}, not suite {plan.name!r} {plan.version}: "
                                  "choose another directory, or give --force to replace it",
                                  param_hint="--out")
+    _check_out_dir(out, "--out")
+
+    def log(m: str) -> None:
+        con.print(m, markup=False, highlight=False)
+
     try:
-        suite = build_suite(plan, out, log=lambda m: con.print(m, markup=False, highlight=False), jobs=jobs)
+        suite = build_suite(plan, out, log=log, jobs=jobs,
+                            check=(lambda tasks: _reconcile(tasks, log)) if reconcile else None)
     except BuildError as e:
         raise typer.BadParameter(str(e), param_hint="RECIPE") from None
-    if reconcile:
-        # The builder runs tests on the host's Python; grading runs in the sandbox's. Tests that
-        # only pass on the host would fail every agent, so they leave PASS_TO_PASS here.
-        from codedojo.bench.validate import reconcile_pass_to_pass
-        from codedojo.bench.workspace import TaskImages, default_provider
-
-        provider = default_provider()
-        try:
-            images = TaskImages(provider)
-            fixed = []
-            for t in suite.tasks:
-                t2, dropped = reconcile_pass_to_pass(images, t)
-                if dropped:
-                    con.print(f"{t.instance_id}: {len(dropped)} PASS_TO_PASS test(s) fail in the sandbox; dropped")
-                fixed.append(t2)
-        finally:
-            provider.close()
-        m = suite.manifest
-        suite = save_suite(out, m.name, m.version, fixed, m.splits, recipe_hash=m.recipe_hash)
     con.print(f"suite {suite.name} {suite.manifest.version}: {len(suite)} tasks written to {out}")
+
+
+def _reconcile(tasks, log):
+    """The built tasks as they grade in the sandbox (`reconcile_tasks`)."""
+    from codedojo.bench.validate import reconcile_tasks
+    from codedojo.bench.workspace import TaskImages, default_provider
+
+    provider = default_provider()
+    try:
+        return reconcile_tasks(TaskImages(provider), tasks, log)
+    finally:
+        provider.close()
 
 
 @bench_app.command("validate")

@@ -88,7 +88,10 @@ def resolve_suite_path(name_or_path: str | os.PathLike[str]) -> Path:
 def load_suite(name_or_path: str | os.PathLike[str]) -> Suite:
     path = resolve_suite_path(name_or_path)
     try:
-        manifest = Manifest.model_validate_json((path / "manifest.json").read_text())
+        text = (path / "manifest.json").read_text(encoding="utf-8")
+        manifest = Manifest.model_validate_json(text)
+    except UnicodeDecodeError as e:
+        raise TaskFormatError(f"{path}/manifest.json: not UTF-8 (byte {e.start})") from None
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"])
@@ -136,6 +139,8 @@ def _check_against_manifest(manifest: Manifest, tasks: list[Task]) -> None:
         for tid in ids:
             if tid not in by_id:
                 raise TaskFormatError(f"task {tid!r}: in split {split!r} but not in the suite")
+            if in_split.get(tid) == split:
+                raise TaskFormatError(f"task {tid!r}: listed twice in split {split!r}")
             if tid in in_split:
                 raise TaskFormatError(f"task {tid!r}: in both splits {in_split[tid]!r} and {split!r}")
             in_split[tid] = split

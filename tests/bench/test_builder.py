@@ -149,6 +149,10 @@ def test_a_recipe_names_each_package_once_and_folders_plainly():
     with pytest.raises(ValueError, match=r"each package once: \['tinycalc'\]"):
         BuildRecipe.model_validate({"name": "s", "version": "1", "packages": [
             {"requirement": "tinycalc==0.1.0"}, {"requirement": "TinyCalc==0.2.0"}]})
+    for other in ("Dot_Pkg==1.0", "dot-pkg==2.0", "dot..pkg==1.0"):  # (PEP 503: one package)
+        with pytest.raises(ValueError, match=r"each package once: \['dot-pkg'\]"):
+            BuildRecipe.model_validate({"name": "s", "version": "1", "packages": [
+                {"requirement": "dot.pkg==1.0"}, {"requirement": other}]})
     assert PackageRecipe(requirement="a==1", python_path=["./src"]).python_path == ["src"]
     with pytest.raises(ValueError, match="paths inside the sdist"):
         PackageRecipe(requirement="a==1", python_path=["../x"])
@@ -202,3 +206,35 @@ def test_a_feature_statement_is_written_from_the_function_whose_body_was_removed
     assert ("(self, new, check=True)", "Store `new`.") in found["Box.value"]
     assert found["scale"] == [("(x, factor=2)", "Multiply x by factor.")]
     assert found["greet"] == [("(name)", "Say hello to name.")]
+
+
+def test_a_task_id_names_its_bug_not_the_mutators_count_of_sites(bench_cache, tmp_path,
+                                                                  monkeypatch):
+    """A mutator that numbers its sites otherwise (another version of it) gives the same bugs
+    the same ids: an id never names one bug in one suite and another in the next. Built again,
+    the suite's tasks are the same, byte for byte."""
+    import dataclasses
+
+    from codedojo.bench import builder
+
+    recipe = builder.BuildRecipe.model_validate({
+        "name": "ids", "version": "1", "seed": 5, "runs": 1, "created_at": "2026-01-02T03:04:05Z",
+        "pytest": pytest.__version__,
+        "packages": [{"requirement": "tinycalc==0.1.0", "bugfix": 1, "feature": 0,
+                      "log_investigation": 0, "max_candidates": 40}],
+    })
+    first = builder.build_suite(recipe, tmp_path / "a", log=lambda m: None)
+    find_sites, apply_site = builder.find_sites, builder.apply_site
+
+    def shifted_find(source):  # every site numbered one higher
+        return [dataclasses.replace(s, index=s.index + 1) for s in find_sites(source)]
+
+    def shifted_apply(source, kind, index):
+        mutant, site = apply_site(source, kind, index - 1)
+        return mutant, dataclasses.replace(site, index=index)
+
+    monkeypatch.setattr(builder, "find_sites", shifted_find)
+    monkeypatch.setattr(builder, "apply_site", shifted_apply)
+    builder.build_suite(recipe, tmp_path / "b", log=lambda m: None)
+    assert len(first) == 1
+    assert (tmp_path / "b/tasks.jsonl").read_bytes() == (tmp_path / "a/tasks.jsonl").read_bytes()

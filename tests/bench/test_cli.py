@@ -185,7 +185,8 @@ def test_build_keeps_a_suite_of_another_name_or_version(tiny_suite, tmp_path, mo
     shutil.copytree(tiny_suite.path, out)
     built = []
 
-    def build_suite(plan, path, log=print, jobs=1):  # the tiny suite's tasks, named as asked
+    # the tiny suite's tasks, named as asked
+    def build_suite(plan, path, log=print, jobs=1, check=None):
         built.append((plan.name, plan.version))
         return save_suite(path, plan.name, plan.version, tiny_suite.tasks,
                           tiny_suite.manifest.splits)
@@ -209,6 +210,104 @@ def test_build_keeps_a_suite_of_another_name_or_version(tiny_suite, tmp_path, mo
                               "--force"])
     assert res.exit_code == 0, res.output
     assert built == [("tiny", "0.0.1"), ("other", "1")] and load_suite(out).name == "other"
+
+
+RECIPE = 'name = "r"\nversion = "1"\n[[packages]]\nrequirement = "tinycalc==0.1.0"\n'
+
+
+def _build_gives(monkeypatch, tmp_path, tasks) -> None:
+    """`bench build` builds ``tasks`` (the packages' own work skipped)."""
+    from types import SimpleNamespace
+
+    import codedojo.bench.builder as builder
+
+    monkeypatch.setattr(builder, "prepare_package",
+                        lambda pr, runs, log: SimpleNamespace(work=tmp_path / "work"))
+    monkeypatch.setattr(builder, "build_package", lambda pw, *a: list(tasks))
+
+
+def test_build_drops_a_task_that_does_not_validate_in_the_sandbox(tiny_suite, provider,
+                                                                  monkeypatch, tmp_path):
+    """The builder picks FAIL_TO_PASS on the host's Python: a task whose bug does not show in
+    the grading sandbox (the null agent would solve it) or whose gold patch fails there (no
+    agent could) is dropped, named, before the suite is saved, and the rest split again."""
+    import random
+
+    from codedojo.bench.builder import split_tasks
+    from codedojo.bench.patching import make_diff
+    from codedojo.bench.suite import load_suite
+    from codedojo.bench.workspace import task_trees
+
+    monkeypatch.setenv("CODEDOJO_SANDBOX_ROOT", provider.root)
+    good, other, third = tiny_suite.tasks
+    solved = third.model_copy(update={"instance_id": "tinycalc-0.1.0__passes-on-base",
+                                      "FAIL_TO_PASS": third.PASS_TO_PASS[:1],
+                                      "PASS_TO_PASS": third.PASS_TO_PASS[1:]})
+    bugged = (task_trees(third)[1] / "tinycalc/core.py").read_text()
+    no_fix = make_diff({"tinycalc/core.py": bugged}, {"tinycalc/core.py": bugged + "# none\n"})
+    unsolvable = third.model_copy(update={"instance_id": "tinycalc-0.1.0__gold-fails",
+                                          "patch": no_fix})
+    _build_gives(monkeypatch, tmp_path, [solved, good, unsolvable, other])
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(RECIPE)
+    res = CliRunner().invoke(app, ["bench", "build", str(recipe), "-o", str(tmp_path / "out")],
+                             env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    assert ("tinycalc-0.1.0__passes-on-base: task dropped: 1 FAIL_TO_PASS test(s) do not fail "
+            "on the unpatched base in the grading sandbox") in said(res)
+    assert ("tinycalc-0.1.0__gold-fails: task dropped: the gold patch does not pass in the "
+            "grading sandbox") in said(res)
+    s = load_suite(tmp_path / "out")
+    assert [t.instance_id for t in s.tasks] == [good.instance_id, other.instance_id]
+    assert s.manifest.splits == split_tasks([good, other], 0.5, random.Random(0))
+
+
+def test_build_drops_a_task_with_no_pass_to_pass_test_in_the_sandbox(tiny_suite, provider,
+                                                                     monkeypatch, tmp_path):
+    """Named and dropped, not a traceback; and a suite none of whose tasks is left is not
+    saved (nor one whose tasks were not checked)."""
+    from codedojo.bench.suite import load_suite
+
+    monkeypatch.setenv("CODEDOJO_SANDBOX_ROOT", provider.root)
+    good = tiny_suite.tasks[0]
+    none_pass = good.model_copy(update={"instance_id": "tinycalc-0.1.0__no-p2p",  # (both fail)
+                                        "FAIL_TO_PASS": good.FAIL_TO_PASS[:1],
+                                        "PASS_TO_PASS": good.FAIL_TO_PASS[1:]})
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(RECIPE)
+    runner = CliRunner()
+    out = tmp_path / "out"
+    _build_gives(monkeypatch, tmp_path, [none_pass])
+    res = runner.invoke(app, ["bench", "build", str(recipe), "-o", str(out)],
+                        env={"COLUMNS": "300"})
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert ("tinycalc-0.1.0__no-p2p: task dropped: no PASS_TO_PASS test passes on the unpatched "
+            "base in the grading sandbox") in said(res)
+    assert "none of its 1 task(s) passed the check" in said(res)
+    assert not (out / "manifest.json").exists()
+    _build_gives(monkeypatch, tmp_path, [none_pass, good])
+    res = runner.invoke(app, ["bench", "build", str(recipe), "-o", str(out)],
+                        env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    assert [t.instance_id for t in load_suite(out).tasks] == [good.instance_id]
+
+
+def test_build_to_a_file_is_refused_before_building(tmp_path, monkeypatch):
+    import codedojo.bench.builder as builder
+
+    built = []
+    monkeypatch.setattr(builder, "build_suite", lambda *a, **kw: built.append(a))
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(RECIPE)
+    afile = tmp_path / "afile"
+    afile.write_text("kept")
+    for out, why in ((afile, f"{afile} is not a directory"),
+                     (afile / "suite", f"{afile / 'suite'}: Not a directory")):
+        res = CliRunner().invoke(app, ["bench", "build", str(recipe), "-o", str(out)],
+                                 env={"COLUMNS": "300"})
+        assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+        assert "--out" in res.output and why in said(res), res.output
+    assert built == [] and afile.read_text() == "kept"
 
 
 def test_a_default_run_name_is_made_plain_not_refused():

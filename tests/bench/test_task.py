@@ -86,6 +86,21 @@ def test_split_must_partition(tmp_path):
         save_suite(tmp_path, "s", "1", [a], {"train": [a.instance_id], "test": [a.instance_id]})
 
 
+def test_a_task_listed_twice_in_one_split_is_named_so(tmp_path):
+    a = Task.model_validate(record())
+    with pytest.raises(TaskFormatError, match="'pkg-1.0__bug-x': listed twice in split 'train'"):
+        save_suite(tmp_path, "s", "1", [a], {"train": [a.instance_id, a.instance_id]})
+
+
+def test_a_manifest_that_is_not_utf8_is_named(tmp_path):
+    a = Task.model_validate(record())
+    save_suite(tmp_path, "s", "1", [a], {"train": [a.instance_id]})
+    manifest = tmp_path / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes().replace(b'"name": "s"', b'"name": "s\xe9"'))
+    with pytest.raises(TaskFormatError, match=r"manifest.json: not UTF-8 \(byte \d+\)"):
+        load_suite(tmp_path)
+
+
 def test_a_suite_whose_files_break_its_rules_is_named_not_loaded(tmp_path):
     a = Task.model_validate(record())
     b = Task.model_validate(record(instance_id="pkg-1.0__bug-y"))
@@ -146,3 +161,12 @@ def test_paths_in_the_tree_are_stored_as_plainly_written():
     so a root kept as "./src" would not be known as the one the tests import from."""
     t = parse_task(record(hidden_paths=["./tests/"], image={"python_path": ["./src", "lib/"]}))
     assert t.image.python_path == ["src", "lib"] and t.hidden_paths == ["tests"]
+
+
+def test_tasks_about_the_same_code_are_related_however_their_package_is_spelled():
+    """`dot.pkg`, `Dot_Pkg` and `dot-pkg` are one package (PEP 503)."""
+    from codedojo.bench.builder import _related
+
+    tasks = [Task.model_validate(record(instance_id=f"p-{i}", base=f"{name}==1.0"))
+             for i, name in enumerate(["dot.pkg", "Dot_Pkg", "dot-pkg"])]
+    assert _related(tasks) == [{"p-0", "p-1", "p-2"}]
