@@ -184,10 +184,13 @@ def fused_pass(layers: FusedLayers, view: CacheView, B: int, T: int, *,
 
 class FusedModule(nn.Module):
     """A module whose passes over a KV cache go through ``FusedLayers`` objects, built on first
-    use and built again whenever its parameters may have been replaced (``_apply``: ``.to()``,
-    ``.bfloat16()``; ``load_state_dict(assign=True)``), its RoPE tables were (a new
-    ``rotary``) or other tensors they hold were (``sources``). Weights changed in place are
-    seen through their version counters (``FusedLayers``), which some writes leave alone: call
+    use and built again whenever its parameters may have been replaced through it (``_apply``:
+    ``.to()``, ``.bfloat16()``; its own ``load_state_dict(assign=True)``), its RoPE tables were
+    (a new ``rotary``) or other tensors they hold were (``sources``). Weights changed in place
+    are seen through their version counters (``FusedLayers``), which some writes leave alone;
+    and a parameter replaced below it (``block.attn.wqkv.weight = ...``, a block's own
+    ``load_state_dict(assign=True)``, ``.data =``, ``set_``) is not looked for at every pass
+    (a walk of the parameters takes about 0.6 ms for 30 layers, a decode step's share): call
     `weights_changed` after those."""
 
     rotary: Rotary
@@ -226,6 +229,19 @@ class FusedModule(nn.Module):
                 a is not b for a, b in zip(hit[0], held, strict=True)):
             hit = self._fused[key] = (held, build())
         return hit[1]
+
+
+def _positions_asked(logits_at: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """``logits_at`` (B,): a position of each of the B rows of T tokens, a negative one from
+    the row's end (as indexing reads it), as positions in [0, T); a ValueError otherwise (the
+    fused pass would read another row's)."""
+    if tuple(logits_at.shape) != (B,):
+        raise ValueError(f"logits_at: one position for each of the {B} rows expected, got "
+                         f"shape {tuple(logits_at.shape)}")
+    if B and not bool(((logits_at >= -T) & (logits_at < T)).all()):
+        raise ValueError(f"logits_at: positions in [-{T}, {T}) of rows of {T} tokens "
+                         f"expected, got {logits_at.tolist()}")
+    return logits_at % max(T, 1)
 
 
 def check_taps(taps: Sequence[int], n_layers: int) -> None:
@@ -312,6 +328,8 @@ class Transformer(FusedModule):
         among them or -1 (``kv_cache.tree_positions``): several continuations in one pass.
         ``taps``: the hidden states returned carry those layers' outputs too (`hidden`).
         """
+        if logits_at is not None:
+            logits_at = _positions_asked(logits_at, *tokens.shape)
         if cache is not None and positions is None and doc_ids is None:
             B, T = tokens.shape
             at: Literal["all"] | list[int] = "all"

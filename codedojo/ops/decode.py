@@ -55,10 +55,10 @@ class FusedLayers:
         pairs, AVX512-BF16), every tensor of one type. None when the kernels are unavailable
         or do not take these weights (the caller then runs the layers op by op)."""
         held = [t for t in (embed, norm, head, *mix) if t is not None]
-        if not (weights and len(weights) % PER_LAYER == 0 and weights[1].device.type == "cpu"
-                and weights[1].dtype in KERNEL_DTYPES
-                and all(t.dtype == weights[1].dtype and t.device.type == "cpu" for t in held)):
-            return None
+        if not (weights and len(weights) % PER_LAYER == 0 and weights[1].dtype in KERNEL_DTYPES
+                and all(t.dtype == weights[1].dtype and t.device.type == "cpu"
+                        and t.is_contiguous() for t in [*weights, *held] if t.numel())):
+            return None  # (an empty tensor: a bias the layers have not)
         kernel = load_kernel()
         if kernel is None:
             return None

@@ -17,10 +17,12 @@ def greedy(logits: torch.Tensor, tokens: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (N, V) -> (argmax (N,) int64, log-softmax at ``tokens`` (N,) float32; at the
     argmax when ``tokens`` is None)."""
-    if tokens is not None and (logits.dim() != 2 or tuple(tokens.shape) != logits.shape[:1]):
+    if logits.dim() != 2:
+        raise ValueError(f"greedy: logits must be (rows, vocabulary), got {tuple(logits.shape)}")
+    if tokens is not None and tuple(tokens.shape) != logits.shape[:1]:
         raise ValueError(f"greedy: tokens must be one id for each of the logits' rows, got "
                          f"{tuple(tokens.shape)} for logits {tuple(logits.shape)}")
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32
             and (tokens is None or tokens.device.type == "cpu")
             and not (torch.is_grad_enabled() and logits.requires_grad)
             and (kernel := load_kernel()) is not None):

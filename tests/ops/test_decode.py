@@ -498,3 +498,44 @@ def test_fused_layers_take_weights_made_in_inference_mode(monkeypatch: pytest.Mo
         plain = model(tokens, cache=KVCache(cfg, 1, 32).view(0, 1))
     assert len(calls) == 1
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_weights_the_kernels_do_not_take_run_op_by_op() -> None:
+    """A weight stored transposed (as `engine.input_major_weights` makes them) or of another
+    type than the rest: the cached passes run the layers op by op, not an error."""
+    cfg = ModelConfig.tiny()
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (1, 6))
+    with torch.no_grad():
+        want = model(tokens, cache=KVCache(cfg, 1, 16).view(0))
+        wqkv = model.layers[0].attn.wqkv
+        wqkv.weight = torch.nn.Parameter(wqkv.weight.detach().T.contiguous().T)
+        model.layers[1].mlp_norm.weight.data = model.layers[1].mlp_norm.weight.bfloat16().float()
+        assert not wqkv.weight.is_contiguous()
+        model.weights_changed()
+        got = model(tokens, cache=KVCache(cfg, 1, 16).view(0))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fuse", [True, False])
+def test_the_logits_asked_of_each_row_are_that_rows(fuse: bool) -> None:
+    """``logits_at``: a position of each row, a negative one from its end; one past a row is
+    refused, on the fused path as op by op (it read another row's)."""
+    cfg = ModelConfig.tiny()
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    model.fuse = fuse
+    tokens = torch.randint(0, cfg.vocab_size, (2, 3))
+    with torch.no_grad():
+        every = model(tokens, cache=KVCache(cfg, 2, 16).view(0, 2))
+        got = model(tokens, cache=KVCache(cfg, 2, 16).view(0, 2),
+                    logits_at=torch.tensor([0, -1]))
+        torch.testing.assert_close(got[:, 0], every[[0, 1], [0, 2]])
+        for bad in ([3, 0], [0, -4]):
+            cache = KVCache(cfg, 2, 16)
+            with pytest.raises(ValueError, match=r"logits_at: positions in \[-3, 3\)"):
+                model(tokens, cache=cache.view(0, 2), logits_at=torch.tensor(bad))
+            assert cache.lengths[:2] == [0, 0]  # (refused before the cache counts them)

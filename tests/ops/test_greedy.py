@@ -66,3 +66,11 @@ def test_strided_token_ids_read_as_the_tokens_they_are() -> None:
     strided = torch.tensor([[0, 1], [2, 3], [4, 0]])[:, 0]  # 0, 2, 4, not contiguous
     assert not strided.is_contiguous()
     assert torch.equal(greedy(x, strided)[1], greedy(x, strided.contiguous())[1])
+
+
+def test_logits_of_another_shape_are_refused() -> None:
+    """Rows of logits only: (B, T, V) would have each row's log-probability read at another
+    row's argmax."""
+    for logits in (torch.randn(2, 3, 10), torch.randn(10)):
+        with pytest.raises(ValueError, match="logits must be \\(rows, vocabulary\\)"):
+            greedy(logits)
