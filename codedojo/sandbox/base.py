@@ -66,6 +66,9 @@ class FileInfo:
     mtime: float
 
 
+OPEN_FILES = 4096  # a command's open files, unless its `Limits` say otherwise
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one sandbox may take of the host.
@@ -74,13 +77,15 @@ class Limits:
     therefore ``memory_mb + disk_mb``: the most of the host's RAM a sandbox can hold. A full
     disk is ENOSPC to the writer, and its processes keep ``memory_mb`` beside it."""
 
-    memory_mb: int = 2048  # what its processes may use, beside what its disk holds
+    memory_mb: int = 2048  # its processes' at least: up to memory_mb + disk_mb, the disk empty
     pids: int = 512
     cpus: float = 1.0
     disk_mb: int = 2048  # size cap of the writable layer (RAM: see above)
     exec_timeout_s: float = 120.0  # default wall-clock limit of one command
     max_output_bytes: int = 1 << 20  # per stream
-    open_files: int = 4096  # per process of a command (RLIMIT_NOFILE, soft = hard)
+    # per process of a command (RLIMIT_NOFILE, soft = hard); None: `OPEN_FILES`, or the
+    # host's hard limit where that is lower
+    open_files: int | None = None
 
 
 def cut_line(n: int) -> str:

@@ -69,6 +69,7 @@ from typing import NamedTuple
 
 from codedojo.sandbox.agent import agent_binary
 from codedojo.sandbox.base import (
+    OPEN_FILES,
     WORKSPACE,
     Change,
     EgressBinding,
@@ -242,16 +243,28 @@ def _close_at_exit(ref: weakref.ref) -> None:
             provider.close()
 
 
+def _hard_nofile() -> int:
+    """This process's hard RLIMIT_NOFILE (at most 2^20), which init inherits and can lower
+    only (without CAP_SYS_RESOURCE, as in a container)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return 1 << 20 if hard == resource.RLIM_INFINITY else min(hard, 1 << 20)
+
+
+def open_files(limits: Limits) -> int:
+    """Every command's RLIMIT_NOFILE: ``limits.open_files``, or where None, `OPEN_FILES` or
+    this host's hard limit where that is lower."""
+    return min(OPEN_FILES, _hard_nofile()) if limits.open_files is None else limits.open_files
+
+
 def validate_limits(limits: Limits) -> None:
     # upper bounds: what the kernel takes (pid_max; a memory limit in bytes under 2^63, the
-    # two summed included); open files: this process's hard limit, which init inherits and
-    # can lower only (without CAP_SYS_RESOURCE, as in a container)
-    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    nofile = 1 << 20 if nofile == resource.RLIM_INFINITY else min(nofile, 1 << 20)
+    # two summed included; open files, `_hard_nofile`); open files: past the shell's own fds
     for name, low, high in (("memory_mb", 32, 1 << 30), ("pids", 8, 1 << 22),
                             ("disk_mb", 1, 1 << 30), ("max_output_bytes", 1, 1 << 30),
-                            ("open_files", 16, nofile)):
+                            ("open_files", max(LocalShell.MARK_FDS) + 1, _hard_nofile())):
         v = getattr(limits, name)
+        if name == "open_files" and v is None:
+            continue
         if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
             raise SandboxError(f"limits.{name}: must be an integer in [{low}, {high}], "
                                f"got {v!r}")
@@ -749,7 +762,7 @@ class LocalSandbox:
         fd = self._listener.fileno()
         args = [self.provider.agent, "--root", self._mnt, "--sock-fd", str(fd),
                 "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID), "--hostname", "sandbox",
-                "--nofile", str(self.spec.limits.open_files),
+                "--nofile", str(open_files(self.spec.limits)),
                 "--netns-new" if new_netns else "--netns-join", os.path.join(self.dir, "netns")]
         assert self.cgroup is not None
         for f in self.cgroup.procs_files:
@@ -797,7 +810,7 @@ class LocalSandbox:
         """Finish a pooled sandbox: its filesystem is mounted; tell init to enter it."""
         assert self._waiter is not None and self._waiter.stdin is not None
         binds = " ".join(f"/{d}:/{d}" for d in self.image.binds)
-        self._waiter.stdin.write(f"G {self.spec.limits.open_files} {binds}\n".encode())
+        self._waiter.stdin.write(f"G {open_files(self.spec.limits)} {binds}\n".encode())
         self._waiter.stdin.close()
         self._await("R")
 
@@ -1280,6 +1293,7 @@ class LocalSandbox:
             # following a symlink put there since, and no blocking on a FIFO
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
                          | os.O_CLOEXEC, mode, dir_fd=pfd)
+            created = False
             try:
                 st = self._served(root, fd, p)
                 if not stat.S_ISREG(st.st_mode):
@@ -1287,10 +1301,10 @@ class LocalSandbox:
                 created = existing is None and st.st_uid == 0 and st.st_size == 0
                 if not created:  # the file opened: the one checked, or one the sandbox's
                     self._check_writable(fd, p)
+                if created:  # (first: a file that then does not fit is the user's, and goes)
+                    os.fchown(fd, SANDBOX_UID, SANDBOX_GID)
                 if data:  # the room first (a sparse file has its size, not its room): a
                     os.posix_fallocate(fd, 0, len(data))  # write that does not fit leaves it
-                if created:
-                    os.fchown(fd, SANDBOX_UID, SANDBOX_GID)
                 if created or st.st_uid == SANDBOX_UID:
                     os.fchmod(fd, mode)
                 view, at = memoryview(data), 0
@@ -1298,6 +1312,9 @@ class LocalSandbox:
                     at += os.pwrite(fd, view[at:], at)  # allocation hold; then cut
                 os.ftruncate(fd, len(data))
             except OSError as e:
+                if created:  # (what this call made, it takes back)
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=pfd)
                 if e.errno == errno.ENOSPC:
                     raise SandboxError(f"path: {p}: the sandbox's disk limit "
                                        f"({self.spec.limits.disk_mb} MB) is exceeded") from None
@@ -1371,6 +1388,9 @@ class LocalSandbox:
         if not stat.S_ISDIR(st.st_mode):
             os.unlink(name, dir_fd=dir_fd)
             return
+        if not _user_may(st, READ | SEARCH):  # (to list what it holds, as `rm -rf` must)
+            raise SandboxError(f"path: {path}: permission denied (the sandbox user may not "
+                               "list it)")
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                      dir_fd=dir_fd)
         try:

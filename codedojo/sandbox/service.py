@@ -133,7 +133,7 @@ class LimitsIn(BaseModel):
     disk_mb: int = 2048
     exec_timeout_s: float = 120.0
     max_output_bytes: int = 1 << 20
-    open_files: int = 4096
+    open_files: int | None = None
 
 
 class CreateIn(BaseModel):

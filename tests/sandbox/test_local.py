@@ -863,19 +863,36 @@ def test_commands_get_the_open_files_limit_not_the_provider_s(provider, project)
         "the provider's own limit is no higher than the default")
     direct = local.LocalProvider(root=provider.root, pool_size=0)
     sbs = [provider.create(SandboxSpec(image=project, limits=SMALL)),
-           provider.create(SandboxSpec(image=project, limits=replace(SMALL, open_files=64))),
-           direct.create(SandboxSpec(image=project, limits=replace(SMALL, open_files=100)))]
+           provider.create(SandboxSpec(image=project, limits=replace(SMALL, open_files=256))),
+           direct.create(SandboxSpec(image=project, limits=replace(SMALL, open_files=300)))]
     try:
         sbs[1].restore(sbs[1].snapshot())
         got = [sb.exec("ulimit -n; ulimit -Hn; ulimit -n 5000 2>/dev/null || echo fixed").stdout
                for sb in sbs]
-        assert got == ["4096\n4096\nfixed\n", "64\n64\nfixed\n", "100\n100\nfixed\n"]
+        assert got == ["4096\n4096\nfixed\n", "256\n256\nfixed\n", "300\n300\nfixed\n"]
     finally:
         for sb in sbs:
             sb.destroy()
-    for bad in (8, 1 << 30, True):
+    # (below 200, the shell's own fds 198 and 199 could not be: every shell call failed)
+    for bad in (8, 199, 1 << 30, True):
         with pytest.raises(SandboxError, match="limits.open_files: must be an integer"):
             provider.create(SandboxSpec(image=project, limits=Limits(open_files=bad)))
+
+
+def test_the_default_open_files_limit_is_the_hosts_hard_limit_where_that_is_lower(
+        provider, project, monkeypatch):
+    """A service started under `ulimit -n 1024` (its hard limit too) creates sandboxes of the
+    default limits, whose commands get 1024; a limit past it is refused by name."""
+    monkeypatch.setattr(local, "_hard_nofile", lambda: 1024)
+    sb = provider.create(SandboxSpec(image=project, limits=SMALL))
+    try:
+        assert sb.exec("ulimit -n").stdout == "1024\n"
+        assert sb.shell().run("ulimit -Hn").stdout == "1024\n"
+    finally:
+        sb.destroy()
+    with pytest.raises(SandboxError, match=r"limits.open_files: must be an integer in "
+                                           r"\[200, 1024\], got 4096"):
+        provider.create(SandboxSpec(image=project, limits=replace(SMALL, open_files=4096)))
 
 
 def test_a_store_whose_path_has_a_space_keeps_one_tmpfs_and_its_sandboxes(tmp_path):
@@ -898,3 +915,23 @@ def test_a_store_whose_path_has_a_space_keeps_one_tmpfs_and_its_sandboxes(tmp_pa
         first.remove_store()
     assert local._mounts_under(first.root) == []
     assert not os.path.exists(root)
+
+
+def test_a_write_that_does_not_fit_leaves_no_file_and_remove_lists_as_the_user_would(
+        provider, project):
+    """A new file the disk has no room for is not left behind (empty, and root's: no write
+    could replace it); `remove` empties only directories the user may list, as `rm -rf`."""
+    sb = provider.create(SandboxSpec(image=project, limits=replace(SMALL, disk_mb=2)))
+    try:
+        with pytest.raises(SandboxError, match="disk limit"):
+            sb.write_file("/workspace/big", b"x" * (3 << 20))
+        assert sb.exec("ls -A /workspace/big").exit_code != 0
+        sb.write_file("/workspace/big", b"small")
+        assert sb.exec("cat /workspace/big").stdout == "small"
+        sb.exec("mkdir -p /workspace/shut/in && chmod 000 /workspace/shut", timeout=30)
+        assert sb.exec("rm -rf /workspace/shut").exit_code != 0
+        with pytest.raises(SandboxError, match="may not list it"):
+            sb.remove("/workspace/shut")
+        assert sb.exec("chmod 755 /workspace/shut && ls /workspace/shut").stdout == "in\n"
+    finally:
+        sb.destroy()

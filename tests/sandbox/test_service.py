@@ -695,9 +695,9 @@ def test_a_token_file_others_could_have_read_or_set_is_refused(tmp_path, monkeyp
 
 
 def test_the_open_files_limit_travels_to_the_service(client, project):
-    limits = dataclasses.replace(SMALL, open_files=64)  # (a field LimitsIn must carry)
+    limits = dataclasses.replace(SMALL, open_files=256)  # (a field LimitsIn must carry)
     sb = client.create(SandboxSpec(image=project, limits=limits))
     try:
-        assert sb.exec("ulimit -n").stdout == "64\n"
+        assert sb.exec("ulimit -n").stdout == "256\n"
     finally:
         sb.destroy()
