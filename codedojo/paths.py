@@ -66,10 +66,15 @@ def staged_dir(dest: str | Path, *, replace: bool) -> Iterator[Path]:
 def remove_staged_leftovers(dest: str | Path) -> list[Path]:
     """Remove what `staged_dir` left beside ``dest`` when its process was killed mid-write (the
     new copy, or with a rename, the old one moved aside), and return what it removed. Only
-    where no other process stages ``dest`` at the time: a checkpoint's, that one rank writes."""
+    where no other process stages ``dest`` at the time: a checkpoint's, that one rank writes.
+    A copy moved aside while ``dest`` is gone (a kill between the two renames) is the only
+    whole one, and stays."""
     dest = Path(dest)
-    ours = re.compile(rf"\.{re.escape(dest.name)}-(old-)?[a-z0-9_]{{8}}")  # (mkdtemp's names)
-    gone = [p for p in dest.parent.glob(f".{glob.escape(dest.name)}-*") if ours.fullmatch(p.name)]
+    name = re.escape(dest.name)
+    new, aside = re.compile(rf"\.{name}-[a-z0-9_]{{8}}"), re.compile(rf"\.{name}-old-[a-z0-9_]{{8}}")
+    gone = [p for p in dest.parent.glob(f".{glob.escape(dest.name)}-*")
+            if new.fullmatch(p.name)  # (mkdtemp's names)
+            or (aside.fullmatch(p.name) and (p / dest.name).is_dir() and dest.exists())]
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     return gone

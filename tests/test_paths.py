@@ -214,3 +214,13 @@ def test_what_a_killed_rewrite_left_is_removed_and_nothing_else(tmp_path):
         d.mkdir()
     assert remove_staged_leftovers(dest) == [left]
     assert sorted(tmp_path.iterdir()) == sorted(others)
+
+    # A copy moved aside (a rewrite killed between its two renames) is the only whole one
+    # while ``dest`` is gone, and stays; a stage named "bulk-old" stages its own copy there.
+    aside = tmp_path / ".bulk-old-abcd1234"
+    (aside / "bulk").mkdir(parents=True)
+    (tmp_path / ".bulk-old-live0000").mkdir()  # ("bulk-old"'s copy being written)
+    assert remove_staged_leftovers(dest) == []
+    dest.mkdir()
+    assert remove_staged_leftovers(dest) == [aside]
+    assert (tmp_path / ".bulk-old-live0000").is_dir()

@@ -199,12 +199,14 @@ def run_pytest(
     """Run ``tests`` (all without them), with a canary (`Canary`) beside them; ``known``: more
     node ids the output is read by (one with " - " in it is found whole, see
     `parse_pytest_output`)."""
-    canary = Canary.plant(ex, cmd.root, secrets.choice(tests)) if tests else None
+    beside = secrets.choice(tests) if tests else ""
+    canary = Canary.plant(ex, cmd.root, beside) if tests else None
     try:
         run = tests
-        if canary:  # (at a drawn place among them: no last argument)
+        if canary:  # (at a drawn place after the tests of the file it sits beside)
             run = [*tests]
-            run.insert(secrets.randbelow(len(run) + 1), canary.node_id)
+            after = _after_file(run, beside)
+            run.insert(after + secrets.randbelow(len(run) - after + 1), canary.node_id)
         res = ex.exec(cmd.argv(run), cwd=cmd.root, env=cmd.env(), timeout=timeout)
     finally:
         if canary:
@@ -229,6 +231,15 @@ def run_pytest(
                 report.outcomes[t] = "error"
                 report.messages.setdefault(t, "test was not collected")
     return report
+
+
+def _after_file(tests: Sequence[str], beside: str) -> int:
+    """The place after the last of ``tests`` in the file of node id ``beside``: pytest imports
+    test modules in the order it is given them, and a canary imported first would import what
+    that file imports before the file's own code ran (an environment variable it sets, a path
+    it adds), so the file's tests would run against modules loaded otherwise."""
+    file = beside.split("::", 1)[0]
+    return 1 + max(i for i, t in enumerate(tests) if t.split("::", 1)[0] == file)
 
 
 OUTPUT_CUT = ("the test run's output passed the sandbox's limit and was cut: no outcome of the run "
@@ -304,7 +315,7 @@ class Canary:
     imports (each in a ``try``: the canary runs where one fails), its test a function
     ``test_<word>`` (run as the tests it forges are) that names what those imports bound,
     then compares two drawn numbers; each word letters of a drawn length, at a drawn place
-    among the tests pytest is given. That raises the bar for code that would spare it while
+    among the tests pytest is given after those of that file (`_after_file`). That raises the bar for code that would spare it while
     forging tests by what they are (name, place, the task's objects their modules hold);
     code that reads the tests' bodies can still tell it apart, and its node id is on
     pytest's command line. A task whose config collects functions of other names

@@ -149,7 +149,9 @@ class MoE(nn.Module):
             onehot.scatter_(-1, idx.reshape(B, T, k), 1.0)
             f = (onehot * w).sum(1) * E / (k * n)  # (B, E)
             p = ((scores / scores.sum(-1, keepdim=True)).reshape(B, T, E) * w).sum(1) / n
-            self.aux_loss = self.aux_coef * (f * p).sum(-1).mean()
+            rows = (w.sum(1) > 0).float().squeeze(-1)  # (B,): sequences with tokens counted
+            self.aux_loss = self.aux_coef * ((f * p).sum(-1) * rows).sum() / rows.sum().clamp(
+                min=1)
         else:
             self.aux_loss = None
 

@@ -12,8 +12,8 @@ original is not even read): size or a NUL byte does not hide what the episode
 wrote in a source file from the rewards that read it, which charge a fixed cost for it
 (`codedojo.reward.auxiliary.UNREAD_COST`), since its text, of any length, is not read.
 What is read into the host, both sides of every change, is `MAX_TOTAL_BYTES` at most (a
-sandbox's sparse files cost it little disk): past it, a changed source file still there is
-named in `unread`, the rest left out.
+sandbox's sparse files cost it little disk), the source files the rewards read first: past
+it, a changed source file still there is named in `unread`, the rest left out.
 
 `reward_context` gathers what the rewards read of a finished episode: the changes, and the
 workspace's ruff configuration as the image had it, so that `lint_delta` lints by the
@@ -84,19 +84,22 @@ def _collect(sandbox: Sandbox) -> tuple[list[FileChange], list[str]]:
     out: list[FileChange] = []
     unread: list[str] = []
     left = MAX_TOTAL_BYTES
-    for ch in sandbox.changes():
-        path = ch.path if ch.path.startswith("/") else f"{WORKSPACE}/{ch.path}"
+    paths = [(ch.path if ch.path.startswith("/") else f"{WORKSPACE}/{ch.path}", ch.kind)
+             for ch in sandbox.changes()]
+    # the source files the rewards read first, then the rest, each in the order of `changes`:
+    # the total's room goes to them before a build's or a download's output
+    for path, kind in sorted(paths, key=lambda p: not p[0].endswith(UNREAD_CHARGED)):
         charged = path.endswith(UNREAD_CHARGED)
         if left < 2 * MAX_BYTES:  # (both sides might not fit: neither is read)
-            if charged and ch.kind != "deleted":
+            if charged and kind != "deleted":
                 unread.append(path)
             continue
-        data = None if ch.kind == "deleted" else _after(sandbox, path)
+        data = None if kind == "deleted" else _after(sandbox, path)
         left -= len(data) if isinstance(data, bytes) else 0
         after = _text(data)
         if after is _UNREADABLE and not charged:
             continue  # (nothing to compare, nothing charged: the image's side is not read)
-        data = None if ch.kind == "added" else _before(sandbox, path)
+        data = None if kind == "added" else _before(sandbox, path)
         left -= len(data) if isinstance(data, bytes) else 0
         before = _text(data)
         if before is _UNREADABLE or before == after:  # directories: None on both
@@ -105,7 +108,8 @@ def _collect(sandbox: Sandbox) -> tuple[list[FileChange], list[str]]:
             unread.append(path)
             continue
         out.append(FileChange(path, before, after))  # type: ignore[arg-type]
-    return out, unread
+    order = {path: i for i, (path, _) in enumerate(paths)}  # (as `changes` lists them)
+    return sorted(out, key=lambda c: order[c.path]), sorted(unread, key=order.__getitem__)
 
 
 def image_lint_configs(sandbox: Sandbox) -> dict[str, str]:

@@ -73,9 +73,11 @@ OPEN_FILES = 4096  # a command's open files, unless its `Limits` say otherwise
 class Limits:
     """What one sandbox may take of the host.
 
-    Its disk is memory (a tmpfs), charged to the sandbox's memory cgroup, whose limit is
-    therefore ``memory_mb + disk_mb``: the most of the host's RAM a sandbox can hold. A full
-    disk is ENOSPC to the writer, and its processes keep ``memory_mb`` beside it."""
+    Its disk is memory (a tmpfs). What its processes write there is charged to the sandbox's
+    memory cgroup, whose limit is therefore ``memory_mb + disk_mb``: a full disk is ENOSPC to
+    the writer, and its processes keep ``memory_mb`` beside it. What the host writes for it
+    (`write_file`: the agent's file tools) is charged to the host's process, so a sandbox
+    holds at most ``memory_mb + 2 * disk_mb`` of the host's RAM."""
 
     memory_mb: int = 2048  # its processes' at least: up to memory_mb + disk_mb, the disk empty
     pids: int = 512

@@ -1388,9 +1388,13 @@ class LocalSandbox:
         if not stat.S_ISDIR(st.st_mode):
             os.unlink(name, dir_fd=dir_fd)
             return
-        if not _user_may(st, READ | SEARCH):  # (to list what it holds, as `rm -rf` must)
-            raise SandboxError(f"path: {path}: permission denied (the sandbox user may not "
-                               "list it)")
+        if not _user_may(st, READ | SEARCH):  # (to list what it holds, as `rm -rf` must;
+            try:  # one that holds nothing goes, as there)
+                os.rmdir(name, dir_fd=dir_fd)
+                return
+            except OSError:
+                raise SandboxError(f"path: {path}: permission denied (the sandbox user may "
+                                   "not list it)") from None
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                      dir_fd=dir_fd)
         try:

@@ -351,6 +351,23 @@ def test_an_import_that_fails_in_the_canary_alone_leaves_it_a_failing_test(tmp_p
     assert not rep.forged and rep.outcomes == {"tests/test_a.py::test_a": "passed"}, rep
 
 
+def test_the_canary_is_imported_after_the_test_file_it_copies_the_imports_of(
+        tmp_path, monkeypatch):
+    """A test file that sets up before its imports (an environment variable the package reads
+    as it loads): its tests see the package as it set it up, wherever the canary is drawn."""
+    import codedojo.bench.testrun as testrun
+
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "mylib.py").write_text("import os\nBACKEND = os.environ.get('B', 'default')\n")
+    (tmp_path / "tests" / "test_a.py").write_text(
+        "import os\n\nos.environ['B'] = 'pure'\nimport mylib\n\n\n"
+        "def test_a():\n    assert mylib.BACKEND == 'pure'\n")
+    monkeypatch.setattr(testrun.secrets, "randbelow", lambda n: 0)  # (the first place drawn)
+    rep = run_pytest(LocalExecutor(), PytestCommand(root=str(tmp_path)),
+                     ["tests/test_a.py::test_a"], timeout=60)
+    assert not rep.forged and rep.outcomes == {"tests/test_a.py::test_a": "passed"}, rep
+
+
 def test_a_collection_error_says_what_failed_not_that_the_run_was_forged(tmp_path):
     """A package that does not import stops pytest before any test, the canary's too: the
     tests are errors that say what pytest could not collect, and why."""

@@ -312,7 +312,8 @@ def test_tiny_moe_transformer_upcycled_then_trained():
 
 def test_balancing_counts_the_text_not_the_padding():
     """Rows of 16 tokens of text and 48 of padding (one token, which would pile onto a few
-    experts): the load that moves the biases and the balance loss are the text's alone."""
+    experts), and one of padding alone: the load that moves the biases and the balance loss
+    are the text's alone."""
     from codedojo.model.moe import counting_tokens
     from codedojo.model.transformer import Transformer
 
@@ -329,6 +330,9 @@ def test_balancing_counts_the_text_not_the_padding():
         m.tokens_per_expert.zero_()
         padded = torch.cat([text, torch.zeros(4, 48, dtype=torch.long)], 1)
         docs = torch.cat([torch.zeros(4, 16), torch.full((4, 48), -1)], 1).long()
+        # and a row of padding alone: no sequence of the balance loss's mean
+        padded = torch.cat([padded, torch.zeros(1, 64, dtype=torch.long)])
+        docs = torch.cat([docs, torch.full((1, 64), -1)])
         with counting_tokens(model, docs >= 0):
             model.hidden(padded, doc_ids=docs)
     assert m.counted is None  # (for the block only)

@@ -512,7 +512,8 @@ def test_weights_the_kernels_do_not_take_run_op_by_op() -> None:
         want = model(tokens, cache=KVCache(cfg, 1, 16).view(0))
         wqkv = model.layers[0].attn.wqkv
         wqkv.weight = torch.nn.Parameter(wqkv.weight.detach().T.contiguous().T)
-        model.layers[1].mlp_norm.weight.data = model.layers[1].mlp_norm.weight.bfloat16().float()
+        norm = model.layers[1].mlp_norm
+        norm.weight = torch.nn.Parameter(norm.weight.detach().bfloat16())
         assert not wqkv.weight.is_contiguous()
         model.weights_changed()
         got = model(tokens, cache=KVCache(cfg, 1, 16).view(0))

@@ -175,7 +175,9 @@ def test_a_large_file_of_the_image_is_not_read_to_be_left_out(
 def test_what_is_read_of_an_episode_s_changes_is_bounded_in_all(
         provider, linked_image, monkeypatch):  # noqa: F811
     """Sparse files cost a sandbox little disk and the host, read, all of their size: past
-    `MAX_TOTAL_BYTES` in all nothing more is read, and a source file changed is charged."""
+    `MAX_TOTAL_BYTES` in all nothing more is read, the source files the rewards read first
+    (a build's or a download's output comes after them), and a source file left unread is
+    charged."""
     monkeypatch.setattr(changes, "MAX_TOTAL_BYTES", 5 * MAX_BYTES)
     sb = provider.create(SandboxSpec(image=linked_image, limits=LIMITS, env=SANDBOX_ENV))
     try:
@@ -185,7 +187,12 @@ def test_what_is_read_of_an_episode_s_changes_is_bounded_in_all(
         sizes = _reads(sb)
         ctx = reward_context(Trajectory(task="t"), sb)
         assert sum(sizes) <= 5 * MAX_BYTES
-        assert [c.path for c in ctx.changes] == [f"/workspace/a{i}.txt" for i in (1, 2, 3, 4)]
-        assert ctx.unread == ["/workspace/real.py"]
+        assert [c.path for c in ctx.changes] == [*(f"/workspace/a{i}.txt" for i in (1, 2, 3)),
+                                                 "/workspace/real.py"]
+        assert ctx.unread == []
+        sb.exec("cd /workspace && for i in 1 2 3 4 5; do cp a1.txt b$i.py; done")
+        ctx = reward_context(Trajectory(task="t"), sb)
+        assert [c.path for c in ctx.changes] == [f"/workspace/b{i}.py" for i in (1, 2, 3, 4)]
+        assert ctx.unread == ["/workspace/b5.py", "/workspace/real.py"]
     finally:
         sb.destroy()

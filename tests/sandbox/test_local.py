@@ -933,5 +933,8 @@ def test_a_write_that_does_not_fit_leaves_no_file_and_remove_lists_as_the_user_w
         with pytest.raises(SandboxError, match="may not list it"):
             sb.remove("/workspace/shut")
         assert sb.exec("chmod 755 /workspace/shut && ls /workspace/shut").stdout == "in\n"
+        sb.exec("mkdir /workspace/empty && chmod 000 /workspace/empty", timeout=30)
+        sb.remove("/workspace/empty")  # (empty: `rm -rf` takes it, unlisted)
+        assert sb.exec("ls -d /workspace/empty").exit_code != 0
     finally:
         sb.destroy()

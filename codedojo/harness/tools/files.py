@@ -259,11 +259,10 @@ def _search_replace(ctx: ToolContext, args: dict[str, Any]) -> str:
         raise ToolError("old_string and new_string are identical; nothing to change")
     if old == "":
         raise ToolError("old_string is empty; give the exact text to replace")
-    found = re.compile(re.escape(old))
+    # lines as `read_file` shows them, without the CR before their "\n": each occurrence
+    # counts, whichever endings it has (a file may mix them)
+    found = _any_line_endings(old) if "\n" in old else re.compile(re.escape(old))
     count = len(found.findall(text))
-    if count == 0 and "\n" in old:  # lines shown (`read_file`) without the CR before their "\n"
-        found = _any_line_endings(old)
-        count = len(found.findall(text))
     if count == 0:
         raise ToolError(f"old_string not found in {path}" + (
             " (the file is not all UTF-8: text shown with U+FFFD cannot be matched)"

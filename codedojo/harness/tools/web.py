@@ -8,6 +8,7 @@ policy does not allow: there is no host-side path around it.
 
 from __future__ import annotations
 
+import itertools
 import re
 from html.parser import HTMLParser
 from typing import Any
@@ -29,7 +30,7 @@ class _TextExtractor(HTMLParser):
 
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
-        self.parts: list[str] = []
+        self.parts: list[tuple[str, bool]] = []  # (text, whether it is a <pre>'s)
         self._skip = 0
         self._pre = 0
 
@@ -37,7 +38,7 @@ class _TextExtractor(HTMLParser):
         if tag in self.SKIP:
             self._skip += 1
         elif tag in self.BLOCK:
-            self.parts.append("\n")
+            self.parts.append(("\n", False))
         if tag == "pre":
             self._pre += 1
 
@@ -45,24 +46,27 @@ class _TextExtractor(HTMLParser):
         if tag in self.SKIP and self._skip:
             self._skip -= 1
         elif tag in self.BLOCK:
-            self.parts.append("\n")
+            self.parts.append(("\n", False))
         if tag == "pre" and self._pre:
             self._pre -= 1
 
     def handle_data(self, data: str) -> None:
         if self._skip:
             return
-        if self._pre:  # code: its indentation is its meaning
-            self.parts.append(data.replace("\r\n", "\n"))
-        else:
-            self.parts.append(re.sub(r"[ \t\r\f\v]+", " ", data))
+        self.parts.append((data.replace("\r\n", "\n"), bool(self._pre)))
 
 
 def html_to_text(doc: str) -> str:
+    """A page's text: spaces collapsed across the tags between them (``a <b> b</b>`` is
+    "a b"), but in a <pre>, whose indentation is its meaning."""
     p = _TextExtractor()
     p.feed(doc)
     p.close()  # (text after the last tag is held back until then)
-    return re.sub(r"\n\s*\n+", "\n\n", "".join(p.parts)).strip()
+    out: list[str] = []
+    for pre, parts in itertools.groupby(p.parts, key=lambda part: part[1]):
+        text = "".join(t for t, _ in parts)
+        out.append(text if pre else re.sub(r"[ \t\r\f\v]+", " ", text))
+    return re.sub(r"\n\s*\n+", "\n\n", "".join(out)).strip()
 
 
 def _web_fetch(ctx: ToolContext, args: dict[str, Any]) -> str:

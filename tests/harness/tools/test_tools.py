@@ -528,6 +528,13 @@ def test_an_edit_of_a_file_of_mixed_line_endings_matches_lines_as_shown(session,
     assert sandbox.read_file("/workspace/notes.txt").endswith(b"MORE\nd\n")
     assert "not found" in err(session, "search_replace", file_path="notes.txt",
                               old_string="ALPHA\nGAMMA", new_string="x")
+    # an occurrence of either endings counts: as shown, "a\nb" is there twice
+    sandbox.write_file("/workspace/twice.txt", b"a\r\nb\r\nX\na\nb\nY\n")
+    assert "occurs 2 times" in err(session, "search_replace", file_path="twice.txt",
+                                   old_string="a\nb", new_string="Q")
+    assert ok(session, "search_replace", file_path="twice.txt", old_string="a\nb",
+              new_string="Q", replace_all=True).startswith("Replaced 2 occurrences")
+    assert sandbox.read_file("/workspace/twice.txt") == b"Q\r\nX\nQ\nY\n"
 
 
 def test_read_lints_follows_a_link_to_a_directory(session):
@@ -553,6 +560,7 @@ def test_html_is_text_with_its_body_entities_once_and_code_indented():
     assert html_to_text("<p>a   lot\tof  space</p><pre>def f(x):\n    if x:\n"
                         "        return 1\n</pre>tail") == \
         "a lot of space\n\ndef f(x):\n    if x:\n        return 1\n\ntail"
+    assert html_to_text("<p>a <b> b</b> c</p>") == "a b c"  # (spaces across tags collapse)
 
 
 def test_a_bad_url_or_a_missing_directory_is_named(session):
