@@ -15,14 +15,24 @@ request the addon
 4. strips sensitive headers and redacts registered secrets in headers, URL and body, and
    refuses a body in which its reader would find one all the same (JSON escapes, another
    charset, a transfer coding other than chunked);
-5. writes one audit record when the flow ends; a connection on which mitmproxy itself refused
-   what the sandbox sent (a request line or headers it cannot parse) gets one when it closes,
-   with mitmproxy's reason, and so does one that sent bytes in which no hook saw a request
-   (part of one, or one that names no host, which mitmproxy answers without a log line).
+5. writes one audit record when the flow ends (a WebSocket's when the WebSocket ends); a
+   request mitmproxy itself refused (one it cannot parse, or will not pass on as sent) is
+   recorded with mitmproxy's reason, and nothing is checked for it. A connection on which
+   mitmproxy refused what the sandbox sent before any hook saw a request gets one when it
+   closes, and so does one that sent bytes in which no hook saw a request (part of one, or one
+   that names no host, which mitmproxy answers without a log line).
 
 CONNECT requests and the WebSocket messages the sandbox sends spend its rate limit as requests
 do; a CONNECT pays for the first request in its tunnel, so that a connection with one request
-costs one in either mode. A WebSocket past the limit is closed.
+costs one in either mode. A WebSocket past the limit is closed, and so is one whose message
+holds a secret that cannot be redacted where it is (as a request body with one is refused).
+Records no request paid for (a connection refused, a failed TLS handshake, a connection that
+sent no request the proxy could serve) spend the rate limit too, and past it are not written.
+
+A sandbox holds at most its policy's `max_connections` connections at once; one that has not
+sent a request head `REQUEST_HEAD_TIMEOUT_S` after it opened is closed. What mitmproxy would
+otherwise read into memory without a bound (a request head, a chunked body, a WebSocket
+message) is bounded in `limits.py`.
 
 `server_connect` re-checks every address mitmproxy is about to dial, so a path that skipped the
 request hooks (raw TCP after CONNECT, a new mitmproxy feature) still cannot reach a private
@@ -53,6 +63,7 @@ from mitmproxy.proxy.mode_specs import TransparentMode
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from mitmproxy.utils import human
 
+from codedojo.egress import limits
 from codedojo.egress.audit import AuditLog, AuditRecord
 from codedojo.egress.policy import EgressPolicy, IPAddress, address_denied
 from codedojo.egress.strip import (
@@ -64,6 +75,8 @@ from codedojo.egress.strip import (
 )
 
 RESOLVE_TIMEOUT_S = 5.0
+# Seconds a new connection has to send its first request head (its TLS handshake included).
+REQUEST_HEAD_TIMEOUT_S = 30.0
 
 
 class Blocked(Exception):
@@ -167,8 +180,7 @@ class SandboxClient:
     mode: str
     gateway: str = ""  # the host end of its veth: our DNS answer, and where the proxy listens
     bucket: TokenBucket = field(init=False)
-    # (ip, port) -> name, so a connection dialled to a checked IP presents the right TLS SNI.
-    sni: dict[tuple[str, int], str] = field(default_factory=dict)
+    connections: set[str] = field(default_factory=set)  # ids of its open connections
 
     def __post_init__(self) -> None:
         self.bucket = TokenBucket(self.policy.rate_limit_rps, self.policy.rate_limit_burst)
@@ -256,7 +268,7 @@ class _Refusals(logging.Filter):
                 prefix = f"{human.format_address(client)}: "
                 message = record.getMessage()
                 if message.startswith(prefix):
-                    self.reasons[client] = message[len(prefix):]
+                    self.reasons[client] = message[len(prefix):]  # fmt: skip
         return record.levelno >= logging.ERROR
 
 
@@ -273,10 +285,17 @@ class EgressAddon:
         # sandbox connections that sent bytes -> whether no hook has seen a request (or a TLS
         # handshake, a TCP stream) on them yet
         self._unheard: dict[tuple, bool] = {}
+        # sandbox connections no hook has seen a request on yet -> the timer that closes them
+        self._deadlines: dict[tuple, asyncio.TimerHandle] = {}
+        # sandbox connection (its id) -> {(ip, port) its requests were pinned to: the name
+        # checked}, so the TLS hello of a connection dialled there names that host: another
+        # connection's request for another name at the same address is no matter
+        self._names: dict[str, dict[tuple[str, int], str]] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------
 
     def running(self) -> None:
+        limits.install()
         _SERVER_LOG.setLevel(logging.INFO)  # the refusals are logged at INFO
         _SERVER_LOG.addFilter(self._refusals)
 
@@ -288,9 +307,27 @@ class EgressAddon:
     # ---- connections ------------------------------------------------------------------------
 
     def client_connected(self, client: connection.Client) -> None:
-        if self.registry.lookup(client.peername) is None:
+        """A connection from a registered sandbox is served if the sandbox has fewer than its
+        `max_connections` open (past it, one record: as the rate limit allows), and is closed
+        unless a request head comes on it within `REQUEST_HEAD_TIMEOUT_S`."""
+        sc = self.registry.lookup(client.peername)
+        if sc is None:
             # Not a sandbox we serve: the listener is on the veth gateways, nothing else may use it.
             client.error = "egress: unknown client address"
+            return
+        if len(sc.connections) >= sc.policy.max_connections:
+            client.error = "egress: too many connections"
+            why = (f"the sandbox has {len(sc.connections)} connections open (max_connections="
+                   f"{sc.policy.max_connections}): a new one was closed")  # fmt: skip
+            self._write_unpaid(
+                sc, AuditRecord(sandbox=sc.sandbox_id, mode=sc.mode, method="CONNECTION",
+                                host="", port=0, path="", blocked=why)
+            )  # fmt: skip
+            return
+        sc.connections.add(client.id)
+        self._deadlines[client.peername] = asyncio.get_running_loop().call_later(
+            REQUEST_HEAD_TIMEOUT_S, self._close_client, client
+        )
 
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
         """Called as the first bytes of a connection (or of a tunnel in it) arrive: notes that
@@ -302,30 +339,38 @@ class EgressAddon:
     def _heard(self, client: connection.Client) -> None:
         """A hook saw a request on this connection, or wrote a record of its own."""
         self._unheard[client.peername] = False
+        deadline = self._deadlines.pop(client.peername, None)
+        if deadline is not None:
+            deadline.cancel()
 
     def client_disconnected(self, client: connection.Client) -> None:
         """A sandbox connection on which mitmproxy refused what was sent gets an audit record,
         with mitmproxy's reason; so does one that sent bytes in which no hook saw a request
         (part of one, or one mitmproxy answered itself without a log line: a request that names
-        no host). One that sent nothing (a connect and close, a spare connection a client
-        opened) gets none."""
+        no host, or none in time). One that sent nothing (a connect and close, a spare
+        connection a client opened) gets none."""
         peer = client.peername
         why = self._refusals.reasons.pop(peer, None)
         unheard = self._unheard.pop(peer, False)
         self._prepaid.discard(peer)
+        self._names.pop(client.id, None)
+        deadline = self._deadlines.pop(peer, None)
+        if deadline is not None:
+            deadline.cancel()
         sc = self.registry.lookup(peer)
         if sc is None:
             return
+        sc.connections.discard(client.id)
         if why is not None:
             why = f"mitmproxy refused the request as malformed HTTP: {why}"
         elif unheard:
             why = ("the connection sent what the proxy could not serve (no request, part of "
-                   "one, or one that names no host)")  # fmt: skip
+                   "one, one that names no host, or none in time)")  # fmt: skip
         else:
             return
-        sc.audit.write(
-            AuditRecord(sandbox=sc.sandbox_id, mode=sc.mode, method="HTTP", host="", port=0,
-                        path="", blocked=self._clean(sc, why))
+        self._write_unpaid(
+            sc, AuditRecord(sandbox=sc.sandbox_id, mode=sc.mode, method="HTTP", host="", port=0,
+                            path="", blocked=self._clean(sc, why))
         )  # fmt: skip
 
     async def server_connect(self, data: ServerConnectionHookData) -> None:
@@ -338,14 +383,15 @@ class EgressAddon:
         offers = [p for p in data.client.alpn_offers or () if p in (b"h2", b"http/1.1")]
         data.server.alpn_offers = tuple(offers) or (b"http/1.1",)
         host, port = data.server.address
+        names = self._names.get(data.client.id, {})
         try:
-            if (str(host), int(port)) not in sc.sni:
+            if (str(host), int(port)) not in names:
                 # Not an address our request hooks checked and pinned (those are always IPs):
                 # the whole policy applies here too, so no path reaches around it.
                 self._check_name(sc, str(host))
                 self._check_host_port(sc, str(host), int(port))
             ip, _ = await self._check_destination(sc, str(host), int(port))
-            name = sc.sni.get((str(ip), int(port)))
+            name = names.get((str(ip), int(port)))
             if str(ip) != host:
                 data.server.address = (str(ip), port)
                 name = name or str(host)
@@ -367,20 +413,23 @@ class EgressAddon:
         if sc is not None and flow.server_conn.address:
             self._heard(flow.client_conn)
             host, port = flow.server_conn.address
-            sc.audit.write(
+            self._write_unpaid(
+                sc,
                 AuditRecord(
                     sandbox=sc.sandbox_id, mode=sc.mode, method="TCP",
                     host=self._clean(sc, str(host)),
                     port=int(port), path="", blocked="only HTTP and HTTPS may leave the sandbox",
-                )
+                ),
             )  # fmt: skip
         flow.kill()
 
     def websocket_message(self, flow: http.HTTPFlow) -> None:
         """The upgrade request passed the policy; each message the sandbox sends still spends
-        one request of its rate limit (whatever its size: the limit counts requests), and may
-        not carry a secret. Past the limit the WebSocket is closed (a message left out would
-        corrupt what the two ends say), and logged as refused, once."""
+        one request of its rate limit (whatever its size: the limit counts requests), and has
+        its secrets redacted as a request body does, read as a body is. Past the limit, or
+        with a secret that cannot be redacted where it is (JSON escapes, another charset), the
+        WebSocket is closed (a message left out would corrupt what the two ends say), and
+        logged as refused, once, when it ends."""
         sc = self.registry.lookup(flow.client_conn.peername)
         if sc is None or flow.websocket is None:
             return
@@ -393,22 +442,35 @@ class EgressAddon:
             return
         try:
             self._spend(sc)
+            if sc.secrets:
+                content, found = self._redact_readings(sc, msg.content, "", "message")
+                if found:
+                    meta.setdefault("report", StripReport()).found(found, "websocket")
+                    msg.content = content
         except Blocked as b:
             msg.drop()
-            meta["websocket_closed"] = True
+            meta["websocket_closed"] = b.reason
             self._close_client(flow.client_conn)
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        """The WebSocket has ended: its flow's record (the upgrade request's, with what its
+        messages had redacted), and where the proxy closed it, a record of why."""
+        sc = self.registry.lookup(flow.client_conn.peername)
+        if sc is None:
+            return
+        self._audit(sc, flow)
+        meta = flow.metadata.get("egress", {})
+        if closed := meta.get("websocket_closed"):
             sc.audit.write(
                 AuditRecord(
                     sandbox=sc.sandbox_id, mode=sc.mode, method="WEBSOCKET",
                     host=self._clean(sc, str(meta.get("name", flow.request.host))),
                     port=int(meta.get("port", flow.request.port)),
-                    path=self._clean(sc, flow.request.path), scheme=flow.request.scheme,
-                    blocked=f"{b.reason}: the WebSocket was closed",
+                    path=self._clean(sc, flow.request.path),
+                    scheme=self._clean(sc, flow.request.scheme),
+                    blocked=self._clean(sc, f"{closed}: the WebSocket was closed"),
                 )
             )  # fmt: skip
-            return
-        if sc.secrets:
-            msg.content, _ = sc.secrets.redact(msg.content)
 
     def tls_failed_client(self, data: tls.TlsData) -> None:
         sc = self.registry.lookup(data.context.client.peername)
@@ -417,12 +479,13 @@ class EgressAddon:
         self._heard(data.context.client)
         error = (f"TLS handshake with the sandbox failed ({data.conn.error}); "
                  "does the client trust the egress CA?")  # fmt: skip
-        sc.audit.write(
+        self._write_unpaid(
+            sc,
             AuditRecord(
                 sandbox=sc.sandbox_id, mode=sc.mode, method="TLS",
                 host=self._clean(sc, data.context.client.sni or ""), port=0, path="",
                 error=self._clean(sc, error),  # mitmproxy's error text quotes the SNI
-            )
+            ),
         )  # fmt: skip
 
     # ---- HTTP -------------------------------------------------------------------------------
@@ -451,8 +514,14 @@ class EgressAddon:
             return
         self._heard(flow.client_conn)
         req = flow.request
-        meta: dict = {"name": req.host, "port": req.port, "override": False}
+        meta: dict = {"name": req.host, "port": req.port, "override": False, "policy": sc.policy}
         flow.metadata["egress"] = meta
+        if flow.error is not None:
+            # mitmproxy refused the request itself (it answers 400; `error` writes the record):
+            # its reason is the record's, and nothing is checked, resolved or sent. The record
+            # costs a request of the rate limit, as those of malformed requests do.
+            meta.update(name=req.pretty_host, blocked=flow.error.msg, unlogged=not sc.bucket.take())
+            return
         try:
             if flow.client_conn.peername in self._prepaid:  # by its tunnel's CONNECT
                 self._prepaid.discard(flow.client_conn.peername)
@@ -481,7 +550,8 @@ class EgressAddon:
             flow.response = _blocked_response(b.status, b.reason)
             return
         meta.update(ip=str(ip), override=override)
-        sc.sni[(str(ip), port)] = name
+        if flow.client_conn.timestamp_end is None:  # (still open: `client_disconnected` to come)
+            self._names.setdefault(flow.client_conn.id, {})[(str(ip), port)] = name
         if not (req.is_http2 or req.is_http3):
             req.authority = ""  # origin-form: the upstream reads the checked Host header alone
         # Connect to exactly the address we checked; Host header and SNI keep the name.
@@ -523,8 +593,8 @@ class EgressAddon:
                 return
         meta["report"] = report
 
-    @staticmethod
-    def _redact_body(sc: SandboxClient, req: http.Request, report: StripReport) -> None:
+    @classmethod
+    def _redact_body(cls, sc: SandboxClient, req: http.Request, report: StripReport) -> None:
         """Redact the secrets in a request's body, read as its content-encoding says (no more
         of it than max_request_bytes: a compressed body is checked as the upstream reads it)."""
         encoding = req.headers.get("content-encoding", "")
@@ -533,27 +603,36 @@ class EgressAddon:
             body = decode_body(req.raw_content or b"", encoding, limit)
         except BodyTooLarge as e:
             raise Blocked(413, f"request body too large: {e} (max_request_bytes={limit})"
-                          ) from None
+                          ) from None  # fmt: skip
         except ValueError as e:
             raise Blocked(400, f"cannot decode request body (content-encoding {encoding!r}: "
-                          f"{e}) to check it for secrets") from None
-        new, found = sc.secrets.redact(body)
+                          f"{e}) to check it for secrets") from None  # fmt: skip
         ctype = req.headers.get("content-type", "").lower()  # media types have no case
+        new, found = cls._redact_readings(sc, body, ctype, "body")
+        if found:
+            report.found(found, "body")
+            req.set_content(new)
+
+    @staticmethod
+    def _redact_readings(
+        sc: SandboxClient, data: bytes, ctype: str, what: str
+    ) -> tuple[bytes, set[str]]:
+        """``data`` (a request body, a WebSocket message: `what`) with its secrets redacted,
+        and the names of those found; Blocked (403) if its reader, reading it as its media
+        type ``ctype`` says, would find one all the same: percent-escapes in a form, JSON
+        escapes (in a form value too), another charset."""
+        new, found = sc.secrets.redact(data)
         urlencoded = "x-www-form-urlencoded" in ctype
         form = urlencoded or "multipart/" in ctype
-        # What `redact` cannot rewrite, as the body's reader reads it, is refused: percent-
-        # escapes in a form, JSON escapes (in a form value too), another charset.
         for reading in _body_readings(new, ctype):
             if form and sc.secrets.escaped(reading.decode("utf-8", "surrogateescape")):
                 raise Blocked(403, "the form body holds a registered secret in percent-escapes")
             if urlencoded:
                 reading = unquote_to_bytes(reading.replace(b"+", b" "))
             if sc.secrets.redact(_json_unescaped(reading))[1]:
-                raise Blocked(403, "the body holds a registered secret in JSON escapes (\\u, "
+                raise Blocked(403, f"the {what} holds a registered secret in JSON escapes (\\u, "
                               "\\/) or in another charset")  # fmt: skip
-        if found:
-            report.found(found, "body")
-            req.set_content(new)
+        return new, found
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         sc = self._client(flow)
@@ -586,15 +665,19 @@ class EgressAddon:
                       f"max_response_bytes={sc.policy.max_response_bytes}")  # fmt: skip
             meta["response_refused"] = reason  # the request went out: it was not blocked
             flow.response = _blocked_response(502, reason)
-        self._audit(sc, flow, blocked=meta.get("blocked"))
+        if flow.websocket is None:  # a WebSocket's record is written when it ends
+            self._audit(sc, flow, blocked=meta.get("blocked"))
 
     def error(self, flow: http.HTTPFlow) -> None:
         sc = self._client(flow)
         if sc is None:
             return
         meta = flow.metadata.get("egress", {})
-        self._audit(sc, flow, blocked=meta.get("blocked"),
-                    error=flow.error.msg if flow.error else "unknown error")  # fmt: skip
+        if meta.get("unlogged"):  # past the rate limit (see `requestheaders`)
+            return
+        blocked = meta.get("blocked")
+        error = flow.error.msg if flow.error else "unknown error"
+        self._audit(sc, flow, blocked=blocked, error=None if error == blocked else error)
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -620,6 +703,15 @@ class EgressAddon:
         if not sc.bucket.take():
             raise Blocked(429, f"rate limit of {sc.policy.rate_limit_rps:g} requests/s exceeded")
 
+    @staticmethod
+    def _write_unpaid(sc: SandboxClient, record: AuditRecord) -> None:
+        """Write a record no request paid for (a connection refused, one that sent nothing the
+        proxy could serve, a failed TLS handshake, a TCP stream) for one request of the
+        sandbox's rate limit; past the limit it is dropped (a flood of such connections would
+        otherwise write the log for free)."""
+        if sc.bucket.take():
+            sc.audit.write(record)
+
     def _destination(self, flow: http.HTTPFlow) -> tuple[str, int]:
         """The name the client wants and the port. In transparent mode the dialled address is
         meaningless (our DNS answered it), so the Host header or the TLS SNI names the host.
@@ -635,18 +727,20 @@ class EgressAddon:
                 except ValueError:
                     raise Blocked(400, f"malformed {where} {value!r}") from None
                 named.append((where, host.lower().rstrip(".")))
-        if isinstance(flow.client_conn.proxy_mode, TransparentMode):
-            sni = (flow.client_conn.sni or "").lower().rstrip(".")
-            if named and sni and sni != named[0][1]:
-                # (neither named: either may hold a secret, which the name checks come to later)
-                raise Blocked(403, f"the TLS SNI and the {named[0][0]} name different hosts")
+        transparent = isinstance(flow.client_conn.proxy_mode, TransparentMode)
+        sni = (flow.client_conn.sni or "").lower().rstrip(".")
+        if transparent:
             name = named[0][1] if named else sni
-            if not name:
-                raise Blocked(400, "request names no host (no Host header, no TLS SNI)")
         else:
             # Inside a CONNECT tunnel or with an absolute URL the proxy connects to `name`.
             name = req.host.lower().rstrip(".")
         flow.metadata.setdefault("egress", {})["name"] = name  # what the audit names, if refused
+        if transparent:
+            if named and sni and sni != name:
+                # (neither named: either may hold a secret, which the name checks come to later)
+                raise Blocked(403, f"the TLS SNI and the {named[0][0]} name different hosts")
+            if not name:
+                raise Blocked(400, "request names no host (no Host header, no TLS SNI)")
         # A different name would let a request ride an allowed connection to another host.
         for where, host in named:
             if host != name:
@@ -748,7 +842,7 @@ class EgressAddon:
                 host=clean(str(meta.get("name", req.host))),
                 port=int(meta.get("port", req.port)),
                 path=clean(path),
-                scheme=req.scheme,
+                scheme=clean(req.scheme),  # HTTP/2's :scheme is what the sandbox wrote
                 ip=meta.get("ip"),
                 status=resp.status_code if resp is not None else None,
                 bytes_out=len(req.raw_content or b"") if not blocked else 0,

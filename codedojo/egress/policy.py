@@ -21,6 +21,7 @@ is listed):
     max_response_bytes = 50_000_000
     rate_limit_rps = 10
     rate_limit_burst = 20
+    max_connections = 256
 
 `allow_addresses` is the one way to reach a non-public address, meant for tests that run their
 upstream on loopback. It is deliberately narrow and hard to set by accident: exact `ip:port`
@@ -99,6 +100,11 @@ class EgressPolicy(BaseModel):
     rate_limit_burst: int = Field(
         default=40, gt=0, description="Requests a sandbox may make at once before the rate applies."
     )
+    max_connections: int = Field(
+        default=256, gt=0,
+        description="Connections a sandbox may hold open to the proxy at once; past it a new one "
+        "is closed as it opens (and logged, as the rate limit allows).",
+    )  # fmt: skip
     hosts: dict[str, str] = Field(
         default_factory=dict,
         description="Static name -> IP answers used instead of DNS (like /etc/hosts). The "

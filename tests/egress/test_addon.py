@@ -56,6 +56,7 @@ def _post(raw: bytes, **headers: str):
 def _flow(host: str = "www.example.org", host_header: str | None = None):
     f = tflow.tflow(resp=False)
     f.client_conn.peername = (SANDBOX_IP, 40000)
+    f.client_conn.timestamp_end = None  # open, as a connection whose requests arrive is
     f.request.host, f.request.port = host, 80
     f.request.headers["Host"] = host_header or host
     return f
@@ -84,7 +85,7 @@ def test_public_answer_is_pinned_as_the_connection_target(setup, monkeypatch):
     assert f.response is None
     assert f.request.host == "93.184.216.34"  # IPv4 preferred; connect exactly there
     assert f.request.headers["Host"] == "www.example.org"  # the upstream still sees the name
-    assert sc.sni[("93.184.216.34", 80)] == "www.example.org"
+    assert addon._names[f.client_conn.id][("93.184.216.34", 80)] == "www.example.org"
 
 
 def test_host_header_must_match_the_destination(setup):
@@ -157,8 +158,8 @@ def test_the_sandboxs_tls_name_never_goes_upstream_unchecked(setup, monkeypatch)
 
     monkeypatch.setattr(addon, "_resolve", answers)
 
-    def connect(address, sni):
-        client, server = tflow.tclient_conn(), tflow.tserver_conn()
+    def connect(address, sni, client=None):
+        client, server = client or tflow.tclient_conn(), tflow.tserver_conn()
         client.peername = (SANDBOX_IP, 40000)
         server.address, server.sni = address, sni
         asyncio.run(addon.server_connect(ServerConnectionHookData(server=server, client=client)))
@@ -166,11 +167,163 @@ def test_the_sandboxs_tls_name_never_goes_upstream_unchecked(setup, monkeypatch)
 
     s = connect(("www.example.org", 443), "tok-123456.exfil.test")
     assert not s.error and s.sni == "www.example.org"
-    sc.sni[("93.184.216.34", 443)] = "93.184.216.34"  # an address the request hooks checked
-    s = connect(("93.184.216.34", 443), "tok-123456.exfil.test")
+    client = tflow.tclient_conn()
+    addon._names[client.id] = {("93.184.216.34", 443): "93.184.216.34"}  # checked, pinned
+    s = connect(("93.184.216.34", 443), "tok-123456.exfil.test", client)
     assert s.error and "holds a registered secret" in s.error and "123456" not in s.error
-    s = connect(("93.184.216.34", 443), "elsewhere.test")
+    s = connect(("93.184.216.34", 443), "elsewhere.test", client)
     assert s.error and "not in the allow-list" in s.error
+
+
+def test_two_names_at_one_address_each_get_their_own_tls_name(setup, monkeypatch):
+    """Two connections ask at once for allowed names that resolve to one address: the upstream
+    TLS hello of each names its own connection's host, not the one asked for last."""
+    from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+
+    addon, _, _ = setup
+
+    async def answers(policy, host, port):
+        return [ipaddress.ip_address("93.184.216.34")]
+
+    monkeypatch.setattr(addon, "_resolve", answers)
+    a, b = _flow("a.example.org"), _flow("b.example.org")
+    for f in (a, b):
+        f.request.scheme, f.request.port = "https", 443
+        asyncio.run(addon.requestheaders(f))
+        assert f.response is None and f.request.host == "93.184.216.34"
+    for f in (a, b):
+        server = tflow.tserver_conn()
+        server.address, server.sni = ("93.184.216.34", 443), None
+        data = ServerConnectionHookData(server=server, client=f.client_conn)
+        asyncio.run(addon.server_connect(data))
+        assert not server.error and server.sni == f.request.headers["Host"]
+
+
+def test_a_request_mitmproxy_refused_is_recorded_with_its_reason_and_not_checked(setup, looked_up):
+    """mitmproxy refuses a request it will not pass on (here: two Content-Lengths) and answers
+    400 itself before the hooks run: its reason is the record's, and the request is neither
+    checked nor resolved. A transparent request whose TLS SNI and Host header differ is
+    recorded under the name the request asked for, not the address it dialled."""
+    from mitmproxy import flow as mflow
+    from mitmproxy.proxy.mode_specs import ProxyMode
+
+    addon, _, audit = setup
+    f = _flow("evil.test")  # a host the policy refuses: no 403 for it
+    f.error = mflow.Error("Received multiple content-length headers from client, refusing")
+    asyncio.run(addon.requestheaders(f))
+    assert f.response is None and looked_up == []
+    addon.error(f)
+    g = _flow("10.250.0.1", host_header="www.example.org")  # the veth gateway, dialled
+    g.client_conn.proxy_mode = ProxyMode.parse("transparent")
+    g.client_conn.sni = "other.example.org"
+    asyncio.run(addon.requestheaders(g))
+    addon.response(g)
+    refused, mismatch = read_audit(audit)
+    assert refused["blocked"] == f.error.msg and refused["error"] is None
+    assert refused["ip"] is None and refused["status"] is None and not refused["override"]
+    assert mismatch["status"] == 403 and "TLS SNI" in mismatch["blocked"]
+    assert mismatch["host"] == "www.example.org"
+
+
+def test_the_scheme_the_sandbox_wrote_is_logged_redacted(setup):
+    """HTTP/2's :scheme is the sandbox's text, as a path is: a secret in it is not logged."""
+    addon, _, audit = setup
+    f = _flow()
+    f.request.scheme = "tok-123456"
+    addon.request(f)
+    f.response = tflow.tresp()
+    addon.response(f)
+    assert read_audit(audit)[-1]["scheme"] == "__REDACTED_TOKEN__"
+    assert "123456" not in audit.read_text()
+
+
+def test_a_sandbox_holds_at_most_max_connections_and_a_silent_one_is_closed(setup, monkeypatch):
+    """Past its policy's max_connections a new connection from the sandbox is closed as it
+    opens, with a record; one on which no request head comes in time is closed; one that
+    closes makes room for another."""
+    import codedojo.egress.addon as addon_module
+
+    addon, sc, audit = setup
+    sc.policy = sc.policy.model_copy(update={"max_connections": 2})
+    closed: list = []
+    monkeypatch.setattr(addon, "_close_client", closed.append)
+    monkeypatch.setattr(addon_module, "REQUEST_HEAD_TIMEOUT_S", 0.0, raising=False)
+    clients = [tflow.tclient_conn() for _ in range(4)]
+    for i, client in enumerate(clients):
+        client.peername = (SANDBOX_IP, 41000 + i)
+
+    async def run() -> None:
+        for client in clients[:3]:
+            addon.client_connected(client)
+        f = _flow()
+        f.client_conn = clients[1]
+        addon._heard(f.client_conn)  # (as a request hook does)
+        await asyncio.sleep(0.01)  # the deadlines come due
+        for client in clients[:3]:  # (mitmproxy tells of the refused one too)
+            addon.client_disconnected(client)
+        addon.client_connected(clients[3])
+        addon.client_disconnected(clients[3])
+
+    asyncio.run(run())
+    assert [c.error for c in clients] == [None, None, "egress: too many connections", None]
+    assert closed == [clients[0]]  # no request head came on it
+    (rec,) = read_audit(audit)
+    assert rec["method"] == "CONNECTION" and "max_connections=2" in rec["blocked"]
+    assert sc.connections == set()
+
+
+def test_records_no_request_paid_for_spend_the_rate_limit(setup):
+    """Connections that open a TCP stream, fail their TLS handshake or send what no hook
+    serves write a record each for one request of the rate limit: past it, none."""
+    from mitmproxy.options import Options
+    from mitmproxy.proxy import context, events, layer
+    from mitmproxy.tls import TlsData
+
+    from codedojo.egress.addon import TokenBucket
+
+    addon, sc, audit = setup
+    sc.bucket = TokenBucket(0.001, 3)
+    for i in range(3):
+        tcp = tflow.ttcpflow()
+        tcp.client_conn.peername = (SANDBOX_IP, 42000 + i)
+        addon.tcp_start(tcp)
+        client = tflow.tclient_conn()
+        client.peername = (SANDBOX_IP, 43000 + i)
+        client.error = "the handshake failed"
+        addon.tls_failed_client(TlsData(client, context.Context(client, Options())))
+        client = tflow.tclient_conn()
+        client.peername = (SANDBOX_IP, 44000 + i)
+        nl = layer.NextLayer(context.Context(client, Options()))
+        nl.events.append(events.DataReceived(client, b"GET / HTTP/1.1\r\nHost: www.exa"))
+        addon.next_layer(nl)
+        addon.client_disconnected(client)
+    assert [r["method"] for r in read_audit(audit)] == ["TCP", "TLS", "HTTP"]
+
+
+def test_a_websocket_message_is_read_as_a_body_is(setup, monkeypatch):
+    """A message the sandbox sends has its secrets redacted, and is read as a request body is:
+    one that holds a secret in JSON escapes, which cannot be redacted where it is, closes the
+    WebSocket (as such a body is refused); the flow's record, written when it ends, names the
+    secrets its messages held."""
+    from mitmproxy import websocket
+
+    addon, _, audit = setup
+    closed: list = []
+    monkeypatch.setattr(addon, "_close_client", closed.append)
+    f = tflow.twebsocketflow()
+    f.client_conn.peername = (SANDBOX_IP, 40000)
+    sent = [b"0 tok-123456", b'{"k": "tok\\u002d123456"}', b"2 after it"]
+    messages = [websocket.WebSocketMessage(1, True, content) for content in sent]
+    for message in messages:
+        f.websocket.messages.append(message)
+        addon.websocket_message(f)
+    assert messages[0].content == b"0 __REDACTED_TOKEN__" and not messages[0].dropped
+    assert messages[1].dropped and messages[2].dropped and closed == [f.client_conn]
+    addon.websocket_end(f)
+    upgrade, rec = read_audit(audit)
+    assert upgrade["status"] == 101 and upgrade["redacted_secrets"] == {"TOKEN": ["websocket"]}
+    assert rec["method"] == "WEBSOCKET" and "JSON escapes" in rec["blocked"]
+    assert "123456" not in audit.read_text()
 
 
 def test_secrets_in_bodies_as_other_encoders_write_them_do_not_leave(setup):
@@ -221,7 +374,7 @@ def test_a_secret_in_the_host_name_is_never_looked_up_or_logged(setup, looked_up
     asyncio.run(addon.requestheaders(f))
     assert f.response is not None and f.response.status_code == 403
     assert b"holds a registered secret" in f.response.content and b"tok-123456" not in f.response.content
-    assert looked_up == [] and not sc.sni
+    assert looked_up == [] and not addon._names
     addon.response(f)
     assert read_audit(audit)[-1]["host"] == "__REDACTED_TOKEN__.example.org"
 
@@ -442,7 +595,10 @@ def test_websocket_messages_from_the_sandbox_spend_the_rate_limit(setup, monkeyp
     assert [not m.dropped for m in messages] == [True] * 4 + [False] * 4
     assert closed == [f.client_conn]
     assert messages[0].content == b"0 __REDACTED_TOKEN__"  # and what goes is redacted
-    (rec,) = read_audit(audit)
+    assert read_audit(audit) == []  # (written when it ends)
+    addon.websocket_end(f)
+    upgrade, rec = read_audit(audit)
+    assert upgrade["status"] == 101 and upgrade["redacted_secrets"] == {"TOKEN": ["websocket"]}
     assert rec["method"] == "WEBSOCKET" and "rate limit" in rec["blocked"]
     assert "closed" in rec["blocked"] and "123456" not in audit.read_text()
 

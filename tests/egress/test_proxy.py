@@ -629,21 +629,17 @@ print(json.dumps(out))
 """
 
 
-def test_a_websocket_past_the_rate_limit_is_closed_with_one_record(egress_env, sandbox):
-    """Each message the sandbox sends spends its rate limit: past it the proxy closes the
-    connection, the message that went past goes nowhere, and the log gets one record of it."""
+def _websocket_upstream(received: list[str]) -> socket.socket:
+    """A WebSocket upstream on loopback for one connection: echoes each text message, which
+    it appends to ``received``."""
     import threading
-    import time
 
     from wsproto import ConnectionType, WSConnection
     from wsproto.events import AcceptConnection, CloseConnection, Message, Request, TextMessage
 
-    http_up, https_up = egress_env["http"], egress_env["https"]
-    proxy = egress_env["proxy"]
-    received: list[str] = []
     srv = socket.create_server(("127.0.0.1", 0))
 
-    def echo() -> None:  # an upstream that echoes each text message
+    def echo() -> None:
         conn, _ = srv.accept()
         ws = WSConnection(ConnectionType.SERVER)
         with conn:
@@ -659,6 +655,18 @@ def test_a_websocket_past_the_rate_limit_is_closed_with_one_record(egress_env, s
                         return
 
     threading.Thread(target=echo, daemon=True).start()
+    return srv
+
+
+def test_a_websocket_past_the_rate_limit_is_closed_with_one_record(egress_env, sandbox):
+    """Each message the sandbox sends spends its rate limit: past it the proxy closes the
+    connection, the message that went past goes nowhere, and the log gets one record of it."""
+    import time
+
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    proxy = egress_env["proxy"]
+    received: list[str] = []
+    srv = _websocket_upstream(received)
     port = srv.getsockname()[1]
     policy = upstream_policy(http_up, https_up, allow_hosts=["ws.test"], allow_ports=[port],
                              hosts={"ws.test": "127.0.0.1"}, allow_addresses=[f"127.0.0.1:{port}"],
@@ -685,3 +693,74 @@ def test_a_websocket_past_the_rate_limit_is_closed_with_one_record(egress_env, s
     assert ws["method"] == "WEBSOCKET" and ws["host"] == "ws.test"
     assert "rate limit" in ws["blocked"] and "closed" in ws["blocked"]
     assert SECRET not in path.read_text()
+
+
+def _records(path, n: int) -> list[dict]:
+    """The audit records at ``path`` once there are ``n`` (written on the proxy's loop)."""
+    import time
+
+    for _ in range(50):
+        records = read_audit(path)
+        if len(records) >= n:
+            break
+        time.sleep(0.1)
+    return records
+
+
+def test_a_request_head_or_body_past_its_limit_is_refused_before_it_ends(egress_env, sandbox):
+    """mitmproxy would read a request head, or a chunked body, into memory until it ended,
+    however long: a head past MAX_REQUEST_HEAD_BYTES gets 431, and a chunked body past the
+    policy's max_request_bytes 413, before either has ended (here neither ever does); nothing
+    goes upstream, and the log says why."""
+    from codedojo.egress.limits import MAX_REQUEST_HEAD_BYTES
+
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    proxy = egress_env["proxy"]
+    policy = upstream_policy(http_up, https_up, max_request_bytes=1000)
+    sb = sandbox(proxy.attachment(policy, mode="transparent"))
+    to, host = {"host": "up.test", "port": http_up.port}, f"Host: up.test:{http_up.port}"
+    head = f"GET /long-head HTTP/1.1\r\n{host}\r\nX-Pad: ".encode()
+    head += b"a" * (MAX_REQUEST_HEAD_BYTES + 1000)
+    chunked = f"POST /chunked HTTP/1.1\r\n{host}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    body = chunked.encode() + (b"1f4\r\n" + b"x" * 500 + b"\r\n") * 4  # no last chunk
+    before = len(http_up.received)
+    long_head, long_body = _raw(sb, [{**to, "payload": head}, {**to, "payload": body}])
+    assert long_head.startswith("HTTP/1.1 431"), long_head[:300]
+    assert long_body.startswith("HTTP/1.1 413") and "max_request_bytes=1000" in long_body
+    assert len(http_up.received) == before
+    records = _records(proxy.audit_path(sb.id), 2)
+    assert {r["method"] for r in records} == {"HTTP", "POST"}, records
+    assert any(f"request head of more than {MAX_REQUEST_HEAD_BYTES}" in r["blocked"]
+               for r in records)  # fmt: skip
+    assert any(r["blocked"] == "request body exceeds max_request_bytes=1000" for r in records)
+
+
+def test_a_websocket_message_past_its_limit_closes_the_websocket(egress_env, sandbox):
+    """mitmproxy would gather a WebSocket message's fragments in memory until the last came,
+    however many: past the policy's max_request_bytes the proxy closes the WebSocket both ways
+    (1009, message too big), and the log says why."""
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    proxy = egress_env["proxy"]
+    srv = _websocket_upstream([])
+    port = srv.getsockname()[1]
+    policy = upstream_policy(http_up, https_up, allow_hosts=["ws.test"], allow_ports=[port],
+                             hosts={"ws.test": "127.0.0.1"}, allow_addresses=[f"127.0.0.1:{port}"],
+                             max_request_bytes=1000)  # fmt: skip
+    sb = sandbox(proxy.attachment(policy, mode="transparent"))
+    upgrade = (f"GET /ws HTTP/1.1\r\nHost: ws.test:{port}\r\nUpgrade: websocket\r\n"
+               "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+               "Sec-WebSocket-Version: 13\r\n\r\n").encode()  # fmt: skip
+    # A binary message in fragments of 600 bytes, none the last (FIN unset), masked with zeros.
+    first, more = bytes([0x02, 0x80 | 126]), bytes([0x00, 0x80 | 126])
+    fragment = (600).to_bytes(2, "big") + b"\0" * 4 + b"x" * 600
+    message = first + fragment + (more + fragment) * 2
+    try:
+        (out,) = _raw(sb, [{"host": "ws.test", "port": port, "payload": upgrade + message}])
+    finally:
+        srv.close()
+    head, _, frames = out.partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 101"), out[:300]
+    assert frames[:1] == "\x88" and frames[2:4] == "\x03\xf1", frames[:100]  # close, 1009
+    upgrade_rec, closed = _records(proxy.audit_path(sb.id), 2)
+    assert upgrade_rec["status"] == 101 and closed["method"] == "WEBSOCKET"
+    assert "message exceeds max_request_bytes=1000" in closed["blocked"]
