@@ -362,7 +362,7 @@ class EgressAddon:
             return
         sc.connections.discard(client.id)
         if why is not None:
-            why = f"mitmproxy refused the request as malformed HTTP: {why}"
+            why = f"mitmproxy refused what the sandbox sent: {why}"
         elif unheard:
             why = ("the connection sent what the proxy could not serve (no request, part of "
                    "one, one that names no host, or none in time)")  # fmt: skip
@@ -438,6 +438,13 @@ class EgressAddon:
         if meta.get("websocket_closed"):  # what was in flight as it closed goes nowhere
             msg.drop()
             return
+        limit, name = ((sc.policy.max_request_bytes, "max_request_bytes") if msg.from_client
+                       else (sc.policy.max_response_bytes, "max_response_bytes"))
+        if len(msg.content) > limit:  # (one that came whole in a read: `limits` sees the rest)
+            msg.drop()
+            meta["websocket_closed"] = f"a WebSocket message exceeds {name}={limit}"
+            self._close_client(flow.client_conn)
+            return
         if not msg.from_client:
             return
         try:
@@ -454,8 +461,10 @@ class EgressAddon:
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
         """The WebSocket has ended: its flow's record (the upgrade request's, with what its
-        messages had redacted), and where the proxy closed it, a record of why."""
-        sc = self.registry.lookup(flow.client_conn.peername)
+        messages had redacted), and where the proxy closed it, a record of why: to the sandbox
+        that made it, detached since or not (a proxy that stops detaches every sandbox first)."""
+        sc = (flow.metadata.get("egress", {}).get("client")
+              or self.registry.lookup(flow.client_conn.peername))
         if sc is None:
             return
         self._audit(sc, flow)
@@ -514,7 +523,8 @@ class EgressAddon:
             return
         self._heard(flow.client_conn)
         req = flow.request
-        meta: dict = {"name": req.host, "port": req.port, "override": False, "policy": sc.policy}
+        meta: dict = {"name": req.host, "port": req.port, "override": False, "policy": sc.policy,
+                      "client": sc}
         flow.metadata["egress"] = meta
         if flow.error is not None:
             # mitmproxy refused the request itself (it answers 400; `error` writes the record):

@@ -4,8 +4,9 @@ hook that could set them (mitmproxy 11.0).
 mitmproxy reads into memory, before any addon hook sees it,
 
 1. an HTTP/1 request head, until its blank line however long it grows ("FIXME: protect against
-   header size DoS" in its reader): past `MAX_REQUEST_HEAD_BYTES` the sandbox gets 431 and the
-   connection is closed, with a log line the addon's refusal filter turns into an audit record;
+   header size DoS" in its reader), and what comes while a request waits for its response:
+   past `MAX_REQUEST_HEAD_BYTES` the sandbox gets 431 (a head) and the connection is closed,
+   with a log line the addon's refusal filter turns into an audit record;
 2. a request body of unknown length (chunked, HTTP/2 without Content-Length), up to its
    proxy-wide `body_size_limit`: past the sandbox's `max_request_bytes` the request is refused
    (413) as that option refuses one, and no more of it is read;
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mitmproxy import flow as mflow
+from mitmproxy.net.http import status_codes
 from mitmproxy.proxy import commands, events, layer
 from mitmproxy.proxy.layers import http as mhttp
 from mitmproxy.proxy.layers.http import _http1
@@ -50,10 +52,10 @@ def install() -> None:
     them; once is enough)."""
     if _original:
         return
-    _original["read_headers"] = _http1.Http1Server.read_headers
+    _original["handle_event"] = _http1.Http1Server._handle_event
     _original["check_body_size"] = mhttp.HttpStream.check_body_size
     _original["relay_messages"] = WebsocketLayer.relay_messages
-    _http1.Http1Server.read_headers = _read_headers
+    _http1.Http1Server._handle_event = _handle_event
     mhttp.HttpStream.check_body_size = _check_body_size
     WebsocketLayer.relay_messages = _relay_messages
 
@@ -62,17 +64,27 @@ def _policy(flow: mflow.Flow) -> EgressPolicy | None:
     return flow.metadata.get("egress", {}).get("policy")
 
 
-def _read_headers(
-    self: _http1.Http1Server, event: events.ConnectionEvent
-) -> layer.CommandGenerator[None]:
-    """mitmproxy's reader of a request head, which refuses one of more than
-    `MAX_REQUEST_HEAD_BYTES` that has not ended yet."""
-    yield from _original["read_headers"](self, event)
-    if self.state == self.read_headers and len(self.buf) > MAX_REQUEST_HEAD_BYTES:
-        why = f"request head of more than {MAX_REQUEST_HEAD_BYTES} bytes"
+def _handle_event(self: _http1.Http1Server, event: events.Event) -> layer.CommandGenerator[None]:
+    """mitmproxy's HTTP/1 reader of the sandbox's side, which refuses more than
+    `MAX_REQUEST_HEAD_BYTES` held unread: a request head that has not ended yet (431), or what
+    comes while a request waits for its response (the connection closed: the next request's
+    head, or bytes past a body, are read only then)."""
+    yield from _original["handle_event"](self, event)
+    if len(self.buf) <= MAX_REQUEST_HEAD_BYTES or self.state not in (self.read_headers,
+                                                                     self.wait):
+        return
+    waiting = self.state == self.wait
+    why = (f"more than {MAX_REQUEST_HEAD_BYTES} bytes sent while a request waited for its "
+           f"response" if waiting else f"request head of more than {MAX_REQUEST_HEAD_BYTES} bytes")
+    self.buf.maybe_extract_at_most(len(self.buf))  # (the memory goes now)
+    if not waiting:
         yield commands.SendData(self.conn, _http1.make_error_response(431, why))
-        yield commands.CloseConnection(self.conn)
-        yield commands.Log(f"{human.format_address(self.conn.peername)}: {why}")  # as its own
+    yield commands.CloseConnection(self.conn)
+    yield commands.Log(f"{human.format_address(self.conn.peername)}: {why}")  # as its own
+    if waiting:  # (as the sandbox closing the connection ends the request waiting)
+        yield mhttp.ReceiveHttp(self.ReceiveProtocolError(
+            self.stream_id, why, code=status_codes.CLIENT_CLOSED_REQUEST))
+    else:
         self.state = self.done
 
 

@@ -764,3 +764,60 @@ def test_a_websocket_message_past_its_limit_closes_the_websocket(egress_env, san
     upgrade_rec, closed = _records(proxy.audit_path(sb.id), 2)
     assert upgrade_rec["status"] == 101 and closed["method"] == "WEBSOCKET"
     assert "message exceeds max_request_bytes=1000" in closed["blocked"]
+
+
+def test_what_comes_while_a_request_waits_is_bounded_too(egress_env, sandbox):
+    """Behind a request whose response has not come, mitmproxy holds what the sandbox sends
+    (the next request's head, or no head at all) until it reads it: past
+    MAX_REQUEST_HEAD_BYTES the connection is closed, and the log says why."""
+    from codedojo.egress.limits import MAX_REQUEST_HEAD_BYTES
+
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    proxy = egress_env["proxy"]
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    port = silent.getsockname()[1]
+    policy = upstream_policy(http_up, https_up, allow_hosts=["slow.test"], allow_ports=[port],
+                             hosts={"slow.test": "127.0.0.1"},
+                             allow_addresses=[f"127.0.0.1:{port}"])  # fmt: skip
+    sb = sandbox(proxy.attachment(policy, mode="transparent"))
+    payload = f"GET /wait HTTP/1.1\r\nHost: slow.test:{port}\r\n\r\n".encode()
+    payload += b"a" * (MAX_REQUEST_HEAD_BYTES + 1000)  # (a head that never ends, behind it)
+    try:
+        (out,) = _raw(sb, [{"host": "slow.test", "port": port, "payload": payload}])
+    finally:
+        silent.close()
+    assert out == "", out[:300]  # (closed; the request waiting gets no answer)
+    waited, connection = _records(proxy.audit_path(sb.id), 2)  # (the request, its connection)
+    why = f"more than {MAX_REQUEST_HEAD_BYTES} bytes sent while a request waited for its response"
+    assert (waited["path"], waited["status"], waited["error"]) == ("/wait", None, why), waited
+    assert connection["blocked"] == f"mitmproxy refused what the sandbox sent: {why}"
+
+
+def test_a_websocket_message_that_came_whole_past_its_limit_closes_it_and_is_recorded(
+        egress_env, sandbox):
+    """A message past the limit that arrives in one read, unfragmented, closes the WebSocket
+    as one gathered from fragments does; the WebSocket's records name its sandbox however it
+    ended."""
+    http_up, https_up = egress_env["http"], egress_env["https"]
+    proxy = egress_env["proxy"]
+    received: list[str] = []
+    srv = _websocket_upstream(received)
+    port = srv.getsockname()[1]
+    policy = upstream_policy(http_up, https_up, allow_hosts=["ws.test"], allow_ports=[port],
+                             hosts={"ws.test": "127.0.0.1"}, allow_addresses=[f"127.0.0.1:{port}"],
+                             max_request_bytes=1000)  # fmt: skip
+    sb = sandbox(proxy.attachment(policy, mode="transparent"))
+    upgrade = (f"GET /ws HTTP/1.1\r\nHost: ws.test:{port}\r\nUpgrade: websocket\r\n"
+               "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+               "Sec-WebSocket-Version: 13\r\n\r\n").encode()  # fmt: skip
+    # one text message of 5,000 bytes, final (FIN set), masked with zeros
+    message = bytes([0x81, 0x80 | 126]) + (5000).to_bytes(2, "big") + b"\0" * 4 + b"y" * 5000
+    try:
+        (out,) = _raw(sb, [{"host": "ws.test", "port": port, "payload": upgrade + message}])
+    finally:
+        srv.close()
+    assert out.partition("\r\n\r\n")[0].startswith("HTTP/1.1 101"), out[:300]
+    assert received == []  # (nothing of it went upstream)
+    upgrade_rec, closed = _records(proxy.audit_path(sb.id), 2)
+    assert upgrade_rec["status"] == 101 and closed["method"] == "WEBSOCKET"
+    assert "message exceeds max_request_bytes=1000" in closed["blocked"]
