@@ -71,7 +71,8 @@ def remove_staged_leftovers(dest: str | Path) -> list[Path]:
     whole one, and stays."""
     dest = Path(dest)
     name = re.escape(dest.name)
-    new, aside = re.compile(rf"\.{name}-[a-z0-9_]{{8}}"), re.compile(rf"\.{name}-old-[a-z0-9_]{{8}}")
+    new = re.compile(rf"\.{name}-[a-z0-9_]{{8}}")
+    aside = re.compile(rf"\.{name}-old-[a-z0-9_]{{8}}")
     gone = [p for p in dest.parent.glob(f".{glob.escape(dest.name)}-*")
             if new.fullmatch(p.name)  # (mkdtemp's names)
             or (aside.fullmatch(p.name) and (p / dest.name).is_dir() and dest.exists())]

@@ -315,11 +315,12 @@ class Canary:
     imports (each in a ``try``: the canary runs where one fails), its test a function
     ``test_<word>`` (run as the tests it forges are) that names what those imports bound,
     then compares two drawn numbers; each word letters of a drawn length, at a drawn place
-    among the tests pytest is given after those of that file (`_after_file`). That raises the bar for code that would spare it while
-    forging tests by what they are (name, place, the task's objects their modules hold);
-    code that reads the tests' bodies can still tell it apart, and its node id is on
-    pytest's command line. A task whose config collects functions of other names
-    (``python_functions``) does not collect it, and its runs are infra failures."""
+    among the tests pytest is given after those of that file (`_after_file`). That raises
+    the bar for code that would spare it while forging tests by what they are (name, place,
+    the task's objects their modules hold); code that reads the tests' bodies can still tell
+    it apart, and its node id is on pytest's command line. A task whose config collects
+    functions of other names (``python_functions``) does not collect it, and its runs are
+    infra failures."""
 
     path: str  # its file, as the executor sees it
     node_id: str

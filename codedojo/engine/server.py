@@ -703,7 +703,8 @@ async def _chat(state: ServerState, req: ChatCompletionRequest, request: Request
     params = _sampling(state, req, len(prompt_ids), req.logprobs, req.top_logprobs or 0, "messages")
     version = state.engine.weight_version
     rid, created = _new_id("chatcmpl"), int(time.time())
-    gens = [_run_choice(state, prompt_ids, _choice_params(params, i), req.stops, req.skip_special_tokens, prefix)
+    gens = [_run_choice(state, prompt_ids, _choice_params(params, i), req.stops,
+                        req.skip_special_tokens, prefix)
             for i in range(req.n)]
 
     if req.stream:
