@@ -658,19 +658,27 @@ def _websocket_upstream(received: list[str]) -> socket.socket:
     return srv
 
 
+def _websocket_policy(egress_env, port: int, **kw):
+    """A policy that lets the sandbox reach the WebSocket upstream at ws.test:``port``."""
+    return upstream_policy(egress_env["http"], egress_env["https"], allow_hosts=["ws.test"],
+                           allow_ports=[port], hosts={"ws.test": "127.0.0.1"},
+                           allow_addresses=[f"127.0.0.1:{port}"], **kw)
+
+
+def _websocket_upgrade(port: int) -> bytes:
+    return (f"GET /ws HTTP/1.1\r\nHost: ws.test:{port}\r\nUpgrade: websocket\r\n"
+            "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            "Sec-WebSocket-Version: 13\r\n\r\n").encode()
+
+
 def test_a_websocket_past_the_rate_limit_is_closed_with_one_record(egress_env, sandbox):
     """Each message the sandbox sends spends its rate limit: past it the proxy closes the
     connection, the message that went past goes nowhere, and the log gets one record of it."""
-    import time
-
-    http_up, https_up = egress_env["http"], egress_env["https"]
     proxy = egress_env["proxy"]
     received: list[str] = []
     srv = _websocket_upstream(received)
     port = srv.getsockname()[1]
-    policy = upstream_policy(http_up, https_up, allow_hosts=["ws.test"], allow_ports=[port],
-                             hosts={"ws.test": "127.0.0.1"}, allow_addresses=[f"127.0.0.1:{port}"],
-                             rate_limit_rps=0.001, rate_limit_burst=3)  # fmt: skip
+    policy = _websocket_policy(egress_env, port, rate_limit_rps=0.001, rate_limit_burst=3)
     sb = sandbox(proxy.attachment(policy, mode="transparent", secrets={"KEY": SECRET}))
     try:
         r = sb.exec([PYTHON, "-c", WS_CLIENT, str(port), "5", SECRET])
@@ -683,12 +691,7 @@ def test_a_websocket_past_the_rate_limit_is_closed_with_one_record(egress_env, s
     assert out == ["101", f"0 {marker}", f"1 {marker}", "closed"]
     assert received == [f"0 {marker}", f"1 {marker}"]
     path = proxy.audit_path(sb.id)
-    for _ in range(50):  # written on the proxy's loop
-        records = read_audit(path)
-        if len(records) >= 2:
-            break
-        time.sleep(0.1)
-    upgrade, ws = records
+    upgrade, ws = _records(path, 2)
     assert upgrade["method"] == "GET" and upgrade["status"] == 101
     assert ws["method"] == "WEBSOCKET" and ws["host"] == "ws.test"
     assert "rate limit" in ws["blocked"] and "closed" in ws["blocked"]
@@ -739,17 +742,12 @@ def test_a_websocket_message_past_its_limit_closes_the_websocket(egress_env, san
     """mitmproxy would gather a WebSocket message's fragments in memory until the last came,
     however many: past the policy's max_request_bytes the proxy closes the WebSocket both ways
     (1009, message too big), and the log says why."""
-    http_up, https_up = egress_env["http"], egress_env["https"]
     proxy = egress_env["proxy"]
     srv = _websocket_upstream([])
     port = srv.getsockname()[1]
-    policy = upstream_policy(http_up, https_up, allow_hosts=["ws.test"], allow_ports=[port],
-                             hosts={"ws.test": "127.0.0.1"}, allow_addresses=[f"127.0.0.1:{port}"],
-                             max_request_bytes=1000)  # fmt: skip
+    policy = _websocket_policy(egress_env, port, max_request_bytes=1000)
     sb = sandbox(proxy.attachment(policy, mode="transparent"))
-    upgrade = (f"GET /ws HTTP/1.1\r\nHost: ws.test:{port}\r\nUpgrade: websocket\r\n"
-               "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-               "Sec-WebSocket-Version: 13\r\n\r\n").encode()  # fmt: skip
+    upgrade = _websocket_upgrade(port)
     # A binary message in fragments of 600 bytes, none the last (FIN unset), masked with zeros.
     first, more = bytes([0x02, 0x80 | 126]), bytes([0x00, 0x80 | 126])
     fragment = (600).to_bytes(2, "big") + b"\0" * 4 + b"x" * 600
@@ -798,18 +796,13 @@ def test_a_websocket_message_that_came_whole_past_its_limit_closes_it_and_is_rec
     """A message past the limit that arrives in one read, unfragmented, closes the WebSocket
     as one gathered from fragments does; the WebSocket's records name its sandbox however it
     ended."""
-    http_up, https_up = egress_env["http"], egress_env["https"]
     proxy = egress_env["proxy"]
     received: list[str] = []
     srv = _websocket_upstream(received)
     port = srv.getsockname()[1]
-    policy = upstream_policy(http_up, https_up, allow_hosts=["ws.test"], allow_ports=[port],
-                             hosts={"ws.test": "127.0.0.1"}, allow_addresses=[f"127.0.0.1:{port}"],
-                             max_request_bytes=1000)  # fmt: skip
+    policy = _websocket_policy(egress_env, port, max_request_bytes=1000)
     sb = sandbox(proxy.attachment(policy, mode="transparent"))
-    upgrade = (f"GET /ws HTTP/1.1\r\nHost: ws.test:{port}\r\nUpgrade: websocket\r\n"
-               "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-               "Sec-WebSocket-Version: 13\r\n\r\n").encode()  # fmt: skip
+    upgrade = _websocket_upgrade(port)
     # one text message of 5,000 bytes, final (FIN set), masked with zeros
     message = bytes([0x81, 0x80 | 126]) + (5000).to_bytes(2, "big") + b"\0" * 4 + b"y" * 5000
     try:
